@@ -1,0 +1,23 @@
+"""Typed errors for everything a user can get wrong.
+
+Every message names the value, the cause and the fix, so that a user can act on it without
+reading partita's source.
+"""
+
+from __future__ import annotations
+
+
+class PartitaError(Exception):
+    """Base class of every error partita raises on purpose."""
+
+
+class CaptureError(PartitaError):
+    """The model could not be captured as a graph (torch.export failed, or its output is unusable)."""
+
+
+class InputError(PartitaError, ValueError):
+    """An argument given to partita is invalid (wrong type, inconsistent shapes, unknown name)."""
+
+
+class ModelSpecError(InputError):
+    """A MODEL argument (zoo name or ``path/file.py:factory``) cannot be resolved."""
