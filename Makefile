@@ -1,0 +1,29 @@
+# The README's two commands: `make demo` and `make test`. Both set up a virtualenv first.
+#
+# On a machine without an NVIDIA GPU the CPU build torch==2.13.0 is pinned (it lies on this
+# workplace's disk; an unpinned torch pulls a multi-GB CUDA build). Set TORCH_SPEC to override,
+# e.g. `make test TORCH_SPEC='torch>=2.6'` on a GPU machine that brings its own build.
+
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.6' || echo 'torch==2.13.0')
+
+.PHONY: setup demo test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+demo: setup
+	$(VENV)/bin/partita inspect gpt2
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache
