@@ -16,6 +16,7 @@ batch dim   the dimension of a tensor that scales with the batch size. Shapes ar
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -163,6 +164,60 @@ class OpGraph:
 LossFn = Callable[[Any, Any], "torch.Tensor"]
 
 
+# ----------------------------------------------------------------------------- choices
+
+
+class Schedule(str, enum.Enum):
+    """Pipeline schedules, as in torch.distributed.pipelining."""
+
+    GPIPE = "gpipe"  # all forwards, then all backwards
+    ONE_F_ONE_B = "1f1b"  # PipeDream-flush: warm-up forwards, then one forward / one backward
+    INTERLEAVED_1F1B = "interleaved1f1b"  # Megatron-LM interleaving: several virtual stages per rank
+    ZBV = "zbv"  # zero-bubble V schedule: 2 virtual stages per rank, backward split into input/weight
+
+    @property
+    def virtual_stages_per_rank(self) -> int | None:
+        """Fixed number of stages each rank holds (None: chosen by the plan)."""
+        return {Schedule.GPIPE: 1, Schedule.ONE_F_ONE_B: 1, Schedule.ZBV: 2}.get(self)
+
+    @classmethod
+    def parse(cls, value: "Schedule | str") -> "Schedule":
+        from partita.errors import InputError
+
+        if isinstance(value, Schedule):
+            return value
+        key = str(value).lower().replace("-", "").replace("_", "")
+        for s in cls:
+            if s.value == key:
+                return s
+        raise InputError(f"unknown schedule {value!r}: use one of {', '.join(s.value for s in cls)}")
+
+
+class OptimizerKind(str, enum.Enum):
+    """What the optimizer keeps per parameter (sets optimizer-state memory)."""
+
+    NONE = "none"  # plain SGD without momentum: no state
+    SGD_MOMENTUM = "sgd-momentum"  # one buffer per parameter
+    ADAM = "adam"  # two buffers per parameter (Adam, AdamW)
+
+    @property
+    def states_per_parameter(self) -> int:
+        return {OptimizerKind.NONE: 0, OptimizerKind.SGD_MOMENTUM: 1, OptimizerKind.ADAM: 2}[self]
+
+    @classmethod
+    def parse(cls, value: "OptimizerKind | str") -> "OptimizerKind":
+        from partita.errors import InputError
+
+        if isinstance(value, OptimizerKind):
+            return value
+        aliases = {"sgd": "none", "adamw": "adam", "momentum": "sgd-momentum", "sgd_momentum": "sgd-momentum"}
+        key = aliases.get(str(value).lower(), str(value).lower())
+        for o in cls:
+            if o.value == key:
+                return o
+        raise InputError(f"unknown optimizer {value!r}: use one of none, sgd, sgd-momentum, adam, adamw")
+
+
 # ----------------------------------------------------------------------------- costs
 
 
@@ -204,6 +259,9 @@ class CostTable:
     param_bytes: Any
     param_trainable: Any
     param_uses: tuple[Any, ...]
+    # How measured costs were scaled to whole-graph timings (profiler only; empty when analytic):
+    # forward_scale, backward_scale, whole_forward_s, whole_step_s, repeats, warmup, num_threads.
+    calibration: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def num_nodes(self) -> int:

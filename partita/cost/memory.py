@@ -1,0 +1,122 @@
+"""Memory model of one device (one replica of a stage, or a rank holding several virtual stages).
+
+memory = parameters + gradients + optimizer state
+       + activations kept for backward x micro-batches in flight (schedule-dependent)
+       + communication buffers + a working-memory peak
+
+Glossary
+--------
+in flight   micro-batches whose forward has run on this device and whose backward has not yet
+            freed their activations. The schedule decides how many there are at the peak.
+recompute   activation checkpointing of a whole stage: forward keeps only the stage's input,
+            and backward re-runs the forward of one micro-batch at a time.
+mixed precision
+            parameters and gradients in 16 bits; the optimizer keeps fp32 master weights and
+            fp32 states (``param_bytes`` in the CostTable are then the 16-bit bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from partita.types import CostTable, OptimizerKind, Schedule
+
+# DDP-style gradient bucket kept while replicas all-reduce (torch DDP's default bucket_cap_mb).
+ALLREDUCE_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes one device needs at its peak, by kind."""
+
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # kept for backward at the peak, all in-flight micro-batches
+    comm_buffer_bytes: int
+    working_bytes: int  # transient peak inside one operation's forward/backward
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+                + self.comm_buffer_bytes + self.working_bytes)
+
+
+def microbatches_in_flight(
+    schedule: Schedule, num_microbatches: int, num_ranks: int, rank: int, virtual_stages: int = 1
+) -> float:
+    """Peak number of micro-batches whose activations a rank keeps, in units of the rank's whole
+    share of the model (all its virtual stages).
+
+    - GPipe: every micro-batch's forward runs before any backward: ``m``.
+    - 1F1B (PipeDream-flush): rank ``r`` of ``S`` runs ``S - r - 1`` warm-up forwards, then
+      alternates, so ``min(m, S - r)``.
+    - Interleaved 1F1B with ``v`` virtual stages per rank (torch.distributed.pipelining's
+      ScheduleInterleaved1F1B): ``(v - 1)·S + 2·(S - r - 1)`` warm-up forwards of one virtual
+      stage each, plus the one in steady state, each 1/v of the rank's share:
+      ``min(m, ((v - 1)·S + 2·(S - r - 1) + 1) / v)``.
+    - ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): the V-shaped placement
+      gives every rank the peak of 1F1B's first stage: ``min(m, S)``.
+    """
+    m, s_count = num_microbatches, num_ranks
+    if not 0 <= rank < s_count:
+        raise ValueError(f"rank {rank} outside 0..{s_count - 1}")
+    if schedule is Schedule.GPIPE:
+        return float(m)
+    if schedule is Schedule.ONE_F_ONE_B:
+        return float(min(m, s_count - rank))
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        v = virtual_stages
+        return float(min(m, ((v - 1) * s_count + 2 * (s_count - rank - 1) + 1) / v))
+    if schedule is Schedule.ZBV:
+        return float(min(m, s_count))
+    raise AssertionError(schedule)
+
+
+def device_memory(
+    costs: CostTable,
+    ranges: Sequence[tuple[int, int]],
+    *,
+    in_flight: float,
+    optimizer: OptimizerKind = OptimizerKind.ADAM,
+    recompute: bool = False,
+    mixed_precision: bool = False,
+    num_replicas: int = 1,
+) -> DeviceMemory:
+    """Memory of one device holding the node ranges ``ranges`` (``[start, stop)`` positions).
+
+    ``in_flight`` comes from :func:`microbatches_in_flight`. A parameter read by several ranges
+    is counted once; a tied parameter held by two stages on two devices counts on each.
+    """
+    held = sorted({p for start, stop in ranges for p in costs.params_in_range(start, stop)})
+    param_bytes = int(sum(costs.param_bytes[p] for p in held))
+    trainable_bytes = int(sum(costs.param_bytes[p] for p in held if costs.param_trainable[p]))
+    # fp32 bytes of the trainable parameters: master weights and states are fp32 under mixed precision.
+    fp32_bytes = 2 * trainable_bytes if mixed_precision else trainable_bytes
+    optimizer_bytes = optimizer.states_per_parameter * fp32_bytes + (fp32_bytes if mixed_precision else 0)
+
+    per_microbatch = int(sum(costs.activation_bytes[start:stop].sum() for start, stop in ranges))
+    stage_inputs = int(sum(costs.cut_bytes[start] for start, _ in ranges))
+    if recompute:
+        # Keep only each in-flight micro-batch's stage inputs; backward rebuilds one micro-batch.
+        activation_bytes = int(np.ceil(in_flight * stage_inputs)) + per_microbatch
+    else:
+        activation_bytes = int(np.ceil(in_flight * per_microbatch))
+
+    boundary = sum(int(costs.cut_bytes[start]) + int(costs.cut_bytes[stop]) for start, stop in ranges)
+    comm_buffer_bytes = 2 * boundary  # receive/send buffers for activations and their gradients
+    if num_replicas > 1:
+        comm_buffer_bytes += min(trainable_bytes, ALLREDUCE_BUCKET_BYTES)
+    largest_output = max((int(costs.output_bytes[start:stop].max()) for start, stop in ranges if stop > start), default=0)
+    working_bytes = 2 * largest_output  # an operation's output and its gradient coexist in backward
+    return DeviceMemory(
+        param_bytes=param_bytes,
+        grad_bytes=trainable_bytes,
+        optimizer_bytes=optimizer_bytes,
+        activation_bytes=activation_bytes,
+        comm_buffer_bytes=comm_buffer_bytes,
+        working_bytes=working_bytes,
+    )
