@@ -296,3 +296,80 @@ class DeviceSpec:
     inter_node_latency_s: float = 20e-6
     compute_efficiency: float = 0.6  # achieved fraction of peak FLOP/s for matmul-like ops
     memory_efficiency: float = 0.7  # achieved fraction of memory bandwidth for memory-bound ops
+    op_overhead_s: float = 5e-6  # fixed cost of launching one operation (kernel launch / dispatch)
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: a contiguous range of nodes run by ``len(ranks)`` replicas.
+
+    With interleaved or V schedules there are more stages than rank groups: stage ``k`` runs on
+    the ranks of ``rank_group``, which also run other stages.
+    """
+
+    index: int
+    start: int  # first node position (inclusive)
+    stop: int  # last node position (exclusive)
+    first_node: str  # FX node names, so that a human (and Plan.load) can check the range
+    last_node: str
+    module_range: str  # "transformer.h.0 .. transformer.h.5": where the stage starts and ends
+    ranks: tuple[int, ...]  # global ranks holding a replica of this stage
+    rank_group: int  # index of the group of ranks (pipeline position) that runs this stage
+    recompute: bool  # activation recomputation for this stage
+    forward_s: float  # predicted, per micro-batch per replica
+    backward_s: float  # predicted, per micro-batch per replica
+    memory_bytes: int  # predicted peak per device of this stage's rank group
+    param_bytes: int
+    cut_bytes: int  # bytes sent to the next stage per micro-batch (0 for the last stage)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete, executable training plan. Frozen; JSON round-trips through partita.plan.io."""
+
+    graph_fingerprint: str
+    cluster: Mapping[str, Any]  # Cluster.to_dict(): self-contained, device spec inlined
+    stages: tuple[StagePlan, ...]
+    schedule: Schedule
+    global_batch_size: int
+    num_microbatches: int
+    microbatch_size: int  # samples per micro-batch per replica of a stage with the fewest replicas
+    options: Mapping[str, Any]  # the resolved planner options (what the user pinned and what was searched)
+    method: str = "partita"  # "partita", a baseline name ("uniform", "parameters", "equal_flops") or "manual"
+    predicted_step_s: float = 0.0
+    predicted_bubble_fraction: float = 0.0
+    cost_source: str = "analytic"  # "measured" or "analytic"
+    partita_version: str = ""
+    torch_version: str = ""
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_rank_groups(self) -> int:
+        return len({s.rank_group for s in self.stages})
+
+    @property
+    def num_devices(self) -> int:
+        return len({r for s in self.stages for r in s.ranks})
+
+    @property
+    def uniform_replicas(self) -> bool:
+        return len({s.num_replicas for s in self.stages}) == 1
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """Cut positions: (0, stage 1 start, ..., num_nodes)."""
+        return tuple(s.start for s in self.stages) + (self.stages[-1].stop,)

@@ -1,0 +1,1 @@
+"""plan: chain coarsening, the joint search, the schedule simulator and baselines."""

@@ -1,0 +1,1 @@
+"""runtime: build stage modules from a Plan and train them on torch.distributed."""

@@ -1,0 +1,98 @@
+"""Memory model: exact numbers for a hand-made MLP cost table, and in-flight counts per schedule."""
+
+import numpy as np
+import pytest
+
+from partita.cost.memory import ALLREDUCE_BUCKET_BYTES, device_memory, microbatches_in_flight
+from partita.types import CostTable, OptimizerKind, Schedule
+
+MiB = 2**20
+
+
+def mlp_costs() -> CostTable:
+    """Linear(1024->1024) -> GELU -> Linear(1024->10) -> loss at micro-batch 64, fp32.
+
+    node 0 linear1: reads w1 (4 MiB) + b1, saves its input x (64x1024x4 = 256 KiB), writes 256 KiB
+    node 1 gelu:    saves its input (256 KiB), writes 256 KiB
+    node 2 linear2: reads w2 (40 KiB) + b2, saves its input (256 KiB), writes 64x10x4 = 2560 B
+    node 3 loss:    saves logits (2560 B), writes 4 B
+    """
+    act = np.array([256 * 1024, 256 * 1024, 256 * 1024, 2560])
+    out = np.array([256 * 1024, 256 * 1024, 2560, 4])
+    return CostTable(
+        microbatch_size=64, device="cpu", source="analytic",
+        forward_s=np.ones(4), backward_s=2 * np.ones(4), backward_weight_s=np.ones(4),
+        activation_bytes=act, output_bytes=out,
+        cut_bytes=np.array([0, 256 * 1024, 256 * 1024, 2560, 0]),
+        param_names=("w1", "b1", "w2", "b2", "running"),
+        param_bytes=np.array([4 * MiB, 4096, 40960, 40, 8]),
+        param_trainable=np.array([True, True, True, True, False]),
+        param_uses=(np.array([0]), np.array([0]), np.array([2]), np.array([2]), np.array([1])),
+    )
+
+
+def test_whole_model_on_one_device_with_adam():
+    mem = device_memory(mlp_costs(), [(0, 4)], in_flight=1, optimizer=OptimizerKind.ADAM)
+    trainable = 4 * MiB + 4096 + 40960 + 40
+    assert mem.param_bytes == trainable + 8
+    assert mem.grad_bytes == trainable
+    assert mem.optimizer_bytes == 2 * trainable
+    assert mem.activation_bytes == 3 * 256 * 1024 + 2560
+    assert mem.comm_buffer_bytes == 0
+    assert mem.working_bytes == 2 * 256 * 1024
+    assert mem.total_bytes == 2 * trainable + 8 + 2 * trainable + 3 * 256 * 1024 + 2560 + 2 * 256 * 1024
+
+
+def test_second_stage_of_two_under_gpipe_with_four_microbatches():
+    costs = mlp_costs()
+    in_flight = microbatches_in_flight(Schedule.GPIPE, 4, 2, 1)
+    mem = device_memory(costs, [(2, 4)], in_flight=in_flight, optimizer=OptimizerKind.SGD_MOMENTUM)
+    assert in_flight == 4
+    assert mem.param_bytes == 40960 + 40
+    assert mem.optimizer_bytes == 40960 + 40
+    assert mem.activation_bytes == 4 * (256 * 1024 + 2560)
+    assert mem.comm_buffer_bytes == 2 * (256 * 1024 + 0)
+
+
+def test_recompute_keeps_stage_inputs_plus_one_microbatch():
+    costs = mlp_costs()
+    mem = device_memory(costs, [(1, 4)], in_flight=3, optimizer=OptimizerKind.NONE, recompute=True)
+    assert mem.activation_bytes == 3 * 256 * 1024 + (2 * 256 * 1024 + 2560)
+    assert mem.optimizer_bytes == 0
+
+
+def test_mixed_precision_adds_fp32_master_weights():
+    mem = device_memory(mlp_costs(), [(2, 3)], in_flight=1, optimizer=OptimizerKind.ADAM, mixed_precision=True)
+    half = 40960 + 40  # bytes of w2, b2 in 16 bits
+    assert mem.optimizer_bytes == 2 * (2 * half) + 2 * half  # Adam m, v in fp32 + fp32 master copy
+
+
+def test_replicas_add_an_allreduce_bucket():
+    one = device_memory(mlp_costs(), [(0, 2)], in_flight=1)
+    two = device_memory(mlp_costs(), [(0, 2)], in_flight=1, num_replicas=2)
+    assert two.comm_buffer_bytes - one.comm_buffer_bytes == min(4 * MiB + 4096, ALLREDUCE_BUCKET_BYTES)
+
+
+def test_a_tied_parameter_counts_once_per_device_that_holds_it():
+    costs = mlp_costs()
+    tied = CostTable(**{**vars(costs), "param_uses": (np.array([0, 3]),) + costs.param_uses[1:]})
+    both = device_memory(tied, [(0, 1), (3, 4)], in_flight=1)
+    first = device_memory(tied, [(0, 1)], in_flight=1)
+    last = device_memory(tied, [(3, 4)], in_flight=1)
+    assert both.param_bytes == first.param_bytes == 4 * MiB + 4096
+    assert last.param_bytes == 4 * MiB
+
+
+@pytest.mark.parametrize(
+    "schedule, m, ranks, v, expected",
+    [
+        (Schedule.GPIPE, 8, 4, 1, [8, 8, 8, 8]),
+        (Schedule.ONE_F_ONE_B, 8, 4, 1, [4, 3, 2, 1]),
+        (Schedule.ONE_F_ONE_B, 2, 4, 1, [2, 2, 2, 1]),
+        (Schedule.INTERLEAVED_1F1B, 8, 4, 2, [(4 + 6 + 1) / 2, (4 + 4 + 1) / 2, (4 + 2 + 1) / 2, (4 + 0 + 1) / 2]),
+        (Schedule.ZBV, 8, 4, 2, [4, 4, 4, 4]),
+        (Schedule.ZBV, 2, 4, 2, [2, 2, 2, 2]),
+    ],
+)
+def test_microbatches_in_flight(schedule, m, ranks, v, expected):
+    assert [microbatches_in_flight(schedule, m, ranks, r, v) for r in range(ranks)] == expected
