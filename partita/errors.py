@@ -21,3 +21,11 @@ class InputError(PartitaError, ValueError):
 
 class ModelSpecError(InputError):
     """A MODEL argument (zoo name or ``path/file.py:factory``) cannot be resolved."""
+
+
+class InfeasiblePlanError(PartitaError):
+    """No plan fits the devices' memory (the message says what would fit)."""
+
+
+class PlanFileError(PartitaError):
+    """A plan file is unreadable, invalid, or made for another model or cluster."""

@@ -23,7 +23,7 @@ from partita.capture.graph import (
 from partita.capture.measure import measure_nodes
 from partita.types import OpGraph
 
-__all__ = ["capture"]
+__all__ = ["capture", "exported_call_inputs"]
 
 
 def capture(
@@ -50,10 +50,8 @@ def capture(
     """
     args, kwargs = check_inputs(model, args, kwargs, loss_fn, target)
     batch_size = batch_size_of(args, kwargs, target)
-    if loss_fn is not None:
-        module, export_args, export_kwargs, prefix = LossWrapper(model, loss_fn), (args, kwargs, target), {}, LossWrapper.PREFIX
-    else:
-        module, export_args, export_kwargs, prefix = model, args, kwargs, ""
+    export_args, export_kwargs = exported_call_inputs(args, kwargs, target, loss_fn is not None)
+    module, prefix = (LossWrapper(model, loss_fn), LossWrapper.PREFIX) if loss_fn is not None else (model, "")
     dynamic = dynamic_shapes_for(module, export_args, export_kwargs, batch_size) if dynamic_batch else None
     exported = run_export(module, export_args, export_kwargs, dynamic)
     gm = exported.module(check_guards=False)
@@ -79,6 +77,17 @@ def capture(
         has_loss_fn=loss_fn is not None,
         loss_output_index=loss_position,
     )
+
+
+def exported_call_inputs(args: tuple, kwargs: dict | None, target: Any, has_loss_fn: bool) -> tuple[tuple, dict]:
+    """How the exported module is called: ``(args, kwargs)`` itself, or with a loss_fn
+    ``((args, kwargs, target), {})`` (LossWrapper.forward takes the three as positional arguments).
+
+    Flattening this pair with pytree gives the graph's placeholders in order; the runtime
+    (``partita.runtime.stages.flatten_inputs``) uses it to feed later batches.
+    """
+    args, kwargs = tuple(args), dict(kwargs or {})
+    return ((args, kwargs, target), {}) if has_loss_fn else (args, kwargs)
 
 
 def _flat_inputs_with_paths(args: tuple, kwargs: dict, has_loss_fn: bool) -> list[tuple[str, Any]]:

@@ -18,7 +18,7 @@ mixed precision
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -55,9 +55,10 @@ def microbatches_in_flight(
     - 1F1B (PipeDream-flush): rank ``r`` of ``S`` runs ``S - r - 1`` warm-up forwards, then
       alternates, so ``min(m, S - r)``.
     - Interleaved 1F1B with ``v`` virtual stages per rank (torch.distributed.pipelining's
-      ScheduleInterleaved1F1B): ``(v - 1)·S + 2·(S - r - 1)`` warm-up forwards of one virtual
+      ScheduleInterleaved1F1B): ``(v - 1)·R + 2·(S - r - 1)`` warm-up forwards of one virtual
       stage each, plus the one in steady state, each 1/v of the rank's share:
-      ``min(m, ((v - 1)·S + 2·(S - r - 1) + 1) / v)``.
+      ``min(m, ((v - 1)·R + 2·(S - r - 1) + 1) / v)`` with ``R = m // max(1, m // S)``
+      micro-batches per round (``R = S`` when S divides m), as torch computes it.
     - ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): the V-shaped placement
       gives every rank the peak of 1F1B's first stage: ``min(m, S)``.
     """
@@ -70,7 +71,8 @@ def microbatches_in_flight(
         return float(min(m, s_count - rank))
     if schedule is Schedule.INTERLEAVED_1F1B:
         v = virtual_stages
-        return float(min(m, ((v - 1) * s_count + 2 * (s_count - rank - 1) + 1) / v))
+        per_round = m // max(1, m // s_count)
+        return float(min(m, ((v - 1) * per_round + 2 * (s_count - rank - 1) + 1) / v))
     if schedule is Schedule.ZBV:
         return float(min(m, s_count))
     raise AssertionError(schedule)
@@ -92,31 +94,63 @@ def device_memory(
     is counted once; a tied parameter held by two stages on two devices counts on each.
     """
     held = sorted({p for start, stop in ranges for p in costs.params_in_range(start, stop)})
-    param_bytes = int(sum(costs.param_bytes[p] for p in held))
-    trainable_bytes = int(sum(costs.param_bytes[p] for p in held if costs.param_trainable[p]))
+    return memory_from_totals(
+        param_bytes=int(sum(costs.param_bytes[p] for p in held)),
+        trainable_bytes=int(sum(costs.param_bytes[p] for p in held if costs.param_trainable[p])),
+        activation_bytes=int(sum(costs.activation_bytes[start:stop].sum() for start, stop in ranges)),
+        stage_input_bytes=int(sum(costs.cut_bytes[start] for start, _ in ranges)),
+        boundary_bytes=sum(int(costs.cut_bytes[start]) + int(costs.cut_bytes[stop]) for start, stop in ranges),
+        largest_output_bytes=max((int(costs.output_bytes[a:b].max()) for a, b in ranges if b > a), default=0),
+        in_flight=in_flight, optimizer=optimizer, recompute=recompute,
+        mixed_precision=mixed_precision, num_replicas=num_replicas,
+    )
+
+
+def memory_from_totals(
+    *,
+    param_bytes: Any,
+    trainable_bytes: Any,
+    activation_bytes: Any,
+    stage_input_bytes: Any,
+    boundary_bytes: Any,
+    largest_output_bytes: Any,
+    in_flight: Any,
+    optimizer: OptimizerKind,
+    recompute: bool,
+    mixed_precision: bool,
+    num_replicas: int,
+) -> DeviceMemory:
+    """The memory formula on totals of a device's node ranges. Works element-wise on numpy
+    arrays too, so the search evaluates every candidate stage at once with the same formula.
+
+    activation_bytes: kept for backward per micro-batch; stage_input_bytes: bytes received per
+    micro-batch; boundary_bytes: received + sent per micro-batch; largest_output_bytes: the
+    largest single operation output.
+    """
     # fp32 bytes of the trainable parameters: master weights and states are fp32 under mixed precision.
     fp32_bytes = 2 * trainable_bytes if mixed_precision else trainable_bytes
     optimizer_bytes = optimizer.states_per_parameter * fp32_bytes + (fp32_bytes if mixed_precision else 0)
-
-    per_microbatch = int(sum(costs.activation_bytes[start:stop].sum() for start, stop in ranges))
-    stage_inputs = int(sum(costs.cut_bytes[start] for start, _ in ranges))
     if recompute:
         # Keep only each in-flight micro-batch's stage inputs; backward rebuilds one micro-batch.
-        activation_bytes = int(np.ceil(in_flight * stage_inputs)) + per_microbatch
+        kept = np.ceil(in_flight * stage_input_bytes) + activation_bytes
     else:
-        activation_bytes = int(np.ceil(in_flight * per_microbatch))
-
-    boundary = sum(int(costs.cut_bytes[start]) + int(costs.cut_bytes[stop]) for start, stop in ranges)
-    comm_buffer_bytes = 2 * boundary  # receive/send buffers for activations and their gradients
+        kept = np.ceil(in_flight * activation_bytes)
+    comm_buffer_bytes = 2 * boundary_bytes  # receive/send buffers for activations and their gradients
     if num_replicas > 1:
-        comm_buffer_bytes += min(trainable_bytes, ALLREDUCE_BUCKET_BYTES)
-    largest_output = max((int(costs.output_bytes[start:stop].max()) for start, stop in ranges if stop > start), default=0)
-    working_bytes = 2 * largest_output  # an operation's output and its gradient coexist in backward
+        comm_buffer_bytes = comm_buffer_bytes + np.minimum(trainable_bytes, ALLREDUCE_BUCKET_BYTES)
     return DeviceMemory(
-        param_bytes=param_bytes,
-        grad_bytes=trainable_bytes,
-        optimizer_bytes=optimizer_bytes,
-        activation_bytes=activation_bytes,
-        comm_buffer_bytes=comm_buffer_bytes,
-        working_bytes=working_bytes,
+        param_bytes=_as_int(param_bytes),
+        grad_bytes=_as_int(trainable_bytes),
+        optimizer_bytes=_as_int(optimizer_bytes),
+        activation_bytes=_as_int(kept),
+        comm_buffer_bytes=_as_int(comm_buffer_bytes),
+        # an operation's output and its gradient coexist in backward
+        working_bytes=_as_int(2 * largest_output_bytes),
     )
+
+
+def _as_int(value: Any) -> Any:
+    """Plain int for scalars, int64 arrays for arrays."""
+    if isinstance(value, np.ndarray):
+        return value.astype(np.int64)
+    return int(value)

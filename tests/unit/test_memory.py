@@ -90,6 +90,8 @@ def test_a_tied_parameter_counts_once_per_device_that_holds_it():
         (Schedule.ONE_F_ONE_B, 8, 4, 1, [4, 3, 2, 1]),
         (Schedule.ONE_F_ONE_B, 2, 4, 1, [2, 2, 2, 1]),
         (Schedule.INTERLEAVED_1F1B, 8, 4, 2, [(4 + 6 + 1) / 2, (4 + 4 + 1) / 2, (4 + 2 + 1) / 2, (4 + 0 + 1) / 2]),
+        # torch runs m // max(1, m // S) = 6 micro-batches per round when m = 6 on 4 ranks
+        (Schedule.INTERLEAVED_1F1B, 6, 4, 2, [6, (6 + 4 + 1) / 2, (6 + 2 + 1) / 2, (6 + 0 + 1) / 2]),
         (Schedule.ZBV, 8, 4, 2, [4, 4, 4, 4]),
         (Schedule.ZBV, 2, 4, 2, [2, 2, 2, 2]),
     ],

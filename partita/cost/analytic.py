@@ -1,0 +1,147 @@
+"""Analytic (roofline) costs: per-node times estimated for a device nobody here has.
+
+For every node with work to do (views, symbolic-size ops and asserts cost nothing)::
+
+    forward_s  = max(flops / (peak_flops[dtype] · compute_efficiency),
+                     bytes_moved / (memory_bandwidth · memory_efficiency)) + op_overhead_s
+
+the roofline model (Williams, Waterman & Patterson, CACM 2009): an op is bound by arithmetic
+or by memory traffic, whichever takes longer. ``flops`` are FlopCounterMode's (matmul-like ops
+only: every other op is memory-bound here, as it is on accelerators); ``bytes_moved`` is the
+bytes the node reads (activations and parameters) plus the bytes it writes. An embedding
+reads only the rows it gathers, so it moves about twice its output (plus the indices), not
+its whole table.
+
+Backward: a node has ``k = k_in + k_w`` gradient products, one per operand that needs a
+gradient: ``k_in`` values that require grad, plus ``k_w = 1`` when it reads trainable
+parameters. A matmul's gradient for each operand costs as much as the forward, so
+
+    backward_s        = max(k · flops / (peak · eff), 2 · bytes_moved / (bw · eff)) + k · op_overhead_s
+    backward_weight_s = backward_s · k_w / k
+
+A linear layer gets 2× its forward FLOPs (input + weight gradient), the attention matmuls
+(Q·Kᵀ, P·V) also 2× (both operands need gradients), a first layer whose input is data 1×.
+The memory side reads the output gradient and the saved tensors and writes the input
+gradients: about twice the forward traffic.
+
+Micro-batch scaling: shapes are recorded at ``graph.batch_size``. Tensors with a batch dim
+scale by ``microbatch_size / graph.batch_size``; parameters do not. A node's FLOPs scale when
+any of its outputs has a batch dim.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from partita.cost.devices import resolve_device
+from partita.cost.table import (
+    FLOAT_DTYPES,
+    activation_bytes,
+    costs_nothing,
+    cut_bytes,
+    op_name,
+    output_bytes,
+    param_arrays,
+    requires_grad,
+    value_bytes,
+)
+from partita.errors import InputError
+from partita.types import CostTable, DeviceSpec, OpGraph, OpNode
+
+__all__ = ["analytic_costs"]
+
+_GATHER_OPS = frozenset({"embedding"})  # read only the rows they return
+
+
+def analytic_costs(graph: OpGraph, device: DeviceSpec | str, microbatch_size: int, *,
+                   dtype: str | None = None) -> CostTable:
+    """Roofline CostTable of ``graph`` at ``microbatch_size`` on ``device`` (spec or catalog name).
+
+    ``dtype`` selects the ``device.peak_flops`` entry used for every node (e.g. "bfloat16"
+    for mixed-precision training of a graph captured in float32, "tfloat32" for float32
+    matmuls run as TF32); by default each node uses its own output dtype. Memory traffic and
+    every byte count are those of the captured dtypes. Runs in well under a second for a
+    graph of thousands of nodes.
+    """
+    device = resolve_device(device)
+    if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, numbers.Integral) or microbatch_size < 1:
+        raise InputError(f"microbatch_size must be an int >= 1, got {microbatch_size!r}")
+    microbatch_size = int(microbatch_size)
+    work = _node_work(graph, microbatch_size, device, dtype)
+    compute_rate = work["peak_flops"] * device.compute_efficiency  # FLOP/s per node
+    memory_rate = device.memory_bandwidth_bytes_per_s * device.memory_efficiency  # bytes/s
+    busy = ~work["free"]
+
+    forward_s = np.maximum(work["flops"] / compute_rate, work["bytes_moved"] / memory_rate) + device.op_overhead_s
+    forward_s = np.where(busy, forward_s, 0.0)
+
+    k_weight = work["k_weight"]
+    k = work["k_input"] + k_weight
+    has_backward = busy & work["requires_grad"] & (k > 0)
+    backward_s = np.maximum(k * work["flops"] / compute_rate, 2.0 * work["bytes_moved"] / memory_rate) + k * device.op_overhead_s
+    backward_s = np.where(has_backward, backward_s, 0.0)
+    backward_weight_s = np.where(has_backward, backward_s * k_weight / np.maximum(k, 1), 0.0)
+
+    params = param_arrays(graph)
+    return CostTable(
+        microbatch_size=microbatch_size,
+        device=device.name,
+        source="analytic",
+        forward_s=forward_s,
+        backward_s=backward_s,
+        backward_weight_s=backward_weight_s,
+        activation_bytes=activation_bytes(graph, microbatch_size),
+        output_bytes=output_bytes(graph, microbatch_size),
+        cut_bytes=cut_bytes(graph, microbatch_size),
+        param_names=params.names,
+        param_bytes=params.num_bytes,
+        param_trainable=params.trainable,
+        param_uses=params.uses,
+    )
+
+
+def _node_work(graph: OpGraph, microbatch_size: int, device: DeviceSpec, dtype: str | None) -> dict[str, np.ndarray]:
+    """Per node: scaled FLOPs and bytes moved, the peak FLOP/s of its dtype, gradient operand counts."""
+    if dtype is not None and dtype not in device.peak_flops:
+        raise InputError(f"dtype {dtype!r} is not in the peak_flops of device {device.name!r}: "
+                         f"choose one of {', '.join(sorted(device.peak_flops))}")
+    num_nodes, b = graph.num_nodes, graph.batch_size
+    values = value_bytes(graph, microbatch_size)
+    grad = requires_grad(graph)
+    input_bytes = [g.tensor.bytes_at_batch(microbatch_size, b) if g.tensor is not None else 0 for g in graph.inputs]
+    param_bytes = {name: p.num_bytes for name, p in graph.parameters.items()}
+    trainable = {name for name, p in graph.parameters.items() if p.requires_grad and not p.is_buffer}
+    work = {name: np.zeros(num_nodes) for name in ("flops", "bytes_moved", "peak_flops", "k_input", "k_weight")}
+    work["free"] = np.zeros(num_nodes, dtype=bool)
+    work["requires_grad"] = grad
+    for node in graph.nodes:
+        n = node.index
+        work["peak_flops"][n] = _peak_flops(device, dtype or _node_dtype(node))
+        if costs_nothing(node):
+            work["free"][n] = True
+            continue
+        batched = any(t.batch_dim is not None for t in node.outputs)
+        work["flops"][n] = node.flops * microbatch_size / b if batched else node.flops
+        activations_read = sum(int(values[p]) for p in node.inputs) + sum(input_bytes[j] for j in node.graph_inputs)
+        if op_name(node.target) in _GATHER_OPS:  # rows read + output written + indices read
+            work["bytes_moved"][n] = 2 * int(values[n]) + activations_read
+        else:
+            params_read = sum(param_bytes.get(name, 0) for name in node.params)
+            work["bytes_moved"][n] = activations_read + params_read + int(values[n])
+        work["k_input"][n] = sum(1 for p in set(node.inputs) if grad[p])
+        work["k_weight"][n] = 1 if any(name in trainable for name in node.params) else 0
+    return work
+
+
+def _node_dtype(node: OpNode) -> str:
+    """The dtype a node computes in: its first floating-point output's ("float32" if none)."""
+    return next((t.dtype for t in node.outputs if t.dtype in FLOAT_DTYPES), "float32")
+
+
+def _peak_flops(device: DeviceSpec, dtype: str) -> float:
+    """Peak FLOP/s for ``dtype``; dtypes the spec lacks (float64, int ops) use its float32 rate."""
+    if dtype in device.peak_flops:
+        return float(device.peak_flops[dtype])
+    return float(device.peak_flops.get("float32", min(device.peak_flops.values())))

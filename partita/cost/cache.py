@@ -1,0 +1,132 @@
+"""On-disk cache of measured CostTables, so that profiling the same graph twice runs nothing.
+
+A table is stored as two files under the user's ``cache_dir`` (nothing is written anywhere else):
+
+    <key>.npz   the per-node and per-parameter arrays (numpy, no pickle)
+    <key>.json  scalars, parameter names, calibration and the parts of the key, for humans
+
+The key is a sha256 over everything that changes a measurement: the graph's fingerprint (its
+structure, shapes and dtypes, so another batch or sequence length misses), the micro-batch
+size, the device and its hardware model, the torch version, the intra-op thread count, the
+number of warm-up and timed repeats, and ``FORMAT_VERSION`` (bumped when the profiler's method
+changes). The example input *values* are not part of the key: costs do not depend on them.
+
+Both files are written to a temporary name and moved into place with ``os.replace``; the JSON
+file is written last and is what a lookup checks first, so a reader never sees half a table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+
+from partita.cost.devices import cpu_model
+from partita.types import CostTable, OpGraph
+
+# Bump when the profiler measures differently: old entries then miss instead of being reused.
+FORMAT_VERSION = 1
+
+# Arrays of a CostTable stored as they are (param_uses is ragged and stored flattened).
+_ARRAY_FIELDS = (
+    "forward_s",
+    "backward_s",
+    "backward_weight_s",
+    "activation_bytes",
+    "output_bytes",
+    "cut_bytes",
+    "param_bytes",
+    "param_trainable",
+)
+
+
+def cache_key(graph: OpGraph, microbatch_size: int, device: torch.device, *, repeats: int, warmup: int) -> tuple[str, dict[str, Any]]:
+    """The cache key (hex sha256) and the readable parts it was made from."""
+    parts = {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": graph.fingerprint,
+        "microbatch_size": int(microbatch_size),
+        "device": str(device),
+        "hardware": hardware_model(device),
+        "torch_version": torch.__version__,
+        "num_threads": torch.get_num_threads(),
+        "repeats": int(repeats),
+        "warmup": int(warmup),
+    }
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    return digest, parts
+
+
+def hardware_model(device: torch.device) -> str:
+    """The GPU's name or the CPU's model name: timings from other hardware must not be reused."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+
+
+def load(cache_dir: str | os.PathLike, key: str) -> CostTable | None:
+    """The table stored under ``key``, or None when absent or unreadable (a miss, never an error)."""
+    json_path, npz_path = _paths(cache_dir, key)
+    try:
+        with open(json_path) as f:
+            meta = json.load(f)
+        if meta.get("key") != key:
+            return None
+        with np.load(npz_path, allow_pickle=False) as data:
+            arrays = {name: data[name] for name in _ARRAY_FIELDS}
+            uses_values, uses_offsets = data["param_uses_values"], data["param_uses_offsets"]
+    except (OSError, ValueError, KeyError):
+        return None
+    param_uses = tuple(uses_values[uses_offsets[p]:uses_offsets[p + 1]] for p in range(len(uses_offsets) - 1))
+    return CostTable(
+        microbatch_size=int(meta["microbatch_size"]),
+        device=meta["device"],
+        source=meta["source"],
+        param_names=tuple(meta["param_names"]),
+        param_uses=param_uses,
+        calibration={k: float(v) for k, v in meta["calibration"].items()},
+        **arrays,
+    )
+
+
+def store(cache_dir: str | os.PathLike, key: str, table: CostTable, key_parts: dict[str, Any]) -> None:
+    """Write ``table`` under ``key`` atomically (temporary file + ``os.replace``)."""
+    os.makedirs(cache_dir, exist_ok=True)
+    json_path, npz_path = _paths(cache_dir, key)
+    uses = [np.asarray(u, dtype=np.int64) for u in table.param_uses]
+    offsets = np.cumsum([0] + [len(u) for u in uses], dtype=np.int64)
+    arrays = {name: np.asarray(getattr(table, name)) for name in _ARRAY_FIELDS}
+    arrays["param_uses_values"] = np.concatenate(uses) if uses else np.zeros(0, dtype=np.int64)
+    arrays["param_uses_offsets"] = offsets
+    _write_atomically(npz_path, lambda f: np.savez(f, **arrays))
+    meta = {
+        "key": key,
+        "key_parts": key_parts,
+        "microbatch_size": table.microbatch_size,
+        "device": table.device,
+        "source": table.source,
+        "param_names": list(table.param_names),
+        "calibration": {k: float(v) for k, v in table.calibration.items()},
+    }
+    _write_atomically(json_path, lambda f: f.write(json.dumps(meta, indent=1, sort_keys=True).encode()))
+
+
+def _paths(cache_dir: str | os.PathLike, key: str) -> tuple[str, str]:
+    base = os.path.join(os.fspath(cache_dir), f"costs-{key}")
+    return base + ".json", base + ".npz"
+
+
+def _write_atomically(path: str, write: Any) -> None:
+    """Write through ``write(binary_file)`` to a temporary file beside ``path``, then rename it."""
+    fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp_path, path)
+    except BaseException:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+        raise

@@ -1,0 +1,253 @@
+"""The machines a plan runs on: ``num_devices`` identical devices in nodes of ``devices_per_node``.
+
+The topology has two levels: devices in one node talk over the intra-node link (NVLink, or
+loopback TCP for CPU ranks), devices in different nodes over the network. Ranks fill nodes in
+order, as ``torchrun`` assigns them: rank ``r`` sits in node ``r // devices_per_node``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import numbers
+import os
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from partita.cost.devices import (
+    cpu_model,
+    cached_measurement,
+    device_from_dict,
+    device_to_dict,
+    local_cpu_spec,
+    machine_memory_bytes,
+    resolve_device,
+    store_measurement,
+)
+from partita.errors import InputError
+from partita.types import DeviceSpec
+
+__all__ = ["Cluster", "measure_loopback"]
+
+_LINK_FIELDS = ("intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s",
+                "intra_node_latency_s", "inter_node_latency_s")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``num_devices`` devices of one kind, ``devices_per_node`` to a node.
+
+    Write ``Cluster(device="h100", num_devices=64, devices_per_node=8)``; ``device`` is a
+    catalog name, a device-file path or a DeviceSpec. Every field left None takes the
+    device's value: ``memory_bytes`` (per device) and the link bandwidths (bytes/s, per device
+    and direction) and latencies (s). ``reserved_memory_fraction`` is the share of each
+    device's memory the planner leaves free (allocator fragmentation, CUDA context, workspace).
+    After construction every field holds a concrete value (``device`` a DeviceSpec).
+    """
+
+    device: DeviceSpec | str
+    num_devices: int
+    devices_per_node: int = 8  # HGX/DGX nodes hold 8 GPUs
+    memory_bytes: int | None = None
+    intra_node_bandwidth_bytes_per_s: float | None = None
+    inter_node_bandwidth_bytes_per_s: float | None = None
+    intra_node_latency_s: float | None = None
+    inter_node_latency_s: float | None = None
+    reserved_memory_fraction: float = 0.05
+
+    def __post_init__(self) -> None:
+        device = resolve_device(self.device)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "num_devices", _check_count(self.num_devices, "num_devices"))
+        object.__setattr__(self, "devices_per_node", _check_count(self.devices_per_node, "devices_per_node"))
+        if self.num_devices > self.devices_per_node and self.num_devices % self.devices_per_node:
+            fill = self.devices_per_node
+            lower, upper = self.num_devices // fill * fill, (self.num_devices // fill + 1) * fill
+            raise InputError(
+                f"num_devices={self.num_devices} does not fill whole nodes of devices_per_node={fill}: "
+                f"use num_devices={lower} or {upper}, or a devices_per_node that divides {self.num_devices}"
+            )
+        memory = device.memory_bytes if self.memory_bytes is None else self.memory_bytes
+        if isinstance(memory, bool) or not isinstance(memory, numbers.Integral) or memory <= 0:
+            raise InputError(f"memory_bytes must be a positive int (bytes per device), got {memory!r}: "
+                             "pass e.g. memory_bytes=40 * 2**30, or None for the device's own")
+        object.__setattr__(self, "memory_bytes", int(memory))
+        for name in _LINK_FIELDS:
+            value = getattr(device, name) if getattr(self, name) is None else getattr(self, name)
+            positive = not name.endswith("latency_s")  # bandwidths > 0, latencies >= 0
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+                    or value < 0 or (positive and value == 0):
+                raise InputError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        fraction = self.reserved_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 <= fraction < 1:
+            raise InputError(f"reserved_memory_fraction must be in [0, 1), got {fraction!r}: e.g. 0.05 leaves 5% free")
+        object.__setattr__(self, "reserved_memory_fraction", float(fraction))
+
+    # ------------------------------------------------------------------ topology
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.num_devices // self.devices_per_node)
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        """Bytes per device the planner may fill: memory less the reserved fraction."""
+        return int(self.memory_bytes * (1.0 - self.reserved_memory_fraction))
+
+    def rank_to_node(self, rank: int) -> int:
+        """The node index of ``rank`` (ranks fill nodes in order)."""
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < self.num_devices:
+            raise InputError(f"rank must be an int in [0, {self.num_devices}), got {rank!r}")
+        return int(rank) // self.devices_per_node
+
+    def link(self, rank_a: int, rank_b: int) -> tuple[float, float]:
+        """(bandwidth in bytes/s, latency in s) between two ranks; (inf, 0) for a rank with itself."""
+        if rank_a == rank_b:
+            self.rank_to_node(rank_a)
+            return math.inf, 0.0
+        if self.rank_to_node(rank_a) == self.rank_to_node(rank_b):
+            return self.intra_node_bandwidth_bytes_per_s, self.intra_node_latency_s
+        return self.inter_node_bandwidth_bytes_per_s, self.inter_node_latency_s
+
+    # ------------------------------------------------------------------ files
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict with the DeviceSpec inlined, so that a plan file is self-contained."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["device"] = device_to_dict(self.device)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Cluster":
+        """The inverse of ``to_dict``; ``device`` may also be a catalog name. Validates every field."""
+        if not isinstance(data, Mapping):
+            raise InputError(f"a cluster description must be a dict, got {type(data).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        missing = [f for f in ("device", "num_devices") if f not in data]
+        if unknown or missing:
+            raise InputError(f"cluster description: unknown field(s) {unknown or 'none'}, missing field(s) "
+                             f"{missing or 'none'}; valid fields are {', '.join(sorted(fields))}")
+        values = dict(data)
+        if isinstance(values["device"], Mapping):
+            values["device"] = device_from_dict(values["device"], source="cluster field 'device'")
+        return cls(**values)
+
+    # ------------------------------------------------------------------ this machine
+
+    @classmethod
+    def local(cls, num_devices: int = 2, memory_bytes: int | None = None, *, cache_dir: str | os.PathLike | None = None,
+              num_threads: int | None = None) -> "Cluster":
+        """``num_devices`` CPU ranks on this machine, one node, calibrated by measurement.
+
+        The device is ``local_cpu_spec`` measured with ``num_threads`` threads (default: this
+        process's torch thread count shared out among the ranks); the intra-node link is
+        loopback TCP as gloo uses it, measured by ``measure_loopback``. ``memory_bytes``
+        (per rank) defaults to this machine's RAM shared out among the ranks. Both
+        measurements are cached in ``cache_dir`` when given. Takes ~2 s uncached.
+        """
+        import torch
+
+        num_devices = _check_count(num_devices, "num_devices")
+        threads = num_threads or max(1, torch.get_num_threads() // num_devices)
+        memory = memory_bytes if memory_bytes is not None else machine_memory_bytes() // num_devices
+        device = local_cpu_spec(cache_dir, memory_bytes=memory, num_threads=threads)
+        bandwidth, latency = measure_loopback(cache_dir)
+        return cls(device=device, num_devices=num_devices, devices_per_node=num_devices,
+                   intra_node_bandwidth_bytes_per_s=bandwidth, intra_node_latency_s=latency)
+
+
+def _check_count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise InputError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+# ----------------------------------------------------------------------------- loopback
+
+
+def measure_loopback(cache_dir: str | os.PathLike | None = None, *, num_bytes: int = 16 * 2**20,
+                     repeats: int = 5, num_pings: int = 50) -> tuple[float, float]:
+    """(bandwidth in bytes/s, one-way latency in s) of TCP over 127.0.0.1 on this machine.
+
+    gloo's CPU collectives between ranks of one machine run over exactly this path. A thread
+    of this process receives, so no second interpreter starts; only ``socket`` is used (only
+    partita.runtime may import torch.distributed). Bandwidth is the median of ``repeats``
+    transfers of ``num_bytes``; latency half the median round trip of 1-byte messages.
+    Takes ~0.1–0.5 s; cached in ``cache_dir`` when given.
+    """
+    key = {"host": socket.gethostname(), "cpu": cpu_model(), "num_bytes": int(num_bytes)}
+    cache_path = None
+    if cache_dir is not None:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        cache_path = Path(cache_dir) / f"loopback-{digest}.json"
+    measured = cached_measurement(cache_path, key)
+    if measured is None:
+        bandwidth, latency = _measure_loopback(num_bytes, repeats, num_pings)
+        measured = {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency}
+        store_measurement(cache_path, key, measured)
+    return float(measured["bandwidth_bytes_per_s"]), float(measured["latency_s"])
+
+
+def _measure_loopback(num_bytes: int, repeats: int, num_pings: int) -> tuple[float, float]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(10)
+        errors: list[BaseException] = []
+        echo = threading.Thread(target=_echo_server, args=(server, num_bytes, repeats, num_pings, errors), daemon=True)
+        echo.start()
+        with socket.create_connection(server.getsockname(), timeout=10) as client:
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            round_trips = []
+            for _ in range(num_pings):
+                start = time.perf_counter()
+                client.sendall(b"p")
+                _recv_exactly(client, bytearray(1))
+                round_trips.append(time.perf_counter() - start)
+            payload = bytes(num_bytes)
+            transfers = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                client.sendall(payload)
+                _recv_exactly(client, bytearray(1))  # the receiver's ack: all bytes arrived
+                transfers.append(time.perf_counter() - start)
+        echo.join(timeout=10)
+    if errors:
+        raise RuntimeError(f"loopback measurement failed in the receiving thread: {errors[0]!r}") from errors[0]
+    latency = statistics.median(round_trips) / 2
+    return num_bytes / max(statistics.median(transfers) - latency, 1e-9), latency
+
+
+def _echo_server(server: socket.socket, num_bytes: int, repeats: int, num_pings: int, errors: list) -> None:
+    """Answer ``num_pings`` 1-byte pings, then acknowledge ``repeats`` payloads of ``num_bytes``."""
+    try:
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(10)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            one = bytearray(1)
+            for _ in range(num_pings):
+                _recv_exactly(conn, one)
+                conn.sendall(b"p")
+            buffer = bytearray(num_bytes)
+            for _ in range(repeats):
+                _recv_exactly(conn, buffer)
+                conn.sendall(b"k")
+    except BaseException as e:  # noqa: BLE001 - reported to the measuring thread
+        errors.append(e)
+
+
+def _recv_exactly(conn: socket.socket, buffer: bytearray) -> None:
+    view, got = memoryview(buffer), 0
+    while got < len(buffer):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("loopback peer closed the connection early")
+        got += n

@@ -1,0 +1,354 @@
+"""The device catalog: what one accelerator (or the local CPU) can do, as a ``DeviceSpec``.
+
+Numbers are the vendors' published dense (no sparsity) peaks for the SXM/OAM parts, which is
+what a roofline model divides by; the efficiency factors turn peaks into what PyTorch achieves.
+
+Conventions:
+    peak_flops["float32"]   plain FP32, which is what PyTorch runs by default
+                            (``torch.backends.cuda.matmul.allow_tf32`` is False). Training with
+                            ``torch.set_float32_matmul_precision("high")`` runs float32 matmuls as
+                            TF32: plan with ``dtype="tfloat32"`` then (``analytic_costs(...,
+                            dtype="tfloat32")``). MI300X's "float32" is its FP32 *matrix* rate,
+                            which hipBLASLt uses for float32 GEMMs.
+    memory_bytes            total device memory as the driver reports it (nvidia-smi MiB × 2^20).
+    intra_node_bandwidth    per device and per direction over NVLink / Infinity Fabric: the
+                            figure a ring collective's bus bandwidth approaches.
+    inter_node_bandwidth    per device, one network adapter per GPU as in DGX/HGX nodes
+                            (400 Gb/s InfiniBand NDR = 50e9 B/s, 200 Gb/s HDR = 25e9 B/s).
+    compute_efficiency      achieved / peak FLOP/s for large matmuls. One H200 here ran an
+                            8192³ bf16 product at 770–800 of 989 TFLOP/s (0.8); transformer
+                            GEMMs are smaller, so the catalog uses 0.7 for NVIDIA Hopper/Ampere,
+                            less for parts whose libraries reach less of their peak.
+    memory_efficiency       achieved / peak bandwidth for elementwise kernels (an H200 copy moved
+                            4.3 of 4.8 TB/s; PyTorch's elementwise kernels get somewhat less).
+    op_overhead_s           fixed cost per operation: ~5 µs kernel launch + eager dispatch on a
+                            GPU, ~2 µs eager dispatch on a CPU.
+
+``local_cpu_spec`` replaces the CPU guesses by a short measurement of this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from partita.errors import InputError
+from partita.types import DeviceSpec
+
+try:  # Python >= 3.11; older Pythons read TOML device files only with tomli installed
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - depends on the Python version
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError:
+        tomllib = None
+
+__all__ = [
+    "device_from_dict",
+    "device_to_dict",
+    "get_device",
+    "known_devices",
+    "load_device_file",
+    "local_cpu_spec",
+    "machine_memory_bytes",
+    "resolve_device",
+]
+
+_MIB = 2**20
+_IB_NDR = 400e9 / 8  # 400 Gb/s InfiniBand NDR / 400 GbE per GPU, bytes/s
+_IB_HDR = 200e9 / 8  # 200 Gb/s InfiniBand HDR per GPU (DGX A100), bytes/s
+
+# Name -> spec. Built once and never mutated; get_device hands out copies.
+_CATALOG: dict[str, DeviceSpec] = {
+    spec.name: spec
+    for spec in (
+        # A100 SXM4: FP32 19.5, TF32 156, BF16/FP16 312 TFLOP/s; NVLink3 600 GB/s both ways.
+        DeviceSpec("a100-40gb", 40960 * _MIB, {"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12},
+                   1555e9, 300e9, _IB_HDR, compute_efficiency=0.7, memory_efficiency=0.8, op_overhead_s=5e-6),
+        DeviceSpec("a100-80gb", 81920 * _MIB, {"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12},
+                   2039e9, 300e9, _IB_HDR, compute_efficiency=0.7, memory_efficiency=0.8, op_overhead_s=5e-6),
+        # H100 SXM5: FP32 67, TF32 494.7, BF16/FP16 989.4 TFLOP/s; HBM3 3.35 TB/s; NVLink4 900 GB/s both ways.
+        DeviceSpec("h100", 81559 * _MIB, {"float32": 67e12, "tfloat32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12},
+                   3.35e12, 450e9, _IB_NDR, compute_efficiency=0.7, memory_efficiency=0.8, op_overhead_s=5e-6),
+        # H200 SXM: H100's compute, 141 GB HBM3e at 4.8 TB/s (nvidia-smi: 143771 MiB).
+        DeviceSpec("h200", 143771 * _MIB, {"float32": 67e12, "tfloat32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12},
+                   4.8e12, 450e9, _IB_NDR, compute_efficiency=0.7, memory_efficiency=0.8, op_overhead_s=5e-6),
+        # B200 (HGX): FP32 75, TF32 1100, BF16/FP16 2250 TFLOP/s dense; HBM3e 8 TB/s; NVLink5 1.8 TB/s both ways.
+        DeviceSpec("b200", 183359 * _MIB, {"float32": 75e12, "tfloat32": 1.1e15, "bfloat16": 2.25e15, "float16": 2.25e15},
+                   8e12, 900e9, _IB_NDR, compute_efficiency=0.65, memory_efficiency=0.8, op_overhead_s=5e-6),
+        # MI300X: FP32 matrix 163.4, TF32 653.7, BF16/FP16 1307.4 TFLOP/s dense; HBM3 5.3 TB/s;
+        # Infinity Fabric 7 links × 64 GB/s per direction.
+        DeviceSpec("mi300x", 196608 * _MIB, {"float32": 163.4e12, "tfloat32": 653.7e12, "bfloat16": 1307.4e12, "float16": 1307.4e12},
+                   5.3e12, 448e9, _IB_NDR, compute_efficiency=0.5, memory_efficiency=0.7, op_overhead_s=5e-6),
+        # A generic server CPU (placeholder numbers; local_cpu_spec measures the real one). Ranks
+        # talk over TCP: loopback inside a node, 25 GbE (typical of cloud CPU instances) between nodes. memory_bytes is set to
+        # this machine's RAM by get_device.
+        DeviceSpec("cpu", 0, {"float32": 1e12, "bfloat16": 5e11, "float16": 5e11},
+                   1e11, 5e9, 25e9 / 8, intra_node_latency_s=20e-6, inter_node_latency_s=50e-6,
+                   compute_efficiency=0.6, memory_efficiency=0.7, op_overhead_s=2e-6),
+    )
+}
+_ALIASES = {"h100-sxm": "h100", "h100-sxm5": "h100", "h200-sxm": "h200", "a100-sxm4-40gb": "a100-40gb",
+            "a100-sxm4-80gb": "a100-80gb", "b200-sxm": "b200"}
+
+_REQUIRED_FIELDS = ("name", "memory_bytes", "peak_flops", "memory_bandwidth_bytes_per_s",
+                    "intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s")
+_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceSpec))
+
+
+def known_devices() -> tuple[str, ...]:
+    """Catalog names and aliases, sorted."""
+    return tuple(sorted(set(_CATALOG) | set(_ALIASES)))
+
+
+def get_device(name: str) -> DeviceSpec:
+    """The catalog entry ``name`` (case-insensitive; aliases such as "h100-sxm" accepted).
+
+    The "cpu" entry's ``memory_bytes`` is this machine's RAM. Raises InputError for an
+    unknown name, listing the known ones.
+    """
+    if not isinstance(name, str):
+        raise InputError(f"device name must be a string, got {type(name).__name__}: use e.g. 'h100'")
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in _CATALOG:
+        raise InputError(
+            f"unknown device {name!r}: known devices are {', '.join(known_devices())}; "
+            "for another device write a JSON/TOML device file and pass its path"
+        )
+    spec = _CATALOG[key]
+    memory_bytes = machine_memory_bytes() if key == "cpu" else spec.memory_bytes
+    return dataclasses.replace(spec, memory_bytes=memory_bytes, peak_flops=dict(spec.peak_flops))
+
+
+def resolve_device(device: str | os.PathLike | DeviceSpec) -> DeviceSpec:
+    """A DeviceSpec as it is, a path to a ``.json``/``.toml`` device file, or a catalog name."""
+    if isinstance(device, DeviceSpec):
+        return device
+    if isinstance(device, os.PathLike) or (isinstance(device, str) and device.lower().endswith((".json", ".toml"))):
+        return load_device_file(device)
+    return get_device(device)
+
+
+# ----------------------------------------------------------------------------- files and dicts
+
+
+def load_device_file(path: str | os.PathLike) -> DeviceSpec:
+    """A DeviceSpec from a JSON or TOML file holding the DeviceSpec fields.
+
+    ``base = "h100"`` starts from a catalog entry so that the file only lists what differs::
+
+        name = "h100-64gb"
+        base = "h100"
+        memory_bytes = 68719476736
+        [peak_flops]          # when given, replaces the base's table
+        float32 = 67e12
+        bfloat16 = 989.4e12
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise InputError(f"cannot read device file {str(path)!r}: {e.strerror or e}") from e
+    is_toml = path.suffix.lower() == ".toml"
+    if is_toml and tomllib is None:
+        raise InputError(f"reading the TOML device file {str(path)!r} needs Python >= 3.11 or the tomli package: "
+                         "install tomli, or write the file as JSON")
+    try:
+        data = tomllib.loads(text) if is_toml else json.loads(text)
+    except (ValueError, json.JSONDecodeError) as e:  # tomllib.TOMLDecodeError is a ValueError
+        kind = "TOML" if is_toml else "JSON"
+        raise InputError(f"device file {str(path)!r} is not valid {kind}: {e}") from e
+    return device_from_dict(data, source=f"device file {str(path)!r}")
+
+
+def device_to_dict(spec: DeviceSpec) -> dict[str, Any]:
+    """Every DeviceSpec field as JSON-safe values (the inverse of ``device_from_dict``)."""
+    data = {f: getattr(spec, f) for f in _FIELDS}
+    data["peak_flops"] = {k: float(v) for k, v in spec.peak_flops.items()}
+    return data
+
+
+def device_from_dict(data: Any, *, source: str = "device description") -> DeviceSpec:
+    """A validated DeviceSpec from a dict of its fields (optionally ``base`` = catalog name).
+
+    Raises InputError naming the missing, unknown or invalid field and ``source``.
+    """
+    if not isinstance(data, Mapping):
+        raise InputError(f"{source} must be a table/object of DeviceSpec fields, got {type(data).__name__}")
+    data = dict(data)
+    unknown = sorted(set(data) - set(_FIELDS) - {"base"})
+    if unknown:
+        raise InputError(f"{source} has unknown field(s) {', '.join(unknown)}: valid fields are base, {', '.join(_FIELDS)}")
+    if "base" in data:
+        base = device_to_dict(get_device(_check_str(data.pop("base"), "base", source)))
+        data = base | data
+    missing = [f for f in _REQUIRED_FIELDS if f not in data]
+    if missing:
+        raise InputError(f"{source} lacks the required field(s) {', '.join(missing)} (or give base = '<catalog name>')")
+    values = {"name": _check_str(data["name"], "name", source),
+              "memory_bytes": _check_positive_int(data["memory_bytes"], "memory_bytes", source),
+              "peak_flops": _check_peak_flops(data["peak_flops"], source)}
+    for f in _FIELDS:
+        if f not in values and f in data:
+            values[f] = _check_number(data[f], f, source)
+    return DeviceSpec(**values)
+
+
+def _check_str(value: Any, field: str, source: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise InputError(f"{source}: field {field!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _check_positive_int(value: Any, field: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value <= 0 or value != int(value):
+        raise InputError(f"{source}: field {field!r} must be a positive whole number of bytes, got {value!r}")
+    return int(value)
+
+
+def _check_number(value: Any, field: str, source: str) -> float:
+    """Bandwidths and efficiencies > 0 (efficiencies ≤ 1), latencies and overheads ≥ 0."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if field.endswith("_efficiency"):
+        ok = ok and 0 < value <= 1
+        want = "a number in (0, 1]"
+    elif field.endswith(("latency_s", "overhead_s")):
+        ok = ok and value >= 0
+        want = "a number of seconds >= 0"
+    else:
+        ok = ok and value > 0
+        want = "a positive number"
+    if not ok:
+        raise InputError(f"{source}: field {field!r} must be {want}, got {value!r}")
+    return float(value)
+
+
+def _check_peak_flops(value: Any, source: str) -> dict[str, float]:
+    if not isinstance(value, Mapping) or not value:
+        raise InputError(f"{source}: field 'peak_flops' must be a non-empty table of dtype -> FLOP/s, "
+                         f"e.g. {{\"float32\": 67e12, \"bfloat16\": 989e12}}, got {value!r}")
+    return {str(k): _check_number(v, f"peak_flops.{k}", source) for k, v in value.items()}
+
+
+# ----------------------------------------------------------------------------- the local CPU
+
+
+def machine_memory_bytes() -> int:
+    """This machine's RAM in bytes (or the container's memory limit, if lower)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:  # cgroup v2: "max" or a number of bytes
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return int(total)
+
+
+def local_cpu_spec(cache_dir: str | os.PathLike | None = None, *, memory_bytes: int | None = None,
+                   num_threads: int | None = None) -> DeviceSpec:
+    """The "cpu" entry calibrated on this machine: matmul FLOP/s per dtype and copy bandwidth.
+
+    Takes under ~1.5 s. ``num_threads`` (default: torch's current intra-op thread count) is
+    the thread count to measure with, e.g. the share of cores one rank gets. With
+    ``cache_dir`` the result is kept in a JSON file keyed by torch version, thread count and
+    CPU model, and later calls read it instead of measuring. The measured rates are what this
+    machine achieves, so both efficiency factors are 1.
+    """
+    import torch
+
+    num_threads = num_threads or torch.get_num_threads()
+    key = {"torch": torch.__version__, "num_threads": int(num_threads), "cpu": cpu_model()}
+    cache_path = None
+    if cache_dir is not None:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        cache_path = Path(cache_dir) / f"cpu-calibration-{digest}.json"
+    measured = cached_measurement(cache_path, key)
+    if measured is None:
+        measured = _calibrate_cpu(int(num_threads))
+        store_measurement(cache_path, key, measured)
+    base = get_device("cpu")
+    return dataclasses.replace(
+        base,
+        memory_bytes=memory_bytes if memory_bytes is not None else base.memory_bytes,
+        peak_flops=dict(measured["peak_flops"]),
+        memory_bandwidth_bytes_per_s=float(measured["memory_bandwidth_bytes_per_s"]),
+        compute_efficiency=1.0,
+        memory_efficiency=1.0,
+    )
+
+
+def _calibrate_cpu(num_threads: int) -> dict[str, Any]:
+    """Median rates of a few 1024³ matmuls per dtype and of a 64 MiB tensor copy."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        peak_flops = {}
+        n = 1024
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+            a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+            seconds = _median_time(lambda: torch.mm(a, b), repeats=4 if dtype == torch.float32 else 3)
+            peak_flops[name] = 2 * n**3 / seconds
+        src = torch.ones(16 * _MIB)  # 64 MiB of float32
+        dst = torch.empty_like(src)
+        seconds = _median_time(lambda: dst.copy_(src), repeats=7)
+        bandwidth = 2 * src.numel() * src.element_size() / seconds  # read + write
+    finally:
+        torch.set_num_threads(previous)
+    return {"peak_flops": peak_flops, "memory_bandwidth_bytes_per_s": bandwidth}
+
+
+def _median_time(fn: Any, repeats: int) -> float:
+    fn()  # warm-up: first-touch page faults and library initialisation
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (a cache key for measurements)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def cached_measurement(path: Path | None, key: dict) -> dict | None:
+    """The measurement stored at ``path`` under exactly ``key``, else None (also used by cluster.py)."""
+    if path is None or not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # a damaged cache entry is measured again and overwritten
+    if not isinstance(data, dict) or data.get("key") != key:
+        return None
+    return data.get("measured")
+
+
+def store_measurement(path: Path | None, key: dict, measured: dict) -> None:
+    """Write ``{key, measured}`` as JSON to ``path`` atomically; nothing when ``path`` is None."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"key": key, "measured": measured}, indent=2, sort_keys=True))
+    os.replace(tmp, path)  # readers never see a half-written file

@@ -1,0 +1,257 @@
+"""The parts of a CostTable that do not depend on where the times come from.
+
+Both cost sources (``analytic.py``, a roofline estimate, and ``profiler.py``, measurements)
+fill the time arrays themselves and take everything else from here: bytes per node output,
+cut bytes, activation bytes saved for backward, which nodes need a backward at all, and the
+parameter arrays.
+
+Glossary
+--------
+value           what node n computes: the tuple of its tensor outputs (``OpNode.outputs``).
+storage root    the node whose memory a value lives in. A view (``is_view``: views, getitem,
+                no-op casts, in-place ops) lives in its first tensor input's root; any other
+                node is its own root. Graph inputs are roots too; parameters are nobody's
+                activation.
+scaled          bytes at the micro-batch size: batch-proportional tensors (``batch_dim`` set)
+                scale by ``microbatch_size / graph.batch_size``, the rest stay.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from partita.types import OpGraph, OpNode
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "ParamArrays",
+    "activation_bytes",
+    "costs_nothing",
+    "cut_bytes",
+    "is_inplace",
+    "op_name",
+    "output_bytes",
+    "param_arrays",
+    "requires_grad",
+    "storage_roots",
+    "value_bytes",
+]
+
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+                          "complex64", "complex128"})
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+             "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
+
+# Ops whose float outputs never carry a gradient, whatever their inputs.
+_NO_GRAD_OPS = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
+                          "new_zeros", "new_ones", "new_full", "new_empty", "detach", "bernoulli"})
+
+# What an op's backward keeps from its forward (PyTorch's derivatives.yaml, simplified):
+#   nothing: linear in its inputs with a backward that needs only shapes;
+#   output:  the backward is written in terms of the result (softmax, tanh, ...);
+#   inputs+output: attention kernels (q, k, v, out, logsumexp);
+#   mask:    dropout keeps a one-byte mask per element;
+#   products (below) keep an operand when another operand needs a gradient;
+#   any other op keeps its non-parameter tensor inputs (conv keeps the activation for the
+#   weight gradient, gelu/layer_norm/cross_entropy/div keep their inputs).
+_SAVES_NOTHING = frozenset({
+    "add", "sub", "neg", "sum", "mean", "cat", "stack", "clone", "contiguous", "reshape", "view", "expand",
+    "pad", "constant_pad_nd", "slice", "select", "to", "_to_copy", "copy", "permute", "transpose", "t",
+    "flatten", "unflatten", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind", "narrow",
+    "alias", "repeat", "roll", "flip", "lift_fresh_copy", "type_as", "_unsafe_view",
+})
+_SAVES_OUTPUT = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "tanh", "sigmoid", "exp",
+                           "rsqrt", "sqrt", "relu", "elu"})
+_SAVES_INPUTS_AND_OUTPUT = frozenset({
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "flash_attention",
+})
+_SAVES_MASK = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout"})
+# Products keep each operand only for another operand's gradient (x * 0.5 keeps nothing; q * cos,
+# with cos a constant, keeps cos but not q).
+_PRODUCTS = frozenset({"mul", "mm", "bmm", "matmul", "addmm", "linear", "baddbmm", "addbmm"})
+
+
+class ParamArrays(NamedTuple):
+    """The parameter axis ``p`` of a CostTable, ordered by first use, then name."""
+
+    names: tuple[str, ...]
+    num_bytes: np.ndarray  # int64[p], bytes in the parameter's own dtype
+    trainable: np.ndarray  # bool[p], gets a gradient and optimizer state
+    uses: tuple[np.ndarray, ...]  # int64 sorted node positions reading p
+
+
+# ----------------------------------------------------------------------------- node classes
+
+
+def op_name(target: str) -> str:
+    """The op's name without namespace and overload: "aten.add_.Tensor" -> "add_"."""
+    parts = target.split(".")
+    return parts[1] if len(parts) >= 3 and parts[0] == "aten" else parts[-1]
+
+
+def is_inplace(node: OpNode) -> bool:
+    """An in-place aten op ("add_", "masked_fill_"): capture marks it a view, but it does work."""
+    name = op_name(node.target)
+    return node.target.startswith("aten.") and name.endswith("_") and not name.endswith("__")
+
+
+def costs_nothing(node: OpNode) -> bool:
+    """Views, symbolic-size ops and metadata asserts: no kernel runs, no time is spent."""
+    return not node.outputs or (node.is_view and not is_inplace(node))
+
+
+def _is_float(node: OpNode) -> bool:
+    return any(t.dtype in FLOAT_DTYPES for t in node.outputs)
+
+
+# ----------------------------------------------------------------------------- bytes
+
+
+def value_bytes(graph: OpGraph, microbatch_size: int) -> np.ndarray:
+    """int64[n]: bytes of every tensor output of node n, scaled; views included."""
+    b = graph.batch_size
+    return np.array([sum(t.bytes_at_batch(microbatch_size, b) for t in n.outputs) for n in graph.nodes], dtype=np.int64)
+
+
+def output_bytes(graph: OpGraph, microbatch_size: int) -> np.ndarray:
+    """int64[n]: bytes of new memory node n's outputs take, scaled (0 for views and in-place ops)."""
+    values = value_bytes(graph, microbatch_size)
+    views = np.array([n.is_view for n in graph.nodes], dtype=bool)
+    return np.where(views, 0, values)
+
+
+def cut_bytes(graph: OpGraph, microbatch_size: int) -> np.ndarray:
+    """int64[num_nodes + 1]: bytes of every value produced before cut c and read at or after it.
+
+    A value is sent across a stage boundary as it is (the runtime clones boundary views to
+    contiguous memory), so each crossing value counts its own bytes, views included. A value of
+    node i whose last reader is node j crosses cuts i+1 .. j; one sweep over a difference array
+    adds it to all of them in O(num_nodes + num_edges). Graph inputs are excluded (every rank
+    has the batch); values nobody reads (graph outputs other than through nodes) cross nothing.
+    """
+    num_nodes = graph.num_nodes
+    values = value_bytes(graph, microbatch_size)
+    diff = np.zeros(num_nodes + 2, dtype=np.int64)
+    for node in graph.nodes:
+        if node.consumers and values[node.index]:
+            last = max(node.consumers)
+            diff[node.index + 1] += values[node.index]
+            diff[last + 1] -= values[node.index]
+    return np.cumsum(diff)[: num_nodes + 1]
+
+
+def storage_roots(graph: OpGraph) -> list[int | None]:
+    """Per node, the root whose memory its value lives in: a node index, ``-(j + 1)`` for graph
+    input j, or None for a view of a parameter or constant (nobody's activation)."""
+    roots: list[int | None] = []
+    for node in graph.nodes:
+        if not node.is_view:
+            roots.append(node.index)
+            continue
+        source = next((p for p in node.inputs if graph.nodes[p].outputs), None)
+        if source is not None:
+            roots.append(roots[source])
+        elif node.graph_inputs:
+            roots.append(-(node.graph_inputs[0] + 1))
+        else:
+            roots.append(None)
+    return roots
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def requires_grad(graph: OpGraph) -> np.ndarray:
+    """bool[n]: whether node n's value gets a gradient (so node n has a backward).
+
+    True when n has a floating-point output and reads a trainable parameter or a value that
+    requires grad; graph inputs (the data) never do.
+    """
+    trainable = {name for name, p in graph.parameters.items() if p.requires_grad and not p.is_buffer}
+    result = np.zeros(graph.num_nodes, dtype=bool)
+    for node in graph.nodes:
+        if not _is_float(node) or op_name(node.target) in _NO_GRAD_OPS:
+            continue
+        result[node.index] = any(p in trainable for p in node.params) or any(result[i] for i in node.inputs)
+    return result
+
+
+def activation_bytes(graph: OpGraph, microbatch_size: int) -> np.ndarray:
+    """int64[n]: bytes node n keeps alive for its backward, scaled.
+
+    Which tensors an op keeps follows the tables above. A kept view keeps its whole storage
+    root alive, so the root's bytes count, and each root counts once, at the first node that
+    keeps it (softmax keeps its output and the next matmul keeps the same memory). Nodes
+    without a backward (no grad, views, in-place ops, integer outputs) keep nothing.
+    """
+    values = value_bytes(graph, microbatch_size)
+    roots = storage_roots(graph)
+    grad = requires_grad(graph)
+    trainable = {name for name, p in graph.parameters.items() if p.requires_grad and not p.is_buffer}
+    b = graph.batch_size
+    input_bytes = [g.tensor.bytes_at_batch(microbatch_size, b) if g.tensor is not None else 0 for g in graph.inputs]
+
+    def root_bytes(root: int | None) -> int:
+        return 0 if root is None else int(values[root]) if root >= 0 else input_bytes[-root - 1]
+
+    kept: set = set()  # storage roots already counted (node/input indices, or ("mask", n))
+    result = np.zeros(graph.num_nodes, dtype=np.int64)
+    for node in graph.nodes:
+        if not grad[node.index] or node.is_view:
+            continue
+        total = 0
+        for root, num_bytes in _kept_tensors(node, roots, root_bytes, grad, trainable):
+            if root is not None and root not in kept:
+                kept.add(root)
+                total += num_bytes
+        result[node.index] = total
+    return result
+
+
+def _kept_tensors(node: OpNode, roots: list, root_bytes, grad: np.ndarray, trainable: set) -> list[tuple]:
+    """(storage root, bytes) of each tensor ``node`` keeps for its backward."""
+    name = op_name(node.target)
+    own = roots[node.index]
+    if name in _SAVES_NOTHING:
+        return []
+    if name in _SAVES_MASK:  # one byte per element of the output
+        return [(("mask", node.index), root_bytes(node.index) // _ITEMSIZE.get(node.outputs[0].dtype, 4))]
+    if name in _SAVES_OUTPUT:
+        return [(own, root_bytes(own))]
+    # (storage root, requires grad) of each non-parameter operand; graph inputs never need grad.
+    operands = [(roots[p], bool(grad[p])) for p in node.inputs] + [(-(j + 1), False) for j in node.graph_inputs]
+    if name in _PRODUCTS:
+        # d(x·y)/dx needs y and d(x·y)/dy needs x: keep an operand iff another one needs a gradient.
+        weight_grad = any(p in trainable for p in node.params)
+        grads = [g for _, g in operands]
+        kept = [(r, root_bytes(r)) for k, (r, _) in enumerate(operands)
+                if weight_grad or any(grads[:k]) or any(grads[k + 1:])]
+    else:
+        kept = [(r, root_bytes(r)) for r, _ in operands]
+    if name in _SAVES_INPUTS_AND_OUTPUT:
+        kept.append((own, root_bytes(own)))
+    return kept
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def param_arrays(graph: OpGraph) -> ParamArrays:
+    """Parameters and buffers in a fixed order (first reading node, then name; unread ones last)."""
+    uses: dict[str, list[int]] = {name: [] for name in graph.parameters}
+    for node in graph.nodes:
+        for name in node.params:
+            if name in uses:
+                uses[name].append(node.index)
+    order = sorted(graph.parameters, key=lambda name: (uses[name][0] if uses[name] else graph.num_nodes, name))
+    infos = [graph.parameters[name] for name in order]
+    return ParamArrays(
+        names=tuple(order),
+        num_bytes=np.array([p.num_bytes for p in infos], dtype=np.int64),
+        trainable=np.array([p.requires_grad and not p.is_buffer for p in infos], dtype=bool),
+        uses=tuple(np.array(sorted(set(uses[name])), dtype=np.int64) for name in order),
+    )
