@@ -1,0 +1,319 @@
+"""Pipeline schedule simulator: the step time, bubble and activation peak of a schedule's real order.
+
+Each rank group runs its actions (``partita.plan.schedules.rank_orders``, the order torch runs)
+strictly in order, one at a time; an action starts when its rank group is free and its inputs
+have arrived. The simulator computes every start and end time exactly, in dependency order.
+
+Glossary
+--------
+S, G, m      stages in all, rank groups (pipeline positions), micro-batches per step.
+F, B, I, W   forward; full backward; input-gradient half; weight-gradient half (B = I + W).
+dependency   F(k, i) needs F(k-1, i) + send_s[k-1]. B/I(k, i) needs F(k, i) and B/I(k+1, i) +
+             send_s[k] (the gradient of stage k's output comes back the same link). W(k, i) needs
+             I(k, i). The last stage's B/I needs only its own F (the loss is part of that F).
+send         point-to-point transfer of a stage's output (or its gradient), asynchronous: it
+             delays the receiver but does not occupy either rank group's compute.
+all-reduce   stage k's gradients summed over its replicas, once per step. It starts when the
+             stage's last B (or W) ends and runs beside compute (overlapped, as with DDP). A rank
+             group's all-reduces share one communication stream: they run one after another,
+             in the order they become ready.
+busy         seconds a rank group computes in one step (all-reduces excluded).
+bubble       1 - mean busy / step time: the share of device time spent idle or only communicating.
+in flight    micro-batches whose activations a rank group keeps: added at F, freed at B. With the
+             I/W split (ZBV), freed at W: torch's ``stage_backward_input`` keeps the autograd graph
+             (``retain_graph=True``) for ``stage_backward_weight``, so all saved tensors live on.
+             The peak follows from the order alone (a rank group runs its actions one at a time).
+
+Worked example (GPipe, S = 2, m = 1, f = 1 s, b = 2 s, send 0.5 s): F(0,0) 0-1, F(1,0) 1.5-2.5,
+B(1,0) 2.5-4.5, B(0,0) 5-7: step 7 s = (f + b)·(m + S - 1) + 2·send.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable, Mapping, Sequence
+
+from partita.cost import comm
+from partita.cost.cluster import Cluster
+from partita.errors import InputError
+from partita.plan.schedules import rank_orders, stage_rank_groups
+from partita.types import CostTable, Plan, Schedule
+
+__all__ = ["SimResult", "TimelineEvent", "pipeline_inputs", "simulate", "simulate_pipeline"]
+
+_F, _B, _I, _W = 0, 1, 2, 3
+_KIND_CODES = {"F": _F, "B": _B, "I": _I, "W": _W}
+_KIND_NAMES = ("F", "B", "I", "W")
+ALLREDUCE = "allreduce"
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One interval of the simulated step. ``microbatch`` is -1 for an all-reduce."""
+
+    rank_group: int
+    stage: int
+    microbatch: int
+    kind: str  # "F", "B", "I", "W" or "allreduce"
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one simulated training step costs."""
+
+    step_s: float  # end of the last compute or all-reduce on any rank group
+    bubble_fraction: float  # 1 - mean(rank_busy_s) / step_s
+    rank_busy_s: tuple[float, ...]  # compute seconds per rank group
+    rank_peak_activation_bytes: tuple[int, ...]  # per rank group: peak activations of in-flight micro-batches
+    timeline: tuple[TimelineEvent, ...]  # empty when keep_timeline=False
+
+
+@lru_cache(maxsize=256)
+def _compiled_orders(schedule: Schedule, m: int, g: int, s: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """rank_orders as plain int triples (stage, microbatch, kind code): no attribute lookups in the hot loop."""
+    return tuple(tuple((a.stage, a.microbatch, _KIND_CODES[a.kind]) for a in order)
+                 for order in rank_orders(schedule, m, g, s))
+
+
+def simulate_pipeline(
+    *,
+    schedule: Schedule,
+    num_microbatches: int,
+    num_rank_groups: int,
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    backward_weight_s: Sequence[float],
+    send_s: Sequence[float],
+    allreduce_s: Sequence[float],
+    activation_bytes: Sequence[int] | None = None,
+    keep_timeline: bool = True,
+) -> SimResult:
+    """Simulate one step of ``schedule``; all per-stage arrays are indexed by stage (length S).
+
+    forward_s, backward_s    seconds per micro-batch; backward_s is the whole backward (I + W).
+    backward_weight_s        the W part of backward_s (used only by schedules that split it).
+    send_s                   length S - 1: seconds to send stage k's output to stage k + 1 (and its
+                             gradient back); 0 when both stages run on the same rank group.
+    allreduce_s              seconds of stage k's gradient all-reduce (0 for one replica).
+    activation_bytes         bytes per micro-batch that stage k keeps from F until B (until W with
+                             the I/W split); None: peaks are reported as 0.
+    Raises InputError (a ValueError) for a schedule torch cannot run with these counts.
+    """
+    schedule = Schedule.parse(schedule)
+    s, m, g = len(forward_s), num_microbatches, num_rank_groups
+    fwd, bwd, wgt, send, ar = _check_arrays(s, forward_s, backward_s, backward_weight_s, send_s, allreduce_s)
+    orders = _compiled_orders(schedule, m, g, s)
+    split = schedule is Schedule.ZBV
+    # Durations per kind code: F, B (whole backward), I (backward less W), W.
+    dur = (fwd, bwd, [max(0.0, b - w) for b, w in zip(bwd, wgt)], wgt)
+    clock, busy, grads_done, events = _run(orders, dur, send, s, m, keep_timeline)
+    comm_end = _allreduces(stage_rank_groups(schedule, g, s), grads_done, ar, events if keep_timeline else None)
+    step = max(max(clock), comm_end)
+    bubble = 1.0 - sum(busy) / (g * step) if step > 0 else 0.0
+    peaks = _peak_activations(orders, activation_bytes, s, free_kind=_W if split else _B)
+    timeline = tuple(sorted(events, key=lambda e: (e.start_s, e.rank_group, e.end_s))) if keep_timeline else ()
+    return SimResult(step_s=step, bubble_fraction=bubble, rank_busy_s=tuple(busy),
+                     rank_peak_activation_bytes=peaks, timeline=timeline)
+
+
+def _check_arrays(s: int, *arrays: Sequence[float]) -> tuple[list[float], ...]:
+    names = ("forward_s", "backward_s", "backward_weight_s", "send_s", "allreduce_s")
+    out = []
+    for name, values in zip(names, arrays):
+        want = s - 1 if name == "send_s" else s
+        values = [float(x) for x in values]
+        if len(values) != want:
+            raise InputError(f"{name} needs {want} values (one per stage{' boundary' if name == 'send_s' else ''}), "
+                             f"got {len(values)}")
+        if any(not x >= 0 for x in values):  # also rejects NaN
+            raise InputError(f"{name} must be >= 0 seconds, got {values}")
+        out.append(values)
+    fwd, bwd, wgt = out[:3]
+    if any(w > b * (1 + 1e-9) for w, b in zip(wgt, bwd)):
+        raise InputError(f"backward_weight_s {wgt} exceeds backward_s {bwd}: W is a part of the whole backward")
+    return tuple(out)
+
+
+def _run(orders, dur, send, s, m, keep_timeline):
+    """Event loop: advance every rank group through its order while the next action's inputs are ready.
+
+    Returns (clock per rank group, busy per rank group, last B/W end per stage, events).
+    """
+    g = len(orders)
+    f_end: list[Any] = [None] * (s * m)  # index stage * m + microbatch
+    b_end: list[Any] = [None] * (s * m)  # B or I
+    pos, clock, busy = [0] * g, [0.0] * g, [0.0] * g
+    grads_done = [0.0] * s
+    events: list[TimelineEvent] = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(g):
+            order, p, t = orders[r], pos[r], clock[r]
+            while p < len(order):
+                k, i, kind = order[p]
+                idx = k * m + i
+                if kind == _F:
+                    ready = 0.0
+                    if k:
+                        dep = f_end[idx - m]
+                        if dep is None:
+                            break
+                        ready = dep + send[k - 1]
+                elif kind == _W:
+                    ready = b_end[idx]
+                    if ready is None:
+                        break
+                else:  # B or I
+                    ready = f_end[idx]
+                    if ready is None:
+                        break
+                    if k < s - 1:
+                        dep = b_end[idx + m]
+                        if dep is None:
+                            break
+                        ready = max(ready, dep + send[k])
+                start = t if t > ready else ready
+                t = start + dur[kind][k]
+                if kind == _F:
+                    f_end[idx] = t
+                elif kind == _W:
+                    grads_done[k] = t
+                else:
+                    b_end[idx] = t
+                    if kind == _B:
+                        grads_done[k] = t
+                busy[r] += dur[kind][k]
+                if keep_timeline:
+                    events.append(TimelineEvent(r, k, i, _KIND_NAMES[kind], start, t))
+                p += 1
+            if p != pos[r]:
+                remaining -= p - pos[r]
+                pos[r], clock[r], progressed = p, t, True
+        if not progressed:
+            stuck = {r: str(orders[r][pos[r]]) for r in range(g) if pos[r] < len(orders[r])}
+            raise AssertionError(f"schedule order deadlocks: next (stage, microbatch, kind) per rank group {stuck}")
+    return clock, busy, grads_done, events
+
+
+def _allreduces(groups: Sequence[int], grads_done: Sequence[float], ar: Sequence[float],
+                events: list[TimelineEvent] | None) -> float:
+    """Run each rank group's all-reduces one after another as they become ready; return the last end."""
+    last = 0.0
+    for r in sorted(set(groups)):
+        stages = sorted((grads_done[k], k) for k in range(len(groups)) if groups[k] == r and ar[k] > 0)
+        free = 0.0
+        for ready, k in stages:
+            start = max(ready, free)
+            free = start + ar[k]
+            if events is not None:
+                events.append(TimelineEvent(r, k, -1, ALLREDUCE, start, free))
+        last = max(last, free)
+    return last
+
+
+def _peak_activations(orders, activation_bytes, s, *, free_kind) -> tuple[int, ...]:
+    """Per rank group: max over its order of the activation bytes held (F adds, free_kind frees)."""
+    if activation_bytes is None:
+        return (0,) * len(orders)
+    act = [int(x) for x in activation_bytes]
+    if len(act) != s or any(x < 0 for x in act):
+        raise InputError(f"activation_bytes needs {s} values >= 0 (one per stage), got {act}")
+    peaks = []
+    for order in orders:
+        held = peak = 0
+        for k, _, kind in order:
+            if kind == _F:
+                held += act[k]
+                peak = max(peak, held)
+            elif kind == free_kind:
+                held -= act[k]
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def simulate(plan: Plan, costs: Callable[[int], CostTable] | CostTable,
+             cluster: Cluster | Mapping[str, Any] | None = None, *, keep_timeline: bool = True) -> SimResult:
+    """Simulate one training step of ``plan``; ``cluster`` defaults to the plan's own.
+
+    ``costs(microbatch_size)`` returns the CostTable at that per-replica micro-batch size (a bare
+    CostTable serves when every stage runs at its micro-batch size).
+    """
+    return simulate_pipeline(**pipeline_inputs(plan, costs, cluster), keep_timeline=keep_timeline)
+
+
+def pipeline_inputs(plan: Plan, costs: Callable[[int], CostTable] | CostTable,
+                    cluster: Cluster | Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The keyword arguments of simulate_pipeline for ``plan``.
+
+    Per stage: forward/backward seconds are sums over its node range (recompute adds the forward
+    to the backward); activations kept per micro-batch are the range's saved tensors, or only the
+    stage input (``cut_bytes[start]``) under recompute; the all-reduce moves the trainable
+    parameter bytes of the range over the stage's replicas; the send to the next stage moves
+    ``cut_bytes[stop]`` between the two stages' first ranks.
+    """
+    cluster = _as_cluster(plan, cluster)
+    groups = stage_rank_groups(plan.schedule, plan.num_rank_groups, plan.num_stages)
+    for stage, group in zip(plan.stages, groups):
+        if stage.rank_group != group:
+            raise InputError(f"stage {stage.index} is on rank group {stage.rank_group}, but {plan.schedule.value} "
+                             f"places it on rank group {group}: rebuild the plan with that placement")
+    tables = _tables_per_stage(plan, costs)
+    fwd, bwd, wgt, act, allreduce = [], [], [], [], []
+    for stage, table in zip(plan.stages, tables):
+        a, b = stage.start, stage.stop
+        forward = float(table.forward_s[a:b].sum())
+        fwd.append(forward)
+        bwd.append(float(table.backward_s[a:b].sum()) + (forward if stage.recompute else 0.0))
+        wgt.append(float(table.backward_weight_s[a:b].sum()))
+        act.append(int(table.cut_bytes[a]) if stage.recompute else int(table.activation_bytes[a:b].sum()))
+        trainable = sum(int(table.param_bytes[p]) for p in table.params_in_range(a, b) if table.param_trainable[p])
+        allreduce.append(0.0 if stage.num_replicas == 1 else comm.allreduce_time_s(
+            trainable, stage.num_replicas, cluster, spans_nodes=comm.spans_nodes(stage.ranks, cluster)))
+    send = []
+    for k in range(plan.num_stages - 1):
+        here, after = plan.stages[k], plan.stages[k + 1]
+        if groups[k] == groups[k + 1]:
+            send.append(0.0)
+            continue
+        same_node = cluster.rank_to_node(here.ranks[0]) == cluster.rank_to_node(after.ranks[0])
+        send.append(comm.p2p_time_s(float(tables[k].cut_bytes[here.stop]), cluster, same_node=same_node))
+    return dict(schedule=plan.schedule, num_microbatches=plan.num_microbatches, num_rank_groups=plan.num_rank_groups,
+                forward_s=fwd, backward_s=bwd, backward_weight_s=wgt, send_s=send, allreduce_s=allreduce,
+                activation_bytes=act)
+
+
+def _as_cluster(plan: Plan, cluster: Cluster | Mapping[str, Any] | None) -> Cluster:
+    if cluster is None:
+        cluster = plan.cluster
+    return cluster if isinstance(cluster, Cluster) else Cluster.from_dict(cluster)
+
+
+def _tables_per_stage(plan: Plan, costs: Callable[[int], CostTable] | CostTable) -> list[CostTable]:
+    """The CostTable of every stage at its per-replica micro-batch size: B / (m · replicas)."""
+    by_size: dict[int, CostTable] = {}
+    tables = []
+    for stage in plan.stages:
+        samples = plan.num_microbatches * stage.num_replicas
+        if plan.global_batch_size % samples:
+            raise InputError(f"stage {stage.index}: global batch {plan.global_batch_size} does not split into "
+                             f"{plan.num_microbatches} micro-batches x {stage.num_replicas} replicas: use a global "
+                             f"batch that is a multiple of {samples}")
+        size = plan.global_batch_size // samples
+        if size not in by_size:
+            if isinstance(costs, CostTable):
+                if costs.microbatch_size != size:
+                    raise InputError(f"stage {stage.index} runs micro-batches of {size} per replica, but the cost "
+                                     f"table is for {costs.microbatch_size}: pass a function microbatch_size -> "
+                                     f"CostTable instead")
+                by_size[size] = costs
+            else:
+                by_size[size] = costs(size)
+        tables.append(by_size[size])
+    return tables
