@@ -1,0 +1,96 @@
+"""Turn a search candidate (or a baseline's split) into a Plan: node ranges, ranks, predictions."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+from partita.cost.memory import device_memory, microbatches_in_flight
+from partita.plan.search import Config, SearchOptions
+from partita.types import CostTable, OpGraph, Plan, StagePlan
+
+
+def stage_ranks(config: Config) -> list[tuple[int, ...]]:
+    """Ranks of each rank group: group g holds ranks [g*r, (g+1)*r), so a group's replicas and
+    neighbouring groups sit in the same node whenever the node is large enough."""
+    r = config.replicas
+    return [tuple(range(g * r, (g + 1) * r)) for g in range(config.num_rank_groups)]
+
+
+def rank_group_memory(costs: CostTable, config: Config, options: SearchOptions, ranges_by_group: Mapping[int, list],
+                      recompute_by_group: Mapping[int, bool]) -> dict[int, int]:
+    """Exact predicted peak bytes per rank group (all of the group's virtual stages together)."""
+    result = {}
+    for g, ranges in ranges_by_group.items():
+        in_flight = microbatches_in_flight(config.schedule, config.num_microbatches, config.num_rank_groups, g,
+                                           config.virtual_stages)
+        mem = device_memory(costs, ranges, in_flight=in_flight, optimizer=options.optimizer,
+                            recompute=recompute_by_group[g], mixed_precision=options.mixed_precision,
+                            num_replicas=config.replicas)
+        result[g] = mem.total_bytes
+    return result
+
+
+def build_plan(
+    graph: OpGraph,
+    costs: CostTable,
+    config: Config,
+    node_boundaries: Sequence[int],
+    recompute: Sequence[bool],
+    options: SearchOptions,
+    *,
+    cluster_dict: Mapping[str, Any],
+    method: str,
+    resolved_options: Mapping[str, Any],
+    versions: tuple[str, str],
+) -> Plan:
+    """A Plan with predicted per-stage times and memory (the step time is filled in by simulation)."""
+    groups = stage_ranks(config)
+    ranges_by_group: dict[int, list] = {}
+    recompute_by_group: dict[int, bool] = {}
+    for s in range(config.num_stages):
+        g = config.rank_group_of(s)
+        ranges_by_group.setdefault(g, []).append((node_boundaries[s], node_boundaries[s + 1]))
+        recompute_by_group[g] = recompute_by_group.get(g, False) or bool(recompute[s])
+    memory = rank_group_memory(costs, config, options, ranges_by_group, recompute_by_group)
+    stages = []
+    for s in range(config.num_stages):
+        start, stop = int(node_boundaries[s]), int(node_boundaries[s + 1])
+        g = config.rank_group_of(s)
+        held = costs.params_in_range(start, stop)
+        stages.append(StagePlan(
+            index=s, start=start, stop=stop,
+            first_node=graph.nodes[start].name, last_node=graph.nodes[stop - 1].name,
+            module_range=module_range(graph, start, stop), ranks=groups[g], rank_group=g,
+            recompute=recompute_by_group[g],
+            forward_s=float(costs.forward_s[start:stop].sum()),
+            backward_s=float(costs.backward_s[start:stop].sum() + (costs.forward_s[start:stop].sum() if recompute_by_group[g] else 0.0)),
+            memory_bytes=int(memory[g]),
+            param_bytes=int(sum(costs.param_bytes[p] for p in held)),
+            cut_bytes=int(costs.cut_bytes[stop]) if stop < graph.num_nodes else 0,
+        ))
+    return Plan(
+        graph_fingerprint=graph.fingerprint, cluster=dict(cluster_dict), stages=tuple(stages),
+        schedule=config.schedule, global_batch_size=options.global_batch_size,
+        num_microbatches=config.num_microbatches, microbatch_size=config.microbatch_size,
+        options=dict(resolved_options), method=method, cost_source=costs.source,
+        partita_version=versions[0], torch_version=versions[1],
+    )
+
+
+def fits(plan: Plan, memory_limit_bytes: int) -> bool:
+    return all(s.memory_bytes <= memory_limit_bytes for s in plan.stages)
+
+
+def module_range(graph: OpGraph, start: int, stop: int) -> str:
+    """'first module .. last module' of the nodes in [start, stop), skipping root-level glue."""
+    paths = [n.module_path for n in graph.nodes[start:stop] if n.module_path]
+    if not paths:
+        return "(root)"
+    return paths[0] if paths[0] == paths[-1] else f"{paths[0]} .. {paths[-1]}"
+
+
+def block_to_node_boundaries(chain: Sequence[int], block_boundaries: Sequence[int]) -> list[int]:
+    return [int(chain[b]) for b in block_boundaries]
+
+
+CostsAt = Callable[[int], CostTable]

@@ -1,0 +1,391 @@
+"""Where stage boundaries may fall, and the chain of blocks the search works on.
+
+Glossary
+--------
+cut         position c in [0, num_nodes]: between node c - 1 and node c (CostTable's axis c).
+crosses     the value of node p crosses cut c when p < c <= last_use(p): the runtime stage
+            builder ships every value produced before a boundary and read after it, each
+            view as its own contiguous copy (SymInts it recomputes from the graph inputs,
+            which every stage has).
+storage     the memory a value lives in. A view (``is_view``: views, no-op casts, in-place
+            ops, getitem of a view's list) lives in its first tensor input's storage; any
+            other node owns its storage, and so does a getitem of a higher-order op's tuple
+            (each element is a separate tensor). ``partita.cost.table.storage_roots`` differs
+            only there: it is about bytes kept alive, and a tuple's elements die together.
+block       a run of consecutive nodes between two chosen cuts; stages are ranges of blocks.
+
+A cut is legal when the stage builder can ship exactly what crosses it, once:
+1. no container crosses: a tuple/list (a multi-output op, a value read through
+   ``operator.getitem``) is not a tensor and has no wire format;
+2. no other non-tensor crosses, except a SymInt derivable from graph inputs alone
+   (``aten.sym_size.int`` of an input, and arithmetic on those), which is recomputed;
+3. no view of a parameter crosses: shipping it would send weights every micro-batch, and
+   the weight's gradient would then arrive as an activation gradient;
+4. no storage crosses twice: when a tensor and a view of it (or two views of one tensor)
+   both cross, each would be shipped as its own copy, doubling the bytes and breaking
+   aliasing (a later in-place op on the base would not reach the copied view). This also
+   covers a cut just after a view whose base is still read later.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from partita.errors import InputError
+from partita.types import CostTable, OpGraph
+
+__all__ = ["BlockCosts", "block_costs", "coarsen", "layer_boundaries", "legal_cuts"]
+
+_GETITEM = "operator.getitem"
+# Relative weight of a boundary's cut bytes against a block's imbalance in coarsen():
+# a boundary moved by ~0.35 of a block's target cost to halve the bytes it cuts is a fair trade.
+_CUT_WEIGHT = 0.25
+# Predecessors considered in coarsen()'s DP: blocks up to this many targets long (the
+# quadratic imbalance makes longer ones worse than two blocks, unless nothing lies between).
+_WINDOW_TARGETS = 3.0
+
+
+# ----------------------------------------------------------------------------- legal cuts
+
+
+def legal_cuts(graph: OpGraph) -> np.ndarray:
+    """bool[num_nodes + 1]: whether a stage boundary may fall at cut c (module docstring, rules 1-4).
+
+    Each value blocks the cuts it crosses, ``(p, last_use(p)]``, through a difference array,
+    so this is linear in the graph size (plus a sort per shared storage).
+    """
+    num_nodes = graph.num_nodes
+    last_use = np.array([max(n.consumers, default=-1) for n in graph.nodes], dtype=np.int64)
+    roots, param_view = _storage(graph)
+    derivable = _derivable_symints(graph)
+    blocked = np.zeros(num_nodes + 2, dtype=np.int64)  # difference array over cuts
+    groups: dict[int, list[int]] = {}
+    for node in graph.nodes:
+        p = node.index
+        if last_use[p] <= p:
+            continue  # read by nobody: crosses nothing
+        if _must_not_cross(graph, p, param_view, derivable):
+            blocked[p + 1] += 1
+            blocked[last_use[p] + 1] -= 1
+        elif node.outputs and roots[p] is not None:
+            groups.setdefault(roots[p], []).append(p)
+    for members in groups.values():
+        if len(members) > 1:
+            _block_shared_storage(members, last_use, blocked)
+    legal = np.cumsum(blocked)[: num_nodes + 1] == 0
+    legal[0] = legal[num_nodes] = True
+    return legal
+
+
+def _storage(graph: OpGraph) -> tuple[list[int | None], np.ndarray]:
+    """Per node: its storage root (node index, ``-(j + 1)`` for graph input j, None for a view
+    of a parameter or constant), and whether it is a view of a parameter."""
+    roots: list[int | None] = []
+    param_view = np.zeros(graph.num_nodes, dtype=bool)
+    for node in graph.nodes:
+        source = next((p for p in node.inputs if graph.nodes[p].outputs), None)
+        owns = not node.is_view or (node.target == _GETITEM and source is not None
+                                     and not graph.nodes[source].is_view)
+        if owns:
+            roots.append(node.index)
+        elif source is not None:
+            roots.append(roots[source])
+            param_view[node.index] = param_view[source]
+        elif node.graph_inputs:
+            roots.append(-(node.graph_inputs[0] + 1))
+        else:
+            roots.append(None)
+            param_view[node.index] = bool(node.params)
+    return roots, param_view
+
+
+def _derivable_symints(graph: OpGraph) -> np.ndarray:
+    """bool[n]: node n is a non-tensor computed from graph inputs only (a SymInt such as
+    ``aten.sym_size.int(input_ids, 0)``, or arithmetic on those), so any stage can recompute it."""
+    result = np.zeros(graph.num_nodes, dtype=bool)
+    for node in graph.nodes:
+        result[node.index] = (not node.outputs and not node.params and not node.is_higher_order
+                              and all(result[i] for i in node.inputs))
+    return result
+
+
+def _must_not_cross(graph: OpGraph, p: int, param_view: np.ndarray, derivable: np.ndarray) -> bool:
+    node = graph.nodes[p]
+    if not node.outputs:
+        return not derivable[p]  # rule 2
+    is_container = len(node.outputs) > 1 or any(graph.nodes[c].target == _GETITEM for c in node.consumers)
+    return is_container or bool(param_view[p])  # rules 1 and 3
+
+
+def _block_shared_storage(members: list[int], last_use: np.ndarray, blocked: np.ndarray) -> None:
+    """Rule 4: block the cuts where two or more values of one storage cross at once."""
+    # Value p crosses cuts [p + 1, last_use + 1); sweep the interval ends, exits first at a tie.
+    events = sorted([(p + 1, 1) for p in members] + [(int(last_use[p]) + 1, -1) for p in members])
+    live = 0
+    for (position, delta), (following, _) in zip(events, events[1:] + [(events[-1][0], 0)]):
+        live += delta
+        if live >= 2 and following > position:
+            blocked[position] += 1
+            blocked[following] -= 1
+
+
+# ----------------------------------------------------------------------------- coarsening
+
+
+def coarsen(graph: OpGraph, costs: CostTable, *, max_blocks: int = 256) -> np.ndarray:
+    """Block boundaries: sorted legal cut positions, first 0, last num_nodes, at most ``max_blocks`` blocks.
+
+    When the graph has no more than ``max_blocks`` legal blocks, every legal cut is a boundary
+    (the finest chain is the search's best input). Otherwise a DP chooses boundaries among
+    candidates: the legal cuts whose cut bytes are a local minimum (between transformer layers
+    only the hidden state crosses) and the legal cuts around each node costlier than a block.
+    With ``t`` the target cost of a block it minimises::
+
+        sum over blocks of ((cost - t) / t)**2  +  _CUT_WEIGHT * sum over boundaries of cut_bytes / ref
+
+    (``cost`` = forward_s + backward_s of the block's nodes, ``ref`` the median candidate cut
+    bytes). Some boundaries are required: the legal starts of repeated layers (when there are
+    at most ``max_blocks // 2``), since the best stage splits cut between layers even where
+    balance alone would merge a small embedding block into layer 0; and the cuts around a node
+    costing two targets or more (a big LM head is its own block, whatever its output's size).
+    ``t`` is the total over ``max_blocks``, not counting nodes costlier than ``t``; it grows
+    until the answer has at most ``max_blocks`` blocks. Ties go to the earliest position, so
+    the result is deterministic.
+    """
+    if isinstance(max_blocks, bool) or not isinstance(max_blocks, (int, np.integer)) or max_blocks < 1:
+        raise InputError(f"max_blocks must be an int >= 1, got {max_blocks!r}")
+    if costs.num_nodes != graph.num_nodes:
+        raise InputError(f"the CostTable has {costs.num_nodes} nodes but the graph {graph.num_nodes}: "
+                         "compute the costs of this graph")
+    legal = np.flatnonzero(legal_cuts(graph))
+    if len(legal) - 1 <= max_blocks:
+        return legal
+    work = np.asarray(costs.forward_s, dtype=np.float64) + np.asarray(costs.backward_s, dtype=np.float64)
+    if work.sum() <= 0:
+        work = np.ones_like(work)  # no costs known: balance node counts
+    prefix = np.concatenate([[0.0], np.cumsum(work)])
+    cut = np.asarray(costs.cut_bytes, dtype=np.float64)
+    minima = _local_minima(legal, cut)
+    layers = np.intersect1d(np.asarray(layer_boundaries(graph), dtype=np.int64), legal)
+    if len(layers) > max_blocks // 2:
+        layers = layers[:0]
+    num_wanted = max_blocks
+    while num_wanted >= 1:
+        target = _block_target(work, num_wanted)
+        required = np.union1d(layers, _cuts_around(work >= 2 * target, legal))
+        positions = np.union1d(np.union1d(minima, _cuts_around(work >= target, legal)), required)
+        chosen = _chain_dp(positions, np.isin(positions, required), prefix, cut, target)
+        if len(chosen) - 1 <= max_blocks:
+            return chosen
+        # Too many blocks (costly nodes forced extra ones): aim lower, at least one fewer.
+        num_wanted = min(num_wanted - 1, int(num_wanted * max_blocks / (len(chosen) - 1)))
+    raise AssertionError("with one wanted block only the layer starts are required")
+
+
+def _local_minima(legal: np.ndarray, cut: np.ndarray) -> np.ndarray:
+    """Legal cuts whose cut bytes are <= both legal neighbours' (plateaus included), and the ends."""
+    values = cut[legal]
+    before = np.concatenate([[np.inf], values[:-1]])
+    after = np.concatenate([values[1:], [np.inf]])
+    keep = (values <= before) & (values <= after)
+    keep[0] = keep[-1] = True
+    return legal[keep]
+
+
+def _block_target(work: np.ndarray, num_blocks: int) -> float:
+    """Total cost / num_blocks, where nodes costlier than a block are blocks of their own
+    and leave the rest of the total to the other blocks."""
+    total = float(work.sum())
+    target = total / num_blocks
+    for _ in range(3):  # a few fixed-point steps; the DP is robust to a rough target
+        costly = work >= target
+        rest, num_rest = total - float(work[costly].sum()), num_blocks - int(costly.sum())
+        if rest <= 0 or num_rest < 1:
+            break
+        target = rest / num_rest
+    return target
+
+
+def _cuts_around(nodes: np.ndarray, legal: np.ndarray) -> np.ndarray:
+    """The nearest legal cut at or before, and at or after, each node of the mask ``nodes``."""
+    positions = np.flatnonzero(nodes)
+    before = legal[np.searchsorted(legal, positions, side="right") - 1]
+    after = legal[np.searchsorted(legal, positions + 1, side="left")]
+    return np.union1d(before, after)
+
+
+def _chain_dp(positions: np.ndarray, required: np.ndarray, prefix: np.ndarray, cut: np.ndarray,
+              target: float) -> np.ndarray:
+    """The subset of ``positions`` (sorted, first 0, last num_nodes) that keeps every ``required``
+    one and minimises the objective in coarsen()'s docstring. best[i] is the least objective of
+    a chain ending at positions[i]:
+
+        best[i] = min over j < i of best[j] + ((P[i] - P[j] - t) / t)**2 + pen[i]
+
+    with P the prefix cost and pen the boundary penalty; j ranges over blocks of at most
+    _WINDOW_TARGETS targets (always including i - 1) and never skips a required position."""
+    at = prefix[positions]
+    inner = cut[positions[1:-1]]
+    ref = float(np.median(inner)) if len(inner) and np.median(inner) > 0 else 1.0
+    penalty = _CUT_WEIGHT * cut[positions] / ref
+    penalty[0] = penalty[-1] = 0.0
+    m = len(positions)
+    best = np.full(m, np.inf)
+    best[0] = 0.0
+    parent = np.zeros(m, dtype=np.int64)
+    starts = np.searchsorted(at, at - _WINDOW_TARGETS * target, side="left")
+    last_required = 0
+    for i in range(1, m):
+        lo = max(min(int(starts[i]), i - 1), last_required)
+        scores = best[lo:i] + ((at[i] - at[lo:i] - target) / target) ** 2
+        k = int(np.argmin(scores))  # first minimum: earliest predecessor wins ties
+        best[i] = scores[k] + penalty[i]
+        parent[i] = lo + k
+        if required[i]:
+            last_required = i
+    chosen = [m - 1]
+    while chosen[-1] != 0:
+        chosen.append(int(parent[chosen[-1]]))
+    return positions[np.array(chosen[::-1])].astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- block costs
+
+
+@dataclass(frozen=True, eq=False)
+class BlockCosts:
+    """A CostTable summed over the blocks of a chain: what the stage search sees.
+
+    Axes:
+        k     block, length K = ``num_blocks``: block k is nodes [boundaries[k], boundaries[k+1]).
+        b     block boundary, length K + 1: boundary b is where block b starts (b = K: the end).
+        j, i  a stage made of blocks [j, i), 0 <= j < i <= K; entries with i <= j are 0.
+
+    Arrays (numpy, per micro-batch, like the CostTable they come from):
+        boundaries[b]              node position (cut) of boundary b.
+        forward_s[k], backward_s[k], backward_weight_s[k], activation_bytes[k]
+                                   sums over the nodes of block k.
+        max_output_bytes[k]        largest new output of one node of block k (working memory).
+        cut_bytes[b]               CostTable.cut_bytes at boundary b (0 at both ends).
+        param_bytes_matrix[j, i]   bytes of every parameter and buffer that a stage of blocks
+                                   [j, i) holds: those read by any of its nodes, tied ones once.
+        trainable_bytes_matrix[j, i]  the part of those that gets gradients and optimizer state.
+    """
+
+    boundaries: np.ndarray
+    forward_s: np.ndarray
+    backward_s: np.ndarray
+    backward_weight_s: np.ndarray
+    activation_bytes: np.ndarray
+    max_output_bytes: np.ndarray
+    cut_bytes: np.ndarray
+    param_bytes_matrix: np.ndarray
+    trainable_bytes_matrix: np.ndarray
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.boundaries) - 1
+
+    def param_bytes(self, start: int, stop: int, *, trainable: bool = False) -> int:
+        """Parameter bytes held by a stage of blocks [start, stop) (only trainable ones if asked)."""
+        matrix = self.trainable_bytes_matrix if trainable else self.param_bytes_matrix
+        return int(matrix[start, stop])
+
+
+def block_costs(costs: CostTable, boundaries) -> BlockCosts:
+    """Sum ``costs`` over the blocks between ``boundaries`` (sorted cuts, first 0, last num_nodes)."""
+    b = np.asarray(boundaries, dtype=np.int64)
+    n = costs.num_nodes
+    if b.ndim != 1 or len(b) < 2 or b[0] != 0 or b[-1] != n or np.any(np.diff(b) <= 0):
+        raise InputError(f"block boundaries must rise strictly from 0 to num_nodes={n}, got {b.tolist()[:8]}"
+                         f"{'...' if len(b) > 8 else ''}: pass the output of coarsen()")
+    starts = b[:-1]
+
+    def per_block(values, dtype) -> np.ndarray:
+        return np.add.reduceat(np.asarray(values, dtype=dtype), starts)
+
+    param_matrix, trainable_matrix = _held_param_matrices(costs, b)
+    return BlockCosts(
+        boundaries=b,
+        forward_s=per_block(costs.forward_s, np.float64),
+        backward_s=per_block(costs.backward_s, np.float64),
+        backward_weight_s=per_block(costs.backward_weight_s, np.float64),
+        activation_bytes=per_block(costs.activation_bytes, np.int64),
+        max_output_bytes=np.maximum.reduceat(np.asarray(costs.output_bytes, dtype=np.int64), starts),
+        cut_bytes=np.asarray(costs.cut_bytes, dtype=np.int64)[b],
+        param_bytes_matrix=param_matrix,
+        trainable_bytes_matrix=trainable_matrix,
+    )
+
+
+def _held_param_matrices(costs: CostTable, boundaries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(K+1, K+1) matrices [j, i] of the bytes (all, trainable) held by a stage of blocks [j, i).
+
+    A parameter is held iff one of its use blocks u_1 < ... < u_m lies in [j, i); it is NOT
+    held iff [j, i - 1] fits in a gap between consecutive uses (a, c) (with sentinels a = -1,
+    c = K): a < j and i <= c. So held = total - sum over gaps of bytes * [j >= a + 1][i <= c],
+    a sum of rectangles built with a 2-D difference array; for j < i the gaps of one parameter
+    never overlap. Worked example, K = 4, a tied weight used in blocks 0 and 3: gaps (-1, 0),
+    (0, 3), (3, 4); the gap (0, 3) removes it from [1, 2), [1, 3), [2, 3) and no other range.
+    """
+    k = len(boundaries) - 1
+    param_bytes = np.asarray(costs.param_bytes, dtype=np.int64)
+    trainable = np.asarray(costs.param_trainable, dtype=bool)
+    pids, blocks = [], []
+    for p, uses in enumerate(costs.param_uses):
+        ub = np.unique(np.searchsorted(boundaries, np.asarray(uses, dtype=np.int64), side="right") - 1)
+        pids.append(np.full(len(ub), p, dtype=np.int64))
+        blocks.append(ub)
+    pid = np.concatenate(pids) if pids else np.zeros(0, dtype=np.int64)
+    blk = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
+    # Gaps (a, c): a = the previous use of the same parameter (or -1), c = this use; plus (last use, K).
+    first = np.ones(len(pid), dtype=bool)
+    first[1:] = pid[1:] != pid[:-1]
+    last = np.ones(len(pid), dtype=bool)
+    last[:-1] = pid[1:] != pid[:-1]
+    a = np.concatenate([np.where(first, -1, np.roll(blk, 1)), blk[last]])
+    c = np.concatenate([blk, np.full(int(last.sum()), k, dtype=np.int64)])
+    gap_pid = np.concatenate([pid, pid[last]])
+    used = np.zeros(len(param_bytes), dtype=bool)
+    used[pid] = True  # parameters nobody reads are held by no stage
+    matrices = []
+    for weights in (param_bytes, np.where(trainable, param_bytes, 0)):
+        diff = np.zeros((k + 2, k + 2), dtype=np.int64)
+        np.add.at(diff, (a + 1, np.zeros_like(c)), weights[gap_pid])
+        np.add.at(diff, (a + 1, c + 1), -weights[gap_pid])
+        not_held = np.cumsum(np.cumsum(diff, axis=0), axis=1)[: k + 1, : k + 1]
+        held = int(weights[used].sum()) - not_held
+        matrices.append(np.triu(held, 1))
+    return matrices[0], matrices[1]
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def layer_boundaries(graph: OpGraph) -> list[int]:
+    """First node position of each repeated layer, in graph order.
+
+    A layer is an item of a module list: the outermost numbered component of a node's
+    ``module_path`` ("transformer.h.3.attn" -> layer "transformer.h.3" of list "transformer.h").
+    Lists are grouped by their own name ("h", "layers", "layer", "block"), so T5's
+    "encoder.block" and "decoder.block" count together, and the group with the most layers
+    wins (ties: the one that starts first). Returns [] when no module list is found.
+    """
+    families: dict[str, dict[str, int]] = {}
+    for node in graph.nodes:
+        parts = node.module_path.split(".") if node.module_path else []
+        k = next((i for i, part in enumerate(parts) if _NUMBER.fullmatch(part)), None)
+        if k is None:
+            continue
+        family = parts[k - 1] if k > 0 else ""
+        families.setdefault(family, {}).setdefault(".".join(parts[: k + 1]), node.index)
+    if not families:
+        return []
+    best = min(families.values(), key=lambda layers: (-len(layers), min(layers.values())))
+    return sorted(best.values())
+
+
+_NUMBER = re.compile(r"\d+")

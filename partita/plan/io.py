@@ -1,0 +1,239 @@
+"""Plan <-> JSON. Plans are data: versioned, readable, never pickled, validated field by field.
+
+``load_plan`` rejects anything that is not a valid plan with a PlanFileError that names the
+field, the value and the cause; with ``graph`` / ``cluster`` it also rejects a plan made for
+another model or cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping
+
+from partita.errors import PlanFileError
+from partita.types import PLAN_SCHEMA_VERSION, OpGraph, Plan, Schedule, StagePlan
+
+_STAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "index": int, "start": int, "stop": int, "first_node": str, "last_node": str, "module_range": str,
+    "ranks": list, "rank_group": int, "recompute": bool, "forward_s": (int, float), "backward_s": (int, float),
+    "memory_bytes": int, "param_bytes": int, "cut_bytes": int,
+}
+_PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "schema_version": int, "partita_version": str, "torch_version": str, "graph_fingerprint": str,
+    "cluster": dict, "stages": list, "schedule": str, "global_batch_size": int, "num_microbatches": int,
+    "microbatch_size": int, "options": dict, "method": str, "predicted_step_s": (int, float),
+    "predicted_bubble_fraction": (int, float), "cost_source": str,
+}
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """JSON-safe dict with a stable key order."""
+    return {
+        "schema_version": plan.schema_version,
+        "partita_version": plan.partita_version,
+        "torch_version": plan.torch_version,
+        "method": plan.method,
+        "graph_fingerprint": plan.graph_fingerprint,
+        "cost_source": plan.cost_source,
+        "schedule": plan.schedule.value,
+        "global_batch_size": plan.global_batch_size,
+        "num_microbatches": plan.num_microbatches,
+        "microbatch_size": plan.microbatch_size,
+        "predicted_step_s": plan.predicted_step_s,
+        "predicted_bubble_fraction": plan.predicted_bubble_fraction,
+        "options": dict(plan.options),
+        "cluster": dict(plan.cluster),
+        "stages": [
+            {**{k: getattr(s, k) for k in _STAGE_FIELDS if k != "ranks"}, "ranks": list(s.ranks)}
+            for s in plan.stages
+        ],
+    }
+
+
+def plan_to_json(plan: Plan) -> str:
+    """Deterministic text: the same plan gives the same bytes."""
+    return json.dumps(plan_to_dict(plan), indent=2, sort_keys=False, allow_nan=False) + "\n"
+
+
+def save_plan(plan: Plan, path: str | os.PathLike) -> None:
+    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(plan_to_json(plan))
+    os.replace(tmp, path)
+
+
+def load_plan(path: str | os.PathLike, *, graph: OpGraph | None = None, cluster: Any = None) -> Plan:
+    """Read and validate a plan file; check it against ``graph`` and ``cluster`` when given."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise PlanFileError(f"cannot read plan file {os.fspath(path)!r}: {e.strerror}") from e
+    return plan_from_json(text, graph=graph, cluster=cluster, source=os.fspath(path))
+
+
+def plan_from_json(text: str, *, graph: OpGraph | None = None, cluster: Any = None, source: str = "plan") -> Plan:
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise PlanFileError(f"{source} is not valid JSON ({e}); was it truncated? Re-create it with `partita plan`") from e
+    plan = plan_from_dict(data, source=source)
+    if graph is not None:
+        check_plan_matches_graph(plan, graph, source=source)
+    if cluster is not None:
+        check_plan_matches_cluster(plan, cluster, source=source)
+    return plan
+
+
+def plan_from_dict(data: Any, *, source: str = "plan") -> Plan:
+    """Validate every field and build the Plan."""
+    if not isinstance(data, dict):
+        raise PlanFileError(f"{source}: a plan file holds a JSON object, found {type(data).__name__}")
+    version = data.get("schema_version")
+    if version != PLAN_SCHEMA_VERSION:
+        raise PlanFileError(
+            f"{source}: field 'schema_version' is {version!r}, but this partita reads schema "
+            f"{PLAN_SCHEMA_VERSION}: re-create the plan with this version of partita"
+        )
+    _check_fields(data, _PLAN_FIELDS, source, "")
+    stages = tuple(_stage_from_dict(s, k, source) for k, s in enumerate(_nonempty(data["stages"], "stages", source)))
+    try:
+        schedule = Schedule.parse(data["schedule"])
+    except ValueError as e:
+        raise PlanFileError(f"{source}: field 'schedule': {e}") from e
+    plan = Plan(
+        graph_fingerprint=data["graph_fingerprint"], cluster=_cluster_dict(data["cluster"], source), stages=stages,
+        schedule=schedule, global_batch_size=data["global_batch_size"], num_microbatches=data["num_microbatches"],
+        microbatch_size=data["microbatch_size"], options=data["options"], method=data["method"],
+        predicted_step_s=float(data["predicted_step_s"]), predicted_bubble_fraction=float(data["predicted_bubble_fraction"]),
+        cost_source=data["cost_source"], partita_version=data["partita_version"], torch_version=data["torch_version"],
+        schema_version=version,
+    )
+    check_plan_consistency(plan, source)
+    return plan
+
+
+def _stage_from_dict(data: Any, k: int, source: str) -> StagePlan:
+    where = f"stages[{k}]"
+    if not isinstance(data, dict):
+        raise PlanFileError(f"{source}: {where} must be an object, found {type(data).__name__}")
+    _check_fields(data, _STAGE_FIELDS, source, where + ".")
+    ranks = data["ranks"]
+    if not ranks or not all(type(r) is int and r >= 0 for r in ranks) or len(set(ranks)) != len(ranks):
+        raise PlanFileError(f"{source}: {where}.ranks is {ranks!r}: it must be a non-empty list of distinct ranks >= 0")
+    values = {key: data[key] for key in _STAGE_FIELDS}
+    values["ranks"] = tuple(ranks)
+    values["forward_s"], values["backward_s"] = float(data["forward_s"]), float(data["backward_s"])
+    return StagePlan(**values)
+
+
+def _check_fields(data: dict, fields: Mapping[str, Any], source: str, prefix: str) -> None:
+    for key, kind in fields.items():
+        if key not in data:
+            raise PlanFileError(f"{source}: field '{prefix}{key}' is missing")
+        value = data[key]
+        ok = isinstance(value, kind) and not (kind in (int, (int, float)) and isinstance(value, bool))
+        if not ok:
+            raise PlanFileError(f"{source}: field '{prefix}{key}' is {value!r}, expected {_kind_name(kind)}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value) or value < 0:
+                raise PlanFileError(f"{source}: field '{prefix}{key}' is {value!r}, expected a finite number >= 0")
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise PlanFileError(f"{source}: unknown field(s) {', '.join(prefix + u for u in unknown)}: was the file edited by hand?")
+
+
+def _kind_name(kind: Any) -> str:
+    names = {int: "an integer", str: "a string", bool: "true or false", list: "a list", dict: "an object"}
+    return names.get(kind, "a number")
+
+
+def _nonempty(value: list, field: str, source: str) -> list:
+    if not value:
+        raise PlanFileError(f"{source}: field '{field}' is empty: a plan has at least one stage")
+    return value
+
+
+def _cluster_dict(data: dict, source: str) -> dict:
+    from partita.cost.cluster import Cluster
+
+    try:
+        return Cluster.from_dict(data).to_dict()
+    except Exception as e:  # noqa: BLE001 - any invalid cluster becomes a PlanFileError naming it
+        raise PlanFileError(f"{source}: field 'cluster' is invalid: {e}") from e
+
+
+def check_plan_consistency(plan: Plan, source: str = "plan") -> None:
+    """Invariants a valid plan satisfies whatever the model: contiguous stages, ranks, batch."""
+    stages = plan.stages
+    if stages[0].start != 0:
+        raise PlanFileError(f"{source}: stages[0].start is {stages[0].start}, expected 0 (the first node)")
+    for k, s in enumerate(stages):
+        if s.index != k:
+            raise PlanFileError(f"{source}: stages[{k}].index is {s.index}, expected {k}")
+        if s.start >= s.stop:
+            raise PlanFileError(f"{source}: stages[{k}] is empty or reversed (start {s.start}, stop {s.stop})")
+        if k + 1 < len(stages) and stages[k + 1].start != s.stop:
+            raise PlanFileError(
+                f"{source}: stages[{k}] ends at node {s.stop} but stages[{k + 1}] starts at {stages[k + 1].start}: "
+                "stages must be contiguous, without gaps or overlaps"
+            )
+    _check_rank_groups(plan, source)
+    num_devices = int(plan.cluster["num_devices"])
+    used = sorted({r for s in stages for r in s.ranks})
+    if used[-1] >= num_devices:
+        raise PlanFileError(f"{source}: rank {used[-1]} is used but the cluster has {num_devices} devices")
+    _check_batch(plan, source)
+
+
+def _check_rank_groups(plan: Plan, source: str) -> None:
+    groups: dict[int, tuple[int, ...]] = {}
+    for k, s in enumerate(plan.stages):
+        if groups.setdefault(s.rank_group, s.ranks) != s.ranks:
+            raise PlanFileError(f"{source}: stages[{k}].ranks {list(s.ranks)} differ from other stages of rank group {s.rank_group}")
+    seen: dict[int, int] = {}
+    for group, ranks in groups.items():
+        for r in ranks:
+            if seen.setdefault(r, group) != group:
+                raise PlanFileError(f"{source}: rank {r} is in rank groups {seen[r]} and {group}: a rank runs one group")
+    if sorted(groups) != list(range(len(groups))):
+        raise PlanFileError(f"{source}: rank groups are {sorted(groups)}, expected 0..{len(groups) - 1}")
+
+
+def _check_batch(plan: Plan, source: str) -> None:
+    b, m, mb = plan.global_batch_size, plan.num_microbatches, plan.microbatch_size
+    r0 = plan.stages[0].num_replicas
+    if m < 1 or mb < 1 or b != m * mb * r0:
+        raise PlanFileError(
+            f"{source}: global_batch_size {b} != num_microbatches {m} x microbatch_size {mb} x replicas of stage 0 ({r0})"
+        )
+    for k, s in enumerate(plan.stages):
+        if (b // m) % s.num_replicas:
+            raise PlanFileError(f"{source}: stages[{k}] has {s.num_replicas} replicas, which do not divide the micro-batch of {b // m} samples")
+
+
+def check_plan_matches_graph(plan: Plan, graph: OpGraph, source: str = "plan") -> None:
+    if plan.graph_fingerprint != graph.fingerprint:
+        raise PlanFileError(
+            f"{source} was made for another model or input shape (graph fingerprint {plan.graph_fingerprint}, "
+            f"this model's is {graph.fingerprint}): re-plan for this model"
+        )
+    if plan.stages[-1].stop != graph.num_nodes:
+        raise PlanFileError(f"{source}: the last stage ends at node {plan.stages[-1].stop}, but the graph has {graph.num_nodes} nodes")
+    for k, s in enumerate(plan.stages):
+        if graph.nodes[s.start].name != s.first_node or graph.nodes[s.stop - 1].name != s.last_node:
+            raise PlanFileError(
+                f"{source}: stages[{k}] should run nodes {s.first_node}..{s.last_node}, but positions "
+                f"{s.start}..{s.stop - 1} are {graph.nodes[s.start].name}..{graph.nodes[s.stop - 1].name}"
+            )
+
+
+def check_plan_matches_cluster(plan: Plan, cluster: Any, source: str = "plan") -> None:
+    expected = cluster.to_dict()
+    if dict(plan.cluster) != expected:
+        differing = sorted(k for k in set(expected) | set(plan.cluster) if expected.get(k) != plan.cluster.get(k))
+        raise PlanFileError(
+            f"{source} was made for another cluster (fields differ: {', '.join(differing)}): re-plan for this cluster"
+        )

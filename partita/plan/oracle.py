@@ -1,0 +1,47 @@
+"""Brute force over every split of the block chain, for tests on small instances only.
+
+It tries every config the options allow and every way to cut the chain into the config's
+number of stages; recomputation is switched on exactly for the stages that would not fit
+without it (recomputation only adds time, so this choice is optimal per stage). Each
+candidate is simulated on its schedule; the shortest step that fits wins.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Iterator
+
+from partita.plan.search import Config, SearchOptions, enumerate_configs
+from partita.types import Plan
+
+# (config, node boundaries, recompute per stage, method) -> simulated Plan, or None if it does not fit
+Evaluate = Callable[[Config, list, list, str], "Plan | None"]
+
+
+def all_splits(num_blocks: int, num_stages: int) -> Iterator[list[int]]:
+    for inner in itertools.combinations(range(1, num_blocks), num_stages - 1):
+        yield [0, *inner, num_blocks]
+
+
+def brute_force(options: SearchOptions, chain: list[int], evaluate: Evaluate, stage_fits: Callable) -> Plan | None:
+    """The best plan over every config and split. ``stage_fits(config, boundaries, recompute)``
+    returns per-stage fit flags used to decide recomputation."""
+    best: Plan | None = None
+    num_blocks = len(chain) - 1
+    for config in enumerate_configs(options, num_blocks):
+        for split in all_splits(num_blocks, config.num_stages):
+            nodes = [chain[b] for b in split]
+            recompute = _recompute_needed(config, nodes, stage_fits)
+            if recompute is None:
+                continue
+            p = evaluate(config, nodes, recompute, "oracle")
+            if p is not None and (best is None or p.predicted_step_s < best.predicted_step_s):
+                best = p
+    return best
+
+
+def _recompute_needed(config: Config, nodes: list[int], stage_fits: Callable) -> list[bool] | None:
+    if config.recompute_mode is not None:
+        return [config.recompute_mode] * config.num_stages
+    plain = stage_fits(config, nodes, [False] * config.num_stages)
+    return [not ok for ok in plain]

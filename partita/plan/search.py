@@ -1,0 +1,252 @@
+"""The joint search: rank groups x replicas x micro-batches x schedule x stage split x recompute.
+
+Glossary
+--------
+config      one choice of (replicas r, rank groups G, schedule, virtual stages v, micro-batches
+            m, recompute mode); each rank group runs v stages, so the chain is split into G*v.
+candidate   a config plus a split of the block chain into stages and per-stage recompute.
+
+Driver: for every config allowed by the options, build the stage-cost matrices (time, with
+``inf`` where the stage does not fit in memory) from the block costs at the config's micro-batch
+size, let :mod:`partita.plan.partition` propose splits (one per candidate bottleneck), estimate
+each with the closed form ``(m - 1) * max_g L_g + sum_g L_g / v`` (L_g: a rank group's time per
+micro-batch), and keep the best few; then the caller simulates them on the real schedule.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from partita.cost.comm import p2p_time_s
+from partita.cost.memory import memory_from_totals, microbatches_in_flight
+from partita.plan.chain import BlockCosts
+from partita.errors import InputError
+from partita.plan.partition import candidate_partitions
+from partita.plan.schedules import check_schedule
+from partita.types import OptimizerKind, Schedule
+
+# Chains with at most this many blocks try every bottleneck value (exact for the estimate).
+EXHAUSTIVE_BLOCKS = 16
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What the search may choose; a non-None value pins that choice."""
+
+    num_devices: int
+    global_batch_size: int
+    memory_limit_bytes: int  # usable per device
+    schedules: tuple[Schedule, ...] = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B, Schedule.ZBV)
+    num_stages: int | None = None  # rank groups (pipeline depth in devices)
+    replicas: int | None = None  # devices per rank group
+    num_microbatches: int | None = None
+    recompute: bool | None = None
+    interleaved_virtual_stages: tuple[int, ...] = (2,)
+    optimizer: OptimizerKind = OptimizerKind.ADAM
+    mixed_precision: bool = False
+    max_microbatch_choices: int = 6
+    candidates_per_config: int = 3
+
+
+@dataclass(frozen=True)
+class Config:
+    replicas: int
+    num_rank_groups: int
+    schedule: Schedule
+    virtual_stages: int
+    num_microbatches: int
+    microbatch_size: int  # samples per micro-batch per replica
+    recompute_mode: bool | None  # None: per stage, as needed; True/False: every stage
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_rank_groups * self.virtual_stages
+
+    def rank_group_of(self, stage: int) -> int:
+        g = self.num_rank_groups
+        if self.schedule is Schedule.ZBV:
+            return stage if stage < g else 2 * g - 1 - stage
+        return stage % g
+
+
+@dataclass(frozen=True)
+class Candidate:
+    config: Config
+    boundaries: tuple[int, ...]  # block positions, first 0, last K
+    recompute: tuple[bool, ...]  # per stage
+    estimate_s: float
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def enumerate_configs(options: SearchOptions, num_blocks: int) -> Iterator[Config]:
+    """Every config the options allow, in a fixed order (deterministic results)."""
+    n, batch = options.num_devices, options.global_batch_size
+    for r in _divisors(n) if options.replicas is None else [options.replicas]:
+        if batch % r or r > n:
+            continue
+        groups = range(1, n // r + 1) if options.num_stages is None else [options.num_stages]
+        for g in groups:
+            if g * r > n:
+                continue
+            for schedule, v in _schedules(options, g):
+                if g * v > num_blocks:
+                    continue
+                for m in _microbatch_counts(options, batch // r, g, schedule):
+                    if not _schedule_accepts(schedule, m, g, g * v):
+                        continue
+                    for mode in _recompute_modes(options, v):
+                        yield Config(r, g, schedule, v, m, batch // (r * m), mode)
+
+
+def _schedules(options: SearchOptions, num_groups: int) -> Iterator[tuple[Schedule, int]]:
+    for schedule in options.schedules:
+        if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+            if schedule is Schedule.GPIPE or num_groups > 1 or Schedule.GPIPE not in options.schedules:
+                yield schedule, 1
+        elif num_groups > 1:
+            vs = options.interleaved_virtual_stages if schedule is Schedule.INTERLEAVED_1F1B else (2,)
+            for v in vs:
+                yield schedule, v
+
+
+def _microbatch_counts(options: SearchOptions, samples: int, num_groups: int, schedule: Schedule) -> list[int]:
+    """Divisors of the per-replica batch (the schedule's own rules are checked afterwards)."""
+    if options.num_microbatches is not None:
+        counts = [options.num_microbatches] if samples % options.num_microbatches == 0 else []
+    else:
+        counts = _divisors(samples)
+    if options.num_microbatches is None and len(counts) > options.max_microbatch_choices:
+        # Prefer m around a few times the pipeline depth (small bubble, not too small micro-batches).
+        target = 4 * num_groups
+        counts = sorted(counts, key=lambda m: (abs(np.log(m / target)), m))[: options.max_microbatch_choices]
+        counts.sort()
+    return counts
+
+
+def _schedule_accepts(schedule: Schedule, m: int, num_groups: int, num_stages: int) -> bool:
+    """Whether torch's schedule runs this (e.g. 1F1B needs m >= stages)."""
+    try:
+        check_schedule(schedule, m, num_groups, num_stages)
+    except InputError:
+        return False
+    return True
+
+
+def _recompute_modes(options: SearchOptions, virtual_stages: int) -> list[bool | None]:
+    if options.recompute is not None:
+        return [options.recompute]
+    return [None] if virtual_stages == 1 else [False, True]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ----------------------------------------------------------------------------- stage costs
+
+
+class StageCosts:
+    """Time and memory of every possible stage ``[j, i)`` of one config, as (K+1, K+1) matrices."""
+
+    def __init__(self, blocks: BlockCosts, config: Config, options: SearchOptions, cluster):
+        k = blocks.num_blocks
+        self.config, self.options = config, options
+        forward = _range_sums(blocks.forward_s)
+        self.forward = forward
+        self.compute = forward + _range_sums(blocks.backward_s)
+        j, i = np.meshgrid(np.arange(k + 1), np.arange(k + 1), indexing="ij")
+        self.valid = j < i
+        cut = np.asarray(blocks.cut_bytes, dtype=np.float64)
+        self.totals = dict(
+            param_bytes=blocks.param_bytes_matrix, trainable_bytes=blocks.trainable_bytes_matrix,
+            activation_bytes=_range_sums(blocks.activation_bytes), stage_input_bytes=cut[j],
+            boundary_bytes=cut[j] + cut[i], largest_output_bytes=_range_max(blocks.max_output_bytes),
+        )
+        # Activation and gradient of the stage's output cross to the next stage once each.
+        self.send = np.array([2 * p2p_time_s(float(c), cluster, same_node=True) for c in cut])
+        self._cache: dict[tuple[float, bool], np.ndarray] = {}
+
+    def fits(self, in_flight: float, recompute: bool) -> np.ndarray:
+        key = (in_flight, recompute)
+        if key not in self._cache:
+            memory = memory_from_totals(
+                **self.totals, in_flight=in_flight, optimizer=self.options.optimizer, recompute=recompute,
+                mixed_precision=self.options.mixed_precision, num_replicas=self.config.replicas,
+            )
+            self._cache[key] = memory.total_bytes <= self.options.memory_limit_bytes
+        return self._cache[key]
+
+    def stage_cost(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
+        """(time matrix with inf where infeasible, recompute-chosen matrix) for stage ``stage``."""
+        c = self.config
+        in_flight = microbatches_in_flight(c.schedule, c.num_microbatches, c.num_rank_groups,
+                                           c.rank_group_of(stage), c.virtual_stages)
+        plain_ok = self.fits(in_flight, False) & self.valid if c.recompute_mode is not True else np.zeros_like(self.valid)
+        recompute_ok = self.fits(in_flight, True) & self.valid if c.recompute_mode is not False else np.zeros_like(self.valid)
+        use_recompute = ~plain_ok & recompute_ok
+        time = np.where(plain_ok, self.compute, np.where(recompute_ok, self.compute + self.forward, np.inf))
+        return time, use_recompute
+
+
+def _range_sums(values: Sequence[float]) -> np.ndarray:
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
+    return prefix[None, :] - prefix[:, None]  # [j, i] = sum of values[j:i]
+
+
+def _range_max(values: Sequence[float]) -> np.ndarray:
+    v = np.asarray(values, dtype=np.float64)
+    k = len(v)
+    out = np.zeros((k + 1, k + 1))
+    for j in range(k):
+        out[j, j + 1:] = np.maximum.accumulate(v[j:])
+    return out
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def search_config(blocks: BlockCosts, config: Config, options: SearchOptions, cluster) -> list[Candidate]:
+    """The best few candidates of one config by the closed-form estimate."""
+    costs = StageCosts(blocks, config, options, cluster)
+    per_stage = [costs.stage_cost(s) for s in range(config.num_stages)]
+    stage_time = lambda s: per_stage[s][0]  # noqa: E731 - the DP's StageCost
+    exhaustive = blocks.num_blocks <= EXHAUSTIVE_BLOCKS
+    found = []
+    for boundaries in candidate_partitions(stage_time, blocks.num_blocks, config.num_stages, exhaustive=exhaustive):
+        recompute = tuple(bool(per_stage[s][1][boundaries[s], boundaries[s + 1]]) for s in range(config.num_stages))
+        times = [float(per_stage[s][0][boundaries[s], boundaries[s + 1]]) for s in range(config.num_stages)]
+        sends = sum(float(costs.send[b]) for b in boundaries[1:-1])
+        found.append(Candidate(config, tuple(boundaries), recompute, _estimate(config, times) + sends))
+    keep = len(found) if exhaustive else options.candidates_per_config
+    return heapq.nsmallest(keep, found, key=lambda c: (c.estimate_s, c.boundaries))
+
+
+def _estimate(config: Config, stage_times: Sequence[float]) -> float:
+    loads = np.zeros(config.num_rank_groups)
+    for s, t in enumerate(stage_times):
+        loads[config.rank_group_of(s)] += t
+    m, v = config.num_microbatches, config.virtual_stages
+    return float((m - 1) * loads.max() + loads.sum() / v)
+
+
+def search(
+    blocks_at: Callable[[int], BlockCosts], options: SearchOptions, cluster, num_blocks: int
+) -> list[Candidate]:
+    """All configs' best candidates, sorted by estimate (ties broken by a fixed key)."""
+    found: list[Candidate] = []
+    for config in enumerate_configs(options, num_blocks):
+        found.extend(search_config(blocks_at(config.microbatch_size), config, options, cluster))
+    found.sort(key=_sort_key)
+    return found
+
+
+def _sort_key(c: Candidate) -> tuple:
+    cfg = c.config
+    return (c.estimate_s, cfg.num_rank_groups, cfg.replicas, cfg.schedule.value, cfg.virtual_stages,
+            cfg.num_microbatches, str(cfg.recompute_mode), c.boundaries)

@@ -1,0 +1,326 @@
+"""partita.plan(): capture -> costs -> chain -> search -> simulate -> the best Plan.
+
+This module is the one place that wires the layers together for the planner; each layer
+stays ignorant of the ones after it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from partita.capture import capture
+from partita.cost.cluster import Cluster
+from partita.errors import InfeasiblePlanError, InputError
+from partita.plan.build import block_to_node_boundaries, build_plan, fits
+from partita.plan.chain import block_costs, coarsen
+from partita.plan.search import Candidate, SearchOptions, search
+from partita.plan.simulate import simulate
+from partita.types import CostTable, OpGraph, OptimizerKind, Plan, Schedule
+
+# How many of the best-estimated candidates are simulated on the real schedule, and of how many
+# configs the best simulated plan is refined by moving boundaries.
+NUM_SIMULATED = 24
+NUM_REFINED = 6
+
+
+@dataclass(frozen=True)
+class PlanningContext:
+    """Everything the search and the baselines share for one planning run."""
+
+    graph: OpGraph
+    cluster: Cluster
+    options: SearchOptions
+    costs_at: Callable[[int], CostTable]
+    chain: Any  # block boundaries in node positions
+    resolved: dict
+
+
+def plan(
+    model: torch.nn.Module | OpGraph,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    cluster: Cluster,
+    global_batch_size: int,
+    loss_fn: Callable | None = None,
+    target: Any = None,
+    optimizer: OptimizerKind | str = "adam",
+    schedules: Sequence[Schedule | str] | None = None,
+    schedule: Schedule | str | None = None,
+    num_stages: int | None = None,
+    replicas: int | None = None,
+    num_microbatches: int | None = None,
+    recompute: bool | None = None,
+    uniform_replicas: bool = True,
+    mixed_precision: bool = False,
+    costs: str = "auto",
+    max_blocks: int = 128,
+    cache_dir: str | None = None,
+) -> Plan:
+    """The plan with the shortest simulated step that fits every device's memory.
+
+    Any of ``schedule``, ``num_stages`` (pipeline depth: rank groups), ``replicas`` (devices per
+    rank group), ``num_microbatches`` and ``recompute`` pins that choice; the search fills in the
+    rest. Raises InfeasiblePlanError when nothing fits, saying what would.
+    """
+    ctx = planning_context(model, args, kwargs, cluster=cluster, global_batch_size=global_batch_size,
+                           loss_fn=loss_fn, target=target, optimizer=optimizer, schedules=schedules,
+                           schedule=schedule, num_stages=num_stages, replicas=replicas,
+                           num_microbatches=num_microbatches, recompute=recompute,
+                           uniform_replicas=uniform_replicas, mixed_precision=mixed_precision, costs=costs,
+                           max_blocks=max_blocks, cache_dir=cache_dir)
+    best = best_plan(ctx)
+    if best is None:
+        raise infeasible_error(ctx)
+    return best
+
+
+def planning_context(model, args, kwargs, *, cluster, global_batch_size, loss_fn, target, optimizer, schedules,
+                     schedule, num_stages, replicas, num_microbatches, recompute, uniform_replicas,
+                     mixed_precision, costs, max_blocks, cache_dir) -> PlanningContext:
+    if not isinstance(cluster, Cluster):
+        raise InputError(f"cluster must be a partita.Cluster, got {type(cluster).__name__}")
+    if not uniform_replicas:
+        raise InputError(
+            "uniform_replicas=False (different replica counts per stage) is not supported yet: "
+            "the search and the runtime handle pp x dp meshes; leave uniform_replicas=True"
+        )
+    _check_positive(global_batch_size=global_batch_size, num_stages=num_stages, replicas=replicas,
+                    num_microbatches=num_microbatches, max_blocks=max_blocks)
+    graph = model if isinstance(model, OpGraph) else capture(model, args, kwargs, loss_fn=loss_fn, target=target)
+    chosen = _schedules(schedules, schedule)
+    options = SearchOptions(
+        num_devices=cluster.num_devices, global_batch_size=global_batch_size,
+        memory_limit_bytes=cluster.usable_memory_bytes, schedules=chosen, num_stages=num_stages,
+        replicas=replicas, num_microbatches=num_microbatches, recompute=recompute,
+        optimizer=OptimizerKind.parse(optimizer), mixed_precision=mixed_precision,
+    )
+    source = _cost_source(costs, graph, cluster)
+    costs_at = _costs_provider(graph, cluster, source, (args, dict(kwargs or {}), target), cache_dir)
+    reference = costs_at(_reference_microbatch(graph, global_batch_size, cluster.num_devices))
+    chain = coarsen(graph, reference, max_blocks=max_blocks)
+    resolved = {
+        "schedules": [s.value for s in chosen], "num_stages": num_stages, "replicas": replicas,
+        "num_microbatches": num_microbatches, "recompute": recompute, "uniform_replicas": uniform_replicas,
+        "optimizer": options.optimizer.value, "mixed_precision": mixed_precision, "costs": source,
+        "max_blocks": max_blocks, "memory_limit_bytes": options.memory_limit_bytes,
+    }
+    return PlanningContext(graph, cluster, options, costs_at, chain, resolved)
+
+
+def best_plan(ctx: PlanningContext, *, num_simulated: int = NUM_SIMULATED) -> Plan | None:
+    blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
+    candidates = search(blocks_at, ctx.options, ctx.cluster, len(ctx.chain) - 1)
+    simulated, candidate_of = [], {}
+    for candidate in candidates[:num_simulated] if len(ctx.chain) - 1 > 16 else candidates:
+        p = plan_from_candidate(ctx, candidate)
+        if p is not None:
+            simulated.append(p)
+            candidate_of[id(p)] = candidate
+    if not simulated:
+        return None
+    simulated.sort(key=_plan_key)
+    best_per_config: dict = {}
+    for p in simulated:  # the best simulated plan of each config, best configs first
+        best_per_config.setdefault(candidate_of[id(p)].config, p)
+    small = len(ctx.chain) - 1 <= 16
+    to_refine = list(best_per_config.values())[: None if small else NUM_REFINED]
+    refined = [refine(ctx, candidate_of[id(p)], p) for p in to_refine]
+    return min(refined, key=_plan_key)
+
+
+def _neighbours(boundaries: list[int]) -> list[list[int]]:
+    """Splits one move away: one inner boundary by 1 or 2 blocks, or a whole stage shifted by 1."""
+    found = []
+    inner = range(1, len(boundaries) - 1)
+    moves = [((s,), d) for s in inner for d in (-2, -1, 1, 2)]
+    moves += [((s, s + 1), d) for s in inner if s + 1 < len(boundaries) - 1 for d in (-1, 1)]
+    for positions, delta in moves:
+        moved = list(boundaries)
+        for s in positions:
+            moved[s] += delta
+        if all(a < b for a, b in zip(moved, moved[1:])):
+            found.append(moved)
+    return found
+
+
+def _plan_key(p: Plan) -> tuple:
+    return (round(p.predicted_step_s, 12), p.num_devices, p.boundaries)
+
+
+def refine(ctx: PlanningContext, candidate: Candidate, start: Plan, *, max_rounds: int = 20) -> Plan:
+    """Hill-climb on the simulated step: move a stage boundary by one or two blocks (or shift a
+    whole stage) while that makes the step shorter. The DP optimises a closed-form estimate; this fixes what the
+    estimate misses (transfers, all-reduce tails, the schedule's real order)."""
+    config, best = candidate.config, start
+    boundaries = list(candidate.boundaries)
+    for _ in range(max_rounds):
+        step = None  # the best neighbour of this round (steepest descent)
+        for moved in _neighbours(boundaries):
+            trial = _fit_with_recompute(ctx, config, block_to_node_boundaries(ctx.chain, moved), "partita",
+                                        mode=config.recompute_mode)
+            if trial is not None and _plan_key(trial) < _plan_key(step[0] if step else best):
+                step = (trial, moved)
+        if step is None:
+            return best
+        best, boundaries = step
+    return best
+
+
+def plan_from_candidate(ctx: PlanningContext, candidate: Candidate, method: str = "partita") -> Plan | None:
+    """Build, check memory exactly (rank groups with several stages) and simulate one candidate."""
+    config = candidate.config
+    node_boundaries = block_to_node_boundaries(ctx.chain, candidate.boundaries)
+    return finish_plan(ctx, config, node_boundaries, candidate.recompute, method)
+
+
+def finish_plan(ctx: PlanningContext, config, node_boundaries, recompute, method: str) -> Plan | None:
+    import partita
+
+    costs = ctx.costs_at(config.microbatch_size)
+    p = build_plan(ctx.graph, costs, config, node_boundaries, recompute, ctx.options,
+                   cluster_dict=ctx.cluster.to_dict(), method=method, resolved_options=ctx.resolved,
+                   versions=(partita.__version__, torch.__version__))
+    if not fits(p, ctx.options.memory_limit_bytes):
+        return None
+    result = simulate(p, ctx.costs_at, ctx.cluster)
+    return p.__class__(**{**p.__dict__, "predicted_step_s": result.step_s,
+                          "predicted_bubble_fraction": result.bubble_fraction})
+
+
+def infeasible_error(ctx: PlanningContext) -> InfeasiblePlanError:
+    """Say the smallest device count (same device) or memory per device that would fit."""
+    from partita.report.format import fmt_bytes
+
+    n = ctx.cluster.num_devices
+    fit_devices = None
+    for devices in (n * 2 ** k for k in range(1, 8)):
+        bigger = Cluster(**{**_cluster_fields(ctx.cluster), "num_devices": devices})
+        trial = PlanningContext(ctx.graph, bigger, _with(ctx.options, num_devices=devices,
+                                memory_limit_bytes=bigger.usable_memory_bytes), ctx.costs_at, ctx.chain, ctx.resolved)
+        if best_plan(trial, num_simulated=4) is not None:
+            fit_devices = devices
+            break
+    need = _memory_needed(ctx)
+    parts = [f"no plan fits {n} x {fmt_bytes(ctx.options.memory_limit_bytes)} usable per device "
+             f"({ctx.graph.num_parameters:,} parameters, optimizer {ctx.options.optimizer.value})"]
+    if fit_devices:
+        parts.append(f"use at least {fit_devices} devices")
+    if need:
+        parts.append(f"or devices with at least {fmt_bytes(need)} usable memory")
+    parts.append("or a smaller global batch, recompute=True, or a lighter optimizer")
+    return InfeasiblePlanError(": ".join(parts[:1]) + "; " + ", ".join(parts[1:]))
+
+
+def _memory_needed(ctx: PlanningContext) -> int | None:
+    """Smallest usable memory with which the full device count fits (doubling then bisection)."""
+    def fits_with(limit: int) -> bool:
+        trial = PlanningContext(ctx.graph, ctx.cluster, _with(ctx.options, memory_limit_bytes=limit), ctx.costs_at,
+                                ctx.chain, ctx.resolved)
+        return best_plan(trial, num_simulated=4) is not None
+
+    low, high = ctx.options.memory_limit_bytes, ctx.options.memory_limit_bytes * 2
+    for _ in range(12):
+        if fits_with(high):
+            break
+        low, high = high, high * 2
+    else:
+        return None
+    for _ in range(8):
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits_with(mid) else (mid, high)
+    return high
+
+
+def _with(options: SearchOptions, **changes) -> SearchOptions:
+    return SearchOptions(**{**options.__dict__, **changes})
+
+
+def _cluster_fields(cluster: Cluster) -> dict:
+    return dict(cluster.__dict__)
+
+
+def _schedules(schedules, schedule) -> tuple[Schedule, ...]:
+    if schedule is not None:
+        return (Schedule.parse(schedule),)
+    if schedules is None:
+        return tuple(Schedule)
+    chosen = tuple(Schedule.parse(s) for s in schedules)
+    if not chosen:
+        raise InputError("schedules is empty: give at least one of " + ", ".join(s.value for s in Schedule))
+    return chosen
+
+
+def _cost_source(costs: str, graph: OpGraph, cluster: Cluster) -> str:
+    if costs not in ("auto", "measured", "analytic"):
+        raise InputError(f"costs={costs!r}: use 'auto', 'measured' or 'analytic'")
+    on_meta = any(p.device.type == "meta" for p in graph.graph_module.parameters())
+    local = cluster.device.name == "cpu"
+    if costs == "measured" and (on_meta or not local):
+        why = "the model is on the meta device" if on_meta else f"the target device {cluster.device.name!r} is not this machine's"
+        raise InputError(f"costs='measured' is impossible: {why}; use costs='analytic'")
+    if costs == "auto":
+        return "measured" if local and not on_meta else "analytic"
+    return costs
+
+
+def _costs_provider(graph: OpGraph, cluster: Cluster, source: str, inputs, cache_dir) -> Callable[[int], CostTable]:
+    if source == "analytic":
+        from partita.cost.analytic import analytic_costs
+
+        return functools.lru_cache(maxsize=None)(lambda b: analytic_costs(graph, cluster.device, b))
+    from partita.cost.profiler import profile
+
+    return functools.lru_cache(maxsize=None)(
+        lambda b: profile(graph, inputs, microbatch_size=b, cache_dir=cache_dir))
+
+
+def _reference_microbatch(graph: OpGraph, global_batch_size: int, num_devices: int) -> int:
+    return max(1, min(graph.batch_size, global_batch_size // num_devices or 1))
+
+
+def _check_positive(**values) -> None:
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
+
+
+def baseline_plans(ctx: PlanningContext, like: Plan) -> dict[str, Plan | None]:
+    """Each baseline's split under ``like``'s configuration (None: it does not fit or cannot split)."""
+    from partita.plan.baselines import BASELINES, baseline_boundaries
+    from partita.plan.chain import legal_cuts
+    from partita.plan.search import Config
+
+    config = Config(replicas=like.stages[0].num_replicas, num_rank_groups=like.num_rank_groups,
+                    schedule=like.schedule, virtual_stages=like.num_stages // like.num_rank_groups,
+                    num_microbatches=like.num_microbatches, microbatch_size=like.microbatch_size,
+                    recompute_mode=None)
+    legal = legal_cuts(ctx.graph)
+    result: dict[str, Plan | None] = {}
+    for method in BASELINES:
+        boundaries = baseline_boundaries(method, ctx.graph, legal, config.num_stages)
+        result[method] = None if boundaries is None else _fit_with_recompute(ctx, config, boundaries, method)
+    return result
+
+
+def _fit_with_recompute(ctx: PlanningContext, config, boundaries: list[int], method: str,
+                        mode: bool | None = None) -> Plan | None:
+    """Recompute only the stages that do not fit without it (a pinned or config-wide mode is kept)."""
+    pinned = ctx.options.recompute if mode is None else mode
+    recompute = [bool(pinned)] * config.num_stages
+    p = finish_plan(ctx, config, boundaries, recompute, method)
+    if p is not None or pinned is not None:
+        return p
+    import partita
+    from partita.plan.build import build_plan
+
+    costs = ctx.costs_at(config.microbatch_size)
+    draft = build_plan(ctx.graph, costs, config, boundaries, recompute, ctx.options, cluster_dict=ctx.cluster.to_dict(),
+                       method=method, resolved_options=ctx.resolved, versions=(partita.__version__, torch.__version__))
+    limit = ctx.options.memory_limit_bytes
+    recompute = [s.memory_bytes > limit or recompute[s.index] for s in draft.stages]
+    return finish_plan(ctx, config, boundaries, recompute, method)
