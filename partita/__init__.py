@@ -4,13 +4,26 @@ capture -> cost -> plan -> runtime; see DESIGN.md in the project's shared folder
 """
 
 from partita.capture import capture
-from partita.errors import CaptureError, InputError, ModelSpecError, PartitaError
-from partita.types import GraphInput, OpGraph, OpNode, ParamInfo, TensorInfo
+from partita.cost.cluster import Cluster
+from partita.errors import CaptureError, InfeasiblePlanError, InputError, ModelSpecError, PartitaError, PlanFileError
+from partita.plan.simulate import SimResult, simulate
+from partita.planner import plan
+from partita.types import CostTable, GraphInput, OpGraph, OpNode, ParamInfo, Plan, Schedule, StagePlan, TensorInfo
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError",
+    "Cluster",
+    "CostTable",
+    "InfeasiblePlanError",
+    "Plan",
+    "PlanFileError",
+    "Schedule",
+    "SimResult",
+    "StagePlan",
+    "plan",
+    "simulate",
     "GraphInput",
     "InputError",
     "ModelSpecError",

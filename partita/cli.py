@@ -36,6 +36,24 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--top", type=int, default=10, help="how many of the largest activations to list")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
     inspect.set_defaults(func=_inspect)
+
+    plan = sub.add_parser("plan", help="search the best split over devices; compare with the baselines")
+    _add_model_arguments(plan)
+    plan.add_argument("--devices", type=int, required=True, help="number of devices")
+    plan.add_argument("--device-type", default="cpu", help="catalog name (h100, a100-80gb, h200, b200, mi300x, cpu) or a device file")
+    plan.add_argument("--memory", default=None, help="memory per device, e.g. 80GiB (default: the device's)")
+    plan.add_argument("--nodes", type=int, default=1, help="number of nodes the devices are spread over")
+    plan.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    plan.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
+    plan.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
+    plan.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
+    plan.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
+    plan.add_argument("--recompute", default=None, choices=["yes", "no"], help="pin activation recomputation")
+    plan.add_argument("--optimizer", default="adam", help="adam, sgd-momentum or sgd (sets optimizer-state memory)")
+    plan.add_argument("--costs", default="auto", choices=["auto", "measured", "analytic"])
+    plan.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
+    plan.add_argument("--out", default=None, help="write the plan as JSON to this path")
+    plan.set_defaults(func=_plan)
     return parser
 
 
@@ -61,6 +79,54 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         print(inspect_text(graph, name=example.name, depth=args.depth, top=args.top))
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from partita.cost.cluster import Cluster
+    from partita.planner import baseline_plans, best_plan, infeasible_error, planning_context
+    from partita.report.plan import plan_text
+
+    example = _load(args)
+    devices_per_node = max(1, args.devices // args.nodes)
+    if args.device_type == "cpu":
+        cluster = Cluster.local(num_devices=args.devices, memory_bytes=_parse_bytes(args.memory), cache_dir=args.cache_dir)
+    else:
+        cluster = Cluster(device=args.device_type, num_devices=args.devices, devices_per_node=devices_per_node,
+                          memory_bytes=_parse_bytes(args.memory))
+    ctx = planning_context(
+        example.model, example.args, example.kwargs, cluster=cluster, global_batch_size=args.global_batch,
+        loss_fn=example.loss_fn, target=example.target, optimizer=args.optimizer, schedules=None,
+        schedule=args.schedule, num_stages=args.num_stages, replicas=args.replicas,
+        num_microbatches=args.microbatches, recompute=None if args.recompute is None else args.recompute == "yes",
+        uniform_replicas=True, mixed_precision=False, costs=args.costs, max_blocks=128, cache_dir=args.cache_dir,
+    )
+    best = best_plan(ctx)
+    if best is None:
+        raise infeasible_error(ctx)
+    costs = ctx.costs_at(best.microbatch_size)
+    total = float(costs.forward_s.sum() + costs.backward_s.sum()) * best.global_batch_size / best.microbatch_size
+    print(plan_text(best, total_compute_s=total, baselines=baseline_plans(ctx, best)))
+    if args.out:
+        best.save(args.out)
+        print(f"plan written to {args.out}")
+    return 0
+
+
+def _parse_bytes(text: str | None) -> int | None:
+    """'80GiB', '512MiB', '40GB', or a plain number of bytes."""
+    from partita.errors import InputError
+
+    if text is None:
+        return None
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "tb": 10**12, "b": 1, "": 1}
+    number = text.strip().lower().rstrip("abgikmt")
+    unit = text.strip().lower()[len(number):]
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise InputError(f"memory {text!r} is not a size: write e.g. 80GiB, 512MiB or 40GB") from None
+    return int(value)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -373,3 +373,21 @@ class Plan:
     def boundaries(self) -> tuple[int, ...]:
         """Cut positions: (0, stage 1 start, ..., num_nodes)."""
         return tuple(s.start for s in self.stages) + (self.stages[-1].stop,)
+
+    def to_json(self) -> str:
+        from partita.plan.io import plan_to_json
+
+        return plan_to_json(self)
+
+    def save(self, path: str) -> None:
+        """Write the plan as versioned JSON (never pickle)."""
+        from partita.plan.io import save_plan
+
+        save_plan(self, path)
+
+    @staticmethod
+    def load(path: str, *, graph: "OpGraph | None" = None, cluster: Any = None) -> "Plan":
+        """Read and validate a plan file; PlanFileError says which field is wrong."""
+        from partita.plan.io import load_plan
+
+        return load_plan(path, graph=graph, cluster=cluster)

@@ -1,0 +1,45 @@
+"""The `partita plan` report: the chosen plan as a table, and the baselines side by side."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from partita.report.format import fmt_bytes, fmt_seconds, table
+from partita.types import Plan
+
+
+def plan_text(plan: Plan, *, total_compute_s: float, baselines: Mapping[str, Plan | None] = ()) -> str:
+    """Stages (modules, ranks, params, memory vs limit, times, cut bytes), then the step figures.
+
+    ``total_compute_s``: forward + backward seconds of one whole step on one device (the
+    ideal step time is this divided by the number of devices).
+    """
+    limit = int(plan.options.get("memory_limit_bytes", 0))
+    rows = [
+        (s.index, s.module_range, ",".join(map(str, s.ranks)) if len(s.ranks) <= 4 else f"{s.ranks[0]}..{s.ranks[-1]}",
+         fmt_bytes(s.param_bytes), f"{fmt_bytes(s.memory_bytes)} / {fmt_bytes(limit)}", fmt_seconds(s.forward_s),
+         fmt_seconds(s.backward_s), "yes" if s.recompute else "no", fmt_bytes(s.cut_bytes))
+        for s in plan.stages
+    ]
+    lines = [
+        f"plan: {plan.num_stages} stages on {plan.num_rank_groups} rank groups x {plan.stages[0].num_replicas} "
+        f"replicas ({plan.num_devices} devices), schedule {plan.schedule.value}, {plan.num_microbatches} micro-batches "
+        f"of {plan.microbatch_size} per replica, global batch {plan.global_batch_size}, costs {plan.cost_source}",
+        table(["stage", "modules", "ranks", "params", "memory/device", "fwd/mb", "bwd/mb", "recompute", "cut"],
+              rows, align="llrrrrrrr"),
+        "",
+        table(["plan", "fits", "step", "samples/s", "bubble", "efficiency", "vs partita"],
+              [_summary_row("partita", plan, plan, total_compute_s)]
+              + [_summary_row(name, p, plan, total_compute_s) for name, p in dict(baselines).items()]),
+        "efficiency = ideal step (total compute / devices) / predicted step",
+    ]
+    return "\n".join(lines)
+
+
+def _summary_row(name: str, p: Plan | None, reference: Plan, total_compute_s: float) -> tuple:
+    if p is None:
+        return (name, "no", "-", "-", "-", "-", "-")
+    ideal = total_compute_s / max(1, p.num_devices)
+    return (name, "yes", fmt_seconds(p.predicted_step_s), f"{p.global_batch_size / p.predicted_step_s:,.1f}",
+            f"{p.predicted_bubble_fraction:.1%}", f"{ideal / p.predicted_step_s:.1%}",
+            f"{p.predicted_step_s / reference.predicted_step_s:.2f}x")

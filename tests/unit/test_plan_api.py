@@ -1,0 +1,96 @@
+"""partita.plan() end to end on a real captured model, plan files, and infeasible requests."""
+
+import json
+
+import pytest
+
+import partita
+from partita import examples
+from partita.cli import main
+from partita.errors import InfeasiblePlanError, PlanFileError
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    ex = examples.build("gpt2", batch_size=8)
+    return ex, partita.capture(ex.model, ex.args, ex.kwargs)
+
+
+def h100s(n, memory=None):
+    return partita.Cluster(device="h100", num_devices=n, devices_per_node=8, memory_bytes=memory)
+
+
+def test_plan_fits_and_round_trips(gpt2, tmp_path):
+    _, graph = gpt2
+    cluster = h100s(4)
+    p = partita.plan(graph, cluster=cluster, global_batch_size=32)
+    assert p.num_devices <= 4 and p.global_batch_size == 32
+    assert all(s.memory_bytes <= cluster.usable_memory_bytes for s in p.stages)
+    assert p.boundaries[0] == 0 and p.boundaries[-1] == graph.num_nodes
+    path = tmp_path / "plan.json"
+    p.save(path)
+    again = partita.Plan.load(path, graph=graph, cluster=cluster)
+    assert again.to_json() == p.to_json()
+    assert partita.plan(graph, cluster=cluster, global_batch_size=32).to_json() == p.to_json()  # deterministic
+
+
+def test_pinned_options(gpt2):
+    _, graph = gpt2
+    p = partita.plan(graph, cluster=h100s(4), global_batch_size=32, schedule="1f1b", num_stages=2, replicas=2,
+                     num_microbatches=4, recompute=True)
+    assert (p.schedule.value, p.num_rank_groups, p.stages[0].num_replicas, p.num_microbatches) == ("1f1b", 2, 2, 4)
+    assert all(s.recompute for s in p.stages)
+
+
+def test_plan_file_for_another_model_or_cluster_is_rejected(gpt2, tmp_path):
+    _, graph = gpt2
+    p = partita.plan(graph, cluster=h100s(2), global_batch_size=8)
+    path = tmp_path / "plan.json"
+    p.save(path)
+    other = examples.build("gpt2", batch_size=8, seq_len=16)
+    with pytest.raises(PlanFileError, match="another model"):
+        partita.Plan.load(path, graph=partita.capture(other.model, other.args, other.kwargs))
+    with pytest.raises(PlanFileError, match="another cluster"):
+        partita.Plan.load(path, cluster=h100s(4))
+
+
+@pytest.mark.parametrize("edit, pattern", [
+    (lambda d: d.update(schema_version=99), "schema"),
+    (lambda d: d["stages"][0].update(stop=d["stages"][0]["stop"] + 1) if len(d["stages"]) > 1 else d.update(stages=[]), "contiguous|empty"),
+    (lambda d: d.pop("schedule"), "'schedule' is missing"),
+    (lambda d: d["stages"][0].update(ranks=[999]), "rank|999"),
+    (lambda d: d.update(num_microbatches=-1), "num_microbatches"),
+])
+def test_invalid_plan_files(gpt2, tmp_path, edit, pattern):
+    _, graph = gpt2
+    data = json.loads(partita.plan(graph, cluster=h100s(2), global_batch_size=8, num_stages=2).to_json())
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match=pattern):
+        partita.Plan.load(path)
+
+
+def test_truncated_plan_file(gpt2, tmp_path):
+    _, graph = gpt2
+    text = partita.plan(graph, cluster=h100s(2), global_batch_size=8).to_json()
+    path = tmp_path / "cut.json"
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(PlanFileError, match="truncated"):
+        partita.Plan.load(path)
+
+
+def test_infeasible_request_says_what_would_fit(gpt2):
+    _, graph = gpt2
+    with pytest.raises(InfeasiblePlanError, match="at least") as info:
+        partita.plan(graph, cluster=h100s(1, memory=2**20), global_batch_size=8)
+    assert "devices" in str(info.value) or "memory" in str(info.value)
+
+
+def test_cli_plan_prints_the_table_and_baselines(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["plan", "gpt2", "--devices", "4", "--device-type", "h100", "--global-batch", "32", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    for word in ("stage", "memory/device", "partita", "uniform", "parameters", "equal_flops", "bubble"):
+        assert word in text
+    assert json.loads(out.read_text())["schema_version"] == 1
