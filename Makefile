@@ -21,6 +21,8 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	$(VENV)/bin/partita inspect gpt2
+	$(VENV)/bin/partita plan gpt2 --devices 2 --global-batch 16
+	$(VENV)/bin/partita plan gpt2-xl --batch-size 2 --seq-len 1024 --devices 8 --device-type h100 --global-batch 64
 
 test: setup
 	$(PY) -m pytest -q tests
