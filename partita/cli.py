@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--depth", type=int, default=3, help="module depth of the per-module table (default 3)")
     inspect.add_argument("--top", type=int, default=10, help="how many of the largest activations to list")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    inspect.add_argument("--costs", action="store_true", help="also print per-module costs (time, saved activations)")
+    inspect.add_argument("--device", default=None,
+                         help="with --costs: a catalog device for analytic costs (h100, a100-80gb, ...); "
+                              "default: measured on this machine when the model has real weights")
     inspect.set_defaults(func=_inspect)
 
     plan = sub.add_parser("plan", help="search the best split over devices; compare with the baselines")
@@ -78,7 +82,24 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps(inspect_dict(graph, depth=args.depth, top=args.top), indent=2))
     else:
         print(inspect_text(graph, name=example.name, depth=args.depth, top=args.top))
+    if args.costs:
+        from partita.report.inspect import costs_text
+
+        print()
+        print(costs_text(graph, _inspect_costs(graph, example, args.device), depth=args.depth))
     return 0
+
+
+def _inspect_costs(graph, example, device):
+    """Analytic costs for a catalog device or a meta model; measured costs otherwise."""
+    on_meta = any(p.device.type == "meta" for p in example.model.parameters())
+    if device is not None or on_meta:
+        from partita.cost.analytic import analytic_costs
+
+        return analytic_costs(graph, device or "h100", graph.batch_size)
+    from partita.cost.profiler import profile
+
+    return profile(graph, (example.args, example.kwargs, example.target), microbatch_size=graph.batch_size)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -107,3 +107,27 @@ def _indent(path: str) -> str:
     parts = path.split(".")
     label = ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
     return "  " * len(parts) + label
+
+
+def costs_text(graph: OpGraph, costs, *, depth: int = 3) -> str:
+    """Per-module forward/backward time and saved activations from a CostTable."""
+    from partita.report.format import fmt_seconds
+
+    rows: dict[str, list[float]] = {}
+    order: list[str] = []
+    for node in graph.nodes:
+        for prefix in _prefixes(node.module_path, depth):
+            if prefix not in rows:
+                order.append(prefix)
+                rows[prefix] = [0.0, 0.0, 0.0]
+            r = rows[prefix]
+            r[0] += float(costs.forward_s[node.index])
+            r[1] += float(costs.backward_s[node.index])
+            r[2] += float(costs.activation_bytes[node.index])
+    header = (f"Costs ({costs.source} on {costs.device}, micro-batch {costs.microbatch_size}): "
+              f"forward {fmt_seconds(float(costs.forward_s.sum()))}, backward {fmt_seconds(float(costs.backward_s.sum()))}, "
+              f"saved for backward {fmt_bytes(float(costs.activation_bytes.sum()))}")
+    return header + "\n" + table(
+        ["module", "forward", "backward", "saved activations"],
+        [(_indent(p), fmt_seconds(rows[p][0]), fmt_seconds(rows[p][1]), fmt_bytes(rows[p][2])) for p in order],
+    )

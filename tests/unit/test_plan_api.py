@@ -94,3 +94,12 @@ def test_cli_plan_prints_the_table_and_baselines(tmp_path, capsys):
     for word in ("stage", "memory/device", "partita", "uniform", "parameters", "equal_flops", "bubble"):
         assert word in text
     assert json.loads(out.read_text())["schema_version"] == 1
+
+
+def test_cli_inspect_prints_tables_and_costs(capsys):
+    assert main(["inspect", "gpt2", "--costs", "--device", "h100"]) == 0
+    text = capsys.readouterr().out
+    assert "Largest activations" in text and "Per module" in text and "Costs (analytic on h100" in text
+    assert main(["inspect", "gpt2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["num_parameters"] > 0 and data["modules"][0]["path"] == ""
