@@ -20,17 +20,8 @@ class ModuleSummary:
 
 def module_summaries(graph: OpGraph, depth: int) -> list[ModuleSummary]:
     """One summary per module prefix of at most ``depth`` components, in program order."""
-    order: list[str] = []
-    totals: dict[str, list[int]] = {}
-    for node in graph.nodes:
-        for prefix in _prefixes(node.module_path, depth):
-            if prefix not in totals:
-                order.append(prefix)
-                totals[prefix] = [0, 0, 0]
-            t = totals[prefix]
-            t[0] += 1
-            t[1] += node.flops
-            t[2] += node.bytes_written
+    totals = _sum_by_module(graph, depth, lambda node: (1, node.flops, node.bytes_written))
+    order = list(totals)
     params = {p: 0 for p in order}
     for info in graph.parameters.values():
         if info.is_buffer or not info.requires_grad:
@@ -39,6 +30,19 @@ def module_summaries(graph: OpGraph, depth: int) -> list[ModuleSummary]:
             if prefix in params:
                 params[prefix] += info.numel
     return [ModuleSummary(p, totals[p][0], params[p], totals[p][1], totals[p][2]) for p in order]
+
+
+def _sum_by_module(graph: OpGraph, depth: int, values) -> dict[str, list]:
+    """Sums of ``values(node)`` (a tuple) per module prefix of at most ``depth`` components, in
+    program order (dicts keep insertion order)."""
+    totals: dict[str, list] = {}
+    for node in graph.nodes:
+        row = values(node)
+        for prefix in _prefixes(node.module_path, depth):
+            t = totals.setdefault(prefix, [0] * len(row))
+            for k, v in enumerate(row):
+                t[k] += v
+    return totals
 
 
 def _prefixes(path: str, depth: int) -> list[str]:
@@ -113,17 +117,10 @@ def costs_text(graph: OpGraph, costs, *, depth: int = 3) -> str:
     """Per-module forward/backward time and saved activations from a CostTable."""
     from partita.report.format import fmt_seconds
 
-    rows: dict[str, list[float]] = {}
-    order: list[str] = []
-    for node in graph.nodes:
-        for prefix in _prefixes(node.module_path, depth):
-            if prefix not in rows:
-                order.append(prefix)
-                rows[prefix] = [0.0, 0.0, 0.0]
-            r = rows[prefix]
-            r[0] += float(costs.forward_s[node.index])
-            r[1] += float(costs.backward_s[node.index])
-            r[2] += float(costs.activation_bytes[node.index])
+    rows = _sum_by_module(graph, depth, lambda node: (float(costs.forward_s[node.index]),
+                                                      float(costs.backward_s[node.index]),
+                                                      float(costs.activation_bytes[node.index])))
+    order = list(rows)
     header = (f"Costs ({costs.source} on {costs.device}, micro-batch {costs.microbatch_size}): "
               f"forward {fmt_seconds(float(costs.forward_s.sum()))}, backward {fmt_seconds(float(costs.backward_s.sum()))}, "
               f"saved for backward {fmt_bytes(float(costs.activation_bytes.sum()))}")
