@@ -138,7 +138,7 @@ def _check_fields(data: dict, fields: Mapping[str, Any], source: str, prefix: st
         if not ok:
             raise PlanFileError(f"{source}: field '{prefix}{key}' is {value!r}, expected {_kind_name(kind)}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value) or value < 0:
+            if (isinstance(value, float) and not math.isfinite(value)) or value < 0:
                 raise PlanFileError(f"{source}: field '{prefix}{key}' is {value!r}, expected a finite number >= 0")
     unknown = sorted(set(data) - set(fields))
     if unknown:
