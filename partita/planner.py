@@ -116,11 +116,16 @@ def best_plan(ctx: PlanningContext, *, num_simulated: int = NUM_SIMULATED) -> Pl
     blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
     candidates = search(blocks_at, ctx.options, ctx.cluster, len(ctx.chain) - 1)
     simulated, candidate_of = [], {}
-    for candidate in candidates[:num_simulated] if len(ctx.chain) - 1 > 16 else candidates:
+    limit = num_simulated if len(ctx.chain) - 1 > 16 else len(candidates)
+    # Candidates whose rank groups hold several stages passed the search's per-stage memory check
+    # only; the exact check can reject them, so keep going until `limit` plans that fit.
+    for candidate in candidates:
         p = plan_from_candidate(ctx, candidate)
         if p is not None:
             simulated.append(p)
             candidate_of[id(p)] = candidate
+            if len(simulated) >= limit:
+                break
     if not simulated:
         return None
     simulated.sort(key=_plan_key)
@@ -193,46 +198,70 @@ def finish_plan(ctx: PlanningContext, config, node_boundaries, recompute, method
 
 
 def infeasible_error(ctx: PlanningContext) -> InfeasiblePlanError:
-    """Say the smallest device count (same device) or memory per device that would fit."""
+    """Say the smallest device count (same device) and the smallest memory per device that fit.
+
+    Both are found by planning again (doubling, then bisection), so the numbers are ones with
+    which ``partita.plan`` succeeds; they are also attributes of the error (``min_devices``,
+    ``min_memory_bytes``; None when not found within 128x).
+    """
     from partita.report.format import fmt_bytes
 
     n = ctx.cluster.num_devices
-    fit_devices = None
-    for devices in (n * 2 ** k for k in range(1, 8)):
-        bigger = Cluster(**{**_cluster_fields(ctx.cluster), "num_devices": devices})
-        trial = PlanningContext(ctx.graph, bigger, _with(ctx.options, num_devices=devices,
-                                memory_limit_bytes=bigger.usable_memory_bytes), ctx.costs_at, ctx.chain, ctx.resolved)
-        if best_plan(trial, num_simulated=4) is not None:
-            fit_devices = devices
+    min_devices = _smallest_fitting(lambda d: _fits_with(ctx, devices=d), n, _valid_device_count(ctx.cluster))
+    min_usable = _smallest_fitting(lambda b: _fits_with(ctx, memory=b), ctx.options.memory_limit_bytes, None)
+    min_memory = None
+    if min_usable is not None:
+        reserved = ctx.cluster.reserved_memory_fraction
+        min_memory = int(min_usable / (1 - reserved)) + 1
+        while Cluster(**{**_cluster_fields(ctx.cluster), "memory_bytes": min_memory}).usable_memory_bytes < min_usable:
+            min_memory += 1
+    fixes = []
+    if min_devices is not None:
+        fixes.append(f"use at least {min_devices} devices")
+    if min_memory is not None:
+        fixes.append(f"use devices with at least {fmt_bytes(min_memory)} ({min_memory} bytes) of memory")
+    fixes.append("or a smaller global batch, recompute=True, or a lighter optimizer")
+    err = InfeasiblePlanError(
+        f"no plan fits {n} device(s) with {fmt_bytes(ctx.options.memory_limit_bytes)} usable each "
+        f"({ctx.graph.num_parameters:,} parameters, optimizer {ctx.options.optimizer.value}): " + ", ".join(fixes))
+    err.min_devices, err.min_memory_bytes = min_devices, min_memory
+    return err
+
+
+def _fits_with(ctx: PlanningContext, *, devices: int | None = None, memory: int | None = None) -> bool:
+    cluster, options = ctx.cluster, ctx.options
+    if devices is not None:
+        cluster = Cluster(**{**_cluster_fields(cluster), "num_devices": devices})
+        options = _with(options, num_devices=devices)
+    if memory is not None:
+        options = _with(options, memory_limit_bytes=memory)
+    trial = PlanningContext(ctx.graph, cluster, options, ctx.costs_at, ctx.chain, ctx.resolved)
+    return best_plan(trial, num_simulated=4) is not None
+
+
+def _valid_device_count(cluster: Cluster):
+    """Round a device count up to one the cluster can have (whole nodes beyond one node)."""
+    def valid(count: int) -> int:
+        per_node = cluster.devices_per_node
+        return count if count <= per_node else -(-count // per_node) * per_node
+    return valid
+
+
+def _smallest_fitting(fits, current: int, valid) -> int | None:
+    """Smallest value above ``current`` for which ``fits`` holds: doubling, then bisection."""
+    valid = valid or (lambda x: x)
+    low, high = current, valid(current * 2)
+    for _ in range(7):
+        if fits(high):
             break
-    need = _memory_needed(ctx)
-    parts = [f"no plan fits {n} x {fmt_bytes(ctx.options.memory_limit_bytes)} usable per device "
-             f"({ctx.graph.num_parameters:,} parameters, optimizer {ctx.options.optimizer.value})"]
-    if fit_devices:
-        parts.append(f"use at least {fit_devices} devices")
-    if need:
-        parts.append(f"or devices with at least {fmt_bytes(need)} usable memory")
-    parts.append("or a smaller global batch, recompute=True, or a lighter optimizer")
-    return InfeasiblePlanError(": ".join(parts[:1]) + "; " + ", ".join(parts[1:]))
-
-
-def _memory_needed(ctx: PlanningContext) -> int | None:
-    """Smallest usable memory with which the full device count fits (doubling then bisection)."""
-    def fits_with(limit: int) -> bool:
-        trial = PlanningContext(ctx.graph, ctx.cluster, _with(ctx.options, memory_limit_bytes=limit), ctx.costs_at,
-                                ctx.chain, ctx.resolved)
-        return best_plan(trial, num_simulated=4) is not None
-
-    low, high = ctx.options.memory_limit_bytes, ctx.options.memory_limit_bytes * 2
-    for _ in range(12):
-        if fits_with(high):
-            break
-        low, high = high, high * 2
+        low, high = high, valid(high * 2)
     else:
         return None
-    for _ in range(8):
-        mid = (low + high) // 2
-        low, high = (low, mid) if fits_with(mid) else (mid, high)
+    while high - low > max(1, high // 256):
+        mid = valid((low + high) // 2)
+        if mid <= low or mid >= high:
+            break
+        low, high = (low, mid) if fits(mid) else (mid, high)
     return high
 
 

@@ -33,6 +33,12 @@ def plan_text(plan: Plan, *, total_compute_s: float, baselines: Mapping[str, Pla
               + [_summary_row(name, p, plan, total_compute_s) for name, p in dict(baselines).items()]),
         "efficiency = ideal step (total compute / devices) / predicted step",
     ]
+    available = int(plan.cluster.get("num_devices", plan.num_devices))
+    if plan.num_devices < available:
+        lines.append(
+            f"note: the plan uses {plan.num_devices} of {available} devices: no plan over more of them was faster "
+            f"(replicas must divide the global batch of {plan.global_batch_size}, micro-batches must divide a "
+            f"replica's share, and every stage needs work of its own)")
     return "\n".join(lines)
 
 

@@ -80,11 +80,18 @@ def test_truncated_plan_file(gpt2, tmp_path):
         partita.Plan.load(path)
 
 
-def test_infeasible_request_says_what_would_fit(gpt2):
+def test_infeasible_request_says_what_would_fit_and_that_it_does(gpt2):
     _, graph = gpt2
     with pytest.raises(InfeasiblePlanError, match="at least") as info:
         partita.plan(graph, cluster=h100s(1, memory=2**20), global_batch_size=8)
-    assert "devices" in str(info.value) or "memory" in str(info.value)
+    err = info.value
+    assert err.min_devices is not None and err.min_memory_bytes is not None
+    assert f"at least {err.min_devices} devices" in str(err)
+    # Verified by planning again with the suggested numbers.
+    assert partita.plan(graph, cluster=h100s(err.min_devices, memory=2**20), global_batch_size=8).num_devices <= err.min_devices
+    assert partita.plan(graph, cluster=h100s(1, memory=err.min_memory_bytes), global_batch_size=8) is not None
+    with pytest.raises(InfeasiblePlanError):
+        partita.plan(graph, cluster=h100s(1, memory=err.min_memory_bytes * 9 // 10), global_batch_size=8)
 
 
 def test_cli_plan_prints_the_table_and_baselines(tmp_path, capsys):
