@@ -8,6 +8,9 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.6' || echo 'torch==2.13.0')
+# The example models' graphs (e.g. Llama's no-grad rotary embedding) change between transformers
+# releases; the tests and benchmarks are checked against this one.
+TRANSFORMERS_SPEC ?= transformers==5.23.0
 
 .PHONY: setup demo test clean
 
@@ -15,7 +18,7 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
+	$(PY) -m pip install --quiet '$(TORCH_SPEC)' '$(TRANSFORMERS_SPEC)'
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 

@@ -240,3 +240,34 @@ def test_loss_that_is_not_a_scalar():
 def test_invalid_arguments(call, pattern):
     with pytest.raises(InputError, match=pattern):
         call()
+
+
+class _NoGradSection(torch.nn.Module):
+    """A `with torch.no_grad()` block in forward becomes a higher-order op in the exported graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            gate = torch.cos(x * self.scale)
+        return (self.linear(x) * gate).mean()
+
+
+def test_higher_order_op_is_one_node_and_runs_exactly():
+    model, x = _NoGradSection(), torch.randn(3, 4)
+    graph = partita.capture(model, (x,))
+    hops = [n for n in graph.nodes if n.is_higher_order]
+    assert [n.target for n in hops] == ["wrap_with_set_grad_enabled"]
+    assert hops[0].params == ("scale",)
+    loss = graph.loss((x,))
+    loss.backward()
+    captured = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    reference = model(x)
+    reference.backward()
+    assert torch.equal(loss, reference)
+    for name, p in model.named_parameters():
+        assert torch.allclose(captured[name], p.grad, atol=1e-7, rtol=0)
