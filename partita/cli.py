@@ -58,6 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
     plan.add_argument("--out", default=None, help="write the plan as JSON to this path")
     plan.set_defaults(func=_plan)
+
+    train = sub.add_parser("train", help="plan (or load a plan) and train with one process per device")
+    _add_model_arguments(train)
+    train.add_argument("--nproc", type=int, default=2, help="processes (devices) on this machine (default 2)")
+    train.add_argument("--plan", default=None, help="a plan file from `partita plan`; otherwise plan now")
+    train.add_argument("--plan-out", default=None, help="where to write the plan made now")
+    train.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step (default 16)")
+    train.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    train.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    train.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    train.add_argument("--memory", default=None, help="memory per process for planning, e.g. 512MiB")
+    train.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
+    train.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
+    train.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
+    train.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
+    train.add_argument("--checkpoint-dir", default=None, help="write checkpoints here (step-NNNNNN)")
+    train.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: at the end)")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    train.add_argument("--max-restarts", type=int, default=0, help="restart all processes up to R times when one fails")
+    train.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
+    train.set_defaults(func=_train)
     return parser
 
 
@@ -133,6 +154,71 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from partita.runtime.launch import launch_local, under_torchrun
+    from partita.runtime.train_loop import TrainConfig, check_train_config
+
+    config = TrainConfig(steps=args.steps, lr=args.lr, max_grad_norm=args.max_grad_norm or None,
+                         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                         resume=args.resume)
+    check_train_config(config)
+    if under_torchrun():
+        return _train_rank(args, config)
+    plan_path = args.plan or _plan_for_training(args)
+    launch_local([*args.argv, "--plan", plan_path], nproc=args.nproc, max_restarts=args.max_restarts)
+    return 0
+
+
+def _plan_for_training(args: argparse.Namespace) -> str:
+    """Plan on this machine's CPU for ``--nproc`` processes, print it, and write it to a file."""
+    import os
+    import tempfile
+
+    import partita
+    from partita.cost.cluster import Cluster
+
+    example = _load(args)
+    graph = _capture(example)
+    cluster = Cluster.local(num_devices=args.nproc, memory_bytes=_parse_bytes(args.memory), cache_dir=args.cache_dir)
+    plan = partita.plan(graph, example.args, example.kwargs,
+                        loss_fn=example.loss_fn, target=example.target, cluster=cluster,
+                        global_batch_size=args.global_batch, schedule=args.schedule, num_stages=args.num_stages,
+                        replicas=args.replicas, num_microbatches=args.microbatches, cache_dir=args.cache_dir)
+    path = args.plan_out or os.path.join(tempfile.mkdtemp(prefix="partita-"), "plan.json")
+    plan.save(path)
+    print(f"plan for {args.nproc} processes ({plan.cost_source} costs): {plan.num_stages} stages, "
+          f"{plan.num_rank_groups} x {plan.stages[0].num_replicas} (pipeline x replicas), {plan.schedule.value}, "
+          f"{plan.num_microbatches} micro-batches; predicted step {plan.predicted_step_s * 1e3:.1f} ms; written to {path}")
+    for s in plan.stages:
+        print(f"  stage {s.index}: ranks {list(s.ranks)}  {s.module_range}  "
+              f"(nodes {s.start}..{s.stop - 1}, recompute {'yes' if s.recompute else 'no'})")
+    return path
+
+
+def _train_rank(args: argparse.Namespace, config) -> int:
+    """One process of the job: the same model, plan and batches as every other rank."""
+    import torch.distributed as dist
+
+    import partita
+    from partita.report.format import fmt_seconds, table
+    from partita.runtime.train_loop import timing_rows, train
+
+    example = _load(args)
+    graph = _capture(example)
+    plan = partita.Plan.load(args.plan, graph=graph)
+    summary = train(example, plan, graph, config)
+    if dist.get_rank() == 0:
+        if summary.resumed_from is not None:
+            print(f"resumed from step {summary.resumed_from}")
+        if summary.losses:
+            print(f"loss: {summary.losses[0]:.4f} (step {config.steps - len(summary.losses) + 1}) -> "
+                  f"{summary.losses[-1]:.4f} (step {config.steps})")
+        print(table(["", "predicted", "measured"],
+                    [(name, fmt_seconds(p), fmt_seconds(m)) for name, p, m in timing_rows(plan, summary)]))
+    dist.destroy_process_group()
+    return 0
+
+
 def _parse_bytes(text: str | None) -> int | None:
     """'80GiB', '512MiB', '40GB', or a plain number of bytes."""
     from partita.errors import InputError
@@ -151,7 +237,9 @@ def _parse_bytes(text: str | None) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except PartitaError as e:

@@ -1,0 +1,33 @@
+"""Start training processes with torchrun's launcher, or tell that we already are one of them."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from partita.errors import InputError
+
+
+def under_torchrun() -> bool:
+    """True inside a process that torchrun (torch.distributed.run) started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def launch_local(module_argv: Sequence[str], *, nproc: int, max_restarts: int = 0) -> None:
+    """Run ``python -m partita.cli <module_argv>`` in ``nproc`` processes on this machine
+    (``torchrun --standalone``), restarting all of them up to ``max_restarts`` times when one
+    fails (torchrun's elastic restart). Raises ChildFailedError with the failing rank's error.
+    """
+    from torch.distributed.run import parse_args, run
+
+    if nproc < 1:
+        raise InputError(f"--nproc must be >= 1, got {nproc}")
+    # One intra-op thread per rank unless the user chose otherwise: ranks share this machine's cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = parse_args([
+        "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.5", "-m", "partita.cli",
+    ])
+    # Set after parsing: torchrun's parser would read our options (--nproc) as abbreviations of its own.
+    args.training_script_args = list(module_argv)
+    run(args)

@@ -1,0 +1,167 @@
+"""The training loop behind `partita train`: one rank's steps, progress, checkpoints, timings.
+
+Every rank builds the same model (same seed), loads the same plan and feeds every step the same
+global batch from the example's deterministic ``make_batch(global_batch, step)``, so a resumed
+run sees exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from partita.errors import InputError
+from partita.types import OpGraph, Plan
+
+CHECKPOINT_PATTERN = re.compile(r"^step-(\d+)$")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int
+    lr: float = 3e-3
+    max_grad_norm: float | None = 1.0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # 0: only at the end (when checkpoint_dir is given)
+    resume: bool = False
+    progress: bool = True
+
+
+@dataclass
+class TrainSummary:
+    losses: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    stage_forward_s: dict[int, list[float]] = field(default_factory=dict)  # per stage index, per step
+    resumed_from: int | None = None
+
+
+def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSummary:
+    """Run ``config.steps`` optimizer steps (counting steps done before a resume)."""
+    from partita.runtime.trainer import Trainer
+
+    trainer = Trainer(example.model, plan, graph=graph,
+                      optimizer=lambda params: torch.optim.AdamW(params, lr=config.lr),
+                      max_grad_norm=config.max_grad_norm)
+    summary = TrainSummary()
+    if config.resume and config.checkpoint_dir:
+        latest = latest_checkpoint(config.checkpoint_dir)
+        if latest is not None:
+            trainer.load_checkpoint(latest)
+            summary.resumed_from = trainer.num_steps
+    timers = _stage_forward_timers(trainer, summary)
+    bar = _progress_bar(trainer, config)
+    while trainer.num_steps < config.steps:
+        args, kwargs, target = example.make_batch(plan.global_batch_size, trainer.num_steps)
+        if graph.has_loss_fn:
+            kwargs = {**kwargs, "target": target}
+        start = time.perf_counter()
+        loss = trainer.step(*args, **kwargs)
+        elapsed = time.perf_counter() - start
+        timers.end_step()
+        summary.losses.append(loss)
+        summary.step_s.append(elapsed)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4f}", step=f"{elapsed * 1e3:.0f}ms",
+                            samples_s=f"{plan.global_batch_size / elapsed:.1f}")
+            bar.update(1)
+        if config.checkpoint_dir and config.checkpoint_every and trainer.num_steps % config.checkpoint_every == 0:
+            trainer.save_checkpoint(checkpoint_path(config.checkpoint_dir, trainer.num_steps))
+    if bar is not None:
+        bar.close()
+    if config.checkpoint_dir and (not config.checkpoint_every or trainer.num_steps % config.checkpoint_every):
+        trainer.save_checkpoint(checkpoint_path(config.checkpoint_dir, trainer.num_steps))
+    summary.stage_forward_s = _gather_stage_times(summary.stage_forward_s)
+    return summary
+
+
+def checkpoint_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step-{step:06d}")
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The complete checkpoint with the highest step (partial writes have another name)."""
+    if not os.path.isdir(directory):
+        return None
+    steps = [int(m.group(1)) for name in os.listdir(directory) if (m := CHECKPOINT_PATTERN.match(name))]
+    return checkpoint_path(directory, max(steps)) if steps else None
+
+
+def check_train_config(config: TrainConfig) -> None:
+    if config.steps < 1:
+        raise InputError(f"--steps must be >= 1, got {config.steps}")
+    if config.checkpoint_every < 0:
+        raise InputError(f"--checkpoint-every must be >= 0, got {config.checkpoint_every}")
+    if (config.resume or config.checkpoint_every) and not config.checkpoint_dir:
+        raise InputError("--resume and --checkpoint-every need --checkpoint-dir")
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+class _StageTimers:
+    """Forward time of each of this rank's stage modules per step (module hooks)."""
+
+    def __init__(self, summary: TrainSummary):
+        self.summary, self.current, self.started = summary, {}, {}
+
+    def hooks(self, index: int):
+        def before(module, args):
+            self.started[index] = time.perf_counter()
+
+        def after(module, args, output):
+            self.current[index] = self.current.get(index, 0.0) + time.perf_counter() - self.started.pop(index)
+
+        return before, after
+
+    def end_step(self) -> None:
+        for index, seconds in self.current.items():
+            self.summary.stage_forward_s.setdefault(index, []).append(seconds)
+        self.current = {}
+
+
+def _stage_forward_timers(trainer, summary: TrainSummary) -> _StageTimers:
+    timers = _StageTimers(summary)
+    for stage in trainer.stages:
+        before, after = timers.hooks(stage.spec.index)
+        stage.register_forward_pre_hook(before)
+        stage.register_forward_hook(after)
+    return timers
+
+
+def _gather_stage_times(local: dict[int, list[float]]) -> dict[int, list[float]]:
+    """Every rank's per-stage forward times, merged (the first replica's numbers per stage)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged: dict[int, list[float]] = {}
+    for part in gathered:
+        for index, times in part.items():
+            merged.setdefault(index, times)
+    return merged
+
+
+def _progress_bar(trainer, config: TrainConfig):
+    if not config.progress or dist.get_rank() != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=config.steps, initial=trainer.num_steps, desc="train", unit="step")
+
+
+def timing_rows(plan: Plan, summary: TrainSummary) -> list[tuple]:
+    """(stage, predicted forward per step, measured forward per step) and the whole step."""
+    rows = []
+    skip = 1 if len(summary.step_s) > 2 else 0  # the first step builds the pipeline
+    for stage in plan.stages:
+        measured = summary.stage_forward_s.get(stage.index, [])[skip:]
+        rows.append((f"stage {stage.index} forward", stage.forward_s * plan.num_microbatches,
+                     statistics.median(measured) if measured else float("nan")))
+    steps = summary.step_s[skip:]
+    rows.append(("step", plan.predicted_step_s, statistics.median(steps) if steps else float("nan")))
+    return rows
