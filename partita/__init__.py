@@ -12,6 +12,20 @@ from partita.types import CostTable, GraphInput, OpGraph, OpNode, ParamInfo, Pla
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # The runtime imports torch.distributed: load it on first use, so that planning stays light.
+    if name == "Trainer":
+        from partita.runtime.trainer import Trainer
+
+        return Trainer
+    if name == "load_into_model":
+        from partita.runtime.checkpoint import load_into_model
+
+        return load_into_model
+    raise AttributeError(f"module 'partita' has no attribute {name!r}")
+
+
 __all__ = [
     "CaptureError",
     "Cluster",
@@ -32,5 +46,7 @@ __all__ = [
     "ParamInfo",
     "PartitaError",
     "TensorInfo",
+    "Trainer",
     "capture",
+    "load_into_model",
 ]

@@ -1,0 +1,215 @@
+"""Checkpoints keyed by the model's own names, so that any plan (or the plain model) can read them.
+
+Written with torch.distributed.checkpoint (DCP): every rank saves what its stages hold, under
+names that do not depend on the plan, and DCP keeps one copy of anything several ranks hold
+(replicas, tied parameters). Loading asks for the names this rank's stages need under the
+plan it runs now, whatever plan wrote the checkpoint.
+
+Keys (flat; ``<name>`` is a canonical parameter or buffer name, e.g. ``transformer.wte.weight``):
+
+    model.<name>               parameters and persistent buffers
+    optim.state.<name>.<key>   optimizer state per parameter (``exp_avg``, ``step``, ``momentum_buffer``)
+    optim.param_groups         hyper-parameters of each parameter group (lr, betas, ...), no params
+    trainer.num_steps          optimizer steps taken (int64)
+    trainer.lr_scheduler       the LR scheduler's state_dict (absent without a scheduler)
+    trainer.meta               partita and torch versions, the graph fingerprint, the plan (as JSON data)
+    rng.cpu.<rank>             RNG states of each rank (``rng.cuda.<rank>`` on GPUs); a rank that the
+                               writing run did not have takes rank 0's
+
+A checkpoint is written to ``<dir>.partial`` and renamed to ``<dir>`` only when every rank has
+finished: an interrupted write never looks complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from partita.errors import InputError
+
+if TYPE_CHECKING:
+    from partita.runtime.trainer import Trainer
+
+__all__ = ["load_checkpoint", "load_into_model", "save_checkpoint"]
+
+PARTIAL_SUFFIX = ".partial"
+
+
+def save_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
+    """Write ``trainer``'s model, optimizer, scheduler, step count and RNG states to ``path``.
+
+    Collective: call on every rank with the same path (a filesystem all ranks share).
+    """
+    path = os.fspath(path)
+    partial = path + PARTIAL_SUFFIX
+    rank = dist.get_rank()
+    if rank == 0 and os.path.exists(partial):
+        shutil.rmtree(partial)  # left by an interrupted write
+    dist.barrier()
+    dcp.save(_trainer_state(trainer), storage_writer=FileSystemWriter(partial),
+             planner=DefaultSavePlanner(flatten_state_dict=False, dedup_save_to_lowest_rank=True))
+    dist.barrier()  # every rank's files are complete
+    if rank == 0:
+        old = path + ".old"
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
+    """Load a checkpoint written under any plan into ``trainer`` (model, optimizer, scheduler,
+    step count, RNG). Collective: call on every rank."""
+    stored = _stored_keys(path)
+    state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _model_tensors(trainer).items()}
+    names = _optimizer_names(trainer)
+    for name in names:
+        prefix = f"optim.state.{name}."
+        for key, meta in stored.items():
+            if key.startswith(prefix):
+                state[key] = None if isinstance(meta, BytesStorageMetadata) else torch.empty(
+                    meta.size, dtype=meta.properties.dtype, device=trainer.topology.device)
+    rng_keys = _rng_keys(trainer, stored)
+    for key in rng_keys.values():
+        state[key] = torch.empty(stored[key].size, dtype=torch.uint8)
+    state["trainer.num_steps"] = torch.zeros((), dtype=torch.int64)
+    state["optim.param_groups"] = None
+    if trainer.lr_scheduler is not None:
+        state["trainer.lr_scheduler"] = None
+    _require(stored, state, path)
+    dcp.load(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_load_planner())
+    _load_optimizer(trainer, names, state)
+    if trainer.lr_scheduler is not None:
+        trainer.lr_scheduler.load_state_dict(state["trainer.lr_scheduler"])
+    trainer.num_steps = int(state["trainer.num_steps"])
+    torch.set_rng_state(state[rng_keys["cpu"]])
+    if "cuda" in rng_keys:
+        torch.cuda.set_rng_state(state[rng_keys["cuda"]], trainer.topology.device)
+
+
+def load_into_model(model: nn.Module, path: str | os.PathLike) -> None:
+    """Load the parameters and persistent buffers of a checkpoint into a plain (unsplit) model,
+    in place, in this process alone (no process group needed)."""
+    from partita.runtime.trainer import canonical_names
+
+    stored = _stored_keys(path)
+    names = canonical_names(model)
+    state = {f"model.{names[id(t)]}": t.detach() for t in model.state_dict(keep_vars=True).values()}
+    _require(stored, state, path)
+    dcp.load(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_load_planner(),
+             no_dist=True)
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def _trainer_state(trainer: "Trainer") -> dict[str, Any]:
+    """The flat state dict this rank writes (see the module docstring for the keys)."""
+    from partita.plan.io import plan_to_dict
+
+    state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _model_tensors(trainer).items()}
+    optimizer_state = trainer.optimizer.state_dict()
+    for index, name in enumerate(_optimizer_names(trainer)):
+        for key, value in optimizer_state["state"].get(index, {}).items():
+            state[f"optim.state.{name}.{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
+    state["optim.param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer_state["param_groups"]]
+    state["trainer.num_steps"] = torch.tensor(trainer.num_steps, dtype=torch.int64)
+    if trainer.lr_scheduler is not None:
+        state["trainer.lr_scheduler"] = trainer.lr_scheduler.state_dict()
+    import partita
+
+    state["trainer.meta"] = {"partita_version": partita.__version__, "torch_version": torch.__version__,
+                             "graph_fingerprint": trainer.graph.fingerprint, "plan": plan_to_dict(trainer.plan)}
+    rank = trainer.topology.rank
+    state[f"rng.cpu.{rank}"] = torch.get_rng_state()
+    if trainer.topology.device.type == "cuda":
+        state[f"rng.cuda.{rank}"] = torch.cuda.get_rng_state(trainer.topology.device)
+    return state
+
+
+def _model_tensors(trainer: "Trainer") -> dict[str, torch.Tensor]:
+    """Canonical name -> tensor this rank saves and loads: what its stages hold (parameters and
+    persistent buffers), and on every rank what no stage holds (it stays as the model has it)."""
+    from partita.runtime.trainer import canonical_names
+
+    names = canonical_names(trainer.model)
+    held_anywhere = {name for stage in trainer._all_stages for name in stage.spec.param_names}
+    unheld = {names[id(t)]: t for t in trainer.model.state_dict(keep_vars=True).values()
+              if names[id(t)] not in held_anywhere}
+    return {**trainer.held_state(), **unheld}
+
+
+def _optimizer_names(trainer: "Trainer") -> list[str]:
+    """Canonical names of the optimizer's parameters, in its state_dict's index order."""
+    name_of = {id(p): name for name, p in trainer.params.items()}
+    names = []
+    for group in trainer.optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in name_of:
+                raise InputError("the optimizer holds a parameter that is not one of the trainer's stages': build it "
+                                 "from the parameters the trainer passes to the optimizer factory")
+            names.append(name_of[id(p)])
+    return names
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _load_planner() -> DefaultLoadPlanner:
+    """Reads into the caller's dict itself: objects (not only tensors) come back in place."""
+    return DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _stored_keys(path: str | os.PathLike) -> dict[str, Any]:
+    """Key -> storage metadata of a checkpoint directory; InputError if it is not a complete one."""
+    path = os.fspath(path)
+    try:
+        return dict(FileSystemReader(path).read_metadata().state_dict_metadata)
+    except (OSError, ValueError, RuntimeError) as e:
+        hint = " (an interrupted write left only a .partial directory)" if os.path.exists(path + PARTIAL_SUFFIX) else ""
+        raise InputError(f"{path!r} is not a complete partita checkpoint{hint}: {e}") from e
+
+
+def _require(stored: dict[str, Any], state: dict[str, Any], path: str | os.PathLike) -> None:
+    missing = sorted(k for k in state if k not in stored)
+    if missing:
+        raise InputError(f"checkpoint {os.fspath(path)!r} lacks {len(missing)} entries this model needs, e.g. "
+                         f"{missing[:4]}: was it written for another model?")
+
+
+def _load_optimizer(trainer: "Trainer", names: list[str], state: dict[str, Any]) -> None:
+    """Rebuild the optimizer's state_dict from per-name entries and load it."""
+    current = trainer.optimizer.state_dict()
+    per_param: dict[int, dict[str, Any]] = {}
+    for index, name in enumerate(names):
+        prefix = f"optim.state.{name}."
+        entries = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+        if entries:
+            per_param[index] = entries
+    groups = current["param_groups"]
+    saved_groups = state["optim.param_groups"]
+    if len(saved_groups) == len(groups):  # same grouping: restore hyper-parameters (the scheduler's lr too)
+        groups = [{**saved, "params": group["params"]} for saved, group in zip(saved_groups, groups)]
+    trainer.optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+
+
+def _rng_keys(trainer: "Trainer", stored: dict[str, Any]) -> dict[str, str]:
+    """The RNG entries this rank restores: its own, or rank 0's when the writing run had fewer ranks."""
+    rank, keys = trainer.topology.rank, {}
+    kinds = ["cpu", "cuda"] if trainer.topology.device.type == "cuda" else ["cpu"]
+    for kind in kinds:
+        for key in (f"rng.{kind}.{rank}", f"rng.{kind}.0"):
+            if key in stored:
+                keys[kind] = key
+                break
+    return keys

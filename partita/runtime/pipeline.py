@@ -1,0 +1,209 @@
+"""Wrap a rank's stage modules for torch.distributed.pipelining and build the plan's schedule.
+
+Glossary
+--------
+local stage   a stage of the plan that this rank runs: one for GPipe and 1F1B, several for
+              Interleaved1F1B (stages g, g + G, ...) and two for ZBV (g and 2G - 1 - g).
+root inputs   the flat graph inputs (``flatten_inputs``) a stage reads directly. Every rank
+              receives the whole batch, so they never travel by P2P: this rank's replica slice
+              of them is passed to ``schedule.step`` as keyword arguments named ``input_<j>``
+              (``j``: position in the flat graph inputs). The schedule cuts keyword arguments into
+              micro-batches along each input's batch dim (``root_chunk_spec``) and passes
+              micro-batch ``i``'s to EVERY local stage's forward for micro-batch ``i``, in all four
+              schedules; each ``StageRunner`` picks the inputs its stage reads. The micro-batch
+              index travels with the call, so nothing here depends on the order a schedule runs
+              forwards in (ZBV interleaves two stages' forwards).
+metadata      ``PipelineStage`` gets static ``input_args``/``output_args`` (FACTS.md: the dynamic
+              mode runs stages on ``torch.empty`` inputs and breaks on relayed integer labels).
+              ``stage_metadata`` finds them by running all stages once on one micro-batch.
+split backward  ZBV runs each backward as an input-gradient pass, then a weight pass that
+              torch restricts to parameters whose path meets a received input; a stage with
+              other parameters (T5's decoder embedding reads only labels) runs its whole
+              backward in the first pass instead (``_split_backward_complete``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+from torch.utils.checkpoint import checkpoint
+
+from partita.runtime.stages import StageModule
+from partita.types import OpGraph, Schedule
+
+__all__ = ["StageMetadata", "StageRunner", "build_schedule", "make_pipeline_stages", "root_chunk_spec", "root_key",
+           "stage_metadata"]
+
+
+def root_key(j: int) -> str:
+    """Keyword under which flat graph input ``j`` is passed to ``schedule.step`` and the runners."""
+    return f"input_{j}"
+
+
+class StageRunner(nn.Module):
+    """The module PipelineStage runs: ``forward(*received, **root_inputs)`` -> the stage's outputs.
+
+    ``recompute`` wraps the stage in non-reentrant activation checkpointing: only the stage's
+    inputs are kept between forward and backward, the rest is recomputed in backward.
+
+    ``fresh_outputs`` returns copies of the boundary tensors. Zero-bubble schedules detach a
+    stage's outputs in place after the input-gradient pass; when autograd saved such a tensor
+    for the stage's own backward (softmax, tanh and exp save their result: a GPT-2 cut right
+    after an attention softmax sends it), the weight-gradient pass then fails with "Trying to
+    use a saved tensor that has been detached in-place".
+    """
+
+    def __init__(self, stage: StageModule, recompute: bool, fresh_outputs: bool = False):
+        super().__init__()
+        self.stage = stage
+        self.recompute = recompute
+        self.fresh_outputs = fresh_outputs and not stage.spec.is_last
+        self.keys = tuple(root_key(j) for j in stage.graph_input_indices)
+
+    def forward(self, *received: torch.Tensor, **root_inputs: Any) -> Any:
+        inputs = (*received, *(root_inputs[key] for key in self.keys))
+        out = checkpoint(self.stage, *inputs, use_reentrant=False) if self.recompute else self.stage(*inputs)
+        return tuple(t.clone() for t in out) if self.fresh_outputs else out
+
+
+def root_chunk_spec(graph: OpGraph, indices: Sequence[int]) -> dict[str, Any]:
+    """How ``schedule.step`` cuts each root input into micro-batches: along its batch dim, or
+    replicated (inputs without a batch dim, non-tensor inputs). Keys in ``indices`` order, the
+    order the keyword arguments must be given in (torch zips the two flattened dicts)."""
+    spec: dict[str, Any] = {}
+    for j in indices:
+        info = graph.inputs[j].tensor
+        spec[root_key(j)] = TensorChunkSpec(info.batch_dim) if info is not None and info.batch_dim is not None else _Replicate()
+    return spec
+
+
+@dataclass(frozen=True)
+class StageMetadata:
+    """What PipelineStage needs to know of one stage before it runs."""
+
+    input_args: tuple[torch.Tensor, ...]  # received boundary tensors (shapes, dtypes, requires_grad)
+    output_args: tuple[torch.Tensor, ...]  # sent boundary tensors, or the 0-dim loss on the last stage
+    split_backward_complete: bool  # torch's input/weight backward split reaches every parameter
+
+
+def stage_metadata(stages: Sequence[StageModule], flat_microbatch: Sequence[Any],
+                   device: torch.device) -> list[StageMetadata]:
+    """The metadata of every stage of the plan, from one real micro-batch.
+
+    All stages run in sequence, with autograd on (``requires_grad`` of each boundary tensor is
+    part of the metadata: a float tensor that does not depend on a parameter gets no gradient).
+    The RNG state and every buffer are restored afterwards, so training continues exactly as if
+    this run had not happened (BatchNorm statistics, dropout streams). Stage outputs are detached
+    between stages, so only one stage's activations are alive at a time.
+    """
+    metadata = []
+    received: tuple[torch.Tensor, ...] = ()
+    with _rng_and_buffers_restored(stages, device):
+        for stage in stages:
+            out = stage(*received, *stage.graph_inputs(flat_microbatch))
+            outputs = (out,) if stage.spec.is_last else tuple(out)
+            complete = _split_backward_complete(stage, received, outputs)
+            outputs = tuple(_detached(t) for t in outputs)
+            metadata.append(StageMetadata(received, outputs, complete))
+            received = outputs
+    return metadata
+
+
+def _split_backward_complete(stage: StageModule, inputs: Sequence[torch.Tensor],
+                             outputs: Sequence[torch.Tensor]) -> bool:
+    """Whether zero-bubble schedules' split backward computes every weight gradient of the stage.
+
+    torch's input-gradient pass (``stage_backward_input``) keeps, for the later weight pass, the
+    gradients at the nodes where a parameter's path meets a path from a received input. A
+    parameter with a path to the outputs that meets no such node (T5's decoder embedding reads
+    only the labels; its relative position bias, sent on to the next stage, only positions)
+    would silently lose that part of its gradient: such a stage runs its whole backward at once.
+    The walk uses torch's own graph helpers, so the answer is torch's.
+    """
+    from torch.distributed.pipelining import _backward as tb
+
+    if stage.spec.is_first:  # torch runs the first stage's whole backward in its weight pass
+        return True
+    out_fns = {tb._get_grad_fn_or_grad_acc(t) for t in outputs if t.requires_grad} - {None}
+    in_fns = [fn for fn in (tb._get_grad_fn_or_grad_acc(t) for t in inputs if t.requires_grad) if fn is not None]
+    reverse = tb.construct_reverse_graph(list(out_fns))
+    from_inputs, _ = tb.reverse_closure(in_fns, set(), reverse)
+    for p in stage.parameters():
+        if p.requires_grad:
+            # Nodes downstream of p, stopping where a path from the inputs joins (those are covered).
+            downstream, _ = tb.reverse_closure([tb._get_grad_fn_or_grad_acc(p)], from_inputs, reverse)
+            if downstream & out_fns:
+                return False
+    return True
+
+
+def make_pipeline_stages(stages: Sequence[StageModule], recompute: Sequence[bool], metadata: Sequence[tuple],
+                         schedule: Schedule, device: torch.device, pp_group: Any) -> list[PipelineStage]:
+    """One PipelineStage per local stage (``stages``), with static metadata."""
+    result = []
+    for stage, flag in zip(stages, recompute):
+        meta = metadata[stage.spec.index]
+        runner = StageRunner(stage, flag, fresh_outputs=schedule is Schedule.ZBV)
+        # A dw_builder makes the input-gradient pass a full backward, and the weight pass a no-op.
+        whole = None if meta.split_backward_complete else _no_weight_pass
+        result.append(PipelineStage(runner, stage_index=stage.spec.index, num_stages=stage.spec.num_stages,
+                                    device=device, input_args=meta.input_args, output_args=meta.output_args,
+                                    group=pp_group, dw_builder=whole))
+    return result
+
+
+def _no_weight_pass() -> Callable[[], None]:
+    return lambda: None
+
+
+def build_schedule(schedule: Schedule, pipeline_stages: list[PipelineStage], num_microbatches: int,
+                   chunk_spec: dict[str, Any]) -> Any:
+    """The torch schedule for the plan. Gradients are left unscaled (``scale_grads=False``):
+    ``GradientSync`` divides each unique parameter once (a tied parameter in two local stages
+    would be divided twice by torch)."""
+    common = dict(n_microbatches=num_microbatches, loss_fn=stage_loss, kwargs_chunk_spec=chunk_spec, scale_grads=False)
+    if schedule is Schedule.GPIPE:
+        return ScheduleGPipe(pipeline_stages[0], **common)
+    if schedule is Schedule.ONE_F_ONE_B:
+        return Schedule1F1B(pipeline_stages[0], **common)
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        return ScheduleInterleaved1F1B(pipeline_stages, **common)
+    if schedule is Schedule.ZBV:
+        return ScheduleZBVZeroBubble(pipeline_stages, **common)
+    raise AssertionError(f"unhandled schedule {schedule}")
+
+
+def stage_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
+    """The schedule's loss function: the last stage already returns the 0-dim loss (the
+    micro-batch's mean); ``target`` is a dummy the schedule insists on."""
+    return output
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(t.requires_grad)
+
+
+@contextlib.contextmanager
+def _rng_and_buffers_restored(stages: Sequence[StageModule], device: torch.device) -> Iterator[None]:
+    buffers = {id(b): b for stage in stages for b in stage.buffers()}
+    saved = {key: b.detach().clone() for key, b in buffers.items()}
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for key, b in buffers.items():
+                b.copy_(saved[key])

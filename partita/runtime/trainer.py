@@ -1,0 +1,313 @@
+"""partita.Trainer: train an unmodified model as a Plan says, on torch.distributed.
+
+Run one process per device under torchrun; every process builds the same model, plan and
+trainer, and feeds every step the SAME global batch::
+
+    model = build_model()                                # same weights on every rank (seeded)
+    plan = partita.Plan.load("plan.json")
+    trainer = partita.Trainer(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-4),
+                              example_inputs=(args, kwargs, target))
+    for args, kwargs, target in batches:
+        loss = trainer.step(*args, target=target, **kwargs)    # target= only with loss_fn
+
+What happens in a step (see pipeline.py and data_parallel.py for why each part is exact):
+1. the batch is flattened into graph inputs; this rank keeps its replica's slice along each
+   input's batch dim (replica ``rank % dp`` takes samples ``[replica * B/dp, (replica+1) * B/dp)``);
+2. the plan's torch schedule runs this rank's stages over ``num_microbatches`` micro-batches;
+   graph inputs reach each stage directly (keyword arguments), boundary tensors by P2P;
+3. gradients are summed over every rank holding a parameter (replicas, tied copies), divided
+   once by ``num_microbatches * dp``, clipped by the global norm, and the optimizer steps;
+4. the loss (mean over micro-batches and replicas) is all-reduced so every rank returns it.
+
+Exactness: loss and parameters match the unsplit model trained on the full batch (fp32, up to
+summation order) when the model's loss is a mean over equally many elements in every
+micro-batch (true for LM losses without ignored positions, and for classification). A loss that
+averages over a data-dependent count (masked LM with ``-100`` labels at varying positions) is
+averaged per micro-batch first, as in any gradient accumulation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partita.errors import InputError
+from partita.plan.io import check_plan_matches_graph
+from partita.runtime.data_parallel import GradientSync, Topology, init_topology, unique_parameters
+from partita.runtime.pipeline import build_schedule, make_pipeline_stages, root_chunk_spec, root_key, stage_metadata
+from partita.runtime.stages import StageModule, flatten_inputs, split_graph
+from partita.types import OpGraph, Plan
+
+__all__ = ["Trainer"]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+class Trainer:
+    """Pipelined, replicated training of ``model`` as ``plan`` says (one process per device).
+
+    Args:
+        model: the unmodified model, with the same weights on every rank. Its parameters are
+            trained in place (stage modules hold the model's own Parameter objects).
+        plan: a uniform Plan (same replica count for every stage) made for this model's graph.
+        optimizer: ``params -> Optimizer``; each rank builds one over the parameters of its stages.
+        lr_scheduler: ``optimizer -> LRScheduler``, stepped after every optimizer step.
+        max_grad_norm: clip gradients by their global 2-norm over all stages and ranks.
+        graph: the OpGraph the plan was made for; or ``example_inputs=(args, kwargs, target)``
+            (and ``loss_fn``) to capture it here, as ``partita.capture`` did for the plan.
+
+    Attributes: ``graph``, ``plan``, ``topology`` (rank, mesh, groups), ``stages`` (this rank's
+    StageModules), ``optimizer``, ``lr_scheduler``, ``num_steps``, ``last_grad_norm``.
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan, *, optimizer: OptimizerFactory,
+                 lr_scheduler: SchedulerFactory | None = None, max_grad_norm: float | None = None,
+                 graph: OpGraph | None = None, example_inputs: tuple | None = None, loss_fn: Callable | None = None):
+        if not isinstance(plan, Plan):
+            raise InputError(f"plan must be a partita.Plan, got {type(plan).__name__}: load one with partita.Plan.load")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise InputError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        self.model, self.plan, self.max_grad_norm = model, plan, max_grad_norm
+        self.graph = _resolve_graph(model, plan, graph, example_inputs, loss_fn)
+        self._state_names = _state_names(model)
+        self.topology: Topology = init_topology(plan)
+        self._all_stages = split_graph(self.graph, plan.boundaries)
+        if self.topology.device.type != "cpu":
+            model.to(self.topology.device)
+            for stage in self._all_stages:
+                stage.to(self.topology.device)
+        group = self.topology.rank_group
+        self.stages: list[StageModule] = [s for s in self._all_stages if plan.stages[s.spec.index].rank_group == group]
+        self._holders = _holders(plan, self._all_stages)
+        self.params = unique_parameters(self.stages)
+        self.optimizer = optimizer(list(self.params.values()))
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        scale = 1.0 / (plan.num_microbatches * self.topology.replicas)
+        trainable = {name: h for name, h in self._holders.items() if name in self._trainable_names()}
+        self.grad_sync = GradientSync(self.params, trainable, self.topology.rank, scale)
+        self.num_steps = 0
+        self.last_grad_norm: float | None = None
+        self._root_indices = sorted({j for s in self.stages for j in s.graph_input_indices})
+        self._schedule: Any = None
+        self._input_shapes: list | None = None
+        if example_inputs is not None:
+            flat = flatten_inputs(self.graph, *_example_triple(example_inputs))
+            if _batch_of(self.graph, flat) >= plan.microbatch_size:
+                self._build_pipeline(_narrow(self.graph, flat, 0, plan.microbatch_size))
+
+    # ------------------------------------------------------------------ training
+
+    def step(self, *args: Any, **kwargs: Any) -> float:
+        """One optimizer step on the global batch; returns its mean loss (the same on every rank).
+
+        Call it exactly like the model: ``trainer.step(*args, **kwargs)``. When the graph was
+        captured with a ``loss_fn``, the keyword ``target=`` is the loss target (not a model
+        input). Every rank must pass the same batch of ``plan.global_batch_size`` samples.
+        """
+        target = kwargs.pop("target", None) if self.graph.has_loss_fn else None
+        flat = flatten_inputs(self.graph, args, kwargs, target)
+        per_replica = self._check_batch(flat)
+        local = _narrow(self.graph, flat, self.topology.replica * per_replica, per_replica)
+        local = [x.to(self.topology.device) if isinstance(x, torch.Tensor) else x for x in local]
+        if self._schedule is None:
+            self._build_pipeline(_narrow(self.graph, local, 0, self.plan.microbatch_size))
+        self._check_shapes(local)
+        self.optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        roots = {root_key(j): local[j] for j in self._root_indices}
+        self._schedule.step(target=self._dummy_target, losses=losses, return_outputs=False, **roots)
+        loss = self._global_loss(losses)
+        self.grad_sync.reduce_and_scale()
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = float(self.grad_sync.clip(self.max_grad_norm))
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.num_steps += 1
+        return loss
+
+    def gather_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """On rank 0: the full state dict (parameters and persistent buffers, CPU tensors) with
+        the keys of ``model.state_dict()`` (tied names included), so that the unsplit model
+        loads it directly. Other ranks return None. Collective: call it on every rank.
+
+        Each tensor comes from the first rank holding it; tensors no stage reads (unused by
+        the loss) come from rank 0's model, which never changes them.
+        """
+        rank = self.topology.rank
+        local = {name: t.detach().cpu().clone() for name, t in self.held_state().items() if self._owner(name) == rank}
+        gathered: list | None = [None] * self.topology.world_size if rank == 0 else None
+        dist.gather_object(local, gathered, dst=0)
+        if rank != 0:
+            return None
+        merged = {name: t for part in gathered for name, t in part.items()}
+        canonical = canonical_names(self.model)
+        result = {}
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            name = canonical[id(t)]
+            result[key] = merged[name] if name in merged else t.detach().cpu().clone()
+        return result
+
+    def held_state(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' parameters and persistent buffers, by canonical name: the tensors
+        training updates (on GPUs, ``.to()`` gave the stages their own buffer objects)."""
+        held: dict[str, torch.Tensor] = {}
+        for stage in self.stages:
+            for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
+                if name in self._state_names:  # leaves out export's lifted constants, non-persistent buffers
+                    held.setdefault(name, t)
+        return held
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write a DCP checkpoint keyed by the model's parameter names (see checkpoint.py)."""
+        from partita.runtime.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load a checkpoint written under any plan into this trainer (model, optimizer, scheduler, step, RNG)."""
+        from partita.runtime.checkpoint import load_checkpoint
+
+        load_checkpoint(self, path)
+
+    # ------------------------------------------------------------------ internals
+
+    def _build_pipeline(self, flat_microbatch: list) -> None:
+        """PipelineStages with static metadata (from one micro-batch) and the plan's schedule."""
+        plan, top = self.plan, self.topology
+        flat_microbatch = [x.to(top.device) if isinstance(x, torch.Tensor) else x for x in flat_microbatch]
+        metadata = stage_metadata(self._all_stages, flat_microbatch, top.device)
+        recompute = [plan.stages[s.spec.index].recompute for s in self.stages]
+        pipeline_stages = make_pipeline_stages(self.stages, recompute, metadata, plan.schedule, top.device,
+                                               top.pp_group)
+        chunks = root_chunk_spec(self.graph, self._root_indices)
+        self._schedule = build_schedule(plan.schedule, pipeline_stages, plan.num_microbatches, chunks)
+        # The schedule cuts `target` into micro-batches and hands them to the loss function,
+        # which ignores them: the last stage computes the loss itself.
+        self._dummy_target = torch.zeros(plan.num_microbatches, device=top.device)
+        self._input_shapes = [_shape_without_batch(self.graph, j, x) for j, x in enumerate(flat_microbatch)]
+
+    def _check_batch(self, flat: list) -> int:
+        """Samples per replica; InputError unless the batch is the plan's global batch."""
+        batch = _batch_of(self.graph, flat)
+        if batch != self.plan.global_batch_size:
+            raise InputError(f"the batch has {batch} samples but the plan's global batch is "
+                             f"{self.plan.global_batch_size}: pass the whole global batch on every rank")
+        return batch // self.topology.replicas
+
+    def _check_shapes(self, flat: list) -> None:
+        """Static pipeline metadata fixes every non-batch dim (sequence length, image size)."""
+        shapes = [_shape_without_batch(self.graph, j, x) for j, x in enumerate(flat)]
+        if shapes != self._input_shapes:
+            raise InputError(f"input shapes (batch dim left out) {shapes} differ from the first step's "
+                             f"{self._input_shapes}: the pipeline's boundary tensors have static shapes; pad "
+                             "every batch to the same sequence length")
+
+    def _global_loss(self, losses: list[torch.Tensor]) -> float:
+        """Mean over micro-batches on the last stage's ranks, then over replicas, on every rank."""
+        top = self.topology
+        total = torch.zeros((), dtype=torch.float32, device=top.device)
+        if losses:  # this rank runs the last stage
+            total = torch.stack([loss.detach().float() for loss in losses]).mean() / top.replicas
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return float(total)
+
+    def _trainable_names(self) -> set[str]:
+        return {name for s in self._all_stages for name, p in s.named_parameters() if p.requires_grad}
+
+    def _owner(self, name: str) -> int:
+        return min(self._holders[name])
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _resolve_graph(model: nn.Module, plan: Plan, graph: OpGraph | None, example_inputs: tuple | None,
+                   loss_fn: Callable | None) -> OpGraph:
+    """The graph the plan was made for: given, or captured from ``model`` and the example inputs."""
+    if graph is None:
+        if example_inputs is None:
+            raise InputError("the trainer needs the OpGraph the plan was made for: pass graph=, or "
+                             "example_inputs=(args, kwargs, target) (and loss_fn=) to capture it as partita.plan did")
+        from partita.capture import capture
+
+        args, kwargs, target = _example_triple(example_inputs)
+        graph = capture(model, args, kwargs, loss_fn=loss_fn, target=target)
+    check_plan_matches_graph(plan, graph, source="the plan")
+    ours = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    foreign = [name for name, t in _graph_tensors(graph) if id(t) not in ours]
+    if foreign:
+        raise InputError(f"the graph reads tensors that are not this model's ({foreign[:3]} ...): it was captured "
+                         "from another model object; capture it from the model you pass to the Trainer")
+    return graph
+
+
+def _example_triple(example_inputs: tuple) -> tuple[tuple, dict, Any]:
+    if not isinstance(example_inputs, (tuple, list)) or len(example_inputs) != 3:
+        raise InputError("example_inputs must be (args, kwargs, target), e.g. ((), {'input_ids': ids}, None)")
+    args, kwargs, target = example_inputs
+    return tuple(args or ()), dict(kwargs or {}), target
+
+
+def _graph_tensors(graph: OpGraph) -> list[tuple[str, torch.Tensor]]:
+    """(canonical name, tensor) for every parameter and buffer the captured graph reads."""
+    found = {}
+    for target, name in graph.attr_to_param.items():
+        value: Any = graph.graph_module
+        for atom in target.split("."):
+            value = getattr(value, atom)
+        found.setdefault(name, value)
+    return list(found.items())
+
+
+def _holders(plan: Plan, stages: list[StageModule]) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> sorted ranks whose stages read it (parameters and buffers)."""
+    holders: dict[str, set[int]] = {}
+    for stage in stages:
+        ranks = plan.stages[stage.spec.index].ranks
+        for name in stage.spec.param_names:
+            holders.setdefault(name, set()).update(ranks)
+    return {name: tuple(sorted(r)) for name, r in holders.items()}
+
+
+def _state_names(model: nn.Module) -> set[str]:
+    """Canonical names of what ``model.state_dict()`` holds (parameters, persistent buffers)."""
+    canonical = canonical_names(model)
+    return {canonical[id(t)] for t in model.state_dict(keep_vars=True).values()}
+
+
+def canonical_names(model: nn.Module) -> dict[int, str]:
+    """id(tensor) -> its canonical name: the first name ``named_parameters``/``named_buffers`` give it."""
+    names: dict[int, str] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), name)
+    return names
+
+
+def _batch_of(graph: OpGraph, flat: list) -> int:
+    sizes = {x.shape[info.tensor.batch_dim] for info, x in zip(graph.inputs, flat)
+             if info.tensor is not None and info.tensor.batch_dim is not None and isinstance(x, torch.Tensor)}
+    if len(sizes) != 1:
+        raise InputError(f"the inputs disagree on the batch size (sizes along their batch dims: {sorted(sizes)})"
+                         if sizes else "no input has a batch dimension: the trainer cannot split the batch")
+    return sizes.pop()
+
+
+def _narrow(graph: OpGraph, flat: list, start: int, length: int) -> list:
+    """Samples ``[start, start + length)`` of every input with a batch dim; others unchanged."""
+    out = []
+    for info, x in zip(graph.inputs, flat):
+        dim = info.tensor.batch_dim if info.tensor is not None else None
+        out.append(x.narrow(dim, start, length) if dim is not None and isinstance(x, torch.Tensor) else x)
+    return out
+
+
+def _shape_without_batch(graph: OpGraph, j: int, x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return None
+    dim = graph.inputs[j].tensor.batch_dim if graph.inputs[j].tensor is not None else None
+    return tuple(s for d, s in enumerate(x.shape) if d != dim)

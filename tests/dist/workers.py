@@ -1,0 +1,238 @@
+"""Rank-side code of the multi-process tests: ``python workers.py JOB DIR`` (see dist_launch.py).
+
+Each job trains tiny zoo models with partita.Trainer on gloo and, on rank 0, compares the loss
+and every parameter with the unsplit model trained on the same full batch. Results go to
+``DIR/result<rank>.pt``; the test process asserts on them, so a failed comparison shows all
+numbers at once instead of the first.
+
+Glossary: a *config* is one way to run a model: ``(schedule, num_stages, num_rank_groups,
+replicas, num_microbatches, recompute)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+torch.set_num_threads(1)
+
+BATCH, SEQ = 8, 16
+LR = 0.5  # large enough that a gradient error of 2e-5 moves a parameter by 1e-5
+MAX_GRAD_NORM = 0.5  # below the tiny models' gradient norms: clipping is active
+ADAMW_LR = 3e-3
+
+
+# ----------------------------------------------------------------------------- models and data
+
+
+class Case:
+    """A zoo model, its captured graph, its initial weights and fixed batches."""
+
+    def __init__(self, name: str):
+        import partita
+        from partita import examples
+
+        ex = examples.build(name, batch_size=BATCH, seq_len=SEQ)
+        self.name, self.model, self.loss_fn = name, ex.model, ex.loss_fn
+        self.batches = [_exact_batch(name, ex.make_batch(BATCH, step)) for step in range(10)]
+        args, kwargs, target = self.batches[0]
+        self.graph = partita.capture(ex.model, args, kwargs, loss_fn=ex.loss_fn, target=target)
+        self.initial = copy.deepcopy(ex.model.state_dict())
+        self.reference_model = copy.deepcopy(ex.model)
+
+    def reset(self) -> None:
+        """Back to the initial weights, in place (the graph reads these very Parameter objects)."""
+        self.model.load_state_dict(self.initial)
+
+    def loss(self, model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        args, kwargs, target = batch
+        out = model(*args, **kwargs)
+        return self.loss_fn(out, target) if self.loss_fn is not None else out.loss
+
+
+def _exact_batch(name: str, batch: tuple) -> tuple:
+    """BERT's masked-LM labels with the same number of masked positions in every sample, so that
+    every micro-batch's mean loss averages equally many tokens (see the trainer's docstring)."""
+    if name != "bert":
+        return batch
+    args, kwargs, target = batch
+    labels = kwargs["labels"]
+    g = torch.Generator().manual_seed(int(labels.sum()))
+    positions = torch.stack([torch.randperm(labels.shape[1], generator=g)[:3] for _ in range(labels.shape[0])])
+    tokens = torch.where(labels >= 0, labels, kwargs["input_ids"])
+    masked = torch.zeros_like(labels, dtype=torch.bool).scatter_(1, positions, True)
+    kwargs = {**kwargs, "input_ids": torch.where(masked, torch.full_like(tokens, 3), tokens),
+              "labels": torch.where(masked, tokens, torch.full_like(tokens, -100))}
+    return args, kwargs, target
+
+
+def reference_run(case: Case, optimizer, num_steps: int, *, max_grad_norm: float | None = None,
+                  lr_scheduler=None) -> tuple[list[float], dict]:
+    """Unsplit full-batch training: the losses and the final state dict."""
+    model = copy.deepcopy(case.reference_model)
+    opt = optimizer(model.parameters())
+    sched = lr_scheduler(opt) if lr_scheduler else None
+    losses = []
+    for step in range(num_steps):
+        opt.zero_grad(set_to_none=True)
+        loss = case.loss(model, case.batches[step])
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        if sched:
+            sched.step()
+        losses.append(float(loss))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_diff(state: dict, reference: dict) -> tuple[float, str]:
+    """Largest |a - b| over all entries of two state dicts, and where it is."""
+    worst, where = 0.0, ""
+    assert set(state) == set(reference), sorted(set(state) ^ set(reference))
+    for key, ref in reference.items():
+        diff = (state[key].double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+        if diff > worst:
+            worst, where = diff, key
+    return worst, where
+
+
+def make_plan(case: Case, config: dict):
+    from partita.plan.manual import manual_plan
+
+    n, s = case.graph.num_nodes, config["num_stages"]
+    return manual_plan(case.graph, [n * k // s for k in range(s + 1)], schedule=config["schedule"],
+                       num_rank_groups=config["num_rank_groups"], replicas=config.get("replicas", 1),
+                       num_microbatches=config["num_microbatches"], global_batch_size=BATCH,
+                       recompute=config.get("recompute", False))
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=LR)
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+def job_one_step(params: dict) -> dict:
+    """For each model and config: one SGD step (clipped where asked); loss and parameter diffs."""
+    import partita
+
+    rank = int(os.environ["RANK"])
+    results: dict[str, Any] = {}
+    for name in params["models"]:
+        case = Case(name)
+        for config in params["configs"]:
+            if name not in config.get("models", params["models"]):
+                continue
+            clip = MAX_GRAD_NORM if config.get("clip") else None
+            print(f"{name}/{config['label']}", flush=True)
+            case.reset()
+            started = time.perf_counter()
+            trainer = partita.Trainer(case.model, make_plan(case, config), optimizer=sgd, graph=case.graph,
+                                      max_grad_norm=clip)
+            args, kwargs, target = case.batches[0]
+            loss = trainer.step(*args, **kwargs, **({"target": target} if target is not None else {}))
+            state = trainer.gather_state_dict()
+            key = f"{name}/{config['label']}"
+            if rank == 0:
+                ref_losses, ref_state = reference_run(case, sgd, 1, max_grad_norm=clip)
+                results[key] = {"loss": loss, "ref_loss": ref_losses[0], "param": max_diff(state, ref_state),
+                                "seconds": time.perf_counter() - started}
+            else:
+                results[key] = {"loss": loss}
+    return results
+
+
+def adamw(params):
+    # eps 1e-6, not 1e-8: Adam divides by sqrt(v) + eps, which turns the summation-order noise
+    # (~1e-9) of near-zero gradient entries into update differences of up to ~1e-5 in 10 steps.
+    return torch.optim.AdamW(params, lr=ADAMW_LR, weight_decay=0.1, eps=1e-6)
+
+
+def halving(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+
+def job_checkpoint(params: dict) -> dict:
+    """For each run: train under each of its plans in turn, saving a checkpoint after each part
+    and loading it under the next plan (from reset weights, so everything must come from the
+    checkpoint); compare with unsplit training. Also: load_into_model of every checkpoint equals
+    gather_state_dict. The last plan's trainer captures its own graph from example_inputs."""
+    import partita
+
+    rank = int(os.environ["RANK"])
+    results: dict[str, Any] = {}
+    for run in params["runs"]:
+        case = Case(run["model"])
+        ckpt = Path(params["dir"]) / run["label"]
+        out: dict[str, Any] = {"losses": [], "resumed_at": [], "load_into_model": []}
+        plans = run["plans"]
+        for part, config in enumerate(plans):
+            case.reset()  # every weight must come from the checkpoint
+            print(f"{run['label']}: part {part}", flush=True)
+            source = {"graph": case.graph} if part < len(plans) - 1 else \
+                {"example_inputs": case.batches[0], "loss_fn": case.loss_fn}
+            trainer = partita.Trainer(case.model, make_plan(case, config), optimizer=adamw, lr_scheduler=halving,
+                                      max_grad_norm=1.0, **source)
+            if part > 0:
+                trainer.load_checkpoint(ckpt)
+                out["resumed_at"].append(trainer.num_steps)
+            for step in range(trainer.num_steps, run["steps_per_plan"] * (part + 1)):
+                args, kwargs, target = case.batches[step]
+                out["losses"].append(trainer.step(*args, **kwargs))
+            trainer.save_checkpoint(ckpt)
+            state = trainer.gather_state_dict()
+            if rank == 0:
+                plain = copy.deepcopy(case.reference_model)
+                partita.load_into_model(plain, ckpt)
+                out["load_into_model"].append(max_diff(plain.state_dict(), state))
+        if rank == 0:
+            num_steps = run["steps_per_plan"] * len(plans)
+            out["ref_losses"], ref_state = reference_run(case, adamw, num_steps, max_grad_norm=1.0, lr_scheduler=halving)
+            out["param"] = max_diff(state, ref_state)
+            out["lr"] = (trainer.optimizer.param_groups[0]["lr"], ADAMW_LR * 0.5 ** (num_steps // 3))
+            out["partial_left"] = os.path.exists(str(ckpt) + ".partial")
+        results[run["label"]] = out
+    return results
+
+
+def job_fail(params: dict) -> None:
+    """Rank 1 fails while rank 0 waits for it in a collective: the launcher must not hang."""
+    import torch.distributed as dist
+
+    if int(os.environ["RANK"]) == 1:
+        raise RuntimeError("deliberate failure on rank 1")
+    dist.barrier()
+
+
+JOBS = {"one_step": job_one_step, "checkpoint": job_checkpoint, "fail": job_fail}
+
+
+def main() -> None:
+    job, out_dir = sys.argv[1], Path(sys.argv[2])
+    rank = int(os.environ["RANK"])
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        result = JOBS[job](torch.load(out_dir / "params.pt", weights_only=False))
+        torch.save(result, out_dir / f"result{rank}.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)  # at once: do not wait for peers that may be blocked in a collective
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The runtime's single-process parts: manual plans, mesh layout checks, the pipeline wrappers.
+
+The multi-process behaviour (schedules, gradient sums, checkpoints) is tested in tests/dist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import partita
+from partita import examples
+from partita.errors import InputError
+from partita.plan.io import plan_from_json
+from partita.plan.manual import manual_plan
+from partita.runtime.data_parallel import check_layout, init_topology
+from partita.runtime.pipeline import StageRunner, root_chunk_spec, root_key, stage_metadata
+from partita.runtime.stages import flatten_inputs, run_sequential, split_graph
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    ex = examples.build("mlp", batch_size=8)
+    graph = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    return ex, graph
+
+
+def _cuts(graph, num_stages: int) -> list[int]:
+    return [graph.num_nodes * k // num_stages for k in range(num_stages + 1)]
+
+
+def test_manual_plan_places_stages_like_torch(mlp):
+    _, graph = mlp
+    zbv = manual_plan(graph, _cuts(graph, 4), schedule="zbv", num_rank_groups=2, replicas=2, num_microbatches=2,
+                      global_batch_size=8)
+    assert [s.rank_group for s in zbv.stages] == [0, 1, 1, 0]  # the V
+    assert [s.ranks for s in zbv.stages] == [(0, 1), (2, 3), (2, 3), (0, 1)]
+    assert zbv.microbatch_size == 2 and zbv.num_devices == 4 and zbv.method == "manual"
+    looped = manual_plan(graph, _cuts(graph, 4), schedule="interleaved1f1b", num_rank_groups=2, num_microbatches=2,
+                         global_batch_size=8, recompute=[True, False, False, False])
+    assert [s.rank_group for s in looped.stages] == [0, 1, 0, 1]
+    assert [s.recompute for s in looped.stages] == [True, False, False, False]
+    assert plan_from_json(looped.to_json(), graph=graph) == looped  # a manual plan is a valid plan file
+    check_layout(zbv)
+    check_layout(looped)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(boundaries=[0, 1]),  # does not end at num_nodes
+    dict(global_batch_size=7),  # not a multiple of micro-batches x replicas
+    dict(num_microbatches=1),  # 1f1b needs >= num_stages micro-batches
+    dict(schedule="zbv"),  # zbv needs 2 stages per rank group
+    dict(recompute=[True]),  # one flag per stage
+])
+def test_manual_plan_rejects_inconsistent_choices(mlp, bad):
+    _, graph = mlp
+    choices = dict(boundaries=_cuts(graph, 2), schedule="1f1b", num_rank_groups=2, num_microbatches=2,
+                   global_batch_size=8) | bad
+    with pytest.raises(InputError):
+        manual_plan(graph, choices.pop("boundaries"), **choices)
+
+
+def test_layout_check_refuses_non_uniform_and_misplaced_plans(mlp):
+    _, graph = mlp
+    plan = manual_plan(graph, _cuts(graph, 2), schedule="gpipe", num_rank_groups=2, replicas=2, num_microbatches=2,
+                       global_batch_size=8)
+    uneven = dataclasses.replace(plan, stages=(plan.stages[0], dataclasses.replace(plan.stages[1], ranks=(2, 3, 4))))
+    with pytest.raises(InputError, match="uniform"):
+        check_layout(uneven)
+    swapped = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], ranks=(2, 3)),
+                                                dataclasses.replace(plan.stages[1], ranks=(0, 1))))
+    with pytest.raises(InputError, match="rank group"):
+        check_layout(swapped)
+
+
+def test_topology_needs_torchrun_environment(mlp, monkeypatch):
+    _, graph = mlp
+    plan = manual_plan(graph, _cuts(graph, 2), schedule="gpipe", num_rank_groups=2, num_microbatches=2,
+                       global_batch_size=8)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(InputError, match="torchrun"):
+        init_topology(plan)
+
+
+def test_runners_feed_each_stage_its_root_inputs_and_metadata_restores_buffers(mlp):
+    ex, graph = mlp
+    stages = split_graph(graph, _cuts(graph, 3))
+    flat = flatten_inputs(graph, ex.args, ex.kwargs, ex.target)
+    expected = run_sequential(stages, flat).item()
+    spec = root_chunk_spec(graph, range(len(flat)))
+    assert [s.split_dim for s in spec.values()] == [g.tensor.batch_dim for g in graph.inputs]
+    roots = {root_key(j): x for j, x in enumerate(flat)}
+    received: tuple = ()
+    for stage in stages:
+        received = StageRunner(stage, recompute=stage.spec.index == 1)(*received, **roots)
+    assert received.item() == pytest.approx(expected, abs=1e-6)
+    before = torch.get_rng_state()
+    metadata = stage_metadata(stages, flat, torch.device("cpu"))
+    assert torch.equal(before, torch.get_rng_state())
+    assert metadata[0].input_args == () and metadata[-1].output_args[0].dim() == 0
+    for a, b in zip(metadata, metadata[1:]):
+        assert all(x is y for x, y in zip(a.output_args, b.input_args))
+
+
+def test_split_backward_check_finds_t5_parameters_off_the_input_path():
+    """T5's decoder embedding (reads labels) and relative position bias (reads positions) lose
+    gradients under torch's input/weight backward split; GPT-2's parameters do not."""
+    found = {}
+    for name in ("t5", "gpt2"):
+        ex = examples.build(name, batch_size=4, seq_len=16)
+        graph = partita.capture(ex.model, ex.args, ex.kwargs)
+        stages = split_graph(graph, _cuts(graph, 4))
+        flat = flatten_inputs(graph, ex.args, ex.kwargs)
+        found[name] = [m.split_backward_complete for m in stage_metadata(stages, flat, torch.device("cpu"))]
+    assert found["gpt2"] == [True] * 4
+    assert found["t5"][0] and not all(found["t5"][1:3])
+
+
+def test_load_into_model_refuses_an_incomplete_checkpoint(tmp_path):
+    (tmp_path / "ckpt.partial").mkdir()
+    with pytest.raises(InputError, match="partial"):
+        partita.load_into_model(torch.nn.Linear(2, 2), tmp_path / "ckpt")
+
+
+def test_trainer_refuses_a_plan_for_another_graph_or_a_graph_of_another_model(mlp):
+    ex, graph = mlp
+    plan = manual_plan(graph, _cuts(graph, 2), schedule="gpipe", num_rank_groups=2, num_microbatches=2,
+                       global_batch_size=8)
+    other = examples.build("mlp", batch_size=8, seed=1)  # same architecture, other weights and objects
+    other_graph = partita.capture(other.model, other.args, other.kwargs, loss_fn=other.loss_fn, target=other.target)
+    with pytest.raises(InputError, match="another model object"):
+        partita.Trainer(ex.model, plan, optimizer=torch.optim.SGD, graph=other_graph)
+    made_for_another = dataclasses.replace(plan, graph_fingerprint="0" * 16)
+    with pytest.raises(partita.PlanFileError, match="fingerprint"):
+        partita.Trainer(ex.model, made_for_another, optimizer=torch.optim.SGD, graph=graph)
