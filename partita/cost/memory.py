@@ -38,11 +38,14 @@ class DeviceMemory:
     activation_bytes: int  # kept for backward at the peak, all in-flight micro-batches
     comm_buffer_bytes: int
     working_bytes: int  # transient peak inside one operation's forward/backward
+    optimizer_step_bytes: int = 0  # temporaries while the optimizer steps (activations are freed by then)
 
     @property
     def total_bytes(self) -> int:
-        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
-                + self.comm_buffer_bytes + self.working_bytes)
+        """Persistent state plus the larger of the two peaks: backward (activations, buffers,
+        working memory) and the optimizer step (its temporaries)."""
+        during_backward = self.activation_bytes + self.comm_buffer_bytes + self.working_bytes
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + np.maximum(during_backward, self.optimizer_step_bytes)
 
 
 def microbatches_in_flight(
@@ -101,6 +104,7 @@ def device_memory(
         stage_input_bytes=int(sum(costs.cut_bytes[start] for start, _ in ranges)),
         boundary_bytes=sum(int(costs.cut_bytes[start]) + int(costs.cut_bytes[stop]) for start, stop in ranges),
         largest_output_bytes=max((int(costs.output_bytes[a:b].max()) for a, b in ranges if b > a), default=0),
+        largest_param_bytes=max((int(costs.param_bytes[p]) for p in held if costs.param_trainable[p]), default=0),
         in_flight=in_flight, optimizer=optimizer, recompute=recompute,
         mixed_precision=mixed_precision, num_replicas=num_replicas,
     )
@@ -115,6 +119,7 @@ def memory_from_totals(
     boundary_bytes: Any,
     largest_output_bytes: Any,
     in_flight: Any,
+    largest_param_bytes: Any = 0,
     optimizer: OptimizerKind,
     recompute: bool,
     mixed_precision: bool,
@@ -125,7 +130,9 @@ def memory_from_totals(
 
     activation_bytes: kept for backward per micro-batch; stage_input_bytes: bytes received per
     micro-batch; boundary_bytes: received + sent per micro-batch; largest_output_bytes: the
-    largest single operation output.
+    largest single operation output; largest_param_bytes: the largest trainable parameter (a
+    single-tensor Adam/momentum step, torch's default on CPU, makes temporaries of about twice
+    it while every gradient is alive; measured in bench/results/cost_accuracy.md).
     """
     # fp32 bytes of the trainable parameters: master weights and states are fp32 under mixed precision.
     fp32_bytes = 2 * trainable_bytes if mixed_precision else trainable_bytes
@@ -146,7 +153,14 @@ def memory_from_totals(
         comm_buffer_bytes=_as_int(comm_buffer_bytes),
         # an operation's output and its gradient coexist in backward
         working_bytes=_as_int(2 * largest_output_bytes),
+        optimizer_step_bytes=_as_int(_step_temporaries(optimizer, largest_param_bytes, mixed_precision)),
     )
+
+
+def _step_temporaries(optimizer: OptimizerKind, largest_param_bytes: Any, mixed_precision: bool) -> Any:
+    if optimizer.states_per_parameter == 0:
+        return 0 * largest_param_bytes  # plain SGD updates in place
+    return 2 * largest_param_bytes * (2 if mixed_precision else 1)
 
 
 def _as_int(value: Any) -> Any:

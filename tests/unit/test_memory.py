@@ -40,7 +40,20 @@ def test_whole_model_on_one_device_with_adam():
     assert mem.activation_bytes == 3 * 256 * 1024 + 2560
     assert mem.comm_buffer_bytes == 0
     assert mem.working_bytes == 2 * 256 * 1024
-    assert mem.total_bytes == 2 * trainable + 8 + 2 * trainable + 3 * 256 * 1024 + 2560 + 2 * 256 * 1024
+    assert mem.optimizer_step_bytes == 2 * 4 * MiB  # Adam's temporaries for w1, the largest parameter
+    # The optimizer step (8 MiB of temporaries) peaks above backward (activations + working memory).
+    assert mem.total_bytes == 2 * trainable + 8 + 2 * trainable + 8 * MiB
+
+
+def test_backward_peak_wins_when_activations_dominate():
+    mem = device_memory(mlp_costs(), [(1, 4)], in_flight=8, optimizer=OptimizerKind.ADAM)
+    backward = mem.activation_bytes + mem.comm_buffer_bytes + mem.working_bytes
+    assert backward > mem.optimizer_step_bytes == 2 * 40960
+    assert mem.total_bytes == mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes + backward
+
+
+def test_plain_sgd_has_no_step_temporaries():
+    assert device_memory(mlp_costs(), [(0, 4)], in_flight=1, optimizer=OptimizerKind.NONE).optimizer_step_bytes == 0
 
 
 def test_second_stage_of_two_under_gpipe_with_four_microbatches():
