@@ -5,7 +5,15 @@ capture -> cost -> plan -> runtime; see DESIGN.md in the project's shared folder
 
 from partita.capture import capture
 from partita.cost.cluster import Cluster
-from partita.errors import CaptureError, InfeasiblePlanError, InputError, ModelSpecError, PartitaError, PlanFileError
+from partita.errors import (
+    CaptureError,
+    InfeasiblePlanError,
+    InputError,
+    ModelSpecError,
+    NumericsError,
+    PartitaError,
+    PlanFileError,
+)
 from partita.plan.simulate import SimResult, simulate
 from partita.planner import plan
 from partita.types import CostTable, GraphInput, OpGraph, OpNode, ParamInfo, Plan, Schedule, StagePlan, TensorInfo
@@ -41,6 +49,7 @@ __all__ = [
     "GraphInput",
     "InputError",
     "ModelSpecError",
+    "NumericsError",
     "OpGraph",
     "OpNode",
     "ParamInfo",

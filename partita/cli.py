@@ -76,7 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-dir", default=None, help="write checkpoints here (step-NNNNNN)")
     train.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: at the end)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
-    train.add_argument("--max-restarts", type=int, default=0, help="restart all processes up to R times when one fails")
+    train.add_argument("--max-restarts", type=int, default=0,
+                       help="restart all processes up to R times when one fails; restarted processes resume from "
+                            "the latest complete checkpoint in --checkpoint-dir")
+    train.add_argument("--seed", type=int, default=0, help="seed of the example's weights and data and of torch's RNG")
+    train.add_argument("--on-nonfinite", default="raise", choices=["raise", "skip"],
+                       help="a NaN/inf loss or gradient: stop with an error naming where (raise), or skip that "
+                            "update with a warning (skip); the weights are never updated with it")
+    train.add_argument("--losses-out", default=None,
+                       help="write this run's per-step losses as JSON to this path (rank 0)")
     train.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
     train.set_defaults(func=_train)
     return parser
@@ -85,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args: argparse.Namespace):
     from partita.model_spec import load_model
 
-    return load_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, device=args.model_device)
+    return load_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, device=args.model_device,
+                      seed=getattr(args, "seed", 0))
 
 
 def _capture(example):
@@ -160,7 +169,7 @@ def _train(args: argparse.Namespace) -> int:
 
     config = TrainConfig(steps=args.steps, lr=args.lr, max_grad_norm=args.max_grad_norm or None,
                          checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                         resume=args.resume)
+                         resume=args.resume, seed=args.seed, on_nonfinite=args.on_nonfinite)
     check_train_config(config)
     if under_torchrun():
         return _train_rank(args, config)
@@ -201,7 +210,7 @@ def _train_rank(args: argparse.Namespace, config) -> int:
 
     import partita
     from partita.report.format import fmt_seconds, table
-    from partita.runtime.train_loop import timing_rows, train
+    from partita.runtime.train_loop import timing_rows, train, write_losses
 
     example = _load(args)
     graph = _capture(example)
@@ -213,8 +222,12 @@ def _train_rank(args: argparse.Namespace, config) -> int:
         if summary.losses:
             print(f"loss: {summary.losses[0]:.4f} (step {config.steps - len(summary.losses) + 1}) -> "
                   f"{summary.losses[-1]:.4f} (step {config.steps})")
+        if summary.skipped_steps:
+            print(f"skipped updates (non-finite loss or gradient) at steps {summary.skipped_steps}")
         print(table(["", "predicted", "measured"],
                     [(name, fmt_seconds(p), fmt_seconds(m)) for name, p, m in timing_rows(plan, summary)]))
+        if args.losses_out:
+            write_losses(args.losses_out, summary)
     dist.destroy_process_group()
     return 0
 

@@ -29,3 +29,23 @@ class InfeasiblePlanError(PartitaError):
 
 class PlanFileError(PartitaError):
     """A plan file is unreadable, invalid, or made for another model or cluster."""
+
+
+class NumericsError(PartitaError):
+    """A training step produced a NaN or infinite loss or gradient; the optimizer did not step.
+
+    Attributes: ``step``, the 1-based number of the failed step, and ``findings``, a tuple of
+    ``partita.runtime.numerics.NonFinite`` (what was non-finite, on which stage, micro-batch,
+    rank or parameter), the same on every rank.
+    """
+
+    def __init__(self, message: str, *, step: int = 0, findings: tuple = ()):
+        super().__init__(message)
+        self.step, self.findings = step, tuple(findings)
+
+    def __reduce__(self):  # keep step and findings when pickled (multiprocessing)
+        return (_numerics_error, (str(self), self.step, self.findings))
+
+
+def _numerics_error(message: str, step: int, findings: tuple) -> NumericsError:
+    return NumericsError(message, step=step, findings=findings)

@@ -18,28 +18,31 @@ from partita.errors import ModelSpecError
 from partita.examples import Example, build
 
 
-def load_model(spec: str, *, batch_size: int = 8, seq_len: int | None = None, device: str = "cpu") -> Example:
+def load_model(spec: str, *, batch_size: int = 8, seq_len: int | None = None, device: str = "cpu",
+               seed: int = 0) -> Example:
     """The model, its example inputs and loss for ``spec``.
 
     ``device="auto"`` builds a zoo model on ``meta`` (no weights) when its weights would take
-    more than a quarter of this machine's memory, and on the CPU otherwise.
+    more than a quarter of this machine's memory, and on the CPU otherwise. ``seed`` fixes a zoo
+    model's weights and data; a factory is called with torch's RNG seeded with it (and restored
+    afterwards), so that every process of a job builds the same model.
     """
     if ":" in spec and spec.split(":", 1)[0].endswith(".py"):
-        return _load_factory(spec)
+        return _load_factory(spec, seed)
     if device != "auto":
-        return build(spec, batch_size=batch_size, seq_len=seq_len, device=device)
-    on_meta = build(spec, batch_size=batch_size, seq_len=seq_len, device="meta")
+        return build(spec, batch_size=batch_size, seq_len=seq_len, device=device, seed=seed)
+    on_meta = build(spec, batch_size=batch_size, seq_len=seq_len, device="meta", seed=seed)
     weight_bytes = sum(p.numel() * p.element_size() for p in on_meta.model.parameters())
     if weight_bytes > _memory_bytes() // 4:
         return on_meta
-    return build(spec, batch_size=batch_size, seq_len=seq_len, device="cpu")
+    return build(spec, batch_size=batch_size, seq_len=seq_len, device="cpu", seed=seed)
 
 
 def _memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _load_factory(spec: str) -> Example:
+def _load_factory(spec: str, seed: int = 0) -> Example:
     path, _, factory_name = spec.rpartition(":")
     if not os.path.isfile(path):
         raise ModelSpecError(f"model file {path!r} (from MODEL {spec!r}) does not exist: give an existing path/to/file.py:factory")
@@ -51,7 +54,10 @@ def _load_factory(spec: str) -> Example:
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise ModelSpecError(f"{path} has no callable {factory_name!r}: define `def {factory_name}(): return model, inputs`")
-    return _as_example(spec, factory())
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        result = factory()
+    return _as_example(spec, result)
 
 
 def _as_example(spec: str, result: Any) -> Example:

@@ -17,7 +17,8 @@ Keys (flat; ``<name>`` is a canonical parameter or buffer name, e.g. ``transform
                                writing run did not have takes rank 0's
 
 A checkpoint is written to ``<dir>.partial`` and renamed to ``<dir>`` only when every rank has
-finished: an interrupted write never looks complete.
+finished: an interrupted write never looks complete. A complete checkpoint is a directory
+holding DCP's metadata file (``is_complete``); loading anything else raises InputError.
 """
 
 from __future__ import annotations
@@ -39,9 +40,16 @@ from partita.errors import InputError
 if TYPE_CHECKING:
     from partita.runtime.trainer import Trainer
 
-__all__ = ["load_checkpoint", "load_into_model", "save_checkpoint"]
+__all__ = ["is_complete", "load_checkpoint", "load_into_model", "save_checkpoint"]
 
 PARTIAL_SUFFIX = ".partial"
+METADATA_FILE = ".metadata"  # what dcp.save writes last, after every rank's data files
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a finished checkpoint: not a ``.partial`` write, and holding DCP's metadata."""
+    path = os.fspath(path)
+    return not path.rstrip(os.sep).endswith(PARTIAL_SUFFIX) and os.path.isfile(os.path.join(path, METADATA_FILE))
 
 
 def save_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
@@ -173,11 +181,21 @@ def _load_planner() -> DefaultLoadPlanner:
 def _stored_keys(path: str | os.PathLike) -> dict[str, Any]:
     """Key -> storage metadata of a checkpoint directory; InputError if it is not a complete one."""
     path = os.fspath(path)
+    if path.rstrip(os.sep).endswith(PARTIAL_SUFFIX):
+        raise InputError(f"{path!r} is an unfinished checkpoint write (the job stopped before every rank had "
+                         f"written it): load a complete checkpoint instead, e.g. the one "
+                         f"partita.runtime.train_loop.latest_checkpoint(directory) finds")
     try:
         return dict(FileSystemReader(path).read_metadata().state_dict_metadata)
     except (OSError, ValueError, RuntimeError) as e:
-        hint = " (an interrupted write left only a .partial directory)" if os.path.exists(path + PARTIAL_SUFFIX) else ""
-        raise InputError(f"{path!r} is not a complete partita checkpoint{hint}: {e}") from e
+        if os.path.exists(path + PARTIAL_SUFFIX):
+            cause = "an interrupted write left only a .partial directory"
+        elif os.path.isdir(path) and not os.path.exists(os.path.join(path, METADATA_FILE)):
+            cause = f"it lacks DCP's {METADATA_FILE} file, which is written last: the write was interrupted or the copy is partial"
+        else:
+            cause = str(e)
+        raise InputError(f"{path!r} is not a complete partita checkpoint ({cause}): load an earlier complete one; "
+                         "partita.runtime.train_loop.latest_checkpoint(directory) skips incomplete ones") from e
 
 
 def _require(stored: dict[str, Any], state: dict[str, Any], path: str | os.PathLike) -> None:

@@ -3,10 +3,18 @@
 Every rank builds the same model (same seed), loads the same plan and feeds every step the same
 global batch from the example's deterministic ``make_batch(global_batch, step)``, so a resumed
 run sees exactly the batches an uninterrupted one would.
+
+Resuming: with ``resume=True``, or in a process torchrun restarted after a rank failed
+(``--max-restarts``; TORCHELASTIC_RESTART_COUNT > 0), training continues from the latest
+complete checkpoint in ``checkpoint_dir`` (``latest_checkpoint``: ``.partial`` writes and
+directories without DCP's metadata are skipped); the checkpoint holds the optimizer and RNG
+states, so the resumed run ends with the parameters an uninterrupted one would have.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import statistics
@@ -18,6 +26,9 @@ import torch
 import torch.distributed as dist
 
 from partita.errors import InputError
+from partita.runtime.checkpoint import is_complete
+from partita.runtime.launch import restart_count
+from partita.runtime.numerics import NonFinitePolicy
 from partita.types import OpGraph, Plan
 
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d+)$")
@@ -30,8 +41,10 @@ class TrainConfig:
     max_grad_norm: float | None = 1.0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # 0: only at the end (when checkpoint_dir is given)
-    resume: bool = False
+    resume: bool = False  # also resumes, whatever this says, in a process torchrun restarted
     progress: bool = True
+    seed: int = 0  # of torch's RNG on every rank (dropout); the example's weights and data have their own
+    on_nonfinite: str = "raise"  # or "skip": see partita.Trainer
 
 
 @dataclass
@@ -39,22 +52,25 @@ class TrainSummary:
     losses: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
     stage_forward_s: dict[int, list[float]] = field(default_factory=dict)  # per stage index, per step
-    resumed_from: int | None = None
+    resumed_from: int | None = None  # steps done before this run (its losses start at step resumed_from + 1)
+    skipped_steps: list[int] = field(default_factory=list)  # 1-based steps whose update was skipped (non-finite)
+
+    @property
+    def first_step(self) -> int:
+        """The 1-based step of ``losses[0]``."""
+        return (self.resumed_from or 0) + 1
 
 
 def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSummary:
     """Run ``config.steps`` optimizer steps (counting steps done before a resume)."""
     from partita.runtime.trainer import Trainer
 
+    torch.manual_seed(config.seed)
     trainer = Trainer(example.model, plan, graph=graph,
                       optimizer=lambda params: torch.optim.AdamW(params, lr=config.lr),
-                      max_grad_norm=config.max_grad_norm)
+                      max_grad_norm=config.max_grad_norm, on_nonfinite=config.on_nonfinite)
     summary = TrainSummary()
-    if config.resume and config.checkpoint_dir:
-        latest = latest_checkpoint(config.checkpoint_dir)
-        if latest is not None:
-            trainer.load_checkpoint(latest)
-            summary.resumed_from = trainer.num_steps
+    _maybe_resume(trainer, config, summary)
     timers = _stage_forward_timers(trainer, summary)
     bar = _progress_bar(trainer, config)
     while trainer.num_steps < config.steps:
@@ -67,6 +83,8 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSumm
         timers.end_step()
         summary.losses.append(loss)
         summary.step_s.append(elapsed)
+        if not math.isfinite(loss):  # on_nonfinite="skip" (with "raise", step() raised)
+            summary.skipped_steps.append(trainer.num_steps)
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.4f}", step=f"{elapsed * 1e3:.0f}ms",
                             samples_s=f"{plan.global_batch_size / elapsed:.1f}")
@@ -81,16 +99,48 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSumm
     return summary
 
 
+def _maybe_resume(trainer, config: TrainConfig, summary: TrainSummary) -> None:
+    """Load the latest complete checkpoint when asked to (``resume``) or after a torchrun restart."""
+    restarts = restart_count()
+    if not (config.resume or restarts) or not config.checkpoint_dir:
+        if restarts and dist.get_rank() == 0:
+            print(f"restart {restarts}: no --checkpoint-dir, so training starts again from step 0", flush=True)
+        return
+    latest = latest_checkpoint(config.checkpoint_dir)
+    if latest is None:
+        return
+    trainer.load_checkpoint(latest)
+    summary.resumed_from = trainer.num_steps
+    if dist.get_rank() == 0:
+        why = f"restart {restarts}" if restarts else "--resume"
+        print(f"{why}: resuming from {latest} (step {trainer.num_steps})", flush=True)
+
+
 def checkpoint_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:06d}")
 
 
 def latest_checkpoint(directory: str) -> str | None:
-    """The complete checkpoint with the highest step (partial writes have another name)."""
+    """The complete checkpoint (``step-NNNNNN`` holding DCP's metadata) with the highest step, or
+    None. Interrupted writes are skipped: ``.partial`` directories (another name) and directories
+    that lack the metadata file DCP writes last."""
     if not os.path.isdir(directory):
         return None
-    steps = [int(m.group(1)) for name in os.listdir(directory) if (m := CHECKPOINT_PATTERN.match(name))]
-    return checkpoint_path(directory, max(steps)) if steps else None
+    steps = sorted((int(m.group(1)) for name in os.listdir(directory) if (m := CHECKPOINT_PATTERN.match(name))),
+                   reverse=True)
+    return next((checkpoint_path(directory, step) for step in steps
+                 if is_complete(checkpoint_path(directory, step))), None)
+
+
+def write_losses(path: str, summary: TrainSummary) -> None:
+    """The losses of this run's steps as JSON: ``{"first_step": k, "losses": [...], "skipped_steps": [...]}``,
+    ``losses[i]`` being step ``k + i`` (1-based; ``k > 1`` after a resume), non-finite losses as null."""
+    record = {"first_step": summary.first_step,
+              "losses": [loss if math.isfinite(loss) else None for loss in summary.losses],
+              "skipped_steps": summary.skipped_steps}
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
 
 
 def check_train_config(config: TrainConfig) -> None:
@@ -100,6 +150,7 @@ def check_train_config(config: TrainConfig) -> None:
         raise InputError(f"--checkpoint-every must be >= 0, got {config.checkpoint_every}")
     if (config.resume or config.checkpoint_every) and not config.checkpoint_dir:
         raise InputError("--resume and --checkpoint-every need --checkpoint-dir")
+    NonFinitePolicy.parse(config.on_nonfinite)
 
 
 # ----------------------------------------------------------------------------- timing

@@ -15,9 +15,13 @@ What happens in a step (see pipeline.py and data_parallel.py for why each part i
    input's batch dim (replica ``rank % dp`` takes samples ``[replica * B/dp, (replica+1) * B/dp)``);
 2. the plan's torch schedule runs this rank's stages over ``num_microbatches`` micro-batches;
    graph inputs reach each stage directly (keyword arguments), boundary tensors by P2P;
-3. gradients are summed over every rank holding a parameter (replicas, tied copies), divided
-   once by ``num_microbatches * dp``, clipped by the global norm, and the optimizer steps;
-4. the loss (mean over micro-batches and replicas) is all-reduced so every rank returns it.
+3. gradients are summed over every rank holding a parameter (replicas, tied copies) and divided
+   once by ``num_microbatches * dp``;
+4. the loss (mean over micro-batches and replicas) is all-reduced so every rank returns it, and
+   with it the number of non-finite micro-batch losses and gradients (numerics.py): if any, every
+   rank raises NumericsError (or skips the update, ``on_nonfinite="skip"``) before the optimizer
+   touches a weight;
+5. gradients are clipped by the global norm, and the optimizer steps.
 
 Exactness: loss and parameters match the unsplit model trained on the full batch (fp32, up to
 summation order) when the model's loss is a mean over equally many elements in every
@@ -28,15 +32,24 @@ averaged per micro-batch first, as in any gradient accumulation.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from partita.errors import InputError
+from partita.errors import InputError, NumericsError
 from partita.plan.io import check_plan_matches_graph
 from partita.runtime.data_parallel import GradientSync, Topology, init_topology, unique_parameters
+from partita.runtime.numerics import (
+    NonFinitePolicy,
+    count_nonfinite,
+    describe,
+    gather_findings,
+    gradient_findings,
+    loss_findings,
+)
 from partita.runtime.pipeline import build_schedule, make_pipeline_stages, root_chunk_spec, root_key, stage_metadata
 from partita.runtime.stages import StageModule, flatten_inputs, split_graph
 from partita.types import OpGraph, Plan
@@ -57,21 +70,28 @@ class Trainer:
         optimizer: ``params -> Optimizer``; each rank builds one over the parameters of its stages.
         lr_scheduler: ``optimizer -> LRScheduler``, stepped after every optimizer step.
         max_grad_norm: clip gradients by their global 2-norm over all stages and ranks.
+        on_nonfinite: when a micro-batch's loss or a gradient holds NaN or inf, ``"raise"``
+            NumericsError on every rank (naming the stage and micro-batch or the parameters), or
+            ``"skip"`` the update with a RuntimeWarning and return the non-finite loss. Either
+            way the weights, optimizer state and LR scheduler are left as they were.
         graph: the OpGraph the plan was made for; or ``example_inputs=(args, kwargs, target)``
             (and ``loss_fn``) to capture it here, as ``partita.capture`` did for the plan.
 
     Attributes: ``graph``, ``plan``, ``topology`` (rank, mesh, groups), ``stages`` (this rank's
-    StageModules), ``optimizer``, ``lr_scheduler``, ``num_steps``, ``last_grad_norm``.
+    StageModules), ``optimizer``, ``lr_scheduler``, ``num_steps`` (steps taken, skipped ones included),
+    ``num_skipped_steps``, ``last_grad_norm``.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, *, optimizer: OptimizerFactory,
                  lr_scheduler: SchedulerFactory | None = None, max_grad_norm: float | None = None,
-                 graph: OpGraph | None = None, example_inputs: tuple | None = None, loss_fn: Callable | None = None):
+                 graph: OpGraph | None = None, example_inputs: tuple | None = None, loss_fn: Callable | None = None,
+                 on_nonfinite: NonFinitePolicy | str = NonFinitePolicy.RAISE):
         if not isinstance(plan, Plan):
             raise InputError(f"plan must be a partita.Plan, got {type(plan).__name__}: load one with partita.Plan.load")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise InputError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
         self.model, self.plan, self.max_grad_norm = model, plan, max_grad_norm
+        self.on_nonfinite = NonFinitePolicy.parse(on_nonfinite)
         self.graph = _resolve_graph(model, plan, graph, example_inputs, loss_fn)
         self._state_names = _state_names(model)
         self.topology: Topology = init_topology(plan)
@@ -84,12 +104,15 @@ class Trainer:
         self.stages: list[StageModule] = [s for s in self._all_stages if plan.stages[s.spec.index].rank_group == group]
         self._holders = _holders(plan, self._all_stages)
         self.params = unique_parameters(self.stages)
+        self._stages_of = {name: tuple(s.spec.index for s in self.stages if name in s.spec.param_names)
+                           for name in self.params}
         self.optimizer = optimizer(list(self.params.values()))
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         scale = 1.0 / (plan.num_microbatches * self.topology.replicas)
         trainable = {name: h for name, h in self._holders.items() if name in self._trainable_names()}
         self.grad_sync = GradientSync(self.params, trainable, self.topology.rank, scale)
         self.num_steps = 0
+        self.num_skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._root_indices = sorted({j for s in self.stages for j in s.graph_input_indices})
         self._schedule: Any = None
@@ -107,6 +130,9 @@ class Trainer:
         Call it exactly like the model: ``trainer.step(*args, **kwargs)``. When the graph was
         captured with a ``loss_fn``, the keyword ``target=`` is the loss target (not a model
         input). Every rank must pass the same batch of ``plan.global_batch_size`` samples.
+
+        Raises NumericsError (on every rank, before the optimizer step) when a loss or gradient
+        is not finite, unless the trainer was built with ``on_nonfinite="skip"``.
         """
         target = kwargs.pop("target", None) if self.graph.has_loss_fn else None
         flat = flatten_inputs(self.graph, args, kwargs, target)
@@ -120,8 +146,10 @@ class Trainer:
         losses: list[torch.Tensor] = []
         roots = {root_key(j): local[j] for j in self._root_indices}
         self._schedule.step(target=self._dummy_target, losses=losses, return_outputs=False, **roots)
-        loss = self._global_loss(losses)
         self.grad_sync.reduce_and_scale()
+        loss, num_nonfinite = self._global_loss(losses)
+        if num_nonfinite:
+            return self._nonfinite_step(loss, losses)
         if self.max_grad_norm is not None:
             self.last_grad_norm = float(self.grad_sync.clip(self.max_grad_norm))
         self.optimizer.step()
@@ -207,14 +235,39 @@ class Trainer:
                              f"{self._input_shapes}: the pipeline's boundary tensors have static shapes; pad "
                              "every batch to the same sequence length")
 
-    def _global_loss(self, losses: list[torch.Tensor]) -> float:
-        """Mean over micro-batches on the last stage's ranks, then over replicas, on every rank."""
+    def _global_loss(self, losses: list[torch.Tensor]) -> tuple[float, int]:
+        """The loss (mean over micro-batches on the last stage's ranks, then over replicas) and the
+        number of non-finite micro-batch losses and gradients over all ranks: one all-reduce, the
+        same answer on every rank."""
         top = self.topology
-        total = torch.zeros((), dtype=torch.float32, device=top.device)
+        local = torch.zeros(2, dtype=torch.float32, device=top.device)  # (loss part, non-finite count)
         if losses:  # this rank runs the last stage
-            total = torch.stack([loss.detach().float() for loss in losses]).mean() / top.replicas
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return float(total)
+            local[0] = torch.stack([loss.detach().float() for loss in losses]).mean() / top.replicas
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        local[1] = count_nonfinite(losses, top.device) + count_nonfinite(grads, top.device)
+        dist.all_reduce(local, op=dist.ReduceOp.SUM)
+        loss, count = local.tolist()
+        return loss, int(count)
+
+    def _nonfinite_step(self, loss: float, losses: list[torch.Tensor]) -> float:
+        """On every rank: gather what was non-finite, then raise NumericsError, or warn and count the
+        step as taken without an update (``on_nonfinite="skip"``). The optimizer never steps here."""
+        top, step = self.topology, self.num_steps + 1
+        local = gradient_findings(self.params, self._stages_of, top.rank)
+        if losses:
+            last = self.plan.num_stages - 1
+            local = loss_findings(losses, stage_index=last, replica=top.replica, rank=top.rank) + local
+        findings = gather_findings(local)
+        message = describe(findings, step=step, microbatch_size=self.plan.microbatch_size,
+                           samples_per_replica=self.plan.global_batch_size // top.replicas, replicas=top.replicas,
+                           policy=self.on_nonfinite)
+        if self.on_nonfinite is NonFinitePolicy.RAISE:
+            raise NumericsError(message, step=step, findings=tuple(findings))
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.num_steps += 1
+        self.num_skipped_steps += 1
+        return loss
 
     def _trainable_names(self) -> set[str]:
         return {name for s in self._all_stages for name, p in s.named_parameters() if p.requires_grad}

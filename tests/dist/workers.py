@@ -214,7 +214,72 @@ def job_fail(params: dict) -> None:
     dist.barrier()
 
 
-JOBS = {"one_step": job_one_step, "checkpoint": job_checkpoint, "fail": job_fail}
+class SqrtNet(torch.nn.Module):
+    """A 3-layer MLP whose first activation is |a(x)| written as sqrt(a(x)^2): its backward is
+    NaN where a(x) == 0 (inf * 0), so all-zero samples give a finite loss with NaN gradients of
+    ``a`` only; inf samples give a NaN loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+        torch.nn.init.zeros_(self.a.bias)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.sqrt(self.a(x) ** 2))))
+
+
+def job_numerics(params: dict) -> dict:
+    """Stage 0 = a, stage 1 = b, c and the loss (1F1B, 2 micro-batches of 4). Three steps from the
+    same weights, each with a fresh AdamW trainer: an inf micro-batch and an all-zero micro-batch
+    under on_nonfinite="raise" (the error and the weights after it), then the inf batch under
+    "skip" followed by a clean step, compared with one unsplit AdamW step on the clean batch."""
+    import warnings
+
+    import partita
+    from partita.errors import NumericsError
+    from partita.plan.manual import manual_plan
+
+    torch.manual_seed(0)
+    model, loss_fn = SqrtNet(), torch.nn.functional.cross_entropy
+    x, y = torch.randn(BATCH, 4), torch.randint(0, 3, (BATCH,))
+    graph = partita.capture(model, (x,), loss_fn=loss_fn, target=y)
+    plan = manual_plan(graph, [0, 3, graph.num_nodes], schedule="1f1b", num_rank_groups=2, num_microbatches=2,
+                       global_batch_size=BATCH)
+    initial = copy.deepcopy(model.state_dict())
+    bad = {"inf": x.clone().index_fill_(0, torch.arange(4, 8), float("inf")),  # micro-batch 1
+           "zero": x.clone().index_fill_(0, torch.arange(0, 4), 0.0)}  # micro-batch 0
+    results: dict[str, Any] = {}
+    for name, inputs in bad.items():
+        model.load_state_dict(initial)
+        trainer = partita.Trainer(model, plan, graph=graph, optimizer=adamw)
+        try:
+            trainer.step(inputs, target=y)
+            results[name] = {"raised": None}
+        except NumericsError as e:
+            results[name] = {"raised": str(e), "step": e.step, "findings": e.findings}
+        results[name]["state"] = trainer.gather_state_dict()
+    model.load_state_dict(initial)
+    trainer = partita.Trainer(model, plan, graph=graph, optimizer=adamw, on_nonfinite="skip")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        skipped_loss = trainer.step(bad["inf"], target=y)
+    after_skip = trainer.gather_state_dict()
+    clean_loss = trainer.step(x, target=y)
+    results["skip"] = {"loss": skipped_loss, "warnings": [str(w.message) for w in caught], "state": after_skip,
+                       "counts": (trainer.num_steps, trainer.num_skipped_steps), "clean_loss": clean_loss,
+                       "final": trainer.gather_state_dict()}
+    if int(os.environ["RANK"]) == 0:
+        reference = SqrtNet()
+        reference.load_state_dict(initial)
+        opt = adamw(reference.parameters())
+        loss = loss_fn(reference(x), y)
+        loss.backward()
+        opt.step()
+        results["initial"], results["reference"] = initial, reference.state_dict()
+    return results
+
+
+JOBS = {"one_step": job_one_step, "checkpoint": job_checkpoint, "fail": job_fail, "numerics": job_numerics}
 
 
 def main() -> None:
