@@ -10,10 +10,12 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from partita.capture import capture
 from partita.cost.cluster import Cluster
+from partita.cost.memory import device_memory, microbatches_in_flight
 from partita.errors import InfeasiblePlanError, InputError
 from partita.plan.build import block_to_node_boundaries, build_plan, fits
 from partita.plan.chain import block_costs, coarsen
@@ -114,26 +116,45 @@ def planning_context(model, args, kwargs, *, cluster, global_batch_size, loss_fn
 
 def best_plan(ctx: PlanningContext, *, num_simulated: int = NUM_SIMULATED) -> Plan | None:
     blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
-    candidates = search(blocks_at, ctx.options, ctx.cluster, len(ctx.chain) - 1)
+    num_blocks = len(ctx.chain) - 1
+    if num_blocks <= 16:  # small chains: simulate every candidate, refine every config
+        simulated, candidate_of = _simulate_fitting(ctx, search(blocks_at, ctx.options, ctx.cluster, num_blocks))
+        return _refine_best(ctx, simulated, candidate_of, None)
+    # The pruned search returns the full list cut after its num_simulated-th candidate with one
+    # stage per rank group; if fewer than num_simulated of them fit, the full list is needed.
+    candidates = search(blocks_at, ctx.options, ctx.cluster, num_blocks, num_best=num_simulated)
+    simulated, candidate_of = _simulate_fitting(ctx, candidates, num_simulated)
+    if len(simulated) < num_simulated and sum(c.config.virtual_stages == 1 for c in candidates) >= num_simulated:
+        candidates = search(blocks_at, ctx.options, ctx.cluster, num_blocks)
+        simulated, candidate_of = _simulate_fitting(ctx, candidates, num_simulated)
+    return _refine_best(ctx, simulated, candidate_of, NUM_REFINED)
+
+
+def _simulate_fitting(ctx: PlanningContext, candidates: Sequence[Candidate], limit: int | None = None):
+    """Plans of the first ``limit`` candidates that fit (all: None), and the candidate of each plan.
+
+    Candidates whose rank groups hold several stages passed the search's per-stage memory check
+    only; the exact check can reject them, so keep going until ``limit`` plans fit."""
     simulated, candidate_of = [], {}
-    limit = num_simulated if len(ctx.chain) - 1 > 16 else len(candidates)
-    # Candidates whose rank groups hold several stages passed the search's per-stage memory check
-    # only; the exact check can reject them, so keep going until `limit` plans that fit.
     for candidate in candidates:
         p = plan_from_candidate(ctx, candidate)
         if p is not None:
             simulated.append(p)
             candidate_of[id(p)] = candidate
-            if len(simulated) >= limit:
+            if limit is not None and len(simulated) >= limit:
                 break
+    return simulated, candidate_of
+
+
+def _refine_best(ctx: PlanningContext, simulated: list[Plan], candidate_of: dict, num_refined: int | None):
+    """Refine the best simulated plan of each of the best ``num_refined`` configs; the best result."""
     if not simulated:
         return None
     simulated.sort(key=_plan_key)
     best_per_config: dict = {}
     for p in simulated:  # the best simulated plan of each config, best configs first
         best_per_config.setdefault(candidate_of[id(p)].config, p)
-    small = len(ctx.chain) - 1 <= 16
-    to_refine = list(best_per_config.values())[: None if small else NUM_REFINED]
+    to_refine = list(best_per_config.values())[:num_refined]
     refined = [refine(ctx, candidate_of[id(p)], p) for p in to_refine]
     return min(refined, key=_plan_key)
 
@@ -163,17 +184,87 @@ def refine(ctx: PlanningContext, candidate: Candidate, start: Plan, *, max_round
     estimate misses (transfers, all-reduce tails, the schedule's real order)."""
     config, best = candidate.config, start
     boundaries = list(candidate.boundaries)
+    quick_bound = _split_bound(ctx, config)
+    # Splits tried in earlier rounds: None when they did not fit or could not beat the step of then,
+    # which is never shorter than any later step to beat (steps only improve).
+    tried: dict[tuple[int, ...], Plan | None] = {}
     for _ in range(max_rounds):
-        step = None  # the best neighbour of this round (steepest descent)
+        step = None  # the best neighbour of this round (steepest descent: the order of trying them is free)
+        ranked = []
         for moved in _neighbours(boundaries):
-            trial = _fit_with_recompute(ctx, config, block_to_node_boundaries(ctx.chain, moved), "partita",
-                                        mode=config.recompute_mode)
+            nodes = block_to_node_boundaries(ctx.chain, moved)
+            ranked.append((quick_bound(nodes), moved, nodes))
+        ranked.sort(key=lambda item: (item[0], item[1]))  # most promising first: the step to beat drops fast
+        for bound, moved, nodes in ranked:
+            if _cannot_beat(bound, (step[0] if step else best).predicted_step_s):
+                break  # does not fit or cannot be faster, nor can any later one
+            if tuple(moved) not in tried:
+                tried[tuple(moved)] = _fit_with_recompute(ctx, config, nodes, "partita", mode=config.recompute_mode,
+                                                          step_to_beat=(step[0] if step else best).predicted_step_s)
+            trial = tried[tuple(moved)]
             if trial is not None and _plan_key(trial) < _plan_key(step[0] if step else best):
                 step = (trial, moved)
         if step is None:
             return best
         best, boundaries = step
     return best
+
+
+def _split_bound(ctx: PlanningContext, config) -> Callable[[Sequence[int]], float]:
+    """``bound(node_boundaries)``: a step no plan of ``config`` with that split beats (inf: it does not fit).
+
+    Cheap next to building the plan: prefix sums for the stage times, and with one stage per rank
+    group the memory of each stage range (remembered: neighbouring splits share most stages),
+    which decides, as ``_fit_with_recompute`` does, the stages that recompute and whether it fits.
+    Otherwise stages recompute only when the config or the options say so (never fewer than the plan).
+    """
+    costs = ctx.costs_at(config.microbatch_size)
+    forward = np.concatenate([[0.0], np.cumsum(np.asarray(costs.forward_s, dtype=np.float64))])
+    compute = np.concatenate([[0.0], np.cumsum(np.asarray(costs.forward_s) + np.asarray(costs.backward_s))])
+    mode = ctx.options.recompute if config.recompute_mode is None else config.recompute_mode
+    limit, options = ctx.options.memory_limit_bytes, ctx.options
+    in_flight = [microbatches_in_flight(config.schedule, config.num_microbatches, config.num_rank_groups, g,
+                                        config.virtual_stages) for g in range(config.num_rank_groups)]
+
+    @functools.lru_cache(maxsize=None)
+    def fits(start: int, stop: int, stage: int, recompute: bool) -> bool:
+        return device_memory(costs, [(start, stop)], in_flight=in_flight[stage], optimizer=options.optimizer,
+                             recompute=recompute, mixed_precision=options.mixed_precision,
+                             num_replicas=config.replicas).total_bytes <= limit
+
+    def bound(nodes: Sequence[int]) -> float:
+        stages = [(nodes[s], nodes[s + 1]) for s in range(config.num_stages)]
+        if mode is not None or config.virtual_stages != 1:
+            recompute = [bool(mode)] * config.num_stages
+        else:
+            recompute = [not fits(a, b, s, False) for s, (a, b) in enumerate(stages)]
+            if any(r and not fits(a, b, s, True) for s, ((a, b), r) in enumerate(zip(stages, recompute))):
+                return float("inf")
+        return _step_lower_bound_s(config, [compute[b] - compute[a] + (forward[b] - forward[a] if r else 0.0)
+                                            for (a, b), r in zip(stages, recompute)])
+
+    return bound
+
+
+def _step_lower_bound_s(config, compute_s: Sequence[float]) -> float:
+    """A bound below the simulated step, from each stage's F + B seconds per micro-batch.
+
+    Every rank group runs its actions one at a time, so the step is at least the busiest group's
+    m (F + B). With one stage per group (GPipe, 1F1B) group g's first action is a forward, which
+    waits for that micro-batch's forwards on groups 0 .. g-1, and its last a backward, after which
+    that micro-batch's backwards on groups g-1 .. 0 still run: step >= sum_{k<g} (F_k + B_k) + m (F_g + B_g).
+    """
+    m = config.num_microbatches
+    if config.virtual_stages == 1:
+        before, bound = 0.0, 0.0
+        for load in compute_s:
+            bound = max(bound, before + m * load)
+            before += load
+        return bound
+    loads = [0.0] * config.num_rank_groups
+    for s, load in enumerate(compute_s):
+        loads[config.rank_group_of(s)] += load
+    return m * max(loads)
 
 
 def plan_from_candidate(ctx: PlanningContext, candidate: Candidate, method: str = "partita") -> Plan | None:
@@ -184,15 +275,22 @@ def plan_from_candidate(ctx: PlanningContext, candidate: Candidate, method: str 
 
 
 def finish_plan(ctx: PlanningContext, config, node_boundaries, recompute, method: str) -> Plan | None:
+    p = _draft_plan(ctx, config, node_boundaries, recompute, method)
+    return _simulated(ctx, p) if fits(p, ctx.options.memory_limit_bytes) else None
+
+
+def _draft_plan(ctx: PlanningContext, config, node_boundaries, recompute, method: str) -> Plan:
+    """The Plan with predicted stage times and memory, its step not yet simulated."""
     import partita
 
     costs = ctx.costs_at(config.microbatch_size)
-    p = build_plan(ctx.graph, costs, config, node_boundaries, recompute, ctx.options,
-                   cluster_dict=ctx.cluster.to_dict(), method=method, resolved_options=ctx.resolved,
-                   versions=(partita.__version__, torch.__version__))
-    if not fits(p, ctx.options.memory_limit_bytes):
-        return None
-    result = simulate(p, ctx.costs_at, ctx.cluster)
+    return build_plan(ctx.graph, costs, config, node_boundaries, recompute, ctx.options,
+                      cluster_dict=ctx.cluster.to_dict(), method=method, resolved_options=ctx.resolved,
+                      versions=(partita.__version__, torch.__version__))
+
+
+def _simulated(ctx: PlanningContext, p: Plan) -> Plan:
+    result = simulate(p, ctx.costs_at, ctx.cluster, keep_timeline=False)  # only the step and bubble are kept
     return p.__class__(**{**p.__dict__, "predicted_step_s": result.step_s,
                           "predicted_bubble_fraction": result.bubble_fraction})
 
@@ -337,19 +435,40 @@ def baseline_plans(ctx: PlanningContext, like: Plan) -> dict[str, Plan | None]:
 
 
 def _fit_with_recompute(ctx: PlanningContext, config, boundaries: list[int], method: str,
-                        mode: bool | None = None) -> Plan | None:
-    """Recompute only the stages that do not fit without it (a pinned or config-wide mode is kept)."""
-    pinned = ctx.options.recompute if mode is None else mode
-    recompute = [bool(pinned)] * config.num_stages
-    p = finish_plan(ctx, config, boundaries, recompute, method)
-    if p is not None or pinned is not None:
-        return p
-    import partita
-    from partita.plan.build import build_plan
+                        mode: bool | None = None, *, step_to_beat: float | None = None) -> Plan | None:
+    """Recompute only the stages that do not fit without it (a pinned or config-wide mode is kept).
 
-    costs = ctx.costs_at(config.microbatch_size)
-    draft = build_plan(ctx.graph, costs, config, boundaries, recompute, ctx.options, cluster_dict=ctx.cluster.to_dict(),
-                       method=method, resolved_options=ctx.resolved, versions=(partita.__version__, torch.__version__))
+    With ``step_to_beat``, also None (without simulating) when ``_step_lower_bound_s`` shows that
+    the plan cannot be faster than that.
+    """
+    pinned = ctx.options.recompute if mode is None else mode
     limit = ctx.options.memory_limit_bytes
-    recompute = [s.memory_bytes > limit or recompute[s.index] for s in draft.stages]
-    return finish_plan(ctx, config, boundaries, recompute, method)
+    recompute = [bool(pinned)] * config.num_stages
+    draft = _draft_plan(ctx, config, boundaries, recompute, method)
+    if not fits(draft, limit):
+        if pinned is not None:
+            return None
+        recompute = [s.memory_bytes > limit or recompute[s.index] for s in draft.stages]
+        if step_to_beat is not None and _cannot_beat(_draft_lower_bound_s(config, draft, recompute), step_to_beat):
+            return None
+        draft = _draft_plan(ctx, config, boundaries, recompute, method)
+        if not fits(draft, limit):
+            return None
+    final = [s.recompute for s in draft.stages]
+    if step_to_beat is not None and _cannot_beat(_draft_lower_bound_s(config, draft, final), step_to_beat):
+        return None
+    return _simulated(ctx, draft)
+
+
+def _draft_lower_bound_s(config, draft: Plan, recompute: Sequence[bool]) -> float:
+    """``_step_lower_bound_s`` of ``draft`` with ``recompute`` (a rank group recomputes all its
+    stages when any of them does, as the simulator counts it)."""
+    recomputes = {s.rank_group for s in draft.stages if recompute[s.index]}
+    return _step_lower_bound_s(config, [s.forward_s + s.backward_s - (s.forward_s if s.recompute else 0.0)
+                                        + (s.forward_s if s.rank_group in recomputes else 0.0) for s in draft.stages])
+
+
+def _cannot_beat(lower_bound_s: float, step_s: float) -> bool:
+    """Whether a plan whose step is at least ``lower_bound_s`` surely simulates slower than ``step_s``
+    (with a margin for rounding: plans compare by their step rounded to 1e-12 s)."""
+    return lower_bound_s > step_s * (1 + 1e-9) + 2e-12

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -268,15 +269,22 @@ class CostTable:
         return len(self.forward_s)
 
     def params_in_range(self, start: int, stop: int) -> list[int]:
-        """Indices p of the parameters read by any node in positions [start, stop)."""
+        """Indices p of the parameters read by any node in positions [start, stop), ascending."""
         import numpy as np
 
-        held = []
-        for p, uses in enumerate(self.param_uses):
-            k = int(np.searchsorted(uses, start))
-            if k < len(uses) and uses[k] < stop:
-                held.append(p)
-        return held
+        owners, uses = self._flat_param_uses
+        return np.unique(owners[(uses >= start) & (uses < stop)]).tolist()
+
+    @functools.cached_property
+    def _flat_param_uses(self) -> tuple[Any, Any]:
+        """(parameter index, node position) of every use, flat: one vectorised test per range (the
+        planner asks for thousands of ranges of a table with ~1000 parameters)."""
+        import numpy as np
+
+        owners = [np.full(len(uses), p, dtype=np.int64) for p, uses in enumerate(self.param_uses)]
+        uses = [np.asarray(u, dtype=np.int64).ravel() for u in self.param_uses]
+        empty = np.zeros(0, dtype=np.int64)
+        return (np.concatenate(owners) if owners else empty, np.concatenate(uses) if uses else empty)
 
 
 # ----------------------------------------------------------------------------- cluster

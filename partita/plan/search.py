@@ -236,14 +236,63 @@ def _estimate(config: Config, stage_times: Sequence[float]) -> float:
 
 
 def search(
-    blocks_at: Callable[[int], BlockCosts], options: SearchOptions, cluster, num_blocks: int
+    blocks_at: Callable[[int], BlockCosts], options: SearchOptions, cluster, num_blocks: int, *,
+    num_best: int | None = None,
 ) -> list[Candidate]:
-    """All configs' best candidates, sorted by estimate (ties broken by a fixed key)."""
+    """All configs' best candidates, sorted by estimate (ties broken by a fixed key).
+
+    Configs whose parameters and optimizer state alone cannot fit (even spread evenly over the
+    rank groups) are skipped. With ``num_best``, the search is pruned (branch and bound) and
+    returns only the candidates whose estimate is at most ``bound``, the ``num_best``-th smallest
+    estimate of a candidate with one stage per rank group (v = 1: its plan's exact memory check
+    normally agrees with the search's), or all when there are fewer such candidates: configs are visited
+    from the smallest lower bound on their estimate, and once the bound is known a config whose
+    lower bound exceeds it is skipped. The result equals the full list cut at ``bound``.
+    """
+    configs = [c for c in enumerate_configs(options, num_blocks) if _may_fit(blocks_at(c.microbatch_size), c, options)]
+    if num_best is not None:
+        configs.sort(key=lambda c: _estimate_lower_bound(blocks_at(c.microbatch_size), c))
     found: list[Candidate] = []
-    for config in enumerate_configs(options, num_blocks):
-        found.extend(search_config(blocks_at(config.microbatch_size), config, options, cluster))
+    best_v1: list[float] = []  # max-heap (negated) of the num_best smallest v = 1 estimates
+    bound = float("inf")
+    for config in configs:
+        if _estimate_lower_bound(blocks_at(config.microbatch_size), config) > bound:
+            break  # configs are sorted by this lower bound: every later one is pruned too
+        candidates = search_config(blocks_at(config.microbatch_size), config, options, cluster)
+        found.extend(candidates)
+        if num_best is not None and config.virtual_stages == 1:
+            for c in candidates:
+                heapq.heappush(best_v1, -c.estimate_s)
+                if len(best_v1) > num_best:
+                    heapq.heappop(best_v1)
+            if len(best_v1) == num_best:
+                bound = -best_v1[0]
+    found = [c for c in found if c.estimate_s <= bound]
     found.sort(key=_sort_key)
     return found
+
+
+def _may_fit(blocks: BlockCosts, config: Config, options: SearchOptions) -> bool:
+    """False when the parameters, gradients and optimizer state of the whole model, spread evenly
+    over the rank groups, exceed the memory limit: the fullest rank group holds at least that."""
+    k = blocks.num_blocks
+    g = config.num_rank_groups
+    memory = memory_from_totals(
+        param_bytes=int(blocks.param_bytes_matrix[0, k]) // g,
+        trainable_bytes=int(blocks.trainable_bytes_matrix[0, k]) // g,
+        activation_bytes=0, stage_input_bytes=0, boundary_bytes=0, largest_output_bytes=0, in_flight=0,
+        optimizer=options.optimizer, recompute=False, mixed_precision=options.mixed_precision, num_replicas=1,
+    )
+    return memory.total_bytes <= options.memory_limit_bytes
+
+
+def _estimate_lower_bound(blocks: BlockCosts, config: Config) -> float:
+    """A bound no candidate of ``config`` beats: with T the compute of the whole chain per micro-batch,
+    every rank-group load L_g >= its stages' compute, so max L_g >= T / G and sum L_g >= T, and
+    (m - 1) max L_g + sum L_g / v >= (m - 1) T / G + T / v (a hair lower, for rounding)."""
+    total = float(blocks.forward_s.sum() + blocks.backward_s.sum())
+    m, g, v = config.num_microbatches, config.num_rank_groups, config.virtual_stages
+    return ((m - 1) * total / g + total / v) * (1 - 1e-9)
 
 
 def _sort_key(c: Candidate) -> tuple:

@@ -1,0 +1,206 @@
+"""Shared by bench/e2e_throughput.py and bench/e2e_memory.py: models, rank launcher, memory probes.
+
+Nothing here is part of partita; it is benchmark plumbing:
+
+- ``build_example(name, batch_size)``: a zoo name, or ``gpt2-small-v50k`` (gpt2-small with GPT-2's
+  real 50257-word vocabulary: the zoo has no vocabulary override), or ``gpt2-L{layers}-H{hidden}``
+  (GPT-2 of any depth and width, vocabulary 8192, for the memory ladder).
+- ``run_ranks(script, world_size, out_dir, timeout_s, **params)``: start ``world_size`` fresh
+  ``python script --worker out_dir`` processes, torchrun style (RANK, WORLD_SIZE, MASTER_ADDR,
+  MASTER_PORT, one thread each), kill all of them (only them) when one fails or the job times out.
+- ``reset_peak()`` / ``memory_status()``: end-to-end peak memory of this process, as FACTS.md says:
+  ``malloc_trim(0)``, write ``5`` to ``/proc/self/clear_refs`` (resets VmHWM to the current RSS),
+  then read ``VmHWM`` / ``VmRSS`` from ``/proc/self/status``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import gc
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+_CUSTOM_GPT2 = re.compile(r"^gpt2-L(\d+)-H(\d+)$")
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def build_example(name: str, batch_size: int, *, device: str = "cpu", seed: int = 0):
+    """A ``partita.examples.Example`` for a zoo name or one of the custom GPT-2 names above."""
+    from partita import examples
+
+    if name == "gpt2-small-v50k":
+        return _gpt2_example(name, dict(vocab_size=50257), batch_size, device, seed)
+    m = _CUSTOM_GPT2.match(name)
+    if m:
+        layers, hidden = int(m.group(1)), int(m.group(2))
+        return _gpt2_example(name, dict(n_layer=layers, n_embd=hidden, n_head=max(1, hidden // 64)),
+                             batch_size, device, seed)
+    return examples.build(name, batch_size=batch_size, device=device, seed=seed)
+
+
+def gpt2_params(layers: int, hidden: int, vocab: int = 8192, positions: int = 1024) -> int:
+    """Parameter count of a GPT-2 (tied head) of this shape."""
+    per_layer = 12 * hidden * hidden + 13 * hidden
+    return vocab * hidden + positions * hidden + layers * per_layer + 2 * hidden
+
+
+def _gpt2_example(name: str, overrides: dict, batch_size: int, device: str, seed: int):
+    """gpt2-small's config with ``overrides``, built as the zoo builds (seeded, eager attention, no
+    dropout) and fed the zoo's causal-LM data (seq_len 128)."""
+    import transformers
+
+    from partita.examples import Example, data, hf
+
+    kwargs = {**hf.config_kwargs("gpt2", "small"), **overrides}
+    seq_len = 128
+    build_device = torch.device("meta") if device == "meta" else torch.device("cpu")
+    with torch.random.fork_rng(devices=[]), build_device:
+        torch.default_generator.manual_seed(seed)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(attn_implementation="eager", **kwargs))
+    model.loss_type = "ForCausalLM"
+    model.train()
+    vocab = kwargs["vocab_size"]
+
+    def make_batch(b: int, step: int):
+        batch = data.causal_lm_batch(data.batch_generator(seed, step), b, seq_len, vocab)
+        if device == "meta":
+            batch = {k: v.to("meta") for k, v in batch.items()}
+        return (), batch, None
+
+    args, kw, target = make_batch(batch_size, 0)
+    return Example(name, model, args, kw, None, target, make_batch)
+
+
+def loss_of(example, model, batch) -> torch.Tensor:
+    args, kwargs, target = batch
+    out = model(*args, **kwargs)
+    return example.loss_fn(out, target) if example.loss_fn is not None else out.loss
+
+
+def step_kwargs(example, batch) -> tuple[tuple, dict]:
+    """(args, kwargs) for ``Trainer.step``: the model's inputs, plus ``target=`` with a loss_fn."""
+    args, kwargs, target = batch
+    return args, ({**kwargs, "target": target} if example.loss_fn is not None else kwargs)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def reset_peak() -> None:
+    """Free what Python and glibc hold on to, then reset VmHWM to the current RSS."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def memory_status() -> dict[str, int]:
+    """VmHWM (peak RSS since the last reset) and VmRSS of this process, in bytes."""
+    found = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                found[key] = int(value.split()[0]) * 1024
+    return found
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(script: Path, world_size: int, out_dir: Path, *, timeout_s: float, **params: Any) -> list[Any]:
+    """Run ``script --worker out_dir`` on ``world_size`` ranks; each writes ``out_dir/result<rank>.pt``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("result*.pt"):
+        old.unlink()
+    torch.save(params, out_dir / "params.pt")
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        log = open(out_dir / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, str(script), "--worker", str(out_dir)], env=env, cwd=REPO,
+                                       stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            codes = [p.poll() for p, _ in procs]
+            if any(c not in (None, 0) for c in codes):
+                time.sleep(1.0)
+                bad = next(r for r, c in enumerate(codes) if c not in (None, 0))
+                raise RuntimeError(f"rank {bad} failed (exit {codes[bad]}):\n{_tail(out_dir / f'rank{bad}.log')}")
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"job timed out after {timeout_s:.0f} s:\n{_tail(out_dir / 'rank0.log')}")
+            time.sleep(0.1)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    return [torch.load(out_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, shared with other jobs "
+            f"(1-min load average at the start: {load:.1f}); Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
+
+
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def command_line() -> str:
+    import shlex
+
+    return "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])

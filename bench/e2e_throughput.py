@@ -1,0 +1,461 @@
+"""End-to-end training throughput on this machine: partita's plan vs the baselines' splits vs no split.
+
+For each model, on 2 ranks x 1 thread (gloo, separate processes, torchrun-style environment):
+
+  partita          ``partita.plan`` for ``Cluster.local(num_devices=2)`` with measured costs, global
+                   batch 16 (the plan the user gets);
+  partita pp=2     the same, pinned to 2 pipeline rank groups (``num_stages=2``) when the free plan is
+                   plain data parallelism, so that the quality of the split itself is visible;
+  uniform, parameters, equal_flops
+                   each baseline's split under the pipelined plan's configuration (schedule,
+                   micro-batches, stages per rank; ``planner.baseline_plans``);
+  unsplit 1t / 2t  the unsplit model, plain PyTorch (forward, backward, AdamW on the whole batch) in one
+                   process with 1 and with 2 intra-op threads (the other rank waits in a gloo barrier,
+                   which costs no CPU: its CPU time over those steps is reported).
+
+All configurations of one model run in the SAME two processes, interleaved step by step: every round
+runs one step of each configuration, in an order rotated every round, so that the machine's drift
+(other jobs on the shared cores) hits all of them alike. ``--warmup`` rounds are dropped (pipeline
+build, allocator warm-up), then ``--rounds`` rounds are timed; numbers are medians over rounds, and
+ratios are medians of within-round ratios. Every trainer trains the same Parameter objects (timing
+only: the loss values are not compared here; tests/dist checks exactness).
+
+Efficiency = unsplit-1-thread step / (2 ranks x step): 1.0 would be perfect 2-way speed-up of the
+single-thread run. Predicted = the plan's simulated step (``plan.predicted_step_s``, solo 1-thread
+profile); error = (predicted - measured) / measured.
+
+Usage: python bench/e2e_throughput.py [--models gpt2-small,...] [--rounds 6] [--warmup 2]
+                                      [--global-batch 16] [--out bench/results/e2e_throughput.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from _e2e_common import (REPO, build_example, command_line, loss_of, machine_line, now_utc,  # noqa: E402
+                         run_ranks, step_kwargs)
+
+DEFAULT_MODELS = ["gpt2-small", "gpt2-small-v50k", "bert-small", "llama-small", "cnn-small"]
+LR = 1e-4
+QUIET = 0.10  # a round is quiet when other jobs used < 10% of the machine during each of its steps
+
+
+# ----------------------------------------------------------------------------- planning (parent)
+
+
+def plan_model(name: str, global_batch: int, cache_dir: str, work: Path) -> dict:
+    """Plans (saved as JSON under ``work``) and their predictions for one model."""
+    import partita
+    from partita.plan.manual import manual_plan
+    from partita.plan.simulate import simulate
+    from partita.planner import baseline_plans, best_plan, planning_context
+
+    torch.set_num_threads(1)  # the profile must see what one rank with one thread sees
+    ex = build_example(name, global_batch)
+    graph = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    cluster = partita.Cluster.local(num_devices=2, cache_dir=cache_dir, num_threads=1)
+
+    def context(num_stages):
+        return planning_context(graph, ex.args, ex.kwargs, cluster=cluster, global_batch_size=global_batch,
+                                loss_fn=ex.loss_fn, target=ex.target, optimizer="adam", schedules=None,
+                                schedule=None, num_stages=num_stages, replicas=None, num_microbatches=None,
+                                recompute=None, uniform_replicas=True, mixed_precision=False, costs="measured",
+                                max_blocks=128, cache_dir=cache_dir)
+
+    started = time.perf_counter()
+    ctx = context(None)
+    free = best_plan(ctx)
+    plans = {"partita": free}
+    pipelined, pctx = free, ctx
+    if free.num_rank_groups == 1:
+        pctx = context(2)
+        pipelined = best_plan(pctx)
+        plans["partita pp=2"] = pipelined
+    for method, p in baseline_plans(pctx, pipelined).items():
+        plans[method] = p
+    planning_s = time.perf_counter() - started
+    # The unsplit step as the same solo profile predicts it (forward + backward of the whole batch).
+    whole = manual_plan(graph, [0, graph.num_nodes], schedule="gpipe", num_rank_groups=1, num_microbatches=1,
+                        global_batch_size=global_batch)
+    unsplit_pred = simulate(whole, ctx.costs_at, cluster).step_s
+    out = {"name": name, "num_parameters": graph.num_parameters, "num_nodes": graph.num_nodes,
+           "planning_s": planning_s, "plans": {}, "unsplit_predicted_s": unsplit_pred}
+    for label, p in plans.items():
+        if p is None:
+            out["plans"][label] = None
+            continue
+        path = work / f"{name}.{label.replace(' ', '_').replace('=', '')}.json"
+        p.save(str(path))
+        out["plans"][label] = {"path": str(path), "predicted_s": p.predicted_step_s, "config": config_text(p),
+                               "boundaries": list(p.boundaries), "split": split_text(graph, p)}
+    return out
+
+
+def config_text(p) -> str:
+    v = p.num_stages // p.num_rank_groups
+    rc = sum(s.recompute for s in p.stages)
+    return (f"{p.num_rank_groups}x{p.stages[0].num_replicas}{f' v={v}' if v > 1 else ''} {p.schedule.value} "
+            f"m={p.num_microbatches} mb={p.microbatch_size}{f' rc={rc}' if rc else ''}")
+
+
+def split_text(graph, p) -> str:
+    """Stage sizes as shares of the model's parameters (first-use) per rank group."""
+    if p.num_stages == 1:
+        return "-"
+    return " / ".join(f"{s.start}-{s.stop}" for s in p.stages)
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all processes of this machine have run (user, nice, system, irq, softirq, steal)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + fields[7]) / os.sysconf("SC_CLK_TCK")
+
+
+def worker(out_dir: Path) -> None:
+    import torch.distributed as dist
+
+    import partita
+
+    torch.set_num_threads(1)
+    params = torch.load(out_dir / "params.pt", weights_only=False)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    gb = params["global_batch"]
+    ex = build_example(params["model"], gb)
+    graph = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    unsplit = copy.deepcopy(ex.model) if rank == 0 else None
+    unsplit_opt = torch.optim.AdamW(unsplit.parameters(), lr=LR) if rank == 0 else None
+    trainers = {}
+    for label, path in params["plans"].items():
+        plan = partita.Plan.load(path, graph=graph)
+        trainers[label] = partita.Trainer(ex.model, plan, graph=graph,
+                                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
+    labels = list(trainers) + ["unsplit 1t", "unsplit 2t"]
+    batches = [ex.make_batch(gb, s) for s in range(3)]
+    times: dict[str, list] = {label: [] for label in labels}
+    losses: dict[str, list] = {label: [] for label in labels}
+    cpu_s: dict[str, list] = {label: [] for label in labels}  # this process's CPU seconds per step
+    busy_s: dict[str, list] = {label: [] for label in labels}  # the whole machine's (rank 0 only)
+    wall_s: dict[str, list] = {label: [] for label in labels}  # the window of cpu_s and busy_s
+    idle_cpu: list[float] = []  # rank 1's CPU seconds per unsplit step (should be ~0)
+    threads_seen: dict[str, int] = {}
+    foreign_s: dict[str, list] = {label: [] for label in labels}  # other jobs' share of the machine per step
+    quiet_count, r = 0, 0
+    while True:
+        order = labels[r % len(labels):] + labels[: r % len(labels)]
+        for label in order:
+            batch = batches[r % len(batches)]
+            dist.barrier()
+            cpu, busy, wall = time.process_time(), machine_busy_s(), time.perf_counter()
+            if label in trainers:
+                start = time.perf_counter()
+                loss = trainers[label].step(*step_kwargs(ex, batch)[0], **step_kwargs(ex, batch)[1])
+                elapsed = time.perf_counter() - start
+                ex.model.zero_grad(set_to_none=True)
+            elif rank == 0:
+                threads = 1 if label.endswith("1t") else 2
+                torch.set_num_threads(threads)
+                threads_seen[label] = torch.get_num_threads()
+                start = time.perf_counter()
+                value = loss_of(ex, unsplit, batch)
+                value.backward()
+                unsplit_opt.step()
+                elapsed = time.perf_counter() - start
+                unsplit_opt.zero_grad(set_to_none=True)
+                loss = float(value.detach())
+                torch.set_num_threads(1)
+            else:
+                dist.barrier()  # waits here while rank 0 runs the unsplit step
+                idle_cpu.append(time.process_time() - cpu)
+                elapsed, loss = float("nan"), float("nan")
+            cpu, busy, wall = time.process_time() - cpu, machine_busy_s() - busy, time.perf_counter() - wall
+            if label not in trainers and rank == 0:
+                dist.barrier()
+            both = torch.tensor([cpu], dtype=torch.float64)
+            dist.all_reduce(both)
+            foreign = max(0.0, busy - float(both)) / (2 * wall)
+            if r >= params["warmup"]:
+                times[label].append(elapsed)
+                losses[label].append(loss)
+                cpu_s[label].append(cpu)
+                busy_s[label].append(busy)
+                wall_s[label].append(wall)
+                foreign_s[label].append(foreign)
+        print(f"round {r}: " + ", ".join(f"{k} {times[k][-1]:.3f}" for k in labels if times[k]) + " | others' share "
+              + ", ".join(f"{foreign_s[k][-1]:.2f}" for k in labels if foreign_s[k]), flush=True)
+        r += 1
+        timed = r - params["warmup"]
+        if timed > 0 and rank == 0:
+            quiet_count += all(foreign_s[k][-1] < QUIET for k in labels)
+        decision = torch.tensor([quiet_count], dtype=torch.int64)
+        dist.broadcast(decision, 0)
+        quiet_count = int(decision)
+        if timed >= params["rounds"] and (quiet_count >= params["quiet_rounds"] or timed >= params["max_rounds"]):
+            break
+    torch.save({"times": times, "losses": losses, "idle_cpu": idle_cpu, "threads": threads_seen, "cpu": cpu_s,
+                "busy": busy_s, "wall": wall_s, "foreign": foreign_s}, out_dir / f"result{rank}.pt")
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def measure_model(info: dict, args, work: Path) -> dict:
+    plans = {label: p["path"] for label, p in info["plans"].items() if p is not None}
+    out_dir = work / f"run-{info['name']}"
+    load_before = os.getloadavg()[0]
+    results = run_ranks(Path(__file__), 2, out_dir, timeout_s=args.timeout, model=info["name"], plans=plans,
+                        global_batch=args.global_batch, warmup=args.warmup, rounds=args.rounds,
+                        quiet_rounds=args.quiet_rounds, max_rounds=args.max_rounds)
+    r0, r1 = results
+    times = {}
+    for label, t0 in r0["times"].items():
+        t1 = r1["times"][label]
+        # A distributed step ends with an all-reduce, so both ranks end together; take the later.
+        times[label] = [max(a, b) if b == b else a for a, b in zip(t0, t1)]
+    # Other jobs' share of the machine during each step: machine-wide CPU time less both ranks' own.
+    foreign = r0["foreign"]
+    return {"times": times, "losses": r0["losses"], "idle_cpu": r1["idle_cpu"], "threads": r0["threads"],
+            "load": (load_before, os.getloadavg()[0]), "foreign": foreign}
+
+
+def quiet_rounds(measured: dict) -> list[bool]:
+    foreign = measured["foreign"]
+    n = len(next(iter(foreign.values())))
+    return [all(foreign[label][i] < QUIET for label in foreign) for i in range(n)]
+
+
+def summarize(info: dict, measured: dict, global_batch: int, mask: list[bool] | None = None) -> list[dict]:
+    times = measured["times"]
+    if mask is not None:
+        times = {label: [t for t, keep in zip(ts, mask) if keep] for label, ts in times.items()}
+    ref = "partita"
+    pipelined_ref = "partita pp=2" if "partita pp=2" in times else "partita"
+    one = statistics.median(times["unsplit 1t"])
+    rows = []
+    for label, ts in times.items():
+        med = statistics.median(ts)
+        plan = info["plans"].get(label)
+        pred = plan["predicted_s"] if plan else (info["unsplit_predicted_s"] if label == "unsplit 1t" else None)
+        ratio = statistics.median(a / b for a, b in zip(ts, times[ref]))  # > 1: slower than partita
+        ratio_pp = statistics.median(a / b for a, b in zip(ts, times[pipelined_ref]))
+        ranks = 2 if plan else 1
+        rows.append(dict(
+            label=label, config=plan["config"] if plan else ("1 process, 1 thread" if label.endswith("1t")
+                                                               else "1 process, 2 threads"),
+            split=plan["split"] if plan else "-", median_s=med, min_s=min(ts), max_s=max(ts),
+            samples_s=global_batch / med, slowdown=ratio, slowdown_pp=ratio_pp,
+            efficiency=one / (2 * med) if plan else (one / (2 * med) if label.endswith("2t") else None),
+            ranks=ranks, predicted_s=pred, error=(pred - med) / med if pred else None))
+    return rows
+
+
+def write_markdown(path: Path, all_rows: dict, infos: dict, measured: dict, args, started: float, header: str,
+                   runs: dict | None = None) -> None:
+    lines = [
+        "# End-to-end throughput: partita's plan vs the baselines' splits vs no split",
+        "",
+        f"- command: `{command_line()}`",
+        f"- date: {now_utc()}; {header}",
+        f"- setup: 2 ranks x 1 thread, gloo on loopback, separate processes (torchrun-style); global batch "
+        f"{args.global_batch}; AdamW; fp32. Every configuration of a model runs in the same two processes, "
+        f"interleaved step by step (order rotated every round); {args.warmup} warm-up rounds dropped, then at "
+        f"least {args.rounds} timed rounds, going on (up to {args.max_rounds}) until {args.quiet_rounds} were quiet: "
+        f"other jobs used < {QUIET:.0%} of the machine during every step of the round (machine-wide busy time "
+        f"from /proc/stat less both ranks' own CPU time). Medians over the quiet rounds when there are >= 3, "
+        f"else over all rounds. `vs partita`: median of within-round ratios step / partita's "
+        f"step (> 1: slower than partita). `vs pp=2`: the same against partita pinned to 2 pipeline rank "
+        f"groups. Efficiency: unsplit-1-thread step / (2 x step). Predicted: the plan's simulated step from "
+        f"the solo 1-thread profile; error = (predicted - measured) / measured.",
+        f"- plans: `partita.plan(..., cluster=Cluster.local(num_devices=2), costs='measured')`; baselines: "
+        f"`planner.baseline_plans(ctx, pipelined plan)`: the baseline's split under the pipelined plan's "
+        f"configuration (recomputation only where a stage would not fit).",
+        f"- wall time of the whole benchmark: {(time.perf_counter() - started) / 60:.1f} min "
+        f"(planning included; profiles cached in `{args.cache_dir}`).",
+        "",
+    ]
+    # Summary table.
+    lines += ["## Summary", "",
+              "Samples/s (medians). Baselines: step time relative to partita's split under the same (pipelined) "
+              "configuration, > 1 = slower. Efficiency: unsplit-1-thread step / (2 x step).", "",
+              "| model | params | partita's plan | partita | partita pp=2 | uniform | parameters | equal_flops "
+              "| unsplit 1 thread | unsplit 2 threads | efficiency partita / pp=2 | predicted vs measured partita / pp=2 |",
+              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, rows in all_rows.items():
+        by = {r["label"]: r for r in rows}
+        p = by["partita"]
+        pp = by.get("partita pp=2", p)
+
+        def rel(method):
+            return f"{by[method]['slowdown_pp']:.2f}x" if method in by else "n/a"
+
+        lines.append(
+            f"| {name} | {infos[name]['num_parameters'] / 1e6:.1f} M | {p['config']} | {p['samples_s']:.1f} | "
+            f"{pp['samples_s']:.1f} | {rel('uniform')} | {rel('parameters')} | {rel('equal_flops')} | "
+            f"{by['unsplit 1t']['samples_s']:.1f} | {by['unsplit 2t']['samples_s']:.1f} | "
+            f"{p['efficiency']:.2f} / {pp['efficiency']:.2f} | {p['error'] * 100:+.0f}% / {pp['error'] * 100:+.0f}% |")
+    lines.append("")
+    for name, rows in all_rows.items():
+        info = infos[name]
+        m = measured[name]
+        lines += [f"<!-- threads seen by the unsplit runs: {m['threads']} -->"]
+        idle = statistics.median(m["idle_cpu"]) if m["idle_cpu"] else float("nan")
+        mask = m["quiet"]
+        used = f"the {sum(mask)} quiet rounds of {len(mask)}" if sum(mask) >= 3 else \
+            f"all {len(mask)} rounds (only {sum(mask)} quiet: numbers include other jobs' load)"
+        others = statistics.median(x for ts in m["foreign"].values() for x in ts)
+        all_med = {r["label"]: r["median_s"] for r in m["rows_all"]}
+        lines += [f"## {name}", "",
+                  f"Medians over {used}; other jobs' median share of the machine during a step: "
+                  f"{others * 100:.0f}%. {(runs or {}).get(name, '')}", "",
+                  f"{info['num_parameters']:,} parameters, {info['num_nodes']} graph nodes; planning "
+                  f"{info['planning_s']:.1f} s; rank 1's CPU time while waiting during an unsplit step: "
+                  f"median {idle * 1e3:.0f} ms; 1-min load average before / after: {m['load'][0]:.1f} / "
+                  f"{m['load'][1]:.1f}.", "",
+                  "| configuration | plan | stages (node ranges) | step median (min-max) s | samples/s | vs partita "
+                  "| vs pp=2 | efficiency | predicted s | error | all rounds: median s |",
+                  "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            eff = f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "-"
+            pred = f"{r['predicted_s']:.3f}" if r["predicted_s"] else "-"
+            err = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else "-"
+            lines.append(f"| {r['label']} | {r['config']} | {r['split']} | {r['median_s']:.3f} ({r['min_s']:.3f}-"
+                         f"{r['max_s']:.3f}) | {r['samples_s']:.1f} | {r['slowdown']:.2f}x | {r['slowdown_pp']:.2f}x "
+                         f"| {eff} | {pred} | {err} | {all_med[r['label']]:.3f} |")
+        for label, p in info["plans"].items():
+            if p is None:
+                lines.append(f"| {label} | does not fit / cannot split | | | | | | | | | |")
+        lines.append("")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, all_rows: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(all_rows)
+    labels = ["partita", "partita pp=2", "uniform", "parameters", "equal_flops", "unsplit 1t", "unsplit 2t"]
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        xs, ys = [], []
+        for j, name in enumerate(names):
+            by = {r["label"]: r for r in all_rows[name]}
+            if label in by:
+                xs.append(j + (i - len(labels) / 2 + 0.5) * width)
+                ys.append(by[label]["samples_s"])
+        ax.bar(xs, ys, width, label=label)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("samples / s (median)")
+    ax.set_title("Training throughput, 2 CPU cores: 2 ranks x 1 thread, or one process")
+    ax.legend(ncol=4, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6, help="timed rounds at least")
+    parser.add_argument("--quiet-rounds", type=int, default=5,
+                        help="go on (up to --max-rounds) until this many rounds were quiet")
+    parser.add_argument("--max-rounds", type=int, default=12)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--cache-dir", default=".partita-cache")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/partita-e2e-throughput"))
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/e2e_throughput.md")
+    parser.add_argument("--plot", type=Path, default=REPO / "bench/results/e2e_throughput.png")
+    parser.add_argument("--reuse", type=Path, help="raw.json of an earlier run: its models with >= 3 quiet "
+                        "rounds are taken from it instead of measured again")
+    parser.add_argument("--plan-only", action="store_true", help="plan (and fill the cost cache), do not train")
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(args.worker)
+        return
+    started = time.perf_counter()
+    header = machine_line()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    infos, measured, all_rows = {}, {}, {}
+    previous = json.loads(args.reuse.read_text()) if args.reuse else {"infos": {}, "measured": {}}
+    reused = [name for name in args.models.split(",")
+              if name in previous["measured"] and sum(previous["measured"][name]["quiet"]) >= 3]
+    for name in args.models.split(","):
+        if name in reused:
+            infos[name] = previous["infos"][name]
+            continue
+        t = time.perf_counter()
+        infos[name] = plan_model(name, args.global_batch, args.cache_dir, args.work_dir)
+        print(f"{name}: planned in {time.perf_counter() - t:.0f} s: " +
+              json.dumps({k: v and (v["config"], v["split"], round(v["predicted_s"], 3))
+                          for k, v in infos[name]["plans"].items()}), flush=True)
+    if args.plan_only:
+        return
+    meta = {"date": now_utc(), "command": command_line(), "machine": header}
+    runs = {}  # name -> how it was measured, for the report
+
+    def record(name):
+        (args.work_dir / "raw.json").write_text(json.dumps(
+            {**meta, "infos": infos, "measured": measured, "runs": runs}, default=str))
+        write_markdown(args.out, all_rows, infos, measured, args, started, header, runs)
+
+    def measure(name):
+        m = measure_model(infos[name], args, args.work_dir)
+        m["quiet"] = quiet_rounds(m)
+        m["rows_all"] = summarize(infos[name], m, args.global_batch)
+        return m
+
+    # Models with fewer than 3 quiet rounds are measured once more at the end; the run with more
+    # quiet rounds is kept.
+    for attempt in (1, 2):
+        for name in infos:
+            if name in reused:
+                if attempt == 1:
+                    measured[name] = previous["measured"][name]
+                    runs[name] = (f"reused from `{previous.get('command', '?')}` ({previous.get('date', '?')}): "
+                                  f"{sum(measured[name]['quiet'])} quiet rounds there")
+                    all_rows[name] = summarize(infos[name], measured[name], args.global_batch, measured[name]["quiet"])
+                    record(name)
+                continue
+            if attempt == 2 and sum(measured[name]["quiet"]) >= 3:
+                continue
+            t = time.perf_counter()
+            m = measure(name)
+            if attempt == 1 or sum(m["quiet"]) > sum(measured[name]["quiet"]):
+                measured[name] = m
+                runs[name] = f"measured in this run (attempt {attempt})"
+            mask = measured[name]["quiet"]
+            all_rows[name] = (summarize(infos[name], measured[name], args.global_batch, mask) if sum(mask) >= 3
+                              else measured[name]["rows_all"])
+            print(f"{name}: measured in {time.perf_counter() - t:.0f} s, {sum(m['quiet'])} quiet rounds", flush=True)
+            for r in all_rows[name]:
+                print(f"  {r['label']:14s} {r['median_s']:.3f} s  {r['samples_s']:.1f}/s  x{r['slowdown']:.2f} "
+                      f"x{r['slowdown_pp']:.2f} pred {r['predicted_s']}", flush=True)
+            record(name)
+    if args.plot:
+        plot(args.plot, all_rows)
+
+
+if __name__ == "__main__":
+    main()
