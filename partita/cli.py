@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--costs", default="auto", choices=["auto", "measured", "analytic"])
     plan.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
     plan.add_argument("--out", default=None, help="write the plan as JSON to this path")
+    plan.add_argument("--png", default=None, help="write memory bars per stage and the pipeline timeline (PNG or SVG)")
     plan.set_defaults(func=_plan)
 
     train = sub.add_parser("train", help="plan (or load a plan) and train with one process per device")
@@ -156,7 +157,14 @@ def _plan(args: argparse.Namespace) -> int:
         raise infeasible_error(ctx)
     costs = ctx.costs_at(best.microbatch_size)
     total = float(costs.forward_s.sum() + costs.backward_s.sum()) * best.global_batch_size / best.microbatch_size
-    print(plan_text(best, total_compute_s=total, baselines=baseline_plans(ctx, best)))
+    baselines = baseline_plans(ctx, best)
+    print(plan_text(best, total_compute_s=total, baselines=baselines))
+    if args.png:
+        from partita.plan.simulate import simulate
+        from partita.report.plots import plan_figure
+
+        plan_figure(best, simulate(best, ctx.costs_at, ctx.cluster), args.png, baselines=baselines)
+        print(f"figure written to {args.png}")
     if args.out:
         best.save(args.out)
         print(f"plan written to {args.out}")

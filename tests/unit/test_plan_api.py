@@ -95,8 +95,10 @@ def test_infeasible_request_says_what_would_fit_and_that_it_does(gpt2):
 
 
 def test_cli_plan_prints_the_table_and_baselines(tmp_path, capsys):
-    out = tmp_path / "p.json"
-    assert main(["plan", "gpt2", "--devices", "4", "--device-type", "h100", "--global-batch", "32", "--out", str(out)]) == 0
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    assert main(["plan", "gpt2", "--devices", "4", "--device-type", "h100", "--global-batch", "32", "--out", str(out),
+                 "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     for word in ("stage", "memory/device", "partita", "uniform", "parameters", "equal_flops", "bubble"):
         assert word in text
