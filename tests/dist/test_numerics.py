@@ -57,3 +57,8 @@ def test_skip_mode_warns_keeps_weights_and_then_trains_as_if_the_step_never_was(
     # AdamW's state was untouched too: the clean step is the unsplit model's first step.
     diff, where = max_diff(skip["final"], results[0]["reference"])
     assert diff <= TOLERANCE, f"after skip + clean step, {where} differs from one unsplit AdamW step by {diff:.3g}"
+
+
+def test_a_batch_other_than_the_plans_global_batch_is_refused(results):
+    message = results[0]["wrong_batch"]
+    assert message is not None and "plan's global batch is 8" in message and "6 samples" in message, message

@@ -265,6 +265,11 @@ def job_numerics(params: dict) -> dict:
         skipped_loss = trainer.step(bad["inf"], target=y)
     after_skip = trainer.gather_state_dict()
     clean_loss = trainer.step(x, target=y)
+    try:  # a batch that is not the plan's global batch is refused before anything runs
+        trainer.step(x[:BATCH - 2], target=y[:BATCH - 2])
+        results["wrong_batch"] = None
+    except partita.InputError as e:
+        results["wrong_batch"] = str(e)
     results["skip"] = {"loss": skipped_loss, "warnings": [str(w.message) for w in caught], "state": after_skip,
                        "counts": (trainer.num_steps, trainer.num_skipped_steps), "clean_loss": clean_loss,
                        "final": trainer.gather_state_dict()}
