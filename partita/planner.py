@@ -94,6 +94,11 @@ def planning_context(model, args, kwargs, *, cluster, global_batch_size, loss_fn
     _check_positive(global_batch_size=global_batch_size, num_stages=num_stages, replicas=replicas,
                     num_microbatches=num_microbatches, max_blocks=max_blocks)
     graph = model if isinstance(model, OpGraph) else capture(model, args, kwargs, loss_fn=loss_fn, target=target)
+    if not graph.dynamic_batch:
+        raise InputError(
+            f"the graph has a static batch dimension (captured at batch {graph.batch_size}), so its costs cannot "
+            "be scaled to other micro-batch sizes: capture with an example batch of at least 2 "
+            "(torch.export fixes a batch of 1) and without code that specialises on the batch size")
     chosen = _schedules(schedules, schedule)
     options = SearchOptions(
         num_devices=cluster.num_devices, global_batch_size=global_batch_size,

@@ -269,6 +269,8 @@ class BlockCosts:
         forward_s[k], backward_s[k], backward_weight_s[k], activation_bytes[k]
                                    sums over the nodes of block k.
         max_output_bytes[k]        largest new output of one node of block k (working memory).
+        max_param_bytes[k]         largest trainable parameter a node of block k reads (the
+                                   optimizer step's temporaries scale with it).
         cut_bytes[b]               CostTable.cut_bytes at boundary b (0 at both ends).
         param_bytes_matrix[j, i]   bytes of every parameter and buffer that a stage of blocks
                                    [j, i) holds: those read by any of its nodes, tied ones once.
@@ -281,6 +283,7 @@ class BlockCosts:
     backward_weight_s: np.ndarray
     activation_bytes: np.ndarray
     max_output_bytes: np.ndarray
+    max_param_bytes: np.ndarray
     cut_bytes: np.ndarray
     param_bytes_matrix: np.ndarray
     trainable_bytes_matrix: np.ndarray
@@ -315,10 +318,22 @@ def block_costs(costs: CostTable, boundaries) -> BlockCosts:
         backward_weight_s=per_block(costs.backward_weight_s, np.float64),
         activation_bytes=per_block(costs.activation_bytes, np.int64),
         max_output_bytes=np.maximum.reduceat(np.asarray(costs.output_bytes, dtype=np.int64), starts),
+        max_param_bytes=_largest_trainable_param(costs, b),
         cut_bytes=np.asarray(costs.cut_bytes, dtype=np.int64)[b],
         param_bytes_matrix=param_matrix,
         trainable_bytes_matrix=trainable_matrix,
     )
+
+
+def _largest_trainable_param(costs: CostTable, boundaries: np.ndarray) -> np.ndarray:
+    """Per block, the bytes of the largest trainable parameter any of its nodes reads."""
+    largest = np.zeros(len(boundaries) - 1, dtype=np.int64)
+    for p, uses in enumerate(costs.param_uses):
+        if not costs.param_trainable[p] or len(uses) == 0:
+            continue
+        blocks = np.searchsorted(boundaries, np.asarray(uses), side="right") - 1
+        np.maximum.at(largest, blocks, int(costs.param_bytes[p]))
+    return largest
 
 
 def _held_param_matrices(costs: CostTable, boundaries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -9,8 +9,7 @@ candidate   a config plus a split of the block chain into stages and per-stage r
 Driver: for every config allowed by the options, build the stage-cost matrices (time, with
 ``inf`` where the stage does not fit in memory) from the block costs at the config's micro-batch
 size, let :mod:`partita.plan.partition` propose splits (one per candidate bottleneck), estimate
-each with the closed form ``(m - 1) * max_g L_g + sum_g L_g / v`` (L_g: a rank group's time per
-micro-batch), and keep the best few; then the caller simulates them on the real schedule.
+each with a closed form (``_estimate``; L_g: a rank group's time per micro-batch), and keep the best few; then the caller simulates them on the real schedule.
 """
 
 from __future__ import annotations
@@ -167,6 +166,7 @@ class StageCosts:
             param_bytes=blocks.param_bytes_matrix, trainable_bytes=blocks.trainable_bytes_matrix,
             activation_bytes=_range_sums(blocks.activation_bytes), stage_input_bytes=cut[j],
             boundary_bytes=cut[j] + cut[i], largest_output_bytes=_range_max(blocks.max_output_bytes),
+            largest_param_bytes=_range_max(blocks.max_param_bytes),
         )
         # Activation and gradient of the stage's output cross to the next stage once each.
         self.send = np.array([2 * p2p_time_s(float(c), cluster, same_node=True) for c in cut])
@@ -228,11 +228,16 @@ def search_config(blocks: BlockCosts, config: Config, options: SearchOptions, cl
 
 
 def _estimate(config: Config, stage_times: Sequence[float]) -> float:
+    """Closed-form step: ``(m - 1)·max_g L_g + sum_g L_g`` with one stage per rank group (exact
+    for GPipe/1F1B without communication); with ``v`` stages per group the fill and drain
+    shrink to ``(G - 1)·max_g L_g / v`` after the ``m`` rounds of the busiest group."""
     loads = np.zeros(config.num_rank_groups)
     for s, t in enumerate(stage_times):
         loads[config.rank_group_of(s)] += t
-    m, v = config.num_microbatches, config.virtual_stages
-    return float((m - 1) * loads.max() + loads.sum() / v)
+    m, v, g = config.num_microbatches, config.virtual_stages, config.num_rank_groups
+    if v == 1:
+        return float((m - 1) * loads.max() + loads.sum())
+    return float(m * loads.max() + (g - 1) * loads.max() / v)
 
 
 def search(

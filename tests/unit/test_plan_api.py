@@ -112,3 +112,11 @@ def test_cli_inspect_prints_tables_and_costs(capsys):
     assert main(["inspect", "gpt2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["num_parameters"] > 0 and data["modules"][0]["path"] == ""
+
+
+def test_a_graph_with_a_static_batch_is_refused():
+    ex = examples.build("mlp", batch_size=1)
+    graph = partita.capture(ex.model, ex.args, loss_fn=ex.loss_fn, target=ex.target)
+    assert not graph.dynamic_batch
+    with pytest.raises(partita.InputError, match="static batch dimension.*at least 2"):
+        partita.plan(graph, cluster=h100s(2), global_batch_size=8)
