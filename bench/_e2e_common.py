@@ -123,6 +123,48 @@ def memory_status() -> dict[str, int]:
     return found
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_in_use() -> int | None:
+    """Bytes glibc has handed out and not taken back (all arenas, plus mmapped chunks): live tensors and
+    Python objects, without the freed memory glibc keeps. None without glibc >= 2.33."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+class InUseSampler:
+    """Samples ``malloc_in_use`` every ``interval_s`` in a thread (torch kernels release the GIL); ``peak``
+    is the largest sample. A sampled peak can miss a spike shorter than the interval."""
+
+    def __init__(self, interval_s: float = 0.0005):
+        import threading
+
+        self.interval_s, self.peak, self._stop = interval_s, malloc_in_use() or 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, malloc_in_use() or 0)
+            time.sleep(self.interval_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, malloc_in_use() or 0)
+
+
 # ----------------------------------------------------------------------------- ranks
 
 
