@@ -54,6 +54,7 @@ from _e2e_common import (MIB, REPO, InUseSampler, build_example, command_line, g
 
 LADDER = [1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32, 40, 48, 56, 64]
 BASELINE_METHODS = ("uniform", "parameters", "equal_flops")
+PARTITA_NO_ZBV = "partita, GPipe/1F1B only"
 LR = 1e-4
 
 
@@ -88,6 +89,8 @@ class Sized:
             options = dict(schedules=None, schedule=None, num_stages=None, replicas=None, num_microbatches=None,
                            recompute=None)
             options.update(pins)
+            if options["schedules"] is not None:
+                options["schedules"] = list(options["schedules"])
             self._ctx[key] = planning_context(
                 self.graph, (), None, cluster=cluster, global_batch_size=self.args.global_batch, loss_fn=None,
                 target=None, optimizer="adam", uniform_replicas=True, mixed_precision=False, costs="analytic",
@@ -107,7 +110,13 @@ class Sized:
     def data_parallel(self, ranks: int):
         from partita.planner import best_plan
 
-        return best_plan(self.ctx(ranks, num_stages=1))
+        return best_plan(self.ctx(ranks, num_stages=1, replicas=ranks))
+
+    def partita_no_zbv(self, ranks: int):
+        """partita restricted to the GPipe and 1F1B schedules (no ZBV, no interleaving)."""
+        from partita.planner import best_plan
+
+        return best_plan(self.ctx(ranks, schedules=("gpipe", "1f1b")))
 
     def baseline_own(self, ranks: int, method: str):
         return own_best(self.ctx(ranks), method)
@@ -194,7 +203,7 @@ def ladder(args, log) -> dict:
     """Largest fitting layer count per (method, ranks), by prediction. A coarse pass over LADDER (each
     method stops at its first failure), then every layer count between a method's largest fit and its
     first failure."""
-    methods = ["partita", "data parallel", *BASELINE_METHODS]
+    methods = ["partita", PARTITA_NO_ZBV, "data parallel", *BASELINE_METHODS]
     keys = [("unsplit", 1), ("partita", 1)] + [(m, n) for n in args.ranks for m in methods]
     largest: dict = {}
     failed: dict = {}  # (method, ranks) -> smallest layer count found not to fit
@@ -211,7 +220,7 @@ def ladder(args, log) -> dict:
                 fits, plan = need <= sized.usable(1), None
             else:
                 plan = (sized.partita(n) if m == "partita" else sized.data_parallel(n) if m == "data parallel"
-                        else sized.baseline_own(n, m))
+                        else sized.partita_no_zbv(n) if m == PARTITA_NO_ZBV else sized.baseline_own(n, m))
                 need = plan and max(per_rank_predicted(plan))
                 row[(m, n)] = need
                 fits = plan is not None
@@ -480,7 +489,7 @@ def write_markdown(path: Path, args, header: str, part_a: dict, lad: dict, check
               "| method | " + " | ".join(f"{n} rank{'s' if n > 1 else ''}" for n in [1, *args.ranks]) + " |",
               "|---|" + "---|" * (1 + len(args.ranks))]
     largest = lad["largest"]
-    for m in ["partita", "data parallel", *BASELINE_METHODS, "unsplit"]:
+    for m in ["partita", PARTITA_NO_ZBV, "data parallel", *BASELINE_METHODS, "unsplit"]:
         cells = []
         for n in [1, *args.ranks]:
             if (m, n) not in largest:
@@ -491,12 +500,14 @@ def write_markdown(path: Path, args, header: str, part_a: dict, lad: dict, check
             params = gpt2_params(layers, args.hidden)
             cfg = config_text(p) if p is not None else "plain, whole batch"
             cells.append(f"**{layers}** ({params / 1e6:.0f} M), {mib(need)}, {cfg}")
-        label = {"unsplit": "unsplit, 1 process (plain PyTorch)"}.get(m, m)
+        label = {"unsplit": "unsplit, 1 process (plain PyTorch)",
+                 "data parallel": "data parallel (`num_stages=1, replicas=N`)"}.get(m, m)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
     # ladder detail
     keys = [("unsplit", 1), ("partita", 1)] + [(m, n) for n in args.ranks
-                                               for m in ["partita", "data parallel", *BASELINE_METHODS]]
+                                               for m in ["partita", PARTITA_NO_ZBV, "data parallel",
+                                                         *BASELINE_METHODS]]
     lines += ["Predicted peak per rank (MiB) along the ladder; blank: not evaluated after the method's first failure, "
               "OOM: no configuration fits.", "",
               "| layers | params | " + " | ".join(f"{m}@{n}" for m, n in keys) + " |",
@@ -548,7 +559,8 @@ def findings(args, part_a: dict, lad: dict, checks: list, usable: int) -> list[s
         return f"{layers} layers ({gpt2_params(layers, args.hidden) / 1e6:.0f} M)"
 
     for n in args.ranks:
-        out.append(f"- Largest model by prediction on {n} ranks: partita {size(('partita', n))}; "
+        out.append(f"- Largest model by prediction on {n} ranks: partita {size(('partita', n))} "
+                   f"(GPipe/1F1B only: {size((PARTITA_NO_ZBV, n))}); "
                    + ", ".join(f"{m} {size((m, n))}" for m in BASELINE_METHODS)
                    + f"; data parallelism {size(('data parallel', n))}. One process: unsplit plain PyTorch "
                    f"{size(('unsplit', 1))}, partita on 1 rank (micro-batches + recomputation) {size(('partita', 1))}.")
@@ -559,8 +571,9 @@ def findings(args, part_a: dict, lad: dict, checks: list, usable: int) -> list[s
     for c in checks:
         if c["label"] == "partita" and c["ranks"] == 2 and part_a:
             continue  # the same run as (A) partita
-        measured.append((f"{c['label']} on {c['ranks']}", c.get("config", ""), c["predicted"] or [c.get("predicted_unsplit")],
-                         [r["peak"] for r in c["results"]], [r.get("in_use_peak") for r in c["results"]]))
+        measured.append((f"{c['label']} on {c['ranks']}", c.get("config", ""),
+                         c["predicted"] or [c.get("predicted_unsplit")], [r["peak"] for r in c["results"]],
+                         [r.get("in_use_peak") for r in c["results"]]))
     if measured:
         predicted_fit = [m for m in measured if max(m[2]) <= usable]
         rss_fit = [m for m in predicted_fit if max(m[3]) <= usable]
@@ -578,12 +591,12 @@ def findings(args, part_a: dict, lad: dict, checks: list, usable: int) -> list[s
         if zbv_rc:
             out.append(f"- ZBV with recomputation ({', '.join(m[0] for m in zbv_rc)}): RSS {err_range(zbv_rc, 3)}, "
                        f"bytes in use {err_range(zbv_rc, 4)}.")
-    setups = [(c, max(r["setup_peak"] for r in c["results"]), max(r["peak"] for r in c["results"])) for c in checks
-              if c["ranks"] > 1]
-    if setups:
-        c, setup, steady = max(setups, key=lambda x: x[1])
-        out.append(f"- Set-up (model build on every rank, capture, Trainer, first step) peaks at up to {mib(setup)} MiB "
-                   f"per rank ({c['label']}, {c['model']} on {c['ranks']} ranks; steady state {mib(steady)} MiB).")
+    for c in checks:
+        if c["ranks"] > 1:
+            whole = 4 * gpt2_params(int(c["model"].split("-L")[1].split("-")[0]), args.hidden)
+            out.append(f"- Set-up of {c['label']} on {c['ranks']} ranks ({c['model']}): every rank holds the whole model "
+                       f"({mib(whole)} MiB of parameters) and peaks at {per_rank([r['setup_peak'] for r in c['results']])}"
+                       f" MiB RSS before it releases what it does not hold.")
     out += ["", "Notes:",
             "- `RSS` is what a memory limit (cgroup, the OOM killer) sees; `in use` is close to what the planner "
             "models (live tensors). The difference is glibc keeping freed memory: on this machine RSS exceeds the bytes "
@@ -609,7 +622,7 @@ def plot(path: Path, args, lad: dict) -> None:
     import matplotlib.pyplot as plt
 
     largest = lad["largest"]
-    methods = ["partita", "data parallel", *BASELINE_METHODS]
+    methods = ["partita", PARTITA_NO_ZBV, "data parallel", *BASELINE_METHODS]
     fig, ax = plt.subplots(figsize=(8, 4))
     ns = list(args.ranks)
     width = 0.8 / (len(methods) + 1)
@@ -664,6 +677,9 @@ def main() -> None:
         sized = Sized(layers, args)
         ctx = sized.ctx(2)
         rows = [{"label": "partita", "plan": plan}]
+        simple = sized.partita_no_zbv(2)
+        rows.append({"label": PARTITA_NO_ZBV, "plan": simple} if simple is not None else
+                    {"label": PARTITA_NO_ZBV, "plan": None, "predicted": None, "config": "no plan fits"})
         for m in BASELINE_METHODS:
             p = same_config_unchecked(ctx, plan, m)
             if p is not None:
@@ -697,7 +713,7 @@ def main() -> None:
     if not args.no_verify:
         done = {(c["model"], c["ranks"], c["label"]) for c in checks}
         for n in args.ranks:
-            todo = [("partita", largest.get(("partita", n)))]
+            todo = [("partita", largest.get(("partita", n))), (PARTITA_NO_ZBV, largest.get((PARTITA_NO_ZBV, n)))]
             base = [(m, largest[(m, n)]) for m in BASELINE_METHODS if (m, n) in largest]
             if base:
                 todo.append(max(base, key=lambda kv: (kv[1][0], -kv[1][2])))
