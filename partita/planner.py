@@ -401,14 +401,19 @@ def _cost_source(costs: str, graph: OpGraph, cluster: Cluster) -> str:
 
 
 def _costs_provider(graph: OpGraph, cluster: Cluster, source: str, inputs, cache_dir) -> Callable[[int], CostTable]:
+    """Cost tables per micro-batch size, compute times slowed by ``cluster.compute_slowdown``
+    (ranks that share one host's memory system run slower together than a solo profile says)."""
+    from partita.cost.contention import contended
+
     if source == "analytic":
         from partita.cost.analytic import analytic_costs
 
-        return functools.lru_cache(maxsize=None)(lambda b: analytic_costs(graph, cluster.device, b))
+        return functools.lru_cache(maxsize=None)(
+            lambda b: contended(analytic_costs(graph, cluster.device, b), cluster.compute_slowdown))
     from partita.cost.profiler import profile
 
     return functools.lru_cache(maxsize=None)(
-        lambda b: profile(graph, inputs, microbatch_size=b, cache_dir=cache_dir))
+        lambda b: contended(profile(graph, inputs, microbatch_size=b, cache_dir=cache_dir), cluster.compute_slowdown))
 
 
 def _reference_microbatch(graph: OpGraph, global_batch_size: int, num_devices: int) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from partita.cost.contention import measure_contention
 from partita.cost.devices import (
     cpu_model,
     cached_measurement,
@@ -49,7 +50,9 @@ class Cluster:
     device's value: ``memory_bytes`` (per device) and the link bandwidths (bytes/s, per device
     and direction) and latencies (s). ``reserved_memory_fraction`` is the share of each
     device's memory the planner leaves free (allocator fragmentation, CUDA context, workspace).
-    After construction every field holds a concrete value (``device`` a DeviceSpec).
+    ``compute_slowdown`` multiplies every compute time of a cost table used with this cluster:
+    how much slower one device computes while all of them do (1 for accelerators; CPU ranks
+    sharing one host's memory system, measured by ``Cluster.local``). After construction every field holds a concrete value (``device`` a DeviceSpec).
     """
 
     device: DeviceSpec | str
@@ -61,6 +64,7 @@ class Cluster:
     intra_node_latency_s: float | None = None
     inter_node_latency_s: float | None = None
     reserved_memory_fraction: float = 0.05
+    compute_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -90,6 +94,12 @@ class Cluster:
         if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 <= fraction < 1:
             raise InputError(f"reserved_memory_fraction must be in [0, 1), got {fraction!r}: e.g. 0.05 leaves 5% free")
         object.__setattr__(self, "reserved_memory_fraction", float(fraction))
+        slowdown = self.compute_slowdown
+        if isinstance(slowdown, bool) or not isinstance(slowdown, numbers.Real) or not math.isfinite(slowdown) \
+                or slowdown <= 0:
+            raise InputError(f"compute_slowdown must be a finite number > 0, got {slowdown!r}: 1.0 for devices "
+                             "that do not slow each other down")
+        object.__setattr__(self, "compute_slowdown", float(slowdown))
 
     # ------------------------------------------------------------------ topology
 
@@ -145,14 +155,16 @@ class Cluster:
 
     @classmethod
     def local(cls, num_devices: int = 2, memory_bytes: int | None = None, *, cache_dir: str | os.PathLike | None = None,
-              num_threads: int | None = None) -> "Cluster":
+              num_threads: int | None = None, compute_slowdown: float | None = None) -> "Cluster":
         """``num_devices`` CPU ranks on this machine, one node, calibrated by measurement.
 
         The device is ``local_cpu_spec`` measured with ``num_threads`` threads (default: this
         process's torch thread count shared out among the ranks); the intra-node link is
         loopback TCP as gloo uses it, measured by ``measure_loopback``. ``memory_bytes``
-        (per rank) defaults to this machine's RAM shared out among the ranks. Both
-        measurements are cached in ``cache_dir`` when given. Takes ~2 s uncached.
+        (per rank) defaults to this machine's RAM shared out among the ranks.
+        ``compute_slowdown`` defaults to ``measure_contention``: how much slower each rank
+        computes while all ``num_devices`` ranks do. The measurements are cached in
+        ``cache_dir`` when given. Takes ~5-10 s uncached.
         """
         import torch
 
@@ -161,8 +173,11 @@ class Cluster:
         memory = memory_bytes if memory_bytes is not None else machine_memory_bytes() // num_devices
         device = local_cpu_spec(cache_dir, memory_bytes=memory, num_threads=threads)
         bandwidth, latency = measure_loopback(cache_dir)
+        if compute_slowdown is None:
+            compute_slowdown = measure_contention(num_devices, threads, cache_dir=cache_dir)
         return cls(device=device, num_devices=num_devices, devices_per_node=num_devices,
-                   intra_node_bandwidth_bytes_per_s=bandwidth, intra_node_latency_s=latency)
+                   intra_node_bandwidth_bytes_per_s=bandwidth, intra_node_latency_s=latency,
+                   compute_slowdown=compute_slowdown)
 
 
 def _check_count(value: Any, name: str) -> int:

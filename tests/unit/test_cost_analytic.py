@@ -14,6 +14,7 @@ import partita
 from partita.cost import comm
 from partita.cost.analytic import analytic_costs
 from partita.cost.cluster import Cluster, measure_loopback
+from partita.cost.contention import contended
 from partita.cost.devices import (
     get_device,
     known_devices,
@@ -197,6 +198,8 @@ def test_cluster_defaults_and_topology():
         ({"num_devices": 8, "inter_node_latency_s": -1e-6}, "inter_node_latency_s must be a finite number >= 0"),
         ({"num_devices": 8, "reserved_memory_fraction": 1.0}, "reserved_memory_fraction must be in \\[0, 1\\)"),
         ({"num_devices": 8, "device": "tpu"}, "unknown device 'tpu'"),
+        ({"num_devices": 8, "compute_slowdown": 0.0}, "compute_slowdown must be a finite number > 0"),
+        ({"num_devices": 8, "compute_slowdown": float("nan")}, "compute_slowdown must be a finite number > 0"),
     ],
 )
 def test_cluster_validation(kwargs, message):
@@ -243,7 +246,25 @@ def test_local_cluster_measures_loopback(tmp_path):
     assert cluster.num_devices == 2 and cluster.num_nodes == 1 and cluster.memory_bytes == 2**30
     assert cluster.device.name == "cpu" and cluster.intra_node_bandwidth_bytes_per_s > 1e7
     assert len(list(tmp_path.glob("loopback-*.json"))) == 1
+    assert cluster.compute_slowdown >= 1.0 and len(list(tmp_path.glob("contention-*.json"))) == 1
     assert Cluster.local(num_devices=2, memory_bytes=2**30, cache_dir=tmp_path) == cluster  # from the cache
+    assert Cluster.local(num_devices=2, memory_bytes=2**30, cache_dir=tmp_path, compute_slowdown=1.25).compute_slowdown == 1.25
+    assert Cluster.local(num_devices=1, cache_dir=tmp_path).compute_slowdown == 1.0  # one rank: nothing to share
+
+
+def test_compute_slowdown_scales_every_compute_time_of_a_plan(tiny_gpt2):
+    _, _, graph = tiny_gpt2
+    costs = analytic_costs(graph, "h100", 2)
+    slowed = contended(costs, 1.5)
+    for name in ("forward_s", "backward_s", "backward_weight_s"):
+        np.testing.assert_allclose(getattr(slowed, name), 1.5 * getattr(costs, name))
+    np.testing.assert_array_equal(slowed.activation_bytes, costs.activation_bytes)
+    assert contended(costs, 1.0) is costs and slowed.calibration["compute_slowdown"] == 1.5
+    # one device, no communication: the predicted step is the compute, 1.5x
+    steps = [partita.plan(graph, cluster=Cluster("h100", 1, compute_slowdown=f), global_batch_size=4,
+                          costs="analytic", schedule="gpipe", num_microbatches=2, recompute=False).predicted_step_s
+             for f in (1.0, 1.5)]
+    assert steps[1] == pytest.approx(1.5 * steps[0], rel=1e-6)
 
 
 # ----------------------------------------------------------------------------- communication
