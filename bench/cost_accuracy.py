@@ -281,7 +281,8 @@ def time_row(name: str, run: RangeRun, costs, analytic) -> dict:
 
 
 def memory_row(name: str, run: RangeRun, costs) -> dict:
-    predicted = device_memory(costs, [(run.start, run.stop)], in_flight=1, optimizer=OptimizerKind.ADAM)
+    predicted = device_memory(costs, [(run.start, run.stop)], in_flight=1, optimizer=OptimizerKind.ADAM,
+                              num_microbatches=1)
     peak = measure_memory(run)
     return dict(model=name, range=run.label, predicted=predicted, peak=peak,
                 error=error_pct(predicted.total_bytes, peak["total"]),

@@ -30,7 +30,7 @@ from partita.cost.devices import cpu_model
 from partita.types import CostTable, OpGraph
 
 # Bump when the profiler measures differently: old entries then miss instead of being reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: calibrated against the flat module, not the exported one
 
 # Arrays of a CostTable stored as they are (param_uses is ragged and stored flattened).
 _ARRAY_FIELDS = (

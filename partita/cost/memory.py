@@ -1,8 +1,13 @@
 """Memory model of one device (one replica of a stage, or a rank holding several virtual stages).
 
-memory = parameters + gradients + optimizer state
-       + activations kept for backward x micro-batches in flight (schedule-dependent)
-       + communication buffers + a working-memory peak
+memory = parameters + optimizer state
+       + max(backward peak, gradients + optimizer-step temporaries)
+backward peak = activations kept for backward x micro-batches in flight (schedule-dependent)
+              + communication buffers + a working-memory peak
+              + the gradients alive by then: all of them when some micro-batch's backward
+                ran before the activation peak (1F1B steady state), else only the first one
+                (GPipe, or as many micro-batches as in flight; gradients are set to None
+                between steps)
 
 Glossary
 --------
@@ -39,13 +44,17 @@ class DeviceMemory:
     comm_buffer_bytes: int
     working_bytes: int  # transient peak inside one operation's forward/backward
     optimizer_step_bytes: int = 0  # temporaries while the optimizer steps (activations are freed by then)
+    backward_grad_bytes: int | None = None  # gradients alive at the backward peak (None: all of them)
 
     @property
     def total_bytes(self) -> int:
-        """Persistent state plus the larger of the two peaks: backward (activations, buffers,
-        working memory) and the optimizer step (its temporaries)."""
-        during_backward = self.activation_bytes + self.comm_buffer_bytes + self.working_bytes
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + np.maximum(during_backward, self.optimizer_step_bytes)
+        """Persistent state (parameters, optimizer state) plus the larger of the two peaks:
+        backward (activations, buffers, working memory, the gradients alive by then) and the
+        optimizer step (every gradient, and the step's temporaries)."""
+        grads_then = self.grad_bytes if self.backward_grad_bytes is None else self.backward_grad_bytes
+        during_backward = self.activation_bytes + self.comm_buffer_bytes + self.working_bytes + grads_then
+        during_step = self.grad_bytes + self.optimizer_step_bytes
+        return self.param_bytes + self.optimizer_bytes + np.maximum(during_backward, during_step)
 
 
 def microbatches_in_flight(
@@ -90,14 +99,18 @@ def device_memory(
     recompute: bool = False,
     mixed_precision: bool = False,
     num_replicas: int = 1,
+    num_microbatches: int | None = None,
 ) -> DeviceMemory:
     """Memory of one device holding the node ranges ``ranges`` (``[start, stop)`` positions).
 
-    ``in_flight`` comes from :func:`microbatches_in_flight`. A parameter read by several ranges
-    is counted once; a tied parameter held by two stages on two devices counts on each.
+    ``in_flight`` comes from :func:`microbatches_in_flight`; ``num_microbatches`` is the step's
+    count (None: assume some backward runs before the activation peak, so every gradient is
+    alive then). A parameter read by several ranges is counted once; a tied parameter held by
+    two stages on two devices counts on each.
     """
     held = sorted({p for start, stop in ranges for p in costs.params_in_range(start, stop)})
     return memory_from_totals(
+        first_grad_bytes=_first_gradient_bytes(costs, ranges),
         param_bytes=int(sum(costs.param_bytes[p] for p in held)),
         trainable_bytes=int(sum(costs.param_bytes[p] for p in held if costs.param_trainable[p])),
         activation_bytes=int(sum(costs.activation_bytes[start:stop].sum() for start, stop in ranges)),
@@ -106,8 +119,21 @@ def device_memory(
         largest_output_bytes=max((int(costs.output_bytes[a:b].max()) for a, b in ranges if b > a), default=0),
         largest_param_bytes=max((int(costs.param_bytes[p]) for p in held if costs.param_trainable[p]), default=0),
         in_flight=in_flight, optimizer=optimizer, recompute=recompute,
-        mixed_precision=mixed_precision, num_replicas=num_replicas,
+        mixed_precision=mixed_precision, num_replicas=num_replicas, num_microbatches=num_microbatches,
     )
+
+
+def _first_gradient_bytes(costs: CostTable, ranges: Sequence[tuple[int, int]]) -> int:
+    """Bytes of the first parameter gradients backward produces on a device: those of the last
+    node (in the last range) that reads trainable parameters."""
+    owners, uses = costs._flat_param_uses
+    trainable = np.asarray(costs.param_trainable, dtype=bool)
+    for start, stop in sorted(ranges, reverse=True):
+        inside = (uses >= start) & (uses < stop) & trainable[owners]
+        if inside.any():
+            last = uses[inside].max()
+            return int(sum(costs.param_bytes[p] for p in np.unique(owners[inside & (uses == last)])))
+    return 0
 
 
 def memory_from_totals(
@@ -124,6 +150,8 @@ def memory_from_totals(
     recompute: bool,
     mixed_precision: bool,
     num_replicas: int,
+    num_microbatches: Any = None,
+    first_grad_bytes: Any = None,
 ) -> DeviceMemory:
     """The memory formula on totals of a device's node ranges. Works element-wise on numpy
     arrays too, so the search evaluates every candidate stage at once with the same formula.
@@ -132,7 +160,11 @@ def memory_from_totals(
     micro-batch; boundary_bytes: received + sent per micro-batch; largest_output_bytes: the
     largest single operation output; largest_param_bytes: the largest trainable parameter (a
     single-tensor Adam/momentum step, torch's default on CPU, makes temporaries of about twice
-    it while every gradient is alive; measured in bench/results/cost_accuracy.md).
+    it while every gradient is alive; measured in bench/results/cost_accuracy.md);
+    num_microbatches: when it is at most ``in_flight``, every forward runs before the first
+    backward, so only the first gradients exist at the activation peak: ``first_grad_bytes``
+    (those of the last node reading trainable parameters; None: the largest parameter, an upper
+    bound when no node reads several large parameters).
     """
     # fp32 bytes of the trainable parameters: master weights and states are fp32 under mixed precision.
     fp32_bytes = 2 * trainable_bytes if mixed_precision else trainable_bytes
@@ -142,7 +174,13 @@ def memory_from_totals(
         kept = np.ceil(in_flight * stage_input_bytes) + activation_bytes
     else:
         kept = np.ceil(in_flight * activation_bytes)
-    comm_buffer_bytes = 2 * boundary_bytes  # receive/send buffers for activations and their gradients
+    comm_buffer_bytes = 1 * boundary_bytes  # the received input and the output gradient of the micro-batch
+    if num_microbatches is None:
+        backward_grad_bytes = None
+    else:
+        no_steady_state = np.asarray(num_microbatches) <= np.asarray(in_flight)
+        first = largest_param_bytes if first_grad_bytes is None else first_grad_bytes
+        backward_grad_bytes = _as_int(np.where(no_steady_state, np.minimum(first, trainable_bytes), trainable_bytes))
     if num_replicas > 1:
         comm_buffer_bytes = comm_buffer_bytes + np.minimum(trainable_bytes, ALLREDUCE_BUCKET_BYTES)
     return DeviceMemory(
@@ -154,6 +192,7 @@ def memory_from_totals(
         # an operation's output and its gradient coexist in backward
         working_bytes=_as_int(2 * largest_output_bytes),
         optimizer_step_bytes=_as_int(_step_temporaries(optimizer, largest_param_bytes, mixed_precision)),
+        backward_grad_bytes=backward_grad_bytes,
     )
 
 
@@ -165,6 +204,8 @@ def _step_temporaries(optimizer: OptimizerKind, largest_param_bytes: Any, mixed_
 
 def _as_int(value: Any) -> Any:
     """Plain int for scalars, int64 arrays for arrays."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return int(value)
     if isinstance(value, np.ndarray):
         return value.astype(np.int64)
     return int(value)

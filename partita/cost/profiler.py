@@ -25,6 +25,7 @@ as do saved graph inputs (token ids kept by an embedding).
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 import time
@@ -121,14 +122,14 @@ def _measure(graph: OpGraph, flat_inputs: list, device: torch.device, repeats: i
         activation_bytes, owners = _record(recorder, flat_inputs, gm)
         loss = recorder.env[recorder.fx_nodes[graph.loss_node]]
         weight_share = _weight_shares(recorder, device, repeats, warmup)
-        runs = []
+        runs, flat = [], _flat_module(gm)
         with _BackwardTimer(owners, graph.num_nodes, device) as backward_timer:
             # Interleaved, so that a change in machine load (shared machines) hits the per-node
             # and the whole-graph measurements alike and cancels out in the calibration.
             for i in range(warmup + repeats):
                 forward_s = _time_forward(gm, flat_inputs, device, bar)
                 backward_s = backward_timer.run(loss, params)
-                whole_forward_s, whole_step_s = _time_whole(graph, flat_inputs, params, device)
+                whole_forward_s, whole_step_s = _time_whole(graph, flat, flat_inputs, params, device)
                 if i >= warmup:
                     runs.append((forward_s, backward_s, whole_forward_s, whole_step_s))
     medians = [np.median([run[k] for run in runs], axis=0) for k in range(4)]
@@ -358,14 +359,21 @@ def _median_s(fn: Callable[[], Any], device: torch.device, repeats: int, warmup:
     return float(np.median(times_s))
 
 
-def _time_whole(graph: OpGraph, flat_inputs: list, params: list, device: torch.device) -> tuple[float, float]:
-    """(forward, forward + backward) of the plain graph module: what a stage really runs."""
-    call_args, call_kwargs = pytree.tree_unflatten(flat_inputs, graph.exported_program.call_spec.in_spec)
-    # With loss_fn the module is called as gm(args, kwargs, target): call_args holds those three.
-    loss_inputs = call_args if graph.has_loss_fn else (call_args, call_kwargs)
+def _flat_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` without its pytree input/output handling: called with the flat inputs, returns the
+    flat outputs, as a stage module runs (the exported module checks and flattens its inputs on
+    every call, a fixed cost that no stage pays and that would be spread over the nodes)."""
+    graph = copy.deepcopy(gm.graph)
+    graph.set_codegen(torch.fx.graph.CodeGen())
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _time_whole(graph: OpGraph, flat: torch.fx.GraphModule, flat_inputs: list, params: list,
+                device: torch.device) -> tuple[float, float]:
+    """(forward, forward + backward) of the whole graph as one flat module: what a stage runs."""
     start_s = _now(device)
     with torch.enable_grad():
-        loss = graph.loss(*loss_inputs)
+        loss = flat(*flat_inputs)[graph.loss_output_index]
     forward_end_s = _now(device)
     if loss.requires_grad and params:
         torch.autograd.grad(loss, params, allow_unused=True)

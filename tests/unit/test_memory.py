@@ -41,15 +41,36 @@ def test_whole_model_on_one_device_with_adam():
     assert mem.comm_buffer_bytes == 0
     assert mem.working_bytes == 2 * 256 * 1024
     assert mem.optimizer_step_bytes == 2 * 4 * MiB  # Adam's temporaries for w1, the largest parameter
-    # The optimizer step (8 MiB of temporaries) peaks above backward (activations + working memory).
-    assert mem.total_bytes == 2 * trainable + 8 + 2 * trainable + 8 * MiB
+    # The optimizer step (every gradient + 8 MiB of temporaries) peaks above backward.
+    assert mem.total_bytes == (trainable + 8) + 2 * trainable + trainable + 8 * MiB
 
 
 def test_backward_peak_wins_when_activations_dominate():
     mem = device_memory(mlp_costs(), [(1, 4)], in_flight=8, optimizer=OptimizerKind.ADAM)
-    backward = mem.activation_bytes + mem.comm_buffer_bytes + mem.working_bytes
-    assert backward > mem.optimizer_step_bytes == 2 * 40960
-    assert mem.total_bytes == mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes + backward
+    backward = mem.activation_bytes + mem.comm_buffer_bytes + mem.working_bytes + mem.grad_bytes
+    assert backward > mem.grad_bytes + mem.optimizer_step_bytes == 40960 + 40 + 2 * 40960
+    assert mem.total_bytes == mem.param_bytes + mem.optimizer_bytes + backward
+
+
+def test_gradients_at_the_backward_peak_depend_on_a_steady_state():
+    """Gradients are set to None between steps. With as many micro-batches as in flight, every
+    forward runs before the first backward: at the activation peak only the first gradients
+    exist, those of the last node that reads parameters (linear2: w2 + b2, not the 4 MiB w1).
+    With more, a backward ran before the peak (1F1B's steady state): every gradient is alive."""
+    costs = mlp_costs()
+    trainable = 4 * MiB + 4096 + 40960 + 40
+    fill = device_memory(costs, [(0, 4)], in_flight=16, optimizer=OptimizerKind.ADAM, num_microbatches=16)
+    steady = device_memory(costs, [(0, 4)], in_flight=16, optimizer=OptimizerKind.ADAM, num_microbatches=32)
+    unknown = device_memory(costs, [(0, 4)], in_flight=16, optimizer=OptimizerKind.ADAM)
+    assert fill.backward_grad_bytes == 40960 + 40 and steady.backward_grad_bytes == trainable
+    assert steady.total_bytes == unknown.total_bytes  # not knowing m is the conservative case
+    act = 16 * (3 * 256 * 1024 + 2560)
+    work = 2 * 256 * 1024  # an activation-sized output and its gradient
+    persistent = (trainable + 8) + 2 * trainable
+    step = trainable + 2 * 4 * MiB  # every gradient + Adam's temporaries for w1
+    assert fill.total_bytes == persistent + max(act + work + 40960 + 40, step)
+    assert steady.total_bytes == persistent + max(act + work + trainable, step)
+    assert fill.total_bytes < steady.total_bytes
 
 
 def test_plain_sgd_has_no_step_temporaries():
@@ -64,7 +85,7 @@ def test_second_stage_of_two_under_gpipe_with_four_microbatches():
     assert mem.param_bytes == 40960 + 40
     assert mem.optimizer_bytes == 40960 + 40
     assert mem.activation_bytes == 4 * (256 * 1024 + 2560)
-    assert mem.comm_buffer_bytes == 2 * (256 * 1024 + 0)
+    assert mem.comm_buffer_bytes == 256 * 1024 + 0  # received input, no output gradient on the last stage
 
 
 def test_recompute_keeps_stage_inputs_plus_one_microbatch():
