@@ -6,6 +6,7 @@ stays ignorant of the ones after it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -19,7 +20,7 @@ from partita.cost.memory import device_memory, microbatches_in_flight
 from partita.errors import InfeasiblePlanError, InputError
 from partita.plan.build import block_to_node_boundaries, build_plan, fits
 from partita.plan.chain import block_costs, coarsen
-from partita.plan.search import Candidate, SearchOptions, search
+from partita.plan.search import Candidate, Config, SearchOptions, recompute_allowed, search
 from partita.plan.simulate import simulate
 from partita.types import CostTable, OpGraph, OptimizerKind, Plan, Schedule
 
@@ -67,7 +68,10 @@ def plan(
 
     Any of ``schedule``, ``num_stages`` (pipeline depth: rank groups), ``replicas`` (devices per
     rank group), ``num_microbatches`` and ``recompute`` pins that choice; the search fills in the
-    rest. Raises InfeasiblePlanError when nothing fits, saying what would.
+    rest. ZBV plans never recompute (torch's ZBV keeps recomputed activations alive between the
+    input- and weight-gradient passes, beyond what the memory model counts): with
+    ``recompute=True`` the search leaves ZBV out, and InputError is raised when ZBV is the only
+    schedule allowed. Raises InfeasiblePlanError when nothing fits, saying what would.
     """
     ctx = planning_context(model, args, kwargs, cluster=cluster, global_batch_size=global_batch_size,
                            loss_fn=loss_fn, target=target, optimizer=optimizer, schedules=schedules,
@@ -100,6 +104,7 @@ def planning_context(model, args, kwargs, *, cluster, global_batch_size, loss_fn
             "be scaled to other micro-batch sizes: capture with an example batch of at least 2 "
             "(torch.export fixes a batch of 1) and without code that specialises on the batch size")
     chosen = _schedules(schedules, schedule)
+    _check_recompute(chosen, recompute)
     options = SearchOptions(
         num_devices=cluster.num_devices, global_batch_size=global_batch_size,
         memory_limit_bytes=cluster.usable_memory_bytes, schedules=chosen, num_stages=num_stages,
@@ -160,8 +165,53 @@ def _refine_best(ctx: PlanningContext, simulated: list[Plan], candidate_of: dict
     for p in simulated:  # the best simulated plan of each config, best configs first
         best_per_config.setdefault(candidate_of[id(p)].config, p)
     to_refine = list(best_per_config.values())[:num_refined]
-    refined = [refine(ctx, candidate_of[id(p)], p) for p in to_refine]
+    seeds = _BaselineSeeds(ctx)
+    refined = []
+    for p in to_refine:
+        best = refine(ctx, candidate_of[id(p)], p)
+        refined.append(min([best, *seeds.refined(candidate_of[id(p)].config, best)], key=_plan_key))
     return min(refined, key=_plan_key)
+
+
+class _BaselineSeeds:
+    """The baselines' splits under a config as extra starting points of the refinement.
+
+    The DP's split and the hill-climb from it can end a few blocks away from a better split that a
+    simple rule finds (equal FLOPs on Llama-7B). A baseline split (under ``same_config``) that beats
+    the config's refined plan is refined too, from its boundaries snapped to the chain's blocks, so
+    the plan is never slower than a baseline's split under its config (``baseline_plans``).
+    """
+
+    def __init__(self, ctx: PlanningContext):
+        self.ctx, self.splits = ctx, _baseline_splits(ctx)
+
+    def refined(self, config: Config, to_beat: Plan) -> list[Plan]:
+        same = same_config(config)
+        found = []
+        for boundaries in self.splits(same.num_stages).values():
+            if boundaries is None:
+                continue
+            seed = _fit_with_recompute(self.ctx, same, boundaries, "partita", mode=same.recompute_mode,
+                                       step_to_beat=to_beat.predicted_step_s)
+            if seed is not None and _plan_key(seed) < _plan_key(to_beat):
+                start = Candidate(same, _nearest_blocks(self.ctx.chain, boundaries), (), 0.0)
+                found.append(refine(self.ctx, start, seed))
+        return found
+
+
+def _nearest_blocks(chain: Sequence[int], node_boundaries: Sequence[int]) -> tuple[int, ...]:
+    """Block boundaries nearest to ``node_boundaries`` (first 0, last K, strictly increasing)."""
+    positions = np.asarray(chain)
+    num_blocks, num_stages = len(positions) - 1, len(node_boundaries) - 1
+    blocks = [0]
+    for s, node in enumerate(node_boundaries[1:-1], start=1):
+        low, high = blocks[-1] + 1, num_blocks - (num_stages - s)
+        b = int(np.clip(np.searchsorted(positions, node), low, high))
+        if b - 1 >= low and abs(positions[b - 1] - node) <= abs(positions[b] - node):
+            b -= 1
+        blocks.append(b)
+    blocks.append(num_blocks)
+    return tuple(blocks)
 
 
 def _neighbours(boundaries: list[int]) -> list[list[int]]:
@@ -323,7 +373,11 @@ def infeasible_error(ctx: PlanningContext) -> InfeasiblePlanError:
         fixes.append(f"use at least {min_devices} devices")
     if min_memory is not None:
         fixes.append(f"use devices with at least {fmt_bytes(min_memory)} ({min_memory} bytes) of memory")
-    fixes.append("or a smaller global batch, recompute=True, or a lighter optimizer")
+    if any(recompute_allowed(s) for s in ctx.options.schedules):
+        fixes.append("or a smaller global batch, recompute=True, or a lighter optimizer")
+    else:  # ZBV never recomputes
+        fixes.append("or a smaller global batch, a lighter optimizer, or schedule '1f1b' or "
+                     "'interleaved1f1b' with recompute=True")
     err = InfeasiblePlanError(
         f"no plan fits {n} device(s) with {fmt_bytes(ctx.options.memory_limit_bytes)} usable each "
         f"({ctx.graph.num_parameters:,} parameters, optimizer {ctx.options.optimizer.value}): " + ", ".join(fixes))
@@ -387,6 +441,18 @@ def _schedules(schedules, schedule) -> tuple[Schedule, ...]:
     return chosen
 
 
+def _check_recompute(chosen: tuple[Schedule, ...], recompute: bool | None) -> None:
+    """Refuse recompute=True when every allowed schedule is one that must not recompute (ZBV)."""
+    if recompute and not any(recompute_allowed(s) for s in chosen):
+        names = ", ".join(repr(s.value) for s in chosen)
+        raise InputError(
+            f"schedule {names} with recompute=True is not supported: under ZBV (torch's "
+            "ScheduleZBVZeroBubble) a recomputed stage keeps its recomputed activations alive between the "
+            "input-gradient and the weight-gradient pass, so its memory cannot be predicted (it would exceed "
+            "the plan by 40-60%); use schedule '1f1b' or 'interleaved1f1b' with recompute=True, or 'zbv' "
+            "with recompute=False (or unpinned)")
+
+
 def _cost_source(costs: str, graph: OpGraph, cluster: Cluster) -> str:
     if costs not in ("auto", "measured", "analytic"):
         raise InputError(f"costs={costs!r}: use 'auto', 'measured' or 'analytic'")
@@ -427,21 +493,42 @@ def _check_positive(**values) -> None:
 
 
 def baseline_plans(ctx: PlanningContext, like: Plan) -> dict[str, Plan | None]:
-    """Each baseline's split under ``like``'s configuration (None: it does not fit or cannot split)."""
+    """Each baseline's split under ``like``'s configuration (None: it does not fit or cannot split).
+
+    Recomputation is switched on only for the stages that do not fit without it, and never under
+    ZBV (see partita.plan.search). ``best_plan`` starts its refinement from these same splits, so
+    no baseline's split is faster than partita's plan under partita's configuration."""
+    splits = _baseline_splits(ctx)
+    config = same_config(like)
+    return {method: None if boundaries is None else
+            _fit_with_recompute(ctx, config, boundaries, method, mode=config.recompute_mode)
+            for method, boundaries in splits(config.num_stages).items()}
+
+
+def same_config(like: Plan | Config) -> Config:
+    """The configuration of ``like`` (a plan or a search config) under which baselines are compared:
+    its rank groups, replicas, schedule, virtual stages and micro-batches; recomputation per stage,
+    as needed (off under ZBV)."""
+    if isinstance(like, Plan):
+        like = Config(replicas=like.stages[0].num_replicas, num_rank_groups=like.num_rank_groups,
+                      schedule=like.schedule, virtual_stages=like.num_stages // like.num_rank_groups,
+                      num_microbatches=like.num_microbatches, microbatch_size=like.microbatch_size,
+                      recompute_mode=None)
+    return dataclasses.replace(like, recompute_mode=None if recompute_allowed(like.schedule) else False)
+
+
+def _baseline_splits(ctx: PlanningContext) -> Callable[[int], dict[str, list[int] | None]]:
+    """``splits(num_stages)``: each baseline's node boundaries for that many stages (None: cannot split)."""
     from partita.plan.baselines import BASELINES, baseline_boundaries
     from partita.plan.chain import legal_cuts
-    from partita.plan.search import Config
 
-    config = Config(replicas=like.stages[0].num_replicas, num_rank_groups=like.num_rank_groups,
-                    schedule=like.schedule, virtual_stages=like.num_stages // like.num_rank_groups,
-                    num_microbatches=like.num_microbatches, microbatch_size=like.microbatch_size,
-                    recompute_mode=None)
     legal = legal_cuts(ctx.graph)
-    result: dict[str, Plan | None] = {}
-    for method in BASELINES:
-        boundaries = baseline_boundaries(method, ctx.graph, legal, config.num_stages)
-        result[method] = None if boundaries is None else _fit_with_recompute(ctx, config, boundaries, method)
-    return result
+
+    @functools.lru_cache(maxsize=None)
+    def splits(num_stages: int) -> dict[str, list[int] | None]:
+        return {method: baseline_boundaries(method, ctx.graph, legal, num_stages) for method in BASELINES}
+
+    return splits
 
 
 def _fit_with_recompute(ctx: PlanningContext, config, boundaries: list[int], method: str,

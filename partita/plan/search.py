@@ -6,6 +6,11 @@ config      one choice of (replicas r, rank groups G, schedule, virtual stages v
             m, recompute mode); each rank group runs v stages, so the chain is split into G*v.
 candidate   a config plus a split of the block chain into stages and per-stage recompute.
 
+ZBV never recomputes: under torch's ScheduleZBVZeroBubble a checkpointed stage keeps its
+recomputed activations alive from the input-gradient to the weight-gradient pass, so the memory
+model (recomputation keeps only the stage inputs) would under-predict it by 40-60%
+(bench/results/e2e_memory.md). ``enumerate_configs`` yields no ZBV config with recomputation.
+
 Driver: for every config allowed by the options, build the stage-cost matrices (time, with
 ``inf`` where the stage does not fit in memory) from the block costs at the config's micro-batch
 size, let :mod:`partita.plan.partition` propose splits (one per candidate bottleneck), estimate
@@ -15,6 +20,8 @@ each with a closed form (``_estimate``; L_g: a rank group's time per micro-batch
 from __future__ import annotations
 
 import heapq
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -30,6 +37,14 @@ from partita.types import OptimizerKind, Schedule
 
 # Chains with at most this many blocks try every bottleneck value (exact for the estimate).
 EXHAUSTIVE_BLOCKS = 16
+# On such chains, configs with several stages per rank group whose number of splits is at most
+# EXHAUSTIVE_SPLITS try every split, and keep the best SPLITS_KEPT whose estimate is within
+# SPLIT_MARGIN of the best: the per-stage DP neither sees a rank group's load (the sum of its
+# stages) nor its memory (its stages together), and with few micro-batches the estimate's order
+# of close splits is not the simulator's.
+EXHAUSTIVE_SPLITS = 512
+SPLIT_MARGIN = 0.10
+SPLITS_KEPT = 32
 
 
 @dataclass(frozen=True)
@@ -99,7 +114,7 @@ def enumerate_configs(options: SearchOptions, num_blocks: int) -> Iterator[Confi
                 for m in _microbatch_counts(options, batch // r, g, schedule):
                     if not _schedule_accepts(schedule, m, g, g * v):
                         continue
-                    for mode in _recompute_modes(options, v):
+                    for mode in _recompute_modes(options, schedule, v):
                         yield Config(r, g, schedule, v, m, batch // (r * m), mode)
 
 
@@ -137,7 +152,14 @@ def _schedule_accepts(schedule: Schedule, m: int, num_groups: int, num_stages: i
     return True
 
 
-def _recompute_modes(options: SearchOptions, virtual_stages: int) -> list[bool | None]:
+def recompute_allowed(schedule: Schedule) -> bool:
+    """Whether plans with ``schedule`` may recompute activations (not ZBV: see the module docstring)."""
+    return schedule is not Schedule.ZBV
+
+
+def _recompute_modes(options: SearchOptions, schedule: Schedule, virtual_stages: int) -> list[bool | None]:
+    if not recompute_allowed(schedule):
+        return [] if options.recompute else [False]
     if options.recompute is not None:
         return [options.recompute]
     return [None] if virtual_stages == 1 else [False, True]
@@ -216,15 +238,27 @@ def search_config(blocks: BlockCosts, config: Config, options: SearchOptions, cl
     costs = StageCosts(blocks, config, options, cluster)
     per_stage = [costs.stage_cost(s) for s in range(config.num_stages)]
     stage_time = lambda s: per_stage[s][0]  # noqa: E731 - the DP's StageCost
-    exhaustive = blocks.num_blocks <= EXHAUSTIVE_BLOCKS
+    k, num_stages = blocks.num_blocks, config.num_stages
+    exhaustive = k <= EXHAUSTIVE_BLOCKS
+    every_split = exhaustive and config.virtual_stages > 1 and math.comb(k - 1, num_stages - 1) <= EXHAUSTIVE_SPLITS
+    if every_split:
+        splits = ([0, *inner, k] for inner in itertools.combinations(range(1, k), num_stages - 1))
+    else:
+        splits = candidate_partitions(stage_time, k, num_stages, exhaustive=exhaustive)
     found = []
-    for boundaries in candidate_partitions(stage_time, blocks.num_blocks, config.num_stages, exhaustive=exhaustive):
-        recompute = tuple(bool(per_stage[s][1][boundaries[s], boundaries[s + 1]]) for s in range(config.num_stages))
-        times = [float(per_stage[s][0][boundaries[s], boundaries[s + 1]]) for s in range(config.num_stages)]
+    for boundaries in splits:
+        times = [float(per_stage[s][0][boundaries[s], boundaries[s + 1]]) for s in range(num_stages)]
+        if not np.isfinite(sum(times)):
+            continue  # only the exhaustive enumeration proposes splits with a stage that does not fit
+        recompute = tuple(bool(per_stage[s][1][boundaries[s], boundaries[s + 1]]) for s in range(num_stages))
         sends = sum(float(costs.send[b]) for b in boundaries[1:-1])
         found.append(Candidate(config, tuple(boundaries), recompute, _estimate(config, times) + sends))
+    key = lambda c: (c.estimate_s, c.boundaries)  # noqa: E731
+    if every_split:
+        found = heapq.nsmallest(SPLITS_KEPT, found, key=key)
+        return [c for c in found if c.estimate_s <= found[0].estimate_s * (1 + SPLIT_MARGIN)]
     keep = len(found) if exhaustive else options.candidates_per_config
-    return heapq.nsmallest(keep, found, key=lambda c: (c.estimate_s, c.boundaries))
+    return heapq.nsmallest(keep, found, key=key)
 
 
 def _estimate(config: Config, stage_times: Sequence[float]) -> float:

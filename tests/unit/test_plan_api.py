@@ -8,6 +8,7 @@ import partita
 from partita import examples
 from partita.cli import main
 from partita.errors import InfeasiblePlanError, PlanFileError
+from partita.types import Schedule
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +121,48 @@ def test_a_graph_with_a_static_batch_is_refused():
     assert not graph.dynamic_batch
     with pytest.raises(partita.InputError, match="static batch dimension.*at least 2"):
         partita.plan(graph, cluster=h100s(2), global_batch_size=8)
+
+
+def _fits(graph, memory, **pins):
+    from partita.planner import best_plan, planning_context
+
+    options = dict(loss_fn=None, target=None, optimizer="adam", schedules=None, schedule=None, num_stages=None,
+                   replicas=None, num_microbatches=None, recompute=None, uniform_replicas=True,
+                   mixed_precision=False, costs="analytic", max_blocks=128, cache_dir=None)
+    ctx = planning_context(graph, (), None, cluster=h100s(2, memory=memory), global_batch_size=8,
+                           **{**options, **pins})
+    return best_plan(ctx) is not None
+
+
+def _smallest_memory(graph, **pins) -> int:
+    """Smallest memory per device (to 1%) with which a plan fits 2 devices."""
+    low, high = 2**16, 2**16
+    while not _fits(graph, high, **pins):
+        low, high = high, high * 2
+    while high > low * 1.01:
+        mid = (low + high) // 2
+        low, high = (low, mid) if _fits(graph, mid, **pins) else (mid, high)
+    return high
+
+
+@pytest.mark.parametrize("pins", [dict(schedule="zbv"), dict(schedules=["zbv"])])
+def test_zbv_with_recompute_is_refused(gpt2, pins):
+    _, graph = gpt2
+    with pytest.raises(partita.InputError, match=r"'zbv' with recompute=True.*1f1b.*recompute=False"):
+        partita.plan(graph, cluster=h100s(2), global_batch_size=8, recompute=True, **pins)
+
+
+def test_zbv_never_recomputes_and_says_so_when_nothing_fits_without(gpt2):
+    """ZBV keeps recomputed activations alive between its I and W passes (bench/results/e2e_memory.md),
+    so the search never recomputes under it; with only ZBV allowed, a memory that needs
+    recomputation is infeasible, and the error points to 1F1B with recomputation."""
+    _, graph = gpt2
+    with_recompute = _smallest_memory(graph, schedules=["1f1b"], recompute=True)
+    zbv = _smallest_memory(graph, schedules=["zbv"])
+    assert with_recompute < zbv / 1.02
+    memory = (with_recompute + zbv) // 2
+    p = partita.plan(graph, cluster=h100s(2, memory=memory), global_batch_size=8, recompute=True)
+    assert p.schedule is not Schedule.ZBV and any(s.recompute for s in p.stages)
+    with pytest.raises(InfeasiblePlanError, match="'1f1b' or 'interleaved1f1b' with recompute=True") as info:
+        partita.plan(graph, cluster=h100s(2, memory=memory), global_batch_size=8, schedule="zbv")
+    assert info.value.min_memory_bytes > memory

@@ -8,17 +8,17 @@ from partita.plan.build import build_plan
 from partita.plan.chain import coarsen
 from partita.plan.io import plan_to_json
 from partita.plan.oracle import brute_force
-from partita.planner import PlanningContext, best_plan, finish_plan
+from partita.planner import PlanningContext, baseline_plans, best_plan, finish_plan
 from partita.plan.search import SearchOptions
 from partita.types import CostTable, OpGraph, OpNode, OptimizerKind, ParamInfo, Schedule, TensorInfo
 
 GiB = 2**30
 
 
-def random_instance(seed: int):
-    """A chain of K nodes with random costs; node k reads parameter p{k}."""
+def random_instance(seed: int, num_nodes: tuple[int, int] = (2, 8)):
+    """A chain of K nodes (K drawn from ``num_nodes``, high excluded) with random costs; node k reads parameter p{k}."""
     rng = np.random.default_rng(seed)
-    k = int(rng.integers(2, 8))
+    k = int(rng.integers(*num_nodes))
     nodes = tuple(
         OpNode(index=i, name=f"n{i}", target="aten.mm.default", module_path=f"layers.{i}", module_type="Linear",
                source="", outputs=(TensorInfo((8, 16), "float32", 512, 0),), inputs=(i - 1,) if i else (),
@@ -46,7 +46,7 @@ def random_instance(seed: int):
         )
 
     num_devices = int(rng.integers(1, 5))
-    memory = int(rng.uniform(2, 12) * GiB)
+    memory = int(rng.uniform(2, 12) * max(1.0, k / 8) * GiB)  # longer chains need more
     cluster = Cluster(device="h100", num_devices=num_devices, devices_per_node=8, memory_bytes=memory)
     options = SearchOptions(num_devices=num_devices, global_batch_size=8, memory_limit_bytes=cluster.usable_memory_bytes,
                             optimizer=OptimizerKind.ADAM, max_microbatch_choices=16)
@@ -66,14 +66,17 @@ def oracle(ctx: PlanningContext):
     return brute_force(ctx.options, ctx.chain, evaluate, stage_fits)
 
 
-def test_search_matches_brute_force_on_random_instances():
-    """200 random instances: the search is within 1% of the optimum on at least 98% of them and
-    within 5% on all (the DP + refinement can miss a V-schedule split that only the exact
-    per-rank memory check accepts), always fits memory, and finds a plan whenever one exists."""
+@pytest.fixture(scope="module")
+def solved():
+    """(context, best_plan, oracle) of 200 random instances."""
+    return [(ctx, best_plan(ctx), oracle(ctx)) for ctx in map(random_instance, range(200))]
+
+
+def test_search_matches_brute_force_on_random_instances(solved):
+    """200 random instances: the search is within 1% of the optimum on every one, always fits
+    memory, and finds a plan whenever one exists."""
     ratios = []
-    for seed in range(200):
-        ctx = random_instance(seed)
-        found, best = best_plan(ctx), oracle(ctx)
+    for seed, (ctx, found, best) in enumerate(solved):
         assert (found is None) == (best is None), seed
         if best is None:
             continue
@@ -83,8 +86,36 @@ def test_search_matches_brute_force_on_random_instances():
     ratios = np.array(ratios)
     assert len(ratios) >= 100
     assert ratios.min() >= 1 - 1e-9  # the oracle is optimal
-    assert np.mean(ratios <= 1.01) >= 0.98, np.sort(ratios)[-5:]
-    assert ratios.max() <= 1.05, ratios.max()
+    assert ratios.max() <= 1.01, (np.argmax(ratios), ratios.max())
+
+
+def test_zbv_plans_never_recompute(solved):
+    """Not partita's plans, nor the oracle's, nor the baselines' under partita's configuration:
+    ZBV keeps recomputed activations alive between its I and W passes (see partita.plan.search)."""
+    num_zbv = 0
+    for seed, (ctx, found, best) in enumerate(solved):
+        plans = [found, best, *(baseline_plans(ctx, found).values() if found else ())]
+        for p in plans:
+            if p is not None and p.schedule is Schedule.ZBV:
+                num_zbv += 1
+                assert not any(s.recompute for s in p.stages), seed
+    assert num_zbv >= 20  # ZBV is chosen, just never with recomputation
+
+
+def test_no_baseline_split_beats_the_plan_under_its_configuration(solved):
+    """The refinement starts from the baselines' splits too, so none is faster under partita's config:
+    on the 200 small instances, and on 80 chains of 17-39 nodes (more blocks than the search treats
+    exhaustively, so the pruned search and the hill-climb from a few splits run)."""
+    longer = [(ctx, best_plan(ctx)) for ctx in (random_instance(1000 + seed, (17, 40)) for seed in range(80))]
+    num_compared = 0
+    for seed, (ctx, found) in enumerate([(ctx, found) for ctx, found, _ in solved] + longer):
+        if found is None:
+            continue
+        for method, p in baseline_plans(ctx, found).items():
+            if p is not None:
+                num_compared += 1
+                assert found.predicted_step_s <= p.predicted_step_s + 1e-9, (seed, method)
+    assert num_compared >= 400
 
 
 def test_same_inputs_give_a_byte_identical_plan():
