@@ -22,9 +22,11 @@ Conventions:
     memory_efficiency       achieved / peak bandwidth for elementwise kernels (an H200 copy moved
                             4.3 of 4.8 TB/s; PyTorch's elementwise kernels get somewhat less).
     op_overhead_s           fixed cost per operation: ~5 µs kernel launch + eager dispatch on a
-                            GPU, ~2 µs eager dispatch on a CPU.
+                            GPU, ~2 µs eager dispatch on a CPU (the catalog guess; measured with
+                            autograd recording, 5-10 µs on the development machines).
 
-``local_cpu_spec`` replaces the CPU guesses by a short measurement of this machine.
+``local_cpu_spec`` replaces the CPU guesses (rates and per-op overhead) by a short measurement
+of this machine.
 """
 
 from __future__ import annotations
@@ -266,7 +268,7 @@ def local_cpu_spec(cache_dir: str | os.PathLike | None = None, *, memory_bytes: 
     import torch
 
     num_threads = num_threads or torch.get_num_threads()
-    key = {"torch": torch.__version__, "num_threads": int(num_threads), "cpu": cpu_model()}
+    key = {"torch": torch.__version__, "num_threads": int(num_threads), "cpu": cpu_model(), "method": 2}
     cache_path = None
     if cache_dir is not None:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -283,11 +285,16 @@ def local_cpu_spec(cache_dir: str | os.PathLike | None = None, *, memory_bytes: 
         memory_bandwidth_bytes_per_s=float(measured["memory_bandwidth_bytes_per_s"]),
         compute_efficiency=1.0,
         memory_efficiency=1.0,
+        op_overhead_s=float(measured["op_overhead_s"]),
     )
 
 
+_CHAIN_LENGTH = 200  # tiny ops timed for the per-op overhead
+
+
 def _calibrate_cpu(num_threads: int) -> dict[str, Any]:
-    """Median rates of a few 1024³ matmuls per dtype and of a 64 MiB tensor copy."""
+    """Median rates of a few 1024³ matmuls per dtype and of a 64 MiB tensor copy, and the fixed
+    cost of one operation: the forward of a chain of tiny ops with autograd recording, per op."""
     import torch
 
     previous = torch.get_num_threads()
@@ -303,9 +310,18 @@ def _calibrate_cpu(num_threads: int) -> dict[str, Any]:
         dst = torch.empty_like(src)
         seconds = _median_time(lambda: dst.copy_(src), repeats=7)
         bandwidth = 2 * src.numel() * src.element_size() / seconds  # read + write
+        leaf = torch.randn(8, 16, requires_grad=True)
+
+        def chain() -> torch.Tensor:
+            x = leaf
+            for _ in range(_CHAIN_LENGTH // 2):
+                x = torch.nn.functional.gelu(x) * 1.0001
+            return x
+
+        op_overhead_s = _median_time(chain, repeats=7) / _CHAIN_LENGTH
     finally:
         torch.set_num_threads(previous)
-    return {"peak_flops": peak_flops, "memory_bandwidth_bytes_per_s": bandwidth}
+    return {"peak_flops": peak_flops, "memory_bandwidth_bytes_per_s": bandwidth, "op_overhead_s": op_overhead_s}
 
 
 def _median_time(fn: Any, repeats: int) -> float:

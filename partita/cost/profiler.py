@@ -122,7 +122,7 @@ def _measure(graph: OpGraph, flat_inputs: list, device: torch.device, repeats: i
         activation_bytes, owners = _record(recorder, flat_inputs, gm)
         loss = recorder.env[recorder.fx_nodes[graph.loss_node]]
         weight_share = _weight_shares(recorder, device, repeats, warmup)
-        runs, flat = [], _flat_module(gm)
+        runs, flat = [], flat_module(gm)
         with _BackwardTimer(owners, graph.num_nodes, device) as backward_timer:
             # Interleaved, so that a change in machine load (shared machines) hits the per-node
             # and the whole-graph measurements alike and cancels out in the calibration.
@@ -359,7 +359,7 @@ def _median_s(fn: Callable[[], Any], device: torch.device, repeats: int, warmup:
     return float(np.median(times_s))
 
 
-def _flat_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def flat_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``gm`` without its pytree input/output handling: called with the flat inputs, returns the
     flat outputs, as a stage module runs (the exported module checks and flattens its inputs on
     every call, a fixed cost that no stage pays and that would be spread over the nodes)."""
