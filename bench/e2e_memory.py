@@ -2,8 +2,8 @@
 each method can train.
 
 Every rank gets a budget (``--budget-mib``, default 512 MiB; ``Cluster.local(num_devices=N,
-memory_bytes=budget)``, of which the planner fills 95%). The models are GPT-2s of hidden size
-``--hidden`` (512, 8 heads), vocabulary 8192, 128 tokens, global batch 16, AdamW, with a growing number
+memory_bytes=budget)``, of which the planner fills 60%: ``LOCAL_RESERVED_MEMORY_FRACTION``). The
+models are GPT-2s of hidden size ``--hidden`` (512, 8 heads), vocabulary 8192, 128 tokens, global batch 16, AdamW, with a growing number
 of layers (``gpt2-L{layers}-H{hidden}``). Planning uses analytic costs on the ``meta`` device (memory
 predictions come from shapes; analytic and measured cost tables give the same bytes), as one plans a
 model that does not fit this machine.
@@ -48,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+from partita.cost.cluster import LOCAL_RESERVED_MEMORY_FRACTION  # noqa: E402
 
 from _e2e_common import (MIB, REPO, InUseSampler, build_example, command_line, gpt2_params, loss_of,  # noqa: E402
                          machine_line, malloc_in_use, memory_status, now_utc, reset_peak, run_ranks, step_kwargs)
@@ -128,7 +130,8 @@ class Sized:
 
         ctx = self.ctx(1)
         costs = ctx.costs_at(self.args.global_batch)
-        return device_memory(costs, [(0, self.graph.num_nodes)], in_flight=1, optimizer=OptimizerKind.ADAM).total_bytes
+        return device_memory(costs, [(0, self.graph.num_nodes)], in_flight=1, optimizer=OptimizerKind.ADAM,
+                             num_microbatches=1).total_bytes
 
 
 def own_best(ctx, method: str):
@@ -427,20 +430,26 @@ def per_rank(values) -> str:
     return " / ".join(mib(v) for v in values)
 
 
+def rss_ratio_range(measured: list) -> str:
+    ratios = [x / u for m in measured for x, u in zip(m[3], m[4]) if x and u]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+
+
 def errors(predicted, measured) -> str:
     return ", ".join("-" if m is None else f"{(p - m) / m * 100:+.0f}%" for p, m in zip(predicted, measured))
 
 
 def write_markdown(path: Path, args, header: str, part_a: dict, lad: dict, checks: list, started: float) -> None:
     budget = args.budget_mib * MIB
-    usable = int(budget * 0.95)
+    usable = int(budget * (1 - LOCAL_RESERVED_MEMORY_FRACTION))
     lines = [
         "# Training under a memory budget per rank: which plans fit, and the largest model per method",
         "",
         f"- command: `{command_line()}`",
         f"- date: {now_utc()}; {header}",
         f"- budget: {args.budget_mib} MiB per rank (`Cluster.local(num_devices=N, memory_bytes={budget})`; the "
-        f"planner fills {usable / MIB:.0f} MiB: 5% reserved). Models: GPT-2, hidden {args.hidden} "
+        f"planner fills {usable / MIB:.0f} MiB: `Cluster.local` reserves {LOCAL_RESERVED_MEMORY_FRACTION:.0%} for what glibc "
+        "keeps of freed memory). Models: GPT-2, hidden {args.hidden} "
         f"({args.hidden // 64} heads), vocabulary 8192, 128 tokens, global batch {args.global_batch}, AdamW, "
         "fp32; planned on `meta` with analytic costs.",
         "- measured: VmHWM over 2 training steps (after 1 warm-up step; `malloc_trim(0)` + `clear_refs` 5 "
@@ -457,7 +466,7 @@ def write_markdown(path: Path, args, header: str, part_a: dict, lad: dict, check
                   "",
                   f"The largest ladder model partita fits on 2 ranks. Baselines: their split under partita's "
                   f"configuration ({part_a['config']}), recomputing only stages over the limit. Peaks per rank, MiB "
-                  f"(the planner's limit: {usable / MIB:.0f}). `RSS`: VmHWM over 2 steps less the base RSS; `in use`: "
+                  f"(the planner's limit: {usable / MIB:.0f}; the budget, what `RSS fits` checks: {args.budget_mib}). `RSS`: VmHWM over 2 steps less the base RSS; `in use`: "
                   "the largest sample (every 0.5 ms) of glibc's bytes in use (`mallinfo2`: live tensors and Python "
                   "objects, without the freed memory glibc keeps), less its value at the base reading. Errors: "
                   "(predicted - measured) / measured.", "",
@@ -474,13 +483,13 @@ def write_markdown(path: Path, args, header: str, part_a: dict, lad: dict, check
                 meas, in_use = row["measured"], row["in_use"]
                 lines.append(
                     f"| {row['label']} | {row['config']} | {pred_fit} | {per_rank(pred)} | {per_rank(meas)} | "
-                    f"{errors(pred, meas)} | {'yes' if max(meas) <= usable else '**no**'} | {per_rank(in_use)} | "
+                    f"{errors(pred, meas)} | {'yes' if max(meas) <= budget else '**no**'} | {per_rank(in_use)} | "
                     f"{errors(pred, in_use)} | {per_rank(row['setup'])} | {per_rank(row['base'])} |")
             else:
                 lines.append(f"| {row['label']} | {row['config']} | {pred_fit} | {per_rank(pred)} | - | - | - | - | - "
                              "| - | - |")
         lines.append("")
-    lines += findings(args, part_a, lad, checks, usable)
+    lines += findings(args, part_a, lad, checks, usable, budget)
     # (B)
     lines += ["## (B) The largest model each method fits (planner's prediction)", "",
               f"Ladder of layer counts {LADDER[0]}..{LADDER[-1]} at hidden {args.hidden}; a method stops at its first "
@@ -539,7 +548,7 @@ def write_markdown(path: Path, args, header: str, part_a: dict, lad: dict, check
             tensors = [r.get("tensor_peak") for r in c["results"]]
             losses = ", ".join(f"{x:.3f}" for x in c["results"][0]["losses"])
             lines.append(f"| {c['label']} | {c['model']} | {c['ranks']} | {c.get('config', '')} | {per_rank(pred)} | "
-                         f"{per_rank(meas)} | {errors(pred, meas)} | {'yes' if max(meas) <= usable else '**no**'} | "
+                         f"{per_rank(meas)} | {errors(pred, meas)} | {'yes' if max(meas) <= budget else '**no**'} | "
                          f"{per_rank(in_use)} | {errors(pred, in_use)} | {per_rank(tensors)} | "
                          f"{per_rank([r['setup_peak'] for r in c['results']])} | {losses} |")
         lines.append("")
@@ -547,7 +556,7 @@ def write_markdown(path: Path, args, header: str, part_a: dict, lad: dict, check
     path.write_text("\n".join(lines) + "\n")
 
 
-def findings(args, part_a: dict, lad: dict, checks: list, usable: int) -> list[str]:
+def findings(args, part_a: dict, lad: dict, checks: list, usable: int, budget: int) -> list[str]:
     """Bullet points computed from this run's numbers."""
     out = ["## Findings (computed from the tables)", ""]
     largest = lad["largest"]
@@ -576,9 +585,9 @@ def findings(args, part_a: dict, lad: dict, checks: list, usable: int) -> list[s
                          [r.get("in_use_peak") for r in c["results"]]))
     if measured:
         predicted_fit = [m for m in measured if max(m[2]) <= usable]
-        rss_fit = [m for m in predicted_fit if max(m[3]) <= usable]
-        out.append(f"- Of {len(predicted_fit)} trained plans predicted to fit {usable / MIB:.0f} MiB, {len(rss_fit)} "
-                   "stayed under it in RSS" + (": " + ", ".join(m[0] for m in rss_fit) if rss_fit else "") + ".")
+        rss_fit = [m for m in predicted_fit if max(m[3]) <= budget]
+        out.append(f"- Of {len(predicted_fit)} trained plans predicted to fit the planner's {usable / MIB:.0f} MiB, "
+                   f"{len(rss_fit)} stayed under the {budget / MIB:.0f} MiB budget in RSS" + (": " + ", ".join(m[0] for m in rss_fit) if rss_fit else "") + ".")
 
         def err_range(group, idx):
             errs = [(p - x) / x for m in group for p, x in zip(m[2], m[idx]) if x]
@@ -599,8 +608,10 @@ def findings(args, part_a: dict, lad: dict, checks: list, usable: int) -> list[s
                        f" MiB RSS before it releases what it does not hold.")
     out += ["", "Notes:",
             "- `RSS` is what a memory limit (cgroup, the OOM killer) sees; `in use` is close to what the planner "
-            "models (live tensors). The difference is glibc keeping freed memory: on this machine RSS exceeds the bytes "
-            "in use by 100-200 MiB per rank during training, more than the planner's 5% reserve of a 512 MiB budget.",
+            "models (live tensors). The difference is glibc keeping freed memory (RSS/in use per rank, this run: "
+            + rss_ratio_range(measured) + f"); `Cluster.local` reserves {LOCAL_RESERVED_MEMORY_FRACTION:.0%} of the "
+            "budget for it. Making glibc give freed memory back (`MALLOC_TRIM_THRESHOLD_=0`) brought RSS to ~1.2x "
+            "the bytes in use but made a GPT-2 step ~35% slower on this machine.",
             "- partita's Trainer takes the whole, unmodified model on every rank, and its first step runs every stage "
             "once for the pipeline's static metadata (`partita/runtime/pipeline.py: stage_metadata`). So every rank "
             "needs the whole model's parameters during set-up: on a machine where the model does not fit one rank, "

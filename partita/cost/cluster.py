@@ -35,7 +35,11 @@ from partita.cost.devices import (
 from partita.errors import InputError
 from partita.types import DeviceSpec
 
-__all__ = ["Cluster", "measure_loopback"]
+__all__ = ["Cluster", "LOCAL_RESERVED_MEMORY_FRACTION", "measure_loopback"]
+
+# Share of a CPU rank's memory the planner leaves to the allocator: resident memory measured
+# 1.2-1.6x the bytes in use during training (glibc keeps freed memory; bench/results/e2e_memory.md).
+LOCAL_RESERVED_MEMORY_FRACTION = 0.4
 
 _LINK_FIELDS = ("intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s",
                 "intra_node_latency_s", "inter_node_latency_s")
@@ -155,7 +159,8 @@ class Cluster:
 
     @classmethod
     def local(cls, num_devices: int = 2, memory_bytes: int | None = None, *, cache_dir: str | os.PathLike | None = None,
-              num_threads: int | None = None, compute_slowdown: float | None = None) -> "Cluster":
+              num_threads: int | None = None, compute_slowdown: float | None = None,
+              reserved_memory_fraction: float = LOCAL_RESERVED_MEMORY_FRACTION) -> "Cluster":
         """``num_devices`` CPU ranks on this machine, one node, calibrated by measurement.
 
         The device is ``local_cpu_spec`` measured with ``num_threads`` threads (default: this
@@ -165,6 +170,11 @@ class Cluster:
         ``compute_slowdown`` defaults to ``measure_contention``: how much slower each rank
         computes while all ``num_devices`` ranks do. The measurements are cached in
         ``cache_dir`` when given. Takes ~5-10 s uncached.
+
+        ``reserved_memory_fraction`` defaults to LOCAL_RESERVED_MEMORY_FRACTION: a process's
+        resident memory (what a memory limit sees) exceeds the bytes its tensors use, because
+        glibc keeps freed memory for reuse; measured 1.2-1.6x during training steps
+        (bench/results/e2e_memory.md). Trimming it back costs ~35% of the step time here.
         """
         import torch
 
@@ -177,7 +187,7 @@ class Cluster:
             compute_slowdown = measure_contention(num_devices, threads, cache_dir=cache_dir)
         return cls(device=device, num_devices=num_devices, devices_per_node=num_devices,
                    intra_node_bandwidth_bytes_per_s=bandwidth, intra_node_latency_s=latency,
-                   compute_slowdown=compute_slowdown)
+                   compute_slowdown=compute_slowdown, reserved_memory_fraction=reserved_memory_fraction)
 
 
 def _check_count(value: Any, name: str) -> int:

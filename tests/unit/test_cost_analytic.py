@@ -13,7 +13,7 @@ import torch
 import partita
 from partita.cost import comm
 from partita.cost.analytic import analytic_costs
-from partita.cost.cluster import Cluster, measure_loopback
+from partita.cost.cluster import LOCAL_RESERVED_MEMORY_FRACTION, Cluster, measure_loopback
 from partita.cost.contention import contended
 from partita.cost.devices import (
     get_device,
@@ -247,6 +247,8 @@ def test_local_cluster_measures_loopback(tmp_path):
     assert cluster.device.name == "cpu" and cluster.intra_node_bandwidth_bytes_per_s > 1e7
     assert len(list(tmp_path.glob("loopback-*.json"))) == 1
     assert cluster.compute_slowdown >= 1.0 and len(list(tmp_path.glob("contention-*.json"))) == 1
+    # glibc keeps freed memory: the planner leaves CPU ranks a larger share than accelerators
+    assert cluster.reserved_memory_fraction == LOCAL_RESERVED_MEMORY_FRACTION > Cluster("h100", 8).reserved_memory_fraction
     assert Cluster.local(num_devices=2, memory_bytes=2**30, cache_dir=tmp_path) == cluster  # from the cache
     assert Cluster.local(num_devices=2, memory_bytes=2**30, cache_dir=tmp_path, compute_slowdown=1.25).compute_slowdown == 1.25
     assert Cluster.local(num_devices=1, cache_dir=tmp_path).compute_slowdown == 1.0  # one rank: nothing to share
