@@ -13,7 +13,8 @@ model (recomputation keeps only the stage inputs) would under-predict it by 40-6
 
 Driver: for every config allowed by the options, build the stage-cost matrices (time, with
 ``inf`` where the stage does not fit in memory) from the block costs at the config's micro-batch
-size, let :mod:`partita.plan.partition` propose splits (one per candidate bottleneck), estimate
+size, let :mod:`partita.plan.partition` propose splits (one per candidate bottleneck; every split
+for small chains with several stages per rank group, see EXHAUSTIVE_SPLITS), estimate
 each with a closed form (``_estimate``; L_g: a rank group's time per micro-batch), and keep the best few; then the caller simulates them on the real schedule.
 """
 
