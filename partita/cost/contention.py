@@ -126,13 +126,16 @@ def _read_line(p: subprocess.Popen, timeout_s: float) -> str:
 
 
 def contended(costs: CostTable, slowdown: float) -> CostTable:
-    """``costs`` with every compute time multiplied by ``slowdown`` (the same table when it is 1)."""
-    if slowdown == 1.0:
+    """``costs`` with its compute times at ``slowdown`` times the solo profile's. Idempotent: a
+    table already slowed (``calibration["compute_slowdown"]``) is rescaled, never slowed twice;
+    the same table comes back when nothing changes."""
+    factor = slowdown / costs.calibration.get("compute_slowdown", 1.0)
+    if factor == 1.0:
         return costs
     return dataclasses.replace(
         costs,
-        forward_s=costs.forward_s * slowdown,
-        backward_s=costs.backward_s * slowdown,
-        backward_weight_s=costs.backward_weight_s * slowdown,
+        forward_s=costs.forward_s * factor,
+        backward_s=costs.backward_s * factor,
+        backward_weight_s=costs.backward_weight_s * factor,
         calibration={**costs.calibration, "compute_slowdown": float(slowdown)},
     )

@@ -262,6 +262,8 @@ def test_compute_slowdown_scales_every_compute_time_of_a_plan(tiny_gpt2):
         np.testing.assert_allclose(getattr(slowed, name), 1.5 * getattr(costs, name))
     np.testing.assert_array_equal(slowed.activation_bytes, costs.activation_bytes)
     assert contended(costs, 1.0) is costs and slowed.calibration["compute_slowdown"] == 1.5
+    assert contended(slowed, 1.5) is slowed  # never slowed twice
+    np.testing.assert_allclose(contended(slowed, 1.0).forward_s, costs.forward_s)
     # one device, no communication: the predicted step is the compute, 1.5x
     steps = [partita.plan(graph, cluster=Cluster("h100", 1, compute_slowdown=f), global_batch_size=4,
                           costs="analytic", schedule="gpipe", num_microbatches=2, recompute=False).predicted_step_s
