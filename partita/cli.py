@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Sequence
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--losses-out", default=None,
                        help="write this run's per-step losses as JSON to this path (rank 0)")
     train.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
+    train.add_argument("--init-from", default=None,
+                       help="a seed checkpoint of the initial weights: every process builds the model on meta and "
+                            "allocates only its stages (written by the planning process for zoo models)")
     train.set_defaults(func=_train)
     return parser
 
@@ -177,17 +181,34 @@ def _train(args: argparse.Namespace) -> int:
 
     config = TrainConfig(steps=args.steps, lr=args.lr, max_grad_norm=args.max_grad_norm or None,
                          checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                         resume=args.resume, seed=args.seed, on_nonfinite=args.on_nonfinite)
+                         resume=args.resume, seed=args.seed, on_nonfinite=args.on_nonfinite, init_from=args.init_from)
     check_train_config(config)
     if under_torchrun():
         return _train_rank(args, config)
-    plan_path = args.plan or _plan_for_training(args)
-    launch_local([*args.argv, "--plan", plan_path], nproc=args.nproc, max_restarts=args.max_restarts)
+    argv = list(args.argv)
+    if args.plan:
+        plan_path = args.plan
+    else:
+        plan_path, example = _plan_for_training(args)
+        if args.init_from is None and not _is_factory(args.model) and not any(p.is_meta for p in example.model.parameters()):
+            # The processes build the model on meta and read their stages' weights from this seed:
+            # none of them needs memory for the whole model.
+            from partita.runtime.materialize import save_seed
+
+            argv += ["--init-from", plan_path + ".seed"]
+            save_seed(example.model, plan_path + ".seed")
+    launch_local([*argv, "--plan", plan_path], nproc=args.nproc, max_restarts=args.max_restarts)
     return 0
 
 
-def _plan_for_training(args: argparse.Namespace) -> str:
-    """Plan on this machine's CPU for ``--nproc`` processes, print it, and write it to a file."""
+def _is_factory(spec: str) -> bool:
+    """Whether MODEL is ``path/to/file.py:factory`` (else a zoo name)."""
+    return ":" in spec and spec.split(":", 1)[0].endswith(".py")
+
+
+def _plan_for_training(args: argparse.Namespace):
+    """Plan on this machine's CPU for ``--nproc`` processes, print it, and write it to a file.
+    Returns the file's path and the example the plan was made for."""
     import os
     import tempfile
 
@@ -209,7 +230,7 @@ def _plan_for_training(args: argparse.Namespace) -> str:
     for s in plan.stages:
         print(f"  stage {s.index}: ranks {list(s.ranks)}  {s.module_range}  "
               f"(nodes {s.start}..{s.stop - 1}, recompute {'yes' if s.recompute else 'no'})")
-    return path
+    return path, example
 
 
 def _train_rank(args: argparse.Namespace, config) -> int:
@@ -220,8 +241,22 @@ def _train_rank(args: argparse.Namespace, config) -> int:
     from partita.report.format import fmt_seconds, table
     from partita.runtime.train_loop import timing_rows, train, write_losses
 
-    example = _load(args)
-    graph = _capture(example)
+    if config.init_from is not None:
+        from partita.model_spec import load_model
+
+        if _is_factory(args.model):
+            from partita.errors import InputError
+
+            raise InputError("--init-from works with zoo models, which can be built on meta; a factory "
+                             f"({args.model}) builds its own weights: drop --init-from")
+        # The model on meta (no weights), its batches real; capture from meta copies of them.
+        example = load_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, device="meta",
+                             seed=args.seed, data_device="cpu")
+        graph = _capture(dataclasses.replace(example, args=_on_meta(example.args), kwargs=_on_meta(example.kwargs),
+                                             target=_on_meta(example.target)))
+    else:
+        example = _load(args)
+        graph = _capture(example)
     plan = partita.Plan.load(args.plan, graph=graph)
     summary = train(example, plan, graph, config)
     if dist.get_rank() == 0:
@@ -238,6 +273,14 @@ def _train_rank(args: argparse.Namespace, config) -> int:
             write_losses(args.losses_out, summary)
     dist.destroy_process_group()
     return 0
+
+
+def _on_meta(value):
+    """Meta copies of the tensors in a (nested) tuple/dict."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, value)
 
 
 def _parse_bytes(text: str | None) -> int | None:

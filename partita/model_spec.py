@@ -19,18 +19,19 @@ from partita.examples import Example, build
 
 
 def load_model(spec: str, *, batch_size: int = 8, seq_len: int | None = None, device: str = "cpu",
-               seed: int = 0) -> Example:
+               seed: int = 0, data_device: str | None = None) -> Example:
     """The model, its example inputs and loss for ``spec``.
 
     ``device="auto"`` builds a zoo model on ``meta`` (no weights) when its weights would take
     more than a quarter of this machine's memory, and on the CPU otherwise. ``seed`` fixes a zoo
     model's weights and data; a factory is called with torch's RNG seeded with it (and restored
-    afterwards), so that every process of a job builds the same model.
+    afterwards), so that every process of a job builds the same model. ``data_device`` (zoo
+    models) puts the batches elsewhere than the model.
     """
     if ":" in spec and spec.split(":", 1)[0].endswith(".py"):
         return _load_factory(spec, seed)
     if device != "auto":
-        return build(spec, batch_size=batch_size, seq_len=seq_len, device=device, seed=seed)
+        return build(spec, batch_size=batch_size, seq_len=seq_len, device=device, seed=seed, data_device=data_device)
     on_meta = build(spec, batch_size=batch_size, seq_len=seq_len, device="meta", seed=seed)
     weight_bytes = sum(p.numel() * p.element_size() for p in on_meta.model.parameters())
     if weight_bytes > _memory_bytes() // 4:

@@ -109,6 +109,7 @@ def build(
     device: str | torch.device = "cpu",
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    data_device: str | torch.device | None = None,
 ) -> Example:
     """Builds the zoo model ``name`` and its example batch ``make_batch(batch_size, 0)``.
 
@@ -116,7 +117,9 @@ def build(
     models). On ``device="meta"`` the model is built on meta and allocates nothing; on any
     other device it is built on the CPU and moved, so a seed gives the same weights on every
     device. Weights depend only on ``seed`` (the caller's global RNG is left untouched);
-    floating-point parameters, buffers and inputs get ``dtype``.
+    floating-point parameters, buffers and inputs get ``dtype``. ``data_device`` puts the
+    batches elsewhere than the model (default: with it), e.g. real CPU batches for a model
+    built on meta whose ranks take their weights from a seed checkpoint.
     """
     family, size = parse_name(name)
     if batch_size < 1 or seed < 0 or (seq_len is not None and seq_len < 2):
@@ -128,10 +131,11 @@ def build(
     device = torch.device(device)
     model = _build_model(module, family, size, seq_len, device, seed).to(dtype=dtype).train()
     make_cpu_batch = module.batch_maker(family, size, seq_len, seed)
+    data_device = device if data_device is None else torch.device(data_device)
 
     def make_batch(batch_size: int, step: int) -> tuple[tuple, dict, Any]:
         args, kwargs, target = make_cpu_batch(batch_size, step)
-        return _to(args, device, dtype), _to(kwargs, device, dtype), _to(target, device, dtype)
+        return _to(args, data_device, dtype), _to(kwargs, data_device, dtype), _to(target, data_device, dtype)
 
     args, kwargs, target = make_batch(batch_size, 0)
     return Example(f"{family}-{size}", model, args, kwargs, module.loss_fn(family), target, make_batch)

@@ -114,8 +114,10 @@ def load_into_model(model: nn.Module, path: str | os.PathLike) -> None:
     names = canonical_names(model)
     state = {f"model.{names[id(t)]}": t.detach() for t in model.state_dict(keep_vars=True).values()}
     _require(stored, state, path)
-    dcp.load(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_load_planner(),
-             no_dist=True)
+    from partita.runtime.materialize import single_process
+
+    with single_process():
+        dcp.load(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_load_planner(), no_dist=True)
 
 
 # ----------------------------------------------------------------------------- saving

@@ -45,6 +45,7 @@ class TrainConfig:
     progress: bool = True
     seed: int = 0  # of torch's RNG on every rank (dropout); the example's weights and data have their own
     on_nonfinite: str = "raise"  # or "skip": see partita.Trainer
+    init_from: str | None = None  # a seed checkpoint: the model is on meta, see partita.Trainer
 
 
 @dataclass
@@ -68,7 +69,8 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSumm
     torch.manual_seed(config.seed)
     trainer = Trainer(example.model, plan, graph=graph,
                       optimizer=lambda params: torch.optim.AdamW(params, lr=config.lr),
-                      max_grad_norm=config.max_grad_norm, on_nonfinite=config.on_nonfinite)
+                      max_grad_norm=config.max_grad_norm, on_nonfinite=config.on_nonfinite,
+                      init_from=config.init_from)
     summary = TrainSummary()
     _maybe_resume(trainer, config, summary)
     timers = _stage_forward_timers(trainer, summary)

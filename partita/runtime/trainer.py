@@ -42,6 +42,7 @@ from torch import nn
 from partita.errors import InputError, NumericsError
 from partita.plan.io import check_plan_matches_graph
 from partita.runtime.data_parallel import GradientSync, Topology, init_topology, unique_parameters
+from partita.runtime.materialize import materialize, on_meta, retarget_device
 from partita.runtime.numerics import (
     NonFinitePolicy,
     count_nonfinite,
@@ -76,6 +77,10 @@ class Trainer:
             way the weights, optimizer state and LR scheduler are left as they were.
         graph: the OpGraph the plan was made for; or ``example_inputs=(args, kwargs, target)``
             (and ``loss_fn``) to capture it here, as ``partita.capture`` did for the plan.
+        init_from: a seed checkpoint (``partita.runtime.materialize.save_seed``) to take the
+            initial weights from. Required for a model built on the ``meta`` device: each rank
+            then allocates only what its stages read (see materialize.py), so no rank needs
+            memory for the whole model. With a real model, the held tensors are overwritten.
 
     Attributes: ``graph``, ``plan``, ``topology`` (rank, mesh, groups), ``stages`` (this rank's
     StageModules), ``optimizer``, ``lr_scheduler``, ``num_steps`` (steps taken, skipped ones included),
@@ -85,23 +90,40 @@ class Trainer:
     def __init__(self, model: nn.Module, plan: Plan, *, optimizer: OptimizerFactory,
                  lr_scheduler: SchedulerFactory | None = None, max_grad_norm: float | None = None,
                  graph: OpGraph | None = None, example_inputs: tuple | None = None, loss_fn: Callable | None = None,
-                 on_nonfinite: NonFinitePolicy | str = NonFinitePolicy.RAISE):
+                 on_nonfinite: NonFinitePolicy | str = NonFinitePolicy.RAISE, init_from: str | None = None):
         if not isinstance(plan, Plan):
             raise InputError(f"plan must be a partita.Plan, got {type(plan).__name__}: load one with partita.Plan.load")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise InputError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
         self.model, self.plan, self.max_grad_norm = model, plan, max_grad_norm
         self.on_nonfinite = NonFinitePolicy.parse(on_nonfinite)
+        if init_from is None and on_meta(model):
+            raise InputError("the model is on the meta device (no weights): pass init_from=<seed checkpoint>, "
+                             "written by partita.runtime.materialize.save_seed(model) from the model built with "
+                             "real weights")
         self.graph = _resolve_graph(model, plan, graph, example_inputs, loss_fn)
         self._state_names = _state_names(model)
         self.topology: Topology = init_topology(plan)
         self._all_stages = split_graph(self.graph, plan.boundaries)
-        if self.topology.device.type != "cpu":
-            model.to(self.topology.device)
-            for stage in self._all_stages:
-                stage.to(self.topology.device)
         group = self.topology.rank_group
         self.stages: list[StageModule] = [s for s in self._all_stages if plan.stages[s.spec.index].rank_group == group]
+        self._metadata: list | None = None
+        if on_meta(model):
+            # Static pipeline metadata from shapes alone, while every stage is still on meta.
+            self._metadata = stage_metadata(self._all_stages, _meta_microbatch(self.graph, plan.microbatch_size),
+                                            torch.device("cpu"))
+            materialize(model, [*self._all_stages, self.graph.graph_module], self._local_names(),
+                        self.topology.device, init_from)
+            for stage in self._all_stages:  # ops captured on meta create their tensors on meta
+                retarget_device(stage.graph_module, self.topology.device)
+        else:
+            if self.topology.device.type != "cpu":
+                model.to(self.topology.device)
+                for stage in self._all_stages:
+                    stage.to(self.topology.device)
+            if init_from is not None:
+                materialize(model, [*self._all_stages, self.graph.graph_module], self._local_names(),
+                            self.topology.device, init_from)
         self._holders = _holders(plan, self._all_stages)
         self.params = unique_parameters(self.stages)
         self._stages_of = {name: tuple(s.spec.index for s in self.stages if name in s.spec.param_names)
@@ -208,7 +230,7 @@ class Trainer:
         """PipelineStages with static metadata (from one micro-batch) and the plan's schedule."""
         plan, top = self.plan, self.topology
         flat_microbatch = [x.to(top.device) if isinstance(x, torch.Tensor) else x for x in flat_microbatch]
-        metadata = stage_metadata(self._all_stages, flat_microbatch, top.device)
+        metadata = self._metadata or stage_metadata(self._all_stages, flat_microbatch, top.device)
         recompute = [plan.stages[s.spec.index].recompute for s in self.stages]
         pipeline_stages = make_pipeline_stages(self.stages, recompute, metadata, plan.schedule, top.device,
                                                top.pp_group)
@@ -268,6 +290,13 @@ class Trainer:
         self.num_steps += 1
         self.num_skipped_steps += 1
         return loss
+
+    def _local_names(self) -> set[str]:
+        """Canonical names of what this rank must hold: its stages' tensors, and the model's
+        parameters and buffers that no stage reads (checkpoints and state dicts include them)."""
+        read_anywhere = {name for s in self._all_stages for name in s.spec.param_names}
+        model_names = set(canonical_names(self.model).values())
+        return {name for s in self.stages for name in s.spec.param_names} | (model_names - read_anywhere)
 
     def _trainable_names(self) -> set[str]:
         return {name for s in self._all_stages for name, p in s.named_parameters() if p.requires_grad}
@@ -339,6 +368,19 @@ def canonical_names(model: nn.Module) -> dict[int, str]:
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         names.setdefault(id(t), name)
     return names
+
+
+def _meta_microbatch(graph: OpGraph, microbatch_size: int) -> list:
+    """Flat graph inputs of one micro-batch as meta tensors, from the captured shapes."""
+    flat = []
+    for info in graph.inputs:
+        t = info.tensor
+        if t is None:  # a constant of the captured graph (int, bool, None): no stage reads it
+            flat.append(None)
+            continue
+        shape = [microbatch_size if d == t.batch_dim else s for d, s in enumerate(t.shape)]
+        flat.append(torch.empty(shape, dtype=getattr(torch, t.dtype), device="meta"))
+    return flat
 
 
 def _batch_of(graph: OpGraph, flat: list) -> int:

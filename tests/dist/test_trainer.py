@@ -119,3 +119,29 @@ def test_a_failing_rank_fails_the_job_at_once_with_its_error(tmp_path):
         run_ranks("fail", 2, tmp_path, timeout_s=60)
     assert "deliberate failure on rank 1" in str(info.value)
     assert time.monotonic() - started < 45, "the launcher waited for the blocked rank"
+
+
+META_CONFIGS = [
+    dict(label="1f1b-2", schedule="1f1b", num_stages=2, num_rank_groups=2, num_microbatches=2),
+    dict(label="zbv-4", schedule="zbv", num_stages=4, num_rank_groups=2, num_microbatches=2),
+]
+META_MODELS = ["gpt2", "llama"]  # llama: a non-persistent buffer (rotary frequencies) comes from the seed too
+
+
+@pytest.fixture(scope="module")
+def meta_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("meta_init")
+    return run_ranks("meta_init", 2, out, timeout_s=240, models=META_MODELS, configs=META_CONFIGS, dir=str(out))
+
+
+@pytest.mark.parametrize("key", _keys(META_CONFIGS, META_MODELS))
+def test_a_model_built_on_meta_trains_from_a_seed_like_the_unsplit_model(meta_results, key):
+    """No rank builds the whole model: each allocates its stages' parameters (fewer than all of
+    them) and reads their values from the seed; three AdamW steps equal unsplit training."""
+    mine = meta_results[0][key]
+    for rank, result in enumerate(meta_results):
+        r = result[key]
+        assert 0 < r["allocated"] < r["total"], f"rank {rank} allocated {r['allocated']} of {r['total']} elements"
+    assert max(abs(a - b) for a, b in zip(mine["losses"], mine["ref_losses"])) <= TOLERANCE, mine
+    diff, where = mine["param"]
+    assert diff <= TOLERANCE, f"{key}: parameter {where} differs from the unsplit model's by {diff:.3g}"

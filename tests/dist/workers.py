@@ -284,7 +284,50 @@ def job_numerics(params: dict) -> dict:
     return results
 
 
-JOBS = {"one_step": job_one_step, "checkpoint": job_checkpoint, "fail": job_fail, "numerics": job_numerics}
+def job_meta_init(params: dict) -> dict:
+    """Each rank builds the model on ``meta`` and takes its stages' weights from a seed checkpoint
+    (written by rank 0 from the real model): three AdamW steps, compared with unsplit training;
+    also how many parameter elements each rank allocated."""
+    import torch.distributed as dist
+
+    import partita
+    from partita import examples
+    from partita.runtime.materialize import save_seed
+
+    rank = int(os.environ["RANK"])
+    results: dict[str, Any] = {}
+    for name in params["models"]:
+        case = Case(name)
+        seed = Path(params["dir"]) / f"{name}-seed"
+        if rank == 0:
+            save_seed(case.model, seed)
+        dist.barrier()
+        for config in params["configs"]:
+            key = f"{name}/{config['label']}"
+            print(key, flush=True)
+            meta = examples.build(name, batch_size=BATCH, seq_len=SEQ, device="meta")
+            args, kwargs, target = case.batches[0]
+            to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+            graph = partita.capture(meta.model, tuple(map(to_meta, args)), {k: to_meta(v) for k, v in kwargs.items()},
+                                    loss_fn=case.loss_fn, target=to_meta(target))
+            trainer = partita.Trainer(meta.model, make_plan(case, config), optimizer=adamw, graph=graph,
+                                      init_from=str(seed))
+            allocated = sum(p.numel() for p in meta.model.parameters() if not p.is_meta)
+            losses = []
+            for step in range(3):
+                args, kwargs, target = case.batches[step]
+                losses.append(trainer.step(*args, **kwargs))
+            state = trainer.gather_state_dict()
+            results[key] = {"losses": losses, "allocated": allocated,
+                            "total": sum(p.numel() for p in case.model.parameters())}
+            if rank == 0:
+                ref_losses, ref_state = reference_run(case, adamw, 3)
+                results[key].update(ref_losses=ref_losses, param=max_diff(state, ref_state))
+    return results
+
+
+JOBS = {"one_step": job_one_step, "checkpoint": job_checkpoint, "fail": job_fail, "numerics": job_numerics,
+        "meta_init": job_meta_init}
 
 
 def main() -> None:

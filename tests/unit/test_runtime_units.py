@@ -138,3 +138,53 @@ def test_trainer_refuses_a_plan_for_another_graph_or_a_graph_of_another_model(ml
     made_for_another = dataclasses.replace(plan, graph_fingerprint="0" * 16)
     with pytest.raises(partita.PlanFileError, match="fingerprint"):
         partita.Trainer(ex.model, made_for_another, optimizer=torch.optim.SGD, graph=graph)
+
+
+# ----------------------------------------------------------------------------- meta models and seeds
+
+
+def test_stages_of_a_meta_model_run_from_a_seed_like_the_real_model(tmp_path):
+    """llama: a non-persistent buffer (rotary frequencies), and ops captured on meta that name the meta
+    device inside a higher-order op (export's device assertions): the seed fills the first, and
+    retarget_device rewrites the second."""
+    from partita.runtime.materialize import materialize, on_meta, retarget_device, save_seed
+    from partita.runtime.trainer import canonical_names
+
+    real = examples.build("llama", batch_size=4, seq_len=16)
+    save_seed(real.model, tmp_path / "seed")
+    meta = examples.build("llama", batch_size=4, seq_len=16, device="meta")
+    graph = partita.capture(meta.model, meta.args, meta.kwargs)
+    stages = split_graph(graph, _cuts(graph, 2))
+    assert on_meta(meta.model) and not on_meta(real.model)
+    first = set(stages[0].spec.param_names)
+    materialize(meta.model, [*stages, graph.graph_module], first, torch.device("cpu"), tmp_path / "seed")
+    assert {n for n, p in meta.model.named_parameters() if not p.is_meta} <= first  # only what stage 0 reads
+    materialize(meta.model, [*stages, graph.graph_module], set(canonical_names(meta.model).values()) - first,
+                torch.device("cpu"), tmp_path / "seed")
+    for stage in stages:
+        retarget_device(stage.graph_module, torch.device("cpu"))
+    flat = flatten_inputs(graph, real.args, real.kwargs)
+    assert torch.equal(run_sequential(stages, flat), real.model(*real.args, **real.kwargs).loss)
+
+
+def test_seeds_refuse_meta_models_and_models_they_were_not_written_for(tmp_path):
+    from partita.runtime.materialize import materialize, save_seed
+
+    meta = examples.build("mlp", batch_size=4, device="meta")
+    with pytest.raises(InputError, match="needs the model's real weights"):
+        save_seed(meta.model, tmp_path / "seed")
+    with pytest.raises(InputError, match="not a complete seed checkpoint"):
+        materialize(meta.model, [], {"layers.0.weight"}, torch.device("cpu"), tmp_path / "seed")
+    save_seed(torch.nn.Linear(2, 2), tmp_path / "seed")
+    name = next(n for n, _ in meta.model.named_parameters())
+    with pytest.raises(InputError, match="lacks"):
+        materialize(meta.model, [], {name}, torch.device("cpu"), tmp_path / "seed")
+
+
+def test_trainer_refuses_a_meta_model_without_a_seed(mlp):
+    ex, graph = mlp
+    meta = examples.build("mlp", batch_size=8, device="meta")
+    plan = manual_plan(graph, [0, graph.num_nodes], schedule="gpipe", num_rank_groups=1, num_microbatches=1,
+                       global_batch_size=8)
+    with pytest.raises(InputError, match="pass init_from"):
+        partita.Trainer(meta.model, plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), graph=graph)
