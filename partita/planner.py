@@ -285,7 +285,7 @@ def _split_bound(ctx: PlanningContext, config) -> Callable[[Sequence[int]], floa
     def fits(start: int, stop: int, stage: int, recompute: bool) -> bool:
         return device_memory(costs, [(start, stop)], in_flight=in_flight[stage], optimizer=options.optimizer,
                              recompute=recompute, mixed_precision=options.mixed_precision,
-                             num_replicas=config.replicas).total_bytes <= limit
+                             num_replicas=config.replicas, num_microbatches=config.num_microbatches).total_bytes <= limit
 
     def bound(nodes: Sequence[int]) -> float:
         stages = [(nodes[s], nodes[s + 1]) for s in range(config.num_stages)]

@@ -110,7 +110,7 @@ def device_memory(
     """
     held = sorted({p for start, stop in ranges for p in costs.params_in_range(start, stop)})
     return memory_from_totals(
-        first_grad_bytes=_first_gradient_bytes(costs, ranges),
+        first_grad_bytes=first_gradient_bytes(costs, ranges),
         param_bytes=int(sum(costs.param_bytes[p] for p in held)),
         trainable_bytes=int(sum(costs.param_bytes[p] for p in held if costs.param_trainable[p])),
         activation_bytes=int(sum(costs.activation_bytes[start:stop].sum() for start, stop in ranges)),
@@ -123,7 +123,7 @@ def device_memory(
     )
 
 
-def _first_gradient_bytes(costs: CostTable, ranges: Sequence[tuple[int, int]]) -> int:
+def first_gradient_bytes(costs: CostTable, ranges: Sequence[tuple[int, int]]) -> int:
     """Bytes of the first parameter gradients backward produces on a device: those of the last
     node (in the last range) that reads trainable parameters."""
     owners, uses = costs._flat_param_uses

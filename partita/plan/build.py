@@ -25,7 +25,7 @@ def rank_group_memory(costs: CostTable, config: Config, options: SearchOptions, 
                                            config.virtual_stages)
         mem = device_memory(costs, ranges, in_flight=in_flight, optimizer=options.optimizer,
                             recompute=recompute_by_group[g], mixed_precision=options.mixed_precision,
-                            num_replicas=config.replicas)
+                            num_replicas=config.replicas, num_microbatches=config.num_microbatches)
         result[g] = mem.total_bytes
     return result
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from partita.cost.memory import first_gradient_bytes
 from partita.errors import InputError
 from partita.types import CostTable, OpGraph
 
@@ -271,6 +272,8 @@ class BlockCosts:
         max_output_bytes[k]        largest new output of one node of block k (working memory).
         max_param_bytes[k]         largest trainable parameter a node of block k reads (the
                                    optimizer step's temporaries scale with it).
+        last_grad_bytes[k]         trainable bytes read by the last node of block k that reads
+                                   any (the first gradients its backward makes); 0 if none.
         cut_bytes[b]               CostTable.cut_bytes at boundary b (0 at both ends).
         param_bytes_matrix[j, i]   bytes of every parameter and buffer that a stage of blocks
                                    [j, i) holds: those read by any of its nodes, tied ones once.
@@ -285,6 +288,7 @@ class BlockCosts:
     max_output_bytes: np.ndarray
     max_param_bytes: np.ndarray
     cut_bytes: np.ndarray
+    last_grad_bytes: np.ndarray
     param_bytes_matrix: np.ndarray
     trainable_bytes_matrix: np.ndarray
 
@@ -320,6 +324,8 @@ def block_costs(costs: CostTable, boundaries) -> BlockCosts:
         max_output_bytes=np.maximum.reduceat(np.asarray(costs.output_bytes, dtype=np.int64), starts),
         max_param_bytes=_largest_trainable_param(costs, b),
         cut_bytes=np.asarray(costs.cut_bytes, dtype=np.int64)[b],
+        last_grad_bytes=np.array([first_gradient_bytes(costs, [(int(b[k]), int(b[k + 1]))])
+                                  for k in range(len(b) - 1)], dtype=np.int64),
         param_bytes_matrix=param_matrix,
         trainable_bytes_matrix=trainable_matrix,
     )

@@ -190,6 +190,7 @@ class StageCosts:
             activation_bytes=_range_sums(blocks.activation_bytes), stage_input_bytes=cut[j],
             boundary_bytes=cut[j] + cut[i], largest_output_bytes=_range_max(blocks.max_output_bytes),
             largest_param_bytes=_range_max(blocks.max_param_bytes),
+            first_grad_bytes=_range_last(blocks.last_grad_bytes),
         )
         # Activation and gradient of the stage's output cross to the next stage once each.
         self.send = np.array([2 * p2p_time_s(float(c), cluster, same_node=True) for c in cut])
@@ -201,6 +202,7 @@ class StageCosts:
             memory = memory_from_totals(
                 **self.totals, in_flight=in_flight, optimizer=self.options.optimizer, recompute=recompute,
                 mixed_precision=self.options.mixed_precision, num_replicas=self.config.replicas,
+                num_microbatches=self.config.num_microbatches,
             )
             self._cache[key] = memory.total_bytes <= self.options.memory_limit_bytes
         return self._cache[key]
@@ -220,6 +222,18 @@ class StageCosts:
 def _range_sums(values: Sequence[float]) -> np.ndarray:
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
     return prefix[None, :] - prefix[:, None]  # [j, i] = sum of values[j:i]
+
+
+def _range_last(values: Sequence[float]) -> np.ndarray:
+    """out[j, i]: the last non-zero value among values[j:i] (0 if none)."""
+    v = np.asarray(values, dtype=np.float64)
+    k = len(v)
+    out = np.zeros((k + 1, k + 1))
+    for j in range(k):
+        row = v[j:]
+        last = np.maximum.accumulate(np.where(row != 0, np.arange(len(row)), -1))
+        out[j, j + 1:] = np.where(last >= 0, row[np.maximum(last, 0)], 0.0)
+    return out
 
 
 def _range_max(values: Sequence[float]) -> np.ndarray:

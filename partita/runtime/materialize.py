@@ -27,7 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from partita.errors import InputError
 
-__all__ = ["materialize", "on_meta", "retarget_device", "save_seed"]
+__all__ = ["materialize", "on_meta", "retarget_device", "save_seed", "single_process"]
 
 
 def on_meta(model: nn.Module) -> bool:
