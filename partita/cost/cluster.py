@@ -15,8 +15,8 @@ import numbers
 import os
 import socket
 import statistics
-import threading
-import time
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -35,7 +35,7 @@ from partita.cost.devices import (
 from partita.errors import InputError
 from partita.types import DeviceSpec
 
-__all__ = ["Cluster", "LOCAL_RESERVED_MEMORY_FRACTION", "measure_loopback"]
+__all__ = ["Cluster", "LOCAL_RESERVED_MEMORY_FRACTION", "measure_gloo"]
 
 # Share of a CPU rank's memory the planner leaves to the allocator: resident memory measured
 # 1.2-1.6x the bytes in use during training (glibc keeps freed memory; bench/results/e2e_memory.md).
@@ -56,7 +56,9 @@ class Cluster:
     device's memory the planner leaves free (allocator fragmentation, CUDA context, workspace).
     ``compute_slowdown`` multiplies every compute time of a cost table used with this cluster:
     how much slower one device computes while all of them do (1 for accelerators; CPU ranks
-    sharing one host's memory system, measured by ``Cluster.local``). After construction every field holds a concrete value (``device`` a DeviceSpec).
+    sharing one host's memory system, measured by ``Cluster.local``). ``collective_efficiency``
+    is the share of the link bandwidth a ring collective reaches (1: the ring model as is; gloo
+    on CPUs reaches less, measured by ``Cluster.local``). After construction every field holds a concrete value (``device`` a DeviceSpec).
     """
 
     device: DeviceSpec | str
@@ -69,6 +71,7 @@ class Cluster:
     inter_node_latency_s: float | None = None
     reserved_memory_fraction: float = 0.05
     compute_slowdown: float = 1.0
+    collective_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -104,6 +107,11 @@ class Cluster:
             raise InputError(f"compute_slowdown must be a finite number > 0, got {slowdown!r}: 1.0 for devices "
                              "that do not slow each other down")
         object.__setattr__(self, "compute_slowdown", float(slowdown))
+        efficiency = self.collective_efficiency
+        if isinstance(efficiency, bool) or not isinstance(efficiency, numbers.Real) or not 0 < efficiency <= 1:
+            raise InputError(f"collective_efficiency must be in (0, 1], got {efficiency!r}: the share of the link "
+                             "bandwidth a ring all-reduce reaches (1.0 for NCCL-class libraries)")
+        object.__setattr__(self, "collective_efficiency", float(efficiency))
 
     # ------------------------------------------------------------------ topology
 
@@ -164,8 +172,8 @@ class Cluster:
         """``num_devices`` CPU ranks on this machine, one node, calibrated by measurement.
 
         The device is ``local_cpu_spec`` measured with ``num_threads`` threads (default: this
-        process's torch thread count shared out among the ranks); the intra-node link is
-        loopback TCP as gloo uses it, measured by ``measure_loopback``. ``memory_bytes``
+        process's torch thread count shared out among the ranks); the intra-node link and the
+        collective efficiency are what gloo achieves between two processes, ``measure_gloo``. ``memory_bytes``
         (per rank) defaults to this machine's RAM shared out among the ranks.
         ``compute_slowdown`` defaults to ``measure_contention``: how much slower each rank
         computes while all ``num_devices`` ranks do. The measurements are cached in
@@ -182,12 +190,13 @@ class Cluster:
         threads = num_threads or max(1, torch.get_num_threads() // num_devices)
         memory = memory_bytes if memory_bytes is not None else machine_memory_bytes() // num_devices
         device = local_cpu_spec(cache_dir, memory_bytes=memory, num_threads=threads)
-        bandwidth, latency = measure_loopback(cache_dir)
+        gloo = measure_gloo(cache_dir)
         if compute_slowdown is None:
             compute_slowdown = measure_contention(num_devices, threads, cache_dir=cache_dir)
         return cls(device=device, num_devices=num_devices, devices_per_node=num_devices,
-                   intra_node_bandwidth_bytes_per_s=bandwidth, intra_node_latency_s=latency,
-                   compute_slowdown=compute_slowdown, reserved_memory_fraction=reserved_memory_fraction)
+                   intra_node_bandwidth_bytes_per_s=gloo["bandwidth_bytes_per_s"], intra_node_latency_s=gloo["latency_s"],
+                   collective_efficiency=gloo["collective_efficiency"], compute_slowdown=compute_slowdown,
+                   reserved_memory_fraction=reserved_memory_fraction)
 
 
 def _check_count(value: Any, name: str) -> int:
@@ -196,83 +205,101 @@ def _check_count(value: Any, name: str) -> int:
     return int(value)
 
 
-# ----------------------------------------------------------------------------- loopback
+# ----------------------------------------------------------------------------- gloo on this machine
+
+# The probe, run by ``python -c`` as rank RANK of 2 (the planning process itself never imports
+# torch.distributed): ping-pong latency and bandwidth of send/recv, then all-reduce times.
+_GLOO_PROBE = r"""
+import json, os, statistics, sys, time
+import torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+num_bytes, repeats, pings = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['PORT']}",
+                        rank=int(os.environ["RANK"]), world_size=2)
+rank, peer = dist.get_rank(), 1 - dist.get_rank()
+
+def ping_pong(t, count):
+    times = []
+    for _ in range(count):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(t, peer); dist.recv(t, peer)
+        else:
+            dist.recv(t, peer); dist.send(t, peer)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / 2
+
+def all_reduce(t, count):
+    times = []
+    for _ in range(count):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+small, big = torch.zeros(1), torch.zeros(num_bytes // 4)
+ping_pong(small, 3); ping_pong(big, 1); all_reduce(big, 1)  # warm-up: connections, buffers
+out = {"latency_s": ping_pong(small, pings), "transfer_s": ping_pong(big, repeats),
+       "allreduce_small_s": all_reduce(small, pings), "allreduce_s": all_reduce(big, repeats)}
+if rank == 0:
+    print(json.dumps(out), flush=True)
+dist.destroy_process_group()
+"""
 
 
-def measure_loopback(cache_dir: str | os.PathLike | None = None, *, num_bytes: int = 16 * 2**20,
-                     repeats: int = 5, num_pings: int = 50) -> tuple[float, float]:
-    """(bandwidth in bytes/s, one-way latency in s) of TCP over 127.0.0.1 on this machine.
+def measure_gloo(cache_dir: str | os.PathLike | None = None, *, num_bytes: int = 16 * 2**20, repeats: int = 5,
+                 num_pings: int = 30, timeout_s: float = 120.0) -> dict[str, float]:
+    """What gloo achieves between two processes of this machine (loopback TCP, as CPU ranks use it).
 
-    gloo's CPU collectives between ranks of one machine run over exactly this path. A thread
-    of this process receives, so no second interpreter starts; only ``socket`` is used (only
-    partita.runtime may import torch.distributed). Bandwidth is the median of ``repeats``
-    transfers of ``num_bytes``; latency half the median round trip of 1-byte messages.
-    Takes ~0.1–0.5 s; cached in ``cache_dir`` when given.
+    Returns ``bandwidth_bytes_per_s`` and ``latency_s`` of send/recv (ping-pong of ``num_bytes``
+    and of one float), and ``collective_efficiency``: the bandwidth a 2-rank all-reduce of
+    ``num_bytes`` achieves under the ring model (``partita.cost.comm``) over the send/recv
+    bandwidth. gloo's all-reduce also sums and copies on the CPU, so it reaches well under the
+    link's bandwidth. Two interpreters start (~3-5 s); cached in ``cache_dir`` when given.
     """
-    key = {"host": socket.gethostname(), "cpu": cpu_model(), "num_bytes": int(num_bytes)}
+    import torch
+
+    key = {"host": socket.gethostname(), "cpu": cpu_model(), "num_bytes": int(num_bytes), "torch": torch.__version__,
+           "probe": "gloo-1"}
     cache_path = None
     if cache_dir is not None:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        cache_path = Path(cache_dir) / f"loopback-{digest}.json"
+        cache_path = Path(cache_dir) / f"gloo-{digest}.json"
     measured = cached_measurement(cache_path, key)
     if measured is None:
-        bandwidth, latency = _measure_loopback(num_bytes, repeats, num_pings)
-        measured = {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency}
+        raw = _run_gloo_probe(num_bytes, repeats, num_pings, timeout_s)
+        latency = raw["latency_s"]
+        bandwidth = num_bytes / max(raw["transfer_s"] - latency, 1e-9)
+        # 2 ranks: all-reduce = 2·α + (2·(n−1)/n = 1) · b / β_ring
+        ring_bandwidth = num_bytes / max(raw["allreduce_s"] - 2 * latency, 1e-9)
+        measured = {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency,
+                    "collective_efficiency": min(1.0, ring_bandwidth / bandwidth), "raw": raw}
         store_measurement(cache_path, key, measured)
-    return float(measured["bandwidth_bytes_per_s"]), float(measured["latency_s"])
+    return {k: float(v) for k, v in measured.items() if k != "raw"}
 
 
-def _measure_loopback(num_bytes: int, repeats: int, num_pings: int) -> tuple[float, float]:
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        server.settimeout(10)
-        errors: list[BaseException] = []
-        echo = threading.Thread(target=_echo_server, args=(server, num_bytes, repeats, num_pings, errors), daemon=True)
-        echo.start()
-        with socket.create_connection(server.getsockname(), timeout=10) as client:
-            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            round_trips = []
-            for _ in range(num_pings):
-                start = time.perf_counter()
-                client.sendall(b"p")
-                _recv_exactly(client, bytearray(1))
-                round_trips.append(time.perf_counter() - start)
-            payload = bytes(num_bytes)
-            transfers = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                client.sendall(payload)
-                _recv_exactly(client, bytearray(1))  # the receiver's ack: all bytes arrived
-                transfers.append(time.perf_counter() - start)
-        echo.join(timeout=10)
-    if errors:
-        raise RuntimeError(f"loopback measurement failed in the receiving thread: {errors[0]!r}") from errors[0]
-    latency = statistics.median(round_trips) / 2
-    return num_bytes / max(statistics.median(transfers) - latency, 1e-9), latency
-
-
-def _echo_server(server: socket.socket, num_bytes: int, repeats: int, num_pings: int, errors: list) -> None:
-    """Answer ``num_pings`` 1-byte pings, then acknowledge ``repeats`` payloads of ``num_bytes``."""
+def _run_gloo_probe(num_bytes: int, repeats: int, num_pings: int, timeout_s: float) -> dict[str, float]:
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-c", _GLOO_PROBE, str(num_bytes), str(repeats), str(num_pings)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = []
     try:
-        conn, _ = server.accept()
-        with conn:
-            conn.settimeout(10)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            one = bytearray(1)
-            for _ in range(num_pings):
-                _recv_exactly(conn, one)
-                conn.sendall(b"p")
-            buffer = bytearray(num_bytes)
-            for _ in range(repeats):
-                _recv_exactly(conn, buffer)
-                conn.sendall(b"k")
-    except BaseException as e:  # noqa: BLE001 - reported to the measuring thread
-        errors.append(e)
-
-
-def _recv_exactly(conn: socket.socket, buffer: bytearray) -> None:
-    view, got = memoryview(buffer), 0
-    while got < len(buffer):
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("loopback peer closed the connection early")
-        got += n
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout_s))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, outputs):
+        if p.returncode != 0:
+            raise RuntimeError(f"the gloo probe failed (exit code {p.returncode}): {err[-2000:]}")
+    return json.loads(outputs[0][0].strip().splitlines()[-1])

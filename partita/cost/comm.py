@@ -12,7 +12,9 @@ chunks that travel ``n − 1`` steps around the ring, each step one chunk per ra
     all-gather       (n − 1)·α + (n − 1)/n · b / β
     all-reduce       = reduce-scatter + all-gather = 2(n − 1)·α + 2(n − 1)/n · b / β
 
-The ring's bandwidth term is optimal (each rank must send and receive 2(n − 1)/n · b bytes).
+The ring's bandwidth term is optimal (each rank must send and receive 2(n − 1)/n · b bytes);
+``Cluster.collective_efficiency`` scales β for collectives whose library reaches less of the link
+(gloo on CPUs: it also sums and copies every chunk; measured by ``Cluster.local``).
 Every step waits for the slowest link of the ring, so a group that spans nodes runs at the
 inter-node bandwidth and latency. NCCL switches to trees for small messages at large ``n``;
 the ring's 2(n − 1)·α latency term therefore over-estimates tiny all-reduces on big groups.
@@ -65,7 +67,7 @@ def _ring_pass_s(num_bytes: float, num_ranks: int, cluster: Cluster, spans: bool
         return 0.0
     bandwidth, latency = _link(cluster, spans)
     steps = int(num_ranks) - 1
-    return steps * latency + steps / num_ranks * num_bytes / bandwidth
+    return steps * latency + steps / num_ranks * num_bytes / (bandwidth * cluster.collective_efficiency)
 
 
 def _link(cluster: Cluster, spans_nodes: bool) -> tuple[float, float]:
