@@ -35,6 +35,7 @@ from functools import lru_cache
 from typing import Any, Callable, Mapping, Sequence
 
 from partita.cost import comm
+from partita.cost.analytic import optimizer_step_s
 from partita.cost.cluster import Cluster
 from partita.errors import InputError
 from partita.plan.schedules import rank_orders, stage_rank_groups
@@ -46,6 +47,7 @@ _F, _B, _I, _W = 0, 1, 2, 3
 _KIND_CODES = {"F": _F, "B": _B, "I": _I, "W": _W}
 _KIND_NAMES = ("F", "B", "I", "W")
 ALLREDUCE = "allreduce"
+OPTIMIZER = "optimizer"  # a rank group's optimizer step, after its last backward and all-reduce
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ def simulate_pipeline(
     allreduce_s: Sequence[float],
     activation_bytes: Sequence[int] | None = None,
     keep_timeline: bool = True,
+    optimizer_s: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate one step of ``schedule``; all per-stage arrays are indexed by stage (length S).
 
@@ -100,6 +103,8 @@ def simulate_pipeline(
     allreduce_s              seconds of stage k's gradient all-reduce (0 for one replica).
     activation_bytes         bytes per micro-batch that stage k keeps from F until B (until W with
                              the I/W split); None: peaks are reported as 0.
+    optimizer_s              seconds of the optimizer step over stage k's parameters; a rank group
+                             steps once its last backward and all-reduce are done (None: 0).
     Raises InputError (a ValueError) for a schedule torch cannot run with these counts.
     """
     schedule = Schedule.parse(schedule)
@@ -110,8 +115,18 @@ def simulate_pipeline(
     # Durations per kind code: F, B (whole backward), I (backward less W), W.
     dur = (fwd, bwd, [max(0.0, b - w) for b, w in zip(bwd, wgt)], wgt)
     clock, busy, grads_done, events = _run(orders, dur, send, s, m, keep_timeline)
-    comm_end = _allreduces(stage_rank_groups(schedule, g, s), grads_done, ar, events if keep_timeline else None)
-    step = max(max(clock), comm_end)
+    groups = stage_rank_groups(schedule, g, s)
+    comm_end = _allreduces(groups, grads_done, ar, events if keep_timeline else None)
+    opt = [0.0] * s if optimizer_s is None else [float(x) for x in optimizer_s]
+    if len(opt) != s or any(not x >= 0 for x in opt):
+        raise InputError(f"optimizer_s needs {s} values >= 0 (one per stage), got {opt}")
+    step = 0.0
+    for r in range(g):
+        done = max(clock[r], comm_end.get(r, 0.0))
+        stepping = sum(opt[k] for k in range(s) if groups[k] == r)
+        if stepping > 0 and keep_timeline:
+            events.append(TimelineEvent(r, -1, -1, OPTIMIZER, done, done + stepping))
+        step = max(step, done + stepping)
     bubble = 1.0 - sum(busy) / (g * step) if step > 0 else 0.0
     peaks = _peak_activations(orders, activation_bytes, s, free_kind=_W if split else _B)
     timeline = tuple(sorted(events, key=lambda e: (e.start_s, e.rank_group, e.end_s))) if keep_timeline else ()
@@ -200,9 +215,10 @@ def _run(orders, dur, send, s, m, keep_timeline):
 
 
 def _allreduces(groups: Sequence[int], grads_done: Sequence[float], ar: Sequence[float],
-                events: list[TimelineEvent] | None) -> float:
-    """Run each rank group's all-reduces one after another as they become ready; return the last end."""
-    last = 0.0
+                events: list[TimelineEvent] | None) -> dict[int, float]:
+    """Run each rank group's all-reduces one after another as they become ready; return when each
+    rank group's last one ends."""
+    last: dict[int, float] = {}
     for r in sorted(set(groups)):
         stages = sorted((grads_done[k], k) for k in range(len(groups)) if groups[k] == r and ar[k] > 0)
         free = 0.0
@@ -211,7 +227,7 @@ def _allreduces(groups: Sequence[int], grads_done: Sequence[float], ar: Sequence
             free = start + ar[k]
             if events is not None:
                 events.append(TimelineEvent(r, k, -1, ALLREDUCE, start, free))
-        last = max(last, free)
+        last[r] = free
     return last
 
 
@@ -256,7 +272,9 @@ def pipeline_inputs(plan: Plan, costs: Callable[[int], CostTable] | CostTable,
     to the backward); activations kept per micro-batch are the range's saved tensors, or only the
     stage input (``cut_bytes[start]``) under recompute; the all-reduce moves the trainable
     parameter bytes of the range over the stage's replicas; the send to the next stage moves
-    ``cut_bytes[stop]`` between the two stages' first ranks.
+    ``cut_bytes[stop]`` between the two stages' first ranks; the optimizer step moves the range's
+    trainable parameters and states over the device's memory bandwidth (``optimizer_step_s``,
+    slowed by ``cluster.compute_slowdown`` like the compute).
     """
     cluster = _as_cluster(plan, cluster)
     groups = stage_rank_groups(plan.schedule, plan.num_rank_groups, plan.num_stages)
@@ -265,7 +283,9 @@ def pipeline_inputs(plan: Plan, costs: Callable[[int], CostTable] | CostTable,
             raise InputError(f"stage {stage.index} is on rank group {stage.rank_group}, but {plan.schedule.value} "
                              f"places it on rank group {group}: rebuild the plan with that placement")
     tables = _tables_per_stage(plan, costs)
-    fwd, bwd, wgt, act, allreduce = [], [], [], [], []
+    optimizer = plan.options.get("optimizer", "adam")
+    mixed_precision = bool(plan.options.get("mixed_precision", False))
+    fwd, bwd, wgt, act, allreduce, opt = [], [], [], [], [], []
     for stage, table in zip(plan.stages, tables):
         a, b = stage.start, stage.stop
         forward = float(table.forward_s[a:b].sum())
@@ -276,6 +296,8 @@ def pipeline_inputs(plan: Plan, costs: Callable[[int], CostTable] | CostTable,
         trainable = sum(int(table.param_bytes[p]) for p in table.params_in_range(a, b) if table.param_trainable[p])
         allreduce.append(0.0 if stage.num_replicas == 1 else comm.allreduce_time_s(
             trainable, stage.num_replicas, cluster, spans_nodes=comm.spans_nodes(stage.ranks, cluster)))
+        opt.append(cluster.compute_slowdown
+                   * optimizer_step_s(trainable, optimizer, cluster.device, mixed_precision=mixed_precision))
     send = []
     for k in range(plan.num_stages - 1):
         here, after = plan.stages[k], plan.stages[k + 1]
@@ -286,7 +308,7 @@ def pipeline_inputs(plan: Plan, costs: Callable[[int], CostTable] | CostTable,
         send.append(comm.p2p_time_s(float(tables[k].cut_bytes[here.stop]), cluster, same_node=same_node))
     return dict(schedule=plan.schedule, num_microbatches=plan.num_microbatches, num_rank_groups=plan.num_rank_groups,
                 forward_s=fwd, backward_s=bwd, backward_weight_s=wgt, send_s=send, allreduce_s=allreduce,
-                activation_bytes=act)
+                activation_bytes=act, optimizer_s=opt)
 
 
 def _as_cluster(plan: Plan, cluster: Cluster | Mapping[str, Any] | None) -> Cluster:

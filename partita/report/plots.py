@@ -26,9 +26,11 @@ if TYPE_CHECKING:  # report/ depends on data only: SimResult is read by duck typ
 __all__ = ["plan_figure"]
 
 GIB = 2**30
-KIND_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#8172B3", "allreduce": "#55A868"}
+KIND_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#8172B3", "allreduce": "#55A868",
+                "optimizer": "#937860"}
+STRIP_KINDS = ("allreduce", "optimizer")  # drawn as thin strips under a rank group's compute boxes
 KIND_LABELS = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weight)",
-               "allreduce": "gradient all-reduce"}
+               "allreduce": "gradient all-reduce", "optimizer": "optimizer step"}
 BASELINE_COLOURS = ("#BBBBBB", "#888888", "#555555")
 MIN_LABEL_PIXELS = 9.0  # a box narrower than this per character gets no micro-batch number
 MAX_EDGED_BOXES_PER_ROW = 300  # beyond this, boxes are drawn without separating edges
@@ -117,10 +119,10 @@ def _timeline_panel(fig, ax, plan: Plan, result: "SimResult") -> None:
     rows = len(result.rank_busy_s)
     step = result.step_s if result.step_s > 0 else 1.0
     boxes: dict[tuple[str, bool], list] = {}
-    strips: list[tuple[int, float, float]] = []
+    strips: list[tuple[str, int, float, float]] = []
     for e in result.timeline:
-        if e.kind == "allreduce":
-            strips.append((e.rank_group, e.start_s, e.end_s - e.start_s))
+        if e.kind in STRIP_KINDS:
+            strips.append((e.kind, e.rank_group, e.start_s, e.end_s - e.start_s))
         else:
             later_chunk = e.stage >= rows  # a rank group's second (or later) virtual stage
             boxes.setdefault((e.kind, later_chunk), []).append(e)
@@ -133,10 +135,11 @@ def _timeline_panel(fig, ax, plan: Plan, result: "SimResult") -> None:
             if spans:
                 ax.broken_barh(spans, (r - 0.4, 0.62), facecolors=KIND_COLOURS[kind],
                                alpha=0.55 if later_chunk else 1.0, edgecolor="white", linewidth=edge)
-    for r in range(rows):
-        spans = [(start, length) for group, start, length in strips if group == r]
-        if spans:
-            ax.broken_barh(spans, (r + 0.26, 0.12), facecolors=KIND_COLOURS["allreduce"], linewidth=0)
+    for kind in STRIP_KINDS:
+        for r in range(rows):
+            spans = [(start, length) for k, group, start, length in strips if group == r and k == kind]
+            if spans:
+                ax.broken_barh(spans, (r + 0.26, 0.12), facecolors=KIND_COLOURS[kind], linewidth=0)
     ax.set_xlim(0, step * 1.005)
     ax.set_ylim(rows - 0.5, -0.5)  # rank group 0 on top
     ax.set_yticks(range(rows))
@@ -153,7 +156,7 @@ def _label_microbatches(fig, ax, result: "SimResult") -> None:
     x0, x1 = ax.get_xlim()
     pixels_per_s = ax.get_window_extent().width / (x1 - x0)
     for e in result.timeline:
-        if e.kind == "allreduce":
+        if e.kind in STRIP_KINDS:
             continue
         text = str(e.microbatch)
         if (e.end_s - e.start_s) * pixels_per_s >= MIN_LABEL_PIXELS * (len(text) + 0.5):

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # report/ depends on data only: SimResult is read by duck typ
 __all__ = ["timeline_text"]
 
 _FIRST_CHAR = {"F": "0", "B": "a", "I": "A", "W": "k"}
-IDLE, COMM = ".", "="
+IDLE, COMM, STEP = ".", "=", "o"  # idle, all-reduce, optimizer step
 
 
 def action_char(kind: str, microbatch: int) -> str:
@@ -56,7 +56,8 @@ def timeline_text(result: "SimResult", width: int = 100) -> str:
         if len({e.stage for e in compute[r]}) > 1:
             lines.append(f"{'stage':>{label_width}} |{_row(compute[r], slot_s, width, lambda e: _stage_char(e.stage))}|")
         if comm[r]:
-            lines.append(f"{'comm':>{label_width}} |{_row(comm[r], slot_s, width, lambda e: COMM)}|")
+            lines.append(f"{'comm':>{label_width}} |"
+                         f"{_row(comm[r], slot_s, width, lambda e: COMM if e.kind == 'allreduce' else STEP)}|")
     lines.extend(_legend(result, slot_s))
     return "\n".join(lines)
 
@@ -86,5 +87,5 @@ def _legend(result: "SimResult", slot_s: float) -> list[str]:
     return [
         f"step {fmt_seconds(result.step_s)}, bubble {100 * result.bubble_fraction:.1f}%, "
         f"1 column = {fmt_seconds(slot_s)}; busy per rank group: {busy}",
-        "F 0-9 | B a-j | I A-J | W k-t (micro-batch mod 10) | . idle | = all-reduce in flight",
+        "F 0-9 | B a-j | I A-J | W k-t (micro-batch mod 10) | . idle | = all-reduce in flight | o optimizer step",
     ]

@@ -409,12 +409,37 @@ def test_plan_simulation_sums_stage_costs_and_prices_comm_with_the_cluster():
     send = comm.p2p_time_s(2 * 2e6, cluster, same_node=True)  # cut 2 at micro-batch 16; ranks 0 and 1 share node 0
     allreduce = comm.allreduce_time_s(10**6, 2, cluster, spans_nodes=True)  # only w3 is trainable in stage 1
     assert allreduce > 0
+    # Adam moves 7 tensors' worth of the trainable bytes over the H100's memory bandwidth
+    h100 = cluster.device
+    optimizer = [7 * trainable / (h100.memory_bandwidth_bytes_per_s * h100.memory_efficiency)
+                 for trainable in _trainable_per_stage(plan)]
+    assert optimizer[1] > 0
     expected = simulate_pipeline(schedule=GPIPE, num_microbatches=2, num_rank_groups=2, forward_s=[f0, f1],
                                  backward_s=[b0, b1], backward_weight_s=[2 * 3, 7], send_s=[send],
                                  allreduce_s=[0.0, allreduce], activation_bytes=[2 * 300, 2 * 10**6],
-                                 keep_timeline=False)
+                                 keep_timeline=False, optimizer_s=optimizer)
     assert res == expected
     assert simulate(plan, tiny_costs, keep_timeline=False) == expected  # the plan's own cluster
+
+
+def _trainable_per_stage(plan) -> list[int]:
+    table = tiny_costs(8)
+    return [sum(int(table.param_bytes[p]) for p in table.params_in_range(st.start, st.stop) if table.param_trainable[p])
+            for st in plan.stages]
+
+
+def test_optimizer_steps_end_each_rank_groups_step():
+    """Each rank group steps its optimizer once its backward and all-reduce are done: the step
+    grows by the slowest group's optimizer time, and the timeline shows it."""
+    common = dict(schedule=GPIPE, num_microbatches=2, num_rank_groups=2, forward_s=[1.0, 1.0], backward_s=[2.0, 2.0],
+                  backward_weight_s=[1.0, 1.0], send_s=[0.0], allreduce_s=[0.0, 0.0])
+    plain = simulate_pipeline(**common)
+    stepped = simulate_pipeline(**common, optimizer_s=[0.5, 0.25])
+    # group 0 finishes its last backward last (it waits for group 1's gradients), then steps for 0.5 s
+    assert stepped.step_s == pytest.approx(plain.step_s + 0.5)
+    assert [e.kind for e in stepped.timeline if e.kind == "optimizer"] == ["optimizer", "optimizer"]
+    with pytest.raises(ValueError, match="optimizer_s needs 2 values"):
+        simulate_pipeline(**common, optimizer_s=[0.5])
 
 
 def test_plan_simulation_rejects_a_table_at_the_wrong_microbatch_size():
