@@ -61,10 +61,18 @@ class NonFinite:
 def count_nonfinite(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """How many of ``tensors`` hold a NaN or an inf: a 0-dim float32 tensor on ``device``
     (computed on the device, so a healthy step pays no host sync for it)."""
-    flags = [torch.isfinite(t.detach()).all().logical_not() for t in tensors]
-    if not flags:
+    # The largest |x| of each tensor is NaN or inf exactly when the tensor holds one (max propagates
+    # NaN; unlike a 2-norm it cannot overflow): one fused pass per (device, dtype) group, without
+    # a boolean copy of every tensor.
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    counts = [(~torch.isfinite(torch.stack(torch._foreach_norm(group, float("inf"))))).sum().to(device)
+              for group in groups.values()]
+    if not counts:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack([f.to(device) for f in flags]).sum().float()
+    return torch.stack(counts).sum().float()
 
 
 def loss_findings(losses: Sequence[torch.Tensor], *, stage_index: int, replica: int, rank: int) -> list[NonFinite]:
