@@ -39,18 +39,20 @@ _CUSTOM_GPT2 = re.compile(r"^gpt2-L(\d+)-H(\d+)$")
 # ----------------------------------------------------------------------------- models
 
 
-def build_example(name: str, batch_size: int, *, device: str = "cpu", seed: int = 0):
-    """A ``partita.examples.Example`` for a zoo name or one of the custom GPT-2 names above."""
+def build_example(name: str, batch_size: int, *, device: str = "cpu", seed: int = 0, data_device: str | None = None):
+    """A ``partita.examples.Example`` for a zoo name or one of the custom GPT-2 names above;
+    ``data_device``: where the batches go (default: with the model)."""
     from partita import examples
 
+    data_device = data_device or device
     if name == "gpt2-small-v50k":
-        return _gpt2_example(name, dict(vocab_size=50257), batch_size, device, seed)
+        return _gpt2_example(name, dict(vocab_size=50257), batch_size, device, seed, data_device)
     m = _CUSTOM_GPT2.match(name)
     if m:
         layers, hidden = int(m.group(1)), int(m.group(2))
         return _gpt2_example(name, dict(n_layer=layers, n_embd=hidden, n_head=max(1, hidden // 64)),
-                             batch_size, device, seed)
-    return examples.build(name, batch_size=batch_size, device=device, seed=seed)
+                             batch_size, device, seed, data_device)
+    return examples.build(name, batch_size=batch_size, device=device, seed=seed, data_device=data_device)
 
 
 def gpt2_params(layers: int, hidden: int, vocab: int = 8192, positions: int = 1024) -> int:
@@ -59,7 +61,7 @@ def gpt2_params(layers: int, hidden: int, vocab: int = 8192, positions: int = 10
     return vocab * hidden + positions * hidden + layers * per_layer + 2 * hidden
 
 
-def _gpt2_example(name: str, overrides: dict, batch_size: int, device: str, seed: int):
+def _gpt2_example(name: str, overrides: dict, batch_size: int, device: str, seed: int, data_device: str):
     """gpt2-small's config with ``overrides``, built as the zoo builds (seeded, eager attention, no
     dropout) and fed the zoo's causal-LM data (seq_len 128)."""
     import transformers
@@ -78,7 +80,7 @@ def _gpt2_example(name: str, overrides: dict, batch_size: int, device: str, seed
 
     def make_batch(b: int, step: int):
         batch = data.causal_lm_batch(data.batch_generator(seed, step), b, seq_len, vocab)
-        if device == "meta":
+        if data_device == "meta":
             batch = {k: v.to("meta") for k, v in batch.items()}
         return (), batch, None
 
