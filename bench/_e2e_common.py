@@ -55,6 +55,17 @@ def build_example(name: str, batch_size: int, *, device: str = "cpu", seed: int 
     return examples.build(name, batch_size=batch_size, device=device, seed=seed, data_device=data_device)
 
 
+def config_text(p, *, always_recompute: bool = False) -> str:
+    """A plan's configuration in one token run: ``GxR [v=V] schedule m=M mb=B [rc=...]`` (legend in the
+    reports). ``always_recompute``: write ``rc=k/S`` even when no stage recomputes (else ``rc=k`` only
+    when some do)."""
+    v = p.num_stages // p.num_rank_groups
+    rc = sum(s.recompute for s in p.stages)
+    recompute = f" rc={rc}/{p.num_stages}" if always_recompute else (f" rc={rc}" if rc else "")
+    return (f"{p.num_rank_groups}x{p.stages[0].num_replicas}{f' v={v}' if v > 1 else ''} {p.schedule.value} "
+            f"m={p.num_microbatches} mb={p.microbatch_size}{recompute}")
+
+
 def gpt2_params(layers: int, hidden: int, vocab: int = 8192, positions: int = 1024) -> int:
     """Parameter count of a GPT-2 (tied head) of this shape."""
     per_layer = 12 * hidden * hidden + 13 * hidden

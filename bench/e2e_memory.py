@@ -49,8 +49,9 @@ import torch  # noqa: E402
 
 from partita.cost.cluster import LOCAL_RESERVED_MEMORY_FRACTION  # noqa: E402
 
-from _e2e_common import (MIB, REPO, InUseSampler, build_example, command_line, gpt2_params, loss_of,  # noqa: E402
-                         machine_line, malloc_in_use, memory_status, now_utc, reset_peak, run_ranks, step_kwargs)
+from _e2e_common import (MIB, REPO, InUseSampler, build_example, command_line, config_text, gpt2_params,  # noqa: E402
+                         loss_of, machine_line, malloc_in_use, memory_status, now_utc, reset_peak, run_ranks,
+                         step_kwargs)
 
 LADDER = [1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32, 40, 48, 56, 64]
 BASELINE_METHODS = ("uniform", "parameters", "equal_flops")
@@ -119,7 +120,11 @@ class Sized:
         return best_plan(self.ctx(ranks, schedules=("gpipe", "1f1b")))
 
     def baseline_own(self, ranks: int, method: str):
-        return own_best(self.ctx(ranks), method)
+        """The baseline's split under its own best config (None: none fits or none can be made)."""
+        from plan_quality import own_best
+
+        best = own_best(self.ctx(ranks), method)
+        return None if best == "n/a" else best
 
     def unsplit_bytes(self) -> int:
         """Plain PyTorch in one process: the whole model, the whole batch at once, no recomputation."""
@@ -130,35 +135,6 @@ class Sized:
         costs = ctx.costs_at(self.args.global_batch)
         return device_memory(costs, [(0, self.graph.num_nodes)], in_flight=1, optimizer=OptimizerKind.ADAM,
                              num_microbatches=1).total_bytes
-
-
-def own_best(ctx, method: str):
-    """The baseline's split under its best config (None: no config fits). From bench/plan_quality.py."""
-    from partita.plan.baselines import baseline_boundaries
-    from partita.plan.chain import legal_cuts
-    from partita.plan.search import enumerate_configs
-    from partita.planner import _fit_with_recompute
-
-    legal = legal_cuts(ctx.graph)
-    configs = list(enumerate_configs(ctx.options, len(ctx.chain) - 1))
-    compute = {}
-    for c in configs:
-        if c.microbatch_size not in compute:
-            costs = ctx.costs_at(c.microbatch_size)
-            compute[c.microbatch_size] = float(costs.forward_s.sum() + costs.backward_s.sum())
-    bound = lambda c: c.num_microbatches * compute[c.microbatch_size] / c.num_rank_groups  # noqa: E731
-    best = None
-    for config in sorted(configs, key=lambda c: (bound(c), c.num_rank_groups, c.replicas, c.schedule.value,
-                                                 c.num_microbatches, str(c.recompute_mode))):
-        if best is not None and bound(config) >= best.predicted_step_s:
-            break
-        boundaries = baseline_boundaries(method, ctx.graph, legal, config.num_stages)
-        if boundaries is None:
-            continue
-        p = _fit_with_recompute(ctx, config, boundaries, method, mode=config.recompute_mode)
-        if p is not None and (best is None or p.predicted_step_s < best.predicted_step_s):
-            best = p
-    return best
 
 
 def same_config_unchecked(ctx, like, method: str):
@@ -191,13 +167,6 @@ def same_config_unchecked(ctx, like, method: str):
 def per_rank_predicted(plan) -> list[int]:
     ranks = sorted({r for s in plan.stages for r in s.ranks})
     return [max(s.memory_bytes for s in plan.stages if r in s.ranks) for r in ranks]
-
-
-def config_text(p) -> str:
-    v = p.num_stages // p.num_rank_groups
-    rc = sum(s.recompute for s in p.stages)
-    return (f"{p.num_rank_groups}x{p.stages[0].num_replicas}{f' v={v}' if v > 1 else ''} {p.schedule.value} "
-            f"m={p.num_microbatches} mb={p.microbatch_size} rc={rc}/{p.num_stages}")
 
 
 def ladder(args, log) -> dict:
@@ -404,12 +373,11 @@ def warm_up(params: dict, distributed: bool) -> None:
 
 def capture_on_meta(ex):
     """The graph of a meta model, captured from meta copies of its (real) example inputs."""
-    import torch.utils._pytree as pytree
-
     import partita
+    from partita.runtime.materialize import meta_copies
 
-    meta = lambda v: pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, v)  # noqa: E731
-    return partita.capture(ex.model, meta(ex.args), meta(ex.kwargs), loss_fn=ex.loss_fn, target=meta(ex.target))
+    return partita.capture(ex.model, meta_copies(ex.args), meta_copies(ex.kwargs), loss_fn=ex.loss_fn,
+                           target=meta_copies(ex.target))
 
 
 def verify(label: str, name: str, plan, ranks: int, args, log) -> dict:
@@ -429,7 +397,7 @@ def verify(label: str, name: str, plan, ranks: int, args, log) -> dict:
     log(f"verified {label}: {name} on {ranks} rank(s) in {time.perf_counter() - t:.0f} s: peaks "
         + ", ".join(f"{r['peak'] / MIB:.0f}" for r in results) + " MiB")
     return {"label": label, "model": name, "ranks": ranks, "results": results,
-            "config": config_text(plan) if plan is not None else "plain, whole batch",
+            "config": config_text(plan, always_recompute=True) if plan is not None else "plain, whole batch",
             "predicted": per_rank_predicted(plan) if plan is not None else None, "seconds": time.perf_counter() - t}
 
 
@@ -520,7 +488,7 @@ def write_markdown(path: Path, args, header: str, part_a: dict, lad: dict, check
                 continue
             layers, p, need = largest[(m, n)]
             params = gpt2_params(layers, args.hidden)
-            cfg = config_text(p) if p is not None else "plain, whole batch"
+            cfg = config_text(p, always_recompute=True) if p is not None else "plain, whole batch"
             cells.append(f"**{layers}** ({params / 1e6:.0f} M), {mib(need)}, {cfg}")
         label = {"unsplit": "unsplit, 1 process (plain PyTorch)",
                  "data parallel": "data parallel (`num_stages=1, replicas=N`)"}.get(m, m)
@@ -712,8 +680,9 @@ def main() -> None:
         for row in rows:
             if row["plan"] is not None:
                 row["predicted"] = per_rank_predicted(row["plan"])
-                row["config"] = config_text(row["plan"])
-        part_a = {"model": sized.name, "params": sized.num_parameters, "config": config_text(plan), "rows": rows}
+                row["config"] = config_text(row["plan"], always_recompute=True)
+        part_a = {"model": sized.name, "params": sized.num_parameters,
+                  "config": config_text(plan, always_recompute=True), "rows": rows}
         if not args.no_verify:
             for row in rows:
                 if row["predicted"] is None:

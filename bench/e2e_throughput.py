@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from _e2e_common import (REPO, build_example, command_line, loss_of, machine_line, now_utc,  # noqa: E402
+from _e2e_common import (REPO, build_example, command_line, config_text, loss_of, machine_line, now_utc,  # noqa: E402
                          run_ranks, step_kwargs)
 
 DEFAULT_MODELS = ["gpt2-small", "gpt2-small-v50k", "bert-small", "llama-small", "cnn-small"]
@@ -106,13 +106,6 @@ def plan_model(name: str, global_batch: int, cache_dir: str, work: Path) -> dict
         out["plans"][label] = {"path": str(path), "predicted_s": p.predicted_step_s, "config": config_text(p),
                                "boundaries": list(p.boundaries), "split": split_text(graph, p)}
     return out
-
-
-def config_text(p) -> str:
-    v = p.num_stages // p.num_rank_groups
-    rc = sum(s.recompute for s in p.stages)
-    return (f"{p.num_rank_groups}x{p.stages[0].num_replicas}{f' v={v}' if v > 1 else ''} {p.schedule.value} "
-            f"m={p.num_microbatches} mb={p.microbatch_size}{f' rc={rc}' if rc else ''}")
 
 
 def split_text(graph, p) -> str:
@@ -308,10 +301,10 @@ def write_markdown(path: Path, all_rows: dict, infos: dict, measured: dict, args
         f"groups. Efficiency: unsplit-1-thread step / (2 x step). Predicted: the plan's simulated step from "
         f"the solo 1-thread profile slowed by the measured contention between 2 ranks (`Cluster.local`'s "
         f"`compute_slowdown`: {slowdowns(infos)}); the unsplit 1-thread step from the solo profile; "
-        f"error = (predicted - measured) / measured.",
-        f"- plans: `partita.plan(..., cluster=Cluster.local(num_devices=2), costs='measured')`; baselines: "
-        f"`planner.baseline_plans(ctx, pipelined plan)`: the baseline's split under the pipelined plan's "
-        f"configuration (recomputation only where a stage would not fit).",
+        "error = (predicted - measured) / measured.",
+        "- plans: `partita.plan(..., cluster=Cluster.local(num_devices=2), costs='measured')`; baselines: "
+        "`planner.baseline_plans(ctx, pipelined plan)`: the baseline's split under the pipelined plan's "
+        "configuration (recomputation only where a stage would not fit).",
         "- config legend: `GxR` = G pipeline rank groups x R data-parallel replicas (`1x2` is plain data "
         "parallelism), `v` stages per rank group, `m` micro-batches of `mb` samples per replica, `rc` recomputed stages.",
         f"- wall time: {'-' if started is None else format((time.perf_counter() - started) / 60, '.1f')} min for the "

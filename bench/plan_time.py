@@ -36,7 +36,6 @@ import partita
 from partita import examples
 from partita.cost.analytic import analytic_costs
 from partita.planner import best_plan, planning_context
-from partita.plan.chain import coarsen
 
 TARGET_S = 60.0
 

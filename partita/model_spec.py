@@ -28,7 +28,7 @@ def load_model(spec: str, *, batch_size: int = 8, seq_len: int | None = None, de
     afterwards), so that every process of a job builds the same model. ``data_device`` (zoo
     models) puts the batches elsewhere than the model.
     """
-    if ":" in spec and spec.split(":", 1)[0].endswith(".py"):
+    if is_factory_spec(spec):
         return _load_factory(spec, seed)
     if device != "auto":
         return build(spec, batch_size=batch_size, seq_len=seq_len, device=device, seed=seed, data_device=data_device)
@@ -37,6 +37,11 @@ def load_model(spec: str, *, batch_size: int = 8, seq_len: int | None = None, de
     if weight_bytes > _memory_bytes() // 4:
         return on_meta
     return build(spec, batch_size=batch_size, seq_len=seq_len, device="cpu", seed=seed)
+
+
+def is_factory_spec(spec: str) -> bool:
+    """Whether MODEL is ``path/to/file.py:factory`` (else a zoo name)."""
+    return ":" in spec and spec.split(":", 1)[0].endswith(".py")
 
 
 def _memory_bytes() -> int:

@@ -8,29 +8,25 @@ order, as ``torchrun`` assigns them: rank ``r`` sits in node ``r // devices_per_
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import numbers
 import os
 import socket
-import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
 from partita.cost.contention import measure_contention
 from partita.cost.devices import (
     cpu_model,
-    cached_measurement,
     device_from_dict,
     device_to_dict,
     local_cpu_spec,
     machine_memory_bytes,
+    measure_once,
     resolve_device,
-    store_measurement,
 )
 from partita.errors import InputError
 from partita.types import DeviceSpec
@@ -264,20 +260,17 @@ def measure_gloo(cache_dir: str | os.PathLike | None = None, *, num_bytes: int =
 
     key = {"host": socket.gethostname(), "cpu": cpu_model(), "num_bytes": int(num_bytes), "torch": torch.__version__,
            "probe": "gloo-1"}
-    cache_path = None
-    if cache_dir is not None:
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        cache_path = Path(cache_dir) / f"gloo-{digest}.json"
-    measured = cached_measurement(cache_path, key)
-    if measured is None:
+
+    def measure() -> dict:
         raw = _run_gloo_probe(num_bytes, repeats, num_pings, timeout_s)
         latency = raw["latency_s"]
         bandwidth = num_bytes / max(raw["transfer_s"] - latency, 1e-9)
         # 2 ranks: all-reduce = 2·α + (2·(n−1)/n = 1) · b / β_ring
         ring_bandwidth = num_bytes / max(raw["allreduce_s"] - 2 * latency, 1e-9)
-        measured = {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency,
-                    "collective_efficiency": min(1.0, ring_bandwidth / bandwidth), "raw": raw}
-        store_measurement(cache_path, key, measured)
+        return {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency,
+                "collective_efficiency": min(1.0, ring_bandwidth / bandwidth), "raw": raw}
+
+    measured = measure_once(cache_dir, "gloo", key, measure)
     return {k: float(v) for k, v in measured.items() if k != "raw"}
 
 

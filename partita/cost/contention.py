@@ -14,16 +14,14 @@ median iteration time of the concurrent runs over the solo run's.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import select
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
-from partita.cost.devices import cached_measurement, cpu_model, store_measurement
+from partita.cost.devices import cpu_model, measure_once
 from partita.types import CostTable
 
 __all__ = ["contended", "measure_contention"]
@@ -76,16 +74,12 @@ def measure_contention(num_ranks: int, num_threads: int = 1, *, cache_dir: str |
         return 1.0
     key = {"cpu": cpu_model(), "cores": os.cpu_count(), "num_ranks": int(num_ranks),
            "num_threads": int(num_threads), "torch": torch.__version__}
-    cache_path = None
-    if cache_dir is not None:
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        cache_path = Path(cache_dir) / f"contention-{digest}.json"
-    measured = cached_measurement(cache_path, key)
-    if measured is None:
+
+    def measure() -> dict:
         ratios = _probe_rounds(num_ranks, num_threads, duration_s, rounds, timeout_s)
-        measured = {"round_ratios": ratios, "slowdown": max(1.0, min(ratios))}
-        store_measurement(cache_path, key, measured)
-    return float(measured["slowdown"])
+        return {"round_ratios": ratios, "slowdown": max(1.0, min(ratios))}
+
+    return float(measure_once(cache_dir, "contention", key, measure)["slowdown"])
 
 
 def _probe_rounds(count: int, num_threads: int, duration_s: float, rounds: int, timeout_s: float) -> list[float]:

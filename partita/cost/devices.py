@@ -39,7 +39,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from partita.errors import InputError
 from partita.types import DeviceSpec
@@ -269,14 +269,7 @@ def local_cpu_spec(cache_dir: str | os.PathLike | None = None, *, memory_bytes: 
 
     num_threads = num_threads or torch.get_num_threads()
     key = {"torch": torch.__version__, "num_threads": int(num_threads), "cpu": cpu_model(), "method": 2}
-    cache_path = None
-    if cache_dir is not None:
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        cache_path = Path(cache_dir) / f"cpu-calibration-{digest}.json"
-    measured = cached_measurement(cache_path, key)
-    if measured is None:
-        measured = _calibrate_cpu(int(num_threads))
-        store_measurement(cache_path, key, measured)
+    measured = measure_once(cache_dir, "cpu-calibration", key, lambda: _calibrate_cpu(int(num_threads)))
     base = get_device("cpu")
     return dataclasses.replace(
         base,
@@ -347,8 +340,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def measure_once(cache_dir: str | os.PathLike | None, prefix: str, key: dict, measure: Callable[[], dict]) -> dict:
+    """``measure()``, or what an earlier call stored under exactly ``key`` in ``cache_dir``
+    (``<prefix>-<digest of key>.json``); no caching when ``cache_dir`` is None."""
+    path = None
+    if cache_dir is not None:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        path = Path(cache_dir) / f"{prefix}-{digest}.json"
+    measured = cached_measurement(path, key)
+    if measured is None:
+        measured = measure()
+        store_measurement(path, key, measured)
+    return measured
+
+
 def cached_measurement(path: Path | None, key: dict) -> dict | None:
-    """The measurement stored at ``path`` under exactly ``key``, else None (also used by cluster.py)."""
+    """The measurement stored at ``path`` under exactly ``key``, else None."""
     if path is None or not path.exists():
         return None
     try:

@@ -18,21 +18,28 @@ import contextlib
 import os
 import shutil
 import warnings
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from partita.errors import InputError
 
-__all__ = ["materialize", "on_meta", "retarget_device", "save_seed", "single_process"]
+__all__ = ["materialize", "meta_copies", "on_meta", "retarget_device", "save_seed", "single_process"]
 
 
 def on_meta(model: nn.Module) -> bool:
     """Whether any parameter or buffer of ``model`` lives on the meta device."""
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def meta_copies(value: Any) -> Any:
+    """``value`` (tensors in nested tuples, lists, dicts) with every tensor replaced by a meta copy:
+    example inputs to capture a model built on meta from."""
+    return pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, value)
 
 
 def save_seed(model: nn.Module, path: str | os.PathLike) -> None:

@@ -47,7 +47,7 @@ from torch import nn
 
 from partita.capture import exported_call_inputs
 from partita.errors import InputError
-from partita.runtime.graph_split import StageContents, StageSpec, check_boundaries, plan_stages, value_kind
+from partita.runtime.graph_split import StageContents, StageSpec, check_boundaries, plan_stages
 from partita.types import OpGraph
 
 __all__ = ["StageModule", "StageSpec", "check_boundaries", "flatten_inputs", "run_sequential", "split_graph"]

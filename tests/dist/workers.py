@@ -292,7 +292,7 @@ def job_meta_init(params: dict) -> dict:
 
     import partita
     from partita import examples
-    from partita.runtime.materialize import save_seed
+    from partita.runtime.materialize import meta_copies, save_seed
 
     rank = int(os.environ["RANK"])
     results: dict[str, Any] = {}
@@ -307,9 +307,8 @@ def job_meta_init(params: dict) -> dict:
             print(key, flush=True)
             meta = examples.build(name, batch_size=BATCH, seq_len=SEQ, device="meta")
             args, kwargs, target = case.batches[0]
-            to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
-            graph = partita.capture(meta.model, tuple(map(to_meta, args)), {k: to_meta(v) for k, v in kwargs.items()},
-                                    loss_fn=case.loss_fn, target=to_meta(target))
+            graph = partita.capture(meta.model, meta_copies(args), meta_copies(kwargs), loss_fn=case.loss_fn,
+                                    target=meta_copies(target))
             trainer = partita.Trainer(meta.model, make_plan(case, config), optimizer=adamw, graph=graph,
                                       init_from=str(seed))
             allocated = sum(p.numel() for p in meta.model.parameters() if not p.is_meta)
