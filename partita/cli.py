@@ -176,13 +176,19 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from partita.errors import InputError
+    from partita.model_spec import is_factory_spec
     from partita.runtime.launch import launch_local, under_torchrun
+    from partita.runtime.materialize import on_meta, save_seed
     from partita.runtime.train_loop import TrainConfig, check_train_config
 
     config = TrainConfig(steps=args.steps, lr=args.lr, max_grad_norm=args.max_grad_norm or None,
                          checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                          resume=args.resume, seed=args.seed, on_nonfinite=args.on_nonfinite, init_from=args.init_from)
     check_train_config(config)
+    if args.init_from is not None and is_factory_spec(args.model):
+        raise InputError("--init-from works with zoo models, which can be built on meta; a factory "
+                         f"({args.model}) builds its own weights: drop --init-from")
     if under_torchrun():
         return _train_rank(args, config)
     argv = list(args.argv)
@@ -190,20 +196,13 @@ def _train(args: argparse.Namespace) -> int:
         plan_path = args.plan
     else:
         plan_path, example = _plan_for_training(args)
-        if args.init_from is None and not _is_factory(args.model) and not any(p.is_meta for p in example.model.parameters()):
+        if args.init_from is None and not is_factory_spec(args.model) and not on_meta(example.model):
             # The processes build the model on meta and read their stages' weights from this seed:
             # none of them needs memory for the whole model.
-            from partita.runtime.materialize import save_seed
-
             argv += ["--init-from", plan_path + ".seed"]
             save_seed(example.model, plan_path + ".seed")
     launch_local([*argv, "--plan", plan_path], nproc=args.nproc, max_restarts=args.max_restarts)
     return 0
-
-
-def _is_factory(spec: str) -> bool:
-    """Whether MODEL is ``path/to/file.py:factory`` (else a zoo name)."""
-    return ":" in spec and spec.split(":", 1)[0].endswith(".py")
 
 
 def _plan_for_training(args: argparse.Namespace):
@@ -243,17 +242,13 @@ def _train_rank(args: argparse.Namespace, config) -> int:
 
     if config.init_from is not None:
         from partita.model_spec import load_model
+        from partita.runtime.materialize import meta_copies
 
-        if _is_factory(args.model):
-            from partita.errors import InputError
-
-            raise InputError("--init-from works with zoo models, which can be built on meta; a factory "
-                             f"({args.model}) builds its own weights: drop --init-from")
         # The model on meta (no weights), its batches real; capture from meta copies of them.
         example = load_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, device="meta",
                              seed=args.seed, data_device="cpu")
-        graph = _capture(dataclasses.replace(example, args=_on_meta(example.args), kwargs=_on_meta(example.kwargs),
-                                             target=_on_meta(example.target)))
+        graph = _capture(dataclasses.replace(example, args=meta_copies(example.args),
+                                             kwargs=meta_copies(example.kwargs), target=meta_copies(example.target)))
     else:
         example = _load(args)
         graph = _capture(example)
@@ -273,14 +268,6 @@ def _train_rank(args: argparse.Namespace, config) -> int:
             write_losses(args.losses_out, summary)
     dist.destroy_process_group()
     return 0
-
-
-def _on_meta(value):
-    """Meta copies of the tensors in a (nested) tuple/dict."""
-    import torch
-    import torch.utils._pytree as pytree
-
-    return pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, value)
 
 
 def _parse_bytes(text: str | None) -> int | None:

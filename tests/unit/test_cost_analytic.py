@@ -163,9 +163,11 @@ def test_local_cpu_spec_is_measured_and_cached(tmp_path):
     assert time.perf_counter() - start < 5  # ~1 s on 2 cores; generous for a loaded machine
     assert spec.name == "cpu" and spec.memory_bytes == 2**30
     assert all(v > 1e8 for v in spec.peak_flops.values()) and spec.memory_bandwidth_bytes_per_s > 1e8
+    assert 1e-7 < spec.op_overhead_s < 1e-3  # measured: a tiny op with autograd recording, 5-10 us here
     assert len(list(tmp_path.glob("cpu-calibration-*.json"))) == 1
     again = local_cpu_spec(tmp_path)  # read back, not measured again
     assert again.peak_flops == spec.peak_flops and again.memory_bytes == machine_memory_bytes()
+    assert again.op_overhead_s == spec.op_overhead_s
 
 
 # ----------------------------------------------------------------------------- cluster

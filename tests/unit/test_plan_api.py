@@ -166,3 +166,11 @@ def test_zbv_never_recomputes_and_says_so_when_nothing_fits_without(gpt2):
     with pytest.raises(InfeasiblePlanError, match="'1f1b' or 'interleaved1f1b' with recompute=True") as info:
         partita.plan(graph, cluster=h100s(2, memory=memory), global_batch_size=8, schedule="zbv")
     assert info.value.min_memory_bytes > memory
+
+
+def test_train_refuses_a_seed_for_a_factory_model(tmp_path, capsys):
+    """--init-from builds the model on meta, which only zoo models can do: refused before any process starts."""
+    factory = tmp_path / "mymodel.py"
+    factory.write_text("import torch\ndef make():\n    return torch.nn.Linear(2, 2), (torch.randn(4, 2),)\n")
+    assert main(["train", f"{factory}:make", "--init-from", str(tmp_path / "seed")]) == 2
+    assert "--init-from works with zoo models" in capsys.readouterr().err
