@@ -592,7 +592,7 @@ def findings(args, part_a: dict, lad: dict, checks: list, usable: int, budget: i
             "models (live tensors). The difference is glibc keeping freed memory (RSS/in use per rank, this run: "
             + rss_ratio_range(measured) + f"); `Cluster.local` reserves {LOCAL_RESERVED_MEMORY_FRACTION:.0%} of the "
             "budget for it. Making glibc give freed memory back (`MALLOC_TRIM_THRESHOLD_=0`) brought RSS to ~1.2x "
-            "the bytes in use but made a GPT-2 step ~35% slower on this machine.",
+            "the bytes in use but made a GPT-2 step 40-50% slower on this machine (bench/results/probes.md).",
             "- Set-up: the ranks build the model on meta (no weights), take the pipeline's static shapes from the "
             "graph on meta, then allocate and load only their stages' weights (`partita/runtime/materialize.py`).",
             "- ZBV with recomputation is never planned (an earlier run of this benchmark measured such plans 40-60% "

@@ -405,19 +405,19 @@ def findings(all_rows: dict) -> list[str]:
     out += ["", "Notes:",
             "- Why data parallelism wins on this machine: each rank computes half the batch with the whole model, "
             "and the only communication is one gradient all-reduce (gloo between 2 processes, as `Cluster.local` "
-            "measures it: send/recv at ~2.5-3 GB/s, a 2-rank all-reduce at about half of that; GPT-2 small's "
-            "35 MB of gradients took ~50 ms with the flattening copy in a hand-written loop), while a 2-stage "
+            "measures it: send/recv at 2.4-3 GB/s, a 2-rank all-reduce at 0.4-0.55 of that; GPT-2 small's "
+            "35 MB of gradients took 45-51 ms with the flattening copy, bench/results/probes.md), while a 2-stage "
             "pipeline has a bubble and sends activations every micro-batch. The pipelined configurations only "
             "show how good each split is.",
             "- Contention: `Cluster.local` measures how much slower a rank computes while the other computes too "
             "(a kernel mix in 2 processes at once vs 1, the least disturbed of 3 rounds) and the planner applies "
-            "it to every compute time; on this machine with no other jobs it measured ~1.01 (a GPT-2 forward + "
-            "backward in 2 processes at once also ran at its solo speed).",
-            "- What the predictions miss (from a hand-written data-parallel loop on the same 2 ranks, GPT-2 small: "
-            "0.68 s per step vs partita's trainer 0.76 s): the trainer's per-step work (pipelining schedule "
-            "bookkeeping, gradient flattening and scaling, the non-finite check) and a fixed cost per stage "
-            "call; a pipelined split with a one-node stage (the CNN's, 9-10) pays it for nothing, which is why "
-            "partita's pinned 2-stage CNN split measured 6% slower than uniform and equal FLOPs although it "
+            "it to every compute time; on this machine with no other jobs it measured ~1.01.",
+            "- What the predictions miss (bench/results/probes.md, a hand-written data-parallel loop on the same 2 "
+            "ranks, GPT-2 small): its step took 0.73-0.78 s and partita's trainer 0.77-0.78 s, so the trainer "
+            "adds at most ~5% and the rest of the gap is the cost model's (the loop's forward + backward alone took "
+            "0.62-0.63 s, its all-reduce 45-51 ms). A fixed cost per stage call is not modelled either: a "
+            "pipelined split with a one-node stage (the CNN's, 9-10) pays it for nothing, which is why partita's "
+            "pinned 2-stage CNN split measured 6% slower than uniform and equal FLOPs although it "
             "was predicted 2% faster. partita's own CNN plan (data parallel) is 13% faster than all of them.",
             "- One process with 2 threads is the fastest way to train these models on 2 cores (no duplicated "
             "weights, no communication); partita does not consider intra-op threads as an alternative to ranks.",

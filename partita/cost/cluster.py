@@ -34,7 +34,7 @@ from partita.types import DeviceSpec
 __all__ = ["Cluster", "LOCAL_RESERVED_MEMORY_FRACTION", "measure_gloo"]
 
 # Share of a CPU rank's memory the planner leaves to the allocator: resident memory measured
-# 1.2-1.6x the bytes in use during training (glibc keeps freed memory; bench/results/e2e_memory.md).
+# 1.2-1.9x the bytes in use during training (glibc keeps freed memory; bench/results/e2e_memory.md).
 LOCAL_RESERVED_MEMORY_FRACTION = 0.4
 
 _LINK_FIELDS = ("intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s",
@@ -177,8 +177,9 @@ class Cluster:
 
         ``reserved_memory_fraction`` defaults to LOCAL_RESERVED_MEMORY_FRACTION: a process's
         resident memory (what a memory limit sees) exceeds the bytes its tensors use, because
-        glibc keeps freed memory for reuse; measured 1.2-1.6x during training steps
-        (bench/results/e2e_memory.md). Trimming it back costs ~35% of the step time here.
+        glibc keeps freed memory for reuse; measured 1.2-1.9x during training steps
+        (bench/results/e2e_memory.md). Trimming it back costs 40-50% of the step time here
+        (bench/results/probes.md).
         """
         import torch
 
