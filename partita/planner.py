@@ -18,9 +18,11 @@ from partita.capture import capture
 from partita.cost.cluster import Cluster
 from partita.cost.memory import device_memory, microbatches_in_flight
 from partita.errors import InfeasiblePlanError, InputError
-from partita.plan.build import block_to_node_boundaries, build_plan, fits
+from partita.plan.build import block_to_node_boundaries, build_plan, fits, stage_tables
 from partita.plan.chain import block_costs, coarsen
-from partita.plan.search import Candidate, Config, SearchOptions, recompute_allowed, search
+from partita.plan.search import Candidate, Config, SearchOptions, sort_key, recompute_allowed, search
+from partita.plan.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
+from partita.plan.uneven import search_uneven
 from partita.plan.simulate import simulate
 from partita.types import CostTable, OpGraph, OptimizerKind, Plan, Schedule
 
@@ -28,6 +30,10 @@ from partita.types import CostTable, OpGraph, OptimizerKind, Plan, Schedule
 # configs the best simulated plan is refined by moving boundaries.
 NUM_SIMULATED = 24
 NUM_REFINED = 6
+# On short chains every config is refined whose best simulated plan is within this factor of the
+# best plan (refinement moves boundaries by a block or two; the oracle tests in
+# tests/unit/test_search.py and test_uneven_search.py check that no optimum is lost this way).
+REFINE_WITHIN = 1.2
 
 
 @dataclass(frozen=True)
@@ -90,11 +96,7 @@ def planning_context(model, args, kwargs, *, cluster, global_batch_size, loss_fn
                      mixed_precision, costs, max_blocks, cache_dir) -> PlanningContext:
     if not isinstance(cluster, Cluster):
         raise InputError(f"cluster must be a partita.Cluster, got {type(cluster).__name__}")
-    if not uniform_replicas:
-        raise InputError(
-            "uniform_replicas=False (different replica counts per stage) is not supported yet: "
-            "the search and the runtime handle pp x dp meshes; leave uniform_replicas=True"
-        )
+    _check_uneven(uniform_replicas, replicas, cluster)
     _check_positive(global_batch_size=global_batch_size, num_stages=num_stages, replicas=replicas,
                     num_microbatches=num_microbatches, max_blocks=max_blocks)
     graph = model if isinstance(model, OpGraph) else capture(model, args, kwargs, loss_fn=loss_fn, target=target)
@@ -109,7 +111,7 @@ def planning_context(model, args, kwargs, *, cluster, global_batch_size, loss_fn
         num_devices=cluster.num_devices, global_batch_size=global_batch_size,
         memory_limit_bytes=cluster.usable_memory_bytes, schedules=chosen, num_stages=num_stages,
         replicas=replicas, num_microbatches=num_microbatches, recompute=recompute,
-        optimizer=OptimizerKind.parse(optimizer), mixed_precision=mixed_precision,
+        optimizer=OptimizerKind.parse(optimizer), mixed_precision=mixed_precision, uniform_replicas=uniform_replicas,
     )
     source = _cost_source(costs, graph, cluster)
     costs_at = _costs_provider(graph, cluster, source, (args, dict(kwargs or {}), target), cache_dir)
@@ -124,20 +126,38 @@ def planning_context(model, args, kwargs, *, cluster, global_batch_size, loss_fn
     return PlanningContext(graph, cluster, options, costs_at, chain, resolved)
 
 
+def _check_uneven(uniform_replicas: bool, replicas: int | None, cluster: Cluster) -> None:
+    if uniform_replicas:
+        return
+    if replicas is not None:
+        raise InputError(f"replicas={replicas} pins the same replica count for every stage, but uniform_replicas=False "
+                         "asks for different counts: drop one of the two")
+    if cluster.num_devices > UNEVEN_MAX_DEVICES:
+        raise InputError(f"uniform_replicas=False searches every device count per stage, up to {UNEVEN_MAX_DEVICES} "
+                         f"devices; the cluster has {cluster.num_devices}: plan with uniform_replicas=True")
+
+
 def best_plan(ctx: PlanningContext, *, num_simulated: int = NUM_SIMULATED) -> Plan | None:
     blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
     num_blocks = len(ctx.chain) - 1
+    uneven = [] if ctx.options.uniform_replicas else search_uneven(blocks_at, ctx.options, ctx.cluster, num_blocks)
     if num_blocks <= 16:  # small chains: simulate every candidate, refine every config
-        simulated, candidate_of = _simulate_fitting(ctx, search(blocks_at, ctx.options, ctx.cluster, num_blocks))
+        candidates = _merged(search(blocks_at, ctx.options, ctx.cluster, num_blocks), uneven)
+        simulated, candidate_of = _simulate_fitting(ctx, candidates)
         return _refine_best(ctx, simulated, candidate_of, None)
     # The pruned search returns the full list cut after its num_simulated-th candidate with one
     # stage per rank group; if fewer than num_simulated of them fit, the full list is needed.
     candidates = search(blocks_at, ctx.options, ctx.cluster, num_blocks, num_best=num_simulated)
-    simulated, candidate_of = _simulate_fitting(ctx, candidates, num_simulated)
+    simulated, candidate_of = _simulate_fitting(ctx, _merged(candidates, uneven), num_simulated)
     if len(simulated) < num_simulated and sum(c.config.virtual_stages == 1 for c in candidates) >= num_simulated:
         candidates = search(blocks_at, ctx.options, ctx.cluster, num_blocks)
-        simulated, candidate_of = _simulate_fitting(ctx, candidates, num_simulated)
+        simulated, candidate_of = _simulate_fitting(ctx, _merged(candidates, uneven), num_simulated)
     return _refine_best(ctx, simulated, candidate_of, NUM_REFINED)
+
+
+def _merged(uniform: list[Candidate], uneven: list[Candidate]) -> list[Candidate]:
+    """Both searches' candidates, by estimate (ties broken by the search's fixed key)."""
+    return sorted([*uniform, *uneven], key=sort_key) if uneven else uniform
 
 
 def _simulate_fitting(ctx: PlanningContext, candidates: Sequence[Candidate], limit: int | None = None):
@@ -157,7 +177,8 @@ def _simulate_fitting(ctx: PlanningContext, candidates: Sequence[Candidate], lim
 
 
 def _refine_best(ctx: PlanningContext, simulated: list[Plan], candidate_of: dict, num_refined: int | None):
-    """Refine the best simulated plan of each of the best ``num_refined`` configs; the best result."""
+    """Refine the best simulated plan of each of the best ``num_refined`` configs (None: all within
+    REFINE_WITHIN of the best plan's step); the best result."""
     if not simulated:
         return None
     simulated.sort(key=_plan_key)
@@ -165,6 +186,8 @@ def _refine_best(ctx: PlanningContext, simulated: list[Plan], candidate_of: dict
     for p in simulated:  # the best simulated plan of each config, best configs first
         best_per_config.setdefault(candidate_of[id(p)].config, p)
     to_refine = list(best_per_config.values())[:num_refined]
+    if num_refined is None:
+        to_refine = [p for p in to_refine if p.predicted_step_s <= simulated[0].predicted_step_s * REFINE_WITHIN]
     seeds = _BaselineSeeds(ctx)
     refined = []
     for p in to_refine:
@@ -273,9 +296,14 @@ def _split_bound(ctx: PlanningContext, config) -> Callable[[Sequence[int]], floa
     which decides, as ``_fit_with_recompute`` does, the stages that recompute and whether it fits.
     Otherwise stages recompute only when the config or the options say so (never fewer than the plan).
     """
-    costs = ctx.costs_at(config.microbatch_size)
-    forward = np.concatenate([[0.0], np.cumsum(np.asarray(costs.forward_s, dtype=np.float64))])
-    compute = np.concatenate([[0.0], np.cumsum(np.asarray(costs.forward_s) + np.asarray(costs.backward_s))])
+    tables = stage_tables(ctx.costs_at, config)
+    prefix = {}  # id(table) -> (forward, forward + backward) prefix sums
+    for t in tables:
+        if id(t) not in prefix:
+            prefix[id(t)] = (np.concatenate([[0.0], np.cumsum(np.asarray(t.forward_s, dtype=np.float64))]),
+                             np.concatenate([[0.0], np.cumsum(np.asarray(t.forward_s) + np.asarray(t.backward_s))]))
+    forward = [prefix[id(t)][0] for t in tables]
+    compute = [prefix[id(t)][1] for t in tables]
     mode = ctx.options.recompute if config.recompute_mode is None else config.recompute_mode
     limit, options = ctx.options.memory_limit_bytes, ctx.options
     in_flight = [microbatches_in_flight(config.schedule, config.num_microbatches, config.num_rank_groups, g,
@@ -283,9 +311,10 @@ def _split_bound(ctx: PlanningContext, config) -> Callable[[Sequence[int]], floa
 
     @functools.lru_cache(maxsize=None)
     def fits(start: int, stop: int, stage: int, recompute: bool) -> bool:
-        return device_memory(costs, [(start, stop)], in_flight=in_flight[stage], optimizer=options.optimizer,
+        return device_memory(tables[stage], [(start, stop)], in_flight=in_flight[stage], optimizer=options.optimizer,
                              recompute=recompute, mixed_precision=options.mixed_precision,
-                             num_replicas=config.replicas, num_microbatches=config.num_microbatches).total_bytes <= limit
+                             num_replicas=config.replicas_of(stage),
+                             num_microbatches=config.num_microbatches).total_bytes <= limit
 
     def bound(nodes: Sequence[int]) -> float:
         stages = [(nodes[s], nodes[s + 1]) for s in range(config.num_stages)]
@@ -295,8 +324,8 @@ def _split_bound(ctx: PlanningContext, config) -> Callable[[Sequence[int]], floa
             recompute = [not fits(a, b, s, False) for s, (a, b) in enumerate(stages)]
             if any(r and not fits(a, b, s, True) for s, ((a, b), r) in enumerate(zip(stages, recompute))):
                 return float("inf")
-        return _step_lower_bound_s(config, [compute[b] - compute[a] + (forward[b] - forward[a] if r else 0.0)
-                                            for (a, b), r in zip(stages, recompute)])
+        return _step_lower_bound_s(config, [compute[s][b] - compute[s][a] + (forward[s][b] - forward[s][a] if r else 0.0)
+                                            for s, ((a, b), r) in enumerate(zip(stages, recompute))])
 
     return bound
 
@@ -338,8 +367,7 @@ def _draft_plan(ctx: PlanningContext, config, node_boundaries, recompute, method
     """The Plan with predicted stage times and memory, its step not yet simulated."""
     import partita
 
-    costs = ctx.costs_at(config.microbatch_size)
-    return build_plan(ctx.graph, costs, config, node_boundaries, recompute, ctx.options,
+    return build_plan(ctx.graph, ctx.costs_at, config, node_boundaries, recompute, ctx.options,
                       cluster_dict=ctx.cluster.to_dict(), method=method, resolved_options=ctx.resolved,
                       versions=(partita.__version__, torch.__version__))
 
@@ -510,10 +538,11 @@ def same_config(like: Plan | Config) -> Config:
     its rank groups, replicas, schedule, virtual stages and micro-batches; recomputation per stage,
     as needed (off under ZBV)."""
     if isinstance(like, Plan):
-        like = Config(replicas=like.stages[0].num_replicas, num_rank_groups=like.num_rank_groups,
+        counts = tuple(s.num_replicas for s in like.stages)
+        like = Config(replicas=min(counts), num_rank_groups=like.num_rank_groups,
                       schedule=like.schedule, virtual_stages=like.num_stages // like.num_rank_groups,
                       num_microbatches=like.num_microbatches, microbatch_size=like.microbatch_size,
-                      recompute_mode=None)
+                      recompute_mode=None, stage_replicas=() if like.uniform_replicas else counts)
     return dataclasses.replace(like, recompute_mode=None if recompute_allowed(like.schedule) else False)
 
 

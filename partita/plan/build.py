@@ -5,34 +5,52 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 from partita.cost.memory import device_memory, microbatches_in_flight
+from partita.errors import InputError
 from partita.plan.search import Config, SearchOptions
 from partita.types import CostTable, OpGraph, Plan, StagePlan
 
 
 def stage_ranks(config: Config) -> list[tuple[int, ...]]:
-    """Ranks of each rank group: group g holds ranks [g*r, (g+1)*r), so a group's replicas and
-    neighbouring groups sit in the same node whenever the node is large enough."""
-    r = config.replicas
-    return [tuple(range(g * r, (g + 1) * r)) for g in range(config.num_rank_groups)]
+    """Ranks of each rank group: consecutive blocks, group g after groups 0 .. g-1 (uniform:
+    [g*r, (g+1)*r)), so a group's replicas and neighbouring groups sit in the same node whenever
+    the node is large enough. Uneven configs have one stage per rank group."""
+    counts = [config.replicas_of(g) for g in range(config.num_rank_groups)]
+    starts = [sum(counts[:g]) for g in range(config.num_rank_groups)]
+    return [tuple(range(start, start + r)) for start, r in zip(starts, counts)]
 
 
-def rank_group_memory(costs: CostTable, config: Config, options: SearchOptions, ranges_by_group: Mapping[int, list],
-                      recompute_by_group: Mapping[int, bool]) -> dict[int, int]:
-    """Exact predicted peak bytes per rank group (all of the group's virtual stages together)."""
+def stage_tables(costs: CostTable | Callable[[int], CostTable], config: Config) -> list[CostTable]:
+    """The CostTable of each stage at its replicas' micro-batch size (``Config.microbatch_size_of``).
+
+    ``costs`` is a function micro-batch size -> CostTable, or one CostTable when every stage runs
+    at ``config.microbatch_size`` (uniform configs)."""
+    if isinstance(costs, CostTable):
+        if config.stage_replicas:
+            raise InputError("an uneven config runs its stages at different micro-batch sizes: pass a function "
+                             "microbatch_size -> CostTable, not one CostTable")
+        return [costs] * config.num_stages
+    by_size = {size: costs(size) for size in sorted({config.microbatch_size_of(s) for s in range(config.num_stages)})}
+    return [by_size[config.microbatch_size_of(s)] for s in range(config.num_stages)]
+
+
+def rank_group_memory(tables: Sequence[CostTable], config: Config, options: SearchOptions,
+                      ranges_by_group: Mapping[int, list], recompute_by_group: Mapping[int, bool]) -> dict[int, int]:
+    """Exact predicted peak bytes per rank group (all of the group's virtual stages together).
+    ``tables[s]``: stage s's CostTable (``stage_tables``); a rank group's stages share one size."""
     result = {}
     for g, ranges in ranges_by_group.items():
         in_flight = microbatches_in_flight(config.schedule, config.num_microbatches, config.num_rank_groups, g,
                                            config.virtual_stages)
-        mem = device_memory(costs, ranges, in_flight=in_flight, optimizer=options.optimizer,
+        mem = device_memory(tables[g], ranges, in_flight=in_flight, optimizer=options.optimizer,
                             recompute=recompute_by_group[g], mixed_precision=options.mixed_precision,
-                            num_replicas=config.replicas, num_microbatches=config.num_microbatches)
+                            num_replicas=config.replicas_of(g), num_microbatches=config.num_microbatches)
         result[g] = mem.total_bytes
     return result
 
 
 def build_plan(
     graph: OpGraph,
-    costs: CostTable,
+    costs: CostTable | Callable[[int], CostTable],
     config: Config,
     node_boundaries: Sequence[int],
     recompute: Sequence[bool],
@@ -43,19 +61,23 @@ def build_plan(
     resolved_options: Mapping[str, Any],
     versions: tuple[str, str],
 ) -> Plan:
-    """A Plan with predicted per-stage times and memory (the step time is filled in by simulation)."""
+    """A Plan with predicted per-stage times and memory (the step time is filled in by simulation).
+
+    ``costs``: see ``stage_tables``."""
     groups = stage_ranks(config)
+    tables = stage_tables(costs, config)
     ranges_by_group: dict[int, list] = {}
     recompute_by_group: dict[int, bool] = {}
     for s in range(config.num_stages):
         g = config.rank_group_of(s)
         ranges_by_group.setdefault(g, []).append((node_boundaries[s], node_boundaries[s + 1]))
         recompute_by_group[g] = recompute_by_group.get(g, False) or bool(recompute[s])
-    memory = rank_group_memory(costs, config, options, ranges_by_group, recompute_by_group)
+    memory = rank_group_memory(tables, config, options, ranges_by_group, recompute_by_group)
     stages = []
     for s in range(config.num_stages):
         start, stop = int(node_boundaries[s]), int(node_boundaries[s + 1])
         g = config.rank_group_of(s)
+        costs = tables[s]
         held = costs.params_in_range(start, stop)
         stages.append(StagePlan(
             index=s, start=start, stop=stop,

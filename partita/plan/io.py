@@ -204,10 +204,11 @@ def _check_rank_groups(plan: Plan, source: str) -> None:
 
 def _check_batch(plan: Plan, source: str) -> None:
     b, m, mb = plan.global_batch_size, plan.num_microbatches, plan.microbatch_size
-    r0 = plan.stages[0].num_replicas
-    if m < 1 or mb < 1 or b != m * mb * r0:
+    fewest = min(s.num_replicas for s in plan.stages)
+    if m < 1 or mb < 1 or b != m * mb * fewest:
         raise PlanFileError(
-            f"{source}: global_batch_size {b} != num_microbatches {m} x microbatch_size {mb} x replicas of stage 0 ({r0})"
+            f"{source}: global_batch_size {b} != num_microbatches {m} x microbatch_size {mb} x the fewest replicas of "
+            f"a stage ({fewest})"
         )
     for k, s in enumerate(plan.stages):
         if (b // m) % s.num_replicas:

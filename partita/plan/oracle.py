@@ -1,7 +1,8 @@
 """Brute force over every split of the block chain, for tests on small instances only.
 
-It tries every config the options allow and every way to cut the chain into the config's
-number of stages; recomputation is switched on exactly for the stages that would not fit
+It tries every config the options allow (with ``uniform_replicas=False`` also every vector of
+per-stage replica counts of every uneven shape, ``partita.plan.uneven``) and every way to cut
+the chain into the config's number of stages; recomputation is switched on exactly for the stages that would not fit
 without it (recomputation only adds time, so this choice is optimal per stage). Each
 candidate is simulated on its schedule; the shortest step that fits wins.
 """
@@ -12,6 +13,7 @@ import itertools
 from typing import Callable, Iterator
 
 from partita.plan.search import Config, SearchOptions, enumerate_configs
+from partita.plan.uneven import enumerate_shapes
 from partita.types import Plan
 
 # (config, node boundaries, recompute per stage, method) -> simulated Plan, or None if it does not fit
@@ -28,7 +30,7 @@ def brute_force(options: SearchOptions, chain: list[int], evaluate: Evaluate, st
     returns per-stage fit flags used to decide recomputation."""
     best: Plan | None = None
     num_blocks = len(chain) - 1
-    for config in enumerate_configs(options, num_blocks):
+    for config in all_configs(options, num_blocks):
         for split in all_splits(num_blocks, config.num_stages):
             nodes = [chain[b] for b in split]
             recompute = _recompute_needed(config, nodes, stage_fits)
@@ -38,6 +40,21 @@ def brute_force(options: SearchOptions, chain: list[int], evaluate: Evaluate, st
             if p is not None and (best is None or p.predicted_step_s < best.predicted_step_s):
                 best = p
     return best
+
+
+def all_configs(options: SearchOptions, num_blocks: int) -> Iterator[Config]:
+    """The uniform configs, then (``uniform_replicas=False``) every uneven one: each replica vector
+    over the stages whose counts divide the micro-batch, are not all equal and use at most N devices."""
+    yield from enumerate_configs(options, num_blocks)
+    if options.uniform_replicas:
+        return
+    for schedule, num_stages, m, mode in enumerate_shapes(options, num_blocks):
+        samples = options.global_batch_size // m
+        counts = [r for r in range(1, options.num_devices + 1) if samples % r == 0]
+        for replicas in itertools.product(counts, repeat=num_stages):
+            if len(set(replicas)) > 1 and sum(replicas) <= options.num_devices:
+                fewest = min(replicas)
+                yield Config(fewest, num_stages, schedule, 1, m, samples // fewest, mode, stage_replicas=replicas)
 
 
 def _recompute_needed(config: Config, nodes: list[int], stage_fits: Callable) -> list[bool] | None:

@@ -15,7 +15,7 @@ Driver: for every config allowed by the options, build the stage-cost matrices (
 ``inf`` where the stage does not fit in memory) from the block costs at the config's micro-batch
 size, let :mod:`partita.plan.partition` propose splits (one per candidate bottleneck; every split
 for small chains with several stages per rank group, see EXHAUSTIVE_SPLITS), estimate
-each with a closed form (``_estimate``; L_g: a rank group's time per micro-batch), and keep the best few; then the caller simulates them on the real schedule.
+each with a closed form (``estimate_step``; L_g: a rank group's time per micro-batch), and keep the best few; then the caller simulates them on the real schedule.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class SearchOptions:
     schedules: tuple[Schedule, ...] = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B, Schedule.ZBV)
     num_stages: int | None = None  # rank groups (pipeline depth in devices)
     replicas: int | None = None  # devices per rank group
+    uniform_replicas: bool = True  # False: also search uneven replica counts (partita.plan.uneven)
     num_microbatches: int | None = None
     recompute: bool | None = None
     interleaved_virtual_stages: tuple[int, ...] = (2,)
@@ -69,17 +70,31 @@ class SearchOptions:
 
 @dataclass(frozen=True)
 class Config:
-    replicas: int
+    replicas: int  # devices per rank group; with stage_replicas, the fewest of them
     num_rank_groups: int
     schedule: Schedule
     virtual_stages: int
     num_microbatches: int
-    microbatch_size: int  # samples per micro-batch per replica
+    microbatch_size: int  # samples per micro-batch per replica (with stage_replicas: of a stage with the fewest)
     recompute_mode: bool | None  # None: per stage, as needed; True/False: every stage
+    # Uneven configs (partita.plan.uneven): the replicas of each stage, one stage per rank group;
+    # empty when every rank group has ``replicas`` devices.
+    stage_replicas: tuple[int, ...] = ()
 
     @property
     def num_stages(self) -> int:
         return self.num_rank_groups * self.virtual_stages
+
+    @property
+    def num_devices(self) -> int:
+        return sum(self.stage_replicas) if self.stage_replicas else self.replicas * self.num_rank_groups
+
+    def replicas_of(self, stage: int) -> int:
+        return self.stage_replicas[stage] if self.stage_replicas else self.replicas
+
+    def microbatch_size_of(self, stage: int) -> int:
+        """Samples per micro-batch of each replica of ``stage``: the micro-batch split over its replicas."""
+        return self.microbatch_size * self.replicas // self.replicas_of(stage)
 
     def rank_group_of(self, stage: int) -> int:
         g = self.num_rank_groups
@@ -102,7 +117,7 @@ class Candidate:
 def enumerate_configs(options: SearchOptions, num_blocks: int) -> Iterator[Config]:
     """Every config the options allow, in a fixed order (deterministic results)."""
     n, batch = options.num_devices, options.global_batch_size
-    for r in _divisors(n) if options.replicas is None else [options.replicas]:
+    for r in divisors(n) if options.replicas is None else [options.replicas]:
         if batch % r or r > n:
             continue
         groups = range(1, n // r + 1) if options.num_stages is None else [options.num_stages]
@@ -113,7 +128,7 @@ def enumerate_configs(options: SearchOptions, num_blocks: int) -> Iterator[Confi
                 if g * v > num_blocks:
                     continue
                 for m in _microbatch_counts(options, batch // r, g, schedule):
-                    if not _schedule_accepts(schedule, m, g, g * v):
+                    if not schedule_accepts(schedule, m, g, g * v):
                         continue
                     for mode in _recompute_modes(options, schedule, v):
                         yield Config(r, g, schedule, v, m, batch // (r * m), mode)
@@ -135,7 +150,7 @@ def _microbatch_counts(options: SearchOptions, samples: int, num_groups: int, sc
     if options.num_microbatches is not None:
         counts = [options.num_microbatches] if samples % options.num_microbatches == 0 else []
     else:
-        counts = _divisors(samples)
+        counts = divisors(samples)
     if options.num_microbatches is None and len(counts) > options.max_microbatch_choices:
         # Prefer m around a few times the pipeline depth (small bubble, not too small micro-batches).
         target = 4 * num_groups
@@ -144,7 +159,7 @@ def _microbatch_counts(options: SearchOptions, samples: int, num_groups: int, sc
     return counts
 
 
-def _schedule_accepts(schedule: Schedule, m: int, num_groups: int, num_stages: int) -> bool:
+def schedule_accepts(schedule: Schedule, m: int, num_groups: int, num_stages: int) -> bool:
     """Whether torch's schedule runs this (e.g. 1F1B needs m >= stages)."""
     try:
         check_schedule(schedule, m, num_groups, num_stages)
@@ -166,7 +181,7 @@ def _recompute_modes(options: SearchOptions, schedule: Schedule, virtual_stages:
     return [None] if virtual_stages == 1 else [False, True]
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -267,7 +282,7 @@ def search_config(blocks: BlockCosts, config: Config, options: SearchOptions, cl
             continue  # only the exhaustive enumeration proposes splits with a stage that does not fit
         recompute = tuple(bool(per_stage[s][1][boundaries[s], boundaries[s + 1]]) for s in range(num_stages))
         sends = sum(float(costs.send[b]) for b in boundaries[1:-1])
-        found.append(Candidate(config, tuple(boundaries), recompute, _estimate(config, times) + sends))
+        found.append(Candidate(config, tuple(boundaries), recompute, estimate_step(config, times) + sends))
     key = lambda c: (c.estimate_s, c.boundaries)  # noqa: E731
     if every_split:
         found = heapq.nsmallest(SPLITS_KEPT, found, key=key)
@@ -276,7 +291,7 @@ def search_config(blocks: BlockCosts, config: Config, options: SearchOptions, cl
     return heapq.nsmallest(keep, found, key=key)
 
 
-def _estimate(config: Config, stage_times: Sequence[float]) -> float:
+def estimate_step(config: Config, stage_times: Sequence[float]) -> float:
     """Closed-form step: ``(m - 1)·max_g L_g + sum_g L_g`` with one stage per rank group (exact
     for GPipe/1F1B without communication); with ``v`` stages per group the fill and drain
     shrink to ``(G - 1)·max_g L_g / v`` after the ``m`` rounds of the busiest group."""
@@ -322,7 +337,7 @@ def search(
             if len(best_v1) == num_best:
                 bound = -best_v1[0]
     found = [c for c in found if c.estimate_s <= bound]
-    found.sort(key=_sort_key)
+    found.sort(key=sort_key)
     return found
 
 
@@ -349,7 +364,7 @@ def _estimate_lower_bound(blocks: BlockCosts, config: Config) -> float:
     return ((m - 1) * total / g + total / v) * (1 - 1e-9)
 
 
-def _sort_key(c: Candidate) -> tuple:
+def sort_key(c: Candidate) -> tuple:
     cfg = c.config
-    return (c.estimate_s, cfg.num_rank_groups, cfg.replicas, cfg.schedule.value, cfg.virtual_stages,
-            cfg.num_microbatches, str(cfg.recompute_mode), c.boundaries)
+    return (c.estimate_s, cfg.num_rank_groups, cfg.replicas, cfg.stage_replicas, cfg.schedule.value,
+            cfg.virtual_stages, cfg.num_microbatches, str(cfg.recompute_mode), c.boundaries)

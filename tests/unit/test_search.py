@@ -59,7 +59,7 @@ def oracle(ctx: PlanningContext):
         return finish_plan(ctx, config, nodes, recompute, method)
 
     def stage_fits(config, nodes, recompute):
-        p = build_plan(ctx.graph, ctx.costs_at(config.microbatch_size), config, nodes, recompute, ctx.options,
+        p = build_plan(ctx.graph, ctx.costs_at, config, nodes, recompute, ctx.options,
                        cluster_dict=ctx.cluster.to_dict(), method="x", resolved_options={}, versions=("", ""))
         return [s.memory_bytes <= ctx.options.memory_limit_bytes for s in p.stages]
 

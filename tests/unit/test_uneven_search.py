@@ -1,0 +1,113 @@
+"""Uneven replica counts per stage (uniform_replicas=False): the device-axis DP against brute force."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from partita.cost.cluster import Cluster
+from partita.errors import InputError
+from partita.plan.io import load_plan, plan_to_json
+from partita.plan.search import SearchOptions
+from partita.plan.simulate import simulate
+from partita.planner import PlanningContext, best_plan, plan
+from partita.types import OptimizerKind, Schedule
+from test_search import oracle, random_instance
+
+
+def uneven_instance(seed: int) -> PlanningContext:
+    """A random chain of 2-6 nodes (test_search.random_instance) on 2-6 devices, uneven replicas allowed."""
+    ctx = random_instance(seed, (2, 7))
+    n = 2 + seed % 5
+    cluster = Cluster(device="h100", num_devices=n, devices_per_node=8, memory_bytes=ctx.cluster.memory_bytes)
+    options = dataclasses.replace(ctx.options, num_devices=n, uniform_replicas=False)
+    return PlanningContext(ctx.graph, cluster, options, ctx.costs_at, ctx.chain, {})
+
+
+def uniform(ctx: PlanningContext) -> PlanningContext:
+    return dataclasses.replace(ctx, options=dataclasses.replace(ctx.options, uniform_replicas=True))
+
+
+@pytest.fixture(scope="module")
+def solved():
+    """(context, best_plan, oracle, best uniform plan) of 200 random instances."""
+    return [(ctx, best_plan(ctx), oracle(ctx), best_plan(uniform(ctx))) for ctx in map(uneven_instance, range(200))]
+
+
+def test_uneven_search_matches_brute_force(solved):
+    """Within 1% of the optimum over every split, schedule, micro-batch count and replica vector;
+    memory always fits; a plan whenever one exists."""
+    ratios = []
+    for seed, (ctx, found, best, _) in enumerate(solved):
+        assert (found is None) == (best is None), seed
+        if best is None:
+            continue
+        ratios.append(found.predicted_step_s / best.predicted_step_s)
+        assert all(s.memory_bytes <= ctx.options.memory_limit_bytes for s in found.stages), seed
+    ratios = np.array(ratios)
+    assert len(ratios) >= 100
+    assert ratios.min() >= 1 - 1e-9
+    assert ratios.max() <= 1.01, (np.argmax(ratios), ratios.max())
+
+
+def test_uneven_plans_are_never_slower_and_often_faster_than_uniform(solved):
+    faster = 0
+    for seed, (ctx, found, _, flat) in enumerate(solved):
+        if flat is None:
+            continue
+        assert found.predicted_step_s <= flat.predicted_step_s * (1 + 1e-12), seed
+        faster += found.predicted_step_s < flat.predicted_step_s * 0.99
+    assert faster >= 40  # 3, 5 and 6 devices hold no pp x dp mesh of every shape
+
+
+def test_uneven_plan_layout(solved):
+    """Consecutive ranks per stage, each count divides the micro-batch, one stage per rank group,
+    GPipe or 1F1B, and the simulator sees each stage at its own per-replica micro-batch size."""
+    num_uneven = 0
+    for ctx, found, _, _ in solved:
+        if found is None or found.uniform_replicas:
+            continue
+        num_uneven += 1
+        assert found.schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+        assert found.num_stages == found.num_rank_groups
+        samples = found.global_batch_size // found.num_microbatches
+        ranks = [r for s in found.stages for r in s.ranks]
+        assert ranks == list(range(len(ranks))) and len(ranks) <= ctx.options.num_devices
+        assert all(samples % s.num_replicas == 0 for s in found.stages)
+        assert found.microbatch_size == samples // min(s.num_replicas for s in found.stages)
+        for s in found.stages:
+            table = ctx.costs_at(samples // s.num_replicas)
+            assert s.forward_s == pytest.approx(float(table.forward_s[s.start:s.stop].sum()))
+        assert simulate(found, ctx.costs_at, ctx.cluster).step_s == pytest.approx(found.predicted_step_s)
+    assert num_uneven >= 40
+
+
+def test_uneven_plan_round_trips_and_is_deterministic(tmp_path, solved):
+    ctx, found = next((ctx, p) for ctx, p, _, _ in solved if p is not None and not p.uniform_replicas)
+    again = best_plan(ctx)
+    assert plan_to_json(found) == plan_to_json(again)
+    path = tmp_path / "plan.json"
+    found.save(str(path))
+    assert load_plan(str(path)) == found
+
+
+def test_pinned_replicas_conflict_with_uneven_replicas():
+    ctx = uneven_instance(3)
+    cluster = ctx.cluster
+    with pytest.raises(InputError, match="replicas=2 pins the same replica count"):
+        plan(ctx.graph, cluster=cluster, global_batch_size=8, replicas=2, uniform_replicas=False)
+
+
+def test_uneven_search_refuses_clusters_beyond_its_device_axis():
+    ctx = uneven_instance(3)
+    big = Cluster(device="h100", num_devices=128, devices_per_node=8, memory_bytes=80 * 2**30)
+    with pytest.raises(InputError, match="up to 64 devices"):
+        plan(ctx.graph, cluster=big, global_batch_size=8, uniform_replicas=False)
+
+
+def test_uneven_search_respects_pinned_choices():
+    ctx = uneven_instance(4)
+    pinned = SearchOptions(**{**ctx.options.__dict__, "schedules": (Schedule.ONE_F_ONE_B,), "num_microbatches": 2,
+                              "num_stages": 2, "optimizer": OptimizerKind.ADAM})
+    p = best_plan(dataclasses.replace(ctx, options=pinned))
+    assert p is not None and p.schedule is Schedule.ONE_F_ONE_B and p.num_microbatches == 2 and p.num_stages == 2
