@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from partita.report.format import fmt_replicas
+
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
@@ -62,7 +64,7 @@ def config_text(p, *, always_recompute: bool = False) -> str:
     v = p.num_stages // p.num_rank_groups
     rc = sum(s.recompute for s in p.stages)
     recompute = f" rc={rc}/{p.num_stages}" if always_recompute else (f" rc={rc}" if rc else "")
-    return (f"{p.num_rank_groups}x{p.stages[0].num_replicas}{f' v={v}' if v > 1 else ''} {p.schedule.value} "
+    return (f"{p.num_rank_groups}x{fmt_replicas(p)}{f' v={v}' if v > 1 else ''} {p.schedule.value} "
             f"m={p.num_microbatches} mb={p.microbatch_size}{recompute}")
 
 

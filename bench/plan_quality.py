@@ -44,7 +44,7 @@ from partita.plan.baselines import BASELINES, baseline_boundaries
 from partita.plan.chain import legal_cuts
 from partita.plan.search import enumerate_configs
 from partita.planner import _fit_with_recompute, baseline_plans, best_plan, planning_context
-from partita.report.format import fmt_seconds
+from partita.report.format import fmt_replicas, fmt_seconds
 
 GIB = 2**30
 
@@ -154,7 +154,7 @@ def ratio(p, reference, splittable: bool = True) -> str:
 def config_text(p) -> str:
     recompute = sum(s.recompute for s in p.stages)
     v = p.num_stages // p.num_rank_groups
-    return (f"{p.num_rank_groups}x{p.stages[0].num_replicas}{f' (v={v})' if v > 1 else ''} {p.schedule.value} "
+    return (f"{p.num_rank_groups}x{fmt_replicas(p)}{f' (v={v})' if v > 1 else ''} {p.schedule.value} "
             f"m={p.num_microbatches} rc={recompute}/{p.num_stages}")
 
 

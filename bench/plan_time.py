@@ -36,6 +36,7 @@ import partita
 from partita import examples
 from partita.cost.analytic import analytic_costs
 from partita.planner import best_plan, planning_context
+from partita.report.format import fmt_replicas
 
 TARGET_S = 60.0
 
@@ -134,7 +135,7 @@ def config_text(plan) -> str:
     if plan is None:
         return "no plan fits"
     recompute = sum(s.recompute for s in plan.stages)
-    return (f"{plan.num_rank_groups} x {plan.stages[0].num_replicas} ({plan.num_devices} dev), {plan.schedule.value}, "
+    return (f"{plan.num_rank_groups} x {fmt_replicas(plan)} ({plan.num_devices} dev), {plan.schedule.value}, "
             f"m={plan.num_microbatches}, {plan.num_stages} stages, recompute {recompute}/{plan.num_stages}, "
             f"step {plan.predicted_step_s:.3f} s")
 

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
     plan.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
     plan.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
+    plan.add_argument("--uneven-replicas", action="store_true",
+                      help="also search plans whose stages have different replica counts (GPipe/1F1B, <= 64 devices)")
     plan.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
     plan.add_argument("--recompute", default=None, choices=["yes", "no"], help="pin activation recomputation")
     plan.add_argument("--optimizer", default="adam", help="adam, sgd-momentum or sgd (sets optimizer-state memory)")
@@ -74,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
     train.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
     train.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
+    train.add_argument("--uneven-replicas", action="store_true",
+                      help="also search plans whose stages have different replica counts (GPipe/1F1B, <= 64 devices)")
     train.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
     train.add_argument("--checkpoint-dir", default=None, help="write checkpoints here (step-NNNNNN)")
     train.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: at the end)")
@@ -154,7 +158,7 @@ def _plan(args: argparse.Namespace) -> int:
         loss_fn=example.loss_fn, target=example.target, optimizer=args.optimizer, schedules=None,
         schedule=args.schedule, num_stages=args.num_stages, replicas=args.replicas,
         num_microbatches=args.microbatches, recompute=None if args.recompute is None else args.recompute == "yes",
-        uniform_replicas=True, mixed_precision=False, costs=args.costs, max_blocks=128, cache_dir=args.cache_dir,
+        uniform_replicas=not args.uneven_replicas, mixed_precision=False, costs=args.costs, max_blocks=128, cache_dir=args.cache_dir,
     )
     best = best_plan(ctx)
     if best is None:
@@ -213,6 +217,7 @@ def _plan_for_training(args: argparse.Namespace):
 
     import partita
     from partita.cost.cluster import Cluster
+    from partita.report.format import fmt_layout
 
     example = _load(args)
     graph = _capture(example)
@@ -220,12 +225,12 @@ def _plan_for_training(args: argparse.Namespace):
     plan = partita.plan(graph, example.args, example.kwargs,
                         loss_fn=example.loss_fn, target=example.target, cluster=cluster,
                         global_batch_size=args.global_batch, schedule=args.schedule, num_stages=args.num_stages,
-                        replicas=args.replicas, num_microbatches=args.microbatches, cache_dir=args.cache_dir)
+                        replicas=args.replicas, num_microbatches=args.microbatches, cache_dir=args.cache_dir,
+                        uniform_replicas=not args.uneven_replicas)
     path = args.plan_out or os.path.join(tempfile.mkdtemp(prefix="partita-"), "plan.json")
     plan.save(path)
-    print(f"plan for {args.nproc} processes ({plan.cost_source} costs): {plan.num_stages} stages, "
-          f"{plan.num_rank_groups} x {plan.stages[0].num_replicas} (pipeline x replicas), {plan.schedule.value}, "
-          f"{plan.num_microbatches} micro-batches; predicted step {plan.predicted_step_s * 1e3:.1f} ms; written to {path}")
+    print(f"plan for {args.nproc} processes ({plan.cost_source} costs): {plan.num_stages} stages on "
+          f"{fmt_layout(plan)}, {plan.schedule.value}, {plan.num_microbatches} micro-batches; predicted step {plan.predicted_step_s * 1e3:.1f} ms; written to {path}")
     for s in plan.stages:
         print(f"  stage {s.index}: ranks {list(s.ranks)}  {s.module_range}  "
               f"(nodes {s.start}..{s.stop - 1}, recompute {'yes' if s.recompute else 'no'})")

@@ -19,7 +19,7 @@ from partita.cost.cluster import Cluster
 from partita.cost.memory import device_memory, microbatches_in_flight
 from partita.errors import InfeasiblePlanError, InputError
 from partita.plan.build import block_to_node_boundaries, build_plan, fits, stage_tables
-from partita.plan.chain import block_costs, coarsen
+from partita.plan.chain import block_costs, coarsen, per_sample_cuts
 from partita.plan.search import Candidate, Config, SearchOptions, sort_key, recompute_allowed, search
 from partita.plan.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
 from partita.plan.uneven import search_uneven
@@ -46,6 +46,11 @@ class PlanningContext:
     costs_at: Callable[[int], CostTable]
     chain: Any  # block boundaries in node positions
     resolved: dict
+
+    @functools.cached_property
+    def per_sample_cuts(self) -> np.ndarray:
+        """``partita.plan.chain.per_sample_cuts`` of the graph: where replica counts may change."""
+        return per_sample_cuts(self.graph)
 
 
 def plan(
@@ -77,7 +82,13 @@ def plan(
     rest. ZBV plans never recompute (torch's ZBV keeps recomputed activations alive between the
     input- and weight-gradient passes, beyond what the memory model counts): with
     ``recompute=True`` the search leaves ZBV out, and InputError is raised when ZBV is the only
-    schedule allowed. Raises InfeasiblePlanError when nothing fits, saying what would.
+    schedule allowed.
+
+    ``uniform_replicas=False`` also searches plans whose stages have different replica counts
+    (``partita.plan.uneven``: GPipe or 1F1B, one stage per rank group, each count dividing the
+    micro-batch; clusters of at most 64 devices); it cannot be combined with ``replicas``.
+
+    Raises InfeasiblePlanError when nothing fits, saying what would.
     """
     ctx = planning_context(model, args, kwargs, cluster=cluster, global_batch_size=global_batch_size,
                            loss_fn=loss_fn, target=target, optimizer=optimizer, schedules=schedules,
@@ -140,7 +151,10 @@ def _check_uneven(uniform_replicas: bool, replicas: int | None, cluster: Cluster
 def best_plan(ctx: PlanningContext, *, num_simulated: int = NUM_SIMULATED) -> Plan | None:
     blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
     num_blocks = len(ctx.chain) - 1
-    uneven = [] if ctx.options.uniform_replicas else search_uneven(blocks_at, ctx.options, ctx.cluster, num_blocks)
+    uneven = []
+    if not ctx.options.uniform_replicas and ctx.options.num_devices <= UNEVEN_MAX_DEVICES:  # more: infeasible_error's trials
+        uneven = search_uneven(blocks_at, ctx.options, ctx.cluster, num_blocks,
+                               cuttable=ctx.per_sample_cuts[np.asarray(ctx.chain)])
     if num_blocks <= 16:  # small chains: simulate every candidate, refine every config
         candidates = _merged(search(blocks_at, ctx.options, ctx.cluster, num_blocks), uneven)
         simulated, candidate_of = _simulate_fitting(ctx, candidates)
@@ -359,6 +373,8 @@ def plan_from_candidate(ctx: PlanningContext, candidate: Candidate, method: str 
 
 
 def finish_plan(ctx: PlanningContext, config, node_boundaries, recompute, method: str) -> Plan | None:
+    if not _routable(ctx, config, node_boundaries):
+        return None
     p = _draft_plan(ctx, config, node_boundaries, recompute, method)
     return _simulated(ctx, p) if fits(p, ctx.options.memory_limit_bytes) else None
 
@@ -567,6 +583,8 @@ def _fit_with_recompute(ctx: PlanningContext, config, boundaries: list[int], met
     With ``step_to_beat``, also None (without simulating) when ``_step_lower_bound_s`` shows that
     the plan cannot be faster than that.
     """
+    if not _routable(ctx, config, boundaries):
+        return None
     pinned = ctx.options.recompute if mode is None else mode
     limit = ctx.options.memory_limit_bytes
     recompute = [bool(pinned)] * config.num_stages
@@ -584,6 +602,16 @@ def _fit_with_recompute(ctx: PlanningContext, config, boundaries: list[int], met
     if step_to_beat is not None and _cannot_beat(_draft_lower_bound_s(config, draft, final), step_to_beat):
         return None
     return _simulated(ctx, draft)
+
+
+def _routable(ctx: PlanningContext, config, node_boundaries: Sequence[int]) -> bool:
+    """Whether every cut between stages with different replica counts splits by sample (the
+    runtime cannot route a merged batch dim such as ``(B*T, H)`` between them)."""
+    if not config.stage_replicas:
+        return True
+    counts = config.stage_replicas
+    return all(counts[k] == counts[k + 1] or ctx.per_sample_cuts[node_boundaries[k + 1]]
+               for k in range(len(counts) - 1))
 
 
 def _draft_lower_bound_s(config, draft: Plan, recompute: Sequence[bool]) -> float:

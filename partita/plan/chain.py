@@ -81,6 +81,27 @@ def legal_cuts(graph: OpGraph) -> np.ndarray:
     return legal
 
 
+def per_sample_cuts(graph: OpGraph) -> np.ndarray:
+    """bool[num_nodes + 1]: whether every tensor crossing cut c can be split by sample, so that
+    the stages on its two sides may have different replica counts (``partita.plan.uneven``).
+
+    A crossing tensor splits by sample when it has no batch dim (sent whole) or its batch dim's
+    size is the batch itself. A batch dim of several batch entries merged (``(B*T, H)`` from a
+    reshape) may or may not be batch-major, which shapes do not tell: cuts it crosses are False
+    (the runtime refuses them between different replica counts). Conservative: a view that the
+    runtime would re-make in the next stage instead of sending counts as crossing.
+    """
+    num_nodes = graph.num_nodes
+    blocked = np.zeros(num_nodes + 2, dtype=np.int64)  # difference array over cuts
+    for node in graph.nodes:
+        p, last = node.index, max(node.consumers, default=-1)
+        if last > p and any(t.batch_dim is not None and t.shape[t.batch_dim] != graph.batch_size
+                            for t in node.outputs):
+            blocked[p + 1] += 1
+            blocked[last + 1] -= 1
+    return np.cumsum(blocked)[: num_nodes + 1] == 0
+
+
 def _storage(graph: OpGraph) -> tuple[list[int | None], np.ndarray]:
     """Per node: its storage root (node index, ``-(j + 1)`` for graph input j, None for a view
     of a parameter or constant), and whether it is a view of a parameter."""

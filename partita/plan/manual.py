@@ -9,6 +9,14 @@ a searched one. It carries no predictions (times and memory are 0), only what th
 Stage ``k`` runs on rank group ``stage_rank_groups(schedule, G, S)[k]`` (the placement torch's
 schedules use: ``k % G``, or the V shape for ZBV); rank group ``g`` holds ranks
 ``[g * replicas, (g + 1) * replicas)`` as in ``partita.plan.build.stage_ranks``.
+
+Uneven plans give each rank group its own replica count, ``replicas=(2, 1)``: GPipe or 1F1B only
+(one stage per rank group). Rank group ``g``'s ranks follow those of the groups before it
+(``[r_0 + ... + r_{g-1}, r_0 + ... + r_g)``), and each micro-batch of ``B / m`` samples is split
+evenly over a stage's replicas (see ``partita.runtime.uneven``)::
+
+    plan = manual_plan(graph, [0, 80, graph.num_nodes], schedule="1f1b", num_rank_groups=2,
+                       replicas=(2, 1), num_microbatches=2, global_batch_size=8)   # ranks (0, 1), (2,)
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ def manual_plan(
     num_rank_groups: int,
     num_microbatches: int,
     global_batch_size: int,
-    replicas: int = 1,
+    replicas: int | Sequence[int] = 1,
     recompute: bool | Sequence[bool] = False,
     cluster: Mapping[str, Any] | None = None,
 ) -> Plan:
@@ -41,51 +49,83 @@ def manual_plan(
         boundaries: node positions, strictly increasing from 0 to ``graph.num_nodes``.
         schedule: a ``Schedule`` or its name ("gpipe", "1f1b", "interleaved1f1b", "zbv").
         num_rank_groups: pipeline depth G; ``len(boundaries) - 1`` stages are placed on them.
-        replicas: data-parallel replicas of every stage (uniform plans only).
-        num_microbatches: micro-batches per replica per step.
+        replicas: data-parallel replicas of every stage, or one count per rank group (uneven
+            plans: GPipe and 1F1B only).
+        num_microbatches: micro-batches per step (every replica of a stage runs each of them).
         global_batch_size: samples per step over all replicas; must be a multiple of
-            ``num_microbatches * replicas``.
+            ``num_microbatches * r`` for every replica count ``r``.
         recompute: activation recomputation, for all stages or per stage.
-        cluster: ``Cluster.to_dict()`` of the machines; default: ``G * replicas`` CPU ranks on one node.
+        cluster: ``Cluster.to_dict()`` of the machines; default: as many CPU ranks as the plan uses, on one node.
 
     Raises InputError when the split, the schedule or the batch do not fit together.
     """
     schedule = Schedule.parse(schedule)
     cuts = _check_cuts(boundaries, graph.num_nodes)
     num_stages = len(cuts) - 1
-    _check_counts(num_rank_groups=num_rank_groups, replicas=replicas, num_microbatches=num_microbatches,
+    _check_counts(num_rank_groups=num_rank_groups, num_microbatches=num_microbatches,
                   global_batch_size=global_batch_size)
     check_schedule(schedule, num_microbatches, num_rank_groups, num_stages)
-    if global_batch_size % (num_microbatches * replicas):
-        raise InputError(
-            f"global_batch_size={global_batch_size} is not a multiple of num_microbatches x replicas = "
-            f"{num_microbatches} x {replicas}: every micro-batch of every replica must have the same size"
-        )
+    counts = _replica_counts(replicas, schedule, num_rank_groups)
+    for r in sorted(set(counts)):
+        if global_batch_size % (num_microbatches * r):
+            raise InputError(
+                f"global_batch_size={global_batch_size} is not a multiple of num_microbatches x replicas = "
+                f"{num_microbatches} x {r}: every micro-batch must split evenly over every stage's replicas; "
+                f"use a global batch that is a multiple of {num_microbatches * r}"
+            )
     flags = _recompute_flags(recompute, num_stages)
     groups = stage_rank_groups(schedule, num_rank_groups, num_stages)
+    ranks = _group_ranks(counts)
     stages = tuple(
-        _stage(graph, k, cuts[k], cuts[k + 1], groups[k], replicas, flags[k]) for k in range(num_stages)
+        _stage(graph, k, cuts[k], cuts[k + 1], groups[k], ranks[groups[k]], flags[k]) for k in range(num_stages)
     )
     if cluster is None:
         from partita.cost.cluster import Cluster
 
-        n = num_rank_groups * replicas
+        n = sum(counts)
         cluster = Cluster(device="cpu", num_devices=n, devices_per_node=n).to_dict()
     return Plan(
         graph_fingerprint=graph.fingerprint, cluster=dict(cluster), stages=stages, schedule=schedule,
         global_batch_size=global_batch_size, num_microbatches=num_microbatches,
-        microbatch_size=global_batch_size // (num_microbatches * replicas),
-        options={"boundaries": list(cuts), "num_rank_groups": num_rank_groups, "replicas": replicas,
-                 "recompute": list(flags)},
+        microbatch_size=global_batch_size // (num_microbatches * min(counts)),
+        options={"boundaries": list(cuts), "num_rank_groups": num_rank_groups,
+                 "replicas": replicas if isinstance(replicas, int) else list(counts), "recompute": list(flags)},
         method="manual", cost_source="none", partita_version=_version(), torch_version=_torch_version(),
     )
 
 
-def _stage(graph: OpGraph, k: int, start: int, stop: int, group: int, replicas: int, recompute: bool) -> StagePlan:
+def _replica_counts(replicas: int | Sequence[int], schedule: Schedule, num_rank_groups: int) -> tuple[int, ...]:
+    """Replicas of each rank group; InputError naming the value when the runtime cannot run it."""
+    if isinstance(replicas, int) and not isinstance(replicas, bool):
+        _check_counts(replicas=replicas)
+        return (replicas,) * num_rank_groups
+    if isinstance(replicas, (str, bytes)) or not isinstance(replicas, Sequence):
+        raise InputError(f"replicas must be an int or a sequence of one int per rank group, got {replicas!r}")
+    counts = tuple(replicas)
+    if len(counts) != num_rank_groups:
+        raise InputError(f"replicas={list(counts)} has {len(counts)} entries for {num_rank_groups} rank groups: "
+                         "give one replica count per rank group, or one int for all")
+    for count in counts:
+        _check_counts(replicas=count)
+    if len(set(counts)) > 1 and schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        raise InputError(f"replicas={list(counts)} differ between rank groups, which {schedule.value} cannot run "
+                         "(a rank group holds several stages): use schedule gpipe or 1f1b, or the same count for "
+                         "every rank group")
+    return counts
+
+
+def _group_ranks(counts: Sequence[int]) -> list[tuple[int, ...]]:
+    """Ranks of each rank group: consecutive, after all earlier groups' ranks."""
+    starts = [sum(counts[:g]) for g in range(len(counts))]
+    return [tuple(range(start, start + r)) for start, r in zip(starts, counts)]
+
+
+def _stage(graph: OpGraph, k: int, start: int, stop: int, group: int, ranks: tuple[int, ...],
+           recompute: bool) -> StagePlan:
     held = {p for node in graph.nodes[start:stop] for p in node.params}
     return StagePlan(
         index=k, start=start, stop=stop, first_node=graph.nodes[start].name, last_node=graph.nodes[stop - 1].name,
-        module_range=module_range(graph, start, stop), ranks=tuple(range(group * replicas, (group + 1) * replicas)),
+        module_range=module_range(graph, start, stop), ranks=ranks,
         rank_group=group, recompute=recompute, forward_s=0.0, backward_s=0.0, memory_bytes=0,
         param_bytes=sum(graph.parameters[p].num_bytes for p in held if not graph.parameters[p].is_buffer),
         cut_bytes=0,

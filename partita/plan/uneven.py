@@ -116,10 +116,14 @@ def _microbatch_counts(options: SearchOptions, batch: int, num_stages: int) -> l
 
 
 def search_uneven(blocks_at: Callable[[int], BlockCosts], options: SearchOptions, cluster,
-                  num_blocks: int) -> list[Candidate]:
+                  num_blocks: int, *, cuttable: np.ndarray | None = None) -> list[Candidate]:
     """Candidates of every uneven shape whose replica counts are not all equal (the uniform
-    search covers those), best estimates first within each shape."""
-    positions = _dp_positions(num_blocks)
+    search covers those), best estimates first within each shape. ``cuttable[b]``: whether block
+    boundary ``b`` may separate different replica counts (``chain.per_sample_cuts``; None: all);
+    the DP cuts only there."""
+    allowed = np.flatnonzero(np.ones(num_blocks + 1, bool) if cuttable is None else np.asarray(cuttable, bool))
+    allowed = np.union1d(allowed, [0, num_blocks])
+    positions = _dp_positions(allowed)
     exhaustive = num_blocks <= EXHAUSTIVE_BLOCKS
     found: list[Candidate] = []
     seen: set = set()
@@ -139,11 +143,12 @@ def search_uneven(blocks_at: Callable[[int], BlockCosts], options: SearchOptions
     return found
 
 
-def _dp_positions(num_blocks: int) -> np.ndarray:
-    """Block boundaries the DP may cut at: all of them, or MAX_DP_BLOCKS + 1 evenly spread."""
-    if num_blocks <= MAX_DP_BLOCKS:
-        return np.arange(num_blocks + 1)
-    return np.unique(np.round(np.linspace(0, num_blocks, MAX_DP_BLOCKS + 1)).astype(int))
+def _dp_positions(allowed: np.ndarray) -> np.ndarray:
+    """Block boundaries the DP cuts at: the ``allowed`` ones (sorted, first 0, last K), or
+    MAX_DP_BLOCKS + 1 of them evenly spread."""
+    if len(allowed) <= MAX_DP_BLOCKS + 1:
+        return allowed
+    return allowed[np.unique(np.round(np.linspace(0, len(allowed) - 1, MAX_DP_BLOCKS + 1)).astype(int))]
 
 
 def _candidate(shape: _Shape, boundaries: list[int], full: tuple[int, ...], replicas: tuple[int, ...]) -> Candidate:

@@ -52,3 +52,26 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, align: st
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def fmt_replicas(plan) -> str:
+    """Replicas per rank group: '4', or with uneven counts '2+1+4'."""
+    counts = [s.num_replicas for s in plan.stages[: plan.num_rank_groups]]
+    return str(counts[0]) if plan.uniform_replicas else "+".join(map(str, counts))
+
+
+def fmt_layout(plan) -> str:
+    """'4 rank groups x 2 replicas (8 devices)', or with uneven replica counts
+    '3 rank groups with 2+1+4 replicas (7 devices)'."""
+    joint = "x" if plan.uniform_replicas else "with"
+    return f"{plan.num_rank_groups} rank groups {joint} {fmt_replicas(plan)} replicas ({plan.num_devices} devices)"
+
+
+def fmt_microbatches(plan) -> str:
+    """'8 micro-batches of 4 per replica', or with uneven replica counts '8 micro-batches of 8
+    (4/8/2 per replica of each stage)'."""
+    if plan.uniform_replicas:
+        return f"{plan.num_microbatches} micro-batches of {plan.microbatch_size} per replica"
+    samples = plan.global_batch_size // plan.num_microbatches
+    per_replica = "/".join(str(samples // s.num_replicas) for s in plan.stages)
+    return f"{plan.num_microbatches} micro-batches of {samples} ({per_replica} per replica of each stage)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from partita.report.format import fmt_bytes, fmt_seconds, table
+from partita.report.format import fmt_bytes, fmt_layout, fmt_microbatches, fmt_seconds, table
 from partita.types import Plan
 
 
@@ -22,9 +22,8 @@ def plan_text(plan: Plan, *, total_compute_s: float, baselines: Mapping[str, Pla
         for s in plan.stages
     ]
     lines = [
-        f"plan: {plan.num_stages} stages on {plan.num_rank_groups} rank groups x {plan.stages[0].num_replicas} "
-        f"replicas ({plan.num_devices} devices), schedule {plan.schedule.value}, {plan.num_microbatches} micro-batches "
-        f"of {plan.microbatch_size} per replica, global batch {plan.global_batch_size}, costs {plan.cost_source}",
+        f"plan: {plan.num_stages} stages on {fmt_layout(plan)}, schedule {plan.schedule.value}, "
+        f"{fmt_microbatches(plan)}, global batch {plan.global_batch_size}, costs {plan.cost_source}",
         table(["stage", "modules", "ranks", "params", "memory/device", "fwd/mb", "bwd/mb", "recompute", "cut"],
               rows, align="llrrrrrrr"),
         "",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping
 
-from partita.report.format import fmt_bytes, fmt_seconds
+from partita.report.format import fmt_bytes, fmt_layout, fmt_microbatches, fmt_seconds
 from partita.types import Plan
 
 if TYPE_CHECKING:  # report/ depends on data only: SimResult is read by duck typing
@@ -62,11 +62,9 @@ def plan_figure(plan: Plan, sim_result: "SimResult", path, *, baselines: Mapping
 
 
 def _title(plan: Plan, result: "SimResult") -> str:
-    replicas = plan.stages[0].num_replicas
     recompute = sum(s.recompute for s in plan.stages)
-    return (f"{plan.method}: {plan.num_stages} stages on {plan.num_rank_groups} rank groups x {replicas} replicas "
-            f"({plan.num_devices} devices), {plan.schedule.value}, {plan.num_microbatches} micro-batches of "
-            f"{plan.microbatch_size}, recompute {recompute}/{plan.num_stages} stages; "
+    return (f"{plan.method}: {plan.num_stages} stages on {fmt_layout(plan)}, {plan.schedule.value}, "
+            f"{fmt_microbatches(plan)}, recompute {recompute}/{plan.num_stages} stages; "
             f"step {fmt_seconds(result.step_s)}, bubble {result.bubble_fraction:.1%}")
 
 

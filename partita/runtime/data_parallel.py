@@ -1,21 +1,30 @@
-"""Process groups of a plan's pp x dp mesh, and the gradient arithmetic that makes pipelined
+"""Process groups of a plan's layout, and the gradient arithmetic that makes pipelined
 training equal unsplit full-batch training.
+
+Two layouts:
+- uniform: every stage has ``dp`` replicas. Rank group ``g`` holds ranks ``[g * dp, (g + 1) * dp)``
+  (``partita.plan.build.stage_ranks``) and the ranks form a pp x dp DeviceMesh; torch's
+  pipelining schedules run each column of the mesh as one pipeline (pipeline.py).
+- uneven: stage ``k`` has its own ``r_k`` replicas (GPipe or 1F1B, one stage per rank group),
+  on the ranks that follow those of the earlier groups. No mesh can express it: stages exchange
+  slices of micro-batches many-to-many (uneven.py).
 
 Glossary
 --------
-rank group   one pipeline position ``g``: the ``dp`` ranks ``[g * dp, (g + 1) * dp)``, each
-             holding one replica of the same stages (``partita.plan.build.stage_ranks``).
-replica      a rank's index ``rank % dp`` inside its rank group; the ranks with the same
-             replica index form one pipeline (one column of the mesh).
-holders      of a parameter: every rank whose stages read it. Usually one rank group (``dp``
-             ranks); a tied parameter (GPT-2's ``wte`` in the first and the last stage) is held
-             by several rank groups, and all their ranks sum its gradient.
+rank group   one pipeline position ``g``: the ranks each holding one replica of the same stages.
+replica      a rank's index inside its rank group (uniform: ``rank % dp``; the ranks with the
+             same replica index form one pipeline, one column of the mesh).
+holders      of a parameter: every rank whose stages read it. Usually one rank group; a tied
+             parameter (GPT-2's ``wte`` in the first and the last stage) is held by several rank
+             groups, and all their ranks sum its gradient.
 
 Why the gradient is exact (fp32 up to summation order): the unsplit loss is the mean over the
-global batch, ``L = 1/(m * dp) * sum_{replica, microbatch} L_mb`` when every micro-batch's loss
-is a mean over equally many elements. Each stage accumulates ``sum_mb dL_mb/dp`` over its
-micro-batches (schedules built with ``scale_grads=False``), the holders all-reduce (SUM) that,
-and each unique parameter is divided exactly once by ``m * dp``.
+global batch, ``L = 1/(m * r) * sum_{replica, microbatch} L_mb`` when every micro-batch's loss
+is a mean over equally many elements, ``r`` being the LAST stage's replica count (``dp`` when
+uniform): its replicas compute the losses. Each stage accumulates ``sum_mb dL_mb/dp`` over its
+micro-batches (schedules built with ``scale_grads=False``), every sample's contribution reaching
+exactly one replica of each stage; the holders all-reduce (SUM) that, and each unique parameter
+is divided exactly once by ``m * r``.
 """
 
 from __future__ import annotations
@@ -29,41 +38,57 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.errors import InputError
-from partita.types import Plan
+from partita.types import Plan, Schedule
 
 __all__ = ["Topology", "GradientSync", "init_topology"]
 
 
 @dataclass(frozen=True, eq=False)
 class Topology:
-    """Where this process sits in the plan's mesh, and the groups it talks over."""
+    """Where this process sits in the plan's layout, and the groups it talks over."""
 
     rank: int
     world_size: int
     num_rank_groups: int  # pp
-    replicas: int  # dp
+    rank_group: int  # this rank's pipeline position (its stages' rank group)
+    replica: int  # this rank's index within its rank group
+    replicas: int  # replicas of this rank's stages (dp when uniform)
     device: torch.device
-    pp_group: dist.ProcessGroup  # this rank's pipeline: same replica index in every rank group
     dp_group: dist.ProcessGroup  # this rank's rank group
-    mesh: object  # torch.distributed.device_mesh.DeviceMesh with axes ("pp", "dp")
+    pp_group: dist.ProcessGroup | None = None  # uniform: this rank's pipeline (same replica index in every group)
+    mesh: object = None  # uniform: the DeviceMesh with axes ("pp", "dp"); uneven: None (no mesh expresses it)
 
     @property
-    def rank_group(self) -> int:
-        return self.rank // self.replicas
-
-    @property
-    def replica(self) -> int:
-        return self.rank % self.replicas
+    def uniform(self) -> bool:
+        return self.mesh is not None
 
 
 def init_topology(plan: Plan) -> Topology:
-    """Initialise torch.distributed if needed (NCCL with CUDA, else gloo) and build the mesh.
+    """Initialise torch.distributed if needed (NCCL with CUDA, else gloo) and build the groups:
+    the pp x dp mesh of a uniform plan, one group per stage of an uneven one.
 
     Run under torchrun (or with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), one process per device.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
     check_layout(plan)
+    device = _init_process_group(plan)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if plan.uniform_replicas:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        pp, dp = plan.num_rank_groups, plan.stages[0].num_replicas
+        mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+        return Topology(rank=rank, world_size=world, num_rank_groups=pp, rank_group=rank // dp, replica=rank % dp,
+                        replicas=dp, device=device, dp_group=mesh.get_group("dp"), pp_group=mesh.get_group("pp"),
+                        mesh=mesh)
+    groups = [dist.new_group(list(s.ranks)) for s in plan.stages]  # collective: every rank, same order
+    stage = next(s for s in plan.stages if rank in s.ranks)
+    return Topology(rank=rank, world_size=world, num_rank_groups=plan.num_rank_groups, rank_group=stage.rank_group,
+                    replica=stage.ranks.index(rank), replicas=stage.num_replicas, device=device,
+                    dp_group=groups[stage.index])
+
+
+def _init_process_group(plan: Plan) -> torch.device:
+    """Join (or check) the process group of ``plan.num_devices`` ranks; this rank's device."""
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
@@ -75,25 +100,26 @@ def init_topology(plan: Plan) -> Topology:
     if world != plan.num_devices:
         raise InputError(f"the plan needs {plan.num_devices} ranks but {world} were started: run torchrun with "
                          f"--nproc-per-node {plan.num_devices} (x nodes), or re-plan for {world} devices")
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    pp, dp = plan.num_rank_groups, plan.stages[0].num_replicas
-    mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
-    return Topology(rank=dist.get_rank(), world_size=world, num_rank_groups=pp, replicas=dp, device=device,
-                    pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"), mesh=mesh)
+    if not cuda:
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    torch.cuda.set_device(device)
+    return device
 
 
 def check_layout(plan: Plan) -> None:
-    """The runtime runs uniform pp x dp meshes with rank group g on ranks [g*dp, (g+1)*dp)."""
+    """InputError unless the runtime can run the plan's layout: a uniform pp x dp mesh with rank
+    group g on ranks [g*dp, (g+1)*dp), or an uneven plan (GPipe/1F1B, one stage per rank group)
+    whose rank groups hold consecutive ranks, group g after groups 0 .. g-1."""
+    if plan.uniform_replicas:
+        _check_uniform_layout(plan)
+    else:
+        _check_uneven_layout(plan)
+
+
+def _check_uniform_layout(plan: Plan) -> None:
     from partita.plan.schedules import stage_rank_groups
 
-    if not plan.uniform_replicas:
-        counts = [s.num_replicas for s in plan.stages]
-        raise InputError(f"the plan gives stages different replica counts {counts}; the runtime trains uniform "
-                         "pp x dp meshes only: re-plan with uniform_replicas=True")
     dp, pp = plan.stages[0].num_replicas, plan.num_rank_groups
     placement = stage_rank_groups(plan.schedule, pp, plan.num_stages)
     for s in plan.stages:
@@ -103,6 +129,32 @@ def check_layout(plan: Plan) -> None:
                 f"stage {s.index} runs on rank group {s.rank_group}, ranks {list(s.ranks)}; {plan.schedule.value} "
                 f"places it on rank group {placement[s.index]}, ranks {list(expected)}: build the plan with "
                 "partita.plan or partita.plan.manual.manual_plan")
+
+
+def _check_uneven_layout(plan: Plan) -> None:
+    counts = [s.num_replicas for s in plan.stages]
+    if plan.schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        raise InputError(f"the plan gives stages different replica counts {counts} under {plan.schedule.value}, "
+                         "which the runtime runs on uniform pp x dp meshes only: use schedule gpipe or 1f1b, or "
+                         "the same replica count for every stage")
+    if plan.num_rank_groups != plan.num_stages:
+        raise InputError(f"the plan puts {plan.num_stages} stages on {plan.num_rank_groups} rank groups with "
+                         f"different replica counts {counts}: uneven plans run one stage per rank group")
+    first = 0
+    for s in plan.stages:
+        expected = tuple(range(first, first + s.num_replicas))
+        if s.ranks != expected or s.rank_group != s.index:
+            raise InputError(
+                f"stage {s.index} runs on rank group {s.rank_group}, ranks {list(s.ranks)}; with replica counts "
+                f"{counts} it must run on rank group {s.index}, ranks {list(expected)} (each group's ranks follow "
+                "the earlier groups'): build the plan with partita.plan or partita.plan.manual.manual_plan")
+        first += s.num_replicas
+    batch, m = plan.global_batch_size, plan.num_microbatches
+    bad = [r for r in counts if batch % (m * r)]
+    if bad:
+        raise InputError(f"the global batch of {batch} samples in {m} micro-batches does not split evenly over "
+                         f"{bad[0]} replicas: use a global batch that is a multiple of num_microbatches x every "
+                         f"replica count {sorted(set(counts))}")
 
 
 class GradientSync:
@@ -116,7 +168,7 @@ class GradientSync:
     def __init__(self, params: Mapping[str, nn.Parameter], holders: Mapping[str, Sequence[int]], rank: int,
                  scale: float):
         self.params = dict(params)  # this rank's trainable parameters, canonical name -> Parameter
-        self.scale = scale  # 1 / (num_microbatches * replicas)
+        self.scale = scale  # 1 / (num_microbatches * replicas of the last stage)
         self.owned = [name for name in self.params if min(holders[name]) == rank]  # counted once in the norm
         self.buckets: list[tuple[dist.ProcessGroup, list[str]]] = []
         for ranks in sorted({tuple(h) for h in holders.values() if len(h) > 1}):
@@ -126,7 +178,7 @@ class GradientSync:
                 self.buckets.append((group, names))
 
     def reduce_and_scale(self) -> None:
-        """Gradient of the global mean loss: all-reduce (SUM) over the holders, then divide by m * dp."""
+        """Gradient of the global mean loss: all-reduce (SUM) over the holders, then multiply by ``scale``."""
         reduced: set[str] = set()
         for group, names in self.buckets:
             grads = [self._grad(name) for name in names]

@@ -56,6 +56,8 @@ class NonFinite:
     microbatch_index: int | None = None  # losses: index within the rank's replica
     replica: int | None = None  # losses: the rank's replica
     parameter: str | None = None  # gradients: canonical parameter name
+    first_sample: int | None = None  # losses: the first global sample of the micro-batch's slice
+    num_samples: int | None = None  # losses: how many samples the loss averaged
 
 
 def count_nonfinite(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -75,10 +77,20 @@ def count_nonfinite(tensors: Iterable[torch.Tensor], device: torch.device) -> to
     return torch.stack(counts).sum().float()
 
 
-def loss_findings(losses: Sequence[torch.Tensor], *, stage_index: int, replica: int, rank: int) -> list[NonFinite]:
-    """The non-finite micro-batch losses of the last stage on this rank (list index = micro-batch)."""
-    return [NonFinite("loss", _value(loss), (stage_index,), rank, microbatch_index=i, replica=replica)
-            for i, loss in enumerate(losses) if not bool(torch.isfinite(loss.detach()).all())]
+def loss_findings(losses: Sequence[torch.Tensor], *, stage_index: int, replica: int, rank: int,
+                  samples: Sequence[tuple[int, int]] | None = None) -> list[NonFinite]:
+    """The non-finite micro-batch losses of the last stage on this rank (list index = micro-batch).
+
+    ``samples[i]``: (first global sample, number of samples) of micro-batch ``i``'s loss, which
+    depends on the layout (uniform: replica-major; uneven: micro-batch-major, see uneven.py);
+    without it, ``describe`` assumes the uniform layout."""
+    found = []
+    for i, loss in enumerate(losses):
+        if not bool(torch.isfinite(loss.detach()).all()):
+            first, count = samples[i] if samples is not None else (None, None)
+            found.append(NonFinite("loss", _value(loss), (stage_index,), rank, microbatch_index=i, replica=replica,
+                                   first_sample=first, num_samples=count))
+    return found
 
 
 def gradient_findings(params: Mapping[str, torch.nn.Parameter], stages_of: Mapping[str, tuple[int, ...]],
@@ -125,9 +137,12 @@ def describe(findings: Sequence[NonFinite], *, step: int, microbatch_size: int, 
 
 
 def _loss_text(f: NonFinite, microbatch_size: int, samples_per_replica: int, replicas: int) -> str:
-    first = f.replica * samples_per_replica + f.microbatch_index * microbatch_size
+    if f.first_sample is not None:
+        first, count = f.first_sample, f.num_samples
+    else:
+        first, count = f.replica * samples_per_replica + f.microbatch_index * microbatch_size, microbatch_size
     replica = f" of replica {f.replica}" if replicas > 1 else ""
-    return (f"micro-batch {f.microbatch_index}{replica} (samples {first}-{first + microbatch_size - 1} of the "
+    return (f"micro-batch {f.microbatch_index}{replica} (samples {first}-{first + count - 1} of the "
             f"global batch) gave {f.value} on stage {f.stage_indices[0]}, the last stage (rank {f.rank})")
 
 

@@ -50,7 +50,8 @@ from partita.errors import InputError
 from partita.runtime.graph_split import StageContents, StageSpec, check_boundaries, plan_stages
 from partita.types import OpGraph
 
-__all__ = ["StageModule", "StageSpec", "check_boundaries", "flatten_inputs", "run_sequential", "split_graph"]
+__all__ = ["StageModule", "StageSpec", "check_boundaries", "flatten_inputs", "narrow_batch", "run_sequential",
+           "split_graph"]
 
 # The attribute of StageModule holding its GraphModule; no model may use it as a top-level name.
 _GRAPH_ATTR = "graph_module"
@@ -166,6 +167,16 @@ def flatten_inputs(graph: OpGraph, args: tuple = (), kwargs: dict | None = None,
             "positional arguments and keyword names as at capture (None leaves are not inputs)"
         )
     return flat
+
+
+def narrow_batch(graph: OpGraph, flat: Sequence[Any], start: int, length: int) -> list:
+    """Samples ``[start, start + length)`` of every flat graph input with a batch dim (views);
+    inputs without one (and non-tensors) unchanged."""
+    out = []
+    for info, x in zip(graph.inputs, flat):
+        dim = info.tensor.batch_dim if info.tensor is not None else None
+        out.append(x.narrow(dim, start, length) if dim is not None and isinstance(x, torch.Tensor) else x)
+    return out
 
 
 # ----------------------------------------------------------------------------- building

@@ -10,14 +10,22 @@ trainer, and feeds every step the SAME global batch::
     for args, kwargs, target in batches:
         loss = trainer.step(*args, target=target, **kwargs)    # target= only with loss_fn
 
-What happens in a step (see pipeline.py and data_parallel.py for why each part is exact):
-1. the batch is flattened into graph inputs; this rank keeps its replica's slice along each
-   input's batch dim (replica ``rank % dp`` takes samples ``[replica * B/dp, (replica+1) * B/dp)``);
-2. the plan's torch schedule runs this rank's stages over ``num_microbatches`` micro-batches;
-   graph inputs reach each stage directly (keyword arguments), boundary tensors by P2P;
+Layouts (data_parallel.py): a uniform plan (every stage on ``dp`` replicas) runs on a pp x dp
+DeviceMesh with torch.distributed.pipelining; an uneven plan (stage ``k`` on its own ``r_k``
+replicas, GPipe or 1F1B) runs on partita's executor (uneven.py), which routes slices of each
+micro-batch between replicas many-to-many.
+
+What happens in a step (see pipeline.py, uneven.py and data_parallel.py for why each part is exact):
+1. the batch is flattened into graph inputs. Uniform: this rank keeps its replica's slice along
+   each input's batch dim (replica ``rank % dp`` takes samples ``[replica * B/dp, (replica+1) * B/dp)``)
+   and the schedule cuts it into micro-batches. Uneven: micro-batch ``i`` is samples
+   ``[i*b, (i+1)*b)``, ``b = B/m``, and replica ``j`` of stage ``k`` runs its slice
+   ``[i*b + j*b/r_k, i*b + (j+1)*b/r_k)``;
+2. the schedule runs this rank's stages over ``num_microbatches`` micro-batches; graph inputs
+   reach each stage directly, boundary tensors by P2P;
 3. gradients are summed over every rank holding a parameter (replicas, tied copies) and divided
-   once by ``num_microbatches * dp``;
-4. the loss (mean over micro-batches and replicas) is all-reduced so every rank returns it, and
+   once by ``num_microbatches * r``, ``r`` being the last stage's replica count (``dp`` when uniform);
+4. the loss (mean over micro-batches and the last stage's replicas) is all-reduced so every rank returns it, and
    with it the number of non-finite micro-batch losses and gradients (numerics.py): if any, every
    rank raises NumericsError (or skips the update, ``on_nonfinite="skip"``) before the optimizer
    touches a weight;
@@ -52,7 +60,8 @@ from partita.runtime.numerics import (
     loss_findings,
 )
 from partita.runtime.pipeline import build_schedule, make_pipeline_stages, root_chunk_spec, root_key, stage_metadata
-from partita.runtime.stages import StageModule, flatten_inputs, split_graph
+from partita.runtime.stages import StageModule, flatten_inputs, narrow_batch, split_graph
+from partita.runtime.uneven import UnevenExecutor, check_uneven_boundaries
 from partita.types import OpGraph, Plan
 
 __all__ = ["Trainer"]
@@ -67,7 +76,8 @@ class Trainer:
     Args:
         model: the unmodified model, with the same weights on every rank. Its parameters are
             trained in place (stage modules hold the model's own Parameter objects).
-        plan: a uniform Plan (same replica count for every stage) made for this model's graph.
+        plan: a Plan made for this model's graph: uniform (same replica count for every stage), or
+            uneven (GPipe/1F1B, one stage per rank group, any replica count per stage).
         optimizer: ``params -> Optimizer``; each rank builds one over the parameters of its stages.
         lr_scheduler: ``optimizer -> LRScheduler``, stepped after every optimizer step.
         max_grad_norm: clip gradients by their global 2-norm over all stages and ranks.
@@ -82,7 +92,7 @@ class Trainer:
             then allocates only what its stages read (see materialize.py), so no rank needs
             memory for the whole model. With a real model, the held tensors are overwritten.
 
-    Attributes: ``graph``, ``plan``, ``topology`` (rank, mesh, groups), ``stages`` (this rank's
+    Attributes: ``graph``, ``plan``, ``topology`` (rank, replica, mesh, groups), ``stages`` (this rank's
     StageModules), ``optimizer``, ``lr_scheduler``, ``num_steps`` (steps taken, skipped ones included),
     ``num_skipped_steps``, ``last_grad_norm``.
     """
@@ -105,12 +115,16 @@ class Trainer:
         self._state_names = _state_names(model)
         self.topology: Topology = init_topology(plan)
         self._all_stages = split_graph(self.graph, plan.boundaries)
+        if not plan.uniform_replicas:
+            check_uneven_boundaries(self.graph, plan, self._all_stages)
+        # Samples per micro-batch that this rank's stages run (uniform: plan.microbatch_size).
+        self._samples = plan.global_batch_size // (plan.num_microbatches * self.topology.replicas)
         group = self.topology.rank_group
         self.stages: list[StageModule] = [s for s in self._all_stages if plan.stages[s.spec.index].rank_group == group]
         self._metadata: list | None = None
         if on_meta(model):
             # Static pipeline metadata from shapes alone, while every stage is still on meta.
-            self._metadata = stage_metadata(self._all_stages, _meta_microbatch(self.graph, plan.microbatch_size),
+            self._metadata = stage_metadata(self._all_stages, _meta_microbatch(self.graph, self._samples),
                                             torch.device("cpu"))
             materialize(model, [*self._all_stages, self.graph.graph_module], self._local_names(),
                         self.topology.device, init_from)
@@ -130,19 +144,20 @@ class Trainer:
                            for name in self.params}
         self.optimizer = optimizer(list(self.params.values()))
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        scale = 1.0 / (plan.num_microbatches * self.topology.replicas)
+        scale = 1.0 / (plan.num_microbatches * plan.stages[-1].num_replicas)  # see data_parallel.py
         trainable = {name: h for name, h in self._holders.items() if name in self._trainable_names()}
         self.grad_sync = GradientSync(self.params, trainable, self.topology.rank, scale)
         self.num_steps = 0
         self.num_skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._root_indices = sorted({j for s in self.stages for j in s.graph_input_indices})
-        self._schedule: Any = None
+        self._schedule: Any = None  # uniform plans: the torch schedule
+        self._executor: UnevenExecutor | None = None  # uneven plans
         self._input_shapes: list | None = None
         if example_inputs is not None:
             flat = flatten_inputs(self.graph, *_example_triple(example_inputs))
-            if _batch_of(self.graph, flat) >= plan.microbatch_size:
-                self._build_pipeline(_narrow(self.graph, flat, 0, plan.microbatch_size))
+            if _batch_of(self.graph, flat) >= self._samples:
+                self._build_pipeline(narrow_batch(self.graph, flat, 0, self._samples))
 
     # ------------------------------------------------------------------ training
 
@@ -157,17 +172,12 @@ class Trainer:
         is not finite, unless the trainer was built with ``on_nonfinite="skip"``.
         """
         target = kwargs.pop("target", None) if self.graph.has_loss_fn else None
-        flat = flatten_inputs(self.graph, args, kwargs, target)
-        per_replica = self._check_batch(flat)
-        local = _narrow(self.graph, flat, self.topology.replica * per_replica, per_replica)
-        local = [x.to(self.topology.device) if isinstance(x, torch.Tensor) else x for x in local]
-        if self._schedule is None:
-            self._build_pipeline(_narrow(self.graph, local, 0, self.plan.microbatch_size))
+        local = self._local_batch(flatten_inputs(self.graph, args, kwargs, target))
+        if self._schedule is None and self._executor is None:
+            self._build_pipeline(narrow_batch(self.graph, local, 0, self._samples))
         self._check_shapes(local)
         self.optimizer.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        roots = {root_key(j): local[j] for j in self._root_indices}
-        self._schedule.step(target=self._dummy_target, losses=losses, return_outputs=False, **roots)
+        losses = self._run_microbatches(local)
         self.grad_sync.reduce_and_scale()
         loss, num_nonfinite = self._global_loss(losses)
         if num_nonfinite:
@@ -226,11 +236,37 @@ class Trainer:
 
     # ------------------------------------------------------------------ internals
 
+    def _local_batch(self, flat: list) -> list:
+        """What this rank runs, on its device: its replica's slice of the global batch (uniform),
+        or the whole global batch (uneven: the executor slices each micro-batch itself)."""
+        batch = self._check_batch(flat)
+        top = self.topology
+        if top.uniform:
+            per_replica = batch // top.replicas
+            flat = narrow_batch(self.graph, flat, top.replica * per_replica, per_replica)
+        return [x.to(top.device) if isinstance(x, torch.Tensor) else x for x in flat]
+
+    def _run_microbatches(self, local: list) -> list[torch.Tensor]:
+        """Forward and backward of every micro-batch; the last stage's micro-batch losses ([] elsewhere)."""
+        if self._executor is not None:
+            return self._executor.step(local)
+        losses: list[torch.Tensor] = []
+        roots = {root_key(j): local[j] for j in self._root_indices}
+        self._schedule.step(target=self._dummy_target, losses=losses, return_outputs=False, **roots)
+        return losses
+
     def _build_pipeline(self, flat_microbatch: list) -> None:
-        """PipelineStages with static metadata (from one micro-batch) and the plan's schedule."""
+        """Static metadata from one micro-batch of this rank's size (``_samples``), then the plan's
+        torch schedule (uniform) or the uneven executor for this rank's one stage."""
         plan, top = self.plan, self.topology
         flat_microbatch = [x.to(top.device) if isinstance(x, torch.Tensor) else x for x in flat_microbatch]
         metadata = self._metadata or stage_metadata(self._all_stages, flat_microbatch, top.device)
+        self._input_shapes = [_shape_without_batch(self.graph, j, x) for j, x in enumerate(flat_microbatch)]
+        if not top.uniform:
+            stage = self.stages[0]  # uneven plans run one stage per rank group
+            self._executor = UnevenExecutor(self.graph, plan, stage, top.replica, metadata[stage.spec.index],
+                                            top.device)
+            return
         recompute = [plan.stages[s.spec.index].recompute for s in self.stages]
         pipeline_stages = make_pipeline_stages(self.stages, recompute, metadata, plan.schedule, top.device,
                                                top.pp_group)
@@ -239,15 +275,14 @@ class Trainer:
         # The schedule cuts `target` into micro-batches and hands them to the loss function,
         # which ignores them: the last stage computes the loss itself.
         self._dummy_target = torch.zeros(plan.num_microbatches, device=top.device)
-        self._input_shapes = [_shape_without_batch(self.graph, j, x) for j, x in enumerate(flat_microbatch)]
 
     def _check_batch(self, flat: list) -> int:
-        """Samples per replica; InputError unless the batch is the plan's global batch."""
+        """The batch size; InputError unless it is the plan's global batch."""
         batch = _batch_of(self.graph, flat)
         if batch != self.plan.global_batch_size:
             raise InputError(f"the batch has {batch} samples but the plan's global batch is "
                              f"{self.plan.global_batch_size}: pass the whole global batch on every rank")
-        return batch // self.topology.replicas
+        return batch
 
     def _check_shapes(self, flat: list) -> None:
         """Static pipeline metadata fixes every non-batch dim (sequence length, image size)."""
@@ -258,7 +293,7 @@ class Trainer:
                              "every batch to the same sequence length")
 
     def _global_loss(self, losses: list[torch.Tensor]) -> tuple[float, int]:
-        """The loss (mean over micro-batches on the last stage's ranks, then over replicas) and the
+        """The loss (mean over micro-batches on the last stage's ranks, then over its replicas) and the
         number of non-finite micro-batch losses and gradients over all ranks: one all-reduce, the
         same answer on every rank."""
         top = self.topology
@@ -278,10 +313,12 @@ class Trainer:
         local = gradient_findings(self.params, self._stages_of, top.rank)
         if losses:
             last = self.plan.num_stages - 1
-            local = loss_findings(losses, stage_index=last, replica=top.replica, rank=top.rank) + local
+            samples = [self._loss_samples(i) for i in range(len(losses))]
+            local = loss_findings(losses, stage_index=last, replica=top.replica, rank=top.rank, samples=samples) + local
         findings = gather_findings(local)
         message = describe(findings, step=step, microbatch_size=self.plan.microbatch_size,
-                           samples_per_replica=self.plan.global_batch_size // top.replicas, replicas=top.replicas,
+                           samples_per_replica=self.plan.global_batch_size // top.replicas,
+                           replicas=self.plan.stages[-1].num_replicas,  # the same message on every rank
                            policy=self.on_nonfinite)
         if self.on_nonfinite is NonFinitePolicy.RAISE:
             raise NumericsError(message, step=step, findings=tuple(findings))
@@ -290,6 +327,14 @@ class Trainer:
         self.num_steps += 1
         self.num_skipped_steps += 1
         return loss
+
+    def _loss_samples(self, microbatch: int) -> tuple[int, int]:
+        """(first global sample, number of samples) of this last-stage rank's loss for ``microbatch``."""
+        top, plan = self.topology, self.plan
+        if top.uniform:
+            return top.replica * (plan.global_batch_size // top.replicas) + microbatch * self._samples, self._samples
+        microbatch_samples = plan.global_batch_size // plan.num_microbatches
+        return microbatch * microbatch_samples + top.replica * self._samples, self._samples
 
     def _local_names(self) -> set[str]:
         """Canonical names of what this rank must hold: its stages' tensors, and the model's
@@ -390,15 +435,6 @@ def _batch_of(graph: OpGraph, flat: list) -> int:
         raise InputError(f"the inputs disagree on the batch size (sizes along their batch dims: {sorted(sizes)})"
                          if sizes else "no input has a batch dimension: the trainer cannot split the batch")
     return sizes.pop()
-
-
-def _narrow(graph: OpGraph, flat: list, start: int, length: int) -> list:
-    """Samples ``[start, start + length)`` of every input with a batch dim; others unchanged."""
-    out = []
-    for info, x in zip(graph.inputs, flat):
-        dim = info.tensor.batch_dim if info.tensor is not None else None
-        out.append(x.narrow(dim, start, length) if dim is not None and isinstance(x, torch.Tensor) else x)
-    return out
 
 
 def _shape_without_batch(graph: OpGraph, j: int, x: Any) -> Any:

@@ -325,8 +325,144 @@ def job_meta_init(params: dict) -> dict:
     return results
 
 
+# ----------------------------------------------------------------------------- uneven replicas
+
+
+class GatedNet(torch.nn.Module):
+    """``b(relu(a(x)) * gate)`` with ``gate = 2 tanh(g)``: cut after ``gate``, stage 0 sends a
+    per-sample tensor and a tensor without batch dim that needs a gradient (summed by its owner)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+        self.g = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 8))
+
+    def forward(self, x):
+        hidden = torch.relu(self.a(x))
+        gate = torch.tanh(self.g) * 2
+        return self.b(hidden * gate)
+
+
+class GatedCase(Case):
+    """GatedNet as a Case (same interface as the zoo models')."""
+
+    def __init__(self):  # not Case.__init__: that one builds zoo models
+        import partita
+
+        torch.manual_seed(0)
+        self.name, self.model, self.loss_fn = "gated", GatedNet(), torch.nn.functional.cross_entropy
+        g = torch.Generator().manual_seed(1)
+        self.batches = [((torch.randn(BATCH, 4, generator=g),), {}, torch.randint(0, 3, (BATCH,), generator=g))
+                        for _ in range(10)]
+        args, kwargs, target = self.batches[0]
+        self.graph = partita.capture(self.model, args, kwargs, loss_fn=self.loss_fn, target=target)
+        self.initial = copy.deepcopy(self.model.state_dict())
+        self.reference_model = copy.deepcopy(self.model)
+
+
+def per_sample_cut(graph, near: int) -> int:
+    """The first cut at or after ``near`` that no merged batch dim (``(B*T, C)``) crosses: uneven
+    replica counts route boundary tensors by sample (partita.runtime.uneven)."""
+    for cut in range(near, graph.num_nodes):
+        crossing = [n for n in graph.nodes[:cut] if any(c >= cut for c in n.consumers)]
+        if all(t.batch_dim is None or t.shape[t.batch_dim] == graph.batch_size for n in crossing for t in n.outputs):
+            return cut
+    raise AssertionError(f"no per-sample cut after node {near}")
+
+
+def make_uneven_plan(case: Case, config: dict):
+    from partita.plan.manual import manual_plan
+
+    if case.name == "gated":  # right after gate = tanh(g) * 2
+        cut = next(n.index for n in case.graph.nodes if n.target == "aten.tanh.default") + 2
+    else:
+        cut = per_sample_cut(case.graph, case.graph.num_nodes // 2)
+    return manual_plan(case.graph, [0, cut, case.graph.num_nodes], schedule=config["schedule"], num_rank_groups=2,
+                       replicas=config["replicas"], num_microbatches=config["num_microbatches"],
+                       global_batch_size=BATCH, recompute=config.get("recompute", False))
+
+
+def _train_step(trainer, batch: tuple) -> float:
+    args, kwargs, target = batch
+    return trainer.step(*args, **kwargs, **({"target": target} if target is not None else {}))
+
+
+def _uneven_trainer(case: Case, plan, meta_seed: Path | None):
+    """A trainer of ``case.model``; or, with ``meta_seed``, of a copy built on meta that takes its
+    weights from a seed checkpoint (written by rank 0 from ``case.model``)."""
+    import torch.distributed as dist
+
+    import partita
+    from partita import examples
+    from partita.runtime.materialize import meta_copies, save_seed
+
+    if meta_seed is None:
+        return partita.Trainer(case.model, plan, optimizer=adamw, graph=case.graph)
+    if int(os.environ["RANK"]) == 0:
+        save_seed(case.model, meta_seed)
+    dist.barrier()
+    meta = examples.build(case.name, batch_size=BATCH, seq_len=SEQ, device="meta")
+    args, kwargs, target = case.batches[0]
+    graph = partita.capture(meta.model, meta_copies(args), meta_copies(kwargs), loss_fn=case.loss_fn,
+                            target=meta_copies(target))
+    return partita.Trainer(meta.model, plan, optimizer=adamw, graph=graph, init_from=str(meta_seed))
+
+
+def _nonfinite_message(case: Case, plan) -> str | None:
+    """The NumericsError of a step whose global samples 6-7 are inf (None if nothing was raised)."""
+    import partita
+    from partita.errors import NumericsError
+
+    trainer = partita.Trainer(case.model, plan, optimizer=adamw, graph=case.graph)
+    (x,), kwargs, target = case.batches[0]
+    try:
+        trainer.step(x.clone().index_fill_(0, torch.tensor([6, 7]), float("inf")), target=target)
+    except NumericsError as e:
+        return str(e)
+    return None
+
+
+def job_uneven(params: dict) -> dict:
+    """For each model and uneven config (stages with different replica counts): three AdamW steps
+    compared with unsplit full-batch training; with ``resume``, a checkpoint after them is loaded
+    into a trainer under the ``resume`` plan, which takes two more steps."""
+    import partita
+
+    rank = int(os.environ["RANK"])
+    results: dict[str, Any] = {}
+    for name in params["models"]:
+        case = GatedCase() if name == "gated" else Case(name)
+        for config in params["configs"]:
+            if name not in config.get("models", params["models"]):
+                continue
+            key = f"{name}/{config['label']}"
+            print(key, flush=True)
+            case.reset()
+            plan = make_uneven_plan(case, config)
+            if config.get("nonfinite"):
+                results[key] = {"raised": _nonfinite_message(case, plan)}
+                continue
+            seed = Path(params["dir"]) / f"{name}-seed" if config.get("meta") else None
+            trainer = _uneven_trainer(case, plan, meta_seed=seed)
+            losses = [_train_step(trainer, batch) for batch in case.batches[:3]]
+            if "resume" in config:
+                path = Path(params["dir"]) / key.replace("/", "-")
+                trainer.save_checkpoint(path)
+                case.reset()
+                trainer = partita.Trainer(case.model, make_uneven_plan(case, config["resume"]), optimizer=adamw,
+                                          graph=case.graph)
+                trainer.load_checkpoint(path)
+                losses += [_train_step(trainer, batch) for batch in case.batches[3:5]]
+            state = trainer.gather_state_dict()
+            results[key] = {"losses": losses}
+            if rank == 0:
+                ref_losses, ref_state = reference_run(case, adamw, len(losses))
+                results[key].update(ref_losses=ref_losses, param=max_diff(state, ref_state))
+    return results
+
+
 JOBS = {"one_step": job_one_step, "checkpoint": job_checkpoint, "fail": job_fail, "numerics": job_numerics,
-        "meta_init": job_meta_init}
+        "meta_init": job_meta_init, "uneven": job_uneven}
 
 
 def main() -> None:

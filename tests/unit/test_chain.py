@@ -14,7 +14,7 @@ from partita import examples
 from partita.cost.analytic import analytic_costs
 from partita.errors import InputError
 from partita.plan import chain
-from partita.plan.chain import block_costs, coarsen, layer_boundaries, legal_cuts
+from partita.plan.chain import block_costs, coarsen, layer_boundaries, legal_cuts, per_sample_cuts
 from partita.types import CostTable, GraphInput, OpGraph, OpNode, ParamInfo, TensorInfo
 
 F32 = TensorInfo(shape=(2, 4), dtype="float32", num_bytes=32, batch_dim=0)
@@ -292,3 +292,26 @@ def test_gpt2_xl_on_meta_is_fast():
     assert len(layers) == 48 and set(layers) <= set(boundaries.tolist())
     lm_head = next(n.index for n in graph.nodes if n.module_path == "lm_head")
     assert lm_head in boundaries and lm_head + 1 in boundaries  # the LM head is its own block
+
+
+def test_per_sample_cuts_exclude_merged_batch_dims():
+    """(B*T, H) from a reshape may be batch-major or not: cuts it crosses cannot change replica counts."""
+    merged = TensorInfo(shape=(8, 4), dtype="float32", num_bytes=128, batch_dim=0)  # batch 2 x 4 positions
+    shared = TensorInfo(shape=(4, 4), dtype="float32", num_bytes=64, batch_dim=None)  # no batch dim: sent whole
+    graph = make_graph([
+        dict(name="a", graph_inputs=(0,)),
+        dict(name="flat", inputs=(0,), outputs=(merged,), is_view=True),
+        dict(name="mm", inputs=(1,), outputs=(merged,)),
+        dict(name="back", inputs=(2,)),
+        dict(name="table", outputs=(shared,)),
+        dict(name="out", inputs=(3, 4)),
+    ])
+    assert per_sample_cuts(graph).tolist() == [True, True, False, False, True, True, True]
+
+
+def test_per_sample_cuts_hold_at_layer_starts(captured):
+    """Where the hidden state (B, T, H) crosses, stages may have different replica counts."""
+    _, graph, _ = captured
+    cuts = per_sample_cuts(graph)
+    assert all(cuts[c] for c in layer_boundaries(graph))
+    assert not cuts.all()  # the attention and MLP matmuls run on (B*T, H)

@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+import partita
 from partita.cost.cluster import Cluster
 from partita.errors import InputError
 from partita.plan.io import load_plan, plan_to_json
@@ -111,3 +112,49 @@ def test_uneven_search_respects_pinned_choices():
                               "num_stages": 2, "optimizer": OptimizerKind.ADAM})
     p = best_plan(dataclasses.replace(ctx, options=pinned))
     assert p is not None and p.schedule is Schedule.ONE_F_ONE_B and p.num_microbatches == 2 and p.num_stages == 2
+
+
+@pytest.fixture(scope="module")
+def gpt2_context():
+    from partita import examples
+    from partita.planner import planning_context
+
+    ex = examples.build("gpt2-tiny", batch_size=4, device="meta")
+    graph = partita.capture(ex.model, ex.args, ex.kwargs)
+    cluster = Cluster(device="h100", num_devices=3, devices_per_node=8)
+    return planning_context(graph, (), None, cluster=cluster, global_batch_size=24, loss_fn=None, target=None,
+                            optimizer="adam", schedules=None, schedule=None, num_stages=None, replicas=None,
+                            num_microbatches=None, recompute=None, uniform_replicas=False, mixed_precision=False,
+                            costs="analytic", max_blocks=128, cache_dir=None)
+
+
+def test_replica_counts_change_only_where_tensors_split_by_sample(gpt2_context):
+    """A cut crossed by a merged (B*T, H) tensor cannot separate 2 replicas from 1 (the runtime
+    could not route it); the same cut between equal counts, and a layer start, can."""
+    from partita.plan.chain import layer_boundaries, per_sample_cuts
+    from partita.plan.search import Config
+    from partita.planner import finish_plan
+
+    ctx = gpt2_context
+    graph = ctx.graph
+    merged = next(c for c in range(1, graph.num_nodes) if not per_sample_cuts(graph)[c]
+                  and finish_plan(ctx, Config(1, 2, Schedule.ONE_F_ONE_B, 1, 4, 6, None),
+                                  [0, c, graph.num_nodes], [False, False], "x") is not None)
+    uneven = Config(1, 2, Schedule.ONE_F_ONE_B, 1, 4, 6, None, stage_replicas=(2, 1))
+    assert finish_plan(ctx, uneven, [0, merged, graph.num_nodes], [False, False], "x") is None
+    layer = layer_boundaries(graph)[1]
+    p = finish_plan(ctx, uneven, [0, layer, graph.num_nodes], [False, False], "x")
+    assert p is not None and [s.num_replicas for s in p.stages] == [2, 1]
+
+
+def test_searched_uneven_plans_cut_where_tensors_split_by_sample(gpt2_context):
+    from partita.plan.chain import per_sample_cuts
+
+    ctx = gpt2_context
+    pinned = dataclasses.replace(ctx, options=dataclasses.replace(ctx.options, schedules=(Schedule.ONE_F_ONE_B,),
+                                                                   num_stages=2))
+    p = best_plan(pinned)
+    assert p is not None and not p.uniform_replicas  # 3 devices, 2 stages: 2 + 1
+    cuts = per_sample_cuts(ctx.graph)
+    for a, b in zip(p.stages, p.stages[1:]):
+        assert a.num_replicas == b.num_replicas or cuts[b.start]

@@ -1,0 +1,370 @@
+"""Uneven plans: stages with different replica counts, run by partita's own pipeline executor.
+
+torch.distributed.pipelining runs one pipeline per column of a pp x dp mesh, where stage ``k``'s
+replica ``j`` talks to stage ``k + 1``'s replica ``j`` only. A plan such as "stage 0 on ranks
+(0, 1), stage 1 on rank (2,)" has no such columns, so this module runs it: GPipe or 1F1B, one
+stage per rank group, point-to-point transfers between overlapping replicas.
+
+Semantics (what every rank computes)
+------------------------------------
+Every rank is given the whole global batch of ``B`` samples. Micro-batch ``i`` (of ``m``) is the
+global samples ``[i*b, (i+1)*b)``, ``b = B / m``. Replica ``j`` of stage ``k`` (of ``r_k``)
+computes the contiguous slice ``[i*b + j*n_k, i*b + (j+1)*n_k)``, ``n_k = b / r_k``, and reads
+its root inputs (graph inputs, along their batch dim) for that slice itself.
+
+Boundary tensors (``StageSpec.output_names``; their ``TensorInfo`` in the OpGraph) travel by
+their layout:
+
+- sliced: a batch dim whose size is the sample count. Each receiving replica gets, from each
+  sending replica, the overlap of their sample intervals (narrowed along the batch dim by the
+  sender, concatenated in sample order by the receiver). Gradients travel back the same way.
+- whole: no batch dim (Llama's rotary cos/sin). Receiving replica ``j'`` takes the tensor from
+  the sending replica that owns ``j'``'s first sample (its *owner*); the gradient goes back to
+  the owner, which sums what its receivers send (zero when it serves none) before its backward.
+  A batch dim whose size is a multiple of the sample count (merged dims, ``(B*T, H)``) is sent
+  whole too when both sides have the same replica count (then the slices coincide); when they
+  differ the Trainer refuses the plan (``check_uneven_boundaries``): whether ``B*T`` is
+  batch-major is not knowable from shapes.
+
+The loss: replica ``j`` of the last stage computes its slice's loss (a mean over its samples).
+The unsplit loss, the mean over ``B`` samples, is ``1/(m * r_last) * sum_{i, j} L_ij``, so every
+parameter's gradient, summed over micro-batches and holders (``GradientSync``), is scaled by
+``1/(m * r_last)``, and the reported loss is the same mean (the Trainer all-reduces it).
+
+Worked example: ``b = 4`` samples per micro-batch, stage 0 on 2 replicas (slices [0, 2) and
+[2, 4)), stage 1 on 1 replica ([0, 4)): stage 1 receives samples 0-1 from replica 0 and 2-3
+from replica 1 and concatenates them; a tensor without batch dim comes from replica 0 only (the
+owner of sample 0), and replica 1 backpropagates a zero gradient for it.
+
+Order and messages
+------------------
+Each rank runs ``partita.plan.schedules.rank_orders`` for its rank group: the action order of
+torch's ScheduleGPipe / Schedule1F1B, which the planner's simulator also assumes. An action
+first receives what it needs (blocking), computes, then sends asynchronously. As torch's
+schedules do, an action's sends are issued together with the next action's receives
+(``batch_isend_irecv``), so NCCL never blocks a send behind a receive of the same pair. Between
+two ranks, messages go in micro-batch order, the tensors of one message in output order, on
+both sides alike (NCCL ignores tags; gloo matches them). Sends are waited at the end of the step.
+
+Receive buffers get their shapes from ``stage_metadata`` run on this replica's own slice size
+``n_k`` (the Trainer runs it on the first ``n_k`` samples, or on meta tensors of that size):
+what stage ``k`` receives and sends at ``n_k`` samples; a piece from or to a peer has the batch
+dim cut to the samples the two share. Recomputation is ``StageRunner``'s (non-reentrant
+``torch.utils.checkpoint``), as on the uniform path.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from partita.errors import InputError
+from partita.plan.schedules import BACKWARD, FORWARD, rank_orders
+from partita.runtime.pipeline import StageMetadata, StageRunner, root_key
+from partita.runtime.stages import StageModule, narrow_batch
+from partita.types import OpGraph, Plan, TensorInfo
+
+__all__ = ["Layout", "Transfer", "UnevenExecutor", "boundary_layouts", "check_uneven_boundaries", "replica_slice",
+           "transfers"]
+
+
+# ----------------------------------------------------------------------------- routing math
+
+
+def replica_slice(microbatch_samples: int, num_replicas: int, replica: int) -> tuple[int, int]:
+    """``(first sample, number of samples)`` of ``replica``'s slice within one micro-batch."""
+    size = microbatch_samples // num_replicas
+    return replica * size, size
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What sending replica ``sender`` gives receiving replica ``receiver`` for each micro-batch:
+    the samples both hold, and (``carries_whole``) the tensors without batch dim."""
+
+    sender: int
+    receiver: int
+    sender_offset: int  # first shared sample, counted from the start of the sender's slice
+    receiver_offset: int  # the same sample, counted from the start of the receiver's slice
+    num_samples: int
+    carries_whole: bool  # the sender owns the receiver's first sample
+
+
+def transfers(microbatch_samples: int, num_senders: int, num_receivers: int) -> tuple[Transfer, ...]:
+    """Every (sender, receiver) pair of replicas whose slices overlap, sorted by (sender, receiver).
+
+    For a fixed receiver the senders come in sample order, so concatenating their pieces gives
+    the receiver's slice; for a fixed sender, the receivers likewise tile its slice.
+    """
+    if microbatch_samples % num_senders or microbatch_samples % num_receivers:
+        raise InputError(f"a micro-batch of {microbatch_samples} samples does not split evenly over {num_senders} "
+                         f"and {num_receivers} replicas: use a global batch that is a multiple of "
+                         "num_microbatches x every replica count")
+    result = []
+    for sender in range(num_senders):
+        s_start, s_size = replica_slice(microbatch_samples, num_senders, sender)
+        for receiver in range(num_receivers):
+            r_start, r_size = replica_slice(microbatch_samples, num_receivers, receiver)
+            start, stop = max(s_start, r_start), min(s_start + s_size, r_start + r_size)
+            if start < stop:
+                result.append(Transfer(sender, receiver, start - s_start, start - r_start, stop - start,
+                                       carries_whole=s_start <= r_start < s_start + s_size))
+    return tuple(result)
+
+
+class Layout(str, enum.Enum):
+    """How a boundary tensor crosses a stage boundary with uneven replicas."""
+
+    SLICED = "sliced"  # batch dim of one entry per sample: narrowed and concatenated
+    WHOLE = "whole"  # no batch dim (or both sides hold the same samples): sent whole by the owner
+
+
+def boundary_layouts(graph: OpGraph, names: Sequence[str], sender_index: int, num_senders: int,
+                     num_receivers: int) -> tuple[Layout, ...]:
+    """The layout of each boundary tensor ``names`` (stage ``sender_index``'s outputs); InputError
+    for a merged batch dim (``(B*T, H)``) crossing between different replica counts, naming the
+    tensor, the boundary and the fix."""
+    infos = output_infos(graph)
+    layouts = []
+    for name in names:
+        info = infos[name]
+        if info.batch_dim is not None and info.shape[info.batch_dim] == graph.batch_size:
+            layouts.append(Layout.SLICED)
+        elif info.batch_dim is None or num_senders == num_receivers:
+            layouts.append(Layout.WHOLE)
+        else:
+            raise InputError(
+                f"boundary tensor {name!r} {tuple(info.shape)} between stage {sender_index} ({num_senders} "
+                f"replicas) and stage {sender_index + 1} ({num_receivers} replicas) has batch dim {info.batch_dim} "
+                f"of size {info.shape[info.batch_dim]} for a batch of {graph.batch_size} (several batch entries "
+                "merged, e.g. batch x sequence), which cannot be split by sample: cut the model elsewhere (where "
+                "the activation keeps a per-sample batch dim) or give both stages the same number of replicas")
+    return tuple(layouts)
+
+
+def check_uneven_boundaries(graph: OpGraph, plan: Plan, stages: Sequence[StageModule]) -> None:
+    """Refuse (InputError) a plan whose boundaries cannot be routed between its replica counts."""
+    for sender, receiver in zip(plan.stages, plan.stages[1:]):
+        boundary_layouts(graph, stages[sender.index].spec.output_names, sender.index, sender.num_replicas,
+                         receiver.num_replicas)
+
+
+def output_infos(graph: OpGraph) -> dict[str, TensorInfo]:
+    """FX node name -> TensorInfo of its tensor output, for nodes with one (boundary values are)."""
+    return {node.name: node.outputs[0] for node in graph.nodes if len(node.outputs) == 1}
+
+
+@dataclass(frozen=True)
+class _Side:
+    """One boundary of this replica's stage, seen from this replica."""
+
+    transfers: tuple[Transfer, ...]  # those with this replica, in the peers' sample order
+    peers: tuple[int, ...]  # the rank at the other end of each transfer
+    layouts: tuple[Layout, ...]  # per boundary tensor
+    dims: tuple[int | None, ...]  # per boundary tensor: its batch dim
+
+
+def _side(graph: OpGraph, plan: Plan, sender_index: int, names: Sequence[str], replica: int, *,
+          receiving: bool) -> _Side:
+    """The boundary between stages ``sender_index`` and ``sender_index + 1``, for ``replica`` of
+    the receiving (``receiving``) or the sending stage."""
+    sender, receiver = plan.stages[sender_index], plan.stages[sender_index + 1]
+    b = plan.global_batch_size // plan.num_microbatches
+    mine = [t for t in transfers(b, sender.num_replicas, receiver.num_replicas)
+            if (t.receiver if receiving else t.sender) == replica]
+    peers = [sender.ranks[t.sender] if receiving else receiver.ranks[t.receiver] for t in mine]
+    infos = output_infos(graph)
+    return _Side(tuple(mine), tuple(peers),
+                 boundary_layouts(graph, names, sender_index, sender.num_replicas, receiver.num_replicas),
+                 tuple(infos[name].batch_dim for name in names))
+
+
+# ----------------------------------------------------------------------------- executor
+
+
+@dataclass
+class _InFlight:
+    """One micro-batch between its forward and its backward."""
+
+    received: tuple[torch.Tensor, ...]  # leaves: their .grad goes back to the senders
+    outputs: Any  # the boundary tensors sent on, or the last stage's loss
+
+
+class UnevenExecutor:
+    """Runs this rank's one stage of an uneven plan over the micro-batches of a step.
+
+    ``metadata`` describes the stage at this replica's own slice size ``n_k`` (``stage_metadata``
+    run on ``n_k`` samples): the shapes of what it receives and sends, batch dims included.
+    """
+
+    def __init__(self, graph: OpGraph, plan: Plan, stage: StageModule, replica: int, metadata: StageMetadata,
+                 device: torch.device):
+        spec, k = stage.spec, stage.spec.index
+        self.graph, self.stage, self.metadata, self.device = graph, stage, metadata, device
+        self.microbatch_samples = plan.global_batch_size // plan.num_microbatches
+        self.first, self.num_samples = replica_slice(self.microbatch_samples, plan.stages[k].num_replicas, replica)
+        self.runner = StageRunner(stage, plan.stages[k].recompute)
+        self.order = rank_orders(plan.schedule, plan.num_microbatches, plan.num_rank_groups, plan.num_stages)[k]
+        self.inbound = _side(graph, plan, k - 1, spec.input_names, replica, receiving=True) if k > 0 else None
+        self.outbound = (None if spec.is_last else
+                         _side(graph, plan, k, spec.output_names, replica, receiving=False))
+
+    def step(self, flat: Sequence[Any]) -> list[torch.Tensor]:
+        """Forward and backward of every micro-batch in the schedule's order, ``flat`` being the
+        whole global batch (flat graph inputs). Parameter gradients are accumulated, unscaled, in
+        ``.grad``. Returns the last stage's micro-batch losses (detached, in micro-batch order),
+        ``[]`` on other stages."""
+        in_flight: dict[int, _InFlight] = {}
+        losses: dict[int, torch.Tensor] = {}
+        pending: list[dist.P2POp] = []  # an action's sends, issued with the next action's receives
+        sent: list[Any] = []
+        for action in self.order:
+            i = action.microbatch
+            if action.kind == FORWARD:
+                buffers = _buffers(self.inbound, self.metadata.input_args, self.device)
+                sent += _exchange(pending, _receives(self.inbound, buffers, i, FORWARD))
+                received = self._assemble_inputs(buffers)
+                outputs = self.runner(*received, **self._root_inputs(flat, i))
+                in_flight[i] = _InFlight(received, outputs)
+                if self.outbound is None:
+                    losses[i] = outputs.detach()
+                pending = _sends(self.outbound, [x.detach() for x in outputs], i, FORWARD) if self.outbound else []
+            else:
+                assert action.kind == BACKWARD, f"uneven plans run GPipe or 1F1B, got action {action}"
+                grad_like = [x if x.requires_grad else None for x in self.metadata.output_args]
+                buffers = _buffers(self.outbound, grad_like, self.device)
+                sent += _exchange(pending, _receives(self.outbound, buffers, i, BACKWARD))
+                state = in_flight.pop(i)
+                self._backward(state, buffers)
+                pending = _sends(self.inbound, self._input_grads(state), i, BACKWARD) if self.inbound else []
+        sent += _exchange(pending, [])
+        for work in sent:
+            work.wait()
+        return [losses[i] for i in sorted(losses)]
+
+    def _root_inputs(self, flat: Sequence[Any], microbatch: int) -> dict[str, Any]:
+        """This replica's slice of micro-batch ``microbatch`` of the graph inputs its stage reads."""
+        start = microbatch * self.microbatch_samples + self.first
+        local = narrow_batch(self.graph, flat, start, self.num_samples)
+        return {root_key(j): local[j] for j in self.stage.graph_input_indices}
+
+    def _assemble_inputs(self, buffers: list[list]) -> tuple[torch.Tensor, ...]:
+        """Received pieces -> this replica's inputs, as leaves that collect the input gradients."""
+        if self.inbound is None:
+            return ()
+        received = []
+        for p, meta in enumerate(self.metadata.input_args):
+            value = _join([pieces[p] for pieces in buffers], self.inbound.layouts[p], self.inbound.dims[p])
+            received.append(value.requires_grad_(meta.requires_grad))
+        return tuple(received)
+
+    def _backward(self, state: _InFlight, buffers: list[list]) -> None:
+        """Backpropagate one micro-batch: from its loss, or from the gradients the next stage sent
+        (sliced pieces concatenated in sample order, whole tensors summed over the receivers this
+        replica owns, zero when it owns none)."""
+        if self.outbound is None:
+            state.outputs.backward()
+            return
+        tensors, grads = [], []
+        for p, out in enumerate(state.outputs):
+            if not self.metadata.output_args[p].requires_grad:
+                continue
+            pieces = [pieces[p] for pieces in buffers]
+            tensors.append(out)
+            grads.append(_join(pieces, self.outbound.layouts[p], self.outbound.dims[p], like=out))
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
+    def _input_grads(self, state: _InFlight) -> list[torch.Tensor | None]:
+        """The gradient of each received tensor (zeros if the stage did not use it), None for
+        tensors that take no gradient."""
+        return [None if not x.requires_grad else x.grad if x.grad is not None else torch.zeros_like(x)
+                for x in state.received]
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def _buffers(side: _Side | None, like: Sequence[torch.Tensor | None], device: torch.device) -> list[list]:
+    """Empty receive buffers: per transfer of ``side``, per boundary tensor, its piece (None when
+    the transfer does not carry it: a whole tensor from a non-owner, or a tensor without gradient).
+    ``like`` holds this replica's tensors (their shapes at its slice size)."""
+    if side is None:
+        return []
+    result = []
+    for t in side.transfers:
+        pieces = []
+        for x, layout, dim in zip(like, side.layouts, side.dims):
+            shape = _piece_shape(x, layout, t, dim)
+            pieces.append(None if shape is None else torch.empty(shape, dtype=x.dtype, device=device))
+        result.append(pieces)
+    return result
+
+
+def _piece_shape(x: torch.Tensor | None, layout: Layout, t: Transfer, dim: int | None) -> list[int] | None:
+    if x is None or (layout is Layout.WHOLE and not t.carries_whole):
+        return None
+    shape = list(x.shape)
+    if layout is Layout.SLICED:
+        shape[dim] = t.num_samples
+    return shape
+
+
+def _join(pieces: Sequence[torch.Tensor | None], layout: Layout, dim: int | None,
+          like: torch.Tensor | None = None) -> torch.Tensor:
+    """One tensor from the pieces of the transfers: concatenated in sample order (sliced), or the
+    sum of the copies received (whole; zeros like ``like`` when none was)."""
+    present = [x for x in pieces if x is not None]
+    if layout is Layout.SLICED:
+        return torch.cat(present, dim=dim) if len(present) > 1 else present[0]
+    if not present:
+        return torch.zeros_like(like)
+    return present[0] if len(present) == 1 else torch.stack(present).sum(0)
+
+
+def _sends(side: _Side, tensors: Sequence[torch.Tensor | None], microbatch: int, kind: str) -> list[dist.P2POp]:
+    """isend ops of this replica's ``tensors`` (outputs forward, input gradients backward), cut
+    per transfer; None entries (no gradient) are not sent."""
+    ops = []
+    for t, peer in zip(side.transfers, side.peers):
+        offset = t.sender_offset if kind == FORWARD else t.receiver_offset
+        for p, (x, layout, dim) in enumerate(zip(tensors, side.layouts, side.dims)):
+            if x is None or (layout is Layout.WHOLE and not t.carries_whole):
+                continue
+            piece = x.narrow(dim, offset, t.num_samples) if layout is Layout.SLICED else x
+            ops.append(dist.P2POp(dist.isend, piece.contiguous(), peer, tag=_tag(microbatch, p, len(tensors), kind)))
+    return ops
+
+
+def _receives(side: _Side | None, buffers: list[list], microbatch: int, kind: str) -> list[dist.P2POp]:
+    """irecv ops filling ``buffers``, in the order the peers send (transfer, then tensor)."""
+    if side is None:
+        return []
+    return [dist.P2POp(dist.irecv, buffer, peer, tag=_tag(microbatch, p, len(pieces), kind))
+            for peer, pieces in zip(side.peers, buffers) for p, buffer in enumerate(pieces) if buffer is not None]
+
+
+def _exchange(sends: list[dist.P2POp], receives: list[dist.P2POp]) -> list[Any]:
+    """Issue the previous action's sends and this action's receives together; wait for the
+    receives only. Returns the send works (waited at the end of the step)."""
+    ops = sends + receives
+    if not ops:
+        return []
+    works = dist.batch_isend_irecv(ops)
+    if len(works) != len(ops):  # NCCL coalesced the batch into one work: waiting on it only orders streams
+        for work in works:
+            work.wait()
+        return []
+    for work in works[len(sends):]:
+        work.wait()
+    return works[:len(sends)]
+
+
+def _tag(microbatch: int, position: int, num_positions: int, kind: str) -> int:
+    """A tag unique per (micro-batch, tensor, direction) between two ranks (gloo matches on it;
+    NCCL ignores tags and relies on the order, the same on both sides)."""
+    return 2 * (microbatch * num_positions + position) + (kind == BACKWARD)

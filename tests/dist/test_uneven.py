@@ -1,0 +1,57 @@
+"""Uneven plans on gloo: stages with different replica counts train like the unsplit model.
+
+3 ranks, 2 stages: replicas (2, 1) (stage 0 on ranks 0 and 1, stage 1 on rank 2) and (1, 2).
+GPT-2 (tied embeddings: wte in both stages, summed over 3 ranks), Llama (rotary cos/sin cross
+without batch dim, from their owner), and GatedNet (a batch-less boundary tensor that needs a
+gradient: summed by its owner, zero on the replica that serves nobody). Three AdamW steps equal
+unsplit full-batch training; one run continues from a checkpoint under the other layout, one
+starts from a model built on meta (seed checkpoint), and a non-finite loss names its samples.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_launch import run_ranks
+
+pytest.importorskip("transformers")
+
+TOLERANCE = 1e-5
+MODELS = ["gpt2", "llama", "gated"]
+CONFIGS = [
+    dict(label="1f1b-2x1", schedule="1f1b", replicas=(2, 1), num_microbatches=2),
+    dict(label="gpipe-1x2-recompute", schedule="gpipe", replicas=(1, 2), num_microbatches=2,
+         recompute=[False, True], models=["gpt2", "gated"]),
+    dict(label="1f1b-2x1-resume-gpipe-1x2", schedule="1f1b", replicas=(2, 1), num_microbatches=2, models=["gpt2"],
+         resume=dict(schedule="gpipe", replicas=(1, 2), num_microbatches=2)),
+    dict(label="1f1b-2x1-meta", schedule="1f1b", replicas=(2, 1), num_microbatches=2, meta=True, models=["llama"]),
+]
+NONFINITE = dict(label="gpipe-1x2-nonfinite", schedule="gpipe", replicas=(1, 2), num_microbatches=2, nonfinite=True,
+                 models=["gated"])
+KEYS = [f"{m}/{c['label']}" for m in MODELS for c in CONFIGS if m in c.get("models", MODELS)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uneven")
+    return run_ranks("uneven", 3, out, timeout_s=240, models=MODELS, configs=CONFIGS + [NONFINITE], dir=str(out))
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_uneven_replicas_train_like_the_unsplit_model(results, key):
+    mine = results[0][key]
+    assert len(mine["losses"]) == len(mine["ref_losses"])
+    assert max(abs(a - b) for a, b in zip(mine["losses"], mine["ref_losses"])) <= TOLERANCE, mine
+    assert all(r[key]["losses"] == mine["losses"] for r in results), "every rank returns the same losses"
+    diff, where = mine["param"]
+    assert diff <= TOLERANCE, f"{key}: parameter {where} differs from the unsplit model's by {diff:.3g}"
+
+
+def test_a_nonfinite_loss_names_its_slice_on_every_rank(results):
+    """Samples 6-7 are inf: micro-batch 1 (samples 4-7) of replica 1 of the last stage (2 replicas)."""
+    key = f"gated/{NONFINITE['label']}"
+    messages = {r[key]["raised"] for r in results}
+    assert len(messages) == 1, "every rank raises the same NumericsError"
+    message = messages.pop()
+    assert message is not None, "no NumericsError was raised"
+    assert "micro-batch 1 of replica 1 (samples 6-7 of the global batch) gave nan" in message, message

@@ -1,0 +1,166 @@
+"""Uneven plans (stages with different replica counts), single-process parts: manual plans, the
+layout check, the slice/overlap routing math of partita.runtime.uneven, and the refusal of
+merged batch dims. The executor itself runs in tests/dist/test_uneven.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+import partita
+from partita import examples
+from partita.errors import InputError
+from partita.plan.io import plan_from_json
+from partita.plan.manual import manual_plan
+from partita.runtime.data_parallel import check_layout
+from partita.runtime.numerics import NonFinitePolicy, describe, loss_findings
+from partita.runtime.stages import split_graph
+from partita.runtime.uneven import Layout, Transfer, boundary_layouts, check_uneven_boundaries, replica_slice, transfers
+
+
+@pytest.fixture(scope="module")
+def mlp_graph():
+    ex = examples.build("mlp", batch_size=8)
+    return partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+
+
+@pytest.fixture(scope="module")
+def gpt2_graph():
+    ex = examples.build("gpt2", batch_size=8, seq_len=16)
+    args, kwargs, target = ex.make_batch(8, 0)
+    return partita.capture(ex.model, args, kwargs, loss_fn=ex.loss_fn, target=target)
+
+
+def _half(graph) -> list[int]:
+    return [0, graph.num_nodes // 2, graph.num_nodes]
+
+
+# ----------------------------------------------------------------------------- manual plans and layout
+
+
+def test_manual_plan_gives_each_rank_group_its_replicas_on_consecutive_ranks(mlp_graph):
+    plan = manual_plan(mlp_graph, _half(mlp_graph), schedule="1f1b", num_rank_groups=2, replicas=(2, 1),
+                       num_microbatches=2, global_batch_size=8)
+    assert [s.ranks for s in plan.stages] == [(0, 1), (2,)]
+    assert [s.rank_group for s in plan.stages] == [0, 1]
+    assert not plan.uniform_replicas and plan.num_devices == 3
+    assert plan.microbatch_size == 4  # B / (m * fewest replicas) = 8 / (2 * 1)
+    assert plan.options["replicas"] == [2, 1]
+    assert plan_from_json(plan.to_json(), graph=mlp_graph) == plan
+    check_layout(plan)
+    gpipe = manual_plan(mlp_graph, _half(mlp_graph), schedule="gpipe", num_rank_groups=2, replicas=[1, 3],
+                        num_microbatches=2, global_batch_size=12)
+    assert [s.ranks for s in gpipe.stages] == [(0,), (1, 2, 3)] and gpipe.microbatch_size == 6
+    check_layout(gpipe)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(replicas=(2, 1), schedule="interleaved1f1b", num_stages=4), r"replicas=\[2, 1\] differ.*gpipe or 1f1b"),
+    (dict(replicas=(2, 1, 1)), r"replicas=\[2, 1, 1\] has 3 entries for 2 rank groups"),
+    (dict(replicas=(3, 1)), r"global_batch_size=8 is not a multiple of .* 2 x 3"),
+    (dict(replicas=(0, 1)), r"replicas must be an int >= 1, got 0"),
+    (dict(replicas="2"), r"replicas must be an int or a sequence of one int per rank group, got '2'"),
+])
+def test_manual_plan_refuses_replica_counts_the_runtime_cannot_run(mlp_graph, bad, match):
+    choices = dict(schedule="1f1b", num_rank_groups=2, num_microbatches=2, global_batch_size=8) | bad
+    num_stages = choices.pop("num_stages", 2)
+    cuts = [mlp_graph.num_nodes * k // num_stages for k in range(num_stages + 1)]
+    with pytest.raises(InputError, match=match):
+        manual_plan(mlp_graph, cuts, **choices)
+
+
+def test_layout_check_refuses_uneven_plans_it_cannot_run(mlp_graph):
+    plan = manual_plan(mlp_graph, _half(mlp_graph), schedule="gpipe", num_rank_groups=2, replicas=(2, 1),
+                       num_microbatches=2, global_batch_size=8)
+    gap = dataclasses.replace(plan, stages=(plan.stages[0], dataclasses.replace(plan.stages[1], ranks=(3,))))
+    with pytest.raises(InputError, match=r"stage 1 runs on rank group 1, ranks \[3\].*ranks \[2\]"):
+        check_layout(gap)
+    with pytest.raises(InputError, match="under zbv.*gpipe or 1f1b"):
+        check_layout(dataclasses.replace(plan, schedule=partita.Schedule.ZBV))
+
+
+# ----------------------------------------------------------------------------- routing math
+
+
+def test_transfers_of_a_worked_example():
+    # b = 6: senders hold [0, 3) and [3, 6); receivers [0, 2), [2, 4), [4, 6).
+    assert transfers(6, 2, 3) == (
+        Transfer(sender=0, receiver=0, sender_offset=0, receiver_offset=0, num_samples=2, carries_whole=True),
+        Transfer(sender=0, receiver=1, sender_offset=2, receiver_offset=0, num_samples=1, carries_whole=True),
+        Transfer(sender=1, receiver=1, sender_offset=0, receiver_offset=1, num_samples=1, carries_whole=False),
+        Transfer(sender=1, receiver=2, sender_offset=1, receiver_offset=0, num_samples=2, carries_whole=True),
+    )
+    assert replica_slice(6, 3, 2) == (4, 2)
+    with pytest.raises(InputError, match="does not split evenly over 2 and 4 replicas"):
+        transfers(6, 2, 4)
+
+
+@pytest.mark.parametrize("num_senders, num_receivers", list(itertools.product([1, 2, 3, 6], repeat=2)))
+def test_routing_rebuilds_every_slice_and_returns_every_gradient(num_senders, num_receivers):
+    """Route a (b, 5) activation and its gradient as the executor does (narrow on one side, cat on
+    the other); a tensor without batch dim reaches every receiver once, from its owner."""
+    b = 6
+    activation, gradient = torch.randn(b, 5), torch.randn(b, 5)
+    routes = transfers(b, num_senders, num_receivers)
+
+    def own(x, replicas, replica):
+        start, size = replica_slice(b, replicas, replica)
+        return x[start:start + size]
+
+    for receiver in range(num_receivers):
+        mine = [t for t in routes if t.receiver == receiver]
+        assert [t.sender for t in mine] == sorted(t.sender for t in mine)
+        pieces = [own(activation, num_senders, t.sender).narrow(0, t.sender_offset, t.num_samples) for t in mine]
+        assert torch.equal(torch.cat(pieces), own(activation, num_receivers, receiver))
+        assert sum(t.carries_whole for t in mine) == 1, "exactly one owner sends the whole tensors"
+    for sender in range(num_senders):
+        mine = [t for t in routes if t.sender == sender]
+        pieces = [own(gradient, num_receivers, t.receiver).narrow(0, t.receiver_offset, t.num_samples) for t in mine]
+        assert torch.equal(torch.cat(pieces), own(gradient, num_senders, sender))
+
+
+# ----------------------------------------------------------------------------- boundary layouts
+
+
+def _after_first(graph, target: str) -> int:
+    """The cut right after the first node with this target."""
+    return next(n.index for n in graph.nodes if n.target == target) + 1
+
+
+def test_merged_batch_dims_are_refused_between_different_replica_counts(gpt2_graph):
+    cut = _after_first(gpt2_graph, "aten.addmm.default")  # GPT-2's Conv1D: (B*T, 3C) before the view
+    plan = manual_plan(gpt2_graph, [0, cut, gpt2_graph.num_nodes], schedule="1f1b", num_rank_groups=2,
+                       replicas=(2, 1), num_microbatches=2, global_batch_size=8)
+    stages = split_graph(gpt2_graph, plan.boundaries)
+    sent = gpt2_graph.node(stages[0].spec.output_names[-1])
+    assert sent.target == "aten.addmm.default" and sent.outputs[0].shape[0] == 8 * 16
+    expected = (rf"boundary tensor '{sent.name}' \(128, 192\) between stage 0 \(2 replicas\) and stage 1 "
+                r"\(1 replicas\).*cut the model elsewhere.*same number of replicas")
+    with pytest.raises(InputError, match=expected):
+        check_uneven_boundaries(gpt2_graph, plan, stages)
+    layouts = boundary_layouts(gpt2_graph, stages[0].spec.output_names, 0, 2, 2)
+    assert layouts[-1] is Layout.WHOLE  # equal counts: both sides hold the same samples
+
+
+def test_per_sample_and_batchless_boundary_tensors_are_routed(gpt2_graph):
+    cut = gpt2_graph.num_nodes // 3
+    stages = split_graph(gpt2_graph, [0, cut, gpt2_graph.num_nodes])
+    names = stages[0].spec.output_names
+    layouts = boundary_layouts(gpt2_graph, names, 0, 2, 1)
+    infos = [gpt2_graph.node(name).outputs[0] for name in names]
+    assert layouts == tuple(Layout.SLICED if i.batch_dim is not None else Layout.WHOLE for i in infos)
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def test_nonfinite_loss_message_names_the_slice_of_an_uneven_plan():
+    # Micro-batch 1 of replica 1 of a last stage with 2 replicas, b = 4: samples 6-7.
+    findings = loss_findings([torch.tensor(1.0), torch.tensor(float("nan"))], stage_index=1, replica=1, rank=2,
+                             samples=[(2, 2), (6, 2)])
+    text = describe(findings, step=1, microbatch_size=4, samples_per_replica=8, replicas=2,
+                    policy=NonFinitePolicy.RAISE)
+    assert "micro-batch 1 of replica 1 (samples 6-7 of the global batch) gave nan on stage 1" in text
