@@ -174,3 +174,18 @@ def test_train_refuses_a_seed_for_a_factory_model(tmp_path, capsys):
     factory.write_text("import torch\ndef make():\n    return torch.nn.Linear(2, 2), (torch.randn(4, 2),)\n")
     assert main(["train", f"{factory}:make", "--init-from", str(tmp_path / "seed")]) == 2
     assert "--init-from works with zoo models" in capsys.readouterr().err
+
+
+def test_cli_plan_with_uneven_replicas_prints_each_stage_count(tmp_path, capsys):
+    """3 devices, 2 pinned 1F1B stages: only 2 + 1 or 1 + 2 replicas use all three."""
+    out = tmp_path / "p.json"
+    assert main(["plan", "gpt2", "--devices", "3", "--device-type", "h100", "--global-batch", "24", "--schedule",
+                 "1f1b", "--num-stages", "2", "--uneven-replicas", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    p = partita.Plan.load(str(out))
+    counts = [s.num_replicas for s in p.stages]
+    assert sorted(counts) == [1, 2]
+    assert f"2 rank groups with {counts[0]}+{counts[1]} replicas (3 devices)" in text
+    assert main(["plan", "gpt2", "--devices", "3", "--device-type", "h100", "--global-batch", "24", "--replicas", "2",
+                 "--uneven-replicas"]) != 0
+    assert "replicas=2 pins the same replica count for every stage" in capsys.readouterr().err
