@@ -1,6 +1,7 @@
 """Uneven plans on gloo: stages with different replica counts train like the unsplit model.
 
-3 ranks, 2 stages: replicas (2, 1) (stage 0 on ranks 0 and 1, stage 1 on rank 2) and (1, 2).
+3 ranks, 2 stages: replicas (2, 1) (stage 0 on ranks 0 and 1, stage 1 on rank 2) and (1, 2);
+5 ranks: (2, 3) and (3, 2), whose slices overlap in part, and 3 stages (1, 3, 1).
 GPT-2 (tied embeddings: wte in both stages, summed over 3 ranks), Llama (rotary cos/sin cross
 without batch dim, from their owner), and GatedNet (a batch-less boundary tensor that needs a
 gradient: summed by its owner, zero on the replica that serves nobody). Three AdamW steps equal
@@ -29,6 +30,16 @@ CONFIGS = [
 NONFINITE = dict(label="gpipe-1x2-nonfinite", schedule="gpipe", replicas=(1, 2), num_microbatches=2, nonfinite=True,
                  models=["gated"])
 KEYS = [f"{m}/{c['label']}" for m in MODELS for c in CONFIGS if m in c.get("models", MODELS)]
+# 5 ranks, global batch 12: stages of 2 and 3 replicas share samples only in part (6 samples per
+# micro-batch: slices 0-2 | 3-5 against 0-1 | 2-3 | 4-5); three stages fan out 1 -> 3 and in 3 -> 1.
+WIDE_MODELS = ["gpt2", "llama"]
+WIDE_CONFIGS = [
+    dict(label="1f1b-2x3-clipped", schedule="1f1b", replicas=(2, 3), num_microbatches=2, max_grad_norm=0.5),
+    dict(label="1f1b-1x3x1", schedule="1f1b", replicas=(1, 3, 1), num_microbatches=4, models=["gpt2"]),
+    dict(label="gpipe-3x2-recompute", schedule="gpipe", replicas=(3, 2), num_microbatches=2, recompute=[True, False],
+         models=["llama"]),
+]
+WIDE_KEYS = [f"{m}/{c['label']}" for m in WIDE_MODELS for c in WIDE_CONFIGS if m in c.get("models", WIDE_MODELS)]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +48,24 @@ def results(tmp_path_factory):
     return run_ranks("uneven", 3, out, timeout_s=240, models=MODELS, configs=CONFIGS + [NONFINITE], dir=str(out))
 
 
+@pytest.fixture(scope="module")
+def wide_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uneven-wide")
+    return run_ranks("uneven", 5, out, timeout_s=300, models=WIDE_MODELS, configs=WIDE_CONFIGS, dir=str(out),
+                     batch_size=12)
+
+
 @pytest.mark.parametrize("key", KEYS)
 def test_uneven_replicas_train_like_the_unsplit_model(results, key):
+    check_like_unsplit(results, key)
+
+
+@pytest.mark.parametrize("key", WIDE_KEYS)
+def test_partial_overlaps_three_stages_and_clipping_train_like_the_unsplit_model(wide_results, key):
+    check_like_unsplit(wide_results, key)
+
+
+def check_like_unsplit(results, key):
     mine = results[0][key]
     assert len(mine["losses"]) == len(mine["ref_losses"])
     assert max(abs(a - b) for a, b in zip(mine["losses"], mine["ref_losses"])) <= TOLERANCE, mine

@@ -36,13 +36,13 @@ ADAMW_LR = 3e-3
 class Case:
     """A zoo model, its captured graph, its initial weights and fixed batches."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, batch_size: int = BATCH):
         import partita
         from partita import examples
 
-        ex = examples.build(name, batch_size=BATCH, seq_len=SEQ)
-        self.name, self.model, self.loss_fn = name, ex.model, ex.loss_fn
-        self.batches = [_exact_batch(name, ex.make_batch(BATCH, step)) for step in range(10)]
+        ex = examples.build(name, batch_size=batch_size, seq_len=SEQ)
+        self.name, self.model, self.loss_fn, self.batch_size = name, ex.model, ex.loss_fn, batch_size
+        self.batches = [_exact_batch(name, ex.make_batch(batch_size, step)) for step in range(10)]
         args, kwargs, target = self.batches[0]
         self.graph = partita.capture(ex.model, args, kwargs, loss_fn=ex.loss_fn, target=target)
         self.initial = copy.deepcopy(ex.model.state_dict())
@@ -351,6 +351,7 @@ class GatedCase(Case):
 
         torch.manual_seed(0)
         self.name, self.model, self.loss_fn = "gated", GatedNet(), torch.nn.functional.cross_entropy
+        self.batch_size = BATCH
         g = torch.Generator().manual_seed(1)
         self.batches = [((torch.randn(BATCH, 4, generator=g),), {}, torch.randint(0, 3, (BATCH,), generator=g))
                         for _ in range(10)]
@@ -361,25 +362,26 @@ class GatedCase(Case):
 
 
 def per_sample_cut(graph, near: int) -> int:
-    """The first cut at or after ``near`` that no merged batch dim (``(B*T, C)``) crosses: uneven
-    replica counts route boundary tensors by sample (partita.runtime.uneven)."""
-    for cut in range(near, graph.num_nodes):
-        crossing = [n for n in graph.nodes[:cut] if any(c >= cut for c in n.consumers)]
-        if all(t.batch_dim is None or t.shape[t.batch_dim] == graph.batch_size for n in crossing for t in n.outputs):
-            return cut
-    raise AssertionError(f"no per-sample cut after node {near}")
+    """The first legal cut at or after ``near`` that no merged batch dim (``(B*T, C)``) crosses:
+    uneven replica counts route boundary tensors by sample (partita.runtime.uneven)."""
+    from partita.plan.chain import legal_cuts, per_sample_cuts
+
+    ok = per_sample_cuts(graph) & legal_cuts(graph)
+    return next(cut for cut in range(near, graph.num_nodes) if ok[cut])
 
 
 def make_uneven_plan(case: Case, config: dict):
     from partita.plan.manual import manual_plan
 
+    num_stages = len(config["replicas"])
     if case.name == "gated":  # right after gate = tanh(g) * 2
-        cut = next(n.index for n in case.graph.nodes if n.target == "aten.tanh.default") + 2
+        cuts = [next(n.index for n in case.graph.nodes if n.target == "aten.tanh.default") + 2]
     else:
-        cut = per_sample_cut(case.graph, case.graph.num_nodes // 2)
-    return manual_plan(case.graph, [0, cut, case.graph.num_nodes], schedule=config["schedule"], num_rank_groups=2,
-                       replicas=config["replicas"], num_microbatches=config["num_microbatches"],
-                       global_batch_size=BATCH, recompute=config.get("recompute", False))
+        cuts = [per_sample_cut(case.graph, case.graph.num_nodes * k // num_stages) for k in range(1, num_stages)]
+    return manual_plan(case.graph, [0, *cuts, case.graph.num_nodes], schedule=config["schedule"],
+                       num_rank_groups=num_stages, replicas=config["replicas"],
+                       num_microbatches=config["num_microbatches"], global_batch_size=case.batch_size,
+                       recompute=config.get("recompute", False))
 
 
 def _train_step(trainer, batch: tuple) -> float:
@@ -387,7 +389,7 @@ def _train_step(trainer, batch: tuple) -> float:
     return trainer.step(*args, **kwargs, **({"target": target} if target is not None else {}))
 
 
-def _uneven_trainer(case: Case, plan, meta_seed: Path | None):
+def _uneven_trainer(case: Case, plan, meta_seed: Path | None, max_grad_norm: float | None = None):
     """A trainer of ``case.model``; or, with ``meta_seed``, of a copy built on meta that takes its
     weights from a seed checkpoint (written by rank 0 from ``case.model``)."""
     import torch.distributed as dist
@@ -397,7 +399,7 @@ def _uneven_trainer(case: Case, plan, meta_seed: Path | None):
     from partita.runtime.materialize import meta_copies, save_seed
 
     if meta_seed is None:
-        return partita.Trainer(case.model, plan, optimizer=adamw, graph=case.graph)
+        return partita.Trainer(case.model, plan, optimizer=adamw, graph=case.graph, max_grad_norm=max_grad_norm)
     if int(os.environ["RANK"]) == 0:
         save_seed(case.model, meta_seed)
     dist.barrier()
@@ -405,7 +407,8 @@ def _uneven_trainer(case: Case, plan, meta_seed: Path | None):
     args, kwargs, target = case.batches[0]
     graph = partita.capture(meta.model, meta_copies(args), meta_copies(kwargs), loss_fn=case.loss_fn,
                             target=meta_copies(target))
-    return partita.Trainer(meta.model, plan, optimizer=adamw, graph=graph, init_from=str(meta_seed))
+    return partita.Trainer(meta.model, plan, optimizer=adamw, graph=graph, init_from=str(meta_seed),
+                           max_grad_norm=max_grad_norm)
 
 
 def _nonfinite_message(case: Case, plan) -> str | None:
@@ -431,7 +434,7 @@ def job_uneven(params: dict) -> dict:
     rank = int(os.environ["RANK"])
     results: dict[str, Any] = {}
     for name in params["models"]:
-        case = GatedCase() if name == "gated" else Case(name)
+        case = GatedCase() if name == "gated" else Case(name, params.get("batch_size", BATCH))
         for config in params["configs"]:
             if name not in config.get("models", params["models"]):
                 continue
@@ -443,7 +446,8 @@ def job_uneven(params: dict) -> dict:
                 results[key] = {"raised": _nonfinite_message(case, plan)}
                 continue
             seed = Path(params["dir"]) / f"{name}-seed" if config.get("meta") else None
-            trainer = _uneven_trainer(case, plan, meta_seed=seed)
+            clip = config.get("max_grad_norm")
+            trainer = _uneven_trainer(case, plan, meta_seed=seed, max_grad_norm=clip)
             losses = [_train_step(trainer, batch) for batch in case.batches[:3]]
             if "resume" in config:
                 path = Path(params["dir"]) / key.replace("/", "-")
@@ -456,7 +460,7 @@ def job_uneven(params: dict) -> dict:
             state = trainer.gather_state_dict()
             results[key] = {"losses": losses}
             if rank == 0:
-                ref_losses, ref_state = reference_run(case, adamw, len(losses))
+                ref_losses, ref_state = reference_run(case, adamw, len(losses), max_grad_norm=clip)
                 results[key].update(ref_losses=ref_losses, param=max_diff(state, ref_state))
     return results
 
