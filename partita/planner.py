@@ -225,7 +225,7 @@ class _BaselineSeeds:
     def refined(self, config: Config, to_beat: Plan) -> list[Plan]:
         same = same_config(config)
         found = []
-        for boundaries in self.splits(same.num_stages).values():
+        for boundaries in self.splits(same).values():
             if boundaries is None:
                 continue
             seed = _fit_with_recompute(self.ctx, same, boundaries, "partita", mode=same.recompute_mode,
@@ -546,7 +546,7 @@ def baseline_plans(ctx: PlanningContext, like: Plan) -> dict[str, Plan | None]:
     config = same_config(like)
     return {method: None if boundaries is None else
             _fit_with_recompute(ctx, config, boundaries, method, mode=config.recompute_mode)
-            for method, boundaries in splits(config.num_stages).items()}
+            for method, boundaries in splits(config).items()}
 
 
 def same_config(like: Plan | Config) -> Config:
@@ -562,18 +562,21 @@ def same_config(like: Plan | Config) -> Config:
     return dataclasses.replace(like, recompute_mode=None if recompute_allowed(like.schedule) else False)
 
 
-def _baseline_splits(ctx: PlanningContext) -> Callable[[int], dict[str, list[int] | None]]:
-    """``splits(num_stages)``: each baseline's node boundaries for that many stages (None: cannot split)."""
+def _baseline_splits(ctx: PlanningContext) -> Callable[[Config], dict[str, list[int] | None]]:
+    """``splits(config)``: each baseline's node boundaries for the config's number of stages (None:
+    cannot split). Under an uneven config the baselines cut only where every crossing tensor splits
+    by sample (``PlanningContext.per_sample_cuts``), as partita's own uneven plans do."""
     from partita.plan.baselines import BASELINES, baseline_boundaries
     from partita.plan.chain import legal_cuts
 
     legal = legal_cuts(ctx.graph)
 
     @functools.lru_cache(maxsize=None)
-    def splits(num_stages: int) -> dict[str, list[int] | None]:
-        return {method: baseline_boundaries(method, ctx.graph, legal, num_stages) for method in BASELINES}
+    def splits_of(num_stages: int, by_sample: bool) -> dict[str, list[int] | None]:
+        allowed = legal & ctx.per_sample_cuts if by_sample else legal
+        return {method: baseline_boundaries(method, ctx.graph, allowed, num_stages) for method in BASELINES}
 
-    return splits
+    return lambda config: splits_of(config.num_stages, bool(config.stage_replicas))
 
 
 def _fit_with_recompute(ctx: PlanningContext, config, boundaries: list[int], method: str,

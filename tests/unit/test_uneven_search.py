@@ -11,7 +11,7 @@ from partita.errors import InputError
 from partita.plan.io import load_plan, plan_to_json
 from partita.plan.search import SearchOptions
 from partita.plan.simulate import simulate
-from partita.planner import PlanningContext, best_plan, plan
+from partita.planner import PlanningContext, baseline_plans, best_plan, plan
 from partita.types import OptimizerKind, Schedule
 from test_search import oracle, random_instance
 
@@ -156,5 +156,22 @@ def test_searched_uneven_plans_cut_where_tensors_split_by_sample(gpt2_context):
     p = best_plan(pinned)
     assert p is not None and not p.uniform_replicas  # 3 devices, 2 stages: 2 + 1
     cuts = per_sample_cuts(ctx.graph)
-    for a, b in zip(p.stages, p.stages[1:]):
-        assert a.num_replicas == b.num_replicas or cuts[b.start]
+    baselines = baseline_plans(pinned, p)
+    assert all(b is not None for b in baselines.values()), baselines  # they cut by sample too
+    for plan_ in (p, *baselines.values()):
+        assert [s.num_replicas for s in plan_.stages] == [s.num_replicas for s in p.stages]
+        for a, b in zip(plan_.stages, plan_.stages[1:]):
+            assert a.num_replicas == b.num_replicas or cuts[b.start]
+        assert p.predicted_step_s <= plan_.predicted_step_s + 1e-12
+
+
+def test_no_baseline_split_beats_an_uneven_plan_under_its_configuration(solved):
+    num_compared = 0
+    for seed, (ctx, found, _, _) in enumerate(solved):
+        if found is None or found.uniform_replicas:
+            continue
+        for method, p in baseline_plans(ctx, found).items():
+            if p is not None:
+                num_compared += 1
+                assert found.predicted_step_s <= p.predicted_step_s + 1e-9, (seed, method)
+    assert num_compared >= 60
