@@ -4,12 +4,14 @@ For zoo models at several sizes (GPT-2 with its 50257-word head, T5 encoder-deco
 built on ``meta`` and costed analytically for H100 / A100-80GB clusters, it plans with
 ``partita.plan``'s search and simulates one step of
 
-  partita         the best plan (split, pp x dp, schedule, micro-batches, recompute);
+  partita         the best plan (split, pp x dp or per-stage replica counts, schedule, micro-batches,
+                  recompute), as ``partita.plan`` makes it by default;
   same config     each baseline's split (``uniform``, ``parameters``, ``equal_flops``; see
                   partita.plan.baselines) under partita's configuration, recomputing a stage only
                   where it does not fit otherwise (``planner.baseline_plans``);
-  own config      each baseline's split under ITS best configuration: the same configs the search
-                  enumerates (every pp x dp, schedule, m and recompute mode), each simulated with the
+  own config      each baseline's split under ITS best configuration: the uniform configs the search
+                  enumerates (every pp x dp, schedule, m and recompute mode; the tools these baselines
+                  stand for run pp x dp meshes), each simulated with the
                   baseline's boundaries. Fairer: a split that only fits with more stages or
                   recompute gets them.
 
@@ -108,7 +110,7 @@ def context(case: Case):
     cluster = partita.Cluster(device=case.device, num_devices=case.devices, devices_per_node=8, memory_bytes=memory)
     return planning_context(graph, (), None, cluster=cluster, global_batch_size=case.global_batch, loss_fn=None,
                             target=None, optimizer="adam", schedules=None, schedule=None, num_stages=None,
-                            replicas=None, num_microbatches=None, recompute=None, uniform_replicas=True,
+                            replicas=None, num_microbatches=None, recompute=None, uniform_replicas=None,
                             mixed_precision=False, costs="analytic", max_blocks=128, cache_dir=None)
 
 
@@ -240,8 +242,8 @@ def markdown(rows: list[dict], own: bool, command: str) -> str:
         "- ratio = baseline's predicted step / partita's (> 1: partita faster). same: partita's config with the "
         "baseline's split; own: the baseline's split under its own best config. OOM: does not fit even with "
         "recompute; n/a: cannot make that many stages",
-        "- config `GxR (v=2) schedule m=M rc=K/S`: G rank groups (pipeline depth) x R replicas, v stages per "
-        "rank group, M micro-batches, K of S stages recomputed. time: this row's planning, baselines and "
+        "- config `GxR (v=2) schedule m=M rc=K/S`: G rank groups (pipeline depth) x R replicas (`2+1+1`: per "
+        "rank group), v stages per rank group, M micro-batches, K of S stages recomputed. time: this row's planning, baselines and "
         "own-config searches (capture excluded)",
         "",
         "| " + " | ".join(headers) + " |",

@@ -92,7 +92,7 @@ def run_case(case: Case, profile_top: int) -> dict:
     t0 = time.perf_counter()
     ctx = planning_context(graph, (), None, cluster=cluster, global_batch_size=case.global_batch, loss_fn=None,
                            target=None, optimizer="adam", schedules=None, schedule=None, num_stages=None,
-                           replicas=None, num_microbatches=None, recompute=None, uniform_replicas=True,
+                           replicas=None, num_microbatches=None, recompute=None, uniform_replicas=None,
                            mixed_precision=False, costs="analytic", max_blocks=128, cache_dir=None)
     context_s = time.perf_counter() - t0
     # Time every cost table the search asks for separately from the search itself.

@@ -1,10 +1,11 @@
-"""What do uneven replica counts per stage buy? (``partita.plan(..., uniform_replicas=False)``)
+"""What do uneven replica counts per stage buy? (``partita.plan``'s default against ``uniform_replicas=True``)
 
 For zoo models built on ``meta`` and costed analytically (as in plan_quality.py), it plans each
 case four ways and reports the predicted steps:
 
-  uniform         the search over pp x dp meshes (every schedule), as ``partita plan`` does by default;
-  uneven          the same search plus stages with their own replica counts (GPipe/1F1B only);
+  uniform         the search over pp x dp meshes (every schedule): ``uniform_replicas=True``;
+  uneven          the same search plus stages with their own replica counts (GPipe/1F1B only): the
+                  default up to 64 devices (``uniform_replicas=False`` here, to say it explicitly);
   uniform 1F1B    the uniform search restricted to GPipe and 1F1B;
   uneven 1F1B     the uneven search restricted to GPipe and 1F1B: against "uniform 1F1B" it shows
                   the device axis alone, without the zero-bubble schedules uneven plans cannot use.

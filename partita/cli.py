@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
     plan.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
     plan.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
-    plan.add_argument("--uneven-replicas", action="store_true",
-                      help="also search plans whose stages have different replica counts (GPipe/1F1B, <= 64 devices)")
+    plan.add_argument("--uniform-replicas", action="store_true",
+                      help="search only pp x dp meshes (by default stages may also get different replica counts, "
+                           "GPipe/1F1B, up to 64 devices)")
     plan.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
     plan.add_argument("--recompute", default=None, choices=["yes", "no"], help="pin activation recomputation")
     plan.add_argument("--optimizer", default="adam", help="adam, sgd-momentum or sgd (sets optimizer-state memory)")
@@ -76,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
     train.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
     train.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
-    train.add_argument("--uneven-replicas", action="store_true",
-                      help="also search plans whose stages have different replica counts (GPipe/1F1B, <= 64 devices)")
+    train.add_argument("--uniform-replicas", action="store_true",
+                      help="search only pp x dp meshes (by default stages may also get different replica counts, "
+                           "GPipe/1F1B, up to 64 devices)")
     train.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
     train.add_argument("--checkpoint-dir", default=None, help="write checkpoints here (step-NNNNNN)")
     train.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: at the end)")
@@ -158,7 +160,7 @@ def _plan(args: argparse.Namespace) -> int:
         loss_fn=example.loss_fn, target=example.target, optimizer=args.optimizer, schedules=None,
         schedule=args.schedule, num_stages=args.num_stages, replicas=args.replicas,
         num_microbatches=args.microbatches, recompute=None if args.recompute is None else args.recompute == "yes",
-        uniform_replicas=not args.uneven_replicas, mixed_precision=False, costs=args.costs, max_blocks=128, cache_dir=args.cache_dir,
+        uniform_replicas=True if args.uniform_replicas else None, mixed_precision=False, costs=args.costs, max_blocks=128, cache_dir=args.cache_dir,
     )
     best = best_plan(ctx)
     if best is None:
@@ -226,7 +228,7 @@ def _plan_for_training(args: argparse.Namespace):
                         loss_fn=example.loss_fn, target=example.target, cluster=cluster,
                         global_batch_size=args.global_batch, schedule=args.schedule, num_stages=args.num_stages,
                         replicas=args.replicas, num_microbatches=args.microbatches, cache_dir=args.cache_dir,
-                        uniform_replicas=not args.uneven_replicas)
+                        uniform_replicas=True if args.uniform_replicas else None)
     path = args.plan_out or os.path.join(tempfile.mkdtemp(prefix="partita-"), "plan.json")
     plan.save(path)
     print(f"plan for {args.nproc} processes ({plan.cost_source} costs): {plan.num_stages} stages on "

@@ -69,7 +69,7 @@ def plan(
     replicas: int | None = None,
     num_microbatches: int | None = None,
     recompute: bool | None = None,
-    uniform_replicas: bool = True,
+    uniform_replicas: bool | None = None,
     mixed_precision: bool = False,
     costs: str = "auto",
     max_blocks: int = 128,
@@ -84,9 +84,11 @@ def plan(
     ``recompute=True`` the search leaves ZBV out, and InputError is raised when ZBV is the only
     schedule allowed.
 
-    ``uniform_replicas=False`` also searches plans whose stages have different replica counts
-    (``partita.plan.uneven``: GPipe or 1F1B, one stage per rank group, each count dividing the
-    micro-batch; clusters of at most 64 devices); it cannot be combined with ``replicas``.
+    Stages may have different replica counts (``partita.plan.uneven``: GPipe or 1F1B, one stage
+    per rank group, each count dividing the micro-batch) on clusters of at most 64 devices, unless
+    ``replicas`` is pinned. ``uniform_replicas=True`` restricts the search to pp x dp meshes;
+    ``False`` asks for the uneven search explicitly (InputError with ``replicas`` or beyond 64
+    devices); None (default): uneven where it can search.
 
     Raises InfeasiblePlanError when nothing fits, saying what would.
     """
@@ -107,7 +109,7 @@ def planning_context(model, args, kwargs, *, cluster, global_batch_size, loss_fn
                      mixed_precision, costs, max_blocks, cache_dir) -> PlanningContext:
     if not isinstance(cluster, Cluster):
         raise InputError(f"cluster must be a partita.Cluster, got {type(cluster).__name__}")
-    _check_uneven(uniform_replicas, replicas, cluster)
+    uniform_replicas = _resolve_uniform(uniform_replicas, replicas, cluster)
     _check_positive(global_batch_size=global_batch_size, num_stages=num_stages, replicas=replicas,
                     num_microbatches=num_microbatches, max_blocks=max_blocks)
     graph = model if isinstance(model, OpGraph) else capture(model, args, kwargs, loss_fn=loss_fn, target=target)
@@ -137,15 +139,19 @@ def planning_context(model, args, kwargs, *, cluster, global_batch_size, loss_fn
     return PlanningContext(graph, cluster, options, costs_at, chain, resolved)
 
 
-def _check_uneven(uniform_replicas: bool, replicas: int | None, cluster: Cluster) -> None:
+def _resolve_uniform(uniform_replicas: bool | None, replicas: int | None, cluster: Cluster) -> bool:
+    """Whether the search is restricted to uniform replica counts (see ``plan``)."""
+    if uniform_replicas is None:
+        return replicas is not None or cluster.num_devices > UNEVEN_MAX_DEVICES
     if uniform_replicas:
-        return
+        return True
     if replicas is not None:
         raise InputError(f"replicas={replicas} pins the same replica count for every stage, but uniform_replicas=False "
                          "asks for different counts: drop one of the two")
     if cluster.num_devices > UNEVEN_MAX_DEVICES:
         raise InputError(f"uniform_replicas=False searches every device count per stage, up to {UNEVEN_MAX_DEVICES} "
                          f"devices; the cluster has {cluster.num_devices}: plan with uniform_replicas=True")
+    return False
 
 
 def best_plan(ctx: PlanningContext, *, num_simulated: int = NUM_SIMULATED) -> Plan | None:

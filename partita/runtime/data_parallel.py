@@ -81,6 +81,9 @@ def init_topology(plan: Plan) -> Topology:
                         replicas=dp, device=device, dp_group=mesh.get_group("dp"), pp_group=mesh.get_group("pp"),
                         mesh=mesh)
     groups = [dist.new_group(list(s.ranks)) for s in plan.stages]  # collective: every rank, same order
+    # One collective of all ranks before any point-to-point: NCCL sets up the world communicator
+    # here, not in a batch_isend_irecv that only some ranks join (undefined behaviour per torch's docs).
+    dist.barrier()
     stage = next(s for s in plan.stages if rank in s.ranks)
     return Topology(rank=rank, world_size=world, num_rank_groups=plan.num_rank_groups, rank_group=stage.rank_group,
                     replica=stage.ranks.index(rank), replicas=stage.num_replicas, device=device,

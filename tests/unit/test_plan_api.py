@@ -176,16 +176,18 @@ def test_train_refuses_a_seed_for_a_factory_model(tmp_path, capsys):
     assert "--init-from works with zoo models" in capsys.readouterr().err
 
 
-def test_cli_plan_with_uneven_replicas_prints_each_stage_count(tmp_path, capsys):
-    """3 devices, 2 pinned 1F1B stages: only 2 + 1 or 1 + 2 replicas use all three."""
+def test_cli_plan_gives_stages_uneven_replica_counts_unless_told_otherwise(tmp_path, capsys):
+    """3 devices, 2 pinned 1F1B stages: only 2 + 1 or 1 + 2 replicas use all three; with
+    --uniform-replicas the plan is a 2 x 1 mesh on 2 of them."""
     out = tmp_path / "p.json"
-    assert main(["plan", "gpt2", "--devices", "3", "--device-type", "h100", "--global-batch", "24", "--schedule",
-                 "1f1b", "--num-stages", "2", "--uneven-replicas", "--out", str(out)]) == 0
+    pinned = ["plan", "gpt2", "--devices", "3", "--device-type", "h100", "--global-batch", "24", "--schedule", "1f1b",
+              "--num-stages", "2", "--out", str(out)]
+    assert main(pinned) == 0
     text = capsys.readouterr().out
     p = partita.Plan.load(str(out))
     counts = [s.num_replicas for s in p.stages]
     assert sorted(counts) == [1, 2]
     assert f"2 rank groups with {counts[0]}+{counts[1]} replicas (3 devices)" in text
-    assert main(["plan", "gpt2", "--devices", "3", "--device-type", "h100", "--global-batch", "24", "--replicas", "2",
-                 "--uneven-replicas"]) != 0
-    assert "replicas=2 pins the same replica count for every stage" in capsys.readouterr().err
+    assert main([*pinned, "--uniform-replicas"]) == 0
+    assert "2 rank groups x 1 replicas (2 devices)" in capsys.readouterr().out
+    assert partita.Plan.load(str(out)).uniform_replicas

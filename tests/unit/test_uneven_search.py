@@ -92,11 +92,25 @@ def test_uneven_plan_round_trips_and_is_deterministic(tmp_path, solved):
     assert load_plan(str(path)) == found
 
 
-def test_pinned_replicas_conflict_with_uneven_replicas():
-    ctx = uneven_instance(3)
-    cluster = ctx.cluster
+def test_pinned_replicas_conflict_with_uneven_replicas(gpt2_context):
+    graph, cluster = gpt2_context.graph, gpt2_context.cluster
     with pytest.raises(InputError, match="replicas=2 pins the same replica count"):
-        plan(ctx.graph, cluster=cluster, global_batch_size=8, replicas=2, uniform_replicas=False)
+        plan(graph, cluster=cluster, global_batch_size=24, replicas=2, uniform_replicas=False)
+    pinned = plan(graph, cluster=cluster, global_batch_size=24, replicas=1)  # default: uniform, as pinned
+    assert pinned.uniform_replicas and pinned.stages[0].num_replicas == 1
+
+
+def test_by_default_uneven_counts_are_searched_up_to_64_devices(gpt2_context):
+    graph, cluster = gpt2_context.graph, gpt2_context.cluster
+    options = dict(global_batch_size=24, schedule="1f1b", num_stages=2)
+    flat = plan(graph, cluster=cluster, uniform_replicas=True, **options)
+    default = plan(graph, cluster=cluster, **options)
+    explicit = plan(graph, cluster=cluster, uniform_replicas=False, **options)
+    assert flat.uniform_replicas and not default.uniform_replicas  # 3 devices: 2 + 1 beats 1 + 1
+    assert default.predicted_step_s == explicit.predicted_step_s < flat.predicted_step_s
+    assert default.options["uniform_replicas"] is False and flat.options["uniform_replicas"] is True
+    big = Cluster(device="h100", num_devices=128, devices_per_node=8)
+    assert plan(graph, cluster=big, global_batch_size=256).options["uniform_replicas"] is True
 
 
 def test_uneven_search_refuses_clusters_beyond_its_device_axis():
