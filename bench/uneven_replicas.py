@@ -20,9 +20,6 @@ Usage:  python bench/uneven_replicas.py [--out bench/results/uneven_replicas.md]
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -32,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import partita  # noqa: E402
+from _e2e_common import command_line, machine_line, now_utc  # noqa: E402
 from plan_quality import GIB, Case, captured  # noqa: E402
 from partita.planner import best_plan, planning_context  # noqa: E402
 from partita.report.format import fmt_replicas, fmt_seconds  # noqa: E402
@@ -101,14 +99,13 @@ def markdown_row(row: dict) -> str:
             f"| {row['uniform_s']:.0f} s / {row['uneven_s']:.0f} s |")
 
 
-def markdown(rows: list[dict], command: str) -> str:
+def markdown(rows: list[dict]) -> str:
     lines = [
         "# Uneven replica counts per stage: uniform vs uneven search",
         "",
-        f"- machine: {platform.node() or 'unknown'}, {platform.machine()}, Python {platform.python_version()}",
-        f"- torch {torch.__version__}, partita {partita.__version__}",
-        f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
-        f"- command: `{command}`",
+        f"- machine: {machine_line()}; partita {partita.__version__}",
+        f"- date: {now_utc()}",
+        f"- command: `{command_line()}`",
         "- models captured on meta, analytic costs (float32 peak), Adam, nodes of 8 devices (12 devices: 3 nodes of 4); "
         "`@N GiB`: memory per device",
         "- ratio = uniform step / uneven step (> 1: uneven faster). Layout `GxR...`: G rank groups with R replicas "
@@ -133,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         row = run_case(case)
         print(markdown_row(row), file=sys.stderr, flush=True)
         rows.append(row)
-    command = "python " + " ".join(shlex.quote(a) for a in ["bench/uneven_replicas.py", *(argv or sys.argv[1:])])
-    text = markdown(rows, command)
+    text = markdown(rows)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
