@@ -35,7 +35,9 @@ Exactness: loss and parameters match the unsplit model trained on the full batch
 summation order) when the model's loss is a mean over equally many elements in every
 micro-batch (true for LM losses without ignored positions, and for classification). A loss that
 averages over a data-dependent count (masked LM with ``-100`` labels at varying positions) is
-averaged per micro-batch first, as in any gradient accumulation.
+averaged per micro-batch first, as in any gradient accumulation. BatchNorm normalises over each
+micro-batch slice a rank runs (as under DDP without SyncBatchNorm), and its running statistics
+and ``num_batches_tracked`` advance once per slice, not once per step.
 """
 
 from __future__ import annotations

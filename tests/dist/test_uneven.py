@@ -3,7 +3,8 @@
 3 ranks, 2 stages: replicas (2, 1) (stage 0 on ranks 0 and 1, stage 1 on rank 2) and (1, 2);
 5 ranks: (2, 3) and (3, 2), whose slices overlap in part, and 3 stages (1, 3, 1).
 GPT-2 (tied embeddings: wte in both stages, summed over 3 ranks), Llama (rotary cos/sin cross
-without batch dim, from their owner), and GatedNet (a batch-less boundary tensor that needs a
+without batch dim, from their owner), BERT and T5 (masks, the encoder output and T5's position
+bias cross), and GatedNet (a batch-less boundary tensor that needs a
 gradient: summed by its owner, zero on the replica that serves nobody). Three AdamW steps equal
 unsplit full-batch training; one run continues from a checkpoint under the other layout, one
 starts from a model built on meta (seed checkpoint), and a non-finite loss names its samples.
@@ -18,7 +19,7 @@ from dist_launch import run_ranks
 pytest.importorskip("transformers")
 
 TOLERANCE = 1e-5
-MODELS = ["gpt2", "llama", "gated"]
+MODELS = ["gpt2", "llama", "gated", "bert", "t5"]  # BERT: the attention mask crosses; T5: the encoder output
 CONFIGS = [
     dict(label="1f1b-2x1", schedule="1f1b", replicas=(2, 1), num_microbatches=2),
     dict(label="gpipe-1x2-recompute", schedule="gpipe", replicas=(1, 2), num_microbatches=2,
