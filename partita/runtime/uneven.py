@@ -44,7 +44,8 @@ first receives what it needs (blocking), computes, then sends asynchronously. As
 schedules do, an action's sends are issued together with the next action's receives
 (``batch_isend_irecv``), so NCCL never blocks a send behind a receive of the same pair. Between
 two ranks, messages go in micro-batch order, the tensors of one message in output order, on
-both sides alike (NCCL ignores tags; gloo matches them). Sends are waited at the end of the step.
+both sides alike (NCCL ignores tags; gloo matches them). Sends are waited one exchange later
+(``_SendWindow``), so at most two actions' sent tensors are held for the wire.
 
 Receive buffers get their shapes from ``stage_metadata`` run on this replica's own slice size
 ``n_k`` (the Trainer runs it on the first ``n_k`` samples, or on meta tensors of that size):
@@ -221,12 +222,12 @@ class UnevenExecutor:
         in_flight: dict[int, _InFlight] = {}
         losses: dict[int, torch.Tensor] = {}
         pending: list[dist.P2POp] = []  # an action's sends, issued with the next action's receives
-        sent: list[Any] = []
+        sent = _SendWindow()
         for action in self.order:
             i = action.microbatch
             if action.kind == FORWARD:
                 buffers = _buffers(self.inbound, self.metadata.input_args, self.device)
-                sent += _exchange(pending, _receives(self.inbound, buffers, i, FORWARD))
+                sent.issued(_exchange(pending, _receives(self.inbound, buffers, i, FORWARD)))
                 received = self._assemble_inputs(buffers)
                 outputs = self.runner(*received, **self._root_inputs(flat, i))
                 in_flight[i] = _InFlight(received, outputs)
@@ -237,13 +238,12 @@ class UnevenExecutor:
                 assert action.kind == BACKWARD, f"uneven plans run GPipe or 1F1B, got action {action}"
                 grad_like = [x if x.requires_grad else None for x in self.metadata.output_args]
                 buffers = _buffers(self.outbound, grad_like, self.device)
-                sent += _exchange(pending, _receives(self.outbound, buffers, i, BACKWARD))
+                sent.issued(_exchange(pending, _receives(self.outbound, buffers, i, BACKWARD)))
                 state = in_flight.pop(i)
                 self._backward(state, buffers)
                 pending = _sends(self.inbound, self._input_grads(state), i, BACKWARD) if self.inbound else []
-        sent += _exchange(pending, [])
-        for work in sent:
-            work.wait()
+        sent.issued(_exchange(pending, []))
+        sent.wait_all()
         return [losses[i] for i in sorted(losses)]
 
     def _root_inputs(self, flat: Sequence[Any], microbatch: int) -> dict[str, Any]:
@@ -346,6 +346,31 @@ def _receives(side: _Side | None, buffers: list[list], microbatch: int, kind: st
         return []
     return [dist.P2POp(dist.irecv, buffer, peer, tag=_tag(microbatch, p, len(pieces), kind))
             for peer, pieces in zip(side.peers, buffers) for p, buffer in enumerate(pieces) if buffer is not None]
+
+
+class _SendWindow:
+    """The send works of the latest exchange, waited at the next one.
+
+    A send's tensor (an output, an input gradient, a piece of either) lives until its work is
+    waited; waiting only at the end of the step would keep every micro-batch's boundary tensors
+    alive, m times what the memory model counts. The exchange of action ``a`` issues the sends of
+    action ``a - 1`` with the receives of ``a`` and waits those receives; then the sends issued by
+    the exchange before (action ``a - 2``'s) are waited. Their receivers post the matching
+    receives on their own, without waiting for anything this rank sends later: every rank runs
+    the schedule's order, and torch's Schedule1F1B waits its sends even sooner (with the next
+    receives).
+    """
+
+    def __init__(self):
+        self.previous: list[Any] = []
+
+    def issued(self, works: list[Any]) -> None:
+        for work in self.previous:
+            work.wait()
+        self.previous = works
+
+    def wait_all(self) -> None:
+        self.issued([])
 
 
 def _exchange(sends: list[dist.P2POp], receives: list[dist.P2POp]) -> list[Any]:
