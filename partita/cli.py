@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="plan (or load a plan) and train with one process per device")
     _add_model_arguments(train)
-    train.add_argument("--nproc", type=int, default=2, help="processes (devices) on this machine (default 2)")
+    train.add_argument("--nproc", type=int, default=None,
+                       help="processes (devices) on this machine to plan for (default 2); the job starts as many "
+                            "as the plan uses. With --plan: the plan's device count (default), or an error if different")
     train.add_argument("--plan", default=None, help="a plan file from `partita plan`; otherwise plan now")
     train.add_argument("--plan-out", default=None, help="where to write the plan made now")
     train.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step (default 16)")
@@ -200,20 +202,34 @@ def _train(args: argparse.Namespace) -> int:
     argv = list(args.argv)
     if args.plan:
         plan_path = args.plan
+        nproc = _processes_for_plan_file(args.plan, args.nproc)
     else:
-        plan_path, example = _plan_for_training(args)
+        plan_path, example, nproc = _plan_for_training(args)
         if args.init_from is None and not is_factory_spec(args.model) and not on_meta(example.model):
             # The processes build the model on meta and read their stages' weights from this seed:
             # none of them needs memory for the whole model.
             argv += ["--init-from", plan_path + ".seed"]
             save_seed(example.model, plan_path + ".seed")
-    launch_local([*argv, "--plan", plan_path], nproc=args.nproc, max_restarts=args.max_restarts)
+    launch_local([*argv, "--plan", plan_path], nproc=nproc, max_restarts=args.max_restarts)
     return 0
+
+
+def _processes_for_plan_file(path: str, nproc: int | None) -> int:
+    """The plan's device count: one process per device. InputError when --nproc says otherwise."""
+    import partita
+    from partita.errors import InputError
+
+    needed = partita.Plan.load(path).num_devices
+    if nproc is not None and nproc != needed:
+        raise InputError(f"{path} is a plan for {needed} devices, but --nproc is {nproc}: drop --nproc (one process "
+                         f"per device of the plan) or re-plan for {nproc} processes (without --plan)")
+    return needed
 
 
 def _plan_for_training(args: argparse.Namespace):
     """Plan on this machine's CPU for ``--nproc`` processes, print it, and write it to a file.
-    Returns the file's path and the example the plan was made for."""
+    Returns the file's path, the example the plan was made for and the number of processes to
+    start: the plan's devices, which can be fewer than ``--nproc`` (no faster plan used them all)."""
     import os
     import tempfile
 
@@ -223,7 +239,8 @@ def _plan_for_training(args: argparse.Namespace):
 
     example = _load(args)
     graph = _capture(example)
-    cluster = Cluster.local(num_devices=args.nproc, memory_bytes=_parse_bytes(args.memory), cache_dir=args.cache_dir)
+    nproc = 2 if args.nproc is None else args.nproc
+    cluster = Cluster.local(num_devices=nproc, memory_bytes=_parse_bytes(args.memory), cache_dir=args.cache_dir)
     plan = partita.plan(graph, example.args, example.kwargs,
                         loss_fn=example.loss_fn, target=example.target, cluster=cluster,
                         global_batch_size=args.global_batch, schedule=args.schedule, num_stages=args.num_stages,
@@ -231,12 +248,15 @@ def _plan_for_training(args: argparse.Namespace):
                         uniform_replicas=True if args.uniform_replicas else None)
     path = args.plan_out or os.path.join(tempfile.mkdtemp(prefix="partita-"), "plan.json")
     plan.save(path)
-    print(f"plan for {args.nproc} processes ({plan.cost_source} costs): {plan.num_stages} stages on "
+    print(f"plan for {nproc} processes ({plan.cost_source} costs): {plan.num_stages} stages on "
           f"{fmt_layout(plan)}, {plan.schedule.value}, {plan.num_microbatches} micro-batches; predicted step {plan.predicted_step_s * 1e3:.1f} ms; written to {path}")
     for s in plan.stages:
         print(f"  stage {s.index}: ranks {list(s.ranks)}  {s.module_range}  "
               f"(nodes {s.start}..{s.stop - 1}, recompute {'yes' if s.recompute else 'no'})")
-    return path, example
+    if plan.num_devices < nproc:
+        print(f"the plan uses {plan.num_devices} of the {nproc} devices (no plan over all of them was faster, or "
+              f"the pinned options leave no way to use them): starting {plan.num_devices} processes")
+    return path, example, plan.num_devices
 
 
 def _train_rank(args: argparse.Namespace, config) -> int:

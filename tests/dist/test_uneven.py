@@ -83,3 +83,29 @@ def test_a_nonfinite_loss_names_its_slice_on_every_rank(results):
     message = messages.pop()
     assert message is not None, "no NumericsError was raised"
     assert "micro-batch 1 of replica 1 (samples 6-7 of the global batch) gave nan" in message, message
+
+
+def test_partita_train_plans_and_trains_on_three_processes(tmp_path):
+    """The command users run: plan for 3 processes with 2 pinned 1F1B stages (an uneven 2 + 1 or
+    1 + 2 layout uses all three; a uniform one only two, and then only two processes start),
+    build the model on meta in every rank, and train 3 steps."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dist_launch import REPO
+
+    losses = tmp_path / "losses.json"
+    argv = [sys.executable, "-m", "partita.cli", "train", "gpt2", "--nproc", "3", "--num-stages", "2", "--schedule",
+            "1f1b", "--global-batch", "12", "--steps", "3", "--losses-out", str(losses), "--plan-out",
+            str(tmp_path / "plan.json"), "--cache-dir", str(tmp_path / "cache")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    recorded = json.loads(losses.read_text())["losses"]
+    assert len(recorded) == 3 and recorded[-1] < recorded[0]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    started = len({r for stage in plan["stages"] for r in stage["ranks"]})
+    assert "stages on 2 rank groups" in done.stdout and (started == 3 or "starting 2 processes" in done.stdout)

@@ -176,6 +176,23 @@ def test_train_refuses_a_seed_for_a_factory_model(tmp_path, capsys):
     assert "--init-from works with zoo models" in capsys.readouterr().err
 
 
+def test_train_with_a_plan_file_starts_one_process_per_device_of_the_plan(tmp_path, capsys):
+    """A plan for 3 devices with --nproc 2 is refused before any process starts (the ranks would
+    fail one by one); without --nproc the job takes the plan's count."""
+    from partita.cli import _processes_for_plan_file
+    from partita.plan.manual import manual_plan
+
+    ex = examples.build("gpt2", batch_size=4)
+    graph = partita.capture(ex.model, ex.args, ex.kwargs)
+    path = tmp_path / "plan.json"
+    manual_plan(graph, [0, graph.num_nodes // 2, graph.num_nodes], schedule="1f1b", num_rank_groups=2,
+                replicas=(2, 1), num_microbatches=2, global_batch_size=8).save(str(path))
+    assert _processes_for_plan_file(str(path), None) == 3
+    assert _processes_for_plan_file(str(path), 3) == 3
+    assert main(["train", "gpt2", "--plan", str(path), "--nproc", "2"]) == 2
+    assert "is a plan for 3 devices, but --nproc is 2" in capsys.readouterr().err
+
+
 def test_cli_plan_gives_stages_uneven_replica_counts_unless_told_otherwise(tmp_path, capsys):
     """3 devices, 2 pinned 1F1B stages: only 2 + 1 or 1 + 2 replicas use all three; with
     --uniform-replicas the plan is a 2 x 1 mesh on 2 of them."""
