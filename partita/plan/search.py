@@ -16,6 +16,9 @@ Driver: for every config allowed by the options, build the stage-cost matrices (
 size, let :mod:`partita.plan.partition` propose splits (one per candidate bottleneck; every split
 for small chains with several stages per rank group, see EXHAUSTIVE_SPLITS), estimate
 each with a closed form (``estimate_step``; L_g: a rank group's time per micro-batch), and keep the best few; then the caller simulates them on the real schedule.
+
+Configs here give every rank group the same number of replicas; :mod:`partita.plan.uneven`
+searches stages with their own counts (``Config.stage_replicas``) and reuses ``StageCosts``.
 """
 
 from __future__ import annotations
