@@ -34,6 +34,11 @@ class TensorInfo:
     num_bytes: int
     batch_dim: int | None = None  # dimension proportional to the batch size; None if none
 
+    def merges_samples(self, example_batch_size: int) -> bool:
+        """Whether the batch dim holds several entries per sample (``(B*T, H)`` after a reshape):
+        such a tensor cannot be split by sample, since its layout (batch- or T-major) is unknown."""
+        return self.batch_dim is not None and self.shape[self.batch_dim] != example_batch_size
+
     def bytes_at_batch(self, batch_size: int, example_batch_size: int) -> int:
         """Bytes of this tensor when the batch is ``batch_size`` instead of the example's."""
         if self.batch_dim is None:

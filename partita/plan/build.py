@@ -14,8 +14,12 @@ def stage_ranks(config: Config) -> list[tuple[int, ...]]:
     """Ranks of each rank group: consecutive blocks, group g after groups 0 .. g-1 (uniform:
     [g*r, (g+1)*r)), so a group's replicas and neighbouring groups sit in the same node whenever
     the node is large enough. Uneven configs have one stage per rank group."""
-    counts = [config.replicas_of(g) for g in range(config.num_rank_groups)]
-    starts = [sum(counts[:g]) for g in range(config.num_rank_groups)]
+    return consecutive_ranks([config.replicas_of(g) for g in range(config.num_rank_groups)])
+
+
+def consecutive_ranks(counts: Sequence[int]) -> list[tuple[int, ...]]:
+    """Ranks of rank groups with ``counts[g]`` devices each: consecutive, group g after groups 0 .. g-1."""
+    starts = [sum(counts[:g]) for g in range(len(counts))]
     return [tuple(range(start, start + r)) for start, r in zip(starts, counts)]
 
 

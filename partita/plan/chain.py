@@ -95,8 +95,7 @@ def per_sample_cuts(graph: OpGraph) -> np.ndarray:
     blocked = np.zeros(num_nodes + 2, dtype=np.int64)  # difference array over cuts
     for node in graph.nodes:
         p, last = node.index, max(node.consumers, default=-1)
-        if last > p and any(t.batch_dim is not None and t.shape[t.batch_dim] != graph.batch_size
-                            for t in node.outputs):
+        if last > p and any(t.merges_samples(graph.batch_size) for t in node.outputs):
             blocked[p + 1] += 1
             blocked[last + 1] -= 1
     return np.cumsum(blocked)[: num_nodes + 1] == 0

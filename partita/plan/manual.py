@@ -24,8 +24,9 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from partita.errors import InputError
-from partita.plan.build import module_range
+from partita.plan.build import consecutive_ranks, module_range
 from partita.plan.schedules import check_schedule, stage_rank_groups
+from partita.plan.uneven import UNEVEN_SCHEDULES
 from partita.types import OpGraph, Plan, Schedule, StagePlan
 
 __all__ = ["manual_plan"]
@@ -75,7 +76,7 @@ def manual_plan(
             )
     flags = _recompute_flags(recompute, num_stages)
     groups = stage_rank_groups(schedule, num_rank_groups, num_stages)
-    ranks = _group_ranks(counts)
+    ranks = consecutive_ranks(counts)
     stages = tuple(
         _stage(graph, k, cuts[k], cuts[k + 1], groups[k], ranks[groups[k]], flags[k]) for k in range(num_stages)
     )
@@ -107,17 +108,11 @@ def _replica_counts(replicas: int | Sequence[int], schedule: Schedule, num_rank_
                          "give one replica count per rank group, or one int for all")
     for count in counts:
         _check_counts(replicas=count)
-    if len(set(counts)) > 1 and schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+    if len(set(counts)) > 1 and schedule not in UNEVEN_SCHEDULES:
         raise InputError(f"replicas={list(counts)} differ between rank groups, which {schedule.value} cannot run "
                          "(a rank group holds several stages): use schedule gpipe or 1f1b, or the same count for "
                          "every rank group")
     return counts
-
-
-def _group_ranks(counts: Sequence[int]) -> list[tuple[int, ...]]:
-    """Ranks of each rank group: consecutive, after all earlier groups' ranks."""
-    starts = [sum(counts[:g]) for g in range(len(counts))]
-    return [tuple(range(start, start + r)) for start, r in zip(starts, counts)]
 
 
 def _stage(graph: OpGraph, k: int, start: int, stop: int, group: int, ranks: tuple[int, ...],

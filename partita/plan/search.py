@@ -213,6 +213,7 @@ class StageCosts:
         # Activation and gradient of the stage's output cross to the next stage once each.
         self.send = np.array([2 * p2p_time_s(float(c), cluster, same_node=True) for c in cut])
         self._cache: dict[tuple[float, bool], np.ndarray] = {}
+        self._costs: dict[float, tuple[np.ndarray, np.ndarray]] = {}
 
     def fits(self, in_flight: float, recompute: bool) -> np.ndarray:
         key = (in_flight, recompute)
@@ -228,13 +229,22 @@ class StageCosts:
     def stage_cost(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
         """(time matrix with inf where infeasible, recompute-chosen matrix) for stage ``stage``."""
         c = self.config
-        in_flight = microbatches_in_flight(c.schedule, c.num_microbatches, c.num_rank_groups,
-                                           c.rank_group_of(stage), c.virtual_stages)
-        plain_ok = self.fits(in_flight, False) & self.valid if c.recompute_mode is not True else np.zeros_like(self.valid)
-        recompute_ok = self.fits(in_flight, True) & self.valid if c.recompute_mode is not False else np.zeros_like(self.valid)
-        use_recompute = ~plain_ok & recompute_ok
-        time = np.where(plain_ok, self.compute, np.where(recompute_ok, self.compute + self.forward, np.inf))
-        return time, use_recompute
+        return self.cost_at(microbatches_in_flight(c.schedule, c.num_microbatches, c.num_rank_groups,
+                                                   c.rank_group_of(stage), c.virtual_stages))
+
+    def cost_at(self, in_flight: float) -> tuple[np.ndarray, np.ndarray]:
+        """``stage_cost`` of a stage that keeps ``in_flight`` micro-batches' activations: all that
+        depends on the stage's position (remembered: stages at the same depth share it). Only the
+        config's replicas, micro-batches and recompute mode enter, so configs that differ in
+        schedule or depth alone may share one StageCosts (``partita.plan.uneven`` does)."""
+        if in_flight not in self._costs:
+            mode = self.config.recompute_mode
+            plain_ok = self.fits(in_flight, False) & self.valid if mode is not True else np.zeros_like(self.valid)
+            recompute_ok = self.fits(in_flight, True) & self.valid if mode is not False else np.zeros_like(self.valid)
+            use_recompute = ~plain_ok & recompute_ok
+            time = np.where(plain_ok, self.compute, np.where(recompute_ok, self.compute + self.forward, np.inf))
+            self._costs[in_flight] = (time, use_recompute)
+        return self._costs[in_flight]
 
 
 def _range_sums(values: Sequence[float]) -> np.ndarray:

@@ -33,6 +33,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from partita.cost.memory import microbatches_in_flight
 from partita.plan.chain import BlockCosts
 from partita.plan.partition import candidate_partitions
 from partita.plan.search import (
@@ -62,8 +63,9 @@ class _Shape:
     """One (schedule, S stages, m micro-batches, recompute mode): the replica choices and the
     time of every stage range at every replica count."""
 
-    def __init__(self, blocks_at: Callable[[int], BlockCosts], options: SearchOptions, cluster, schedule: Schedule,
-                 num_stages: int, num_microbatches: int, recompute_mode: bool | None, positions: np.ndarray):
+    def __init__(self, stage_costs: Callable[[int, int, bool | None], StageCosts], options: SearchOptions,
+                 schedule: Schedule, num_stages: int, num_microbatches: int, recompute_mode: bool | None,
+                 positions: np.ndarray):
         b = options.global_batch_size // num_microbatches
         self.num_stages, self.num_microbatches, self.schedule = num_stages, num_microbatches, schedule
         self.recompute_mode, self.samples, self.positions = recompute_mode, b, positions
@@ -73,9 +75,9 @@ class _Shape:
         self.send: dict[int, np.ndarray] = {}  # r -> seconds to send each boundary's tensors (and gradients)
         sub = np.ix_(positions, positions)
         for r in self.replica_counts:
-            config = Config(r, num_stages, schedule, 1, num_microbatches, b // r, recompute_mode)
-            costs = StageCosts(blocks_at(b // r), config, options, cluster)
-            per_stage = [costs.stage_cost(p) for p in range(num_stages)]
+            costs = stage_costs(r, num_microbatches, recompute_mode)
+            per_stage = [costs.cost_at(microbatches_in_flight(schedule, num_microbatches, num_stages, p, 1))
+                         for p in range(num_stages)]
             self.time[r] = [t[sub] for t, _ in per_stage]
             self.recompute[r] = [u[sub] for _, u in per_stage]
             self.send[r] = costs.send[positions]
@@ -127,8 +129,18 @@ def search_uneven(blocks_at: Callable[[int], BlockCosts], options: SearchOptions
     exhaustive = num_blocks <= EXHAUSTIVE_BLOCKS
     found: list[Candidate] = []
     seen: set = set()
+    shared: dict[tuple, StageCosts] = {}
+
+    def stage_costs(r: int, m: int, mode: bool | None) -> StageCosts:
+        """The stage costs at r replicas, m micro-batches: shared by every schedule and depth."""
+        if (r, m, mode) not in shared:
+            samples = options.global_batch_size // (m * r)
+            config = Config(r, 1, Schedule.GPIPE, 1, m, samples, mode)  # schedule and depth: see StageCosts.cost_at
+            shared[r, m, mode] = StageCosts(blocks_at(samples), config, options, cluster)
+        return shared[r, m, mode]
+
     for schedule, s, m, mode in enumerate_shapes(options, num_blocks):
-        shape = _Shape(blocks_at, options, cluster, schedule, s, m, mode, positions)
+        shape = _Shape(stage_costs, options, schedule, s, m, mode, positions)
         if len(shape.replica_counts) < 2:
             continue  # one replica count only: every split is uniform
         for boundaries, replicas in _splits(shape, options.num_devices, exhaustive=exhaustive):

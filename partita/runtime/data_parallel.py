@@ -38,7 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.errors import InputError
-from partita.types import Plan, Schedule
+from partita.plan.uneven import UNEVEN_SCHEDULES
+from partita.types import Plan
 
 __all__ = ["Topology", "GradientSync", "init_topology"]
 
@@ -136,7 +137,7 @@ def _check_uniform_layout(plan: Plan) -> None:
 
 def _check_uneven_layout(plan: Plan) -> None:
     counts = [s.num_replicas for s in plan.stages]
-    if plan.schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+    if plan.schedule not in UNEVEN_SCHEDULES:
         raise InputError(f"the plan gives stages different replica counts {counts} under {plan.schedule.value}, "
                          "which the runtime runs on uniform pp x dp meshes only: use schedule gpipe or 1f1b, or "
                          "the same replica count for every stage")

@@ -78,16 +78,15 @@ def count_nonfinite(tensors: Iterable[torch.Tensor], device: torch.device) -> to
 
 
 def loss_findings(losses: Sequence[torch.Tensor], *, stage_index: int, replica: int, rank: int,
-                  samples: Sequence[tuple[int, int]] | None = None) -> list[NonFinite]:
+                  samples: Sequence[tuple[int, int]]) -> list[NonFinite]:
     """The non-finite micro-batch losses of the last stage on this rank (list index = micro-batch).
 
     ``samples[i]``: (first global sample, number of samples) of micro-batch ``i``'s loss, which
-    depends on the layout (uniform: replica-major; uneven: micro-batch-major, see uneven.py);
-    without it, ``describe`` assumes the uniform layout."""
+    depends on the layout (uniform: replica-major; uneven: micro-batch-major, see uneven.py)."""
     found = []
     for i, loss in enumerate(losses):
         if not bool(torch.isfinite(loss.detach()).all()):
-            first, count = samples[i] if samples is not None else (None, None)
+            first, count = samples[i]
             found.append(NonFinite("loss", _value(loss), (stage_index,), rank, microbatch_index=i, replica=replica,
                                    first_sample=first, num_samples=count))
     return found
@@ -111,13 +110,12 @@ def gather_findings(local: list[NonFinite]) -> list[NonFinite]:
     return [finding for part in gathered for finding in part]
 
 
-def describe(findings: Sequence[NonFinite], *, step: int, microbatch_size: int, samples_per_replica: int,
-             replicas: int, policy: NonFinitePolicy) -> str:
+def describe(findings: Sequence[NonFinite], *, step: int, replicas: int, policy: NonFinitePolicy) -> str:
     """One message for every rank: what was non-finite and where, what happened, and the fix."""
     losses = [f for f in findings if f.kind == "loss"]
     grads = _merge_gradients([f for f in findings if f.kind == "gradient"])
     if losses:
-        listed = "; ".join(_loss_text(f, microbatch_size, samples_per_replica, replicas) for f in losses)
+        listed = "; ".join(_loss_text(f, replicas) for f in losses)
         parts = [f"step {step}: non-finite loss: {listed}."]
         if grads:  # they follow from the loss: count them only
             parts.append(f"The gradients of {len(grads)} parameter(s) are non-finite too.")
@@ -136,11 +134,8 @@ def describe(findings: Sequence[NonFinite], *, step: int, microbatch_size: int, 
     return " ".join(parts)
 
 
-def _loss_text(f: NonFinite, microbatch_size: int, samples_per_replica: int, replicas: int) -> str:
-    if f.first_sample is not None:
-        first, count = f.first_sample, f.num_samples
-    else:
-        first, count = f.replica * samples_per_replica + f.microbatch_index * microbatch_size, microbatch_size
+def _loss_text(f: NonFinite, replicas: int) -> str:
+    first, count = f.first_sample, f.num_samples
     replica = f" of replica {f.replica}" if replicas > 1 else ""
     return (f"micro-batch {f.microbatch_index}{replica} (samples {first}-{first + count - 1} of the "
             f"global batch) gave {f.value} on stage {f.stage_indices[0]}, the last stage (rank {f.rank})")

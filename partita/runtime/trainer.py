@@ -318,9 +318,7 @@ class Trainer:
             samples = [self._loss_samples(i) for i in range(len(losses))]
             local = loss_findings(losses, stage_index=last, replica=top.replica, rank=top.rank, samples=samples) + local
         findings = gather_findings(local)
-        message = describe(findings, step=step, microbatch_size=self.plan.microbatch_size,
-                           samples_per_replica=self.plan.global_batch_size // top.replicas,
-                           replicas=self.plan.stages[-1].num_replicas,  # the same message on every rank
+        message = describe(findings, step=step, replicas=self.plan.stages[-1].num_replicas,  # the same on every rank
                            policy=self.on_nonfinite)
         if self.on_nonfinite is NonFinitePolicy.RAISE:
             raise NumericsError(message, step=step, findings=tuple(findings))

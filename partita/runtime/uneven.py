@@ -133,7 +133,7 @@ def boundary_layouts(graph: OpGraph, names: Sequence[str], sender_index: int, nu
     layouts = []
     for name in names:
         info = infos[name]
-        if info.batch_dim is not None and info.shape[info.batch_dim] == graph.batch_size:
+        if info.batch_dim is not None and not info.merges_samples(graph.batch_size):
             layouts.append(Layout.SLICED)
         elif info.batch_dim is None or num_senders == num_receivers:
             layouts.append(Layout.WHOLE)

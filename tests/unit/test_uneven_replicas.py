@@ -161,6 +161,18 @@ def test_nonfinite_loss_message_names_the_slice_of_an_uneven_plan():
     # Micro-batch 1 of replica 1 of a last stage with 2 replicas, b = 4: samples 6-7.
     findings = loss_findings([torch.tensor(1.0), torch.tensor(float("nan"))], stage_index=1, replica=1, rank=2,
                              samples=[(2, 2), (6, 2)])
-    text = describe(findings, step=1, microbatch_size=4, samples_per_replica=8, replicas=2,
+    text = describe(findings, step=1, replicas=2,
                     policy=NonFinitePolicy.RAISE)
     assert "micro-batch 1 of replica 1 (samples 6-7 of the global batch) gave nan on stage 1" in text
+
+
+def test_layout_check_refuses_several_stages_per_group_and_a_batch_that_does_not_split(mlp_graph):
+    cuts = [mlp_graph.num_nodes * k // 3 for k in range(4)]
+    plan = manual_plan(mlp_graph, cuts, schedule="gpipe", num_rank_groups=3, replicas=(2, 1, 1), num_microbatches=2,
+                       global_batch_size=8)
+    first, second, third = plan.stages
+    shared = dataclasses.replace(plan, stages=(first, second, dataclasses.replace(third, ranks=(0, 1), rank_group=0)))
+    with pytest.raises(InputError, match="puts 3 stages on 2 rank groups .* one stage per rank group"):
+        check_layout(shared)
+    with pytest.raises(InputError, match="global batch of 6 samples in 2 micro-batches does not split evenly over 2"):
+        check_layout(dataclasses.replace(plan, global_batch_size=6, microbatch_size=3))

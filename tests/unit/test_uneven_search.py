@@ -189,3 +189,15 @@ def test_no_baseline_split_beats_an_uneven_plan_under_its_configuration(solved):
                 num_compared += 1
                 assert found.predicted_step_s <= p.predicted_step_s + 1e-9, (seed, method)
     assert num_compared >= 60
+
+
+def test_an_uneven_config_needs_a_cost_table_per_micro_batch_size():
+    from partita.plan.build import stage_tables
+    from partita.plan.search import Config
+
+    ctx = uneven_instance(3)
+    uneven = Config(1, 2, Schedule.ONE_F_ONE_B, 1, 2, 4, None, stage_replicas=(2, 1))
+    with pytest.raises(InputError, match="pass a function microbatch_size -> CostTable"):
+        stage_tables(ctx.costs_at(4), uneven)
+    tables = stage_tables(ctx.costs_at, uneven)
+    assert [t.microbatch_size for t in tables] == [2, 4]
