@@ -1,61 +1,44 @@
 """partita: plan and train PyTorch models too large for one device.
 
-capture -> cost -> plan -> runtime; see DESIGN.md in the project's shared folder.
+capture -> cost -> planning -> runtime; see the README's Layout section.
+
+Every public name is loaded on first use (PEP 562), so that ``import partita.capture`` pulls in
+only the capture layer, and planning never loads ``torch.distributed``.
 """
 
-from partita.capture import capture
-from partita.cost.cluster import Cluster
-from partita.errors import (
-    CaptureError,
-    InfeasiblePlanError,
-    InputError,
-    ModelSpecError,
-    NumericsError,
-    PartitaError,
-    PlanFileError,
-)
-from partita.plan.simulate import SimResult, simulate
-from partita.planner import plan
-from partita.types import CostTable, GraphInput, OpGraph, OpNode, ParamInfo, Plan, Schedule, StagePlan, TensorInfo
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it
+_EXPORTS = {
+    "capture": "partita.capture",
+    "Cluster": "partita.cost.cluster",
+    "CostSource": "partita.planning.options",
+    "PlanOptions": "partita.planning.options",
+    "plan": "partita.planning.api",
+    "simulate": "partita.planning.simulate",
+    "Trainer": "partita.runtime.trainer",
+    "load_into_model": "partita.runtime.checkpoint",
+    **{name: "partita.errors" for name in ("CaptureError", "InfeasiblePlanError", "InputError", "ModelSpecError",
+                                          "NumericsError", "PartitaError", "PlanFileError")},
+    **{name: "partita.types" for name in ("CostTable", "GraphInput", "OpGraph", "OpNode", "OptimizerKind",
+                                         "ParamInfo", "Plan", "Schedule", "SimResult", "StagePlan",
+                                         "TensorInfo")},
+}
+
+__all__ = sorted(_EXPORTS)
+
 
 def __getattr__(name: str):
-    # The runtime imports torch.distributed: load it on first use, so that planning stays light.
-    if name == "Trainer":
-        from partita.runtime.trainer import Trainer
-
-        return Trainer
-    if name == "load_into_model":
-        from partita.runtime.checkpoint import load_into_model
-
-        return load_into_model
-    raise AttributeError(f"module 'partita' has no attribute {name!r}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'partita' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
 
 
-__all__ = [
-    "CaptureError",
-    "Cluster",
-    "CostTable",
-    "InfeasiblePlanError",
-    "Plan",
-    "PlanFileError",
-    "Schedule",
-    "SimResult",
-    "StagePlan",
-    "plan",
-    "simulate",
-    "GraphInput",
-    "InputError",
-    "ModelSpecError",
-    "NumericsError",
-    "OpGraph",
-    "OpNode",
-    "ParamInfo",
-    "PartitaError",
-    "TensorInfo",
-    "Trainer",
-    "capture",
-    "load_into_model",
-]
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

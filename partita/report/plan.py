@@ -8,12 +8,13 @@ from partita.report.format import fmt_bytes, fmt_layout, fmt_microbatches, fmt_s
 from partita.types import Plan
 
 
-def plan_text(plan: Plan, *, total_compute_s: float, baselines: Mapping[str, Plan | None] = ()) -> str:
+def plan_text(plan: Plan, *, baselines: Mapping[str, Plan | None] = ()) -> str:
     """Stages (modules, ranks, params, memory vs limit, times, cut bytes), then the step figures.
 
-    ``total_compute_s``: forward + backward seconds of one whole step on one device (the
-    ideal step time is this divided by the number of devices).
+    The efficiency column needs ``plan.total_compute_s`` (forward + backward seconds of one whole
+    step on one device; the ideal step is this divided by the number of devices): "-" without it.
     """
+    total_compute_s = plan.total_compute_s
     limit = int(plan.options.get("memory_limit_bytes", 0))
     rows = [
         (s.index, s.module_range, ",".join(map(str, s.ranks)) if len(s.ranks) <= 4 else f"{s.ranks[0]}..{s.ranks[-1]}",
@@ -41,10 +42,10 @@ def plan_text(plan: Plan, *, total_compute_s: float, baselines: Mapping[str, Pla
     return "\n".join(lines)
 
 
-def _summary_row(name: str, p: Plan | None, reference: Plan, total_compute_s: float) -> tuple:
+def _summary_row(name: str, p: Plan | None, reference: Plan, total_compute_s: float | None) -> tuple:
     if p is None:
         return (name, "no", "-", "-", "-", "-", "-")
-    ideal = total_compute_s / max(1, p.num_devices)
+    efficiency = "-" if total_compute_s is None else f"{total_compute_s / max(1, p.num_devices) / p.predicted_step_s:.1%}"
     return (name, "yes", fmt_seconds(p.predicted_step_s), f"{p.global_batch_size / p.predicted_step_s:,.1f}",
-            f"{p.predicted_bubble_fraction:.1%}", f"{ideal / p.predicted_step_s:.1%}",
+            f"{p.predicted_bubble_fraction:.1%}", efficiency,
             f"{p.predicted_step_s / reference.predicted_step_s:.2f}x")

@@ -21,7 +21,7 @@ from partita.report.format import fmt_bytes, fmt_layout, fmt_microbatches, fmt_s
 from partita.types import Plan
 
 if TYPE_CHECKING:  # report/ depends on data only: SimResult is read by duck typing
-    from partita.plan.simulate import SimResult
+    from partita.types import SimResult
 
 __all__ = ["plan_figure"]
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 from partita.report.format import fmt_seconds
 
 if TYPE_CHECKING:  # report/ depends on data only: SimResult is read by duck typing
-    from partita.plan.simulate import SimResult, TimelineEvent
+    from partita.types import SimResult, TimelineEvent
 
 __all__ = ["timeline_text"]
 

@@ -13,7 +13,9 @@ import os
 from typing import Any, Mapping
 
 from partita.errors import PlanFileError
-from partita.types import PLAN_SCHEMA_VERSION, OpGraph, Plan, Schedule, StagePlan
+from partita.types.choices import Schedule
+from partita.types.graph import OpGraph
+from partita.types.plan import PLAN_SCHEMA_VERSION, Plan, StagePlan
 
 _STAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "index": int, "start": int, "stop": int, "first_node": str, "last_node": str, "module_range": str,
@@ -43,6 +45,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "microbatch_size": plan.microbatch_size,
         "predicted_step_s": plan.predicted_step_s,
         "predicted_bubble_fraction": plan.predicted_bubble_fraction,
+        "total_compute_s": plan.total_compute_s,
         "options": dict(plan.options),
         "cluster": dict(plan.cluster),
         "stages": [
@@ -108,11 +111,22 @@ def plan_from_dict(data: Any, *, source: str = "plan") -> Plan:
         schedule=schedule, global_batch_size=data["global_batch_size"], num_microbatches=data["num_microbatches"],
         microbatch_size=data["microbatch_size"], options=data["options"], method=data["method"],
         predicted_step_s=float(data["predicted_step_s"]), predicted_bubble_fraction=float(data["predicted_bubble_fraction"]),
+        total_compute_s=_optional_seconds(data, "total_compute_s", source),
         cost_source=data["cost_source"], partita_version=data["partita_version"], torch_version=data["torch_version"],
         schema_version=version,
     )
     check_plan_consistency(plan, source)
     return plan
+
+
+def _optional_seconds(data: dict, key: str, source: str) -> float | None:
+    """A field that older plan files lack (None there, and when written as null)."""
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise PlanFileError(f"{source}: field {key!r} must be a number of seconds >= 0 or null, got {value!r}")
+    return float(value)
 
 
 def _stage_from_dict(data: Any, k: int, source: str) -> StagePlan:

@@ -83,7 +83,7 @@ def legal_cuts(graph: OpGraph) -> np.ndarray:
 
 def per_sample_cuts(graph: OpGraph) -> np.ndarray:
     """bool[num_nodes + 1]: whether every tensor crossing cut c can be split by sample, so that
-    the stages on its two sides may have different replica counts (``partita.plan.uneven``).
+    the stages on its two sides may have different replica counts (``partita.planning.uneven``).
 
     A crossing tensor splits by sample when it has no batch dim (sent whole) or its batch dim's
     size is the batch itself. A batch dim of several batch entries merged (``(B*T, H)`` from a

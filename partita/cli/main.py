@@ -9,6 +9,7 @@ import sys
 from typing import Sequence
 
 from partita.errors import PartitaError
+from partita.types import Schedule
 
 MODEL_HELP = (
     "a built-in example (gpt2, bert, llama, t5, vit, mlp, cnn; with a size: gpt2-xl, llama-7b) "
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace):
-    from partita.model_spec import load_model
+    from partita.cli.model_spec import load_model
 
     return load_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, device=args.model_device,
                       seed=getattr(args, "seed", 0))
@@ -145,37 +146,46 @@ def _inspect_costs(graph, example, device):
     return profile(graph, (example.args, example.kwargs, example.target), microbatch_size=graph.batch_size)
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _plan_options(args: argparse.Namespace):
+    """The PlanOptions that the `plan` and `train` commands' flags pin (the only place they are read)."""
+    from partita.planning.options import PlanOptions
+
+    recompute = getattr(args, "recompute", None)
+    return PlanOptions(
+        schedules=tuple(Schedule) if args.schedule is None else args.schedule,
+        num_stages=args.num_stages, replicas=args.replicas, num_microbatches=args.microbatches,
+        recompute=None if recompute is None else recompute == "yes",
+        uniform_replicas=True if args.uniform_replicas else None,
+        optimizer=getattr(args, "optimizer", "adam"), costs=getattr(args, "costs", "auto"), cache_dir=args.cache_dir,
+    )
+
+
+def _cluster(args: argparse.Namespace, *, num_devices: int, device_type: str = "cpu", num_nodes: int = 1):
+    """This machine's CPU ranks (measured), or ``num_devices`` catalog devices over ``num_nodes`` nodes."""
     from partita.cost.cluster import Cluster
-    from partita.planner import baseline_plans, best_plan, infeasible_error, planning_context
-    from partita.report.plan import plan_text
+
+    memory = _parse_bytes(args.memory)
+    if device_type == "cpu":
+        return Cluster.local(num_devices=num_devices, memory_bytes=memory, cache_dir=args.cache_dir)
+    return Cluster(device=device_type, num_devices=num_devices, devices_per_node=max(1, num_devices // num_nodes),
+                   memory_bytes=memory)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from partita.planning.api import plan_with_baselines
 
     example = _load(args)
-    devices_per_node = max(1, args.devices // args.nodes)
-    if args.device_type == "cpu":
-        cluster = Cluster.local(num_devices=args.devices, memory_bytes=_parse_bytes(args.memory), cache_dir=args.cache_dir)
-    else:
-        cluster = Cluster(device=args.device_type, num_devices=args.devices, devices_per_node=devices_per_node,
-                          memory_bytes=_parse_bytes(args.memory))
-    ctx = planning_context(
-        example.model, example.args, example.kwargs, cluster=cluster, global_batch_size=args.global_batch,
-        loss_fn=example.loss_fn, target=example.target, optimizer=args.optimizer, schedules=None,
-        schedule=args.schedule, num_stages=args.num_stages, replicas=args.replicas,
-        num_microbatches=args.microbatches, recompute=None if args.recompute is None else args.recompute == "yes",
-        uniform_replicas=True if args.uniform_replicas else None, mixed_precision=False, costs=args.costs, max_blocks=128, cache_dir=args.cache_dir,
-    )
-    best = best_plan(ctx)
-    if best is None:
-        raise infeasible_error(ctx)
-    costs = ctx.costs_at(best.microbatch_size)
-    total = float(costs.forward_s.sum() + costs.backward_s.sum()) * best.global_batch_size / best.microbatch_size
-    baselines = baseline_plans(ctx, best)
-    print(plan_text(best, total_compute_s=total, baselines=baselines))
+    cluster = _cluster(args, num_devices=args.devices, device_type=args.device_type, num_nodes=args.nodes)
+    result = plan_with_baselines(example.model, example.args, example.kwargs, cluster=cluster,
+                                 global_batch_size=args.global_batch, loss_fn=example.loss_fn, target=example.target,
+                                 options=_plan_options(args))
+    best = result.plan
+    print(best.summary(result.baselines))
     if args.png:
-        from partita.plan.simulate import simulate
+        from partita.planning.simulate import simulate
         from partita.report.plots import plan_figure
 
-        plan_figure(best, simulate(best, ctx.costs_at, ctx.cluster), args.png, baselines=baselines)
+        plan_figure(best, simulate(best, result.context.costs_at, cluster), args.png, baselines=result.baselines)
         print(f"figure written to {args.png}")
     if args.out:
         best.save(args.out)
@@ -185,10 +195,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from partita.errors import InputError
-    from partita.model_spec import is_factory_spec
+    from partita.cli.model_spec import is_factory_spec
     from partita.runtime.launch import launch_local, under_torchrun
     from partita.runtime.materialize import on_meta, save_seed
-    from partita.runtime.train_loop import TrainConfig, check_train_config
+    from partita.cli.train_loop import TrainConfig, check_train_config
 
     config = TrainConfig(steps=args.steps, lr=args.lr, max_grad_norm=args.max_grad_norm or None,
                          checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -234,18 +244,14 @@ def _plan_for_training(args: argparse.Namespace):
     import tempfile
 
     import partita
-    from partita.cost.cluster import Cluster
     from partita.report.format import fmt_layout
 
     example = _load(args)
     graph = _capture(example)
     nproc = 2 if args.nproc is None else args.nproc
-    cluster = Cluster.local(num_devices=nproc, memory_bytes=_parse_bytes(args.memory), cache_dir=args.cache_dir)
-    plan = partita.plan(graph, example.args, example.kwargs,
-                        loss_fn=example.loss_fn, target=example.target, cluster=cluster,
-                        global_batch_size=args.global_batch, schedule=args.schedule, num_stages=args.num_stages,
-                        replicas=args.replicas, num_microbatches=args.microbatches, cache_dir=args.cache_dir,
-                        uniform_replicas=True if args.uniform_replicas else None)
+    plan = partita.plan(graph, example.args, example.kwargs, loss_fn=example.loss_fn, target=example.target,
+                        cluster=_cluster(args, num_devices=nproc), global_batch_size=args.global_batch,
+                        options=_plan_options(args))
     path = args.plan_out or os.path.join(tempfile.mkdtemp(prefix="partita-"), "plan.json")
     plan.save(path)
     print(f"plan for {nproc} processes ({plan.cost_source} costs): {plan.num_stages} stages on "
@@ -265,10 +271,10 @@ def _train_rank(args: argparse.Namespace, config) -> int:
 
     import partita
     from partita.report.format import fmt_seconds, table
-    from partita.runtime.train_loop import timing_rows, train, write_losses
+    from partita.cli.train_loop import timing_rows, train, write_losses
 
     if config.init_from is not None:
-        from partita.model_spec import load_model
+        from partita.cli.model_spec import load_model
         from partita.runtime.materialize import meta_copies
 
         # The model on meta (no weights), its batches real; capture from meta copies of them.

@@ -1,6 +1,6 @@
 """Pipeline schedule simulator: the step time, bubble and activation peak of a schedule's real order.
 
-Each rank group runs its actions (``partita.plan.schedules.rank_orders``, the order torch runs)
+Each rank group runs its actions (``partita.planning.schedules.rank_orders``, the order torch runs)
 strictly in order, one at a time; an action starts when its rank group is free and its inputs
 have arrived. The simulator computes every start and end time exactly, in dependency order.
 
@@ -30,7 +30,6 @@ B(1,0) 2.5-4.5, B(0,0) 5-7: step 7 s = (f + b)·(m + S - 1) + 2·send.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Mapping, Sequence
 
@@ -38,8 +37,8 @@ from partita.cost import comm
 from partita.cost.analytic import optimizer_step_s
 from partita.cost.cluster import Cluster
 from partita.errors import InputError
-from partita.plan.schedules import rank_orders, stage_rank_groups
-from partita.types import CostTable, Plan, Schedule
+from partita.planning.schedules import rank_orders, stage_rank_groups
+from partita.types import CostTable, Plan, Schedule, SimResult, TimelineEvent
 
 __all__ = ["SimResult", "TimelineEvent", "pipeline_inputs", "simulate", "simulate_pipeline"]
 
@@ -48,29 +47,6 @@ _KIND_CODES = {"F": _F, "B": _B, "I": _I, "W": _W}
 _KIND_NAMES = ("F", "B", "I", "W")
 ALLREDUCE = "allreduce"
 OPTIMIZER = "optimizer"  # a rank group's optimizer step, after its last backward and all-reduce
-
-
-@dataclass(frozen=True)
-class TimelineEvent:
-    """One interval of the simulated step. ``microbatch`` is -1 for an all-reduce."""
-
-    rank_group: int
-    stage: int
-    microbatch: int
-    kind: str  # "F", "B", "I", "W" or "allreduce"
-    start_s: float
-    end_s: float
-
-
-@dataclass(frozen=True)
-class SimResult:
-    """What one simulated training step costs."""
-
-    step_s: float  # end of the last compute or all-reduce on any rank group
-    bubble_fraction: float  # 1 - mean(rank_busy_s) / step_s
-    rank_busy_s: tuple[float, ...]  # compute seconds per rank group
-    rank_peak_activation_bytes: tuple[int, ...]  # per rank group: peak activations of in-flight micro-batches
-    timeline: tuple[TimelineEvent, ...]  # empty when keep_timeline=False
 
 
 @lru_cache(maxsize=256)

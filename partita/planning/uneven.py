@@ -16,7 +16,7 @@ allocates devices per stage the same way), for one (schedule, S, m)::
 
 ``T[p][r][j, i]``: seconds per micro-batch of blocks ``j .. i-1`` as stage ``p`` with ``r``
 replicas, at ``b / r`` samples (recomputing when only that fits; ``inf`` when nothing fits;
-``partita.plan.search.StageCosts``). ``(+)`` is ``max`` for the bottleneck pass and ``+`` under
+``partita.planning.search.StageCosts``). ``(+)`` is ``max`` for the bottleneck pass and ``+`` under
 a bound ``t_max`` for the sum pass; ``d <= N`` devices are used. As in the uniform search, the
 step ``(m - 1) max_p t_p + sum_p t_p`` (plus sends) is minimised by enumerating the bottleneck:
 for each candidate ``t_max`` the sum pass gives the best split and replica counts under it.
@@ -34,9 +34,9 @@ from typing import Callable, Iterator
 import numpy as np
 
 from partita.cost.memory import microbatches_in_flight
-from partita.plan.chain import BlockCosts
-from partita.plan.partition import candidate_partitions
-from partita.plan.search import (
+from partita.planning.chain import BlockCosts
+from partita.planning.partition import candidate_partitions
+from partita.planning.search import (
     EXHAUSTIVE_BLOCKS,
     Candidate,
     Config,

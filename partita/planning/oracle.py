@@ -1,7 +1,7 @@
 """Brute force over every split of the block chain, for tests on small instances only.
 
 It tries every config the options allow (with ``uniform_replicas=False`` also every vector of
-per-stage replica counts of every uneven shape, ``partita.plan.uneven``) and every way to cut
+per-stage replica counts of every uneven shape, ``partita.planning.uneven``) and every way to cut
 the chain into the config's number of stages; recomputation is switched on exactly for the stages that would not fit
 without it (recomputation only adds time, so this choice is optimal per stage). Each
 candidate is simulated on its schedule; the shortest step that fits wins.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Iterator
 
-from partita.plan.search import Config, SearchOptions, enumerate_configs
-from partita.plan.uneven import enumerate_shapes
+from partita.planning.search import Config, SearchOptions, enumerate_configs
+from partita.planning.uneven import enumerate_shapes
 from partita.types import Plan
 
 # (config, node boundaries, recompute per stage, method) -> simulated Plan, or None if it does not fit

@@ -8,7 +8,7 @@ a searched one. It carries no predictions (times and memory are 0), only what th
 
 Stage ``k`` runs on rank group ``stage_rank_groups(schedule, G, S)[k]`` (the placement torch's
 schedules use: ``k % G``, or the V shape for ZBV); rank group ``g`` holds ranks
-``[g * replicas, (g + 1) * replicas)`` as in ``partita.plan.build.stage_ranks``.
+``[g * replicas, (g + 1) * replicas)`` as in ``partita.planning.build.stage_ranks``.
 
 Uneven plans give each rank group its own replica count, ``replicas=(2, 1)``: GPipe or 1F1B only
 (one stage per rank group). Rank group ``g``'s ranks follow those of the groups before it
@@ -24,9 +24,9 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from partita.errors import InputError
-from partita.plan.build import consecutive_ranks, module_range
-from partita.plan.schedules import check_schedule, stage_rank_groups
-from partita.plan.uneven import UNEVEN_SCHEDULES
+from partita.planning.build import consecutive_ranks, module_range
+from partita.planning.schedules import check_schedule, stage_rank_groups
+from partita.planning.uneven import UNEVEN_SCHEDULES
 from partita.types import OpGraph, Plan, Schedule, StagePlan
 
 __all__ = ["manual_plan"]

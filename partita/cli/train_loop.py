@@ -6,17 +6,16 @@ run sees exactly the batches an uninterrupted one would.
 
 Resuming: with ``resume=True``, or in a process torchrun restarted after a rank failed
 (``--max-restarts``; TORCHELASTIC_RESTART_COUNT > 0), training continues from the latest
-complete checkpoint in ``checkpoint_dir`` (``latest_checkpoint``: ``.partial`` writes and
-directories without DCP's metadata are skipped); the checkpoint holds the optimizer and RNG
-states, so the resumed run ends with the parameters an uninterrupted one would have.
+complete checkpoint in ``checkpoint_dir`` (``partita.runtime.checkpoint_dir.latest_checkpoint``:
+``.partial`` writes and directories without DCP's metadata are skipped); the checkpoint holds
+the optimizer and RNG states, so the resumed run ends with the parameters an uninterrupted one
+would have.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,13 +25,10 @@ import torch
 import torch.distributed as dist
 
 from partita.errors import InputError
-from partita.runtime.checkpoint import is_complete
+from partita.runtime.checkpoint_dir import checkpoint_path, latest_checkpoint
 from partita.runtime.launch import restart_count
 from partita.runtime.numerics import NonFinitePolicy
 from partita.types import OpGraph, Plan
-
-CHECKPOINT_PATTERN = re.compile(r"^step-(\d+)$")
-
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -116,22 +112,6 @@ def _maybe_resume(trainer, config: TrainConfig, summary: TrainSummary) -> None:
     if dist.get_rank() == 0:
         why = f"restart {restarts}" if restarts else "--resume"
         print(f"{why}: resuming from {latest} (step {trainer.num_steps})", flush=True)
-
-
-def checkpoint_path(directory: str, step: int) -> str:
-    return os.path.join(directory, f"step-{step:06d}")
-
-
-def latest_checkpoint(directory: str) -> str | None:
-    """The complete checkpoint (``step-NNNNNN`` holding DCP's metadata) with the highest step, or
-    None. Interrupted writes are skipped: ``.partial`` directories (another name) and directories
-    that lack the metadata file DCP writes last."""
-    if not os.path.isdir(directory):
-        return None
-    steps = sorted((int(m.group(1)) for name in os.listdir(directory) if (m := CHECKPOINT_PATTERN.match(name))),
-                   reverse=True)
-    return next((checkpoint_path(directory, step) for step in steps
-                 if is_complete(checkpoint_path(directory, step))), None)
 
 
 def write_losses(path: str, summary: TrainSummary) -> None:

@@ -13,11 +13,11 @@ model (recomputation keeps only the stage inputs) would under-predict it by 40-6
 
 Driver: for every config allowed by the options, build the stage-cost matrices (time, with
 ``inf`` where the stage does not fit in memory) from the block costs at the config's micro-batch
-size, let :mod:`partita.plan.partition` propose splits (one per candidate bottleneck; every split
+size, let :mod:`partita.planning.partition` propose splits (one per candidate bottleneck; every split
 for small chains with several stages per rank group, see EXHAUSTIVE_SPLITS), estimate
 each with a closed form (``estimate_step``; L_g: a rank group's time per micro-batch), and keep the best few; then the caller simulates them on the real schedule.
 
-Configs here give every rank group the same number of replicas; :mod:`partita.plan.uneven`
+Configs here give every rank group the same number of replicas; :mod:`partita.planning.uneven`
 searches stages with their own counts (``Config.stage_replicas``) and reuses ``StageCosts``.
 """
 
@@ -33,10 +33,11 @@ import numpy as np
 
 from partita.cost.comm import p2p_time_s
 from partita.cost.memory import memory_from_totals, microbatches_in_flight
-from partita.plan.chain import BlockCosts
+from partita.planning.chain import BlockCosts
 from partita.errors import InputError
-from partita.plan.partition import candidate_partitions
-from partita.plan.schedules import check_schedule
+from partita.planning.options import recompute_allowed
+from partita.planning.partition import candidate_partitions
+from partita.planning.schedules import check_schedule
 from partita.types import OptimizerKind, Schedule
 
 # Chains with at most this many blocks try every bottleneck value (exact for the estimate).
@@ -61,7 +62,7 @@ class SearchOptions:
     schedules: tuple[Schedule, ...] = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B, Schedule.ZBV)
     num_stages: int | None = None  # rank groups (pipeline depth in devices)
     replicas: int | None = None  # devices per rank group
-    uniform_replicas: bool = True  # False: also search uneven replica counts (partita.plan.uneven)
+    uniform_replicas: bool = True  # False: also search uneven replica counts (partita.planning.uneven)
     num_microbatches: int | None = None
     recompute: bool | None = None
     interleaved_virtual_stages: tuple[int, ...] = (2,)
@@ -80,7 +81,7 @@ class Config:
     num_microbatches: int
     microbatch_size: int  # samples per micro-batch per replica (with stage_replicas: of a stage with the fewest)
     recompute_mode: bool | None  # None: per stage, as needed; True/False: every stage
-    # Uneven configs (partita.plan.uneven): the replicas of each stage, one stage per rank group;
+    # Uneven configs (partita.planning.uneven): the replicas of each stage, one stage per rank group;
     # empty when every rank group has ``replicas`` devices.
     stage_replicas: tuple[int, ...] = ()
 
@@ -171,11 +172,6 @@ def schedule_accepts(schedule: Schedule, m: int, num_groups: int, num_stages: in
     return True
 
 
-def recompute_allowed(schedule: Schedule) -> bool:
-    """Whether plans with ``schedule`` may recompute activations (not ZBV: see the module docstring)."""
-    return schedule is not Schedule.ZBV
-
-
 def _recompute_modes(options: SearchOptions, schedule: Schedule, virtual_stages: int) -> list[bool | None]:
     if not recompute_allowed(schedule):
         return [] if options.recompute else [False]
@@ -236,7 +232,7 @@ class StageCosts:
         """``stage_cost`` of a stage that keeps ``in_flight`` micro-batches' activations: all that
         depends on the stage's position (remembered: stages at the same depth share it). Only the
         config's replicas, micro-batches and recompute mode enter, so configs that differ in
-        schedule or depth alone may share one StageCosts (``partita.plan.uneven`` does)."""
+        schedule or depth alone may share one StageCosts (``partita.planning.uneven`` does)."""
         if in_flight not in self._costs:
             mode = self.config.recompute_mode
             plain_ok = self.fits(in_flight, False) & self.valid if mode is not True else np.zeros_like(self.valid)

@@ -6,7 +6,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from partita.cost.memory import device_memory, microbatches_in_flight
 from partita.errors import InputError
-from partita.plan.search import Config, SearchOptions
+from partita.planning.search import Config, SearchOptions
 from partita.types import CostTable, OpGraph, Plan, StagePlan
 
 
@@ -98,9 +98,18 @@ def build_plan(
         graph_fingerprint=graph.fingerprint, cluster=dict(cluster_dict), stages=tuple(stages),
         schedule=config.schedule, global_batch_size=options.global_batch_size,
         num_microbatches=config.num_microbatches, microbatch_size=config.microbatch_size,
+        total_compute_s=total_compute_s(costs, config, options.global_batch_size),
         options=dict(resolved_options), method=method, cost_source=costs.source,
         partita_version=versions[0], torch_version=versions[1],
     )
+
+
+def total_compute_s(costs: CostTable | Callable[[int], CostTable], config: Config, global_batch_size: int) -> float:
+    """Forward + backward seconds of all of a step's samples on one device, at the plan's
+    micro-batch size (the ideal step is this divided by the number of devices)."""
+    table = costs if isinstance(costs, CostTable) else costs(config.microbatch_size)
+    per_microbatch = float(table.forward_s.sum() + table.backward_s.sum())
+    return per_microbatch * global_batch_size / config.microbatch_size
 
 
 def fits(plan: Plan, memory_limit_bytes: int) -> bool:

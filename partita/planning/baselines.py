@@ -14,10 +14,17 @@ legal cut positions.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Callable
+
 import numpy as np
 
-from partita.plan.chain import layer_boundaries
-from partita.types import OpGraph
+from partita.planning.chain import layer_boundaries, legal_cuts
+from partita.planning.context import PlanningContext, fit_with_recompute
+from partita.planning.options import recompute_allowed
+from partita.planning.search import Config
+from partita.types import OpGraph, Plan
 
 BASELINES = ("uniform", "parameters", "equal_flops")
 
@@ -83,3 +90,43 @@ def _snap(cuts: list[int], legal: np.ndarray) -> list[int] | None:
         snapped.append(int(options[np.argmin(np.abs(options - c))]))
     snapped.append(n)
     return snapped if all(a < b for a, b in zip(snapped, snapped[1:])) else None
+
+
+def baseline_plans(ctx: PlanningContext, like: Plan) -> dict[str, Plan | None]:
+    """Each baseline's split under ``like``'s configuration (None: it does not fit or cannot split).
+
+    Recomputation is switched on only for the stages that do not fit without it, and never under
+    ZBV (see partita.planning.search). ``best_plan`` starts its refinement from these same splits, so
+    no baseline's split is faster than partita's plan under partita's configuration."""
+    splits = baseline_splits(ctx)
+    config = same_config(like)
+    return {method: None if boundaries is None else
+            fit_with_recompute(ctx, config, boundaries, method, mode=config.recompute_mode)
+            for method, boundaries in splits(config).items()}
+
+
+def same_config(like: Plan | Config) -> Config:
+    """The configuration of ``like`` (a plan or a search config) under which baselines are compared:
+    its rank groups, replicas, schedule, virtual stages and micro-batches; recomputation per stage,
+    as needed (off under ZBV)."""
+    if isinstance(like, Plan):
+        counts = tuple(s.num_replicas for s in like.stages)
+        like = Config(replicas=min(counts), num_rank_groups=like.num_rank_groups,
+                      schedule=like.schedule, virtual_stages=like.num_stages // like.num_rank_groups,
+                      num_microbatches=like.num_microbatches, microbatch_size=like.microbatch_size,
+                      recompute_mode=None, stage_replicas=() if like.uniform_replicas else counts)
+    return dataclasses.replace(like, recompute_mode=None if recompute_allowed(like.schedule) else False)
+
+
+def baseline_splits(ctx: PlanningContext) -> Callable[[Config], dict[str, list[int] | None]]:
+    """``splits(config)``: each baseline's node boundaries for the config's number of stages (None:
+    cannot split). Under an uneven config the baselines cut only where every crossing tensor splits
+    by sample (``PlanningContext.per_sample_cuts``), as partita's own uneven plans do."""
+    legal = legal_cuts(ctx.graph)
+
+    @functools.lru_cache(maxsize=None)
+    def splits_of(num_stages: int, by_sample: bool) -> dict[str, list[int] | None]:
+        allowed = legal & ctx.per_sample_cuts if by_sample else legal
+        return {method: baseline_boundaries(method, ctx.graph, allowed, num_stages) for method in BASELINES}
+
+    return lambda config: splits_of(config.num_stages, bool(config.stage_replicas))

@@ -1,0 +1,5 @@
+import sys
+
+from partita.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,84 @@
+"""``partita.plan``: capture -> costs -> chain -> search -> simulate -> refine -> the best Plan.
+
+The planning package's one entry point. The modules behind it, in the order a run uses them:
+``options`` (PlanOptions), ``context`` (one run's shared state and turning splits into
+simulated Plans), ``search`` and ``uneven`` (the DPs), ``driver`` (candidates -> best plan),
+``refine`` (hill-climbing with bounds), ``baselines`` (other tools' splits, also refinement
+seeds) and ``infeasible`` (what would fit when nothing does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from partita.cost.cluster import Cluster
+from partita.planning.baselines import baseline_plans
+from partita.planning.context import PlanningContext, planning_context
+from partita.planning.driver import best_plan
+from partita.planning.infeasible import infeasible_error
+from partita.planning.options import PlanOptions
+from partita.types import OpGraph, Plan
+
+__all__ = ["PlanningResult", "plan", "plan_with_baselines"]
+
+
+def plan(
+    model: torch.nn.Module | OpGraph,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    cluster: Cluster,
+    global_batch_size: int,
+    loss_fn: Callable | None = None,
+    target: Any = None,
+    options: PlanOptions = PlanOptions(),
+) -> Plan:
+    """The plan with the shortest simulated step that fits every device's memory.
+
+    ``model`` is an ``nn.Module`` called as ``model(*args, **kwargs)`` (returning its loss, or an
+    output that ``loss_fn(output, target)`` turns into one), or a graph from ``partita.capture``.
+    ``options`` pins any choice (``PlanOptions(schedules="1f1b", num_stages=4)``); the search
+    fills in the rest. Raises InfeasiblePlanError when nothing fits, saying what would.
+    """
+    ctx = planning_context(model, args, kwargs, cluster=cluster, global_batch_size=global_batch_size,
+                           loss_fn=loss_fn, target=target, options=options)
+    return _best_or_raise(ctx)
+
+
+@dataclass(frozen=True)
+class PlanningResult:
+    """A plan, the baselines' splits under its configuration, and the run that made them
+    (``context.costs_at`` gives the cost tables, e.g. to simulate the plan with a timeline)."""
+
+    plan: Plan
+    baselines: dict[str, Plan | None]
+    context: PlanningContext
+
+
+def plan_with_baselines(
+    model: torch.nn.Module | OpGraph,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    cluster: Cluster,
+    global_batch_size: int,
+    loss_fn: Callable | None = None,
+    target: Any = None,
+    options: PlanOptions = PlanOptions(),
+) -> PlanningResult:
+    """``plan``, and each baseline's split under the plan's configuration (None: it does not fit or
+    cannot make that many stages), from one capture and one set of costs."""
+    ctx = planning_context(model, args, kwargs, cluster=cluster, global_batch_size=global_batch_size,
+                           loss_fn=loss_fn, target=target, options=options)
+    best = _best_or_raise(ctx)
+    return PlanningResult(best, baseline_plans(ctx, best), ctx)
+
+
+def _best_or_raise(ctx: PlanningContext) -> Plan:
+    best = best_plan(ctx)
+    if best is None:
+        raise infeasible_error(ctx)
+    return best

@@ -1,0 +1,240 @@
+"""One planning run's shared state (``PlanningContext``), and turning a split into a simulated Plan.
+
+Everything after the search proper goes through here: a candidate's node boundaries become a
+draft Plan (``draft_plan``: predicted stage times and memory), the draft is checked against the
+memory limit, recomputation is switched on where a stage needs it (``fit_with_recompute``), and
+the fitting plan's step is simulated on its real schedule (``simulated``). ``step_lower_bound_s``
+lets callers skip simulating splits that cannot beat a known step.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+import partita
+from partita.capture import capture
+from partita.checks import positive_int
+from partita.cost.analytic import analytic_costs
+from partita.cost.cluster import Cluster
+from partita.cost.contention import contended
+from partita.cost.profiler import profile
+from partita.errors import InputError
+from partita.planning.build import block_to_node_boundaries, build_plan, fits
+from partita.planning.chain import coarsen, per_sample_cuts
+from partita.planning.options import CostSource, PlanOptions
+from partita.planning.search import Candidate, SearchOptions
+from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
+from partita.planning.simulate import simulate
+from partita.types import CostTable, OpGraph, Plan
+
+
+@dataclass(frozen=True)
+class PlanningContext:
+    """Everything the search and the baselines share for one planning run."""
+
+    graph: OpGraph
+    cluster: Cluster
+    options: SearchOptions
+    costs_at: Callable[[int], CostTable]
+    chain: Any  # block boundaries in node positions
+    resolved: dict
+
+    @functools.cached_property
+    def per_sample_cuts(self) -> np.ndarray:
+        """``partita.planning.chain.per_sample_cuts`` of the graph: where replica counts may change."""
+        return per_sample_cuts(self.graph)
+
+
+def planning_context(
+    model: torch.nn.Module | OpGraph,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    cluster: Cluster,
+    global_batch_size: int,
+    loss_fn: Callable | None = None,
+    target: Any = None,
+    options: PlanOptions = PlanOptions(),
+) -> PlanningContext:
+    """Capture (unless ``model`` is already an OpGraph), pick the cost source, coarsen the graph
+    into a chain of blocks, and resolve ``options`` against the cluster: everything one planning
+    run shares. InputError for options the cluster or the graph cannot honour."""
+    if not isinstance(cluster, Cluster):
+        raise InputError(f"cluster must be a partita.Cluster, got {type(cluster).__name__}")
+    if not isinstance(options, PlanOptions):
+        raise InputError(f"options must be a partita.PlanOptions, got {type(options).__name__}")
+    positive_int(global_batch_size, "global_batch_size")
+    uniform_replicas = _resolve_uniform(options.uniform_replicas, options.replicas, cluster)
+    graph = model if isinstance(model, OpGraph) else capture(model, args, kwargs, loss_fn=loss_fn, target=target)
+    if not graph.dynamic_batch:
+        raise InputError(
+            f"the graph has a static batch dimension (captured at batch {graph.batch_size}), so its costs cannot "
+            "be scaled to other micro-batch sizes: capture with an example batch of at least 2 "
+            "(torch.export fixes a batch of 1) and without code that specialises on the batch size")
+    search_options = SearchOptions(
+        num_devices=cluster.num_devices, global_batch_size=global_batch_size,
+        memory_limit_bytes=cluster.usable_memory_bytes, schedules=options.schedules, num_stages=options.num_stages,
+        replicas=options.replicas, num_microbatches=options.num_microbatches, recompute=options.recompute,
+        optimizer=options.optimizer, mixed_precision=options.mixed_precision, uniform_replicas=uniform_replicas,
+    )
+    source = _cost_source(options.costs, graph, cluster)
+    costs_at = _costs_provider(graph, cluster, source, (args, dict(kwargs or {}), target), options.cache_dir)
+    reference = costs_at(_reference_microbatch(graph, global_batch_size, cluster.num_devices))
+    chain = coarsen(graph, reference, max_blocks=options.max_blocks)
+    resolved = {  # the plan file's "options": what was pinned, and what the search was allowed
+        "schedules": [s.value for s in options.schedules], "num_stages": options.num_stages,
+        "replicas": options.replicas, "num_microbatches": options.num_microbatches,
+        "recompute": options.recompute, "uniform_replicas": uniform_replicas,
+        "optimizer": options.optimizer.value, "mixed_precision": options.mixed_precision, "costs": source.value,
+        "max_blocks": options.max_blocks, "memory_limit_bytes": search_options.memory_limit_bytes,
+    }
+    return PlanningContext(graph, cluster, search_options, costs_at, chain, resolved)
+
+
+def _resolve_uniform(uniform_replicas: bool | None, replicas: int | None, cluster: Cluster) -> bool:
+    """Whether the search is restricted to uniform replica counts (see ``PlanOptions``)."""
+    if uniform_replicas is None:
+        return replicas is not None or cluster.num_devices > UNEVEN_MAX_DEVICES
+    if uniform_replicas:
+        return True
+    if replicas is not None:
+        raise InputError(f"replicas={replicas} pins the same replica count for every stage, but uniform_replicas=False "
+                         "asks for different counts: drop one of the two")
+    if cluster.num_devices > UNEVEN_MAX_DEVICES:
+        raise InputError(f"uniform_replicas=False searches every device count per stage, up to {UNEVEN_MAX_DEVICES} "
+                         f"devices; the cluster has {cluster.num_devices}: plan with uniform_replicas=True")
+    return False
+
+
+def _cost_source(costs: CostSource, graph: OpGraph, cluster: Cluster) -> CostSource:
+    on_meta = any(p.device.type == "meta" for p in graph.graph_module.parameters())
+    local = cluster.device.name == "cpu"
+    if costs is CostSource.MEASURED and (on_meta or not local):
+        why = "the model is on the meta device" if on_meta else f"the target device {cluster.device.name!r} is not this machine's"
+        raise InputError(f"costs='measured' is impossible: {why}; use costs='analytic'")
+    if costs is CostSource.AUTO:
+        return CostSource.MEASURED if local and not on_meta else CostSource.ANALYTIC
+    return costs
+
+
+def _costs_provider(graph: OpGraph, cluster: Cluster, source: CostSource, inputs, cache_dir) -> Callable[[int], CostTable]:
+    """Cost tables per micro-batch size, compute times slowed by ``cluster.compute_slowdown``
+    (ranks that share one host's memory system run slower together than a solo profile says)."""
+    if source is CostSource.ANALYTIC:
+        return functools.lru_cache(maxsize=None)(
+            lambda b: contended(analytic_costs(graph, cluster.device, b), cluster.compute_slowdown))
+    return functools.lru_cache(maxsize=None)(
+        lambda b: contended(profile(graph, inputs, microbatch_size=b, cache_dir=cache_dir), cluster.compute_slowdown))
+
+
+def _reference_microbatch(graph: OpGraph, global_batch_size: int, num_devices: int) -> int:
+    return max(1, min(graph.batch_size, global_batch_size // num_devices or 1))
+
+
+def plan_key(p: Plan) -> tuple:
+    return (round(p.predicted_step_s, 12), p.num_devices, p.boundaries)
+
+
+def routable(ctx: PlanningContext, config, node_boundaries: Sequence[int]) -> bool:
+    """Whether every cut between stages with different replica counts splits by sample (the
+    runtime cannot route a merged batch dim such as ``(B*T, H)`` between them)."""
+    if not config.stage_replicas:
+        return True
+    counts = config.stage_replicas
+    return all(counts[k] == counts[k + 1] or ctx.per_sample_cuts[node_boundaries[k + 1]]
+               for k in range(len(counts) - 1))
+
+
+def plan_from_candidate(ctx: PlanningContext, candidate: Candidate, method: str = "partita") -> Plan | None:
+    """Build, check memory exactly (rank groups with several stages) and simulate one candidate."""
+    config = candidate.config
+    node_boundaries = block_to_node_boundaries(ctx.chain, candidate.boundaries)
+    return finish_plan(ctx, config, node_boundaries, candidate.recompute, method)
+
+
+def finish_plan(ctx: PlanningContext, config, node_boundaries, recompute, method: str) -> Plan | None:
+    if not routable(ctx, config, node_boundaries):
+        return None
+    p = draft_plan(ctx, config, node_boundaries, recompute, method)
+    return simulated(ctx, p) if fits(p, ctx.options.memory_limit_bytes) else None
+
+
+def draft_plan(ctx: PlanningContext, config, node_boundaries, recompute, method: str) -> Plan:
+    """The Plan with predicted stage times and memory, its step not yet simulated."""
+    return build_plan(ctx.graph, ctx.costs_at, config, node_boundaries, recompute, ctx.options,
+                      cluster_dict=ctx.cluster.to_dict(), method=method, resolved_options=ctx.resolved,
+                      versions=(partita.__version__, torch.__version__))
+
+
+def simulated(ctx: PlanningContext, p: Plan) -> Plan:
+    result = simulate(p, ctx.costs_at, ctx.cluster, keep_timeline=False)  # only the step and bubble are kept
+    return p.__class__(**{**p.__dict__, "predicted_step_s": result.step_s,
+                          "predicted_bubble_fraction": result.bubble_fraction})
+
+
+def fit_with_recompute(ctx: PlanningContext, config, boundaries: list[int], method: str,
+                        mode: bool | None = None, *, step_to_beat: float | None = None) -> Plan | None:
+    """Recompute only the stages that do not fit without it (a pinned or config-wide mode is kept).
+
+    With ``step_to_beat``, also None (without simulating) when ``step_lower_bound_s`` shows that
+    the plan cannot be faster than that.
+    """
+    if not routable(ctx, config, boundaries):
+        return None
+    pinned = ctx.options.recompute if mode is None else mode
+    limit = ctx.options.memory_limit_bytes
+    recompute = [bool(pinned)] * config.num_stages
+    draft = draft_plan(ctx, config, boundaries, recompute, method)
+    if not fits(draft, limit):
+        if pinned is not None:
+            return None
+        recompute = [s.memory_bytes > limit or recompute[s.index] for s in draft.stages]
+        if step_to_beat is not None and cannot_beat(draft_lower_bound_s(config, draft, recompute), step_to_beat):
+            return None
+        draft = draft_plan(ctx, config, boundaries, recompute, method)
+        if not fits(draft, limit):
+            return None
+    final = [s.recompute for s in draft.stages]
+    if step_to_beat is not None and cannot_beat(draft_lower_bound_s(config, draft, final), step_to_beat):
+        return None
+    return simulated(ctx, draft)
+
+
+def step_lower_bound_s(config, compute_s: Sequence[float]) -> float:
+    """A bound below the simulated step, from each stage's F + B seconds per micro-batch.
+
+    Every rank group runs its actions one at a time, so the step is at least the busiest group's
+    m (F + B). With one stage per group (GPipe, 1F1B) group g's first action is a forward, which
+    waits for that micro-batch's forwards on groups 0 .. g-1, and its last a backward, after which
+    that micro-batch's backwards on groups g-1 .. 0 still run: step >= sum_{k<g} (F_k + B_k) + m (F_g + B_g).
+    """
+    m = config.num_microbatches
+    if config.virtual_stages == 1:
+        before, bound = 0.0, 0.0
+        for load in compute_s:
+            bound = max(bound, before + m * load)
+            before += load
+        return bound
+    loads = [0.0] * config.num_rank_groups
+    for s, load in enumerate(compute_s):
+        loads[config.rank_group_of(s)] += load
+    return m * max(loads)
+
+
+def draft_lower_bound_s(config, draft: Plan, recompute: Sequence[bool]) -> float:
+    """``step_lower_bound_s`` of ``draft`` with ``recompute`` (a rank group recomputes all its
+    stages when any of them does, as the simulator counts it)."""
+    recomputes = {s.rank_group for s in draft.stages if recompute[s.index]}
+    return step_lower_bound_s(config, [s.forward_s + s.backward_s - (s.forward_s if s.recompute else 0.0)
+                                        + (s.forward_s if s.rank_group in recomputes else 0.0) for s in draft.stages])
+
+
+def cannot_beat(lower_bound_s: float, step_s: float) -> bool:
+    """Whether a plan whose step is at least ``lower_bound_s`` surely simulates slower than ``step_s``
+    (with a margin for rounding: plans compare by their step rounded to 1e-12 s)."""
+    return lower_bound_s > step_s * (1 + 1e-9) + 2e-12

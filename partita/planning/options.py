@@ -1,0 +1,94 @@
+"""``PlanOptions``: every choice of a planning run that a user may pin, validated once.
+
+A field left at None is searched; a set field pins that choice. The resolved options (what was
+pinned and what the search was allowed) go into the plan file, so a plan says how it was made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from partita.checks import optional_positive_int, parse_choice, positive_int
+from partita.errors import InputError
+from partita.types import OptimizerKind, Schedule
+
+
+class CostSource(str, enum.Enum):
+    """Where the planner's per-node costs come from."""
+
+    AUTO = "auto"  # measured when the target is this machine's CPU and the model has real weights
+    MEASURED = "measured"  # the profiler runs every node here (partita.cost.profiler)
+    ANALYTIC = "analytic"  # a roofline from FLOPs and bytes for the target device (partita.cost.analytic)
+
+
+def recompute_allowed(schedule: Schedule) -> bool:
+    """ZBV never recomputes: torch's ScheduleZBVZeroBubble keeps a recomputed stage's activations
+    alive between its input- and weight-gradient passes, beyond what the memory model counts."""
+    return schedule is not Schedule.ZBV
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What ``partita.plan`` may choose, and what the user pinned.
+
+    ``schedules``: the schedules searched (default: all; one name or Schedule pins it).
+    ``num_stages``: pipeline depth in rank groups. ``replicas``: devices per rank group (pins
+    the same count for every stage). ``num_microbatches``, ``recompute``: pin those.
+    ``uniform_replicas``: True restricts the search to pp x dp meshes, False asks for
+    per-stage replica counts explicitly, None searches them where the search can (see
+    ``partita.planning.uneven``). ``optimizer`` sets optimizer-state memory. ``costs``: where
+    costs come from. ``max_blocks``: how finely the graph is coarsened into a chain of blocks.
+    ``cache_dir``: where profiles and calibrations are cached (default: the user cache folder).
+    """
+
+    schedules: tuple[Schedule, ...] = tuple(Schedule)
+    num_stages: int | None = None
+    replicas: int | None = None
+    num_microbatches: int | None = None
+    recompute: bool | None = None
+    uniform_replicas: bool | None = None
+    optimizer: OptimizerKind = OptimizerKind.ADAM
+    mixed_precision: bool = False
+    costs: CostSource = CostSource.AUTO
+    max_blocks: int = 128
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise the given spellings once, here
+        set_(self, "schedules", _parse_schedules(self.schedules))
+        for name in ("num_stages", "replicas", "num_microbatches"):
+            set_(self, name, optional_positive_int(getattr(self, name), name))
+        set_(self, "max_blocks", positive_int(self.max_blocks, "max_blocks"))
+        for name in ("recompute", "uniform_replicas"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name} must be True, False or None (searched), got {getattr(self, name)!r}")
+        if not isinstance(self.mixed_precision, bool):
+            raise InputError(f"mixed_precision must be True or False, got {self.mixed_precision!r}")
+        set_(self, "optimizer", OptimizerKind.parse(self.optimizer))
+        set_(self, "costs", parse_choice(CostSource, self.costs, "costs"))
+        if self.cache_dir is not None:
+            set_(self, "cache_dir", os.fspath(self.cache_dir))
+        if self.recompute and not any(recompute_allowed(s) for s in self.schedules):
+            names = ", ".join(repr(s.value) for s in self.schedules)
+            raise InputError(
+                f"schedule {names} with recompute=True is not supported: under ZBV (torch's "
+                "ScheduleZBVZeroBubble) a recomputed stage keeps its recomputed activations alive between the "
+                "input-gradient and the weight-gradient pass, so its memory cannot be predicted; use schedule "
+                "'1f1b' or 'interleaved1f1b' with recompute=True, or 'zbv' with recompute=False (or unpinned)")
+
+    def replace(self, **changes: Any) -> "PlanOptions":
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _parse_schedules(value: Any) -> tuple[Schedule, ...]:
+    if isinstance(value, (str, Schedule)):
+        return (Schedule.parse(value),)
+    chosen = tuple(Schedule.parse(s) for s in value)
+    if not chosen:
+        raise InputError("schedules is empty: give at least one of " + ", ".join(s.value for s in Schedule))
+    return chosen

@@ -1,0 +1,158 @@
+"""Hill-climbing refinement of searched splits on the simulated step, with cheap bounds.
+
+The DP (``partita.planning.search``) optimises a closed-form estimate of the step; ``refine``
+moves stage boundaries by a block or two while the simulated step gets shorter, and
+``BaselineSeeds`` also starts it from the baselines' splits, so that no baseline split beats the
+refined plan under its config. ``split_bound`` bounds a split's step from prefix sums, so most
+neighbours are rejected without building or simulating a Plan.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import numpy as np
+
+from partita.cost.memory import device_memory, microbatches_in_flight
+from partita.planning.baselines import baseline_splits, same_config
+from partita.planning.build import block_to_node_boundaries, stage_tables
+from partita.planning.context import (
+    PlanningContext,
+    cannot_beat,
+    fit_with_recompute,
+    plan_key,
+    step_lower_bound_s,
+)
+from partita.planning.search import Candidate, Config
+from partita.types import Plan
+
+
+class BaselineSeeds:
+    """The baselines' splits under a config as extra starting points of the refinement.
+
+    The DP's split and the hill-climb from it can end a few blocks away from a better split that a
+    simple rule finds (equal FLOPs on Llama-7B). A baseline split (under ``same_config``) that beats
+    the config's refined plan is refined too, from its boundaries snapped to the chain's blocks, so
+    the plan is never slower than a baseline's split under its config (``baseline_plans``).
+    """
+
+    def __init__(self, ctx: PlanningContext):
+        self.ctx, self.splits = ctx, baseline_splits(ctx)
+
+    def refined(self, config: Config, to_beat: Plan) -> list[Plan]:
+        same = same_config(config)
+        found = []
+        for boundaries in self.splits(same).values():
+            if boundaries is None:
+                continue
+            seed = fit_with_recompute(self.ctx, same, boundaries, "partita", mode=same.recompute_mode,
+                                       step_to_beat=to_beat.predicted_step_s)
+            if seed is not None and plan_key(seed) < plan_key(to_beat):
+                start = Candidate(same, nearest_blocks(self.ctx.chain, boundaries), (), 0.0)
+                found.append(refine(self.ctx, start, seed))
+        return found
+
+
+def nearest_blocks(chain: Sequence[int], node_boundaries: Sequence[int]) -> tuple[int, ...]:
+    """Block boundaries nearest to ``node_boundaries`` (first 0, last K, strictly increasing)."""
+    positions = np.asarray(chain)
+    num_blocks, num_stages = len(positions) - 1, len(node_boundaries) - 1
+    blocks = [0]
+    for s, node in enumerate(node_boundaries[1:-1], start=1):
+        low, high = blocks[-1] + 1, num_blocks - (num_stages - s)
+        b = int(np.clip(np.searchsorted(positions, node), low, high))
+        if b - 1 >= low and abs(positions[b - 1] - node) <= abs(positions[b] - node):
+            b -= 1
+        blocks.append(b)
+    blocks.append(num_blocks)
+    return tuple(blocks)
+
+
+def neighbours(boundaries: list[int]) -> list[list[int]]:
+    """Splits one move away: one inner boundary by 1 or 2 blocks, or a whole stage shifted by 1."""
+    found = []
+    inner = range(1, len(boundaries) - 1)
+    moves = [((s,), d) for s in inner for d in (-2, -1, 1, 2)]
+    moves += [((s, s + 1), d) for s in inner if s + 1 < len(boundaries) - 1 for d in (-1, 1)]
+    for positions, delta in moves:
+        moved = list(boundaries)
+        for s in positions:
+            moved[s] += delta
+        if all(a < b for a, b in zip(moved, moved[1:])):
+            found.append(moved)
+    return found
+
+
+def refine(ctx: PlanningContext, candidate: Candidate, start: Plan, *, max_rounds: int = 20) -> Plan:
+    """Hill-climb on the simulated step: move a stage boundary by one or two blocks (or shift a
+    whole stage) while that makes the step shorter. The DP optimises a closed-form estimate; this fixes what the
+    estimate misses (transfers, all-reduce tails, the schedule's real order)."""
+    config, best = candidate.config, start
+    boundaries = list(candidate.boundaries)
+    quick_bound = split_bound(ctx, config)
+    # Splits tried in earlier rounds: None when they did not fit or could not beat the step of then,
+    # which is never shorter than any later step to beat (steps only improve).
+    tried: dict[tuple[int, ...], Plan | None] = {}
+    for _ in range(max_rounds):
+        step = None  # the best neighbour of this round (steepest descent: the order of trying them is free)
+        ranked = []
+        for moved in neighbours(boundaries):
+            nodes = block_to_node_boundaries(ctx.chain, moved)
+            ranked.append((quick_bound(nodes), moved, nodes))
+        ranked.sort(key=lambda item: (item[0], item[1]))  # most promising first: the step to beat drops fast
+        for bound, moved, nodes in ranked:
+            if cannot_beat(bound, (step[0] if step else best).predicted_step_s):
+                break  # does not fit or cannot be faster, nor can any later one
+            if tuple(moved) not in tried:
+                tried[tuple(moved)] = fit_with_recompute(ctx, config, nodes, "partita", mode=config.recompute_mode,
+                                                          step_to_beat=(step[0] if step else best).predicted_step_s)
+            trial = tried[tuple(moved)]
+            if trial is not None and plan_key(trial) < plan_key(step[0] if step else best):
+                step = (trial, moved)
+        if step is None:
+            return best
+        best, boundaries = step
+    return best
+
+
+def split_bound(ctx: PlanningContext, config) -> Callable[[Sequence[int]], float]:
+    """``bound(node_boundaries)``: a step no plan of ``config`` with that split beats (inf: it does not fit).
+
+    Cheap next to building the plan: prefix sums for the stage times, and with one stage per rank
+    group the memory of each stage range (remembered: neighbouring splits share most stages),
+    which decides, as ``fit_with_recompute`` does, the stages that recompute and whether it fits.
+    Otherwise stages recompute only when the config or the options say so (never fewer than the plan).
+    """
+    tables = stage_tables(ctx.costs_at, config)
+    prefix = {}  # id(table) -> (forward, forward + backward) prefix sums
+    for t in tables:
+        if id(t) not in prefix:
+            prefix[id(t)] = (np.concatenate([[0.0], np.cumsum(np.asarray(t.forward_s, dtype=np.float64))]),
+                             np.concatenate([[0.0], np.cumsum(np.asarray(t.forward_s) + np.asarray(t.backward_s))]))
+    forward = [prefix[id(t)][0] for t in tables]
+    compute = [prefix[id(t)][1] for t in tables]
+    mode = ctx.options.recompute if config.recompute_mode is None else config.recompute_mode
+    limit, options = ctx.options.memory_limit_bytes, ctx.options
+    in_flight = [microbatches_in_flight(config.schedule, config.num_microbatches, config.num_rank_groups, g,
+                                        config.virtual_stages) for g in range(config.num_rank_groups)]
+
+    @functools.lru_cache(maxsize=None)
+    def fits(start: int, stop: int, stage: int, recompute: bool) -> bool:
+        return device_memory(tables[stage], [(start, stop)], in_flight=in_flight[stage], optimizer=options.optimizer,
+                             recompute=recompute, mixed_precision=options.mixed_precision,
+                             num_replicas=config.replicas_of(stage),
+                             num_microbatches=config.num_microbatches).total_bytes <= limit
+
+    def bound(nodes: Sequence[int]) -> float:
+        stages = [(nodes[s], nodes[s + 1]) for s in range(config.num_stages)]
+        if mode is not None or config.virtual_stages != 1:
+            recompute = [bool(mode)] * config.num_stages
+        else:
+            recompute = [not fits(a, b, s, False) for s, (a, b) in enumerate(stages)]
+            if any(r and not fits(a, b, s, True) for s, ((a, b), r) in enumerate(zip(stages, recompute))):
+                return float("inf")
+        return step_lower_bound_s(config, [compute[s][b] - compute[s][a] + (forward[s][b] - forward[s][a] if r else 0.0)
+                                            for s, ((a, b), r) in enumerate(zip(stages, recompute))])
+
+    return bound

@@ -1,0 +1,45 @@
+"""Frozen data shared by every layer of partita: the one layer everybody imports.
+
+``graph``      OpGraph and its parts (nodes, tensors, parameters, inputs): what capture produces.
+``choices``    Schedule and OptimizerKind.
+``costs``      CostTable: per-node costs at one micro-batch size, the planner's view of cost/.
+``cluster``    DeviceSpec: the hardware a plan is made for.
+``plan``       StagePlan and Plan; ``plan_file`` reads and writes them as versioned JSON.
+``sim``        SimResult and TimelineEvent: a simulated step, which report/ draws.
+
+Glossary
+--------
+node        one operation of the captured training computation (an FX ``call_function`` node),
+            identified by its position ``index`` in topological order.
+parameter   a parameter or buffer of the model, named by its *canonical* fully-qualified name:
+            the first name ``model.named_parameters()`` / ``named_buffers()`` gives it. Tied
+            parameters (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) are one
+            parameter with several ``aliases``.
+batch dim   the dimension of a tensor that scales with the batch size. Shapes are recorded at
+            the example batch size (``OpGraph.batch_size``); costs at another micro-batch size
+            scale the batch-proportional parts.
+"""
+
+from partita.types.choices import OptimizerKind, Schedule
+from partita.types.cluster import DeviceSpec
+from partita.types.costs import CostTable
+from partita.types.graph import GraphInput, LossFn, OpGraph, OpNode, ParamInfo, TensorInfo
+from partita.types.plan import PLAN_SCHEMA_VERSION, Plan, StagePlan
+from partita.types.sim import SimResult, TimelineEvent
+
+__all__ = [
+    "PLAN_SCHEMA_VERSION",
+    "CostTable",
+    "DeviceSpec",
+    "GraphInput",
+    "LossFn",
+    "OpGraph",
+    "OpNode",
+    "OptimizerKind",
+    "ParamInfo",
+    "Plan",
+    "SimResult",
+    "StagePlan",
+    "TensorInfo",
+    "TimelineEvent",
+]

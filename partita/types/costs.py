@@ -1,0 +1,70 @@
+"""Per-node costs at one micro-batch size: what the cost layer hands the planner."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+
+@dataclass(frozen=True, eq=False)
+class CostTable:
+    """Costs of every node for ONE micro-batch size on ONE device type: the planner's view.
+
+    Axes:
+        n  node position in ``OpGraph.nodes`` (topological order), length ``num_nodes``.
+        c  cut position, length ``num_nodes + 1``: cut ``c`` lies between node ``c - 1`` and
+           node ``c``; cut 0 is before the first node, cut ``num_nodes`` after the last.
+        p  unique parameter/buffer, in the order of ``param_names``.
+
+    Arrays (numpy; seconds and bytes are per micro-batch unless the name says otherwise):
+        forward_s[n]          forward time of node n.
+        backward_s[n]         backward time of node n (input gradients + weight gradients).
+        backward_weight_s[n]  the weight-gradient part of backward_s[n] (zero-bubble schedules
+                              run it later); 0 for nodes without trainable parameters.
+        activation_bytes[n]   bytes node n keeps alive for its backward (saved tensors).
+        output_bytes[n]       bytes of node n's outputs (0 for views).
+        cut_bytes[c]          bytes of every tensor produced before cut c and read at or after
+                              it (skip connections included; graph inputs excluded, since every
+                              rank has the batch).
+        param_bytes[p]        bytes of parameter p (in its own dtype).
+        param_trainable[p]    whether p gets a gradient and optimizer state (False for buffers).
+        param_uses[p]         sorted node positions that read parameter p.
+    """
+
+    microbatch_size: int
+    device: str  # device name in the catalog ("cpu", "h100", ...)
+    source: str  # "measured" or "analytic"
+    forward_s: Any
+    backward_s: Any
+    backward_weight_s: Any
+    activation_bytes: Any
+    output_bytes: Any
+    cut_bytes: Any
+    param_names: tuple[str, ...]
+    param_bytes: Any
+    param_trainable: Any
+    param_uses: tuple[Any, ...]
+    # How measured costs were scaled to whole-graph timings (profiler only; empty when analytic):
+    # forward_scale, backward_scale, whole_forward_s, whole_step_s, repeats, warmup, num_threads.
+    calibration: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.forward_s)
+
+    def params_in_range(self, start: int, stop: int) -> list[int]:
+        """Indices p of the parameters read by any node in positions [start, stop), ascending."""
+        owners, uses = self._flat_param_uses
+        return np.unique(owners[(uses >= start) & (uses < stop)]).tolist()
+
+    @functools.cached_property
+    def _flat_param_uses(self) -> tuple[Any, Any]:
+        """(parameter index, node position) of every use, flat: one vectorised test per range (the
+        planner asks for thousands of ranges of a table with ~1000 parameters)."""
+        owners = [np.full(len(uses), p, dtype=np.int64) for p, uses in enumerate(self.param_uses)]
+        uses = [np.asarray(u, dtype=np.int64).ravel() for u in self.param_uses]
+        empty = np.zeros(0, dtype=np.int64)
+        return (np.concatenate(owners) if owners else empty, np.concatenate(uses) if uses else empty)

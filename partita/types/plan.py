@@ -1,0 +1,113 @@
+"""Plans: frozen, serialisable descriptions of how to train a model (stages, ranks, schedule)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+from partita.types.choices import Schedule
+
+if TYPE_CHECKING:
+    from partita.types.graph import OpGraph
+
+
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: a contiguous range of nodes run by ``len(ranks)`` replicas.
+
+    With interleaved or V schedules there are more stages than rank groups: stage ``k`` runs on
+    the ranks of ``rank_group``, which also run other stages.
+    """
+
+    index: int
+    start: int  # first node position (inclusive)
+    stop: int  # last node position (exclusive)
+    first_node: str  # FX node names, so that a human (and Plan.load) can check the range
+    last_node: str
+    module_range: str  # "transformer.h.0 .. transformer.h.5": where the stage starts and ends
+    ranks: tuple[int, ...]  # global ranks holding a replica of this stage
+    rank_group: int  # index of the group of ranks (pipeline position) that runs this stage
+    recompute: bool  # activation recomputation for this stage
+    forward_s: float  # predicted, per micro-batch per replica
+    backward_s: float  # predicted, per micro-batch per replica
+    memory_bytes: int  # predicted peak per device of this stage's rank group
+    param_bytes: int
+    cut_bytes: int  # bytes sent to the next stage per micro-batch (0 for the last stage)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete, executable training plan. Frozen; JSON round-trips through partita.types.plan_file."""
+
+    graph_fingerprint: str
+    cluster: Mapping[str, Any]  # Cluster.to_dict(): self-contained, device spec inlined
+    stages: tuple[StagePlan, ...]
+    schedule: Schedule
+    global_batch_size: int
+    num_microbatches: int
+    microbatch_size: int  # samples per micro-batch per replica of a stage with the fewest replicas
+    options: Mapping[str, Any]  # the resolved planner options (what the user pinned and what was searched)
+    method: str = "partita"  # "partita", a baseline name ("uniform", "parameters", "equal_flops") or "manual"
+    predicted_step_s: float = 0.0
+    predicted_bubble_fraction: float = 0.0
+    # forward + backward seconds of one whole step's samples on one device (ideal step = this /
+    # devices); None for plans made without costs (manual plans) and older plan files
+    total_compute_s: float | None = None
+    cost_source: str = "analytic"  # "measured" or "analytic"
+    partita_version: str = ""
+    torch_version: str = ""
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_rank_groups(self) -> int:
+        return len({s.rank_group for s in self.stages})
+
+    @property
+    def num_devices(self) -> int:
+        return len({r for s in self.stages for r in s.ranks})
+
+    @property
+    def uniform_replicas(self) -> bool:
+        return len({s.num_replicas for s in self.stages}) == 1
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """Cut positions: (0, stage 1 start, ..., num_nodes)."""
+        return tuple(s.start for s in self.stages) + (self.stages[-1].stop,)
+
+    def summary(self, baselines: "Mapping[str, Plan | None]" = ()) -> str:
+        """The plan as a readable table (stages, ranks, memory, times), then the predicted step,
+        throughput, bubble and efficiency, with ``baselines`` side by side."""
+        from partita.report.plan import plan_text  # report depends on types only: no cycle at import
+
+        return plan_text(self, baselines=baselines)
+
+    def to_json(self) -> str:
+        from partita.types.plan_file import plan_to_json
+
+        return plan_to_json(self)
+
+    def save(self, path: str) -> None:
+        """Write the plan as versioned JSON (never pickle)."""
+        from partita.types.plan_file import save_plan
+
+        save_plan(self, path)
+
+    @staticmethod
+    def load(path: str, *, graph: "OpGraph | None" = None, cluster: Any = None) -> "Plan":
+        """Read and validate a plan file; PlanFileError says which field is wrong."""
+        from partita.types.plan_file import load_plan
+
+        return load_plan(path, graph=graph, cluster=cluster)
