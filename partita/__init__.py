@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "capture": "partita.capture",
-    "Cluster": "partita.cost.cluster",
+    "Cluster": "partita.types",
     "CostSource": "partita.planning.options",
     "PlanOptions": "partita.planning.options",
     "plan": "partita.planning.api",

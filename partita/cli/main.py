@@ -9,6 +9,8 @@ import sys
 from typing import Sequence
 
 from partita.errors import PartitaError
+from partita.planning.options import CostSource, PlanOptions
+from partita.types.cluster import Cluster
 from partita.types import Schedule
 
 MODEL_HELP = (
@@ -59,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
     plan.add_argument("--recompute", default=None, choices=["yes", "no"], help="pin activation recomputation")
     plan.add_argument("--optimizer", default="adam", help="adam, sgd-momentum or sgd (sets optimizer-state memory)")
-    plan.add_argument("--costs", default="auto", choices=["auto", "measured", "analytic"])
+    plan.add_argument("--costs", default="auto", choices=[c.value for c in CostSource],
+                      help="where per-node costs come from: measured (profile every node here), analytic (roofline "
+                           "for --device-type), auto (measured for this machine's CPU with real weights, else analytic)")
     plan.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
     plan.add_argument("--out", default=None, help="write the plan as JSON to this path")
     plan.add_argument("--png", default=None, help="write memory bars per stage and the pipeline timeline (PNG or SVG)")
@@ -148,8 +152,6 @@ def _inspect_costs(graph, example, device):
 
 def _plan_options(args: argparse.Namespace):
     """The PlanOptions that the `plan` and `train` commands' flags pin (the only place they are read)."""
-    from partita.planning.options import PlanOptions
-
     recompute = getattr(args, "recompute", None)
     return PlanOptions(
         schedules=tuple(Schedule) if args.schedule is None else args.schedule,
@@ -162,8 +164,6 @@ def _plan_options(args: argparse.Namespace):
 
 def _cluster(args: argparse.Namespace, *, num_devices: int, device_type: str = "cpu", num_nodes: int = 1):
     """This machine's CPU ranks (measured), or ``num_devices`` catalog devices over ``num_nodes`` nodes."""
-    from partita.cost.cluster import Cluster
-
     memory = _parse_bytes(args.memory)
     if device_type == "cpu":
         return Cluster.local(num_devices=num_devices, memory_bytes=memory, cache_dir=args.cache_dir)

@@ -19,10 +19,13 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from partita.capture import exported_call_inputs
 
 from partita.errors import InputError
 from partita.runtime.checkpoint_dir import checkpoint_path, latest_checkpoint
@@ -59,9 +62,13 @@ class TrainSummary:
 
 
 def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSummary:
-    """Run ``config.steps`` optimizer steps (counting steps done before a resume)."""
+    """Run ``config.steps`` optimizer steps (counting steps done before a resume).
+
+    Batches come from the example's ``make_batch``; a factory model without one trains on its
+    example batch, repeated along each input's batch dim up to the plan's global batch."""
     from partita.runtime.trainer import Trainer
 
+    make_batch = example.make_batch or repeating_batches(example, graph)
     torch.manual_seed(config.seed)
     trainer = Trainer(example.model, plan, graph=graph,
                       optimizer=lambda params: torch.optim.AdamW(params, lr=config.lr),
@@ -72,7 +79,7 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSumm
     timers = _stage_forward_timers(trainer, summary)
     bar = _progress_bar(trainer, config)
     while trainer.num_steps < config.steps:
-        args, kwargs, target = example.make_batch(plan.global_batch_size, trainer.num_steps)
+        args, kwargs, target = make_batch(plan.global_batch_size, trainer.num_steps)
         if graph.has_loss_fn:
             kwargs = {**kwargs, "target": target}
         start = time.perf_counter()
@@ -95,6 +102,35 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSumm
         trainer.save_checkpoint(checkpoint_path(config.checkpoint_dir, trainer.num_steps))
     summary.stage_forward_s = _gather_stage_times(summary.stage_forward_s)
     return summary
+
+
+def repeating_batches(example, graph: OpGraph) -> Callable[[int, int], tuple[tuple, dict, Any]]:
+    """``make_batch(batch_size, step)`` for an example without a data source: its own inputs (and
+    target), tiled along each graph input's batch dim and cut to ``batch_size``; the same every step."""
+    call = exported_call_inputs(example.args, example.kwargs, example.target, graph.has_loss_fn)
+    flat, spec = pytree.tree_flatten(call)
+    if len(flat) != len(graph.inputs):
+        raise InputError(f"{example.name}: its example inputs have {len(flat)} leaves but the graph was captured "
+                         f"with {len(graph.inputs)}: capture the model from the factory's own inputs")
+    dims = [info.tensor.batch_dim if info.tensor is not None else None for info in graph.inputs]
+
+    def make_batch(batch_size: int, step: int) -> tuple[tuple, dict, Any]:
+        leaves = [_tiled(x, dim, batch_size) for x, dim in zip(flat, dims)]
+        call = pytree.tree_unflatten(leaves, spec)
+        if graph.has_loss_fn:
+            (args, kwargs, target), _ = call
+            return args, kwargs, target
+        args, kwargs = call
+        return args, kwargs, None
+
+    return make_batch
+
+
+def _tiled(x: Any, dim: int | None, batch_size: int) -> Any:
+    if dim is None or not isinstance(x, torch.Tensor):
+        return x
+    copies = -(-batch_size // x.shape[dim])
+    return torch.cat([x] * copies, dim=dim).narrow(dim, 0, batch_size).contiguous()
 
 
 def _maybe_resume(trainer, config: TrainConfig, summary: TrainSummary) -> None:

@@ -1,18 +1,26 @@
-"""On-disk cache of measured CostTables, so that profiling the same graph twice runs nothing.
+"""partita's one on-disk cache: measured CostTables and measurements of this machine.
 
-A table is stored as two files under the user's ``cache_dir`` (nothing is written anywhere else):
+Everything lives in the user's ``cache_dir`` (nothing is written anywhere else, and nothing at
+all without one), so that measuring the same thing twice runs nothing.
 
-    <key>.npz   the per-node and per-parameter arrays (numpy, no pickle)
-    <key>.json  scalars, parameter names, calibration and the parts of the key, for humans
+A CostTable (``load``/``store``, used by ``partita.cost.profiler``) is stored as two files:
 
-The key is a sha256 over everything that changes a measurement: the graph's fingerprint (its
+    costs-<key>.npz   the per-node and per-parameter arrays (numpy, no pickle)
+    costs-<key>.json  scalars, parameter names, calibration and the parts of the key, for humans
+
+Its key is a sha256 over everything that changes a measurement: the graph's fingerprint (its
 structure, shapes and dtypes, so another batch or sequence length misses), the micro-batch
 size, the device and its hardware model, the torch version, the intra-op thread count, the
 number of warm-up and timed repeats, and ``FORMAT_VERSION`` (bumped when the profiler's method
 changes). The example input *values* are not part of the key: costs do not depend on them.
 
-Both files are written to a temporary name and moved into place with ``os.replace``; the JSON
-file is written last and is what a lookup checks first, so a reader never sees half a table.
+A measurement of the machine (``measure_once``, used by ``partita.cost.local_machine``: CPU
+calibration, gloo link, rank contention) is one file ``<prefix>-<digest of key>.json`` holding
+``{"key": ..., "measured": ...}``; a lookup must match the whole key.
+
+Every file is written to a temporary name and moved into place with ``os.replace``; a table's
+JSON file is written last and is what a lookup checks first, so a reader never sees half an
+entry. A damaged or foreign entry is a miss, never an error.
 """
 
 from __future__ import annotations
@@ -21,13 +29,15 @@ import hashlib
 import json
 import os
 import tempfile
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 
-from partita.cost.devices import cpu_model
 from partita.types import CostTable, OpGraph
+
+if TYPE_CHECKING:
+    import torch
 
 # Bump when the profiler measures differently: old entries then miss instead of being reused.
 FORMAT_VERSION = 2  # 2: calibrated against the flat module, not the exported one
@@ -47,6 +57,8 @@ _ARRAY_FIELDS = (
 
 def cache_key(graph: OpGraph, microbatch_size: int, device: torch.device, *, repeats: int, warmup: int) -> tuple[str, dict[str, Any]]:
     """The cache key (hex sha256) and the readable parts it was made from."""
+    import torch
+
     parts = {
         "format_version": FORMAT_VERSION,
         "fingerprint": graph.fingerprint,
@@ -64,6 +76,10 @@ def cache_key(graph: OpGraph, microbatch_size: int, device: torch.device, *, rep
 
 def hardware_model(device: torch.device) -> str:
     """The GPU's name or the CPU's model name: timings from other hardware must not be reused."""
+    import torch
+
+    from partita.cost.local_machine import cpu_model  # here: local_machine imports this module
+
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
 
 
@@ -112,6 +128,42 @@ def store(cache_dir: str | os.PathLike, key: str, table: CostTable, key_parts: d
         "calibration": {k: float(v) for k, v in table.calibration.items()},
     }
     _write_atomically(json_path, lambda f: f.write(json.dumps(meta, indent=1, sort_keys=True).encode()))
+
+
+def measure_once(cache_dir: str | os.PathLike | None, prefix: str, key: dict, measure: Callable[[], dict]) -> dict:
+    """``measure()``, or what an earlier call stored under exactly ``key`` in ``cache_dir``
+    (``<prefix>-<digest of key>.json``); no caching when ``cache_dir`` is None."""
+    path = None
+    if cache_dir is not None:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        path = Path(cache_dir) / f"{prefix}-{digest}.json"
+    measured = _load_measurement(path, key)
+    if measured is None:
+        measured = measure()
+        _store_measurement(path, key, measured)
+    return measured
+
+
+def _load_measurement(path: Path | None, key: dict) -> dict | None:
+    """The measurement stored at ``path`` under exactly ``key``, else None."""
+    if path is None or not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # a damaged cache entry is measured again and overwritten
+    if not isinstance(data, dict) or data.get("key") != key:
+        return None
+    return data.get("measured")
+
+
+def _store_measurement(path: Path | None, key: dict, measured: dict) -> None:
+    """Write ``{key, measured}`` as JSON to ``path`` atomically; nothing when ``path`` is None."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"key": key, "measured": measured}, indent=2, sort_keys=True)
+    _write_atomically(str(path), lambda f: f.write(text.encode()))
 
 
 def _paths(cache_dir: str | os.PathLike, key: str) -> tuple[str, str]:

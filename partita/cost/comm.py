@@ -25,7 +25,8 @@ from __future__ import annotations
 import numbers
 from typing import Iterable
 
-from partita.cost.cluster import Cluster
+from partita.types.cluster import Cluster
+from partita.checks import positive_int
 from partita.errors import InputError
 
 __all__ = ["all_gather_time_s", "allreduce_time_s", "p2p_time_s", "reduce_scatter_time_s", "spans_nodes"]
@@ -61,8 +62,7 @@ def spans_nodes(ranks: Iterable[int], cluster: Cluster) -> bool:
 def _ring_pass_s(num_bytes: float, num_ranks: int, cluster: Cluster, spans: bool) -> float:
     """(n − 1)·α + (n − 1)/n · b / β: one trip of every chunk around the ring."""
     _check_bytes(num_bytes)
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, numbers.Integral) or num_ranks < 1:
-        raise InputError(f"num_ranks must be an int >= 1, got {num_ranks!r}")
+    positive_int(num_ranks, "num_ranks")
     if num_ranks == 1:
         return 0.0
     bandwidth, latency = _link(cluster, spans)

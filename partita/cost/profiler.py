@@ -38,7 +38,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from partita.cost import cache
-from partita.cost.devices import get_device, known_devices
+from partita.types.devices import get_device, known_devices
 from partita.cost.table import cut_bytes, output_bytes, param_arrays
 from partita.errors import InputError
 from partita.types import CostTable, OpGraph

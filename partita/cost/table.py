@@ -3,7 +3,7 @@
 Both cost sources (``analytic.py``, a roofline estimate, and ``profiler.py``, measurements)
 fill the time arrays themselves and take everything else from here: bytes per node output,
 cut bytes, activation bytes saved for backward, which nodes need a backward at all, and the
-parameter arrays.
+parameter arrays. ``contended`` rescales a finished table's compute times.
 
 Glossary
 --------
@@ -18,16 +18,18 @@ scaled          bytes at the micro-batch size: batch-proportional tensors (``bat
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
 
-from partita.types import OpGraph, OpNode
+from partita.types import CostTable, OpGraph, OpNode
 
 __all__ = [
     "FLOAT_DTYPES",
     "ParamArrays",
     "activation_bytes",
+    "contended",
     "costs_nothing",
     "cut_bytes",
     "is_inplace",
@@ -254,4 +256,24 @@ def param_arrays(graph: OpGraph) -> ParamArrays:
         num_bytes=np.array([p.num_bytes for p in infos], dtype=np.int64),
         trainable=np.array([p.requires_grad and not p.is_buffer for p in infos], dtype=bool),
         uses=tuple(np.array(sorted(set(uses[name])), dtype=np.int64) for name in order),
+    )
+
+
+def contended(costs: CostTable, slowdown: float) -> CostTable:
+    """``costs`` with its compute times at ``slowdown`` times the solo profile's.
+
+    Ranks that share one machine's caches and memory bandwidth compute slower together than
+    alone (``Cluster.compute_slowdown``, measured by ``local_machine.measure_contention``);
+    a profile measures one process alone. Idempotent: a table already slowed
+    (``calibration["compute_slowdown"]``) is rescaled, never slowed twice; the same table comes
+    back when nothing changes."""
+    factor = slowdown / costs.calibration.get("compute_slowdown", 1.0)
+    if factor == 1.0:
+        return costs
+    return dataclasses.replace(
+        costs,
+        forward_s=costs.forward_s * factor,
+        backward_s=costs.backward_s * factor,
+        backward_weight_s=costs.backward_weight_s * factor,
+        calibration={**costs.calibration, "compute_slowdown": float(slowdown)},
     )

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from partita.cost.cluster import Cluster
+from partita.types.cluster import Cluster
 from partita.planning.baselines import baseline_plans
 from partita.planning.context import PlanningContext, planning_context
 from partita.planning.driver import best_plan

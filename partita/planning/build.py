@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping, Sequence
 from partita.cost.memory import device_memory, microbatches_in_flight
 from partita.errors import InputError
 from partita.planning.search import Config, SearchOptions
-from partita.types import CostTable, OpGraph, Plan, StagePlan
+from partita.types import Cluster, CostTable, OpGraph, Plan, StagePlan
 
 
 def stage_ranks(config: Config) -> list[tuple[int, ...]]:
@@ -60,7 +60,7 @@ def build_plan(
     recompute: Sequence[bool],
     options: SearchOptions,
     *,
-    cluster_dict: Mapping[str, Any],
+    cluster: Cluster,
     method: str,
     resolved_options: Mapping[str, Any],
     versions: tuple[str, str],
@@ -95,7 +95,7 @@ def build_plan(
             cut_bytes=int(costs.cut_bytes[stop]) if stop < graph.num_nodes else 0,
         ))
     return Plan(
-        graph_fingerprint=graph.fingerprint, cluster=dict(cluster_dict), stages=tuple(stages),
+        graph_fingerprint=graph.fingerprint, cluster=cluster, stages=tuple(stages),
         schedule=config.schedule, global_batch_size=options.global_batch_size,
         num_microbatches=config.num_microbatches, microbatch_size=config.microbatch_size,
         total_compute_s=total_compute_s(costs, config, options.global_batch_size),

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partita.cost.memory import first_gradient_bytes
+from partita.checks import positive_int
 from partita.errors import InputError
 from partita.types import CostTable, OpGraph
 
@@ -176,8 +177,7 @@ def coarsen(graph: OpGraph, costs: CostTable, *, max_blocks: int = 256) -> np.nd
     until the answer has at most ``max_blocks`` blocks. Ties go to the earliest position, so
     the result is deterministic.
     """
-    if isinstance(max_blocks, bool) or not isinstance(max_blocks, (int, np.integer)) or max_blocks < 1:
-        raise InputError(f"max_blocks must be an int >= 1, got {max_blocks!r}")
+    max_blocks = positive_int(max_blocks, "max_blocks")
     if costs.num_nodes != graph.num_nodes:
         raise InputError(f"the CostTable has {costs.num_nodes} nodes but the graph {graph.num_nodes}: "
                          "compute the costs of this graph")

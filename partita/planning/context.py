@@ -20,8 +20,8 @@ import partita
 from partita.capture import capture
 from partita.checks import positive_int
 from partita.cost.analytic import analytic_costs
-from partita.cost.cluster import Cluster
-from partita.cost.contention import contended
+from partita.types.cluster import Cluster
+from partita.cost.table import contended
 from partita.cost.profiler import profile
 from partita.errors import InputError
 from partita.planning.build import block_to_node_boundaries, build_plan, fits
@@ -167,7 +167,7 @@ def finish_plan(ctx: PlanningContext, config, node_boundaries, recompute, method
 def draft_plan(ctx: PlanningContext, config, node_boundaries, recompute, method: str) -> Plan:
     """The Plan with predicted stage times and memory, its step not yet simulated."""
     return build_plan(ctx.graph, ctx.costs_at, config, node_boundaries, recompute, ctx.options,
-                      cluster_dict=ctx.cluster.to_dict(), method=method, resolved_options=ctx.resolved,
+                      cluster=ctx.cluster, method=method, resolved_options=ctx.resolved,
                       versions=(partita.__version__, torch.__version__))
 
 

@@ -7,7 +7,7 @@ from partita.planning.context import PlanningContext
 from partita.planning.driver import best_plan
 from partita.planning.options import recompute_allowed
 from partita.planning.search import SearchOptions
-from partita.cost.cluster import Cluster
+from partita.types.cluster import Cluster
 from partita.units import fmt_bytes
 
 

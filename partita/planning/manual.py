@@ -23,10 +23,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from partita.checks import positive_int
 from partita.errors import InputError
 from partita.planning.build import consecutive_ranks, module_range
 from partita.planning.schedules import check_schedule, stage_rank_groups
 from partita.planning.uneven import UNEVEN_SCHEDULES
+from partita.types.cluster import Cluster
 from partita.types import OpGraph, Plan, Schedule, StagePlan
 
 __all__ = ["manual_plan"]
@@ -42,7 +44,7 @@ def manual_plan(
     global_batch_size: int,
     replicas: int | Sequence[int] = 1,
     recompute: bool | Sequence[bool] = False,
-    cluster: Mapping[str, Any] | None = None,
+    cluster: Cluster | Mapping[str, Any] | None = None,
 ) -> Plan:
     """A Plan with stages ``[boundaries[k], boundaries[k + 1])`` of ``graph.nodes``.
 
@@ -56,15 +58,16 @@ def manual_plan(
         global_batch_size: samples per step over all replicas; must be a multiple of
             ``num_microbatches * r`` for every replica count ``r``.
         recompute: activation recomputation, for all stages or per stage.
-        cluster: ``Cluster.to_dict()`` of the machines; default: as many CPU ranks as the plan uses, on one node.
+        cluster: the machines (a Cluster, or its ``to_dict()``); default: as many CPU ranks as the plan uses, on one node.
 
     Raises InputError when the split, the schedule or the batch do not fit together.
     """
     schedule = Schedule.parse(schedule)
     cuts = _check_cuts(boundaries, graph.num_nodes)
     num_stages = len(cuts) - 1
-    _check_counts(num_rank_groups=num_rank_groups, num_microbatches=num_microbatches,
-                  global_batch_size=global_batch_size)
+    for name, value in (("num_rank_groups", num_rank_groups), ("num_microbatches", num_microbatches),
+                        ("global_batch_size", global_batch_size)):
+        positive_int(value, name)
     check_schedule(schedule, num_microbatches, num_rank_groups, num_stages)
     counts = _replica_counts(replicas, schedule, num_rank_groups)
     for r in sorted(set(counts)):
@@ -81,12 +84,12 @@ def manual_plan(
         _stage(graph, k, cuts[k], cuts[k + 1], groups[k], ranks[groups[k]], flags[k]) for k in range(num_stages)
     )
     if cluster is None:
-        from partita.cost.cluster import Cluster
-
         n = sum(counts)
-        cluster = Cluster(device="cpu", num_devices=n, devices_per_node=n).to_dict()
+        cluster = Cluster(device="cpu", num_devices=n, devices_per_node=n)
+    elif not isinstance(cluster, Cluster):
+        cluster = Cluster.from_dict(cluster)
     return Plan(
-        graph_fingerprint=graph.fingerprint, cluster=dict(cluster), stages=stages, schedule=schedule,
+        graph_fingerprint=graph.fingerprint, cluster=cluster, stages=stages, schedule=schedule,
         global_batch_size=global_batch_size, num_microbatches=num_microbatches,
         microbatch_size=global_batch_size // (num_microbatches * min(counts)),
         options={"boundaries": list(cuts), "num_rank_groups": num_rank_groups,
@@ -98,7 +101,7 @@ def manual_plan(
 def _replica_counts(replicas: int | Sequence[int], schedule: Schedule, num_rank_groups: int) -> tuple[int, ...]:
     """Replicas of each rank group; InputError naming the value when the runtime cannot run it."""
     if isinstance(replicas, int) and not isinstance(replicas, bool):
-        _check_counts(replicas=replicas)
+        positive_int(replicas, "replicas")
         return (replicas,) * num_rank_groups
     if isinstance(replicas, (str, bytes)) or not isinstance(replicas, Sequence):
         raise InputError(f"replicas must be an int or a sequence of one int per rank group, got {replicas!r}")
@@ -107,7 +110,7 @@ def _replica_counts(replicas: int | Sequence[int], schedule: Schedule, num_rank_
         raise InputError(f"replicas={list(counts)} has {len(counts)} entries for {num_rank_groups} rank groups: "
                          "give one replica count per rank group, or one int for all")
     for count in counts:
-        _check_counts(replicas=count)
+        positive_int(count, "replicas")
     if len(set(counts)) > 1 and schedule not in UNEVEN_SCHEDULES:
         raise InputError(f"replicas={list(counts)} differ between rank groups, which {schedule.value} cannot run "
                          "(a rank group holds several stages): use schedule gpipe or 1f1b, or the same count for "
@@ -135,12 +138,6 @@ def _check_cuts(boundaries: Sequence[int], num_nodes: int) -> tuple[int, ...]:
         raise InputError(f"boundaries={list(cuts)} are not cut positions: give strictly increasing ints from 0 to "
                          f"num_nodes={num_nodes}, e.g. [0, {num_nodes // 2}, {num_nodes}]")
     return cuts
-
-
-def _check_counts(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"{name} must be an int >= 1, got {value!r}")
 
 
 def _recompute_flags(recompute: bool | Sequence[bool], num_stages: int) -> tuple[bool, ...]:

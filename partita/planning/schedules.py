@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from partita.checks import positive_int
 from partita.errors import InputError
 from partita.types import Schedule
 
@@ -73,8 +74,7 @@ def check_schedule(schedule: Schedule, num_microbatches: int, num_rank_groups: i
     schedule = Schedule.parse(schedule)
     m, g, s = num_microbatches, num_rank_groups, num_stages
     for name, value in (("num_microbatches", m), ("num_rank_groups", g), ("num_stages", s)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"{name} must be an int >= 1, got {value!r}")
+        positive_int(value, name)
     if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B) and s != g:
         raise InputError(f"{schedule.value} runs one stage per rank group, got {s} stages on {g} rank groups: "
                          f"use interleaved1f1b for several stages per rank group")

@@ -8,8 +8,8 @@ candidate   a config plus a split of the block chain into stages and per-stage r
 
 ZBV never recomputes: under torch's ScheduleZBVZeroBubble a checkpointed stage keeps its
 recomputed activations alive from the input-gradient to the weight-gradient pass, so the memory
-model (recomputation keeps only the stage inputs) would under-predict it by 40-60%
-(bench/results/e2e_memory.md). ``enumerate_configs`` yields no ZBV config with recomputation.
+model (recomputation keeps only the stage inputs) would under-predict it (bench/e2e_memory.py
+measures by how much). ``enumerate_configs`` yields no ZBV config with recomputation.
 
 Driver: for every config allowed by the options, build the stage-cost matrices (time, with
 ``inf`` where the stage does not fit in memory) from the block costs at the config's micro-batch

@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from partita.cost import comm
 from partita.cost.analytic import optimizer_step_s
-from partita.cost.cluster import Cluster
+from partita.types.cluster import Cluster
 from partita.errors import InputError
 from partita.planning.schedules import rank_orders, stage_rank_groups
 from partita.types import CostTable, Plan, Schedule, SimResult, TimelineEvent

@@ -33,7 +33,7 @@ def plan_text(plan: Plan, *, baselines: Mapping[str, Plan | None] = ()) -> str:
               + [_summary_row(name, p, plan, total_compute_s) for name, p in dict(baselines).items()]),
         "efficiency = ideal step (total compute / devices) / predicted step",
     ]
-    available = int(plan.cluster.get("num_devices", plan.num_devices))
+    available = plan.cluster.num_devices
     if plan.num_devices < available:
         lines.append(
             f"note: the plan uses {plan.num_devices} of {available} devices: no plan over more of them was faster "

@@ -3,7 +3,8 @@
 ``graph``      OpGraph and its parts (nodes, tensors, parameters, inputs): what capture produces.
 ``choices``    Schedule and OptimizerKind.
 ``costs``      CostTable: per-node costs at one micro-batch size, the planner's view of cost/.
-``cluster``    DeviceSpec: the hardware a plan is made for.
+``devices``    DeviceSpec and the device catalog (``get_device``, device files).
+``cluster``    Cluster: how many devices of which kind, in which nodes, linked how.
 ``plan``       StagePlan and Plan; ``plan_file`` reads and writes them as versioned JSON.
 ``sim``        SimResult and TimelineEvent: a simulated step, which report/ draws.
 
@@ -21,14 +22,16 @@ batch dim   the dimension of a tensor that scales with the batch size. Shapes ar
 """
 
 from partita.types.choices import OptimizerKind, Schedule
-from partita.types.cluster import DeviceSpec
+from partita.types.cluster import Cluster
 from partita.types.costs import CostTable
+from partita.types.devices import DeviceSpec
 from partita.types.graph import GraphInput, LossFn, OpGraph, OpNode, ParamInfo, TensorInfo
 from partita.types.plan import PLAN_SCHEMA_VERSION, Plan, StagePlan
 from partita.types.sim import SimResult, TimelineEvent
 
 __all__ = [
     "PLAN_SCHEMA_VERSION",
+    "Cluster",
     "CostTable",
     "DeviceSpec",
     "GraphInput",

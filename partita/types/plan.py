@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from partita.types.choices import Schedule
+from partita.types.cluster import Cluster
 
 if TYPE_CHECKING:
     from partita.types.graph import OpGraph
@@ -48,7 +49,7 @@ class Plan:
     """A complete, executable training plan. Frozen; JSON round-trips through partita.types.plan_file."""
 
     graph_fingerprint: str
-    cluster: Mapping[str, Any]  # Cluster.to_dict(): self-contained, device spec inlined
+    cluster: Cluster  # the machines it was made for (the plan file inlines the device spec)
     stages: tuple[StagePlan, ...]
     schedule: Schedule
     global_batch_size: int

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from partita.errors import PlanFileError
 from partita.types.choices import Schedule
+from partita.types.cluster import Cluster
 from partita.types.graph import OpGraph
 from partita.types.plan import PLAN_SCHEMA_VERSION, Plan, StagePlan
 
@@ -28,6 +29,7 @@ _PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
     "microbatch_size": int, "options": dict, "method": str, "predicted_step_s": (int, float),
     "predicted_bubble_fraction": (int, float), "cost_source": str,
 }
+_OPTIONAL_PLAN_FIELDS = ("total_compute_s",)  # absent in files of earlier versions
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -47,7 +49,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "predicted_bubble_fraction": plan.predicted_bubble_fraction,
         "total_compute_s": plan.total_compute_s,
         "options": dict(plan.options),
-        "cluster": dict(plan.cluster),
+        "cluster": plan.cluster.to_dict(),
         "stages": [
             {**{k: getattr(s, k) for k in _STAGE_FIELDS if k != "ranks"}, "ranks": list(s.ranks)}
             for s in plan.stages
@@ -100,14 +102,14 @@ def plan_from_dict(data: Any, *, source: str = "plan") -> Plan:
             f"{source}: field 'schema_version' is {version!r}, but this partita reads schema "
             f"{PLAN_SCHEMA_VERSION}: re-create the plan with this version of partita"
         )
-    _check_fields(data, _PLAN_FIELDS, source, "")
+    _check_fields(data, _PLAN_FIELDS, source, "", optional=_OPTIONAL_PLAN_FIELDS)
     stages = tuple(_stage_from_dict(s, k, source) for k, s in enumerate(_nonempty(data["stages"], "stages", source)))
     try:
         schedule = Schedule.parse(data["schedule"])
     except ValueError as e:
         raise PlanFileError(f"{source}: field 'schedule': {e}") from e
     plan = Plan(
-        graph_fingerprint=data["graph_fingerprint"], cluster=_cluster_dict(data["cluster"], source), stages=stages,
+        graph_fingerprint=data["graph_fingerprint"], cluster=_cluster(data["cluster"], source), stages=stages,
         schedule=schedule, global_batch_size=data["global_batch_size"], num_microbatches=data["num_microbatches"],
         microbatch_size=data["microbatch_size"], options=data["options"], method=data["method"],
         predicted_step_s=float(data["predicted_step_s"]), predicted_bubble_fraction=float(data["predicted_bubble_fraction"]),
@@ -143,7 +145,7 @@ def _stage_from_dict(data: Any, k: int, source: str) -> StagePlan:
     return StagePlan(**values)
 
 
-def _check_fields(data: dict, fields: Mapping[str, Any], source: str, prefix: str) -> None:
+def _check_fields(data: dict, fields: Mapping[str, Any], source: str, prefix: str, optional: tuple[str, ...] = ()) -> None:
     for key, kind in fields.items():
         if key not in data:
             raise PlanFileError(f"{source}: field '{prefix}{key}' is missing")
@@ -154,7 +156,7 @@ def _check_fields(data: dict, fields: Mapping[str, Any], source: str, prefix: st
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if (isinstance(value, float) and not math.isfinite(value)) or value < 0:
                 raise PlanFileError(f"{source}: field '{prefix}{key}' is {value!r}, expected a finite number >= 0")
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields) - set(optional))
     if unknown:
         raise PlanFileError(f"{source}: unknown field(s) {', '.join(prefix + u for u in unknown)}: was the file edited by hand?")
 
@@ -170,11 +172,9 @@ def _nonempty(value: list, field: str, source: str) -> list:
     return value
 
 
-def _cluster_dict(data: dict, source: str) -> dict:
-    from partita.cost.cluster import Cluster
-
+def _cluster(data: dict, source: str) -> Cluster:
     try:
-        return Cluster.from_dict(data).to_dict()
+        return Cluster.from_dict(data)
     except Exception as e:  # noqa: BLE001 - any invalid cluster becomes a PlanFileError naming it
         raise PlanFileError(f"{source}: field 'cluster' is invalid: {e}") from e
 
@@ -195,7 +195,7 @@ def check_plan_consistency(plan: Plan, source: str = "plan") -> None:
                 "stages must be contiguous, without gaps or overlaps"
             )
     _check_rank_groups(plan, source)
-    num_devices = int(plan.cluster["num_devices"])
+    num_devices = plan.cluster.num_devices
     used = sorted({r for s in stages for r in s.ranks})
     if used[-1] >= num_devices:
         raise PlanFileError(f"{source}: rank {used[-1]} is used but the cluster has {num_devices} devices")
@@ -245,10 +245,10 @@ def check_plan_matches_graph(plan: Plan, graph: OpGraph, source: str = "plan") -
             )
 
 
-def check_plan_matches_cluster(plan: Plan, cluster: Any, source: str = "plan") -> None:
-    expected = cluster.to_dict()
-    if dict(plan.cluster) != expected:
-        differing = sorted(k for k in set(expected) | set(plan.cluster) if expected.get(k) != plan.cluster.get(k))
+def check_plan_matches_cluster(plan: Plan, cluster: Cluster, source: str = "plan") -> None:
+    expected, planned = cluster.to_dict(), plan.cluster.to_dict()
+    if planned != expected:
+        differing = sorted(k for k in set(expected) | set(planned) if expected.get(k) != planned.get(k))
         raise PlanFileError(
             f"{source} was made for another cluster (fields differ: {', '.join(differing)}): re-plan for this cluster"
         )

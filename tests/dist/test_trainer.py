@@ -114,11 +114,10 @@ def test_load_into_model_matches_gathered_state(checkpoint_results, label):
 
 
 def test_a_failing_rank_fails_the_job_at_once_with_its_error(tmp_path):
-    started = time.monotonic()
+    # Had the launcher waited for the blocked rank, run_ranks would end in "job timed out".
     with pytest.raises(AssertionError, match="rank 1 failed") as info:
         run_ranks("fail", 2, tmp_path, timeout_s=60)
     assert "deliberate failure on rank 1" in str(info.value)
-    assert time.monotonic() - started < 45, "the launcher waited for the blocked rank"
 
 
 META_CONFIGS = [

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import partita
 from partita.errors import PlanFileError
-from partita.plan.io import plan_from_json
+from partita.types.plan_file import plan_from_json
 from partita.types import Plan, Schedule, StagePlan
 
 
@@ -21,7 +21,7 @@ def _plan_dict() -> dict:
                   forward_s=0.01, backward_s=0.02, memory_bytes=2**30, param_bytes=2**20, cut_bytes=4096)
         for k in range(2)
     )
-    plan = Plan(graph_fingerprint="abc", cluster=cluster.to_dict(), stages=stages, schedule=Schedule.ONE_F_ONE_B,
+    plan = Plan(graph_fingerprint="abc", cluster=cluster, stages=stages, schedule=Schedule.ONE_F_ONE_B,
                 global_batch_size=16, num_microbatches=4, microbatch_size=2, options={"x": 1})
     return json.loads(plan.to_json())
 

@@ -14,10 +14,10 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from partita.cost import comm
-from partita.cost.cluster import Cluster
+from partita.types.cluster import Cluster
 from partita.cost.memory import microbatches_in_flight
-from partita.plan.schedules import Action, rank_orders, stage_rank_groups
-from partita.plan.simulate import _I, _compiled_orders, _peak_activations, simulate, simulate_pipeline
+from partita.planning.schedules import Action, rank_orders, stage_rank_groups
+from partita.planning.simulate import _I, _compiled_orders, _peak_activations, simulate, simulate_pipeline
 from partita.report.timeline import timeline_text
 from partita.types import CostTable, Plan, Schedule, StagePlan
 
@@ -394,7 +394,7 @@ def tiny_plan(cluster, replicas=(1, 2), recompute=(False, True)):
     stages = tuple(StagePlan(index=k, start=2 * k, stop=2 * k + 2, first_node="a", last_node="b", module_range="",
                              ranks=ranks[k], rank_group=k, recompute=recompute[k], forward_s=0.0, backward_s=0.0,
                              memory_bytes=0, param_bytes=0, cut_bytes=0) for k in range(2))
-    return Plan(graph_fingerprint="x", cluster=cluster.to_dict(), stages=stages, schedule=GPIPE,
+    return Plan(graph_fingerprint="x", cluster=cluster, stages=stages, schedule=GPIPE,
                 global_batch_size=32, num_microbatches=2, microbatch_size=8, options={})
 
 

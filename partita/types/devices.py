@@ -15,34 +15,47 @@ Conventions:
                             figure a ring collective's bus bandwidth approaches.
     inter_node_bandwidth    per device, one network adapter per GPU as in DGX/HGX nodes
                             (400 Gb/s InfiniBand NDR = 50e9 B/s, 200 Gb/s HDR = 25e9 B/s).
-    compute_efficiency      achieved / peak FLOP/s for large matmuls. One H200 here ran an
-                            8192³ bf16 product at 770–800 of 989 TFLOP/s (0.8); transformer
-                            GEMMs are smaller, so the catalog uses 0.7 for NVIDIA Hopper/Ampere,
-                            less for parts whose libraries reach less of their peak.
-    memory_efficiency       achieved / peak bandwidth for elementwise kernels (an H200 copy moved
-                            4.3 of 4.8 TB/s; PyTorch's elementwise kernels get somewhat less).
-    op_overhead_s           fixed cost per operation: ~5 µs kernel launch + eager dispatch on a
-                            GPU, ~2 µs eager dispatch on a CPU (the catalog guess; measured with
-                            autograd recording, 5-10 µs on the development machines).
+    compute_efficiency      achieved / peak FLOP/s for large matmuls. Transformer GEMMs are
+                            smaller than the products that come closest to the peak, so the
+                            catalog uses 0.7 for NVIDIA Hopper/Ampere, less for parts whose
+                            libraries reach less of their peak.
+    memory_efficiency       achieved / peak bandwidth for elementwise kernels, which reach less
+                            than a plain copy.
+    op_overhead_s           fixed cost per operation: kernel launch + eager dispatch on a GPU,
+                            eager dispatch on a CPU (the catalog's guesses).
 
-``local_cpu_spec`` replaces the CPU guesses (rates and per-op overhead) by a short measurement
-of this machine.
+``partita.cost.local_machine.local_cpu_spec`` replaces the CPU guesses (rates and per-op
+overhead) by a short measurement of this machine.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+from dataclasses import dataclass
 import json
 import math
 import os
-import statistics
-import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from partita.errors import InputError
-from partita.types import DeviceSpec
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One kind of accelerator (or the local CPU), from the catalog or a user's file."""
+
+    name: str  # "h100", "a100-80gb", "cpu", ...
+    memory_bytes: int
+    peak_flops: Mapping[str, float]  # dense FLOP/s per dtype name ("float32", "bfloat16", "float16")
+    memory_bandwidth_bytes_per_s: float
+    intra_node_bandwidth_bytes_per_s: float  # per device, NVLink-class
+    inter_node_bandwidth_bytes_per_s: float  # per device, network
+    intra_node_latency_s: float = 5e-6
+    inter_node_latency_s: float = 20e-6
+    compute_efficiency: float = 0.6  # achieved fraction of peak FLOP/s for matmul-like ops
+    memory_efficiency: float = 0.7  # achieved fraction of memory bandwidth for memory-bound ops
+    op_overhead_s: float = 5e-6  # fixed cost of launching one operation (kernel launch / dispatch)
 
 try:  # Python >= 3.11; older Pythons read TOML device files only with tomli installed
     import tomllib
@@ -58,8 +71,6 @@ __all__ = [
     "get_device",
     "known_devices",
     "load_device_file",
-    "local_cpu_spec",
-    "machine_memory_bytes",
     "resolve_device",
 ]
 
@@ -89,7 +100,7 @@ _CATALOG: dict[str, DeviceSpec] = {
         # Infinity Fabric 7 links × 64 GB/s per direction.
         DeviceSpec("mi300x", 196608 * _MIB, {"float32": 163.4e12, "tfloat32": 653.7e12, "bfloat16": 1307.4e12, "float16": 1307.4e12},
                    5.3e12, 448e9, _IB_NDR, compute_efficiency=0.5, memory_efficiency=0.7, op_overhead_s=5e-6),
-        # A generic server CPU (placeholder numbers; local_cpu_spec measures the real one). Ranks
+        # A generic server CPU (placeholder numbers; local_machine.local_cpu_spec measures the real one). Ranks
         # talk over TCP: loopback inside a node, 25 GbE (typical of cloud CPU instances) between nodes. memory_bytes is set to
         # this machine's RAM by get_device.
         DeviceSpec("cpu", 0, {"float32": 1e12, "bfloat16": 5e11, "float16": 5e11},
@@ -126,7 +137,12 @@ def get_device(name: str) -> DeviceSpec:
             "for another device write a JSON/TOML device file and pass its path"
         )
     spec = _CATALOG[key]
-    memory_bytes = machine_memory_bytes() if key == "cpu" else spec.memory_bytes
+    if key == "cpu":
+        from partita.cost.local_machine import machine_memory_bytes  # here: local_machine imports this module
+
+        memory_bytes = machine_memory_bytes()
+    else:
+        memory_bytes = spec.memory_bytes
     return dataclasses.replace(spec, memory_bytes=memory_bytes, peak_flops=dict(spec.peak_flops))
 
 
@@ -238,140 +254,3 @@ def _check_peak_flops(value: Any, source: str) -> dict[str, float]:
         raise InputError(f"{source}: field 'peak_flops' must be a non-empty table of dtype -> FLOP/s, "
                          f"e.g. {{\"float32\": 67e12, \"bfloat16\": 989e12}}, got {value!r}")
     return {str(k): _check_number(v, f"peak_flops.{k}", source) for k, v in value.items()}
-
-
-# ----------------------------------------------------------------------------- the local CPU
-
-
-def machine_memory_bytes() -> int:
-    """This machine's RAM in bytes (or the container's memory limit, if lower)."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:  # cgroup v2: "max" or a number of bytes
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit.isdigit():
-            total = min(total, int(limit))
-    except OSError:
-        pass
-    return int(total)
-
-
-def local_cpu_spec(cache_dir: str | os.PathLike | None = None, *, memory_bytes: int | None = None,
-                   num_threads: int | None = None) -> DeviceSpec:
-    """The "cpu" entry calibrated on this machine: matmul FLOP/s per dtype and copy bandwidth.
-
-    Takes under ~1.5 s. ``num_threads`` (default: torch's current intra-op thread count) is
-    the thread count to measure with, e.g. the share of cores one rank gets. With
-    ``cache_dir`` the result is kept in a JSON file keyed by torch version, thread count and
-    CPU model, and later calls read it instead of measuring. The measured rates are what this
-    machine achieves, so both efficiency factors are 1.
-    """
-    import torch
-
-    num_threads = num_threads or torch.get_num_threads()
-    key = {"torch": torch.__version__, "num_threads": int(num_threads), "cpu": cpu_model(), "method": 2}
-    measured = measure_once(cache_dir, "cpu-calibration", key, lambda: _calibrate_cpu(int(num_threads)))
-    base = get_device("cpu")
-    return dataclasses.replace(
-        base,
-        memory_bytes=memory_bytes if memory_bytes is not None else base.memory_bytes,
-        peak_flops=dict(measured["peak_flops"]),
-        memory_bandwidth_bytes_per_s=float(measured["memory_bandwidth_bytes_per_s"]),
-        compute_efficiency=1.0,
-        memory_efficiency=1.0,
-        op_overhead_s=float(measured["op_overhead_s"]),
-    )
-
-
-_CHAIN_LENGTH = 200  # tiny ops timed for the per-op overhead
-
-
-def _calibrate_cpu(num_threads: int) -> dict[str, Any]:
-    """Median rates of a few 1024³ matmuls per dtype and of a 64 MiB tensor copy, and the fixed
-    cost of one operation: the forward of a chain of tiny ops with autograd recording, per op."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        peak_flops = {}
-        n = 1024
-        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
-            a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-            seconds = _median_time(lambda: torch.mm(a, b), repeats=4 if dtype == torch.float32 else 3)
-            peak_flops[name] = 2 * n**3 / seconds
-        src = torch.ones(16 * _MIB)  # 64 MiB of float32
-        dst = torch.empty_like(src)
-        seconds = _median_time(lambda: dst.copy_(src), repeats=7)
-        bandwidth = 2 * src.numel() * src.element_size() / seconds  # read + write
-        leaf = torch.randn(8, 16, requires_grad=True)
-
-        def chain() -> torch.Tensor:
-            x = leaf
-            for _ in range(_CHAIN_LENGTH // 2):
-                x = torch.nn.functional.gelu(x) * 1.0001
-            return x
-
-        op_overhead_s = _median_time(chain, repeats=7) / _CHAIN_LENGTH
-    finally:
-        torch.set_num_threads(previous)
-    return {"peak_flops": peak_flops, "memory_bandwidth_bytes_per_s": bandwidth, "op_overhead_s": op_overhead_s}
-
-
-def _median_time(fn: Any, repeats: int) -> float:
-    fn()  # warm-up: first-touch page faults and library initialisation
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (a cache key for measurements)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
-def measure_once(cache_dir: str | os.PathLike | None, prefix: str, key: dict, measure: Callable[[], dict]) -> dict:
-    """``measure()``, or what an earlier call stored under exactly ``key`` in ``cache_dir``
-    (``<prefix>-<digest of key>.json``); no caching when ``cache_dir`` is None."""
-    path = None
-    if cache_dir is not None:
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        path = Path(cache_dir) / f"{prefix}-{digest}.json"
-    measured = cached_measurement(path, key)
-    if measured is None:
-        measured = measure()
-        store_measurement(path, key, measured)
-    return measured
-
-
-def cached_measurement(path: Path | None, key: dict) -> dict | None:
-    """The measurement stored at ``path`` under exactly ``key``, else None."""
-    if path is None or not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # a damaged cache entry is measured again and overwritten
-    if not isinstance(data, dict) or data.get("key") != key:
-        return None
-    return data.get("measured")
-
-
-def store_measurement(path: Path | None, key: dict, measured: dict) -> None:
-    """Write ``{key, measured}`` as JSON to ``path`` atomically; nothing when ``path`` is None."""
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"key": key, "measured": measured}, indent=2, sort_keys=True))
-    os.replace(tmp, path)  # readers never see a half-written file
