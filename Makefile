@@ -22,13 +22,21 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
-# The main job: plan the tiny GPT-2 for 2 processes on this machine and train it (the loss falls),
-# then plan the 1.56 B-parameter GPT-2 XL for 8 H100s on the meta device.
+# The main job: a GPT-2 (8 layers, 8.4 M parameters) whose weights, gradients and Adam state do not
+# fit one process's 200 MiB budget, planned into pipeline stages over 2 processes on this machine
+# and trained (the loss falls; predicted against measured times at the end); then the 1.56 B-parameter
+# GPT-2 XL planned for 8 H100s on the meta device. Plans, traces and figures go to demo/.
 demo: setup
-	$(VENV)/bin/partita train gpt2 --nproc 2 --global-batch 16 --steps 40
-	$(VENV)/bin/partita plan gpt2-xl --batch-size 2 --seq-len 1024 --devices 8 --device-type h100 --global-batch 64
+	$(VENV)/bin/partita train gpt2-small --seq-len 64 --nproc 2 --memory 200MiB --global-batch 8 --steps 30 \
+		--plan-out demo/gpt2-small-plan.json --trace demo/gpt2-small-trace
+	$(VENV)/bin/partita plan gpt2-xl --batch-size 2 --seq-len 1024 --devices 8 --device-type h100 --global-batch 64 \
+		--out demo/gpt2-xl-plan.json --png demo/gpt2-xl.png --trace demo/gpt2-xl-trace.json
+	@echo "demo/: plan files, the GPT-2 XL figure, Chrome/Perfetto traces (open them in https://ui.perfetto.dev)"
 
+# Lint and format check first (ruff comes with the test extra), then the suite.
 test: setup
+	$(VENV)/bin/ruff check partita tests bench
+	$(VENV)/bin/ruff format --check partita tests bench
 	$(PY) -m pytest -q tests
 
 clean:

@@ -36,3 +36,8 @@ def fmt_seconds(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.1f} ms"
     return f"{seconds * 1e6:.0f} us"
+
+
+def counted(count: int, singular: str, plural: str | None = None) -> str:
+    """``counted(1, "stage")`` -> '1 stage', ``counted(3, "micro-batch", "micro-batches")`` -> '3 micro-batches'."""
+    return f"{count} {singular if count == 1 else plural or singular + 's'}"

@@ -12,3 +12,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--regenerate-golden",
+        action="store_true",
+        default=False,
+        help="rewrite the reference files under tests/golden/ instead of comparing (see its README)",
+    )
+
+
+@pytest.fixture
+def regenerate_golden(request) -> bool:
+    return request.config.getoption("--regenerate-golden")

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
+import warnings
 from typing import Sequence
 
+from partita.cli.optimizers import OPTIMIZER_KINDS, OPTIMIZERS
 from partita.errors import PartitaError
 from partita.planning.options import CostSource, PlanOptions
 from partita.types.cluster import Cluster
@@ -67,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
     plan.add_argument("--out", default=None, help="write the plan as JSON to this path")
     plan.add_argument("--png", default=None, help="write memory bars per stage and the pipeline timeline (PNG or SVG)")
+    plan.add_argument("--trace", default=None,
+                      help="write the simulated step as a Chrome/Perfetto trace (JSON; one track per rank group)")
     plan.set_defaults(func=_plan)
 
     train = sub.add_parser("train", help="plan (or load a plan) and train with one process per device")
@@ -78,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--plan-out", default=None, help="where to write the plan made now")
     train.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step (default 16)")
     train.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
-    train.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    train.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
+    train.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS),
+                       help="the torch optimizer (default adamw); the planner counts its state memory")
     train.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     train.add_argument("--memory", default=None, help="memory per process for planning, e.g. 512MiB")
     train.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
@@ -98,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--on-nonfinite", default="raise", choices=["raise", "skip"],
                        help="a NaN/inf loss or gradient: stop with an error naming where (raise), or skip that "
                             "update with a warning (skip); the weights are never updated with it")
+    train.add_argument("--trace", default=None, metavar="DIR",
+                       help="write steps 2-4 as measured by torch's profiler, one Chrome/Perfetto trace per rank "
+                            "(DIR/rank-R.json); `partita plan --trace` writes the predicted step in the same format")
     train.add_argument("--losses-out", default=None,
                        help="write this run's per-step losses as JSON to this path (rank 0)")
     train.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
@@ -116,7 +126,7 @@ def _load(args: argparse.Namespace):
 
 
 def _capture(example):
-    from partita.capture import capture
+    from partita.capturing import capture
 
     return capture(example.model, example.args, example.kwargs, loss_fn=example.loss_fn, target=example.target)
 
@@ -158,7 +168,7 @@ def _plan_options(args: argparse.Namespace):
         num_stages=args.num_stages, replicas=args.replicas, num_microbatches=args.microbatches,
         recompute=None if recompute is None else recompute == "yes",
         uniform_replicas=True if args.uniform_replicas else None,
-        optimizer=getattr(args, "optimizer", "adam"), costs=getattr(args, "costs", "auto"), cache_dir=args.cache_dir,
+        optimizer=OPTIMIZER_KINDS.get(args.optimizer, args.optimizer), costs=getattr(args, "costs", "auto"), cache_dir=args.cache_dir,
     )
 
 
@@ -181,14 +191,22 @@ def _plan(args: argparse.Namespace) -> int:
                                  options=_plan_options(args))
     best = result.plan
     print(best.summary(result.baselines))
-    if args.png:
+    if args.png or args.trace:
         from partita.planning.simulate import simulate
+
+        simulated = simulate(best, result.context.costs_at, cluster)
+    if args.png:
         from partita.report.plots import plan_figure
 
-        plan_figure(best, simulate(best, result.context.costs_at, cluster), args.png, baselines=result.baselines)
+        plan_figure(best, simulated, _with_parent(args.png), baselines=result.baselines)
         print(f"figure written to {args.png}")
+    if args.trace:
+        from partita.report.trace import write_chrome_trace
+
+        write_chrome_trace(_with_parent(args.trace), simulated, best)
+        print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
     if args.out:
-        best.save(args.out)
+        best.save(_with_parent(args.out))
         print(f"plan written to {args.out}")
     return 0
 
@@ -200,9 +218,10 @@ def _train(args: argparse.Namespace) -> int:
     from partita.runtime.materialize import on_meta, save_seed
     from partita.cli.train_loop import TrainConfig, check_train_config
 
-    config = TrainConfig(steps=args.steps, lr=args.lr, max_grad_norm=args.max_grad_norm or None,
+    config = TrainConfig(steps=args.steps, lr=args.lr, optimizer=args.optimizer, max_grad_norm=args.max_grad_norm or None,
                          checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                         resume=args.resume, seed=args.seed, on_nonfinite=args.on_nonfinite, init_from=args.init_from)
+                         resume=args.resume, seed=args.seed, on_nonfinite=args.on_nonfinite, init_from=args.init_from,
+                         trace_dir=args.trace)
     check_train_config(config)
     if args.init_from is not None and is_factory_spec(args.model):
         raise InputError("--init-from works with zoo models, which can be built on meta; a factory "
@@ -244,7 +263,6 @@ def _plan_for_training(args: argparse.Namespace):
     import tempfile
 
     import partita
-    from partita.report.format import fmt_layout
 
     example = _load(args)
     graph = _capture(example)
@@ -252,16 +270,12 @@ def _plan_for_training(args: argparse.Namespace):
     plan = partita.plan(graph, example.args, example.kwargs, loss_fn=example.loss_fn, target=example.target,
                         cluster=_cluster(args, num_devices=nproc), global_batch_size=args.global_batch,
                         options=_plan_options(args))
-    path = args.plan_out or os.path.join(tempfile.mkdtemp(prefix="partita-"), "plan.json")
+    path = _with_parent(args.plan_out) or os.path.join(tempfile.mkdtemp(prefix="partita-"), "plan.json")
     plan.save(path)
-    print(f"plan for {nproc} processes ({plan.cost_source} costs): {plan.num_stages} stages on "
-          f"{fmt_layout(plan)}, {plan.schedule.value}, {plan.num_microbatches} micro-batches; predicted step {plan.predicted_step_s * 1e3:.1f} ms; written to {path}")
-    for s in plan.stages:
-        print(f"  stage {s.index}: ranks {list(s.ranks)}  {s.module_range}  "
-              f"(nodes {s.start}..{s.stop - 1}, recompute {'yes' if s.recompute else 'no'})")
+    print(f"plan for {nproc} processes ({plan.cost_source} costs), written to {path}:")
+    print(plan.summary())
     if plan.num_devices < nproc:
-        print(f"the plan uses {plan.num_devices} of the {nproc} devices (no plan over all of them was faster, or "
-              f"the pinned options leave no way to use them): starting {plan.num_devices} processes")
+        print(f"starting {plan.num_devices} processes, one per device of the plan")
     return path, example, plan.num_devices
 
 
@@ -303,6 +317,13 @@ def _train_rank(args: argparse.Namespace, config) -> int:
     return 0
 
 
+def _with_parent(path: str | None) -> str | None:
+    """``path``, with its folder made when missing (the user named the path)."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
+
+
 def _parse_bytes(text: str | None) -> int | None:
     """'80GiB', '512MiB', '40GB', or a plain number of bytes."""
     from partita.errors import InputError
@@ -321,6 +342,8 @@ def _parse_bytes(text: str | None) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # torch's own pytree code trips its LeafSpec deprecation in every process; nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv

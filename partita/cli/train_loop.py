@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -25,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from partita.capture import exported_call_inputs
+from partita.capturing import exported_call_inputs
+from partita.cli.optimizers import OPTIMIZERS
 
 from partita.errors import InputError
 from partita.runtime.checkpoint_dir import checkpoint_path, latest_checkpoint
@@ -37,6 +40,7 @@ from partita.types import OpGraph, Plan
 class TrainConfig:
     steps: int
     lr: float = 3e-3
+    optimizer: str = "adamw"  # a name of OPTIMIZERS
     max_grad_norm: float | None = 1.0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # 0: only at the end (when checkpoint_dir is given)
@@ -45,6 +49,7 @@ class TrainConfig:
     seed: int = 0  # of torch's RNG on every rank (dropout); the example's weights and data have their own
     on_nonfinite: str = "raise"  # or "skip": see partita.Trainer
     init_from: str | None = None  # a seed checkpoint: the model is on meta, see partita.Trainer
+    trace_dir: str | None = None  # write TRACED_STEPS as a Chrome trace per rank here
 
 
 @dataclass
@@ -71,14 +76,16 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSumm
     make_batch = example.make_batch or repeating_batches(example, graph)
     torch.manual_seed(config.seed)
     trainer = Trainer(example.model, plan, graph=graph,
-                      optimizer=lambda params: torch.optim.AdamW(params, lr=config.lr),
+                      optimizer=lambda params: OPTIMIZERS[config.optimizer](params, config.lr),
                       max_grad_norm=config.max_grad_norm, on_nonfinite=config.on_nonfinite,
                       init_from=config.init_from)
     summary = TrainSummary()
     _maybe_resume(trainer, config, summary)
     timers = _stage_forward_timers(trainer, summary)
     bar = _progress_bar(trainer, config)
+    tracer = _StepTracer(config.trace_dir)
     while trainer.num_steps < config.steps:
+        tracer.before_step(trainer.num_steps + 1)
         args, kwargs, target = make_batch(plan.global_batch_size, trainer.num_steps)
         if graph.has_loss_fn:
             kwargs = {**kwargs, "target": target}
@@ -86,8 +93,10 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSumm
         loss = trainer.step(*args, **kwargs)
         elapsed = time.perf_counter() - start
         timers.end_step()
+        if not tracer.active:  # the profiler slows the steps it records
+            summary.step_s.append(elapsed)
+        tracer.after_step(trainer.num_steps)
         summary.losses.append(loss)
-        summary.step_s.append(elapsed)
         if not math.isfinite(loss):  # on_nonfinite="skip" (with "raise", step() raised)
             summary.skipped_steps.append(trainer.num_steps)
         if bar is not None:
@@ -98,6 +107,7 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSumm
             trainer.save_checkpoint(checkpoint_path(config.checkpoint_dir, trainer.num_steps))
     if bar is not None:
         bar.close()
+    tracer.close()
     if config.checkpoint_dir and (not config.checkpoint_every or trainer.num_steps % config.checkpoint_every):
         trainer.save_checkpoint(checkpoint_path(config.checkpoint_dir, trainer.num_steps))
     summary.stage_forward_s = _gather_stage_times(summary.stage_forward_s)
@@ -133,6 +143,38 @@ def _tiled(x: Any, dim: int | None, batch_size: int) -> Any:
     return torch.cat([x] * copies, dim=dim).narrow(dim, 0, batch_size).contiguous()
 
 
+TRACED_STEPS = range(2, 5)  # 1-based; the first step builds the pipeline
+
+
+class _StepTracer:
+    """torch's profiler over TRACED_STEPS (those this run reaches), exported as a Chrome trace per rank."""
+
+    def __init__(self, trace_dir: str | None):
+        self.trace_dir, self.profiler = trace_dir, None
+        if trace_dir is not None:
+            os.makedirs(trace_dir, exist_ok=True)
+
+    @property
+    def active(self) -> bool:
+        return self.profiler is not None
+
+    def before_step(self, step: int) -> None:
+        if self.trace_dir is not None and self.profiler is None and step in TRACED_STEPS:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profiler.__enter__()
+
+    def after_step(self, step: int) -> None:
+        if self.profiler is not None and step >= TRACED_STEPS[-1]:
+            self.close()
+
+    def close(self) -> None:
+        if self.profiler is None:
+            return
+        self.profiler.__exit__(None, None, None)
+        self.profiler.export_chrome_trace(os.path.join(self.trace_dir, f"rank-{dist.get_rank()}.json"))
+        self.profiler = None
+
+
 def _maybe_resume(trainer, config: TrainConfig, summary: TrainSummary) -> None:
     """Load the latest complete checkpoint when asked to (``resume``) or after a torchrun restart."""
     restarts = restart_count()
@@ -162,6 +204,10 @@ def write_losses(path: str, summary: TrainSummary) -> None:
 
 
 def check_train_config(config: TrainConfig) -> None:
+    if not (config.lr > 0 and math.isfinite(config.lr)):
+        raise InputError(f"--lr must be a positive number, got {config.lr}")
+    if config.optimizer not in OPTIMIZERS:
+        raise InputError(f"--optimizer {config.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if config.steps < 1:
         raise InputError(f"--steps must be >= 1, got {config.steps}")
     if config.checkpoint_every < 0:
@@ -216,11 +262,33 @@ def _gather_stage_times(local: dict[int, list[float]]) -> dict[int, list[float]]
 
 
 def _progress_bar(trainer, config: TrainConfig):
+    """tqdm's bar on a terminal; in a log file (not a tty) one line every tenth of the run instead."""
     if not config.progress or dist.get_rank() != 0:
         return None
+    if not sys.stderr.isatty():
+        return _LogLines(config.steps, trainer.num_steps)
     from tqdm import tqdm
 
     return tqdm(total=config.steps, initial=trainer.num_steps, desc="train", unit="step")
+
+
+class _LogLines:
+    """The progress bar's interface (``set_postfix``, ``update``, ``close``) as plain log lines."""
+
+    def __init__(self, total: int, initial: int):
+        self.total, self.done, self.every, self.postfix = total, initial, max(1, total // 10), {}
+
+    def set_postfix(self, **values: str) -> None:
+        self.postfix = values
+
+    def update(self, count: int) -> None:
+        self.done += count
+        if self.done % self.every == 0 or self.done == self.total:
+            details = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+            print(f"train: step {self.done}/{self.total} {details}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
 
 
 def timing_rows(plan: Plan, summary: TrainSummary) -> list[tuple]:

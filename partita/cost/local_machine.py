@@ -38,7 +38,7 @@ from typing import Any, Callable
 from partita.checks import positive_int
 from partita.cost.cache import measure_once
 from partita.types.cluster import Cluster
-from partita.types.devices import get_device
+from partita.types.devices import get_device, machine_memory_bytes
 from partita.types import DeviceSpec
 
 __all__ = [
@@ -60,18 +60,6 @@ _MIB = 2**20
 
 
 # ----------------------------------------------------------------------------- what this machine is
-
-
-def machine_memory_bytes() -> int:
-    """This machine's RAM in bytes (or the container's memory limit, if lower)."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:  # cgroup v2: "max" or a number of bytes
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit.isdigit():
-            total = min(total, int(limit))
-    except OSError:
-        pass
-    return int(total)
 
 
 def cpu_model() -> str:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import partita
-from partita.capture import capture
+from partita.capturing import capture
 from partita.checks import positive_int
 from partita.cost.analytic import analytic_costs
 from partita.types.cluster import Cluster

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from partita.units import fmt_bytes, fmt_count, fmt_flops, fmt_seconds
+from partita.units import counted, fmt_bytes, fmt_count, fmt_flops, fmt_seconds
 
 __all__ = ["fmt_bytes", "fmt_count", "fmt_flops", "fmt_layout", "fmt_microbatches", "fmt_replicas", "fmt_seconds", "table"]
 
@@ -33,14 +33,16 @@ def fmt_layout(plan) -> str:
     """'4 rank groups x 2 replicas (8 devices)', or with uneven replica counts
     '3 rank groups with 2+1+4 replicas (7 devices)'."""
     joint = "x" if plan.uniform_replicas else "with"
-    return f"{plan.num_rank_groups} rank groups {joint} {fmt_replicas(plan)} replicas ({plan.num_devices} devices)"
+    replicas = "replica" if plan.uniform_replicas and plan.stages[0].num_replicas == 1 else "replicas"
+    return (f"{counted(plan.num_rank_groups, 'rank group')} {joint} {fmt_replicas(plan)} {replicas} "
+            f"({counted(plan.num_devices, 'device')})")
 
 
 def fmt_microbatches(plan) -> str:
     """'8 micro-batches of 4 per replica', or with uneven replica counts '8 micro-batches of 8
     (4/8/2 per replica of each stage)'."""
     if plan.uniform_replicas:
-        return f"{plan.num_microbatches} micro-batches of {plan.microbatch_size} per replica"
+        return f"{counted(plan.num_microbatches, 'micro-batch', 'micro-batches')} of {plan.microbatch_size} per replica"
     samples = plan.global_batch_size // plan.num_microbatches
     per_replica = "/".join(str(samples // s.num_replicas) for s in plan.stages)
-    return f"{plan.num_microbatches} micro-batches of {samples} ({per_replica} per replica of each stage)"
+    return f"{counted(plan.num_microbatches, 'micro-batch', 'micro-batches')} of {samples} ({per_replica} per replica of each stage)"

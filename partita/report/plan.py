@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from partita.units import counted
 from partita.report.format import fmt_bytes, fmt_layout, fmt_microbatches, fmt_seconds, table
 from partita.types import Plan
 
@@ -23,7 +24,7 @@ def plan_text(plan: Plan, *, baselines: Mapping[str, Plan | None] = ()) -> str:
         for s in plan.stages
     ]
     lines = [
-        f"plan: {plan.num_stages} stages on {fmt_layout(plan)}, schedule {plan.schedule.value}, "
+        f"plan: {counted(plan.num_stages, 'stage')} on {fmt_layout(plan)}, schedule {plan.schedule.value}, "
         f"{fmt_microbatches(plan)}, global batch {plan.global_batch_size}, costs {plan.cost_source}",
         table(["stage", "modules", "ranks", "params", "memory/device", "fwd/mb", "bwd/mb", "recompute", "cut"],
               rows, align="llrrrrrrr"),

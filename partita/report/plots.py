@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping
 
+from partita.units import counted
 from partita.report.format import fmt_bytes, fmt_layout, fmt_microbatches, fmt_seconds
 from partita.types import Plan
 
@@ -63,7 +64,7 @@ def plan_figure(plan: Plan, sim_result: "SimResult", path, *, baselines: Mapping
 
 def _title(plan: Plan, result: "SimResult") -> str:
     recompute = sum(s.recompute for s in plan.stages)
-    return (f"{plan.method}: {plan.num_stages} stages on {fmt_layout(plan)}, {plan.schedule.value}, "
+    return (f"{plan.method}: {counted(plan.num_stages, 'stage')} on {fmt_layout(plan)}, {plan.schedule.value}, "
             f"{fmt_microbatches(plan)}, recompute {recompute}/{plan.num_stages} stages; "
             f"step {fmt_seconds(result.step_s)}, bubble {result.bubble_fraction:.1%}")
 

@@ -18,7 +18,7 @@ Keys (flat; ``<name>`` is a canonical parameter or buffer name, e.g. ``transform
 
 A checkpoint is written to ``<dir>.partial`` and renamed to ``<dir>`` only when every rank has
 finished: an interrupted write never looks complete. A complete checkpoint is a directory
-holding DCP's metadata file (``is_complete``); loading anything else raises InputError.
+holding DCP's metadata file (``checkpoint_dir.is_complete``); loading anything else raises InputError.
 """
 
 from __future__ import annotations
@@ -35,21 +35,17 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+from partita import __version__
+from partita.capturing import canonical_names
 from partita.errors import InputError
+from partita.runtime.checkpoint_dir import METADATA_FILE, PARTIAL_SUFFIX
+from partita.runtime.materialize import single_process
+from partita.types.plan_file import plan_to_dict
 
 if TYPE_CHECKING:
     from partita.runtime.trainer import Trainer
 
-__all__ = ["is_complete", "load_checkpoint", "load_into_model", "save_checkpoint"]
-
-PARTIAL_SUFFIX = ".partial"
-METADATA_FILE = ".metadata"  # what dcp.save writes last, after every rank's data files
-
-
-def is_complete(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a finished checkpoint: not a ``.partial`` write, and holding DCP's metadata."""
-    path = os.fspath(path)
-    return not path.rstrip(os.sep).endswith(PARTIAL_SUFFIX) and os.path.isfile(os.path.join(path, METADATA_FILE))
+__all__ = ["load_checkpoint", "load_into_model", "save_checkpoint"]
 
 
 def save_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
@@ -108,14 +104,10 @@ def load_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
 def load_into_model(model: nn.Module, path: str | os.PathLike) -> None:
     """Load the parameters and persistent buffers of a checkpoint into a plain (unsplit) model,
     in place, in this process alone (no process group needed)."""
-    from partita.runtime.trainer import canonical_names
-
     stored = _stored_keys(path)
     names = canonical_names(model)
     state = {f"model.{names[id(t)]}": t.detach() for t in model.state_dict(keep_vars=True).values()}
     _require(stored, state, path)
-    from partita.runtime.materialize import single_process
-
     with single_process():
         dcp.load(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_load_planner(), no_dist=True)
 
@@ -125,8 +117,6 @@ def load_into_model(model: nn.Module, path: str | os.PathLike) -> None:
 
 def _trainer_state(trainer: "Trainer") -> dict[str, Any]:
     """The flat state dict this rank writes (see the module docstring for the keys)."""
-    from partita.plan.io import plan_to_dict
-
     state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _model_tensors(trainer).items()}
     optimizer_state = trainer.optimizer.state_dict()
     for index, name in enumerate(_optimizer_names(trainer)):
@@ -136,9 +126,7 @@ def _trainer_state(trainer: "Trainer") -> dict[str, Any]:
     state["trainer.num_steps"] = torch.tensor(trainer.num_steps, dtype=torch.int64)
     if trainer.lr_scheduler is not None:
         state["trainer.lr_scheduler"] = trainer.lr_scheduler.state_dict()
-    import partita
-
-    state["trainer.meta"] = {"partita_version": partita.__version__, "torch_version": torch.__version__,
+    state["trainer.meta"] = {"partita_version": __version__, "torch_version": torch.__version__,
                              "graph_fingerprint": trainer.graph.fingerprint, "plan": plan_to_dict(trainer.plan)}
     rank = trainer.topology.rank
     state[f"rng.cpu.{rank}"] = torch.get_rng_state()
@@ -150,8 +138,6 @@ def _trainer_state(trainer: "Trainer") -> dict[str, Any]:
 def _model_tensors(trainer: "Trainer") -> dict[str, torch.Tensor]:
     """Canonical name -> tensor this rank saves and loads: what its stages hold (parameters and
     persistent buffers), and on every rank what no stage holds (it stays as the model has it)."""
-    from partita.runtime.trainer import canonical_names
-
     names = canonical_names(trainer.model)
     held_anywhere = {name for stage in trainer._all_stages for name in stage.spec.param_names}
     unheld = {names[id(t)]: t for t in trainer.model.state_dict(keep_vars=True).values()
@@ -186,7 +172,7 @@ def _stored_keys(path: str | os.PathLike) -> dict[str, Any]:
     if path.rstrip(os.sep).endswith(PARTIAL_SUFFIX):
         raise InputError(f"{path!r} is an unfinished checkpoint write (the job stopped before every rank had "
                          f"written it): load a complete checkpoint instead, e.g. the one "
-                         f"partita.runtime.train_loop.latest_checkpoint(directory) finds")
+                         f"partita.runtime.checkpoint_dir.latest_checkpoint(directory) finds")
     try:
         return dict(FileSystemReader(path).read_metadata().state_dict_metadata)
     except (OSError, ValueError, RuntimeError) as e:
@@ -197,7 +183,7 @@ def _stored_keys(path: str | os.PathLike) -> dict[str, Any]:
         else:
             cause = str(e)
         raise InputError(f"{path!r} is not a complete partita checkpoint ({cause}): load an earlier complete one; "
-                         "partita.runtime.train_loop.latest_checkpoint(directory) skips incomplete ones") from e
+                         "partita.runtime.checkpoint_dir.latest_checkpoint(directory) skips incomplete ones") from e
 
 
 def _require(stored: dict[str, Any], state: dict[str, Any], path: str | os.PathLike) -> None:

@@ -3,7 +3,7 @@ training equal unsplit full-batch training.
 
 Two layouts:
 - uniform: every stage has ``dp`` replicas. Rank group ``g`` holds ranks ``[g * dp, (g + 1) * dp)``
-  (``partita.plan.build.stage_ranks``) and the ranks form a pp x dp DeviceMesh; torch's
+  (``partita.planning.build.stage_ranks``) and the ranks form a pp x dp DeviceMesh; torch's
   pipelining schedules run each column of the mesh as one pipeline (pipeline.py).
 - uneven: stage ``k`` has its own ``r_k`` replicas (GPipe or 1F1B, one stage per rank group),
   on the ranks that follow those of the earlier groups. No mesh can express it: stages exchange
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.errors import InputError
-from partita.plan.uneven import UNEVEN_SCHEDULES
+from partita.planning.uneven import UNEVEN_SCHEDULES
 from partita.types import Plan
 
 __all__ = ["Topology", "GradientSync", "init_topology"]
@@ -122,7 +122,7 @@ def check_layout(plan: Plan) -> None:
 
 
 def _check_uniform_layout(plan: Plan) -> None:
-    from partita.plan.schedules import stage_rank_groups
+    from partita.planning.schedules import stage_rank_groups
 
     dp, pp = plan.stages[0].num_replicas, plan.num_rank_groups
     placement = stage_rank_groups(plan.schedule, pp, plan.num_stages)
@@ -132,7 +132,7 @@ def _check_uniform_layout(plan: Plan) -> None:
             raise InputError(
                 f"stage {s.index} runs on rank group {s.rank_group}, ranks {list(s.ranks)}; {plan.schedule.value} "
                 f"places it on rank group {placement[s.index]}, ranks {list(expected)}: build the plan with "
-                "partita.plan or partita.plan.manual.manual_plan")
+                "partita.plan or partita.planning.manual.manual_plan")
 
 
 def _check_uneven_layout(plan: Plan) -> None:
@@ -151,7 +151,7 @@ def _check_uneven_layout(plan: Plan) -> None:
             raise InputError(
                 f"stage {s.index} runs on rank group {s.rank_group}, ranks {list(s.ranks)}; with replica counts "
                 f"{counts} it must run on rank group {s.index}, ranks {list(expected)} (each group's ranks follow "
-                "the earlier groups'): build the plan with partita.plan or partita.plan.manual.manual_plan")
+                "the earlier groups'): build the plan with partita.plan or partita.planning.manual.manual_plan")
         first += s.num_replicas
     batch, m = plan.global_batch_size, plan.num_microbatches
     bad = [r for r in counts if batch % (m * r)]

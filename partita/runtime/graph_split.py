@@ -299,6 +299,18 @@ def _written_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [v for v in values if isinstance(v, torch.fx.Node)]
 
 
+def written_in_place(ops: Sequence[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Every node whose memory one of ``ops`` writes into in place: the written inputs and the
+    views they are made from, up to each family's root."""
+    found = set()
+    for node in ops:
+        for target in _written_inputs(node):
+            while target is not None:
+                found.add(target)
+                target = alias_parent(target)
+    return found
+
+
 def _written_roots(ops: list[torch.fx.Node], live: set) -> set[torch.fx.Node]:
     """Roots of the alias families that some live node writes into."""
     return {alias_root(a) for n in ops if n in live for a in _written_inputs(n)}

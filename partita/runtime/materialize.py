@@ -26,7 +26,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from partita.capturing import canonical_names
 from partita.errors import InputError
+from partita.runtime.checkpoint_dir import PARTIAL_SUFFIX, is_complete
 
 __all__ = ["materialize", "meta_copies", "on_meta", "retarget_device", "save_seed", "single_process"]
 
@@ -45,8 +47,6 @@ def meta_copies(value: Any) -> Any:
 def save_seed(model: nn.Module, path: str | os.PathLike) -> None:
     """Write every parameter and buffer of ``model`` (a real, not meta, model) to ``path`` as a
     seed checkpoint, in this process alone. Written to ``<path>.partial`` and renamed when complete."""
-    from partita.runtime.checkpoint import PARTIAL_SUFFIX
-
     if on_meta(model):
         raise InputError("save_seed needs the model's real weights, but it is on the meta device: build it on a "
                          "device that holds it (e.g. the host CPU) to write the seed")
@@ -65,8 +65,6 @@ def materialize(model: nn.Module, modules: Iterable[nn.Module], names: set[str],
     """Give the tensors named ``names`` (canonical names) real storage on ``device``, filled from the
     seed checkpoint, everywhere they are registered: in ``model`` and in ``modules`` (stage modules,
     the captured graph module). A tied parameter stays one tensor. In this process alone."""
-    from partita.runtime.checkpoint import is_complete
-
     seed = os.fspath(seed)
     if not is_complete(seed):
         raise InputError(f"init_from={seed!r} is not a complete seed checkpoint: write one with "
@@ -130,7 +128,5 @@ def single_process() -> Iterator[None]:
 
 def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Canonical name -> tensor, for every parameter and buffer (non-persistent ones included)."""
-    from partita.runtime.trainer import canonical_names
-
     canonical = canonical_names(model)
     return {canonical[id(t)]: t for t in (*model.parameters(), *model.buffers())}

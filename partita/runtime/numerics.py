@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from partita.checks import parse_choice
 from partita.errors import InputError
 
 __all__ = ["NonFinite", "NonFinitePolicy", "count_nonfinite", "describe", "gather_findings", "gradient_findings",
@@ -38,11 +39,7 @@ class NonFinitePolicy(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: "NonFinitePolicy | str") -> "NonFinitePolicy":
-        try:
-            return cls(value)
-        except ValueError:
-            choices = ", ".join(repr(p.value) for p in cls)
-            raise InputError(f"on_nonfinite={value!r} is not a policy: use one of {choices}") from None
+        return parse_choice(cls, value, "on_nonfinite")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ root inputs   the flat graph inputs (``flatten_inputs``) a stage reads directly.
               schedules; each ``StageRunner`` picks the inputs its stage reads. The micro-batch
               index travels with the call, so nothing here depends on the order a schedule runs
               forwards in (ZBV interleaves two stages' forwards).
-metadata      ``PipelineStage`` gets static ``input_args``/``output_args`` (FACTS.md: the dynamic
+metadata      ``PipelineStage`` gets static ``input_args``/``output_args`` (torch's dynamic
               mode runs stages on ``torch.empty`` inputs and breaks on relayed integer labels).
               ``stage_metadata`` finds them by running all stages once on one micro-batch.
 split backward  ZBV runs each backward as an input-gradient pass, then a weight pass that

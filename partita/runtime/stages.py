@@ -14,8 +14,8 @@ Calling convention (see ``StageSpec``)::
 ``received`` are the previous stage's outputs; ``flat_inputs`` are the flat graph inputs of the
 whole batch or micro-batch (``flatten_inputs``). The last stage returns the scalar loss.
 
-What crosses a cut (why, see FACTS.md: gloo and torch.distributed.pipelining; how, see
-``graph_split``):
+What crosses a cut (why: gloo sends only contiguous tensors, and torch.distributed.pipelining
+detaches stage inputs in place; how: see ``graph_split``):
 - only tensors. SymInts and other non-tensor values are re-made in the stage that reads them;
   lists/tuples from multi-output ops are unpacked in the stage that makes them.
 - outputs are fresh contiguous tensors: views (``x.view(...)``, ``x.transpose(...)``), relayed
@@ -45,9 +45,9 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from partita.capture import exported_call_inputs
+from partita.capturing import exported_call_inputs
 from partita.errors import InputError
-from partita.runtime.graph_split import StageContents, StageSpec, check_boundaries, plan_stages
+from partita.runtime.graph_split import StageContents, StageSpec, check_boundaries, plan_stages, written_in_place
 from partita.types import OpGraph
 
 __all__ = ["StageModule", "StageSpec", "check_boundaries", "flatten_inputs", "narrow_batch", "run_sequential",
@@ -229,16 +229,21 @@ def _placeholders(g: torch.fx.Graph, graph: OpGraph, contents: StageContents) ->
     """Add the stage's placeholders: parameters, received values, graph inputs (in this order).
 
     Returns canonical name -> parameter placeholder, and original node -> the stage node standing
-    for it. Received floating-point tensors go through ``contiguous_grad``.
+    for it. Received floating-point tensors go through ``contiguous_grad``; those that the stage
+    writes into in place (a residual ``hidden += x`` right after the cut) are then cloned, since
+    autograd forbids in-place writes into a custom Function's output and into a received leaf.
     """
     params = {name: _placeholder(g, name.replace(".", "_")) for name in contents.spec.param_names}
     env: dict[torch.fx.Node, torch.fx.Node] = {}
+    written = written_in_place(contents.nodes)
     for node in contents.inputs:
         received = _placeholder(g, node.name)
         received.meta = dict(node.meta)
         value = node.meta.get("val")
         floating = isinstance(value, torch.Tensor) and (value.dtype.is_floating_point or value.dtype.is_complex)
         env[node] = g.call_function(contiguous_grad, (received,)) if floating else received
+        if floating and node in written:
+            env[node] = g.call_function(torch.ops.aten.clone.default, (env[node],))
     placeholders = [n for n in graph.graph_module.graph.nodes if n.op == "placeholder"]
     for j in contents.spec.graph_input_indices:
         env[placeholders[j]] = g.node_copy(placeholders[j])

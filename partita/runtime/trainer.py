@@ -49,8 +49,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partita.capturing import canonical_names, capture
 from partita.errors import InputError, NumericsError
-from partita.plan.io import check_plan_matches_graph
+from partita.runtime.checkpoint import load_checkpoint, save_checkpoint
 from partita.runtime.data_parallel import GradientSync, Topology, init_topology, unique_parameters
 from partita.runtime.materialize import materialize, on_meta, retarget_device
 from partita.runtime.numerics import (
@@ -65,6 +66,7 @@ from partita.runtime.pipeline import build_schedule, make_pipeline_stages, root_
 from partita.runtime.stages import StageModule, flatten_inputs, narrow_batch, split_graph
 from partita.runtime.uneven import UnevenExecutor, check_uneven_boundaries
 from partita.types import OpGraph, Plan
+from partita.types.plan_file import check_plan_matches_graph
 
 __all__ = ["Trainer"]
 
@@ -226,14 +228,10 @@ class Trainer:
 
     def save_checkpoint(self, path: str) -> None:
         """Write a DCP checkpoint keyed by the model's parameter names (see checkpoint.py)."""
-        from partita.runtime.checkpoint import save_checkpoint
-
         save_checkpoint(self, path)
 
     def load_checkpoint(self, path: str) -> None:
         """Load a checkpoint written under any plan into this trainer (model, optimizer, scheduler, step, RNG)."""
-        from partita.runtime.checkpoint import load_checkpoint
-
         load_checkpoint(self, path)
 
     # ------------------------------------------------------------------ internals
@@ -360,8 +358,6 @@ def _resolve_graph(model: nn.Module, plan: Plan, graph: OpGraph | None, example_
         if example_inputs is None:
             raise InputError("the trainer needs the OpGraph the plan was made for: pass graph=, or "
                              "example_inputs=(args, kwargs, target) (and loss_fn=) to capture it as partita.plan did")
-        from partita.capture import capture
-
         args, kwargs, target = _example_triple(example_inputs)
         graph = capture(model, args, kwargs, loss_fn=loss_fn, target=target)
     check_plan_matches_graph(plan, graph, source="the plan")
@@ -405,14 +401,6 @@ def _state_names(model: nn.Module) -> set[str]:
     """Canonical names of what ``model.state_dict()`` holds (parameters, persistent buffers)."""
     canonical = canonical_names(model)
     return {canonical[id(t)] for t in model.state_dict(keep_vars=True).values()}
-
-
-def canonical_names(model: nn.Module) -> dict[int, str]:
-    """id(tensor) -> its canonical name: the first name ``named_parameters``/``named_buffers`` give it."""
-    names: dict[int, str] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        names.setdefault(id(t), name)
-    return names
 
 
 def _meta_microbatch(graph: OpGraph, microbatch_size: int) -> list:

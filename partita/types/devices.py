@@ -138,12 +138,22 @@ def get_device(name: str) -> DeviceSpec:
         )
     spec = _CATALOG[key]
     if key == "cpu":
-        from partita.cost.local_machine import machine_memory_bytes  # here: local_machine imports this module
-
         memory_bytes = machine_memory_bytes()
     else:
         memory_bytes = spec.memory_bytes
     return dataclasses.replace(spec, memory_bytes=memory_bytes, peak_flops=dict(spec.peak_flops))
+
+
+def machine_memory_bytes() -> int:
+    """This machine's RAM in bytes (or the container's memory limit, if lower)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:  # cgroup v2: "max" or a number of bytes
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return int(total)
 
 
 def resolve_device(device: str | os.PathLike | DeviceSpec) -> DeviceSpec:

@@ -333,3 +333,25 @@ def test_nodes_after_the_loss_are_dropped_and_the_loss_relayed():
         assert stages[-1].spec.param_names == ()
         loss = run_detached(stages, flatten_inputs(graph, (x[:RUN_BATCH], y[:RUN_BATCH])))
         assert (loss - expected).abs().item() <= 1e-6
+
+
+class _InPlaceResidual(nn.Module):
+    """A block that adds its residual in place into a layer's output (HF ResNet's ``hidden += residual``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head = nn.Linear(8, 8), nn.Linear(8, 5)
+
+    def forward(self, x):  # (B, 8) -> (B, 5)
+        hidden = self.inner(x)
+        hidden += x
+        return self.head(torch.relu(hidden))
+
+
+def test_stage_input_written_in_place_right_after_a_cut():
+    torch.manual_seed(0)
+    x, y = torch.randn(CAPTURE_BATCH, 8, requires_grad=False), torch.randint(0, 5, (CAPTURE_BATCH,))
+    run = ((torch.randn(RUN_BATCH, 8),), None, torch.randint(0, 5, (RUN_BATCH,)))
+    case = _Case(_InPlaceResidual(), (x,), None, y, F.cross_entropy, run)
+    add_ = next(n for n in case.graph.nodes if n.target == "aten.add_.Tensor")
+    _check_against_reference(case, [0, add_.index, case.graph.num_nodes], runner=run_detached)

@@ -12,7 +12,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from partita.capture.measure import NodeMeasurement
+from partita.capturing.measure import NodeMeasurement
 from partita.errors import CaptureError
 from partita.types import GraphInput, OpNode, ParamInfo, TensorInfo
 
@@ -23,20 +23,28 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 # ----------------------------------------------------------------------------- parameters
 
 
-def canonical_parameters(model: torch.nn.Module) -> tuple[dict[int, str], dict[str, ParamInfo]]:
-    """Map ``id(tensor)`` to its canonical name, and canonical name to ParamInfo.
+def canonical_names(model: torch.nn.Module) -> dict[int, str]:
+    """``id(tensor)`` -> canonical name, for every parameter and buffer of ``model``.
 
-    The canonical name is the first one PyTorch gives the tensor; tied copies become aliases.
+    The canonical name is the first one PyTorch gives the tensor (parameters before buffers,
+    tied copies included); the other names of a tied tensor are its aliases. Capture, stage
+    splitting, seeds and checkpoints all key tensors by this name, so it is computed here only:
+    a plan made for the graph then names the same tensors the runtime holds and saves.
     """
-    id_to_name: dict[int, str] = {}
+    names: dict[int, str] = {}
+    for name, tensor, _ in _named_tensors(model):
+        names.setdefault(id(tensor), name)
+    return names
+
+
+def canonical_parameters(model: torch.nn.Module) -> tuple[dict[int, str], dict[str, ParamInfo]]:
+    """Map ``id(tensor)`` to its canonical name (``canonical_names``), and canonical name to
+    ParamInfo, whose aliases are the tensor's other names (tied copies)."""
+    id_to_name = canonical_names(model)
     aliases: dict[str, list[str]] = {}
     tensors: dict[str, tuple[torch.Tensor, bool]] = {}
-    named = [(n, p, False) for n, p in model.named_parameters(remove_duplicate=False)]
-    named += [(n, b, True) for n, b in model.named_buffers(remove_duplicate=False)]
-    for name, tensor, is_buffer in named:
-        if tensor is None:
-            continue
-        canonical = id_to_name.setdefault(id(tensor), name)
+    for name, tensor, is_buffer in _named_tensors(model):
+        canonical = id_to_name[id(tensor)]
         if canonical == name:
             tensors[name] = (tensor, is_buffer)
             aliases[name] = []
@@ -55,6 +63,13 @@ def canonical_parameters(model: torch.nn.Module) -> tuple[dict[int, str], dict[s
         for name, (t, is_buffer) in tensors.items()
     }
     return id_to_name, infos
+
+
+def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, is_buffer) for every name of every parameter, then of every buffer."""
+    named = [(n, p, False) for n, p in model.named_parameters(remove_duplicate=False)]
+    named += [(n, b, True) for n, b in model.named_buffers(remove_duplicate=False)]
+    return [(n, t, is_buffer) for n, t, is_buffer in named if t is not None]
 
 
 def attr_to_param_map(gm: torch.fx.GraphModule, id_to_name: dict[int, str], prefix: str) -> dict[str, str]:

@@ -11,19 +11,20 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from partita.capture.export import LossWrapper, batch_size_of, check_inputs, dynamic_shapes_for, run_export
-from partita.capture.graph import (
+from partita.capturing.export import LossWrapper, batch_size_of, check_inputs, dynamic_shapes_for, run_export
+from partita.capturing.graph import (
     attr_to_param_map,
     build_inputs,
     build_nodes,
+    canonical_names,
     canonical_parameters,
     find_loss_output,
     fingerprint,
 )
-from partita.capture.measure import measure_nodes
+from partita.capturing.measure import measure_nodes
 from partita.types import OpGraph
 
-__all__ = ["capture", "exported_call_inputs"]
+__all__ = ["canonical_names", "capture", "exported_call_inputs"]
 
 
 def capture(

@@ -9,7 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import Dim, ExportedProgram
 
-from partita.capture.diagnose import explain_export_failure
+from partita.capturing.diagnose import explain_export_failure
 from partita.errors import CaptureError, InputError
 
 
