@@ -55,10 +55,27 @@ def measure_nodes(gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> dict[str,
     """Interpret ``gm`` on fake copies of ``flat_inputs``; parameters are faked on first use."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
-    with fake_mode, FlopCounterMode(display=False) as counter:
+    with fake_mode, FlopCounterMode(display=False, custom_mapping=_grouped_mm_formulas(gm)) as counter:
         interpreter = _MeasuringInterpreter(gm, counter)
         interpreter.run(*fake_inputs)
     return interpreter.measurements
+
+
+def _grouped_mm_formulas(gm: torch.fx.GraphModule) -> dict:
+    """FLOP formulas for the grouped matmuls of mixture-of-experts layers, which FlopCounterMode
+    does not count: ``aten._grouped_mm`` and operators named ``*grouped_mm*`` such as
+    transformers' ``grouped_mm_fallback``, all ``(tokens, K) x (experts, K, N) -> (tokens, N)``
+    with every token row multiplied by one expert's matrix: ``2 * tokens * K * N``."""
+    packets = {getattr(n.target, "_overloadpacket", None) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+               for n in m.graph.nodes if n.op == "call_function" and "grouped_mm" in str(n.target)}
+    return {p: _grouped_mm_flops for p in packets if p is not None}
+
+
+def _grouped_mm_flops(input_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    if len(input_shape) != 2 or len(weight_shape) != 3:
+        return 0  # another layout (e.g. batched 3-D inputs): not guessed
+    tokens, k = input_shape
+    return 2 * tokens * k * weight_shape[-1]
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -1,7 +1,7 @@
 """Hugging Face models of the zoo, built from configs (never from downloaded weights).
 
 Families: ``gpt2`` (GPT2LMHeadModel, tied head), ``bert`` (BertForMaskedLM, tied decoder),
-``llama`` (LlamaForCausalLM), ``t5`` (T5ForConditionalGeneration, tied shared embedding) and
+``llama`` (LlamaForCausalLM), ``mixtral`` (MixtralForCausalLM: mixture of experts), ``t5`` (T5ForConditionalGeneration, tied shared embedding) and
 ``vit`` (ViTForImageClassification). Each is called with keyword inputs that include
 ``labels=``, so the model returns its own loss (``output.loss``).
 
@@ -185,7 +185,31 @@ VIT = HFFamily(
     make_inputs=_image_inputs,
 )
 
-FAMILIES: dict[str, HFFamily] = {"bert": BERT, "gpt2": GPT2, "llama": LLAMA, "t5": T5, "vit": VIT}
+MIXTRAL = HFFamily(
+    config_class="MixtralConfig",
+    model_class="MixtralForCausalLM",
+    # router_jitter_noise 0: routing is deterministic, so pipelined runs reproduce the unsplit one;
+    # output_router_logits False: the loss is the LM loss alone (no auxiliary balancing term).
+    common=dict(attention_dropout=0.0, use_cache=False, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                router_jitter_noise=0.0, output_router_logits=False, **_TOKEN_IDS),
+    sizes={
+        "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, vocab_size=512,
+                     max_position_embeddings=256),
+        "small": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
+                      intermediate_size=512, num_local_experts=4, num_experts_per_tok=2, vocab_size=8192,
+                      max_position_embeddings=2048),
+        # Mixtral 8x7B (Jiang et al. 2024): 8 experts, 2 per token, GQA with 8 kv heads, 32k context.
+        "8x7b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                     max_position_embeddings=32768),
+    },
+    published_seq_len=4096,
+    positions_key="max_position_embeddings",
+    make_inputs=_token_inputs(data.causal_lm_batch),
+)
+
+FAMILIES: dict[str, HFFamily] = {"bert": BERT, "gpt2": GPT2, "llama": LLAMA, "mixtral": MIXTRAL, "t5": T5, "vit": VIT}
 SIZES: dict[str, dict[str, dict]] = {name: family.sizes for name, family in FAMILIES.items()}
 
 

@@ -10,8 +10,8 @@ import torch
 from partita.errors import InputError, ModelSpecError
 from partita.examples import Example, build, names, parse_name, sizes
 
-FAMILIES = ["bert", "cnn", "gpt2", "llama", "mlp", "t5", "vit"]
-HF_FAMILIES = ["bert", "gpt2", "llama", "t5", "vit"]
+FAMILIES = ["bert", "cnn", "gpt2", "llama", "mixtral", "mlp", "t5", "vit"]
+HF_FAMILIES = ["bert", "gpt2", "llama", "mixtral", "t5", "vit"]
 
 
 @pytest.fixture(autouse=True)
@@ -150,7 +150,7 @@ def test_tied_embeddings_are_one_parameter(family, tied):
 def test_seq_len_override_and_bound():
     ex = build("gpt2", batch_size=3, seq_len=16)
     assert ex.kwargs["input_ids"].shape == (3, 16)
-    with pytest.raises(ModelSpecError, match="n_positions"):
+    with pytest.raises(ModelSpecError, match=r"1024 positions \(n_positions\).*seq_len=4096.*seq_len <= 1024"):
         build("gpt2-xl", seq_len=4096, device="meta")
 
 
