@@ -77,6 +77,7 @@ def capture(
         attr_to_param=attr_to_param,
         has_loss_fn=loss_fn is not None,
         loss_output_index=loss_position,
+        example_inputs=(tuple(args), dict(kwargs), target),
     )
 
 

@@ -363,8 +363,8 @@ def flat_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``gm`` without its pytree input/output handling: called with the flat inputs, returns the
     flat outputs, as a stage module runs (the exported module checks and flattens its inputs on
     every call, a fixed cost that no stage pays and that would be spread over the nodes)."""
-    graph = copy.deepcopy(gm.graph)
-    graph.set_codegen(torch.fx.graph.CodeGen())
+    graph = torch.fx.Graph()  # a node-by-node copy: no pytree codegen (deep-copying it trips torch's LeafSpec warning)
+    graph.output(graph.graph_copy(gm.graph, {}))
     return torch.fx.GraphModule(gm, graph)
 
 

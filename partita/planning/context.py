@@ -83,7 +83,10 @@ def planning_context(
         optimizer=options.optimizer, mixed_precision=options.mixed_precision, uniform_replicas=uniform_replicas,
     )
     source = _cost_source(options.costs, graph, cluster)
-    costs_at = _costs_provider(graph, cluster, source, (args, dict(kwargs or {}), target), options.cache_dir)
+    inputs = (args, dict(kwargs or {}), target)
+    if isinstance(model, OpGraph) and not args and not kwargs and target is None and graph.example_inputs is not None:
+        inputs = graph.example_inputs  # a graph alone: profile it on the inputs it was captured from
+    costs_at = _costs_provider(graph, cluster, source, inputs, options.cache_dir)
     reference = costs_at(_reference_microbatch(graph, global_batch_size, cluster.num_devices))
     chain = coarsen(graph, reference, max_blocks=options.max_blocks)
     resolved = {  # the plan file's "options": what was pinned, and what the search was allowed

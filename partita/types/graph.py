@@ -114,6 +114,9 @@ class OpGraph:
     attr_to_param: Mapping[str, str] = field(repr=False, default_factory=dict)  # get_attr target -> canonical name
     has_loss_fn: bool = False
     loss_output_index: int = 0  # position of the loss among the flat outputs of graph_module
+    # (args, kwargs, target) the graph was captured from: what the profiler runs when planning is
+    # given the graph alone (None for graphs built by hand)
+    example_inputs: tuple | None = field(repr=False, default=None)
 
     @property
     def num_nodes(self) -> int:
