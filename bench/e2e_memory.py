@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from partita.cost.cluster import LOCAL_RESERVED_MEMORY_FRACTION  # noqa: E402
+from partita.cost.local_machine import LOCAL_RESERVED_MEMORY_FRACTION  # noqa: E402
 
 from _e2e_common import (MIB, REPO, InUseSampler, build_example, command_line, config_text, gpt2_params,  # noqa: E402
                          loss_of, machine_line, malloc_in_use, memory_status, now_utc, reset_peak, run_ranks,
@@ -81,21 +81,15 @@ class Sized:
 
     def ctx(self, ranks: int, **pins):
         import partita
-        from partita.planner import planning_context
+        from partita.planning.context import planning_context
 
         key = (ranks, tuple(sorted(pins.items())))
         if key not in self._ctx:
             cluster = partita.Cluster.local(num_devices=ranks, memory_bytes=self.args.budget_mib * MIB,
                                             cache_dir=self.args.cache_dir, num_threads=1)
-            options = dict(schedules=None, schedule=None, num_stages=None, replicas=None, num_microbatches=None,
-                           recompute=None)
-            options.update(pins)
-            if options["schedules"] is not None:
-                options["schedules"] = list(options["schedules"])
-            self._ctx[key] = planning_context(
-                self.graph, (), None, cluster=cluster, global_batch_size=self.args.global_batch, loss_fn=None,
-                target=None, optimizer="adam", uniform_replicas=True, mixed_precision=False, costs="analytic",
-                max_blocks=128, cache_dir=None, **options)
+            options = partita.PlanOptions(uniform_replicas=True, costs="analytic", **pins)
+            self._ctx[key] = planning_context(self.graph, cluster=cluster, global_batch_size=self.args.global_batch,
+                                              options=options)
         return self._ctx[key]
 
     def usable(self, ranks: int = 1) -> int:
@@ -104,18 +98,18 @@ class Sized:
     # -- methods: each returns a Plan (fits), or None (does not fit)
 
     def partita(self, ranks: int):
-        from partita.planner import best_plan
+        from partita.planning.driver import best_plan
 
         return best_plan(self.ctx(ranks))
 
     def data_parallel(self, ranks: int):
-        from partita.planner import best_plan
+        from partita.planning.driver import best_plan
 
         return best_plan(self.ctx(ranks, num_stages=1, replicas=ranks))
 
     def partita_no_zbv(self, ranks: int):
         """partita restricted to the GPipe and 1F1B schedules (no ZBV, no interleaving)."""
-        from partita.planner import best_plan
+        from partita.planning.driver import best_plan
 
         return best_plan(self.ctx(ranks, schedules=("gpipe", "1f1b")))
 
@@ -141,10 +135,10 @@ def same_config_unchecked(ctx, like, method: str):
     """``method``'s split under ``like``'s configuration, recomputing the stages over the limit, WITHOUT the
     fit check (so that a split that does not fit still shows its predicted peak)."""
     import partita
-    from partita.plan.baselines import baseline_boundaries
-    from partita.plan.build import build_plan
-    from partita.plan.chain import legal_cuts
-    from partita.plan.search import Config
+    from partita.planning.baselines import baseline_boundaries
+    from partita.planning.build import build_plan
+    from partita.planning.chain import legal_cuts
+    from partita.planning.search import Config
 
     config = Config(replicas=like.stages[0].num_replicas, num_rank_groups=like.num_rank_groups,
                     schedule=like.schedule, virtual_stages=like.num_stages // like.num_rank_groups,
@@ -156,7 +150,7 @@ def same_config_unchecked(ctx, like, method: str):
 
     def build(recompute):
         return build_plan(ctx.graph, costs, config, boundaries, recompute, ctx.options,
-                          cluster_dict=ctx.cluster.to_dict(), method=method, resolved_options=ctx.resolved,
+                          cluster=ctx.cluster, method=method, resolved_options=ctx.resolved,
                           versions=(partita.__version__, torch.__version__))
 
     draft = build([False] * config.num_stages)
@@ -337,7 +331,7 @@ def warm_up(params: dict, distributed: bool) -> None:
     import gc
 
     import partita
-    from partita.plan.manual import manual_plan
+    from partita.planning.manual import manual_plan
 
     gb = params["global_batch"]
     tiny = build_example("gpt2-L2-H64", gb)

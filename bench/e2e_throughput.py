@@ -8,7 +8,7 @@ For each model, on 2 ranks x 1 thread (gloo, separate processes, torchrun-style 
                    plain data parallelism, so that the quality of the split itself is visible;
   uniform, parameters, equal_flops
                    each baseline's split under the pipelined plan's configuration (schedule,
-                   micro-batches, stages per rank; ``planner.baseline_plans``);
+                   micro-batches, stages per rank; ``planning.baselines.baseline_plans``);
   unsplit 1t / 2t  the unsplit model, plain PyTorch (forward, backward, AdamW on the whole batch) in one
                    process with 1 and with 2 intra-op threads (the other rank waits in a gloo barrier,
                    which costs no CPU: its CPU time over those steps is reported).
@@ -60,10 +60,12 @@ QUIET = 0.10  # a round is quiet when other jobs used < 10% of the machine durin
 def plan_model(name: str, global_batch: int, cache_dir: str, work: Path) -> dict:
     """Plans (saved as JSON under ``work``) and their predictions for one model."""
     import partita
-    from partita.cost.contention import contended
-    from partita.plan.manual import manual_plan
-    from partita.plan.simulate import simulate
-    from partita.planner import baseline_plans, best_plan, planning_context
+    from partita.cost.table import contended
+    from partita.planning.baselines import baseline_plans
+    from partita.planning.context import planning_context
+    from partita.planning.driver import best_plan
+    from partita.planning.manual import manual_plan
+    from partita.planning.simulate import simulate
 
     torch.set_num_threads(1)  # the profile must see what one rank with one thread sees
     ex = build_example(name, global_batch)
@@ -71,11 +73,10 @@ def plan_model(name: str, global_batch: int, cache_dir: str, work: Path) -> dict
     cluster = partita.Cluster.local(num_devices=2, cache_dir=cache_dir, num_threads=1)
 
     def context(num_stages):
+        options = partita.PlanOptions(num_stages=num_stages, uniform_replicas=True, costs="measured",
+                                      cache_dir=cache_dir)
         return planning_context(graph, ex.args, ex.kwargs, cluster=cluster, global_batch_size=global_batch,
-                                loss_fn=ex.loss_fn, target=ex.target, optimizer="adam", schedules=None,
-                                schedule=None, num_stages=num_stages, replicas=None, num_microbatches=None,
-                                recompute=None, uniform_replicas=True, mixed_precision=False, costs="measured",
-                                max_blocks=128, cache_dir=cache_dir)
+                                loss_fn=ex.loss_fn, target=ex.target, options=options)
 
     started = time.perf_counter()
     ctx = context(None)
@@ -302,8 +303,9 @@ def write_markdown(path: Path, all_rows: dict, infos: dict, measured: dict, args
         f"the solo 1-thread profile slowed by the measured contention between 2 ranks (`Cluster.local`'s "
         f"`compute_slowdown`: {slowdowns(infos)}); the unsplit 1-thread step from the solo profile; "
         "error = (predicted - measured) / measured.",
-        "- plans: `partita.plan(..., cluster=Cluster.local(num_devices=2), costs='measured')`; baselines: "
-        "`planner.baseline_plans(ctx, pipelined plan)`: the baseline's split under the pipelined plan's "
+        "- plans: `partita.plan(..., cluster=Cluster.local(num_devices=2), options=PlanOptions(costs='measured'))`; "
+        "baselines: "
+        "`planning.baselines.baseline_plans(ctx, pipelined plan)`: the baseline's split under the pipelined plan's "
         "configuration (recomputation only where a stage would not fit).",
         "- config legend: `GxR` = G pipeline rank groups x R data-parallel replicas (`1x2` is plain data "
         "parallelism), `v` stages per rank group, `m` micro-batches of `mb` samples per replica, `rc` recomputed stages.",

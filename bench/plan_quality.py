@@ -7,8 +7,8 @@ built on ``meta`` and costed analytically for H100 / A100-80GB clusters, it plan
   partita         the best plan (split, pp x dp or per-stage replica counts, schedule, micro-batches,
                   recompute), as ``partita.plan`` makes it by default;
   same config     each baseline's split (``uniform``, ``parameters``, ``equal_flops``; see
-                  partita.plan.baselines) under partita's configuration, recomputing a stage only
-                  where it does not fit otherwise (``planner.baseline_plans``);
+                  partita.planning.baselines) under partita's configuration, recomputing a stage only
+                  where it does not fit otherwise (``planning.baselines.baseline_plans``);
   own config      each baseline's split under ITS best configuration: the uniform configs the search
                   enumerates (every pp x dp, schedule, m and recompute mode; the tools these baselines
                   stand for run pp x dp meshes), each simulated with the
@@ -42,10 +42,11 @@ import torch
 
 import partita
 from partita import examples
-from partita.plan.baselines import BASELINES, baseline_boundaries
-from partita.plan.chain import legal_cuts
-from partita.plan.search import enumerate_configs
-from partita.planner import _fit_with_recompute, baseline_plans, best_plan, planning_context
+from partita.planning.baselines import BASELINES, baseline_boundaries, baseline_plans
+from partita.planning.chain import legal_cuts
+from partita.planning.context import fit_with_recompute, planning_context
+from partita.planning.driver import best_plan
+from partita.planning.search import enumerate_configs
 from partita.report.format import fmt_replicas, fmt_seconds
 
 GIB = 2**30
@@ -108,10 +109,8 @@ def context(case: Case):
     graph = captured(case.model, case.seq_len)
     memory = None if case.memory_gib is None else int(case.memory_gib * GIB)
     cluster = partita.Cluster(device=case.device, num_devices=case.devices, devices_per_node=8, memory_bytes=memory)
-    return planning_context(graph, (), None, cluster=cluster, global_batch_size=case.global_batch, loss_fn=None,
-                            target=None, optimizer="adam", schedules=None, schedule=None, num_stages=None,
-                            replicas=None, num_microbatches=None, recompute=None, uniform_replicas=None,
-                            mixed_precision=False, costs="analytic", max_blocks=128, cache_dir=None)
+    return planning_context(graph, cluster=cluster, global_batch_size=case.global_batch,
+                            options=partita.PlanOptions(costs="analytic"))
 
 
 def own_best(ctx, method: str):
@@ -138,8 +137,8 @@ def own_best(ctx, method: str):
         if boundaries is None:
             continue
         splittable = True
-        p = _fit_with_recompute(ctx, config, boundaries, method, mode=config.recompute_mode,
-                                step_to_beat=None if best is None else best.predicted_step_s)
+        p = fit_with_recompute(ctx, config, boundaries, method, mode=config.recompute_mode,
+                               step_to_beat=None if best is None else best.predicted_step_s)
         if p is not None and (best is None or p.predicted_step_s < best.predicted_step_s):
             best = p
     return best if best is not None or splittable else "n/a"

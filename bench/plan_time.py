@@ -7,7 +7,7 @@ shape (96 layers, hidden 12288, sequence 2048) on 1024 H100s in nodes of 8. The 
   capture   examples.build(..., device="meta") + partita.capture (torch.export on meta)
   costs     every analytic CostTable the planner asks for (one per micro-batch size it tries),
             plus coarsening the graph into the block chain
-  search    planner.best_plan less the cost tables it asked for: config enumeration, stage DPs,
+  search    planning.driver.best_plan less the cost tables it asked for: config enumeration, stage DPs,
             simulating the best candidates and refining them
 
 Usage:  python bench/plan_time.py [--out bench/results/plan_time.md] [--cases gpt2-xl ...] [--profile N]
@@ -35,7 +35,8 @@ import torch
 import partita
 from partita import examples
 from partita.cost.analytic import analytic_costs
-from partita.planner import best_plan, planning_context
+from partita.planning.context import planning_context
+from partita.planning.driver import best_plan
 from partita.report.format import fmt_replicas
 
 TARGET_S = 60.0
@@ -90,10 +91,8 @@ def run_case(case: Case, profile_top: int) -> dict:
 
     cluster = partita.Cluster(device="h100", num_devices=case.devices, devices_per_node=8)
     t0 = time.perf_counter()
-    ctx = planning_context(graph, (), None, cluster=cluster, global_batch_size=case.global_batch, loss_fn=None,
-                           target=None, optimizer="adam", schedules=None, schedule=None, num_stages=None,
-                           replicas=None, num_microbatches=None, recompute=None, uniform_replicas=None,
-                           mixed_precision=False, costs="analytic", max_blocks=128, cache_dir=None)
+    ctx = planning_context(graph, cluster=cluster, global_batch_size=case.global_batch,
+                           options=partita.PlanOptions(costs="analytic"))
     context_s = time.perf_counter() - t0
     # Time every cost table the search asks for separately from the search itself.
     tables: dict[int, object] = {}
@@ -151,7 +150,7 @@ def markdown(rows: list[dict], command: str) -> str:
         f"- command: `{command}`",
         "- capture on meta (example batch 2); costs: analytic (H100 catalog entry), the reference table and chain "
         "coarsening, plus one table per micro-batch size the search tries (their number in brackets); search: "
-        "`planner.best_plan` less those tables",
+        "`planning.driver.best_plan` less those tables",
         "",
         "| model | devices | global batch | seq | nodes | blocks | capture | costs (tables) | search | total "
         f"| < {TARGET_S:.0f} s | plan |",

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import partita  # noqa: E402
 from _e2e_common import command_line, machine_line, now_utc  # noqa: E402
 from plan_quality import GIB, Case, captured  # noqa: E402
-from partita.planner import best_plan, planning_context  # noqa: E402
+from partita.planning.context import planning_context  # noqa: E402
+from partita.planning.driver import best_plan  # noqa: E402
 from partita.report.format import fmt_replicas, fmt_seconds  # noqa: E402
 from partita.types import Schedule  # noqa: E402
 
@@ -53,10 +54,9 @@ def plan_case(case: Case, *, uniform: bool, schedules) -> tuple[partita.Plan | N
     cluster = partita.Cluster(device=case.device, num_devices=case.devices, devices_per_node=per_node,
                               memory_bytes=None if case.memory_gib is None else int(case.memory_gib * GIB))
     start = time.perf_counter()
-    ctx = planning_context(graph, (), None, cluster=cluster, global_batch_size=case.global_batch, loss_fn=None,
-                           target=None, optimizer="adam", schedules=schedules, schedule=None, num_stages=None,
-                           replicas=None, num_microbatches=None, recompute=None, uniform_replicas=uniform,
-                           mixed_precision=False, costs="analytic", max_blocks=128, cache_dir=None)
+    options = partita.PlanOptions(schedules=tuple(Schedule) if schedules is None else schedules,
+                                  uniform_replicas=uniform, costs="analytic")
+    ctx = planning_context(graph, cluster=cluster, global_batch_size=case.global_batch, options=options)
     return best_plan(ctx), time.perf_counter() - start
 
 

@@ -26,7 +26,7 @@ import partita  # noqa: E402
 from _e2e_common import InUseSampler, build_example, malloc_in_use, reset_peak, step_kwargs  # noqa: E402
 from partita.cost.analytic import analytic_costs  # noqa: E402
 from partita.cost.memory import device_memory, microbatches_in_flight  # noqa: E402
-from partita.plan.manual import manual_plan  # noqa: E402
+from partita.planning.manual import manual_plan  # noqa: E402
 from partita.runtime.materialize import meta_copies, save_seed  # noqa: E402
 from partita.types import OptimizerKind  # noqa: E402
 

@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 import partita  # noqa: E402
 from _e2e_common import build_example, loss_of, step_kwargs  # noqa: E402
-from partita.plan.manual import manual_plan  # noqa: E402
+from partita.planning.manual import manual_plan  # noqa: E402
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

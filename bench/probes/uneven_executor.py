@@ -27,8 +27,8 @@ import torch.distributed as dist  # noqa: E402
 
 import partita  # noqa: E402
 from _e2e_common import build_example, step_kwargs  # noqa: E402
-from partita.plan.chain import layer_boundaries  # noqa: E402
-from partita.plan.manual import manual_plan  # noqa: E402
+from partita.planning.chain import layer_boundaries  # noqa: E402
+from partita.planning.manual import manual_plan  # noqa: E402
 from partita.runtime.pipeline import stage_metadata  # noqa: E402
 from partita.runtime.stages import flatten_inputs, narrow_batch  # noqa: E402
 from partita.runtime.uneven import UnevenExecutor  # noqa: E402

@@ -28,8 +28,8 @@ import partita  # noqa: E402
 from _e2e_common import InUseSampler, build_example, malloc_in_use, step_kwargs  # noqa: E402
 from partita.cost.analytic import analytic_costs  # noqa: E402
 from partita.cost.memory import device_memory, microbatches_in_flight  # noqa: E402
-from partita.plan.chain import layer_boundaries  # noqa: E402
-from partita.plan.manual import manual_plan  # noqa: E402
+from partita.planning.chain import layer_boundaries  # noqa: E402
+from partita.planning.manual import manual_plan  # noqa: E402
 from partita.runtime import uneven  # noqa: E402
 from partita.types import OptimizerKind  # noqa: E402
 

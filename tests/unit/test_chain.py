@@ -1,4 +1,4 @@
-"""partita.plan.chain: legal cuts, coarsening into blocks, block costs and layer boundaries."""
+"""partita.planning.chain: legal cuts, coarsening into blocks, block costs and layer boundaries."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import partita
 from partita import examples
 from partita.cost.analytic import analytic_costs
 from partita.errors import InputError
-from partita.plan import chain
-from partita.plan.chain import block_costs, coarsen, layer_boundaries, legal_cuts, per_sample_cuts
+from partita.planning import chain
+from partita.planning.chain import block_costs, coarsen, layer_boundaries, legal_cuts, per_sample_cuts
 from partita.types import CostTable, GraphInput, OpGraph, OpNode, ParamInfo, TensorInfo
 
 F32 = TensorInfo(shape=(2, 4), dtype="float32", num_bytes=32, batch_dim=0)

@@ -4,26 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 import numpy as np
 import pytest
 import torch
 
 import partita
-from partita.cost import comm
+from partita.cost import comm, local_machine
 from partita.cost.analytic import analytic_costs
-from partita.cost.cluster import LOCAL_RESERVED_MEMORY_FRACTION, Cluster, measure_gloo
-from partita.cost.contention import contended
-from partita.cost.devices import (
-    get_device,
-    known_devices,
-    load_device_file,
+from partita.types.cluster import Cluster
+from partita.types.devices import get_device, known_devices, load_device_file, resolve_device
+from partita.cost.local_machine import (
+    LOCAL_RESERVED_MEMORY_FRACTION,
+    local_cluster,
     local_cpu_spec,
     machine_memory_bytes,
-    resolve_device,
+    measure_gloo,
 )
-from partita.cost.table import activation_bytes, cut_bytes, is_inplace, param_arrays, requires_grad
+from partita.cost.table import activation_bytes, contended, cut_bytes, is_inplace, param_arrays, requires_grad
 from partita.errors import InputError
 from partita.types import DeviceSpec, GraphInput, OpGraph, OpNode, ParamInfo, TensorInfo
 
@@ -132,13 +130,13 @@ def test_device_file_json_and_toml(tmp_path):
     "text, suffix, message",
     [
         ('{"name": "x"}', ".json", "lacks the required field.*memory_bytes"),
-        ('{"base": "h100", "memory_bytes": -5}', ".json", "'memory_bytes' must be a positive"),
+        ('{"base": "h100", "memory_bytes": -5}', ".json", "'memory_bytes'.*positive.*got -5"),
         ('{"base": "h100", "memory_efficency": 0.5}', ".json", "unknown field.*memory_efficency"),
-        ('{"base": "h100", "compute_efficiency": 1.5}', ".json", "'compute_efficiency' must be a number in \\(0, 1\\]"),
-        ('{"base": "h100", "memory_bandwidth_bytes_per_s": 0}', ".json", "'memory_bandwidth_bytes_per_s' must be a positive"),
-        ('{"base": "h100", "intra_node_latency_s": -1}', ".json", "'intra_node_latency_s' must be a number of seconds >= 0"),
-        ('{"base": "h100", "peak_flops": {"float32": "fast"}}', ".json", "'peak_flops.float32' must be a positive"),
-        ('{"base": "h100", "peak_flops": {}}', ".json", "'peak_flops' must be a non-empty table"),
+        ('{"base": "h100", "compute_efficiency": 1.5}', ".json", "'compute_efficiency'.*\\(0, 1\\], got 1.5"),
+        ('{"base": "h100", "memory_bandwidth_bytes_per_s": 0}', ".json", "'memory_bandwidth_bytes_per_s'.*positive.*got 0"),
+        ('{"base": "h100", "intra_node_latency_s": -1}', ".json", "'intra_node_latency_s'.*>= 0, got -1"),
+        ('{"base": "h100", "peak_flops": {"float32": "fast"}}', ".json", "'peak_flops.float32'.*positive.*got 'fast'"),
+        ('{"base": "h100", "peak_flops": {}}', ".json", "'peak_flops'.*non-empty.*got \\{\\}"),
         ('{"base": "nope"}', ".json", "unknown device 'nope'"),
         ("[1, 2]", ".json", "must be a table/object"),
         ("name = ", ".toml", "not valid TOML"),
@@ -157,15 +155,27 @@ def test_missing_device_file(tmp_path):
         load_device_file(tmp_path / "none.toml")
 
 
-def test_local_cpu_spec_is_measured_and_cached(tmp_path):
-    start = time.perf_counter()
+def _count_calls(monkeypatch, module, name):
+    """Replace ``module.name`` by a wrapper that counts its calls; returns the list of calls."""
+    calls, real = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_local_cpu_spec_is_measured_and_cached(tmp_path, monkeypatch):
+    measurements = _count_calls(monkeypatch, local_machine, "_calibrate_cpu")
     spec = local_cpu_spec(tmp_path, memory_bytes=2**30)
-    assert time.perf_counter() - start < 5  # ~1 s on 2 cores; generous for a loaded machine
     assert spec.name == "cpu" and spec.memory_bytes == 2**30
     assert all(v > 1e8 for v in spec.peak_flops.values()) and spec.memory_bandwidth_bytes_per_s > 1e8
-    assert 1e-7 < spec.op_overhead_s < 1e-3  # measured: a tiny op with autograd recording, 5-10 us here
-    assert len(list(tmp_path.glob("cpu-calibration-*.json"))) == 1
+    assert 1e-7 < spec.op_overhead_s < 1e-3  # a tiny op with autograd recording
+    assert len(measurements) == 1 and len(list(tmp_path.glob("cpu-calibration-*.json"))) == 1
     again = local_cpu_spec(tmp_path)  # read back, not measured again
+    assert len(measurements) == 1
     assert again.peak_flops == spec.peak_flops and again.memory_bytes == machine_memory_bytes()
     assert again.op_overhead_s == spec.op_overhead_s
 
@@ -192,17 +202,17 @@ def test_cluster_defaults_and_topology():
     "kwargs, message",
     [
         ({"num_devices": 0}, "num_devices must be an int >= 1, got 0"),
-        ({"num_devices": 12}, "num_devices=12 does not fill whole nodes of devices_per_node=8: use num_devices=8 or 16"),
+        ({"num_devices": 12}, "num_devices=12.*devices_per_node=8: use num_devices=8 or 16"),
         ({"num_devices": 8, "devices_per_node": 0}, "devices_per_node must be an int >= 1"),
-        ({"num_devices": 8, "memory_bytes": -1}, "memory_bytes must be a positive int"),
-        ({"num_devices": 8, "memory_bytes": 1.5e9}, "memory_bytes must be a positive int"),
-        ({"num_devices": 8, "intra_node_bandwidth_bytes_per_s": 0}, "intra_node_bandwidth_bytes_per_s must be a finite number > 0"),
-        ({"num_devices": 8, "inter_node_latency_s": -1e-6}, "inter_node_latency_s must be a finite number >= 0"),
-        ({"num_devices": 8, "reserved_memory_fraction": 1.0}, "reserved_memory_fraction must be in \\[0, 1\\)"),
+        ({"num_devices": 8, "memory_bytes": -1}, "memory_bytes must be a positive int.*got -1: pass e.g."),
+        ({"num_devices": 8, "memory_bytes": 1.5e9}, "memory_bytes.*got 1500000000.0"),
+        ({"num_devices": 8, "intra_node_bandwidth_bytes_per_s": 0}, "intra_node_bandwidth_bytes_per_s.*> 0, got 0"),
+        ({"num_devices": 8, "inter_node_latency_s": -1e-6}, "inter_node_latency_s.*>= 0, got -1e-06"),
+        ({"num_devices": 8, "reserved_memory_fraction": 1.0}, "reserved_memory_fraction must be in \\[0, 1\\), got 1.0"),
         ({"num_devices": 8, "device": "tpu"}, "unknown device 'tpu'"),
-        ({"num_devices": 8, "compute_slowdown": 0.0}, "compute_slowdown must be a finite number > 0"),
-        ({"num_devices": 8, "collective_efficiency": 1.5}, "collective_efficiency must be in \\(0, 1\\]"),
-        ({"num_devices": 8, "compute_slowdown": float("nan")}, "compute_slowdown must be a finite number > 0"),
+        ({"num_devices": 8, "compute_slowdown": 0.0}, "compute_slowdown.*> 0, got 0.0"),
+        ({"num_devices": 8, "collective_efficiency": 1.5}, "collective_efficiency must be in \\(0, 1\\], got 1.5"),
+        ({"num_devices": 8, "compute_slowdown": float("nan")}, "compute_slowdown.*> 0, got nan"),
     ],
 )
 def test_cluster_validation(kwargs, message):
@@ -240,7 +250,9 @@ def test_cluster_from_dict_errors(change, message):
         Cluster.from_dict(data)
 
 
-def test_local_cluster_measures_gloo(tmp_path):
+def test_local_cluster_measures_gloo(tmp_path, monkeypatch):
+    probes = {name: _count_calls(monkeypatch, local_machine, name)
+              for name in ("_calibrate_cpu", "_run_gloo_probe", "_probe_rounds")}
     cluster = Cluster.local(num_devices=2, memory_bytes=2**30, cache_dir=tmp_path)
     assert cluster.num_devices == 2 and cluster.num_nodes == 1 and cluster.memory_bytes == 2**30
     assert cluster.device.name == "cpu" and cluster.intra_node_bandwidth_bytes_per_s > 1e7
@@ -251,6 +263,8 @@ def test_local_cluster_measures_gloo(tmp_path):
     # glibc keeps freed memory: the planner leaves CPU ranks a larger share than accelerators
     assert cluster.reserved_memory_fraction == LOCAL_RESERVED_MEMORY_FRACTION > Cluster("h100", 8).reserved_memory_fraction
     assert Cluster.local(num_devices=2, memory_bytes=2**30, cache_dir=tmp_path) == cluster  # from the cache
+    assert local_cluster(2, 2**30, cache_dir=tmp_path) == cluster
+    assert {name: len(calls) for name, calls in probes.items()} == {name: 1 for name in probes}  # each measured once
     assert Cluster.local(num_devices=2, memory_bytes=2**30, cache_dir=tmp_path, compute_slowdown=1.25).compute_slowdown == 1.25
     assert Cluster.local(num_devices=1, cache_dir=tmp_path).compute_slowdown == 1.0  # one rank: nothing to share
 
@@ -266,8 +280,9 @@ def test_compute_slowdown_scales_every_compute_time_of_a_plan(tiny_gpt2):
     assert contended(slowed, 1.5) is slowed  # never slowed twice
     np.testing.assert_allclose(contended(slowed, 1.0).forward_s, costs.forward_s)
     # one device, no communication: the predicted step is the compute, 1.5x
+    options = partita.PlanOptions(costs="analytic", schedules="gpipe", num_microbatches=2, recompute=False)
     steps = [partita.plan(graph, cluster=Cluster("h100", 1, compute_slowdown=f), global_batch_size=4,
-                          costs="analytic", schedule="gpipe", num_microbatches=2, recompute=False).predicted_step_s
+                          options=options).predicted_step_s
              for f in (1.0, 1.5)]
     assert steps[1] == pytest.approx(1.5 * steps[0], rel=1e-6)
 
@@ -440,7 +455,7 @@ def test_analytic_costs_on_captured_gpt2(tiny_gpt2):
     assert table.param_names[0] == "transformer.wte.weight"  # the embedding reads it first
     assert table.param_uses[0].tolist() == [graph.node("embedding").index, graph.node("linear").index]  # tied lm_head
     assert sum(table.param_bytes) == sum(p.num_bytes for p in graph.parameters.values())
-    with pytest.raises(InputError, match="dtype 'tfloat32' is not in the peak_flops of device 'cpu'"):
+    with pytest.raises(InputError, match="dtype 'tfloat32'.*device 'cpu': choose one of"):
         analytic_costs(graph, get_device("cpu"), 2, dtype="tfloat32")
     with pytest.raises(InputError, match="microbatch_size must be an int >= 1"):
         analytic_costs(graph, "h100", 0)
@@ -460,16 +475,14 @@ def gpt2_xl_on_meta():
 
 @pytest.mark.slow
 def test_analytic_costs_on_gpt2_xl(gpt2_xl_on_meta):
-    """1.5B parameters, ~2,300 nodes: costs in well under a few seconds, and sane totals.
+    """1.5B parameters, ~2,300 nodes on the meta device: sane totals.
 
     In float32 on an H100 the model is matmul-bound: the summed forward time must lie between
     the pure-compute bound total_flops / (peak · efficiency) and twice that.
     """
     graph = gpt2_xl_on_meta
     assert graph.num_nodes > 2000 and graph.num_parameters > 1.5e9
-    start = time.perf_counter()
     table = analytic_costs(graph, "h100", 8)
-    assert time.perf_counter() - start < 3
     h100 = get_device("h100")
     compute_bound_s = graph.total_flops / (h100.peak_flops["float32"] * h100.compute_efficiency)
     assert compute_bound_s <= table.forward_s.sum() <= 2 * compute_bound_s

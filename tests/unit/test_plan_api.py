@@ -8,6 +8,7 @@ import partita
 from partita import examples
 from partita.cli import main
 from partita.errors import InfeasiblePlanError, PlanFileError
+from partita.planning.options import PlanOptions
 from partita.types import Schedule
 
 
@@ -37,10 +38,11 @@ def test_plan_fits_and_round_trips(gpt2, tmp_path):
 
 def test_pinned_options(gpt2):
     _, graph = gpt2
-    p = partita.plan(graph, cluster=h100s(4), global_batch_size=32, schedule="1f1b", num_stages=2, replicas=2,
-                     num_microbatches=4, recompute=True)
+    options = PlanOptions(schedules="1f1b", num_stages=2, replicas=2, num_microbatches=4, recompute=True)
+    p = partita.plan(graph, cluster=h100s(4), global_batch_size=32, options=options)
     assert (p.schedule.value, p.num_rank_groups, p.stages[0].num_replicas, p.num_microbatches) == ("1f1b", 2, 2, 4)
     assert all(s.recompute for s in p.stages)
+    assert p.options["schedules"] == ["1f1b"] and p.options["num_stages"] == 2 and p.options["recompute"] is True
 
 
 def test_plan_file_for_another_model_or_cluster_is_rejected(gpt2, tmp_path):
@@ -49,22 +51,23 @@ def test_plan_file_for_another_model_or_cluster_is_rejected(gpt2, tmp_path):
     path = tmp_path / "plan.json"
     p.save(path)
     other = examples.build("gpt2", batch_size=8, seq_len=16)
-    with pytest.raises(PlanFileError, match="another model"):
+    with pytest.raises(PlanFileError, match="another model or input shape.*re-plan for this model"):
         partita.Plan.load(path, graph=partita.capture(other.model, other.args, other.kwargs))
-    with pytest.raises(PlanFileError, match="another cluster"):
+    with pytest.raises(PlanFileError, match=r"another cluster \(fields differ: num_devices\): re-plan"):
         partita.Plan.load(path, cluster=h100s(4))
 
 
 @pytest.mark.parametrize("edit, pattern", [
-    (lambda d: d.update(schema_version=99), "schema"),
+    (lambda d: d.update(schema_version=99), "'schema_version' is 99.*reads schema 1: re-create the plan"),
     (lambda d: d["stages"][0].update(stop=d["stages"][0]["stop"] + 1) if len(d["stages"]) > 1 else d.update(stages=[]), "contiguous|empty"),
     (lambda d: d.pop("schedule"), "'schedule' is missing"),
     (lambda d: d["stages"][0].update(ranks=[999]), "rank|999"),
-    (lambda d: d.update(num_microbatches=-1), "num_microbatches"),
+    (lambda d: d.update(num_microbatches=-1), "'num_microbatches' is -1, expected a finite number >= 0"),
 ])
 def test_invalid_plan_files(gpt2, tmp_path, edit, pattern):
     _, graph = gpt2
-    data = json.loads(partita.plan(graph, cluster=h100s(2), global_batch_size=8, num_stages=2).to_json())
+    p = partita.plan(graph, cluster=h100s(2), global_batch_size=8, options=PlanOptions(num_stages=2))
+    data = json.loads(p.to_json())
     edit(data)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
@@ -77,20 +80,23 @@ def test_truncated_plan_file(gpt2, tmp_path):
     text = partita.plan(graph, cluster=h100s(2), global_batch_size=8).to_json()
     path = tmp_path / "cut.json"
     path.write_text(text[: len(text) // 2])
-    with pytest.raises(PlanFileError, match="truncated"):
+    with pytest.raises(PlanFileError, match="cut.json is not valid JSON.*truncated\\? Re-create it"):
         partita.Plan.load(path)
 
 
 def test_infeasible_request_says_what_would_fit_and_that_it_does(gpt2):
     _, graph = gpt2
-    with pytest.raises(InfeasiblePlanError, match="at least") as info:
+    with pytest.raises(InfeasiblePlanError, match="no plan fits 1 device.*use at least .* devices") as info:
         partita.plan(graph, cluster=h100s(1, memory=2**20), global_batch_size=8)
     err = info.value
     assert err.min_devices is not None and err.min_memory_bytes is not None
     assert f"at least {err.min_devices} devices" in str(err)
     # Verified by planning again with the suggested numbers.
     assert partita.plan(graph, cluster=h100s(err.min_devices, memory=2**20), global_batch_size=8).num_devices <= err.min_devices
-    assert partita.plan(graph, cluster=h100s(1, memory=err.min_memory_bytes), global_batch_size=8) is not None
+    enough = h100s(1, memory=err.min_memory_bytes)
+    fitting = partita.plan(graph, cluster=enough, global_batch_size=8)
+    assert fitting.num_devices == 1 and fitting.predicted_step_s > 0
+    assert all(s.memory_bytes <= enough.usable_memory_bytes for s in fitting.stages)
     with pytest.raises(InfeasiblePlanError):
         partita.plan(graph, cluster=h100s(1, memory=err.min_memory_bytes * 9 // 10), global_batch_size=8)
 
@@ -124,13 +130,11 @@ def test_a_graph_with_a_static_batch_is_refused():
 
 
 def _fits(graph, memory, **pins):
-    from partita.planner import best_plan, planning_context
+    from partita.planning.context import planning_context
+    from partita.planning.driver import best_plan
 
-    options = dict(loss_fn=None, target=None, optimizer="adam", schedules=None, schedule=None, num_stages=None,
-                   replicas=None, num_microbatches=None, recompute=None, uniform_replicas=True,
-                   mixed_precision=False, costs="analytic", max_blocks=128, cache_dir=None)
-    ctx = planning_context(graph, (), None, cluster=h100s(2, memory=memory), global_batch_size=8,
-                           **{**options, **pins})
+    options = PlanOptions(uniform_replicas=True, costs="analytic", **pins)
+    ctx = planning_context(graph, cluster=h100s(2, memory=memory), global_batch_size=8, options=options)
     return best_plan(ctx) is not None
 
 
@@ -145,11 +149,12 @@ def _smallest_memory(graph, **pins) -> int:
     return high
 
 
-@pytest.mark.parametrize("pins", [dict(schedule="zbv"), dict(schedules=["zbv"])])
-def test_zbv_with_recompute_is_refused(gpt2, pins):
+@pytest.mark.parametrize("schedules", ["zbv", ["zbv"]])
+def test_zbv_with_recompute_is_refused(gpt2, schedules):
     _, graph = gpt2
     with pytest.raises(partita.InputError, match=r"'zbv' with recompute=True.*1f1b.*recompute=False"):
-        partita.plan(graph, cluster=h100s(2), global_batch_size=8, recompute=True, **pins)
+        partita.plan(graph, cluster=h100s(2), global_batch_size=8,
+                     options=PlanOptions(schedules=schedules, recompute=True))
 
 
 def test_zbv_never_recomputes_and_says_so_when_nothing_fits_without(gpt2):
@@ -161,10 +166,10 @@ def test_zbv_never_recomputes_and_says_so_when_nothing_fits_without(gpt2):
     zbv = _smallest_memory(graph, schedules=["zbv"])
     assert with_recompute < zbv / 1.02
     memory = (with_recompute + zbv) // 2
-    p = partita.plan(graph, cluster=h100s(2, memory=memory), global_batch_size=8, recompute=True)
+    p = partita.plan(graph, cluster=h100s(2, memory=memory), global_batch_size=8, options=PlanOptions(recompute=True))
     assert p.schedule is not Schedule.ZBV and any(s.recompute for s in p.stages)
     with pytest.raises(InfeasiblePlanError, match="'1f1b' or 'interleaved1f1b' with recompute=True") as info:
-        partita.plan(graph, cluster=h100s(2, memory=memory), global_batch_size=8, schedule="zbv")
+        partita.plan(graph, cluster=h100s(2, memory=memory), global_batch_size=8, options=PlanOptions(schedules="zbv"))
     assert info.value.min_memory_bytes > memory
 
 
@@ -179,8 +184,8 @@ def test_train_refuses_a_seed_for_a_factory_model(tmp_path, capsys):
 def test_train_with_a_plan_file_starts_one_process_per_device_of_the_plan(tmp_path, capsys):
     """A plan for 3 devices with --nproc 2 is refused before any process starts (the ranks would
     fail one by one); without --nproc the job takes the plan's count."""
-    from partita.cli import _processes_for_plan_file
-    from partita.plan.manual import manual_plan
+    from partita.cli.main import _processes_for_plan_file
+    from partita.planning.manual import manual_plan
 
     ex = examples.build("gpt2", batch_size=4)
     graph = partita.capture(ex.model, ex.args, ex.kwargs)
@@ -206,5 +211,5 @@ def test_cli_plan_gives_stages_uneven_replica_counts_unless_told_otherwise(tmp_p
     assert sorted(counts) == [1, 2]
     assert f"2 rank groups with {counts[0]}+{counts[1]} replicas (3 devices)" in text
     assert main([*pinned, "--uniform-replicas"]) == 0
-    assert "2 rank groups x 1 replicas (2 devices)" in capsys.readouterr().out
+    assert "2 rank groups x 1 replica (2 devices)" in capsys.readouterr().out
     assert partita.Plan.load(str(out)).uniform_replicas

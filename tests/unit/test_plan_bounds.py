@@ -4,11 +4,14 @@ import itertools
 
 import pytest
 
-from partita.plan.build import block_to_node_boundaries
-from partita.plan.search import Config
-from partita.planner import _draft_lower_bound_s, _draft_plan, _fit_with_recompute, _simulated, _split_bound, best_plan
+from partita.planning import context, refine
+from partita.planning.build import block_to_node_boundaries
+from partita.planning.context import draft_lower_bound_s, draft_plan, fit_with_recompute, simulated
+from partita.planning.driver import best_plan
+from partita.planning.refine import split_bound
+from partita.planning.search import Config
 from partita.types import Schedule
-from tests.unit.test_search import random_instance
+from planning_instances import random_instance
 
 
 def configs(num_blocks: int, num_devices: int):
@@ -33,35 +36,40 @@ def test_lower_bounds_never_exceed_the_simulated_step(seed):
     k = len(ctx.chain) - 1
     checked = 0
     for config in configs(k, ctx.cluster.num_devices):
-        bound = _split_bound(ctx, config)
+        bound = split_bound(ctx, config)
         for inner in itertools.combinations(range(1, k), config.num_stages - 1):
             nodes = block_to_node_boundaries(ctx.chain, (0, *inner, k))
-            fitted = _fit_with_recompute(ctx, config, nodes, "partita", mode=config.recompute_mode)
+            fitted = fit_with_recompute(ctx, config, nodes, "partita", mode=config.recompute_mode)
             if fitted is None:  # with one stage per rank group the bound knows exactly what fits
                 assert config.virtual_stages == 2 or bound(nodes) == float("inf")
             else:
                 assert bound(nodes) <= fitted.predicted_step_s * (1 + 1e-9)
             for recompute in ([False] * config.num_stages, [s % 2 == 0 for s in range(config.num_stages)]):
-                draft = _draft_plan(ctx, config, nodes, recompute, "partita")
-                step = _simulated(ctx, draft).predicted_step_s
-                assert _draft_lower_bound_s(config, draft, [s.recompute for s in draft.stages]) <= step * (1 + 1e-9)
+                draft = draft_plan(ctx, config, nodes, recompute, "partita")
+                step = simulated(ctx, draft).predicted_step_s
+                assert draft_lower_bound_s(config, draft, [s.recompute for s in draft.stages]) <= step * (1 + 1e-9)
                 checked += 1
     assert checked > 0
 
 
-def test_pruned_refinement_keeps_the_plan():
+def test_pruned_refinement_keeps_the_plan(monkeypatch):
     """best_plan with the bounds equals a plain hill-climb on these instances (same plan bytes)."""
-    import partita.planner as planner
+    contexts = [random_instance(seed) for seed in range(20, 30)]
+    original, skipped = context.cannot_beat, []
 
-    for seed in range(20, 30):
-        ctx = random_instance(seed)
-        pruned = best_plan(ctx)
-        original = planner._cannot_beat
-        planner._cannot_beat = lambda bound, step: False
-        try:
-            plain = best_plan(ctx)
-        finally:
-            planner._cannot_beat = original
-        assert (pruned is None) == (plain is None)
-        if pruned is not None:
-            assert pruned.to_json() == plain.to_json()
+    def counted(bound, step):
+        skipped.append(original(bound, step))
+        return skipped[-1]
+
+    for module in (context, refine):  # cannot_beat is used by both (fit_with_recompute and refine)
+        monkeypatch.setattr(module, "cannot_beat", counted)
+    pruned = [best_plan(ctx) for ctx in contexts]
+    assert any(skipped)  # the bounds did skip splits
+    for module in (context, refine):
+        monkeypatch.setattr(module, "cannot_beat", lambda bound, step: False)
+    plain = [best_plan(ctx) for ctx in contexts]
+    assert sum(p is not None for p in pruned) >= 5
+    for seed, a, b in zip(range(20, 30), pruned, plain):
+        assert (a is None) == (b is None), seed
+        if a is not None:
+            assert a.to_json() == b.to_json(), seed

@@ -5,7 +5,7 @@ import pytest
 import partita
 from partita import examples
 from partita.cost.analytic import analytic_costs
-from partita.planner import baseline_plans, best_plan, planning_context
+from partita.planning.api import plan_with_baselines
 
 pytest.importorskip("matplotlib")
 from partita.report.plots import plan_figure  # noqa: E402
@@ -18,13 +18,11 @@ def planned():
     ex = examples.build("gpt2", batch_size=8)
     graph = partita.capture(ex.model, ex.args, ex.kwargs)
     cluster = partita.Cluster(device="h100", num_devices=4)
-    ctx = planning_context(graph, (), None, cluster=cluster, global_batch_size=32, loss_fn=None, target=None,
-                           optimizer="adam", schedules=None, schedule="1f1b", num_stages=2, replicas=2,
-                           num_microbatches=None, recompute=None, uniform_replicas=True, mixed_precision=False,
-                           costs="analytic", max_blocks=128, cache_dir=None)
-    plan = best_plan(ctx)
-    result = partita.simulate(plan, lambda b: analytic_costs(graph, "h100", b), cluster)
-    return plan, result, baseline_plans(ctx, plan)
+    planned = plan_with_baselines(graph, cluster=cluster, global_batch_size=32,
+                                  options=partita.PlanOptions(schedules="1f1b", num_stages=2, replicas=2,
+                                                              uniform_replicas=True, costs="analytic"))
+    result = partita.simulate(planned.plan, lambda b: analytic_costs(graph, "h100", b), cluster)
+    return planned.plan, result, planned.baselines
 
 
 def test_png_is_written(planned, tmp_path):

@@ -13,8 +13,8 @@ import torch
 import partita
 from partita import examples
 from partita.errors import InputError
-from partita.plan.io import plan_from_json
-from partita.plan.manual import manual_plan
+from partita.types.plan_file import plan_from_json
+from partita.planning.manual import manual_plan
 from partita.runtime.data_parallel import check_layout
 from partita.runtime.numerics import NonFinitePolicy, describe, loss_findings
 from partita.runtime.stages import split_graph
@@ -59,10 +59,10 @@ def test_manual_plan_gives_each_rank_group_its_replicas_on_consecutive_ranks(mlp
 
 @pytest.mark.parametrize("bad, match", [
     (dict(replicas=(2, 1), schedule="interleaved1f1b", num_stages=4), r"replicas=\[2, 1\] differ.*gpipe or 1f1b"),
-    (dict(replicas=(2, 1, 1)), r"replicas=\[2, 1, 1\] has 3 entries for 2 rank groups"),
-    (dict(replicas=(3, 1)), r"global_batch_size=8 is not a multiple of .* 2 x 3"),
+    (dict(replicas=(2, 1, 1)), r"replicas=\[2, 1, 1\] has 3 entries for 2 rank groups: give one"),
+    (dict(replicas=(3, 1)), r"global_batch_size=8.*2 x 3.*multiple of 6"),
     (dict(replicas=(0, 1)), r"replicas must be an int >= 1, got 0"),
-    (dict(replicas="2"), r"replicas must be an int or a sequence of one int per rank group, got '2'"),
+    (dict(replicas="2"), r"replicas must be an int or a sequence.*got '2'"),
 ])
 def test_manual_plan_refuses_replica_counts_the_runtime_cannot_run(mlp_graph, bad, match):
     choices = dict(schedule="1f1b", num_rank_groups=2, num_microbatches=2, global_batch_size=8) | bad
@@ -76,9 +76,9 @@ def test_layout_check_refuses_uneven_plans_it_cannot_run(mlp_graph):
     plan = manual_plan(mlp_graph, _half(mlp_graph), schedule="gpipe", num_rank_groups=2, replicas=(2, 1),
                        num_microbatches=2, global_batch_size=8)
     gap = dataclasses.replace(plan, stages=(plan.stages[0], dataclasses.replace(plan.stages[1], ranks=(3,))))
-    with pytest.raises(InputError, match=r"stage 1 runs on rank group 1, ranks \[3\].*ranks \[2\]"):
+    with pytest.raises(InputError, match=r"stage 1 runs on rank group 1, ranks \[3\].*ranks \[2\].*manual_plan"):
         check_layout(gap)
-    with pytest.raises(InputError, match="under zbv.*gpipe or 1f1b"):
+    with pytest.raises(InputError, match=r"\[2, 1\] under zbv.*gpipe or 1f1b"):
         check_layout(dataclasses.replace(plan, schedule=partita.Schedule.ZBV))
 
 
@@ -94,7 +94,7 @@ def test_transfers_of_a_worked_example():
         Transfer(sender=1, receiver=2, sender_offset=1, receiver_offset=0, num_samples=2, carries_whole=True),
     )
     assert replica_slice(6, 3, 2) == (4, 2)
-    with pytest.raises(InputError, match="does not split evenly over 2 and 4 replicas"):
+    with pytest.raises(InputError, match="6 samples does not split evenly over 2 and 4 replicas: use a global batch"):
         transfers(6, 2, 4)
 
 
@@ -137,8 +137,7 @@ def test_merged_batch_dims_are_refused_between_different_replica_counts(gpt2_gra
     stages = split_graph(gpt2_graph, plan.boundaries)
     sent = gpt2_graph.node(stages[0].spec.output_names[-1])
     assert sent.target == "aten.addmm.default" and sent.outputs[0].shape[0] == 8 * 16
-    expected = (rf"boundary tensor '{sent.name}' \(128, 192\) between stage 0 \(2 replicas\) and stage 1 "
-                r"\(1 replicas\).*cut the model elsewhere.*same number of replicas")
+    expected = rf"'{sent.name}' \(128, 192\) between stage 0 \(2 replicas\) and stage 1.*cut the model elsewhere"
     with pytest.raises(InputError, match=expected):
         check_uneven_boundaries(gpt2_graph, plan, stages)
     layouts = boundary_layouts(gpt2_graph, stages[0].spec.output_names, 0, 2, 2)
@@ -172,7 +171,7 @@ def test_layout_check_refuses_several_stages_per_group_and_a_batch_that_does_not
                        global_batch_size=8)
     first, second, third = plan.stages
     shared = dataclasses.replace(plan, stages=(first, second, dataclasses.replace(third, ranks=(0, 1), rank_group=0)))
-    with pytest.raises(InputError, match="puts 3 stages on 2 rank groups .* one stage per rank group"):
+    with pytest.raises(InputError, match=r"3 stages on 2 rank groups.*\[2, 1, 2\]: uneven plans run one stage"):
         check_layout(shared)
-    with pytest.raises(InputError, match="global batch of 6 samples in 2 micro-batches does not split evenly over 2"):
+    with pytest.raises(InputError, match=r"6 samples in 2 micro-batches.*over 2 replicas.*replica count \[1, 2\]"):
         check_layout(dataclasses.replace(plan, global_batch_size=6, microbatch_size=3))

@@ -6,18 +6,22 @@ import numpy as np
 import pytest
 
 import partita
-from partita.cost.cluster import Cluster
+from partita.types.cluster import Cluster
 from partita.errors import InputError
-from partita.plan.io import load_plan, plan_to_json
-from partita.plan.search import SearchOptions
-from partita.plan.simulate import simulate
-from partita.planner import PlanningContext, baseline_plans, best_plan, plan
+from partita.types.plan_file import load_plan, plan_to_json
+from partita.planning.search import SearchOptions
+from partita.planning.simulate import simulate
+from partita.planning.api import plan
+from partita.planning.baselines import baseline_plans
+from partita.planning.context import PlanningContext
+from partita.planning.driver import best_plan
+from partita.planning.options import PlanOptions
 from partita.types import OptimizerKind, Schedule
-from test_search import oracle, random_instance
+from planning_instances import oracle, random_instance
 
 
 def uneven_instance(seed: int) -> PlanningContext:
-    """A random chain of 2-6 nodes (test_search.random_instance) on 2-6 devices, uneven replicas allowed."""
+    """A random chain of 2-6 nodes (planning_instances.random_instance) on 2-6 devices, uneven replicas allowed."""
     ctx = random_instance(seed, (2, 7))
     n = 2 + seed % 5
     cluster = Cluster(device="h100", num_devices=n, devices_per_node=8, memory_bytes=ctx.cluster.memory_bytes)
@@ -94,18 +98,18 @@ def test_uneven_plan_round_trips_and_is_deterministic(tmp_path, solved):
 
 def test_pinned_replicas_conflict_with_uneven_replicas(gpt2_context):
     graph, cluster = gpt2_context.graph, gpt2_context.cluster
-    with pytest.raises(InputError, match="replicas=2 pins the same replica count"):
-        plan(graph, cluster=cluster, global_batch_size=24, replicas=2, uniform_replicas=False)
-    pinned = plan(graph, cluster=cluster, global_batch_size=24, replicas=1)  # default: uniform, as pinned
+    with pytest.raises(InputError, match="replicas=2 pins.*uniform_replicas=False.*drop one of the two"):
+        plan(graph, cluster=cluster, global_batch_size=24, options=PlanOptions(replicas=2, uniform_replicas=False))
+    pinned = plan(graph, cluster=cluster, global_batch_size=24, options=PlanOptions(replicas=1))  # default: uniform
     assert pinned.uniform_replicas and pinned.stages[0].num_replicas == 1
 
 
 def test_by_default_uneven_counts_are_searched_up_to_64_devices(gpt2_context):
     graph, cluster = gpt2_context.graph, gpt2_context.cluster
-    options = dict(global_batch_size=24, schedule="1f1b", num_stages=2)
-    flat = plan(graph, cluster=cluster, uniform_replicas=True, **options)
-    default = plan(graph, cluster=cluster, **options)
-    explicit = plan(graph, cluster=cluster, uniform_replicas=False, **options)
+    options = PlanOptions(schedules="1f1b", num_stages=2)
+    flat = plan(graph, cluster=cluster, global_batch_size=24, options=options.replace(uniform_replicas=True))
+    default = plan(graph, cluster=cluster, global_batch_size=24, options=options)
+    explicit = plan(graph, cluster=cluster, global_batch_size=24, options=options.replace(uniform_replicas=False))
     assert flat.uniform_replicas and not default.uniform_replicas  # 3 devices: 2 + 1 beats 1 + 1
     assert default.predicted_step_s == explicit.predicted_step_s < flat.predicted_step_s
     assert default.options["uniform_replicas"] is False and flat.options["uniform_replicas"] is True
@@ -116,8 +120,8 @@ def test_by_default_uneven_counts_are_searched_up_to_64_devices(gpt2_context):
 def test_uneven_search_refuses_clusters_beyond_its_device_axis():
     ctx = uneven_instance(3)
     big = Cluster(device="h100", num_devices=128, devices_per_node=8, memory_bytes=80 * 2**30)
-    with pytest.raises(InputError, match="up to 64 devices"):
-        plan(ctx.graph, cluster=big, global_batch_size=8, uniform_replicas=False)
+    with pytest.raises(InputError, match="up to 64 devices; the cluster has 128: plan with uniform_replicas=True"):
+        plan(ctx.graph, cluster=big, global_batch_size=8, options=PlanOptions(uniform_replicas=False))
 
 
 def test_uneven_search_respects_pinned_choices():
@@ -131,23 +135,21 @@ def test_uneven_search_respects_pinned_choices():
 @pytest.fixture(scope="module")
 def gpt2_context():
     from partita import examples
-    from partita.planner import planning_context
+    from partita.planning.context import planning_context
 
     ex = examples.build("gpt2-tiny", batch_size=4, device="meta")
     graph = partita.capture(ex.model, ex.args, ex.kwargs)
     cluster = Cluster(device="h100", num_devices=3, devices_per_node=8)
-    return planning_context(graph, (), None, cluster=cluster, global_batch_size=24, loss_fn=None, target=None,
-                            optimizer="adam", schedules=None, schedule=None, num_stages=None, replicas=None,
-                            num_microbatches=None, recompute=None, uniform_replicas=False, mixed_precision=False,
-                            costs="analytic", max_blocks=128, cache_dir=None)
+    return planning_context(graph, cluster=cluster, global_batch_size=24,
+                            options=PlanOptions(uniform_replicas=False, costs="analytic"))
 
 
 def test_replica_counts_change_only_where_tensors_split_by_sample(gpt2_context):
     """A cut crossed by a merged (B*T, H) tensor cannot separate 2 replicas from 1 (the runtime
     could not route it); the same cut between equal counts, and a layer start, can."""
-    from partita.plan.chain import layer_boundaries, per_sample_cuts
-    from partita.plan.search import Config
-    from partita.planner import finish_plan
+    from partita.planning.chain import layer_boundaries, per_sample_cuts
+    from partita.planning.search import Config
+    from partita.planning.context import finish_plan
 
     ctx = gpt2_context
     graph = ctx.graph
@@ -162,7 +164,7 @@ def test_replica_counts_change_only_where_tensors_split_by_sample(gpt2_context):
 
 
 def test_searched_uneven_plans_cut_where_tensors_split_by_sample(gpt2_context):
-    from partita.plan.chain import per_sample_cuts
+    from partita.planning.chain import per_sample_cuts
 
     ctx = gpt2_context
     pinned = dataclasses.replace(ctx, options=dataclasses.replace(ctx.options, schedules=(Schedule.ONE_F_ONE_B,),
@@ -192,8 +194,8 @@ def test_no_baseline_split_beats_an_uneven_plan_under_its_configuration(solved):
 
 
 def test_an_uneven_config_needs_a_cost_table_per_micro_batch_size():
-    from partita.plan.build import stage_tables
-    from partita.plan.search import Config
+    from partita.planning.build import stage_tables
+    from partita.planning.search import Config
 
     ctx = uneven_instance(3)
     uneven = Config(1, 2, Schedule.ONE_F_ONE_B, 1, 2, 4, None, stage_replicas=(2, 1))
