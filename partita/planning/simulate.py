@@ -43,16 +43,16 @@ from partita.types import CostTable, Plan, Schedule, SimResult, TimelineEvent
 __all__ = ["SimResult", "TimelineEvent", "pipeline_inputs", "simulate", "simulate_pipeline"]
 
 _F, _B, _I, _W = 0, 1, 2, 3
-_KIND_CODES = {"F": _F, "B": _B, "I": _I, "W": _W}
+KIND_CODES = {"F": _F, "B": _B, "I": _I, "W": _W}
 _KIND_NAMES = ("F", "B", "I", "W")
 ALLREDUCE = "allreduce"
 OPTIMIZER = "optimizer"  # a rank group's optimizer step, after its last backward and all-reduce
 
 
 @lru_cache(maxsize=256)
-def _compiled_orders(schedule: Schedule, m: int, g: int, s: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+def compiled_orders(schedule: Schedule, m: int, g: int, s: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
     """rank_orders as plain int triples (stage, microbatch, kind code): no attribute lookups in the hot loop."""
-    return tuple(tuple((a.stage, a.microbatch, _KIND_CODES[a.kind]) for a in order)
+    return tuple(tuple((a.stage, a.microbatch, KIND_CODES[a.kind]) for a in order)
                  for order in rank_orders(schedule, m, g, s))
 
 
@@ -86,7 +86,7 @@ def simulate_pipeline(
     schedule = Schedule.parse(schedule)
     s, m, g = len(forward_s), num_microbatches, num_rank_groups
     fwd, bwd, wgt, send, ar = _check_arrays(s, forward_s, backward_s, backward_weight_s, send_s, allreduce_s)
-    orders = _compiled_orders(schedule, m, g, s)
+    orders = compiled_orders(schedule, m, g, s)
     split = schedule is Schedule.ZBV
     # Durations per kind code: F, B (whole backward), I (backward less W), W.
     dur = (fwd, bwd, [max(0.0, b - w) for b, w in zip(bwd, wgt)], wgt)
@@ -104,7 +104,7 @@ def simulate_pipeline(
             events.append(TimelineEvent(r, -1, -1, OPTIMIZER, done, done + stepping))
         step = max(step, done + stepping)
     bubble = 1.0 - sum(busy) / (g * step) if step > 0 else 0.0
-    peaks = _peak_activations(orders, activation_bytes, s, free_kind=_W if split else _B)
+    peaks = peak_activations(orders, activation_bytes, s, free_kind=_W if split else _B)
     timeline = tuple(sorted(events, key=lambda e: (e.start_s, e.rank_group, e.end_s))) if keep_timeline else ()
     return SimResult(step_s=step, bubble_fraction=bubble, rank_busy_s=tuple(busy),
                      rank_peak_activation_bytes=peaks, timeline=timeline)
@@ -207,7 +207,7 @@ def _allreduces(groups: Sequence[int], grads_done: Sequence[float], ar: Sequence
     return last
 
 
-def _peak_activations(orders, activation_bytes, s, *, free_kind) -> tuple[int, ...]:
+def peak_activations(orders, activation_bytes, s, *, free_kind) -> tuple[int, ...]:
     """Per rank group: max over its order of the activation bytes held (F adds, free_kind frees)."""
     if activation_bytes is None:
         return (0,) * len(orders)

@@ -17,7 +17,7 @@ from partita.cost import comm
 from partita.types.cluster import Cluster
 from partita.cost.memory import microbatches_in_flight
 from partita.planning.schedules import Action, rank_orders, stage_rank_groups
-from partita.planning.simulate import _I, _compiled_orders, _peak_activations, simulate, simulate_pipeline
+from partita.planning.simulate import KIND_CODES, compiled_orders, peak_activations, simulate, simulate_pipeline
 from partita.report.timeline import timeline_text
 from partita.types import CostTable, Plan, Schedule, StagePlan
 
@@ -340,12 +340,12 @@ def test_zbv_peak_is_the_same_whether_i_or_w_frees_the_activations():
     torch's ZBV order a W directly follows its I whenever another F follows (the W's deferred to the
     cool-down come after the last F), so the peak does not depend on that choice."""
     for g, m in [(2, 3), (4, 4), (4, 8), (5, 17)]:
-        orders = _compiled_orders(ZBV, m, g, 2 * g)
+        orders = compiled_orders(ZBV, m, g, 2 * g)
         act = [random.Random(g * m).randint(1, 100) for _ in range(2 * g)]
         at_w = simulate_pipeline(schedule=ZBV, num_microbatches=m, num_rank_groups=g, forward_s=[1.0] * 2 * g,
                                  backward_s=[2.0] * 2 * g, backward_weight_s=[1.0] * 2 * g, send_s=[0.0] * (2 * g - 1),
                                  allreduce_s=[0.0] * 2 * g, activation_bytes=act, keep_timeline=False)
-        assert at_w.rank_peak_activation_bytes == _peak_activations(orders, act, 2 * g, free_kind=_I)
+        assert at_w.rank_peak_activation_bytes == peak_activations(orders, act, 2 * g, free_kind=KIND_CODES["I"])
 
 
 # ----------------------------------------------------------------------------- speed, text, plans
