@@ -94,6 +94,8 @@ CASES = [
     Case("llama-7b", "a100-80gb", 16, 128, memory_gib=32),  # tight
     Case("llama-7b", "h100", 16, 128, memory_gib=13),  # edge
     Case("llama-7b", "h100", 64, 512),
+    # Mixtral 8x7B: 46.7 B parameters, 8 experts of which 2 run per token (expert matmuls counted).
+    Case("mixtral-8x7b", "h100", 16, 128, seq_len=1024),
 ]
 QUICK = {0, 5, 8, 10, 16}  # rows of --quick
 CAPTURE_BATCH = 2  # >= 2: export keeps the batch dimension symbolic, so costs scale with the micro-batch
@@ -236,7 +238,7 @@ def markdown(rows: list[dict], own: bool, command: str) -> str:
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
         f"- command: `{command}`",
         "- models captured on meta (example batch 2, default sequence length: GPT-2 1024 (13b: 2048), T5 512, "
-        "Llama 2048; ViT 224x224) in float32, analytic costs at the device's float32 peak, Adam, 8 devices per "
+        "Llama 2048, Mixtral 1024; ViT 224x224) in float32, analytic costs at the device's float32 peak, Adam, 8 devices per "
         "node, 5% of memory reserved; `@N GiB`: memory per device set to N GiB",
         "- ratio = baseline's predicted step / partita's (> 1: partita faster). same: partita's config with the "
         "baseline's split; own: the baseline's split under its own best config. OOM: does not fit even with "
