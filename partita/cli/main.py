@@ -17,9 +17,12 @@ from partita.types.cluster import Cluster
 from partita.types import Schedule
 
 MODEL_HELP = (
-    "a built-in example (gpt2, bert, llama, t5, vit, mlp, cnn; with a size: gpt2-xl, llama-7b) "
+    "a built-in example (gpt2, bert, llama, mixtral, t5, vit, mlp, cnn; with a size: gpt2-xl, llama-7b, mixtral-8x7b) "
     "or path/to/file.py:factory returning (model, inputs) or (model, inputs, loss_fn, target)"
 )
+
+
+DEFAULT_TRAIN_GLOBAL_BATCH = 16
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--devices", type=int, required=True, help="number of devices")
     plan.add_argument("--device-type", default="cpu", help="catalog name (h100, a100-80gb, h200, b200, mi300x, cpu) or a device file")
     plan.add_argument("--memory", default=None, help="memory per device, e.g. 80GiB (default: the device's)")
-    plan.add_argument("--nodes", type=int, default=1, help="number of nodes the devices are spread over")
+    plan.add_argument("--nodes", type=int, default=1,
+                      help="number of nodes the devices are spread over (must divide --devices; 1 for cpu)")
     plan.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     plan.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
     plan.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
@@ -81,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "as the plan uses. With --plan: the plan's device count (default), or an error if different")
     train.add_argument("--plan", default=None, help="a plan file from `partita plan`; otherwise plan now")
     train.add_argument("--plan-out", default=None, help="where to write the plan made now")
-    train.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step (default 16)")
+    train.add_argument("--global-batch", type=int, default=None,
+                       help=f"samples per optimizer step (default {DEFAULT_TRAIN_GLOBAL_BATCH}); with --plan: the "
+                            "plan's, and another value is refused")
     train.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     train.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
     train.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS),
@@ -157,6 +163,7 @@ def _inspect_costs(graph, example, device):
         return analytic_costs(graph, device or "h100", graph.batch_size)
     from partita.cost.profiler import profile
 
+    _check_example_values(graph, example)
     return profile(graph, (example.args, example.kwargs, example.target), microbatch_size=graph.batch_size)
 
 
@@ -183,14 +190,19 @@ def _cluster(args: argparse.Namespace, *, num_devices: int, device_type: str = "
 
 def _plan(args: argparse.Namespace) -> int:
     from partita.planning.api import plan_with_baselines
+    from partita.report.plan import plan_text
 
+    _check_nodes(args.nodes, args.devices, args.device_type)
+    _check_batch_flags(args)
     example = _load(args)
+    graph = _capture(example)
+    _check_example_values(graph, example)
     cluster = _cluster(args, num_devices=args.devices, device_type=args.device_type, num_nodes=args.nodes)
-    result = plan_with_baselines(example.model, example.args, example.kwargs, cluster=cluster,
+    result = plan_with_baselines(graph, example.args, example.kwargs, cluster=cluster,
                                  global_batch_size=args.global_batch, loss_fn=example.loss_fn, target=example.target,
                                  options=_plan_options(args))
     best = result.plan
-    print(best.summary(result.baselines))
+    print(plan_text(best, baselines=result.baselines, baseline_reasons=result.baseline_reasons))
     if args.png or args.trace:
         from partita.planning.simulate import simulate
 
@@ -226,12 +238,13 @@ def _train(args: argparse.Namespace) -> int:
     if args.init_from is not None and is_factory_spec(args.model):
         raise InputError("--init-from works with zoo models, which can be built on meta; a factory "
                          f"({args.model}) builds its own weights: drop --init-from")
+    _check_train_flags(args)
     if under_torchrun():
         return _train_rank(args, config)
     argv = list(args.argv)
     if args.plan:
         plan_path = args.plan
-        nproc = _processes_for_plan_file(args.plan, args.nproc)
+        nproc = _processes_for_plan_file(args.plan, args.nproc, args.global_batch)
     else:
         plan_path, example, nproc = _plan_for_training(args)
         if args.init_from is None and not is_factory_spec(args.model) and not on_meta(example.model):
@@ -243,12 +256,78 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _processes_for_plan_file(path: str, nproc: int | None) -> int:
-    """The plan's device count: one process per device. InputError when --nproc says otherwise."""
+def _check_train_flags(args: argparse.Namespace) -> None:
+    """What `partita train` can tell is wrong before it plans or starts a process: InputError naming
+    the flag, the value and the fix (otherwise these fail late, some after the whole run)."""
+    from partita.errors import InputError
+    from partita.runtime.checkpoint_dir import check_writable
+
+    if args.max_restarts < 0:
+        raise InputError(f"--max-restarts must be >= 0 (restarts after a failure), got {args.max_restarts}")
+    if args.nproc is not None and args.nproc < 1:
+        raise InputError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.global_batch is not None and args.global_batch < 1:
+        raise InputError(f"--global-batch must be >= 1, got {args.global_batch}")
+    if not args.plan:
+        _check_batch_flags(args)
+    if args.checkpoint_dir:
+        check_writable(args.checkpoint_dir, "--checkpoint-dir")
+    if args.losses_out:
+        check_writable(os.path.dirname(os.path.abspath(args.losses_out)), "the folder of --losses-out")
+
+
+def _check_batch_flags(args: argparse.Namespace) -> None:
+    """--global-batch against the pinned --microbatches and --replicas (divisibility), before planning."""
+    from partita.planning.context import check_batch_divisible
+
+    global_batch = DEFAULT_TRAIN_GLOBAL_BATCH if args.global_batch is None else args.global_batch
+    if global_batch >= 1:
+        check_batch_divisible(global_batch, args.microbatches, args.replicas,
+                              names=("--global-batch", "--microbatches", "--replicas"))
+
+
+def _check_nodes(nodes: int, devices: int, device_type: str) -> None:
+    from partita.errors import InputError
+
+    if nodes < 1:
+        raise InputError(f"--nodes must be >= 1, got {nodes}")
+    if device_type == "cpu" and nodes != 1:
+        raise InputError(f"--nodes {nodes} with --device-type cpu: cpu plans are for this machine, one node; "
+                         "drop --nodes, or plan for a catalog device (--device-type h100) on several nodes")
+    if devices >= 1 and devices % nodes:
+        lower = devices // nodes * nodes
+        nearest = " or ".join(str(d) for d in (lower, lower + nodes) if d > 0)
+        raise InputError(f"--nodes {nodes} does not divide --devices {devices}: every node holds the same number of "
+                         f"devices; use --devices {nearest}, or another --nodes")
+
+
+def _check_plan_global_batch(path: str, plan, global_batch: int | None) -> None:
+    from partita.errors import InputError
+
+    if global_batch is not None and global_batch != plan.global_batch_size:
+        raise InputError(f"--global-batch {global_batch} differs from the global batch {plan.global_batch_size} of "
+                         f"the plan {path}: drop --global-batch to train with the plan's, or re-plan for {global_batch} "
+                         "(without --plan)")
+
+
+def _check_example_values(graph, example) -> None:
+    """The example's own inputs against the graph's embeddings and loss (before planning profiles them)."""
+    from partita.cli.batch_values import check_batch_values
+    from partita.runtime.stages import flatten_inputs
+
+    flat = flatten_inputs(graph, example.args, example.kwargs, example.target if graph.has_loss_fn else None)
+    check_batch_values(graph, flat, f"the example inputs of {example.name}")
+
+
+def _processes_for_plan_file(path: str, nproc: int | None, global_batch: int | None = None) -> int:
+    """The plan's device count: one process per device. InputError when --nproc says otherwise,
+    or --global-batch differs from the plan's."""
     import partita
     from partita.errors import InputError
 
-    needed = partita.Plan.load(path).num_devices
+    plan = partita.Plan.load(path)
+    _check_plan_global_batch(path, plan, global_batch)
+    needed = plan.num_devices
     if nproc is not None and nproc != needed:
         raise InputError(f"{path} is a plan for {needed} devices, but --nproc is {nproc}: drop --nproc (one process "
                          f"per device of the plan) or re-plan for {nproc} processes (without --plan)")
@@ -266,9 +345,11 @@ def _plan_for_training(args: argparse.Namespace):
 
     example = _load(args)
     graph = _capture(example)
+    _check_example_values(graph, example)
     nproc = 2 if args.nproc is None else args.nproc
+    global_batch = DEFAULT_TRAIN_GLOBAL_BATCH if args.global_batch is None else args.global_batch
     plan = partita.plan(graph, example.args, example.kwargs, loss_fn=example.loss_fn, target=example.target,
-                        cluster=_cluster(args, num_devices=nproc), global_batch_size=args.global_batch,
+                        cluster=_cluster(args, num_devices=nproc), global_batch_size=global_batch,
                         options=_plan_options(args))
     path = _with_parent(args.plan_out) or os.path.join(tempfile.mkdtemp(prefix="partita-"), "plan.json")
     plan.save(path)
@@ -300,6 +381,7 @@ def _train_rank(args: argparse.Namespace, config) -> int:
         example = _load(args)
         graph = _capture(example)
     plan = partita.Plan.load(args.plan, graph=graph)
+    _check_plan_global_batch(args.plan, plan, args.global_batch)
     summary = train(example, plan, graph, config)
     if dist.get_rank() == 0:
         if summary.resumed_from is not None:

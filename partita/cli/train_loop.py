@@ -6,10 +6,15 @@ run sees exactly the batches an uninterrupted one would.
 
 Resuming: with ``resume=True``, or in a process torchrun restarted after a rank failed
 (``--max-restarts``; TORCHELASTIC_RESTART_COUNT > 0), training continues from the latest
-complete checkpoint in ``checkpoint_dir`` (``partita.runtime.checkpoint_dir.latest_checkpoint``:
-``.partial`` writes and directories without DCP's metadata are skipped); the checkpoint holds
-the optimizer and RNG states, so the resumed run ends with the parameters an uninterrupted one
-would have.
+complete checkpoint in ``checkpoint_dir`` (``partita.runtime.checkpoint.latest_intact_checkpoint``:
+``.partial`` writes and directories without DCP's metadata are skipped, and so are damaged
+checkpoints -- files that differ from their manifest -- with a warning naming each); the
+checkpoint holds the optimizer and RNG states, so the resumed run ends with the parameters an
+uninterrupted one would have.
+
+Every step's batch is checked against the graph first (``partita.cli.batch_values``): ids
+outside an embedding or labels outside the loss's classes stop the run with an InputError
+naming the input and value, instead of a raw error inside a stage.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,12 +34,14 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from partita.capturing import exported_call_inputs
+from partita.cli.batch_values import check_batch_values, index_uses
 from partita.cli.optimizers import OPTIMIZERS
 
 from partita.errors import InputError
-from partita.runtime.checkpoint_dir import checkpoint_path, latest_checkpoint
+from partita.runtime.checkpoint_dir import checkpoint_path
 from partita.runtime.launch import restart_count
 from partita.runtime.numerics import NonFinitePolicy
+from partita.runtime.stages import flatten_inputs
 from partita.types import OpGraph, Plan
 
 @dataclass(frozen=True)
@@ -84,9 +92,13 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSumm
     timers = _stage_forward_timers(trainer, summary)
     bar = _progress_bar(trainer, config)
     tracer = _StepTracer(config.trace_dir)
+    uses = index_uses(graph)
     while trainer.num_steps < config.steps:
         tracer.before_step(trainer.num_steps + 1)
         args, kwargs, target = make_batch(plan.global_batch_size, trainer.num_steps)
+        if uses:
+            check_batch_values(graph, flatten_inputs(graph, args, kwargs, target), f"step {trainer.num_steps + 1}",
+                               uses)
         if graph.has_loss_fn:
             kwargs = {**kwargs, "target": target}
         start = time.perf_counter()
@@ -182,10 +194,18 @@ def _maybe_resume(trainer, config: TrainConfig, summary: TrainSummary) -> None:
         if restarts and dist.get_rank() == 0:
             print(f"restart {restarts}: no --checkpoint-dir, so training starts again from step 0", flush=True)
         return
-    latest = latest_checkpoint(config.checkpoint_dir)
+    from partita.runtime.checkpoint import latest_intact_checkpoint, load_checkpoint
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        latest = latest_intact_checkpoint(config.checkpoint_dir)  # collective: the same on every rank
+    for warning in caught:  # rank 0's: damaged checkpoints skipped, one that cannot be verified
+        print(f"warning: {warning.message}", file=sys.stderr, flush=True)
     if latest is None:
+        if dist.get_rank() == 0:
+            print(f"no complete checkpoint in {config.checkpoint_dir}: training starts from step 0", flush=True)
         return
-    trainer.load_checkpoint(latest)
+    load_checkpoint(trainer, latest, verify=False)  # just verified
     summary.resumed_from = trainer.num_steps
     if dist.get_rank() == 0:
         why = f"restart {restarts}" if restarts else "--resume"

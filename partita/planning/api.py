@@ -9,13 +9,13 @@ seeds) and ``infeasible`` (what would fit when nothing does).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from partita.types.cluster import Cluster
-from partita.planning.baselines import baseline_plans
+from partita.planning.baselines import baseline_outcomes
 from partita.planning.context import PlanningContext, planning_context
 from partita.planning.driver import best_plan
 from partita.planning.infeasible import infeasible_error
@@ -35,6 +35,7 @@ def plan(
     loss_fn: Callable | None = None,
     target: Any = None,
     options: PlanOptions = PlanOptions(),
+    batch_dims: dict | None = None,
 ) -> Plan:
     """The plan with the shortest simulated step that fits every device's memory.
 
@@ -42,20 +43,27 @@ def plan(
     output that ``loss_fn(output, target)`` turns into one), or a graph from ``partita.capture``.
     ``options`` pins any choice (``PlanOptions(schedules="1f1b", num_stages=4)``); the search
     fills in the rest. Raises InfeasiblePlanError when nothing fits, saying what would.
+    ``batch_dims`` says where the batch is in each input, as ``partita.capture`` takes it
+    (``{"src": 1}`` for a sequence-first input). A loss that couples the samples of the batch
+    (CLIP, in-batch negatives: ``OpGraph.couples_samples``) is planned with one micro-batch and
+    one replica per stage, which is exact, with a warning.
     """
     ctx = planning_context(model, args, kwargs, cluster=cluster, global_batch_size=global_batch_size,
-                           loss_fn=loss_fn, target=target, options=options)
+                           loss_fn=loss_fn, target=target, options=options, batch_dims=batch_dims)
     return _best_or_raise(ctx)
 
 
 @dataclass(frozen=True)
 class PlanningResult:
     """A plan, the baselines' splits under its configuration, and the run that made them
-    (``context.costs_at`` gives the cost tables, e.g. to simulate the plan with a timeline)."""
+    (``context.costs_at`` gives the cost tables, e.g. to simulate the plan with a timeline).
+    ``baseline_reasons``: for each baseline without a plan (None), why: "cannot split into N
+    stages: ..." or "does not fit"."""
 
     plan: Plan
     baselines: dict[str, Plan | None]
     context: PlanningContext
+    baseline_reasons: dict[str, str] = field(default_factory=dict)
 
 
 def plan_with_baselines(
@@ -68,13 +76,15 @@ def plan_with_baselines(
     loss_fn: Callable | None = None,
     target: Any = None,
     options: PlanOptions = PlanOptions(),
+    batch_dims: dict | None = None,
 ) -> PlanningResult:
     """``plan``, and each baseline's split under the plan's configuration (None: it does not fit or
     cannot make that many stages), from one capture and one set of costs."""
     ctx = planning_context(model, args, kwargs, cluster=cluster, global_batch_size=global_batch_size,
-                           loss_fn=loss_fn, target=target, options=options)
+                           loss_fn=loss_fn, target=target, options=options, batch_dims=batch_dims)
     best = _best_or_raise(ctx)
-    return PlanningResult(best, baseline_plans(ctx, best), ctx)
+    baselines, reasons = baseline_outcomes(ctx, best)
+    return PlanningResult(best, baselines, ctx, reasons)
 
 
 def _best_or_raise(ctx: PlanningContext) -> Plan:

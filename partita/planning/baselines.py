@@ -93,16 +93,44 @@ def _snap(cuts: list[int], legal: np.ndarray) -> list[int] | None:
 
 
 def baseline_plans(ctx: PlanningContext, like: Plan) -> dict[str, Plan | None]:
-    """Each baseline's split under ``like``'s configuration (None: it does not fit or cannot split).
+    """Each baseline's split under ``like``'s configuration (None: it does not fit or cannot split;
+    ``baseline_outcomes`` also says which).
 
     Recomputation is switched on only for the stages that do not fit without it, and never under
     ZBV (see partita.planning.search). ``best_plan`` starts its refinement from these same splits, so
     no baseline's split is faster than partita's plan under partita's configuration."""
+    return baseline_outcomes(ctx, like)[0]
+
+
+def baseline_outcomes(ctx: PlanningContext, like: Plan) -> tuple[dict[str, Plan | None], dict[str, str]]:
+    """``baseline_plans``, and why each baseline without a plan has none: it "cannot split into N
+    stages" (too few layers or cut positions), or its split "does not fit" the memory."""
     splits = baseline_splits(ctx)
     config = same_config(like)
-    return {method: None if boundaries is None else
-            fit_with_recompute(ctx, config, boundaries, method, mode=config.recompute_mode)
-            for method, boundaries in splits(config).items()}
+    plans: dict[str, Plan | None] = {}
+    reasons: dict[str, str] = {}
+    for method, boundaries in splits(config).items():
+        if boundaries is None:
+            plans[method], reasons[method] = None, _cannot_split(ctx, method, config)
+            continue
+        plans[method] = fit_with_recompute(ctx, config, boundaries, method, mode=config.recompute_mode)
+        if plans[method] is None:
+            reasons[method] = "does not fit" + ("" if recompute_allowed(config.schedule) else
+                                                f" without recomputation, which {config.schedule.value} never uses")
+    return plans, reasons
+
+
+def _cannot_split(ctx: PlanningContext, method: str, config: Config) -> str:
+    n = config.num_stages
+    if method == "uniform":
+        layers = len(layer_boundaries(ctx.graph))
+        if layers < n:
+            return f"cannot split into {n} stages: the model has {layers} repeated layers"
+    legal = legal_cuts(ctx.graph)
+    if config.stage_replicas:
+        legal = legal & ctx.per_sample_cuts
+    inner = int(np.count_nonzero(legal[1:ctx.graph.num_nodes]))
+    return f"cannot split into {n} stages: its cuts make fewer non-empty stages ({inner} legal cut positions)"
 
 
 def same_config(like: Plan | Config) -> Config:

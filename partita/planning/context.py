@@ -10,6 +10,8 @@ lets callers skip simulating splits that cannot beat a known step.
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 
 import partita
-from partita.capturing import capture
+from partita.capturing import capture, flatten_call_inputs
 from partita.checks import positive_int
 from partita.cost.analytic import analytic_costs
 from partita.types.cluster import Cluster
@@ -60,22 +62,28 @@ def planning_context(
     loss_fn: Callable | None = None,
     target: Any = None,
     options: PlanOptions = PlanOptions(),
+    batch_dims: Any = None,
 ) -> PlanningContext:
-    """Capture (unless ``model`` is already an OpGraph), pick the cost source, coarsen the graph
-    into a chain of blocks, and resolve ``options`` against the cluster: everything one planning
-    run shares. InputError for options the cluster or the graph cannot honour."""
+    """Capture (unless ``model`` is already an OpGraph; ``batch_dims`` as ``partita.capture`` takes
+    it), pick the cost source, coarsen the graph into a chain of blocks, and resolve ``options``
+    against the cluster: everything one planning run shares. InputError for options the cluster
+    or the graph cannot honour.
+
+    A graph whose loss couples samples (``OpGraph.couples_samples``) is planned with one
+    micro-batch and one replica per stage (``whole_batch_options``)."""
     if not isinstance(cluster, Cluster):
         raise InputError(f"cluster must be a partita.Cluster, got {type(cluster).__name__}")
     if not isinstance(options, PlanOptions):
         raise InputError(f"options must be a partita.PlanOptions, got {type(options).__name__}")
     positive_int(global_batch_size, "global_batch_size")
+    check_batch_divisible(global_batch_size, options.num_microbatches, options.replicas)
     uniform_replicas = _resolve_uniform(options.uniform_replicas, options.replicas, cluster)
-    graph = model if isinstance(model, OpGraph) else capture(model, args, kwargs, loss_fn=loss_fn, target=target)
+    graph = model if isinstance(model, OpGraph) else capture(model, args, kwargs, loss_fn=loss_fn, target=target,
+                                                             batch_dims=batch_dims)
     if not graph.dynamic_batch:
-        raise InputError(
-            f"the graph has a static batch dimension (captured at batch {graph.batch_size}), so its costs cannot "
-            "be scaled to other micro-batch sizes: capture with an example batch of at least 2 "
-            "(torch.export fixes a batch of 1) and without code that specialises on the batch size")
+        raise InputError(static_batch_message(graph))
+    if graph.couples_samples is not None:
+        options, uniform_replicas = whole_batch_options(options, graph), True
     search_options = SearchOptions(
         num_devices=cluster.num_devices, global_batch_size=global_batch_size,
         memory_limit_bytes=cluster.usable_memory_bytes, schedules=options.schedules, num_stages=options.num_stages,
@@ -83,6 +91,8 @@ def planning_context(
         optimizer=options.optimizer, mixed_precision=options.mixed_precision, uniform_replicas=uniform_replicas,
     )
     source = _cost_source(options.costs, graph, cluster)
+    if source is CostSource.MEASURED and (args or kwargs or target is not None):
+        flatten_call_inputs(graph, args, kwargs, target)  # InputError: a tensor where None was captured, ...
     inputs = (args, dict(kwargs or {}), target)
     if isinstance(model, OpGraph) and not args and not kwargs and target is None and graph.example_inputs is not None:
         inputs = graph.example_inputs  # a graph alone: profile it on the inputs it was captured from
@@ -97,6 +107,67 @@ def planning_context(
         "max_blocks": options.max_blocks, "memory_limit_bytes": search_options.memory_limit_bytes,
     }
     return PlanningContext(graph, cluster, search_options, costs_at, chain, resolved)
+
+
+def check_batch_divisible(global_batch_size: int, num_microbatches: int | None, replicas: int | None,
+                          names: tuple[str, str, str] = ("global_batch_size", "num_microbatches", "replicas")) -> None:
+    """InputError unless the global batch splits evenly into the pinned micro-batches and replicas
+    (every micro-batch of every replica runs the same number of samples): no search could then
+    find a plan, and "nothing fits" would name the wrong cause. ``names`` are how the caller spells
+    the three values (the command line: its flags)."""
+    unit = (num_microbatches or 1) * (replicas or 1)
+    if global_batch_size % unit == 0:
+        return
+    batch_name, microbatches_name, replicas_name = names
+    pinned = [f"{name} {value}" for name, value in ((microbatches_name, num_microbatches), (replicas_name, replicas))
+              if value]
+    lower = global_batch_size // unit * unit
+    fix = f"use {batch_name} " + " or ".join(str(b) for b in (lower, lower + unit) if b > 0)
+    share, rest = divmod(global_batch_size, replicas or 1)
+    if num_microbatches and not rest:
+        divisors = {d for k in range(1, math.isqrt(share) + 1) if share % k == 0 for d in (k, share // k)}
+        closest = sorted(sorted(divisors, key=lambda d: (abs(d - num_microbatches), d))[:4])
+        fix += f", or {microbatches_name} " + ", ".join(map(str, closest))
+    raise InputError(f"{batch_name} {global_batch_size} is not divisible by {' x '.join(pinned)}"
+                     f"{f' = {unit}' if len(pinned) > 1 else ''}: every micro-batch of every replica needs the same "
+                     f"number of samples; {fix}")
+
+
+def static_batch_message(graph: OpGraph) -> str:
+    """Why a graph with a static batch cannot be planned, and what to do."""
+    head = (f"the graph has a static batch dimension (captured at batch {graph.batch_size}): it runs that batch "
+            "size only, so its costs cannot be scaled to micro-batches")
+    if graph.batch_fixed_at and graph.batch_fixed_at != "unknown":
+        return (f"{head}. The model fixes the batch size at {graph.batch_fixed_at} (torch.export specialised it "
+                "there, e.g. len(x) or a Python int where x.shape[0] would keep it symbolic): make that line work "
+                "for any batch size and capture again")
+    if graph.batch_fixed_at:
+        return (f"{head}. The model fixes the batch size somewhere (torch.export specialised it; run with "
+                "TORCH_LOGS=+dynamic to see where): make that code work for any batch size and capture again")
+    return f"{head}: capture with dynamic_batch=True (the default)"
+
+
+def whole_batch_options(options: PlanOptions, graph: OpGraph) -> PlanOptions:
+    """``options`` with one micro-batch and one replica per stage, for a graph whose loss couples the
+    samples of the batch: every split of the batch (micro-batches, data-parallel replicas) would
+    train another loss, so each step runs the whole batch through one pipeline, which is exact.
+    InputError when the options pin a split; a warning otherwise, since the plan loses the speed
+    of micro-batches and data parallelism."""
+    coupling = graph.couples_samples
+    why = (f"the loss couples the samples of the batch: {coupling.describe()}, so every sample's loss depends "
+           "on the other samples of the same batch, and splitting the batch would train another loss")
+    rewrite = ("rewrite the loss so that each sample's term depends on that sample alone (e.g. gather the "
+               "embeddings of the whole batch before the similarity matrix), or keep the whole batch together")
+    pinned = [f"{name}={value}" for name, value in (("num_microbatches", options.num_microbatches),
+                                                     ("replicas", options.replicas)) if value not in (None, 1)]
+    if options.uniform_replicas is False:
+        pinned.append("uniform_replicas=False")
+    if pinned:
+        raise InputError(f"{', '.join(pinned)} would split the batch, but {why}. Unpin them (partita then plans one "
+                         f"micro-batch on one replica per stage, which is exact), or {rewrite}")
+    warnings.warn(f"{why}: planning one micro-batch and one replica per stage (exact, but without the speed of "
+                  f"micro-batching and data parallelism); to get those, {rewrite}", stacklevel=4)
+    return options.replace(num_microbatches=1, replicas=1, uniform_replicas=True)
 
 
 def _resolve_uniform(uniform_replicas: bool | None, replicas: int | None, cluster: Cluster) -> bool:

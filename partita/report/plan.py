@@ -9,13 +9,19 @@ from partita.report.format import fmt_bytes, fmt_layout, fmt_microbatches, fmt_s
 from partita.types import Plan
 
 
-def plan_text(plan: Plan, *, baselines: Mapping[str, Plan | None] = ()) -> str:
+def plan_text(plan: Plan, *, baselines: Mapping[str, Plan | None] = (), baseline_reasons: Mapping[str, str] = ()) -> str:
     """Stages (modules, ranks, params, memory vs limit, times, cut bytes), then the step figures.
+
+    ``baseline_reasons`` (``PlanningResult.baseline_reasons``) tells a baseline that cannot make the
+    plan's stage count ("fits: n/a", with the reason below the table) from one that does not fit
+    the memory ("fits: no"); without it every missing baseline shows "no".
 
     The efficiency column needs ``plan.total_compute_s`` (forward + backward seconds of one whole
     step on one device; the ideal step is this divided by the number of devices): "-" without it.
     """
     total_compute_s = plan.total_compute_s
+    reasons = dict(baseline_reasons)
+    unsplittable = {name: why for name, why in reasons.items() if why.startswith("cannot split")}
     limit = int(plan.options.get("memory_limit_bytes", 0))
     rows = [
         (s.index, s.module_range, ",".join(map(str, s.ranks)) if len(s.ranks) <= 4 else f"{s.ranks[0]}..{s.ranks[-1]}",
@@ -31,9 +37,11 @@ def plan_text(plan: Plan, *, baselines: Mapping[str, Plan | None] = ()) -> str:
         "",
         table(["plan", "fits", "step", "samples/s", "bubble", "efficiency", "vs partita"],
               [_summary_row("partita", plan, plan, total_compute_s)]
-              + [_summary_row(name, p, plan, total_compute_s) for name, p in dict(baselines).items()]),
+              + [_summary_row(name, p, plan, total_compute_s, name in unsplittable)
+                 for name, p in dict(baselines).items()]),
         "efficiency = ideal step (total compute / devices) / predicted step",
     ]
+    lines += [f"n/a: {name} {why}" for name, why in unsplittable.items() if dict(baselines).get(name) is None]
     available = plan.cluster.num_devices
     if plan.num_devices < available:
         lines.append(
@@ -43,9 +51,10 @@ def plan_text(plan: Plan, *, baselines: Mapping[str, Plan | None] = ()) -> str:
     return "\n".join(lines)
 
 
-def _summary_row(name: str, p: Plan | None, reference: Plan, total_compute_s: float | None) -> tuple:
+def _summary_row(name: str, p: Plan | None, reference: Plan, total_compute_s: float | None,
+                 unsplittable: bool = False) -> tuple:
     if p is None:
-        return (name, "no", "-", "-", "-", "-", "-")
+        return (name, "n/a" if unsplittable else "no", "-", "-", "-", "-", "-")
     efficiency = "-" if total_compute_s is None else f"{total_compute_s / max(1, p.num_devices) / p.predicted_step_s:.1%}"
     return (name, "yes", fmt_seconds(p.predicted_step_s), f"{p.global_batch_size / p.predicted_step_s:,.1f}",
             f"{p.predicted_bubble_fraction:.1%}", efficiency,

@@ -19,12 +19,23 @@ Keys (flat; ``<name>`` is a canonical parameter or buffer name, e.g. ``transform
 A checkpoint is written to ``<dir>.partial`` and renamed to ``<dir>`` only when every rank has
 finished: an interrupted write never looks complete. A complete checkpoint is a directory
 holding DCP's metadata file (``checkpoint_dir.is_complete``); loading anything else raises InputError.
+
+Before the rename, rank 0 writes a manifest of every file's size and sha256 (each rank hashes the
+files it wrote). Loading first checks the files against it (each rank a share of them) and
+raises InputError naming a damaged file, before any tensor is read; ``latest_intact_checkpoint``
+picks the latest checkpoint that passes, warning about each damaged one it skips. Checkpoints
+without a manifest (earlier partita) load with a warning that they cannot be verified.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
+import re
 import shutil
+import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,20 +43,31 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from partita import __version__
 from partita.capturing import canonical_names
 from partita.errors import InputError
-from partita.runtime.checkpoint_dir import METADATA_FILE, PARTIAL_SUFFIX
+from partita.runtime.checkpoint_dir import (
+    METADATA_FILE,
+    PARTIAL_SUFFIX,
+    complete_checkpoints,
+    damage,
+    file_digest,
+    is_complete,
+    manifest_files,
+    warn_unverified,
+    write_manifest,
+)
 from partita.runtime.materialize import single_process
 from partita.types.plan_file import plan_to_dict
 
 if TYPE_CHECKING:
     from partita.runtime.trainer import Trainer
 
-__all__ = ["load_checkpoint", "load_into_model", "save_checkpoint"]
+__all__ = ["latest_intact_checkpoint", "load_checkpoint", "load_into_model", "save_checkpoint"]
 
 
 def save_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
@@ -62,7 +84,11 @@ def save_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
     dcp.save(_trainer_state(trainer), storage_writer=FileSystemWriter(partial),
              planner=DefaultSavePlanner(flatten_state_dict=False, dedup_save_to_lowest_rank=True))
     dist.barrier()  # every rank's files are complete
+    own = _own_file_digests(partial, rank)  # each rank hashes what it wrote
+    gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(own, gathered, dst=0)
     if rank == 0:
+        write_manifest(partial, {name: d for part in gathered for name, d in part.items()})  # the last file
         old = path + ".old"
         if os.path.exists(path):
             os.replace(path, old)
@@ -71,9 +97,13 @@ def save_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
     dist.barrier()
 
 
-def load_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
+def load_checkpoint(trainer: "Trainer", path: str | os.PathLike, *, verify: bool = True) -> None:
     """Load a checkpoint written under any plan into ``trainer`` (model, optimizer, scheduler,
-    step count, RNG). Collective: call on every rank."""
+    step count, RNG). Collective: call on every rank. With ``verify`` the files are first checked
+    against the checkpoint's manifest (InputError naming a damaged one); pass False for a
+    checkpoint that ``latest_intact_checkpoint`` has just verified."""
+    if verify:
+        _require_intact(os.fspath(path), _collective_damage(os.fspath(path)))
     stored = _stored_keys(path)
     state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _model_tensors(trainer).items()}
     names = _optimizer_names(trainer)
@@ -91,7 +121,8 @@ def load_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
     if trainer.lr_scheduler is not None:
         state["trainer.lr_scheduler"] = None
     _require(stored, state, path)
-    dcp.load(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_load_planner())
+    with _readable(path):
+        dcp.load(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_load_planner())
     _load_optimizer(trainer, names, state)
     if trainer.lr_scheduler is not None:
         trainer.lr_scheduler.load_state_dict(state["trainer.lr_scheduler"])
@@ -103,13 +134,33 @@ def load_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
 
 def load_into_model(model: nn.Module, path: str | os.PathLike) -> None:
     """Load the parameters and persistent buffers of a checkpoint into a plain (unsplit) model,
-    in place, in this process alone (no process group needed)."""
+    in place, in this process alone (no process group needed). The files are first checked against
+    the checkpoint's manifest (InputError naming a damaged one)."""
+    _require_intact(os.fspath(path), _local_damage(os.fspath(path)))
     stored = _stored_keys(path)
     names = canonical_names(model)
     state = {f"model.{names[id(t)]}": t.detach() for t in model.state_dict(keep_vars=True).values()}
     _require(stored, state, path)
-    with single_process():
+    with single_process(), _readable(path):
         dcp.load(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_load_planner(), no_dist=True)
+
+
+def latest_intact_checkpoint(directory: str) -> str | None:
+    """The latest complete checkpoint in ``directory`` whose files match its manifest, or None.
+    Collective: every rank gets the same answer (rank 0 lists the directory; each rank checks a
+    share of each candidate's files). Rank 0 warns about every damaged checkpoint it skips."""
+    rank = dist.get_rank()
+    candidates = [complete_checkpoints(directory) if rank == 0 else None]
+    dist.broadcast_object_list(candidates, src=0)
+    for path in candidates[0]:
+        problem = _collective_damage(path)
+        if problem is None:
+            if rank == 0:
+                warn_unverified(path)
+            return path
+        if rank == 0:
+            warnings.warn(f"checkpoint {path!r} is damaged ({problem}): skipped, an earlier one is used", stacklevel=2)
+    return None
 
 
 # ----------------------------------------------------------------------------- saving
@@ -158,6 +209,60 @@ def _optimizer_names(trainer: "Trainer") -> list[str]:
     return names
 
 
+def _own_file_digests(partial: str, rank: int) -> dict[str, dict]:
+    """Size and sha256 of the data files this rank wrote (DCP names them ``__<rank>_<k>.distcp``)."""
+    own = re.compile(rf"^__{rank}_\d+\.distcp$")
+    return {name: file_digest(os.path.join(partial, name)) for name in sorted(os.listdir(partial)) if own.match(name)}
+
+
+# ----------------------------------------------------------------------------- integrity
+
+
+def _collective_damage(path: str) -> str | None:
+    """``checkpoint_dir.damage`` of checkpoint ``path``, each rank hashing a share of its files; the
+    same answer on every rank (one all_gather_object, whatever any rank found)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        files = manifest_files(path)
+    except InputError as e:
+        local = str(e)
+    else:
+        local = None if files is None else damage(path, sorted(files)[rank::world])
+        if files is None and rank == 0 and is_complete(path):
+            warn_unverified(path)
+    problems: list[Any] = [None] * world
+    dist.all_gather_object(problems, local)
+    return next((p for p in problems if p), None)
+
+
+def _local_damage(path: str) -> str | None:
+    """``checkpoint_dir.damage`` in this process alone, warning when there is no manifest."""
+    problem = damage(path)
+    if problem is None and is_complete(path):
+        warn_unverified(path)
+    return problem
+
+
+def _require_intact(path: str, problem: str | None) -> None:
+    if problem is not None:
+        raise InputError(f"checkpoint {path!r} is damaged ({problem}): load an earlier one; "
+                         "partita.runtime.checkpoint_dir.latest_checkpoint(directory) skips damaged checkpoints")
+
+
+@contextlib.contextmanager
+def _readable(path: str | os.PathLike) -> Iterator[None]:
+    """DCP's read failures (a file cut short or altered in a checkpoint without a manifest) as an
+    InputError that names the checkpoint, the cause and what to do."""
+    try:
+        yield
+    except CheckpointException as error:
+        failures = list(getattr(error, "failures", {}).values())
+        inner = getattr(failures[0], "exc", None) if failures else None
+        cause = f"{type(inner).__name__}: {inner}" if inner is not None else str(error).splitlines()[0]
+        raise InputError(f"checkpoint {os.fspath(path)!r} could not be read ({cause.strip()}): a file is cut short "
+                         "or damaged; load an earlier checkpoint") from error
+
+
 # ----------------------------------------------------------------------------- loading
 
 
@@ -175,7 +280,7 @@ def _stored_keys(path: str | os.PathLike) -> dict[str, Any]:
                          f"partita.runtime.checkpoint_dir.latest_checkpoint(directory) finds")
     try:
         return dict(FileSystemReader(path).read_metadata().state_dict_metadata)
-    except (OSError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         if os.path.exists(path + PARTIAL_SUFFIX):
             cause = "an interrupted write left only a .partial directory"
         elif os.path.isdir(path) and not os.path.exists(os.path.join(path, METADATA_FILE)):

@@ -34,6 +34,8 @@ def launch_local(module_argv: Sequence[str], *, nproc: int, max_restarts: int = 
 
     if nproc < 1:
         raise InputError(f"--nproc must be >= 1, got {nproc}")
+    if max_restarts < 0:
+        raise InputError(f"max_restarts must be >= 0 (restarts after a failure), got {max_restarts}")
     # One intra-op thread per rank unless the user chose otherwise: ranks share this machine's cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if max_restarts > 0:

@@ -9,7 +9,9 @@ exactly the weights the unsplit model would have, and no rank ever holds the who
 
 The seed is a torch.distributed.checkpoint directory keyed like training checkpoints
 (``model.<canonical name>``), and also holds non-persistent buffers (rotary frequencies, masks:
-a model built on meta has no values for them).
+a model built on meta has no values for them). Like training checkpoints it holds a manifest of
+its files (checkpoint_dir.py); ``materialize`` checks their sizes (every rank reads the seed, so
+it does not hash all of it on each).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from partita.capturing import canonical_names
 from partita.errors import InputError
-from partita.runtime.checkpoint_dir import PARTIAL_SUFFIX, is_complete
+from partita.runtime.checkpoint_dir import PARTIAL_SUFFIX, damage, is_complete, write_manifest
 
 __all__ = ["materialize", "meta_copies", "on_meta", "retarget_device", "save_seed", "single_process"]
 
@@ -56,6 +58,7 @@ def save_seed(model: nn.Module, path: str | os.PathLike) -> None:
     state = {f"model.{name}": t.detach() for name, t in _named_tensors(model).items()}
     with single_process():
         dcp.save(state, storage_writer=FileSystemWriter(partial), no_dist=True)
+    write_manifest(partial)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(partial, path)
 
@@ -69,6 +72,10 @@ def materialize(model: nn.Module, modules: Iterable[nn.Module], names: set[str],
     if not is_complete(seed):
         raise InputError(f"init_from={seed!r} is not a complete seed checkpoint: write one with "
                          "partita.runtime.materialize.save_seed(model, path) from the model built with real weights")
+    problem = damage(seed, checksums=False)
+    if problem is not None:
+        raise InputError(f"the seed checkpoint {seed!r} is damaged ({problem}): write it again with "
+                         "partita.runtime.materialize.save_seed(model, path)")
     by_name = _named_tensors(model)
     unknown = sorted(names - set(by_name))
     if unknown:

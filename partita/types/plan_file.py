@@ -76,6 +76,9 @@ def load_plan(path: str | os.PathLike, *, graph: OpGraph | None = None, cluster:
             text = f.read()
     except OSError as e:
         raise PlanFileError(f"cannot read plan file {os.fspath(path)!r}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise PlanFileError(f"{os.fspath(path)!r} is not a plan file: byte {e.start} is not UTF-8 text (a binary "
+                            "file?); give the JSON file that `partita plan --out` writes") from e
     return plan_from_json(text, graph=graph, cluster=cluster, source=os.fspath(path))
 
 
@@ -195,6 +198,14 @@ def check_plan_consistency(plan: Plan, source: str = "plan") -> None:
                 "stages must be contiguous, without gaps or overlaps"
             )
     _check_rank_groups(plan, source)
+    recomputed = [k for k, s in enumerate(stages) if s.recompute]
+    if plan.schedule is Schedule.ZBV and recomputed and plan.method != "manual":
+        # The planner never recomputes under ZBV (partita.planning.options.recompute_allowed): such a
+        # file was edited, and its memory figures are wrong. manual_plan may ask for it (no predictions).
+        raise PlanFileError(
+            f"{source}: stages[{recomputed[0]}].recompute is true, but the schedule is zbv, under which partita never "
+            "recomputes (the memory of a recomputed stage cannot be predicted): set it to false, or re-plan with "
+            "another schedule")
     num_devices = plan.cluster.num_devices
     used = sorted({r for s in stages for r in s.ranks})
     if used[-1] >= num_devices:
