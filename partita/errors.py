@@ -49,3 +49,23 @@ class NumericsError(PartitaError):
 
 def _numerics_error(message: str, step: int, findings: tuple) -> NumericsError:
     return NumericsError(message, step=step, findings=findings)
+
+
+class CollectiveTimeoutError(PartitaError, TimeoutError):
+    """A collective or point-to-point transfer waited longer than the trainer's collective timeout:
+    another rank is hung, or much slower.
+
+    Attributes: ``step`` (the 1-based step, 0 while the trainer starts), ``rank`` (the rank that
+    waited) and ``behind`` (the ranks known not to have reached that step, possibly empty).
+    """
+
+    def __init__(self, message: str, *, step: int = 0, rank: int = -1, behind: tuple = ()):
+        super().__init__(message)
+        self.step, self.rank, self.behind = step, rank, tuple(behind)
+
+    def __reduce__(self):
+        return (_collective_timeout_error, (str(self), self.step, self.rank, self.behind))
+
+
+def _collective_timeout_error(message: str, step: int, rank: int, behind: tuple) -> CollectiveTimeoutError:
+    return CollectiveTimeoutError(message, step=step, rank=rank, behind=behind)

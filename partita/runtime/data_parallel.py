@@ -24,12 +24,23 @@ is a mean over equally many elements, ``r`` being the LAST stage's replica count
 uniform): its replicas compute the losses. Each stage accumulates ``sum_mb dL_mb/dp`` over its
 micro-batches (schedules built with ``scale_grads=False``), every sample's contribution reaching
 exactly one replica of each stage; the holders all-reduce (SUM) that, and each unique parameter
-is divided exactly once by ``m * r``.
+is divided exactly once by ``m * r``. When the loss divides by a data-dependent count
+(``partita.runtime.loss_scaling``), the last stage's slices compute parts that already SUM to the
+full-batch loss, and the scale is 1 instead.
+
+One plan per job: ``init_topology`` compares a digest of the plan on every rank (``check_same_plan``)
+before it creates any group, since ranks with different plans would create different groups and
+hang. A collective timeout (``collective_timeout_s``) applies to every group partita uses: the
+process group partita initialises, or else partita's own world group, the mesh's and the
+gradient holders' groups.
 """
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -37,11 +48,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partita.errors import InputError
+from partita.errors import InputError, PlanFileError
 from partita.planning.uneven import UNEVEN_SCHEDULES
 from partita.types import Plan
+from partita.types.plan_file import plan_to_json
 
-__all__ = ["Topology", "GradientSync", "init_topology"]
+__all__ = ["Topology", "GradientSync", "check_same_plan", "init_process_group", "init_topology", "plan_digest",
+           "timeout_of"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,57 +71,139 @@ class Topology:
     dp_group: dist.ProcessGroup  # this rank's rank group
     pp_group: dist.ProcessGroup | None = None  # uniform: this rank's pipeline (same replica index in every group)
     mesh: object = None  # uniform: the DeviceMesh with axes ("pp", "dp"); uneven: None (no mesh expresses it)
+    world_group: dist.ProcessGroup | None = None  # all ranks, with partita's timeout; None: the default group
+    timeout: datetime.timedelta | None = None  # collective timeout of partita's groups; None: torch's default
 
     @property
     def uniform(self) -> bool:
         return self.mesh is not None
 
 
-def init_topology(plan: Plan) -> Topology:
-    """Initialise torch.distributed if needed (NCCL with CUDA, else gloo) and build the groups:
-    the pp x dp mesh of a uniform plan, one group per stage of an uneven one.
+def init_topology(plan: Plan, *, collective_timeout_s: float | None = None) -> Topology:
+    """Initialise torch.distributed if needed (NCCL with CUDA, else gloo), check that every rank
+    holds the same plan, and build the groups: the pp x dp mesh of a uniform plan, one group per
+    stage of an uneven one.
 
     Run under torchrun (or with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), one process per device.
+    ``collective_timeout_s``: how long any collective or transfer of partita's may wait (see the
+    module docstring); None leaves torch's default (30 min for gloo, 10 min for NCCL).
     """
-    check_layout(plan)
-    device = _init_process_group(plan)
+    timeout = timeout_of(collective_timeout_s)
+    device, world_group = init_process_group(timeout, num_devices=plan.num_devices)
+    check_same_plan(plan, group=world_group)  # before any group that depends on the plan
     rank, world = dist.get_rank(), dist.get_world_size()
+    if world != plan.num_devices:
+        raise InputError(f"the plan needs {plan.num_devices} ranks but {world} were started: run torchrun with "
+                         f"--nproc-per-node {plan.num_devices} (x nodes), or re-plan for {world} devices")
+    check_layout(plan)
+    common = dict(rank=rank, world_size=world, device=device, world_group=world_group, timeout=timeout)
     if plan.uniform_replicas:
         from torch.distributed.device_mesh import init_device_mesh
 
         pp, dp = plan.num_rank_groups, plan.stages[0].num_replicas
-        mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
-        return Topology(rank=rank, world_size=world, num_rank_groups=pp, rank_group=rank // dp, replica=rank % dp,
-                        replicas=dp, device=device, dp_group=mesh.get_group("dp"), pp_group=mesh.get_group("pp"),
-                        mesh=mesh)
-    groups = [dist.new_group(list(s.ranks)) for s in plan.stages]  # collective: every rank, same order
+        override = _mesh_timeouts(timeout) if timeout is not None else None
+        mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"), backend_override=override)
+        dp_group, pp_group = mesh.get_group("dp"), mesh.get_group("pp")
+        return Topology(num_rank_groups=pp, rank_group=rank // dp, replica=rank % dp, replicas=dp, dp_group=dp_group,
+                        pp_group=pp_group, mesh=mesh, **common)
+    groups = [new_group(list(s.ranks), timeout) for s in plan.stages]  # collective: every rank, same order
     # One collective of all ranks before any point-to-point: NCCL sets up the world communicator
     # here, not in a batch_isend_irecv that only some ranks join (undefined behaviour per torch's docs).
-    dist.barrier()
+    dist.barrier(group=world_group)
     stage = next(s for s in plan.stages if rank in s.ranks)
-    return Topology(rank=rank, world_size=world, num_rank_groups=plan.num_rank_groups, rank_group=stage.rank_group,
-                    replica=stage.ranks.index(rank), replicas=stage.num_replicas, device=device,
-                    dp_group=groups[stage.index])
+    return Topology(num_rank_groups=plan.num_rank_groups, rank_group=stage.rank_group,
+                    replica=stage.ranks.index(rank), replicas=stage.num_replicas, dp_group=groups[stage.index],
+                    **common)
 
 
-def _init_process_group(plan: Plan) -> torch.device:
-    """Join (or check) the process group of ``plan.num_devices`` ranks; this rank's device."""
+def init_process_group(timeout: datetime.timedelta | None = None, *,
+                       num_devices: int | None = None) -> tuple[torch.device, dist.ProcessGroup | None]:
+    """Join the job's process group from torchrun's environment, unless one is initialised:
+    (this rank's device, the group of all ranks with ``timeout``, or None for the default group).
+
+    When partita initialises the process group, it gets ``timeout`` itself; when the caller did,
+    a group of all ranks is created with ``timeout`` (the caller's default group keeps its own).
+    """
     cuda = torch.cuda.is_available()
+    world_group = None
     if not dist.is_initialized():
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
+            n = num_devices if num_devices is not None else "N"
             raise InputError(f"torch.distributed is not initialised and {', '.join(missing)} are not set: run the "
-                             f"training script under `torchrun --nproc-per-node {plan.num_devices} script.py`")
-        dist.init_process_group("nccl" if cuda else "gloo")
-    world = dist.get_world_size()
-    if world != plan.num_devices:
-        raise InputError(f"the plan needs {plan.num_devices} ranks but {world} were started: run torchrun with "
-                         f"--nproc-per-node {plan.num_devices} (x nodes), or re-plan for {world} devices")
+                             f"training script under `torchrun --nproc-per-node {n} script.py`")
+        options = {"timeout": timeout} if timeout is not None else {}
+        dist.init_process_group("nccl" if cuda else "gloo", **options)
+    elif timeout is not None:
+        world_group = new_group(None, timeout)
     if not cuda:
-        return torch.device("cpu")
+        return torch.device("cpu"), world_group
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
     torch.cuda.set_device(device)
-    return device
+    return device, world_group
+
+
+def new_group(ranks: list[int] | None, timeout: datetime.timedelta | None) -> dist.ProcessGroup:
+    """``dist.new_group`` with partita's timeout (None: torch's default). Collective: every rank."""
+    return dist.new_group(ranks, timeout=timeout) if timeout is not None else dist.new_group(ranks)
+
+
+def _mesh_timeouts(timeout: datetime.timedelta) -> dict | None:
+    """``init_device_mesh``'s backend_override giving both mesh dims' groups ``timeout`` (setting it
+    on a gloo group afterwards does not reach its transfers), or None, with a warning, where this
+    torch has no such options."""
+    backend = dist.get_backend()
+    try:
+        options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+    except (AttributeError, RuntimeError, TypeError) as e:
+        warnings.warn(f"cannot give the pipeline's process groups a timeout on backend {backend} ({e}): transfers "
+                      "between stages wait for torch's default timeout", RuntimeWarning, stacklevel=3)
+        return None
+    return {"pp": (backend, options), "dp": (backend, options)}
+
+
+def timeout_of(seconds: float | None) -> datetime.timedelta | None:
+    """``collective_timeout_s`` as a timedelta (None stays None); InputError unless it is > 0."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise InputError(f"collective_timeout_s must be a number of seconds > 0 or None, got {seconds!r}")
+    return datetime.timedelta(seconds=float(seconds))
+
+
+def plan_digest(plan: Plan) -> str:
+    """sha256 of the plan's JSON (``plan_to_json``): equal exactly when the plans are."""
+    return hashlib.sha256(plan_to_json(plan).encode("utf-8")).hexdigest()
+
+
+def check_same_plan(plan: Plan, group: dist.ProcessGroup | None = None) -> None:
+    """PlanFileError on every rank unless every rank holds the same plan (one all-gather of digests)."""
+    mine = (plan_digest(plan), _plan_summary(plan))
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    digests = {digest for digest, _ in gathered}
+    if len(digests) == 1:
+        return
+    by_digest: dict[str, list[int]] = {}
+    summaries = {}
+    for rank, (digest, summary) in enumerate(gathered):
+        by_digest.setdefault(digest, []).append(rank)
+        summaries[digest] = summary
+    listing = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: plan {digest[:12]} "
+                        f"({summaries[digest]})" for digest, ranks in by_digest.items())
+    raise PlanFileError(
+        f"the ranks hold {len(digests)} different plans ({listing}). One plan per job: make it once, on rank 0, and "
+        "give it to every rank -- plan = partita.runtime.trainer.shared_plan(lambda: partita.plan(...)) -- or save "
+        "it once (plan.save('plan.json'), or `partita plan ... --out plan.json`) and load that same file on every "
+        "rank (partita.Plan.load). Planning on every rank gives different plans when costs are measured.")
+
+
+def _plan_summary(plan: Plan) -> str:
+    replicas = sorted({s.num_replicas for s in plan.stages})
+    return (f"{plan.num_stages} stages cut at nodes {list(plan.boundaries)}, {plan.schedule.value}, "
+            f"{plan.num_microbatches} micro-batches, replicas {replicas[0] if len(replicas) == 1 else replicas}, "
+            f"global batch {plan.global_batch_size}, {plan.num_devices} devices")
 
 
 def check_layout(plan: Plan) -> None:
@@ -170,13 +265,15 @@ class GradientSync:
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], holders: Mapping[str, Sequence[int]], rank: int,
-                 scale: float):
+                 scale: float, *, timeout: datetime.timedelta | None = None,
+                 world_group: dist.ProcessGroup | None = None):
         self.params = dict(params)  # this rank's trainable parameters, canonical name -> Parameter
-        self.scale = scale  # 1 / (num_microbatches * replicas of the last stage)
+        self.scale = scale  # 1 / (num_microbatches * replicas of the last stage), or 1 (loss_scaling.py)
+        self.world_group = world_group  # the norm's all-reduce (None: the default group)
         self.owned = [name for name in self.params if min(holders[name]) == rank]  # counted once in the norm
         self.buckets: list[tuple[dist.ProcessGroup, list[str]]] = []
         for ranks in sorted({tuple(h) for h in holders.values() if len(h) > 1}):
-            group = dist.new_group(list(ranks))  # collective: every rank creates every group, in this order
+            group = new_group(list(ranks), timeout)  # collective: every rank creates every group, in this order
             names = [name for name in self.params if tuple(holders[name]) == ranks]
             if rank in ranks and names:
                 self.buckets.append((group, names))
@@ -190,7 +287,7 @@ class GradientSync:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             flat.mul_(self.scale)
             offset = 0
-            for name, g in zip(names, grads):
+            for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
             reduced.update(names)
@@ -204,13 +301,13 @@ class GradientSync:
         Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` over the unsplit model. Returns the
         norm before clipping (on every rank).
         """
-        device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        device = next(iter(self.params.values())).device if self.params else _group_device(self.world_group)
         squares = torch.zeros((), dtype=torch.float64, device=device)
         for name in self.owned:
             grad = self.params[name].grad
             if grad is not None:
                 squares += torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).double() ** 2
-        dist.all_reduce(squares, op=dist.ReduceOp.SUM)
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.world_group)
         total = squares.sqrt().float()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.params.values():
@@ -224,6 +321,13 @@ class GradientSync:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         return p.grad
+
+
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a rank without parameters puts its part of a collective (NCCL needs a CUDA tensor)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def unique_parameters(modules: Iterable[nn.Module]) -> dict[str, nn.Parameter]:

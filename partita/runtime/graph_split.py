@@ -162,8 +162,13 @@ def _is_assertion(node: torch.fx.Node) -> bool:
 
 
 def _live_nodes(ops: list[torch.fx.Node], loss: torch.fx.Node) -> set[torch.fx.Node]:
-    """Ancestors of the loss and of side-effecting nodes; assertions only when what they check is live."""
-    roots = [loss] + [n for n in ops if n.is_impure() and not _is_assertion(n)]
+    """Ancestors of the loss and of side-effecting nodes; assertions only when what they check is live.
+
+    Side-effecting: impure ops (in-place writes such as BatchNorm's running statistics) and
+    higher-order ops whose body writes into one of its inputs (``with torch.no_grad():
+    self.ema.mul_(0.9).add_(x.mean())`` becomes a ``wrap_with_set_grad_enabled`` without users).
+    """
+    roots = [loss] + [n for n in ops if (n.is_impure() or _body_writes_inputs(n)) and not _is_assertion(n)]
     live: set[torch.fx.Node] = set()
     stack = list(roots)
     while stack:
@@ -174,6 +179,28 @@ def _live_nodes(ops: list[torch.fx.Node], loss: torch.fx.Node) -> set[torch.fx.N
         stack.extend(a for a in node.all_input_nodes if a.op == "call_function")
     checks = [n for n in ops if _is_assertion(n) and all(a in live for a in n.all_input_nodes if a.op == "call_function")]
     return live | set(checks)
+
+
+def _body_writes_inputs(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a higher-order op whose body (or a body nested in it) writes in place
+    into one of the body's inputs: buffers or tensors of the outer graph."""
+    if not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return False
+    owner = node.graph.owning_module
+    for arg in node.args:
+        if not (isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and owner is not None):
+            continue
+        body = owner
+        for atom in str(arg.target).split("."):
+            body = getattr(body, atom, None)
+        if not isinstance(body, torch.fx.GraphModule):
+            continue
+        for inner in body.graph.nodes:
+            if inner.op != "call_function":
+                continue
+            if any(alias_root(t).op == "placeholder" for t in _written_inputs(inner)) or _body_writes_inputs(inner):
+                return True
+    return False
 
 
 def _run_stages(ops: list[torch.fx.Node], live: set[torch.fx.Node], cuts: tuple[int, ...]) -> dict[torch.fx.Node, int]:

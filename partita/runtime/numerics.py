@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from partita.checks import parse_choice
-from partita.errors import InputError
 
 __all__ = ["NonFinite", "NonFinitePolicy", "count_nonfinite", "describe", "gather_findings", "gradient_findings",
            "loss_findings"]
@@ -99,11 +98,12 @@ def gradient_findings(params: Mapping[str, torch.nn.Parameter], stages_of: Mappi
     return found
 
 
-def gather_findings(local: list[NonFinite]) -> list[NonFinite]:
-    """Every rank's findings, in rank order. Collective: call it on every rank, and only when the
-    all-reduced count says some rank found something (so that all ranks call it, or none)."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+def gather_findings(local: list[NonFinite], group: dist.ProcessGroup | None = None) -> list[NonFinite]:
+    """Every rank's findings, in rank order. Collective over ``group`` (all ranks; None: the
+    default group): call it on every rank, and only when the all-reduced count says some rank
+    found something (so that all ranks call it, or none)."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
     return [finding for part in gathered for finding in part]
 
 

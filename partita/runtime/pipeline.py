@@ -187,7 +187,8 @@ def build_schedule(schedule: Schedule, pipeline_stages: list[PipelineStage], num
 
 def stage_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
     """The schedule's loss function: the last stage already returns the 0-dim loss (the
-    micro-batch's mean); ``target`` is a dummy the schedule insists on."""
+    micro-batch's mean, or its part of the full-batch loss when loss_scaling.py rewrote the
+    stage); ``target`` is a dummy the schedule insists on."""
     return output
 
 

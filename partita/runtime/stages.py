@@ -42,10 +42,9 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 from torch import nn
 
-from partita.capturing import exported_call_inputs
+from partita.capturing import flatten_call_inputs
 from partita.errors import InputError
 from partita.runtime.graph_split import StageContents, StageSpec, check_boundaries, plan_stages, written_in_place
 from partita.types import OpGraph
@@ -153,20 +152,11 @@ def flatten_inputs(graph: OpGraph, args: tuple = (), kwargs: dict | None = None,
 
     The structure must be the captured one (same positional arguments and keyword names); keyword
     order does not matter. Tensors may have another batch size when the graph has a dynamic batch.
+    A tensor where the model was captured with None (an attention mask), None where it was
+    captured with a tensor, or another value of a non-tensor input is an InputError
+    (``partita.capturing.flatten_call_inputs``).
     """
-    if target is not None and not graph.has_loss_fn:
-        raise InputError("target was given but the graph was captured without loss_fn: drop target")
-    in_spec = graph.exported_program.call_spec.in_spec
-    # pytree flattens dicts in key order: put the user's keywords in the captured order.
-    kwargs_spec = _child(_child(in_spec, 0), 1) if graph.has_loss_fn else _child(in_spec, 1)
-    call = exported_call_inputs(args, _reorder_like(dict(kwargs or {}), kwargs_spec), target, graph.has_loss_fn)
-    flat, spec = pytree.tree_flatten(call)
-    if spec != in_spec:
-        raise InputError(
-            f"the inputs do not have the captured structure: expected {in_spec}, got {spec}. Pass the same "
-            "positional arguments and keyword names as at capture (None leaves are not inputs)"
-        )
-    return flat
+    return flatten_call_inputs(graph, args, kwargs, target)
 
 
 def narrow_batch(graph: OpGraph, flat: Sequence[Any], start: int, length: int) -> list:
@@ -297,16 +287,3 @@ def _is_non_persistent(module: nn.Module, target: str) -> bool:
     owner_path, _, leaf = target.rpartition(".")
     owner = _resolve(module, owner_path) if owner_path else module
     return leaf in getattr(owner, "_non_persistent_buffers_set", ())
-
-
-def _reorder_like(kwargs: Any, spec: Any) -> Any:
-    """``kwargs`` with its keys in the order of the dict ``spec`` (unknown keys last), else unchanged."""
-    if not isinstance(kwargs, dict) or spec.type is not dict:
-        return kwargs
-    order = {key: i for i, key in enumerate(spec.context)}
-    return dict(sorted(kwargs.items(), key=lambda item: order.get(item[0], len(order))))
-
-
-def _child(spec: Any, index: int) -> Any:
-    """A TreeSpec's child (``child()`` replaced ``children_specs`` in recent torch)."""
-    return spec.child(index) if hasattr(spec, "child") else spec.children_specs[index]

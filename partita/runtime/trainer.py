@@ -23,36 +23,60 @@ What happens in a step (see pipeline.py, uneven.py and data_parallel.py for why 
    ``[i*b + j*b/r_k, i*b + (j+1)*b/r_k)``;
 2. the schedule runs this rank's stages over ``num_microbatches`` micro-batches; graph inputs
    reach each stage directly, boundary tensors by P2P;
-3. gradients are summed over every rank holding a parameter (replicas, tied copies) and divided
-   once by ``num_microbatches * r``, ``r`` being the last stage's replica count (``dp`` when uniform);
-4. the loss (mean over micro-batches and the last stage's replicas) is all-reduced so every rank returns it, and
-   with it the number of non-finite micro-batch losses and gradients (numerics.py): if any, every
-   rank raises NumericsError (or skips the update, ``on_nonfinite="skip"``) before the optimizer
-   touches a weight;
+3. gradients are summed over every rank holding a parameter (replicas, tied copies) and scaled
+   once (``LossScaling.grad_scale``, loss_scaling.py): by ``1 / (num_microbatches * r)``, ``r``
+   being the last stage's replica count (``dp`` when uniform), when the loss is a mean over
+   equally many elements per micro-batch; by 1 when the stages were rewritten to compute each
+   micro-batch's part of the full-batch loss (a mean over a data-dependent count);
+4. the loss (the full-batch loss, from the last stage's micro-batch losses) is all-reduced so every rank
+   returns it, and with it the number of non-finite micro-batch losses and gradients (numerics.py):
+   if any, every rank raises NumericsError (or skips the update, ``on_nonfinite="skip"``) before
+   the optimizer touches a weight;
 5. gradients are clipped by the global norm, and the optimizer steps.
 
 Exactness: loss and parameters match the unsplit model trained on the full batch (fp32, up to
-summation order) when the model's loss is a mean over equally many elements in every
-micro-batch (true for LM losses without ignored positions, and for classification). A loss that
-averages over a data-dependent count (masked LM with ``-100`` labels at varying positions) is
-averaged per micro-batch first, as in any gradient accumulation. BatchNorm normalises over each
-micro-batch slice a rank runs (as under DDP without SyncBatchNorm), and its running statistics
-and ``num_batches_tracked`` advance once per slice, not once per step.
+summation order). A loss that is a mean over a data-dependent count -- cross-entropy or NLL with
+``ignore_index`` (padded or masked labels), a masked mean ``sum(x * mask) / mask.sum()`` -- is
+found on the captured graph (partita.capturing.normalizer) and computed as each micro-batch's sum
+divided by the count over the WHOLE global batch (every rank is given the global batch, so each
+computes the count itself, once per step, before the first forward). A loss partita cannot
+analyse trains as micro-batch means averaged, with a warning at the first step naming the node.
+BatchNorm normalises over each micro-batch slice a rank runs (as under DDP without SyncBatchNorm),
+and its running statistics and ``num_batches_tracked`` advance once per slice, not once per step.
+
+Randomness (dropout): every step, each rank draws from a generator seeded from (``seed``, its
+pipeline position, its replica, the step number), so replicas draw different masks and a run
+with the same seed repeats itself; the global RNG state the user sees is left untouched.
+
+One plan per job: at start, every rank compares a digest of its plan with the others' and all
+raise PlanFileError if they differ (``shared_plan`` makes the plan on rank 0 only and shares it).
+With ``collective_timeout_s``, a wait on a hung rank ends in CollectiveTimeoutError naming the
+step, the waiting rank and the ranks that have not reached the step (progress.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from partita.capturing import canonical_names, capture
-from partita.errors import InputError, NumericsError
+from partita.errors import InputError, NumericsError, PartitaError, PlanFileError
 from partita.runtime.checkpoint import load_checkpoint, save_checkpoint
-from partita.runtime.data_parallel import GradientSync, Topology, init_topology, unique_parameters
+from partita.runtime.data_parallel import (
+    GradientSync,
+    Topology,
+    init_process_group,
+    init_topology,
+    timeout_of,
+    unique_parameters,
+)
+from partita.runtime.loss_scaling import LossScaling
 from partita.runtime.materialize import materialize, on_meta, retarget_device
 from partita.runtime.numerics import (
     NonFinitePolicy,
@@ -63,12 +87,13 @@ from partita.runtime.numerics import (
     loss_findings,
 )
 from partita.runtime.pipeline import build_schedule, make_pipeline_stages, root_chunk_spec, root_key, stage_metadata
+from partita.runtime.progress import Progress, is_timeout
 from partita.runtime.stages import StageModule, flatten_inputs, narrow_batch, split_graph
 from partita.runtime.uneven import UnevenExecutor, check_uneven_boundaries
 from partita.types import OpGraph, Plan
-from partita.types.plan_file import check_plan_matches_graph
+from partita.types.plan_file import check_plan_matches_graph, plan_from_json, plan_to_json
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "shared_plan"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -95,21 +120,39 @@ class Trainer:
             initial weights from. Required for a model built on the ``meta`` device: each rank
             then allocates only what its stages read (see materialize.py), so no rank needs
             memory for the whole model. With a real model, the held tensors are overwritten.
+        seed: the seed of the randomness inside the model (dropout): each rank's generator is
+            seeded per step from (seed, pipeline position, replica, step), so replicas draw
+            different masks and runs with the same seed are identical. None: ``torch.initial_seed()``
+            (the last ``torch.manual_seed``).
+        collective_timeout_s: how long a collective or a transfer between stages may wait before
+            CollectiveTimeoutError (naming the step, this rank and the ranks that have not reached
+            the step); also the timeout of the process group when the trainer initialises it.
+            None: torch's default (30 min on gloo, 10 min on NCCL).
+
+    A rank whose stages hold no trainable parameter (a frozen or parameter-free stage) builds its
+    optimizer over one empty parameter group (``optimizer([{"params": []}])``), so that schedulers
+    and checkpoints work alike on every rank; its optimizer steps change nothing.
 
     Attributes: ``graph``, ``plan``, ``topology`` (rank, replica, mesh, groups), ``stages`` (this rank's
-    StageModules), ``optimizer``, ``lr_scheduler``, ``num_steps`` (steps taken, skipped ones included),
+    StageModules), ``optimizer``, ``lr_scheduler``, ``loss_scaling`` (how the loss is normalised over
+    the global batch), ``seed``, ``num_steps`` (steps taken, skipped ones included),
     ``num_skipped_steps``, ``last_grad_norm``.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, *, optimizer: OptimizerFactory,
                  lr_scheduler: SchedulerFactory | None = None, max_grad_norm: float | None = None,
                  graph: OpGraph | None = None, example_inputs: tuple | None = None, loss_fn: Callable | None = None,
-                 on_nonfinite: NonFinitePolicy | str = NonFinitePolicy.RAISE, init_from: str | None = None):
+                 on_nonfinite: NonFinitePolicy | str = NonFinitePolicy.RAISE, init_from: str | None = None,
+                 seed: int | None = None, collective_timeout_s: float | None = None):
         if not isinstance(plan, Plan):
             raise InputError(f"plan must be a partita.Plan, got {type(plan).__name__}: load one with partita.Plan.load")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise InputError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise InputError(f"seed must be a non-negative int or None, got {seed!r}")
         self.model, self.plan, self.max_grad_norm = model, plan, max_grad_norm
+        self.seed = seed if seed is not None else torch.initial_seed()
+        self.collective_timeout_s = collective_timeout_s
         self.on_nonfinite = NonFinitePolicy.parse(on_nonfinite)
         if init_from is None and on_meta(model):
             raise InputError("the model is on the meta device (no weights): pass init_from=<seed checkpoint>, "
@@ -117,7 +160,9 @@ class Trainer:
                              "real weights")
         self.graph = _resolve_graph(model, plan, graph, example_inputs, loss_fn)
         self._state_names = _state_names(model)
-        self.topology: Topology = init_topology(plan)
+        self.topology: Topology = _start_topology(plan, collective_timeout_s)
+        self._progress = Progress(self.topology.rank, self.topology.world_size,
+                                  enabled=collective_timeout_s is not None)
         self._all_stages = split_graph(self.graph, plan.boundaries)
         if not plan.uniform_replicas:
             check_uneven_boundaries(self.graph, plan, self._all_stages)
@@ -146,14 +191,19 @@ class Trainer:
         self.params = unique_parameters(self.stages)
         self._stages_of = {name: tuple(s.spec.index for s in self.stages if name in s.spec.param_names)
                            for name in self.params}
-        self.optimizer = optimizer(list(self.params.values()))
+        self.optimizer = self._make_optimizer(optimizer)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        scale = 1.0 / (plan.num_microbatches * plan.stages[-1].num_replicas)  # see data_parallel.py
+        _check_scheduler(self.lr_scheduler)
+        # Rewrites the stages that compute a loss normalised by a data-dependent count (loss_scaling.py).
+        self.loss_scaling = LossScaling(self.graph, plan, self._all_stages, self.stages, self.topology.device)
         trainable = {name: h for name, h in self._holders.items() if name in self._trainable_names()}
-        self.grad_sync = GradientSync(self.params, trainable, self.topology.rank, scale)
+        top = self.topology
+        self.grad_sync = GradientSync(self.params, trainable, top.rank, self.loss_scaling.grad_scale,
+                                      timeout=top.timeout, world_group=top.world_group)
         self.num_steps = 0
         self.num_skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self._warned_loss = False
         self._root_indices = sorted({j for s in self.stages for j in s.graph_input_indices})
         self._schedule: Any = None  # uniform plans: the torch schedule
         self._executor: UnevenExecutor | None = None  # uneven plans
@@ -175,19 +225,36 @@ class Trainer:
         Raises NumericsError (on every rank, before the optimizer step) when a loss or gradient
         is not finite, unless the trainer was built with ``on_nonfinite="skip"``.
         """
+        step = self.num_steps + 1
+        self._progress.mark(step)
         target = kwargs.pop("target", None) if self.graph.has_loss_fn else None
-        local = self._local_batch(flatten_inputs(self.graph, args, kwargs, target))
+        flat = flatten_inputs(self.graph, args, kwargs, target)
+        local = self._local_batch(flat)
+        self.loss_scaling.update(flat)  # global counts of the step, from the whole global batch
         if self._schedule is None and self._executor is None:
             self._build_pipeline(narrow_batch(self.graph, local, 0, self._samples))
         self._check_shapes(local)
+        self._warn_about_loss()
         self.optimizer.zero_grad(set_to_none=True)
-        losses = self._run_microbatches(local)
-        self.grad_sync.reduce_and_scale()
-        loss, num_nonfinite = self._global_loss(losses)
-        if num_nonfinite:
-            return self._nonfinite_step(loss, losses)
-        if self.max_grad_norm is not None:
-            self.last_grad_norm = float(self.grad_sync.clip(self.max_grad_norm))
+        doing = "the pipeline's transfers between stages"
+        try:
+            with self._step_rng():
+                losses = self._run_microbatches(local)
+            doing = "the all-reduce of gradients over their holders"
+            self.grad_sync.reduce_and_scale()
+            doing = "the all-reduce of the loss"
+            loss, num_nonfinite = self._global_loss(losses)
+            if num_nonfinite:
+                doing = "gathering the non-finite values"
+                return self._nonfinite_step(loss, losses)
+            if self.max_grad_norm is not None:
+                doing = "the all-reduce of the gradient norm"
+                self.last_grad_norm = float(self.grad_sync.clip(self.max_grad_norm))
+        except (RuntimeError, TimeoutError) as e:
+            if isinstance(e, PartitaError) or not is_timeout(e):
+                raise
+            raise self._progress.timeout_error(e, step=step, doing=doing, stages=self._stages_text(),
+                                               timeout_s=self.collective_timeout_s) from e
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -246,6 +313,47 @@ class Trainer:
             flat = narrow_batch(self.graph, flat, top.replica * per_replica, per_replica)
         return [x.to(top.device) if isinstance(x, torch.Tensor) else x for x in flat]
 
+    def _make_optimizer(self, factory: OptimizerFactory) -> torch.optim.Optimizer:
+        """The user's optimizer over this rank's parameters; one empty parameter group when its
+        stages hold none (torch refuses an empty parameter list)."""
+        if self.params:
+            return factory(list(self.params.values()))
+        try:
+            return factory([{"params": []}])
+        except Exception as e:  # noqa: BLE001 - the factory is user code; say what was asked of it
+            raise InputError(
+                f"rank {self.topology.rank} runs {self._stages_text()}, which hold no trainable parameter (frozen "
+                "or parameter-free), so the trainer built its optimizer over one empty parameter group, "
+                f"optimizer([{{'params': []}}]), and the optimizer factory failed on it ({type(e).__name__}: {e}): "
+                "let the factory accept a list of parameter groups (e.g. lambda params: torch.optim.AdamW(params, "
+                "lr=3e-4)), or re-plan so that every stage holds a trainable parameter") from e
+
+    def _stages_text(self) -> str:
+        indices = [s.spec.index for s in self.stages]
+        return f"stage{'s' if len(indices) != 1 else ''} {', '.join(map(str, indices))}"
+
+    @contextlib.contextmanager
+    def _step_rng(self) -> Iterator[None]:
+        """This rank's randomness for the current step (dropout masks): a generator seeded from
+        (seed, pipeline position, replica, step), inside a fork of the RNG state, so replicas draw
+        different masks, a run with the same seed repeats itself (checkpoint resumes too: the step
+        number is restored), and the caller's RNG stream is not disturbed."""
+        top = self.topology
+        devices = [top.device] if top.device.type == "cuda" else []
+        key = f"partita/{self.seed}/{top.rank_group}/{top.replica}/{self.num_steps}".encode()
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2 ** 63 - 1)
+        with torch.random.fork_rng(devices=devices):
+            torch.default_generator.manual_seed(seed)
+            if devices:
+                torch.cuda.manual_seed(seed)  # this rank's device (init_topology made it current)
+            yield
+
+    def _warn_about_loss(self) -> None:
+        """Once, at the first step, on rank 0: the loss could not be normalised over the global batch."""
+        if self.loss_scaling.warning is not None and not self._warned_loss and self.topology.rank == 0:
+            warnings.warn(self.loss_scaling.warning, RuntimeWarning, stacklevel=3)
+        self._warned_loss = True
+
     def _run_microbatches(self, local: list) -> list[torch.Tensor]:
         """Forward and backward of every micro-batch; the last stage's micro-batch losses ([] elsewhere)."""
         if self._executor is not None:
@@ -265,7 +373,7 @@ class Trainer:
         if not top.uniform:
             stage = self.stages[0]  # uneven plans run one stage per rank group
             self._executor = UnevenExecutor(self.graph, plan, stage, top.replica, metadata[stage.spec.index],
-                                            top.device)
+                                            top.device, group=top.world_group)
             return
         recompute = [plan.stages[s.spec.index].recompute for s in self.stages]
         pipeline_stages = make_pipeline_stages(self.stages, recompute, metadata, plan.schedule, top.device,
@@ -293,16 +401,16 @@ class Trainer:
                              "every batch to the same sequence length")
 
     def _global_loss(self, losses: list[torch.Tensor]) -> tuple[float, int]:
-        """The loss (mean over micro-batches on the last stage's ranks, then over its replicas) and the
-        number of non-finite micro-batch losses and gradients over all ranks: one all-reduce, the
+        """The full-batch loss (the last stage's ranks' parts of it, ``LossScaling.reported_loss``) and
+        the number of non-finite micro-batch losses and gradients over all ranks: one all-reduce, the
         same answer on every rank."""
         top = self.topology
         local = torch.zeros(2, dtype=torch.float32, device=top.device)  # (loss part, non-finite count)
         if losses:  # this rank runs the last stage
-            local[0] = torch.stack([loss.detach().float() for loss in losses]).mean() / top.replicas
+            local[0] = self.loss_scaling.reported_loss(losses)
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         local[1] = count_nonfinite(losses, top.device) + count_nonfinite(grads, top.device)
-        dist.all_reduce(local, op=dist.ReduceOp.SUM)
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=top.world_group)
         loss, count = local.tolist()
         return loss, int(count)
 
@@ -315,7 +423,7 @@ class Trainer:
             last = self.plan.num_stages - 1
             samples = [self._loss_samples(i) for i in range(len(losses))]
             local = loss_findings(losses, stage_index=last, replica=top.replica, rank=top.rank, samples=samples) + local
-        findings = gather_findings(local)
+        findings = gather_findings(local, group=top.world_group)
         message = describe(findings, step=step, replicas=self.plan.stages[-1].num_replicas,  # the same on every rank
                            policy=self.on_nonfinite)
         if self.on_nonfinite is NonFinitePolicy.RAISE:
@@ -346,6 +454,61 @@ class Trainer:
 
     def _owner(self, name: str) -> int:
         return min(self._holders[name])
+
+
+# ----------------------------------------------------------------------------- one plan per job
+
+
+def shared_plan(make_plan: Callable[[], Plan], *, collective_timeout_s: float | None = None) -> Plan:
+    """Make the plan on rank 0 only and give it to every rank: the plan of a torchrun script.
+
+    ::
+
+        plan = shared_plan(lambda: partita.plan(model, kwargs=batch, cluster=cluster, global_batch_size=64))
+        trainer = partita.Trainer(model, plan, graph=graph, optimizer=...)
+
+    Initialises torch.distributed from torchrun's environment if needed (with
+    ``collective_timeout_s``, as the Trainer would), calls ``make_plan()`` on rank 0 while the other
+    ranks wait, and broadcasts the plan as JSON (``plan_to_json``): every rank returns the same
+    Plan, and the Trainer's start-up check (one digest per rank) passes. When ``make_plan`` raises
+    on rank 0, rank 0 re-raises it and every other rank raises PlanFileError naming it. Collective:
+    call it on every rank.
+    """
+    init_process_group(timeout_of(collective_timeout_s))
+    rank = dist.get_rank()
+    payload: tuple[str, str] | None = None
+    failure: BaseException | None = None
+    if rank == 0:
+        try:
+            plan = make_plan()
+            if not isinstance(plan, Plan):
+                raise InputError(f"make_plan returned {type(plan).__name__}, not a partita.Plan: return the plan "
+                                 "(partita.plan(...), partita.Plan.load(path) or manual_plan(...))")
+            payload = ("plan", plan_to_json(plan))
+        except Exception as e:  # noqa: BLE001 - told to every rank, then re-raised here
+            failure, payload = e, ("error", f"{type(e).__name__}: {e}")
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    kind, text = box[0]
+    if kind == "error":
+        if failure is not None:
+            raise failure
+        raise PlanFileError(f"rank 0 failed to make the plan, so no rank has one: {text}. Fix the planning call (its "
+                            "error is in rank 0's log); the plan is made on rank 0 only")
+    return plan_from_json(text, source="the plan shared by rank 0")
+
+
+def _start_topology(plan: Plan, collective_timeout_s: float | None) -> Topology:
+    """init_topology, with a timed-out wait (a rank that never starts its trainer) as CollectiveTimeoutError."""
+    try:
+        return init_topology(plan, collective_timeout_s=collective_timeout_s)
+    except (RuntimeError, TimeoutError) as e:
+        if isinstance(e, PartitaError) or not is_timeout(e) or not dist.is_initialized():
+            raise
+        progress = Progress(dist.get_rank(), dist.get_world_size(), enabled=False)
+        raise progress.timeout_error(e, step=0, doing="checking that every rank holds the same plan and creating "
+                                     "the process groups (a rank has not started its trainer)", stages="starting",
+                                     timeout_s=collective_timeout_s) from e
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -430,3 +593,25 @@ def _shape_without_batch(graph: OpGraph, j: int, x: Any) -> Any:
         return None
     dim = graph.inputs[j].tensor.batch_dim if graph.inputs[j].tensor is not None else None
     return tuple(s for d, s in enumerate(x.shape) if d != dim)
+
+
+def _check_scheduler(scheduler: Any) -> None:
+    """InputError now for a scheduler whose ``step()`` needs arguments (ReduceLROnPlateau's
+    metrics): ``step`` calls it with none after the optimizer has stepped, and would fail there."""
+    if scheduler is None:
+        return
+    import inspect
+
+    if not callable(getattr(scheduler, "step", None)):
+        raise InputError(f"lr_scheduler returned a {type(scheduler).__name__}, which has no step(): return a "
+                         "torch.optim.lr_scheduler.LRScheduler")
+    try:
+        parameters = inspect.signature(scheduler.step).parameters.values()
+    except (TypeError, ValueError):  # not introspectable (a builtin): trust it
+        return
+    required = [p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if required:
+        raise InputError(f"lr_scheduler returned a {type(scheduler).__name__}, whose step() needs "
+                         f"{', '.join(required)}, but the trainer steps it with no arguments after every optimizer "
+                         "step: use a schedule by steps (LambdaLR, CosineAnnealingLR, OneCycleLR), or build "
+                         "ReduceLROnPlateau(trainer.optimizer) yourself and call its step(loss) after trainer.step()")

@@ -26,10 +26,12 @@ their layout:
   differ the Trainer refuses the plan (``check_uneven_boundaries``): whether ``B*T`` is
   batch-major is not knowable from shapes.
 
-The loss: replica ``j`` of the last stage computes its slice's loss (a mean over its samples).
-The unsplit loss, the mean over ``B`` samples, is ``1/(m * r_last) * sum_{i, j} L_ij``, so every
-parameter's gradient, summed over micro-batches and holders (``GradientSync``), is scaled by
-``1/(m * r_last)``, and the reported loss is the same mean (the Trainer all-reduces it).
+The loss: replica ``j`` of the last stage computes its slice's loss. When that is a mean over
+its samples, the unsplit loss, the mean over ``B`` samples, is ``1/(m * r_last) * sum_{i, j} L_ij``,
+so every parameter's gradient, summed over micro-batches and holders (``GradientSync``), is
+scaled by ``1/(m * r_last)``, and the reported loss is the same mean (the Trainer all-reduces
+it). When the loss divides by a data-dependent count (``loss_scaling.py``), each ``L_ij`` is
+already its slice's part of the full-batch loss: gradients and losses are summed, unscaled.
 
 Worked example: ``b = 4`` samples per micro-batch, stage 0 on 2 replicas (slices [0, 2) and
 [2, 4)), stage 1 on 1 replica ([0, 4)): stage 1 receives samples 0-1 from replica 0 and 2-3
@@ -203,9 +205,10 @@ class UnevenExecutor:
     """
 
     def __init__(self, graph: OpGraph, plan: Plan, stage: StageModule, replica: int, metadata: StageMetadata,
-                 device: torch.device):
+                 device: torch.device, group: dist.ProcessGroup | None = None):
         spec, k = stage.spec, stage.spec.index
         self.graph, self.stage, self.metadata, self.device = graph, stage, metadata, device
+        self.group = group  # of all ranks, carrying the collective timeout; None: the default group
         self.microbatch_samples = plan.global_batch_size // plan.num_microbatches
         self.first, self.num_samples = replica_slice(self.microbatch_samples, plan.stages[k].num_replicas, replica)
         self.runner = StageRunner(stage, plan.stages[k].recompute)
@@ -227,21 +230,23 @@ class UnevenExecutor:
             i = action.microbatch
             if action.kind == FORWARD:
                 buffers = _buffers(self.inbound, self.metadata.input_args, self.device)
-                sent.issued(_exchange(pending, _receives(self.inbound, buffers, i, FORWARD)))
+                sent.issued(_exchange(pending, _receives(self.inbound, buffers, i, FORWARD, self.group)))
                 received = self._assemble_inputs(buffers)
                 outputs = self.runner(*received, **self._root_inputs(flat, i))
                 in_flight[i] = _InFlight(received, outputs)
                 if self.outbound is None:
                     losses[i] = outputs.detach()
-                pending = _sends(self.outbound, [x.detach() for x in outputs], i, FORWARD) if self.outbound else []
+                pending = (_sends(self.outbound, [x.detach() for x in outputs], i, FORWARD, self.group)
+                           if self.outbound else [])
             else:
                 assert action.kind == BACKWARD, f"uneven plans run GPipe or 1F1B, got action {action}"
                 grad_like = [x if x.requires_grad else None for x in self.metadata.output_args]
                 buffers = _buffers(self.outbound, grad_like, self.device)
-                sent.issued(_exchange(pending, _receives(self.outbound, buffers, i, BACKWARD)))
+                sent.issued(_exchange(pending, _receives(self.outbound, buffers, i, BACKWARD, self.group)))
                 state = in_flight.pop(i)
                 self._backward(state, buffers)
-                pending = _sends(self.inbound, self._input_grads(state), i, BACKWARD) if self.inbound else []
+                pending = (_sends(self.inbound, self._input_grads(state), i, BACKWARD, self.group)
+                           if self.inbound else [])
         sent.issued(_exchange(pending, []))
         sent.wait_all()
         return [losses[i] for i in sorted(losses)]
@@ -326,7 +331,8 @@ def _join(pieces: Sequence[torch.Tensor | None], layout: Layout, dim: int | None
     return present[0] if len(present) == 1 else torch.stack(present).sum(0)
 
 
-def _sends(side: _Side, tensors: Sequence[torch.Tensor | None], microbatch: int, kind: str) -> list[dist.P2POp]:
+def _sends(side: _Side, tensors: Sequence[torch.Tensor | None], microbatch: int, kind: str,
+           group: dist.ProcessGroup | None = None) -> list[dist.P2POp]:
     """isend ops of this replica's ``tensors`` (outputs forward, input gradients backward), cut
     per transfer; None entries (no gradient) are not sent."""
     ops = []
@@ -336,15 +342,18 @@ def _sends(side: _Side, tensors: Sequence[torch.Tensor | None], microbatch: int,
             if x is None or (layout is Layout.WHOLE and not t.carries_whole):
                 continue
             piece = x.narrow(dim, offset, t.num_samples) if layout is Layout.SLICED else x
-            ops.append(dist.P2POp(dist.isend, piece.contiguous(), peer, tag=_tag(microbatch, p, len(tensors), kind)))
+            ops.append(dist.P2POp(dist.isend, piece.contiguous(), peer, group=group,
+                                  tag=_tag(microbatch, p, len(tensors), kind)))
     return ops
 
 
-def _receives(side: _Side | None, buffers: list[list], microbatch: int, kind: str) -> list[dist.P2POp]:
-    """irecv ops filling ``buffers``, in the order the peers send (transfer, then tensor)."""
+def _receives(side: _Side | None, buffers: list[list], microbatch: int, kind: str,
+              group: dist.ProcessGroup | None = None) -> list[dist.P2POp]:
+    """irecv ops filling ``buffers``, in the order the peers send (transfer, then tensor);
+    ``peer`` is a global rank (P2POp maps it into ``group``)."""
     if side is None:
         return []
-    return [dist.P2POp(dist.irecv, buffer, peer, tag=_tag(microbatch, p, len(pieces), kind))
+    return [dist.P2POp(dist.irecv, buffer, peer, group=group, tag=_tag(microbatch, p, len(pieces), kind))
             for peer, pieces in zip(side.peers, buffers) for p, buffer in enumerate(pieces) if buffer is not None]
 
 

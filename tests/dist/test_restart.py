@@ -47,7 +47,7 @@ def _model():
 def _make_plan(path: Path) -> None:
     import partita
     from partita import examples
-    from partita.plan.manual import manual_plan
+    from partita.planning.manual import manual_plan
 
     ex = examples.build("gpt2", batch_size=BATCH, seq_len=SEQ_LEN)
     graph = partita.capture(ex.model, ex.args, ex.kwargs)

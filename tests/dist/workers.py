@@ -106,7 +106,7 @@ def max_diff(state: dict, reference: dict) -> tuple[float, str]:
 
 
 def make_plan(case: Case, config: dict):
-    from partita.plan.manual import manual_plan
+    from partita.planning.manual import manual_plan
 
     n, s = case.graph.num_nodes, config["num_stages"]
     return manual_plan(case.graph, [n * k // s for k in range(s + 1)], schedule=config["schedule"],
@@ -237,7 +237,7 @@ def job_numerics(params: dict) -> dict:
 
     import partita
     from partita.errors import NumericsError
-    from partita.plan.manual import manual_plan
+    from partita.planning.manual import manual_plan
 
     torch.manual_seed(0)
     model, loss_fn = SqrtNet(), torch.nn.functional.cross_entropy
@@ -364,14 +364,14 @@ class GatedCase(Case):
 def per_sample_cut(graph, near: int) -> int:
     """The first legal cut at or after ``near`` that no merged batch dim (``(B*T, C)``) crosses:
     uneven replica counts route boundary tensors by sample (partita.runtime.uneven)."""
-    from partita.plan.chain import legal_cuts, per_sample_cuts
+    from partita.planning.chain import legal_cuts, per_sample_cuts
 
     ok = per_sample_cuts(graph) & legal_cuts(graph)
     return next(cut for cut in range(near, graph.num_nodes) if ok[cut])
 
 
 def make_uneven_plan(case: Case, config: dict):
-    from partita.plan.manual import manual_plan
+    from partita.planning.manual import manual_plan
 
     num_stages = len(config["replicas"])
     if case.name == "gated":  # right after gate = tanh(g) * 2
@@ -467,6 +467,342 @@ def job_uneven(params: dict) -> dict:
 
 JOBS = {"one_step": job_one_step, "checkpoint": job_checkpoint, "fail": job_fail, "numerics": job_numerics,
         "meta_init": job_meta_init, "uneven": job_uneven}
+
+
+# ----------------------------------------------------------------------------- exact losses, one plan, dropout,
+# ----------------------------------------------------------------------------- frozen stages, hung ranks
+
+
+class TinyCausalLM(torch.nn.Module):
+    """Embedding, causal mixing (a running mean), an MLP and an LM head. The loss: cross-entropy
+    of the next token with -100 labels ignored (``masked=False``), or a masked mean of per-token
+    losses ``sum(l * mask) / mask.sum()`` over an explicit mask input (``masked=True``)."""
+
+    VOCAB = 32
+
+    def __init__(self, masked: bool = False):
+        super().__init__()
+        self.masked = masked
+        self.embed = torch.nn.Embedding(self.VOCAB, 24)
+        self.mix = torch.nn.Linear(24, 24)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.Linear(48, 24))
+        self.head = torch.nn.Linear(24, self.VOCAB)
+
+    def forward(self, input_ids, labels, mask=None):
+        h = self.embed(input_ids)
+        steps = torch.arange(1, input_ids.shape[1] + 1, device=h.device, dtype=h.dtype)[None, :, None]
+        h = h + torch.tanh(self.mix(torch.cumsum(h, dim=1) / steps))
+        h = h + self.mlp(h)
+        logits = self.head(h)[:, :-1]
+        target = labels[:, 1:]
+        if not self.masked:
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, self.VOCAB), target.reshape(-1))
+        per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, self.VOCAB), target.clamp(min=0).reshape(-1),
+                                                      reduction="none").reshape(-1, SEQ - 1)
+        m = mask[:, 1:]
+        return (per_token * m).sum() / m.sum()
+
+
+def padded_labels(labels: torch.Tensor, step: int) -> torch.Tensor:
+    """``labels`` with the tail of each sample set to -100: sample i keeps a different number of
+    positions in every step (one sample keeps none)."""
+    batch, seq = labels.shape
+    lengths = torch.tensor([(5 * i + 3 * step) % (seq + 1) for i in range(batch)])
+    lengths[step % batch] = 0
+    keep = torch.arange(seq)[None, :] < lengths[:, None]
+    return torch.where(keep, labels, torch.full_like(labels, -100))
+
+
+class PaddedCase(Case):
+    """A causal LM whose batches hold padded labels: ``tiny_lm``, ``masked_lm`` (TinyCausalLM) or a
+    zoo model (``gpt2``)."""
+
+    def __init__(self, name: str):
+        import partita
+
+        if name not in ("tiny_lm", "masked_lm"):
+            super().__init__(name)
+            self.batches = [(args, {**kwargs, "labels": padded_labels(kwargs["labels"], step)}, target)
+                            for step, (args, kwargs, target) in enumerate(self.batches)]
+            return
+        torch.manual_seed(0)
+        self.name, self.model, self.loss_fn, self.batch_size = name, TinyCausalLM(name == "masked_lm"), None, BATCH
+        g = torch.Generator().manual_seed(1)
+        self.batches = []
+        for step in range(10):
+            ids = torch.randint(0, TinyCausalLM.VOCAB, (BATCH, SEQ), generator=g)
+            labels = padded_labels(ids, step)
+            mask = {"mask": (labels >= 0).float()} if name == "masked_lm" else {}
+            self.batches.append(((), {"input_ids": ids, "labels": labels, **mask}, None))
+        self.graph = partita.capture(self.model, (), self.batches[0][1])
+        self.initial = copy.deepcopy(self.model.state_dict())
+        self.reference_model = copy.deepcopy(self.model)
+
+    def loss(self, model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        out = model(**batch[1])
+        return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def job_exact_losses(params: dict) -> dict:
+    """For each padded-label model and config: ``steps`` SGD steps, losses and parameters compared
+    with unsplit full-batch training; the warnings rank 0 saw."""
+    import warnings
+
+    import partita
+
+    rank = int(os.environ["RANK"])
+    results: dict[str, Any] = {}
+    for name in params["models"]:
+        case = PaddedCase(name)
+        for config in params["configs"]:
+            key = f"{name}/{config['label']}"
+            print(key, flush=True)
+            case.reset()
+            plan = manual_plan_for(case.graph, schedule=config["schedule"], num_stages=config["num_stages"],
+                                   num_microbatches=config["num_microbatches"], replicas=config.get("replicas", 1),
+                                   num_rank_groups=config["num_rank_groups"], cuts=_lm_cuts(case, config))
+            trainer = partita.Trainer(case.model, plan, optimizer=sgd, graph=case.graph)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                losses = [_train_step(trainer, batch) for batch in case.batches[:params["steps"]]]
+            state = trainer.gather_state_dict()
+            scaling = getattr(trainer, "loss_scaling", None)  # None: a partita without it (for comparison)
+            results[key] = {"losses": losses, "normalised": scaling is not None and scaling.normalised,
+                            "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}
+            if rank == 0:
+                ref_losses, ref_state = reference_run(case, sgd, params["steps"])
+                results[key].update(ref_losses=ref_losses, param=max_diff(state, ref_state))
+    return results
+
+
+def _lm_cuts(case: Case, config: dict) -> list[int] | None:
+    """TinyCausalLM on 2 stages: cut after the MLP's first layer, so that both stages hold
+    parameters (the head and the loss on stage 1); zoo models: near the middle."""
+    if config["num_stages"] != 2 or case.name not in ("tiny_lm", "masked_lm"):
+        return None
+    linears = [n.index for n in case.graph.nodes if n.target == "aten.linear.default"]
+    return [legal_cut(case.graph, linears[1] + 1)]
+
+
+class SquaredLossLM(TinyCausalLM):
+    """A loss partita cannot normalise over the global batch: the square of a mean."""
+
+    def forward(self, input_ids, labels, mask=None):
+        return super().forward(input_ids, labels) ** 2
+
+
+def job_unrecognised_loss(params: dict) -> dict:
+    """Two steps of a loss partita does not recognise: the warnings each rank saw, per step."""
+    import warnings
+
+    import partita
+
+    torch.manual_seed(0)
+    model = SquaredLossLM()
+    case = PaddedCase("tiny_lm")
+    graph = partita.capture(model, (), case.batches[0][1])
+    plan = manual_plan_for(graph, schedule="1f1b", num_stages=2, num_microbatches=4)
+    trainer = partita.Trainer(model, plan, optimizer=sgd, graph=graph)
+    seen = []
+    for batch in case.batches[:2]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.step(**batch[1])
+        seen.append([str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)])
+    return {"warnings": seen}
+
+
+def legal_cut(graph, near: int) -> int:
+    """The first cut at or after node ``near`` that a plan may use."""
+    from partita.planning.chain import legal_cuts
+
+    ok = legal_cuts(graph)
+    return next(cut for cut in range(near, graph.num_nodes) if ok[cut])
+
+
+def manual_plan_for(graph, *, schedule: str, num_stages: int, num_microbatches: int, replicas: int = 1,
+                    cuts: list[int] | None = None, num_rank_groups: int | None = None):
+    """A plan of ``num_stages`` stages cut at ``cuts`` (default: legal cuts near equal node counts)."""
+    from partita.planning.manual import manual_plan
+
+    n = graph.num_nodes
+    cuts = cuts if cuts is not None else [legal_cut(graph, n * k // num_stages) for k in range(1, num_stages)]
+    return manual_plan(graph, [0, *cuts, n], schedule=schedule, num_rank_groups=num_rank_groups or num_stages,
+                       replicas=replicas, num_microbatches=num_microbatches, global_batch_size=BATCH)
+
+
+def job_one_plan(params: dict) -> dict:
+    """Rank r is given a plan cut at another node than rank 0's: every rank must raise PlanFileError
+    quickly. Then shared_plan: made on rank 0 only, trained on both ranks; and a make_plan that
+    fails on rank 0."""
+    import partita
+    from partita.errors import PlanFileError
+
+    rank = int(os.environ["RANK"])
+    case = PaddedCase("tiny_lm")
+    first = legal_cut(case.graph, case.graph.num_nodes // 2)
+    plan = manual_plan_for(case.graph, schedule="1f1b", num_stages=2, num_microbatches=2,
+                           cuts=[first if rank == 0 else legal_cut(case.graph, first + 1)])
+    results: dict[str, Any] = {}
+    started = time.perf_counter()
+    try:
+        partita.Trainer(case.model, plan, optimizer=sgd, graph=case.graph)
+        results["mismatch"] = None
+    except PlanFileError as e:
+        results["mismatch"] = str(e)
+    results["mismatch_s"] = time.perf_counter() - started
+    from partita.runtime.trainer import shared_plan
+
+    calls = []
+
+    def make():
+        calls.append(rank)
+        return manual_plan_for(case.graph, schedule="1f1b", num_stages=2, num_microbatches=2)
+
+    shared = shared_plan(make)
+    case.reset()
+    trainer = partita.Trainer(case.model, shared, optimizer=sgd, graph=case.graph)
+    results["shared"] = {"calls": calls, "loss": _train_step(trainer, case.batches[0]),
+                         "boundaries": list(shared.boundaries)}
+
+    def broken():
+        raise ValueError("no cluster given")
+
+    try:
+        shared_plan(broken)
+        results["broken"] = None
+    except Exception as e:  # noqa: BLE001 - the test checks the type
+        results["broken"] = (type(e).__name__, str(e))
+    return results
+
+
+class DropoutMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.drop, self.b = torch.nn.Linear(16, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.b(self.drop(torch.relu(self.a(x))))
+
+
+def job_dropout(params: dict) -> dict:
+    """2-way data parallelism of an MLP with dropout, every sample of the batch the same: each
+    replica's micro-batch losses (equal iff both drew the same masks); the step losses of two runs
+    with seed 5 and one with seed 6; the caller's RNG stream after the steps."""
+    import inspect
+
+    import partita
+
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    x = torch.randn(1, 16).expand(BATCH, 16).contiguous()
+    y = torch.zeros(BATCH, dtype=torch.long)
+    graph = partita.capture(model, (x,), loss_fn=torch.nn.functional.cross_entropy, target=y)
+    plan = manual_plan_for(graph, schedule="gpipe", num_stages=1, num_microbatches=2, replicas=2, num_rank_groups=1)
+    initial = copy.deepcopy(model.state_dict())
+    runs: dict[str, Any] = {}
+    for label, seed in (("first", 5), ("again", 5), ("other", 6)):
+        model.load_state_dict(initial)
+        seeded = {"seed": seed} if "seed" in inspect.signature(partita.Trainer).parameters else {}  # older partita
+        trainer = partita.Trainer(model, plan, optimizer=sgd, graph=graph, **seeded)
+        local: list[list[float]] = []
+        run_microbatches = trainer._run_microbatches
+
+        def recorded(batch, run=run_microbatches, local=local):
+            losses = run(batch)
+            local.append([float(loss) for loss in losses])
+            return losses
+
+        trainer._run_microbatches = recorded
+        torch.manual_seed(123)  # the caller's stream: the trainer must leave it alone
+        losses = [trainer.step(x, target=y) for _ in range(3)]
+        runs[label] = {"losses": losses, "local": local, "after": torch.rand(4)}
+    return runs
+
+
+class FrozenMLP(torch.nn.Module):
+    def __init__(self, frozen: str):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)
+        if frozen == "tail":
+            self.c.requires_grad_(False)
+        elif frozen == "head":
+            self.a.requires_grad_(False)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def job_frozen(params: dict) -> dict:
+    """Stages without trainable parameters, 2 ranks, 1F1B: a frozen last layer alone on stage 1,
+    a stage 1 that only computes the loss, a frozen first layer alone on stage 0. Three AdamW
+    steps with an LR schedule compared with unsplit training; a checkpoint written and read."""
+    import partita
+
+    rank = int(os.environ["RANK"])
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(BATCH, 8, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+    results: dict[str, Any] = {}
+    for label, frozen in (("frozen-tail", "tail"), ("loss-only", "none"), ("frozen-head", "head")):
+        print(label, flush=True)
+        torch.manual_seed(0)
+        model = FrozenMLP(frozen)
+        loss_fn = torch.nn.functional.cross_entropy
+        graph = partita.capture(model, (x,), loss_fn=loss_fn, target=y)
+        targets = [n.target for n in graph.nodes]
+        linears = [i for i, t in enumerate(targets) if t == "aten.linear.default"]
+        cut = {"frozen-tail": linears[2], "loss-only": targets.index("aten.cross_entropy_loss.default"),
+               "frozen-head": linears[0] + 1}[label]
+        plan = manual_plan_for(graph, schedule="1f1b", num_stages=2, num_microbatches=2, cuts=[cut])
+        reference = copy.deepcopy(model)
+        trainer = partita.Trainer(model, plan, optimizer=adamw, lr_scheduler=halving, graph=graph)
+        losses = [trainer.step(x, target=y) for _ in range(3)]
+        ckpt = Path(params["dir"]) / label
+        trainer.save_checkpoint(ckpt)
+        trainer.load_checkpoint(ckpt)
+        state = trainer.gather_state_dict()
+        results[label] = {"losses": losses, "num_params": len(trainer.params)}
+        if rank == 0:
+            opt = adamw([p for p in reference.parameters() if p.requires_grad])
+            sched = halving(opt)
+            ref_losses = []
+            for _ in range(3):
+                opt.zero_grad()
+                loss = loss_fn(reference(x), y)
+                loss.backward()
+                opt.step()
+                sched.step()
+                ref_losses.append(float(loss))
+            results[label].update(ref_losses=ref_losses, param=max_diff(state, reference.state_dict()))
+    return results
+
+
+def job_hang(params: dict) -> dict:
+    """Rank 1 sleeps before its first step (hung, not dead); rank 0, with collective_timeout_s, must
+    raise CollectiveTimeoutError naming step 1 and rank 1, in about the timeout."""
+    import partita
+    from partita.errors import CollectiveTimeoutError
+
+    rank = int(os.environ["RANK"])
+    case = PaddedCase("tiny_lm")
+    plan = manual_plan_for(case.graph, schedule="1f1b", num_stages=2, num_microbatches=4)
+    trainer = partita.Trainer(case.model, plan, optimizer=sgd, graph=case.graph,
+                              collective_timeout_s=params["collective_timeout_s"])
+    _train_step(trainer, case.batches[0])  # a healthy step first: the timeout does not fire on its own
+    if rank == 1:  # hung until its peer has given up, then gone (its pipeline connection is closed)
+        time.sleep(params["sleep_s"])
+        return {"slept": params["sleep_s"]}
+    started = time.perf_counter()
+    try:
+        _train_step(trainer, case.batches[1])
+        return {"raised": None}
+    except CollectiveTimeoutError as e:
+        return {"raised": str(e), "step": e.step, "rank": e.rank, "behind": e.behind,
+                "seconds": time.perf_counter() - started}
+
+
+JOBS.update({"exact_losses": job_exact_losses, "unrecognised_loss": job_unrecognised_loss, "one_plan": job_one_plan,
+             "dropout": job_dropout, "frozen": job_frozen, "hang": job_hang})
 
 
 def main() -> None:
