@@ -312,7 +312,7 @@ def _check_plan_global_batch(path: str, plan, global_batch: int | None) -> None:
 
 def _check_example_values(graph, example) -> None:
     """The example's own inputs against the graph's embeddings and loss (before planning profiles them)."""
-    from partita.cli.batch_values import check_batch_values
+    from partita.runtime.batch_values import check_batch_values
     from partita.runtime.stages import flatten_inputs
 
     flat = flatten_inputs(graph, example.args, example.kwargs, example.target if graph.has_loss_fn else None)

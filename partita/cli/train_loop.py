@@ -12,7 +12,7 @@ checkpoints -- files that differ from their manifest -- with a warning naming ea
 checkpoint holds the optimizer and RNG states, so the resumed run ends with the parameters an
 uninterrupted one would have.
 
-Every step's batch is checked against the graph first (``partita.cli.batch_values``): ids
+Every step's batch is checked against the graph first (``partita.runtime.batch_values``): ids
 outside an embedding or labels outside the loss's classes stop the run with an InputError
 naming the input and value, instead of a raw error inside a stage.
 """
@@ -34,14 +34,12 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from partita.capturing import exported_call_inputs
-from partita.cli.batch_values import check_batch_values, index_uses
 from partita.cli.optimizers import OPTIMIZERS
 
 from partita.errors import InputError
 from partita.runtime.checkpoint_dir import checkpoint_path
 from partita.runtime.launch import restart_count
 from partita.runtime.numerics import NonFinitePolicy
-from partita.runtime.stages import flatten_inputs
 from partita.types import OpGraph, Plan
 
 @dataclass(frozen=True)
@@ -92,13 +90,9 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSumm
     timers = _stage_forward_timers(trainer, summary)
     bar = _progress_bar(trainer, config)
     tracer = _StepTracer(config.trace_dir)
-    uses = index_uses(graph)
-    while trainer.num_steps < config.steps:
+    while trainer.num_steps < config.steps:  # Trainer.step checks each batch's ids and labels
         tracer.before_step(trainer.num_steps + 1)
         args, kwargs, target = make_batch(plan.global_batch_size, trainer.num_steps)
-        if uses:
-            check_batch_values(graph, flatten_inputs(graph, args, kwargs, target), f"step {trainer.num_steps + 1}",
-                               uses)
         if graph.has_loss_fn:
             kwargs = {**kwargs, "target": target}
         start = time.perf_counter()

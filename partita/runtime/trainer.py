@@ -75,6 +75,7 @@ from partita.runtime.data_parallel import (
 )
 from partita.runtime.loss_scaling import LossScaling
 from partita.runtime.materialize import materialize, on_meta, retarget_device
+from partita.runtime.batch_values import check_batch_values, index_uses
 from partita.runtime.job import shared_plan, start_topology
 from partita.runtime.numerics import (
     NonFinitePolicy,
@@ -193,6 +194,7 @@ class Trainer:
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         _check_scheduler(self.lr_scheduler)
         # Rewrites the stages that compute a loss normalised by a data-dependent count (loss_scaling.py).
+        self._index_uses = index_uses(self.graph)
         self.loss_scaling = LossScaling(self.graph, plan, self._all_stages, self.stages, self.topology.device)
         trainable = {name: h for name, h in self._holders.items() if name in self._trainable_names()}
         top = self.topology
@@ -227,6 +229,7 @@ class Trainer:
         self._progress.mark(step)
         target = kwargs.pop("target", None) if self.graph.has_loss_fn else None
         flat = flatten_inputs(self.graph, args, kwargs, target)
+        check_batch_values(self.graph, flat, f"step {step}", self._index_uses)  # before any stage fails on them
         local = self._local_batch(flat)
         self.loss_scaling.update(flat)  # global counts of the step, from the whole global batch
         if self._schedule is None and self._executor is None:

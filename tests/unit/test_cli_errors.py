@@ -176,7 +176,7 @@ def test_ids_and_labels_out_of_range_are_named_before_planning(tmp_path, capsys)
 
 
 def test_batch_values_check_dtype_and_range(mlp):
-    from partita.cli.batch_values import check_batch_values, index_uses
+    from partita.runtime.batch_values import check_batch_values, index_uses
     from partita.runtime.stages import flatten_inputs
 
     ex = examples.build("gpt2", batch_size=2)

@@ -8,8 +8,8 @@ cross-entropy / NLL target back to a graph input through ops that move values wi
 them (views, slices, casts, padding), and ``check_batch_values`` checks a batch's values against
 them, naming the input, the value, the bound and the fix.
 
-Used by the command line (the example's inputs before planning, every training step's batch);
-``partita.Trainer.step`` could run the same check on its flattened batch.
+Used by the command line (the example's inputs, before planning) and by ``partita.Trainer.step``
+(every step's flattened batch, before any stage runs).
 """
 
 from __future__ import annotations
