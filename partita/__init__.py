@@ -22,12 +22,35 @@ _EXPORTS = {
     "simulate": "partita.planning.simulate",
     "Trainer": "partita.runtime.trainer",
     "load_into_model": "partita.runtime.checkpoint",
-    **{name: "partita.errors" for name in ("CaptureError", "CollectiveTimeoutError", "InfeasiblePlanError",
-                                          "InputError", "ModelSpecError", "NumericsError", "PartitaError",
-                                          "PlanFileError")},
-    **{name: "partita.types" for name in ("CostTable", "GraphInput", "OpGraph", "OpNode", "OptimizerKind",
-                                         "ParamInfo", "Plan", "Schedule", "SimResult", "StagePlan",
-                                         "TensorInfo")},
+    **{
+        name: "partita.errors"
+        for name in (
+            "CaptureError",
+            "CollectiveTimeoutError",
+            "InfeasiblePlanError",
+            "InputError",
+            "ModelSpecError",
+            "NumericsError",
+            "PartitaError",
+            "PlanFileError",
+        )
+    },
+    **{
+        name: "partita.types"
+        for name in (
+            "CostTable",
+            "GraphInput",
+            "OpGraph",
+            "OpNode",
+            "OptimizerKind",
+            "ParamInfo",
+            "Plan",
+            "Schedule",
+            "SimResult",
+            "StagePlan",
+            "TensorInfo",
+        )
+    },
 }
 
 __all__ = sorted(_EXPORTS)

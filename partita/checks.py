@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import enum
 import numbers
-from typing import Any, Mapping, TypeVar
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from partita.errors import InputError
 

@@ -1,13 +1,15 @@
-"""Run torch.export on the user's model (plus loss function) with a dynamic batch dimension."""
+"""Run torch.export on the user's model (plus loss function); the dynamic dims come from ``batch``."""
 
 from __future__ import annotations
 
-import inspect
+import contextlib
+import logging
+import re
 from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
-from torch.export import Dim, ExportedProgram
+from torch.export import ExportedProgram
 
 from partita.capturing.diagnose import explain_export_failure
 from partita.errors import CaptureError, InputError
@@ -59,58 +61,61 @@ def check_inputs(model: Any, args: Any, kwargs: Any, loss_fn: Any, target: Any) 
     return tuple(args), kwargs
 
 
-def batch_size_of(args: tuple, kwargs: dict, target: Any) -> int:
-    """The batch size: dim 0 of the tensor inputs, which must agree."""
-    sizes: dict[str, int] = {}
-    for path, leaf in pytree.tree_flatten_with_path((args, kwargs, target))[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            sizes[_describe_path(path)] = leaf.shape[0]
-    if not sizes:
-        raise InputError(
-            "no example input has a batch dimension (all are 0-dim): pass inputs shaped (batch, ...)"
-        )
-    distinct = sorted(set(sizes.values()))
-    if len(distinct) > 1:
-        listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
-        raise InputError(
-            f"example inputs disagree on the batch dimension (dim 0): {listing}. "
-            "partita splits every input along dim 0 into micro-batches: give all inputs "
-            "(and the target) the same leading batch size"
-        )
-    return distinct[0]
-
-
-def _describe_path(path: tuple) -> str:
-    """('args', 0) / ('kwargs', 'input_ids') / ('target',) as a readable string."""
-    root = ("args", "kwargs", "target")[path[0].idx]
-    return root + "".join(str(k) for k in path[1:])
-
-
-def dynamic_shapes_for(module: torch.nn.Module, args: tuple, kwargs: dict, batch_size: int) -> dict:
-    """Mark dim 0 of every tensor input whose size is the batch size as dynamic (Dim.AUTO).
-
-    The spec is keyed by the names of ``module.forward``'s parameters, as torch.export wants.
-    """
-
-    def spec(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size:
-            return {0: Dim.AUTO}
-        return None
-
+def run_export(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,
+               log: SpecialisationLog | None = None) -> ExportedProgram:
+    """torch.export (non-strict); failures become CaptureError with cause and fix. With ``log``,
+    records which lines fixed a dynamic size to a constant."""
     try:
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
-    except TypeError as e:
-        raise InputError(
-            f"the example inputs do not match {type(module).__name__}.forward{inspect.signature(module.forward)}: {e}"
-        ) from e
-    return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
-
-
-def run_export(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> ExportedProgram:
-    """torch.export (non-strict); failures become CaptureError with cause and fix."""
-    try:
-        return torch.export.export(module, args, kwargs or None, dynamic_shapes=dynamic_shapes, strict=False)
+        with log if log is not None else contextlib.nullcontext():
+            return torch.export.export(module, args, kwargs or None, dynamic_shapes=dynamic_shapes, strict=False)
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - every export failure is translated for the user
         raise explain_export_failure(e) from e
+
+
+class SpecialisationLog(logging.Handler):
+    """Reads torch's shape-environment log while export runs: for every symbolic size that export
+    fixed to a constant (``Dim.AUTO`` specialises silently), the input dim it stood for and the line
+    of the guard that fixed it. What is logged is torch's, not an API: unknown lines are ignored."""
+
+    _CREATE = re.compile(r"create_symbol (s\d+) = (\d+) for (\S+)")
+    _GUARD = re.compile(r"eval (.*) \[guard added\][^(]*\(([^)]*)\)")
+    _FIXED = re.compile(r"set_replacement (s\d+) = (-?\d+)")
+    _LOGGER = "torch.fx.experimental.symbolic_shapes"
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.sources: dict[str, str] = {}  # symbol -> "L['kwargs']['input_ids'].size()[0]"
+        self.fixed: dict[str, tuple[int, str]] = {}  # symbol -> (value, "file.py:LINE in func" of the guard)
+        self._guards: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a message that cannot be formatted is skipped
+            return
+        if m := self._CREATE.search(text):
+            self.sources[m.group(1)] = m.group(3)
+        elif m := self._GUARD.search(text):
+            self._guards.append((m.group(1), m.group(2)))
+        elif (m := self._FIXED.search(text)) and m.group(1) not in self.fixed:
+            symbol = m.group(1)
+            where = next((loc for expr, loc in reversed(self._guards) if re.search(rf"\b{symbol}\b", expr)), "")
+            self.fixed[symbol] = (int(m.group(2)), where)
+
+    def __enter__(self) -> SpecialisationLog:
+        logger = logging.getLogger(self._LOGGER)
+        self._saved = (logger.handlers[:], logger.level, logger.propagate)
+        logger.handlers, logger.propagate = [self], False
+        logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        logger = logging.getLogger(self._LOGGER)
+        logger.handlers, level, logger.propagate = self._saved
+        logger.setLevel(level)
+
+    def where_fixed(self, size: int) -> str:
+        """The guard location that fixed a symbol of value ``size`` ('' when none was seen)."""
+        return next((where for value, where in self.fixed.values() if value == size and where), "")

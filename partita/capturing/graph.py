@@ -147,7 +147,9 @@ def build_inputs(gm: torch.fx.GraphModule, flat_leaves: list[tuple[str, Any]], n
     for j, ph in enumerate(placeholders):
         path, value = flat_leaves[j] if j < len(flat_leaves) else (ph.name, None)
         info = tensor_infos(value, ph.meta.get("val"))
-        result.append(GraphInput(name=ph.name, path=path, tensor=info[0] if info else None, consumers=tuple(readers[j])))
+        constant = None if isinstance(value, torch.Tensor) else value
+        result.append(GraphInput(name=ph.name, path=path, tensor=info[0] if info else None, consumers=tuple(readers[j]),
+                                 value=constant))
     return tuple(result)
 
 
@@ -170,11 +172,12 @@ def tensor_infos(value: Any, symbolic: Any) -> tuple[TensorInfo, ...]:
 
 
 def _batch_dim(sym: torch.Tensor | None) -> int | None:
-    """The first dimension whose size is symbolic: only the batch size is made dynamic."""
+    """The first dimension whose size is symbolic: only the batch size is made dynamic. (A SymInt
+    whose expression export fixed to a constant, ``s72 = 8``, is not symbolic any more.)"""
     if sym is None:
         return None
     for d, size in enumerate(sym.shape):
-        if isinstance(size, torch.SymInt) and not size.node.is_constant():
+        if isinstance(size, torch.SymInt) and not size.node.is_constant() and size.node.expr.free_symbols:
             return d
     return None
 

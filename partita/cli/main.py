@@ -8,13 +8,13 @@ import json
 import os
 import sys
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 from partita.cli.optimizers import OPTIMIZER_KINDS, OPTIMIZERS
 from partita.errors import PartitaError
 from partita.planning.options import CostSource, PlanOptions
-from partita.types.cluster import Cluster
 from partita.types import Schedule
+from partita.types.cluster import Cluster
 
 MODEL_HELP = (
     "a built-in example (gpt2, bert, llama, mixtral, t5, vit, mlp, cnn; with a size: gpt2-xl, llama-7b, mixtral-8x7b) "
@@ -30,96 +30,152 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="example batch size (default 8)")
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length of example models")
     parser.add_argument(
-        "--model-device", default="auto", choices=["auto", "cpu", "meta"],
+        "--model-device",
+        default="auto",
+        choices=["auto", "cpu", "meta"],
         help="where to build example models: meta allocates no weights (auto: meta when the "
-             "weights would not comfortably fit in this machine's memory)",
+        "weights would not comfortably fit in this machine's memory)",
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="partita", description="Plan and train PyTorch models too large for one device.")
+    parser = argparse.ArgumentParser(
+        prog="partita", description="Plan and train PyTorch models too large for one device."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    inspect = sub.add_parser("inspect", help="capture a model and show its graph: nodes, parameters, FLOPs, activations")
+    inspect = sub.add_parser(
+        "inspect", help="capture a model and show its graph: nodes, parameters, FLOPs, activations"
+    )
     _add_model_arguments(inspect)
     inspect.add_argument("--depth", type=int, default=3, help="module depth of the per-module table (default 3)")
     inspect.add_argument("--top", type=int, default=10, help="how many of the largest activations to list")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
     inspect.add_argument("--costs", action="store_true", help="also print per-module costs (time, saved activations)")
-    inspect.add_argument("--device", default=None,
-                         help="with --costs: a catalog device for analytic costs (h100, a100-80gb, ...); "
-                              "default: measured on this machine when the model has real weights")
+    inspect.add_argument(
+        "--device",
+        default=None,
+        help="with --costs: a catalog device for analytic costs (h100, a100-80gb, ...); "
+        "default: measured on this machine when the model has real weights",
+    )
     inspect.set_defaults(func=_inspect)
 
     plan = sub.add_parser("plan", help="search the best split over devices; compare with the baselines")
     _add_model_arguments(plan)
     plan.add_argument("--devices", type=int, required=True, help="number of devices")
-    plan.add_argument("--device-type", default="cpu", help="catalog name (h100, a100-80gb, h200, b200, mi300x, cpu) or a device file")
+    plan.add_argument(
+        "--device-type", default="cpu", help="catalog name (h100, a100-80gb, h200, b200, mi300x, cpu) or a device file"
+    )
     plan.add_argument("--memory", default=None, help="memory per device, e.g. 80GiB (default: the device's)")
-    plan.add_argument("--nodes", type=int, default=1,
-                      help="number of nodes the devices are spread over (must divide --devices; 1 for cpu)")
+    plan.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="number of nodes the devices are spread over (must divide --devices; 1 for cpu)",
+    )
     plan.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     plan.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
     plan.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
     plan.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
-    plan.add_argument("--uniform-replicas", action="store_true",
-                      help="search only pp x dp meshes (by default stages may also get different replica counts, "
-                           "GPipe/1F1B, up to 64 devices)")
+    plan.add_argument(
+        "--uniform-replicas",
+        action="store_true",
+        help="search only pp x dp meshes (by default stages may also get different replica counts, "
+        "GPipe/1F1B, up to 64 devices)",
+    )
     plan.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
     plan.add_argument("--recompute", default=None, choices=["yes", "no"], help="pin activation recomputation")
     plan.add_argument("--optimizer", default="adam", help="adam, sgd-momentum or sgd (sets optimizer-state memory)")
-    plan.add_argument("--costs", default="auto", choices=[c.value for c in CostSource],
-                      help="where per-node costs come from: measured (profile every node here), analytic (roofline "
-                           "for --device-type), auto (measured for this machine's CPU with real weights, else analytic)")
+    plan.add_argument(
+        "--costs",
+        default="auto",
+        choices=[c.value for c in CostSource],
+        help="where per-node costs come from: measured (profile every node here), analytic (roofline "
+        "for --device-type), auto (measured for this machine's CPU with real weights, else analytic)",
+    )
     plan.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
     plan.add_argument("--out", default=None, help="write the plan as JSON to this path")
     plan.add_argument("--png", default=None, help="write memory bars per stage and the pipeline timeline (PNG or SVG)")
-    plan.add_argument("--trace", default=None,
-                      help="write the simulated step as a Chrome/Perfetto trace (JSON; one track per rank group)")
+    plan.add_argument(
+        "--trace",
+        default=None,
+        help="write the simulated step as a Chrome/Perfetto trace (JSON; one track per rank group)",
+    )
     plan.set_defaults(func=_plan)
 
     train = sub.add_parser("train", help="plan (or load a plan) and train with one process per device")
     _add_model_arguments(train)
-    train.add_argument("--nproc", type=int, default=None,
-                       help="processes (devices) on this machine to plan for (default 2); the job starts as many "
-                            "as the plan uses. With --plan: the plan's device count (default), or an error if different")
+    train.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes (devices) on this machine to plan for (default 2); the job starts as many "
+        "as the plan uses. With --plan: the plan's device count (default), or an error if different",
+    )
     train.add_argument("--plan", default=None, help="a plan file from `partita plan`; otherwise plan now")
     train.add_argument("--plan-out", default=None, help="where to write the plan made now")
-    train.add_argument("--global-batch", type=int, default=None,
-                       help=f"samples per optimizer step (default {DEFAULT_TRAIN_GLOBAL_BATCH}); with --plan: the "
-                            "plan's, and another value is refused")
+    train.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help=f"samples per optimizer step (default {DEFAULT_TRAIN_GLOBAL_BATCH}); with --plan: the "
+        "plan's, and another value is refused",
+    )
     train.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     train.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
-    train.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS),
-                       help="the torch optimizer (default adamw); the planner counts its state memory")
+    train.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=sorted(OPTIMIZERS),
+        help="the torch optimizer (default adamw); the planner counts its state memory",
+    )
     train.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     train.add_argument("--memory", default=None, help="memory per process for planning, e.g. 512MiB")
     train.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
     train.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
     train.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
-    train.add_argument("--uniform-replicas", action="store_true",
-                      help="search only pp x dp meshes (by default stages may also get different replica counts, "
-                           "GPipe/1F1B, up to 64 devices)")
+    train.add_argument(
+        "--uniform-replicas",
+        action="store_true",
+        help="search only pp x dp meshes (by default stages may also get different replica counts, "
+        "GPipe/1F1B, up to 64 devices)",
+    )
     train.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
     train.add_argument("--checkpoint-dir", default=None, help="write checkpoints here (step-NNNNNN)")
     train.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: at the end)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
-    train.add_argument("--max-restarts", type=int, default=0,
-                       help="restart all processes up to R times when one fails; restarted processes resume from "
-                            "the latest complete checkpoint in --checkpoint-dir")
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart all processes up to R times when one fails; restarted processes resume from "
+        "the latest complete checkpoint in --checkpoint-dir",
+    )
     train.add_argument("--seed", type=int, default=0, help="seed of the example's weights and data and of torch's RNG")
-    train.add_argument("--on-nonfinite", default="raise", choices=["raise", "skip"],
-                       help="a NaN/inf loss or gradient: stop with an error naming where (raise), or skip that "
-                            "update with a warning (skip); the weights are never updated with it")
-    train.add_argument("--trace", default=None, metavar="DIR",
-                       help="write steps 2-4 as measured by torch's profiler, one Chrome/Perfetto trace per rank "
-                            "(DIR/rank-R.json); `partita plan --trace` writes the predicted step in the same format")
-    train.add_argument("--losses-out", default=None,
-                       help="write this run's per-step losses as JSON to this path (rank 0)")
+    train.add_argument(
+        "--on-nonfinite",
+        default="raise",
+        choices=["raise", "skip"],
+        help="a NaN/inf loss or gradient: stop with an error naming where (raise), or skip that "
+        "update with a warning (skip); the weights are never updated with it",
+    )
+    train.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="write steps 2-4 as measured by torch's profiler, one Chrome/Perfetto trace per rank "
+        "(DIR/rank-R.json); `partita plan --trace` writes the predicted step in the same format",
+    )
+    train.add_argument(
+        "--losses-out", default=None, help="write this run's per-step losses as JSON to this path (rank 0)"
+    )
     train.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
-    train.add_argument("--init-from", default=None,
-                       help="a seed checkpoint of the initial weights: every process builds the model on meta and "
-                            "allocates only its stages (written by the planning process for zoo models)")
+    train.add_argument(
+        "--init-from",
+        default=None,
+        help="a seed checkpoint of the initial weights: every process builds the model on meta and "
+        "allocates only its stages (written by the planning process for zoo models)",
+    )
     train.set_defaults(func=_train)
     return parser
 
@@ -127,8 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args: argparse.Namespace):
     from partita.cli.model_spec import load_model
 
-    return load_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, device=args.model_device,
-                      seed=getattr(args, "seed", 0))
+    return load_model(
+        args.model,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        device=args.model_device,
+        seed=getattr(args, "seed", 0),
+    )
 
 
 def _capture(example):
@@ -172,10 +233,14 @@ def _plan_options(args: argparse.Namespace):
     recompute = getattr(args, "recompute", None)
     return PlanOptions(
         schedules=tuple(Schedule) if args.schedule is None else args.schedule,
-        num_stages=args.num_stages, replicas=args.replicas, num_microbatches=args.microbatches,
+        num_stages=args.num_stages,
+        replicas=args.replicas,
+        num_microbatches=args.microbatches,
         recompute=None if recompute is None else recompute == "yes",
         uniform_replicas=True if args.uniform_replicas else None,
-        optimizer=OPTIMIZER_KINDS.get(args.optimizer, args.optimizer), costs=getattr(args, "costs", "auto"), cache_dir=args.cache_dir,
+        optimizer=OPTIMIZER_KINDS.get(args.optimizer, args.optimizer),
+        costs=getattr(args, "costs", "auto"),
+        cache_dir=args.cache_dir,
     )
 
 
@@ -184,8 +249,12 @@ def _cluster(args: argparse.Namespace, *, num_devices: int, device_type: str = "
     memory = _parse_bytes(args.memory)
     if device_type == "cpu":
         return Cluster.local(num_devices=num_devices, memory_bytes=memory, cache_dir=args.cache_dir)
-    return Cluster(device=device_type, num_devices=num_devices, devices_per_node=max(1, num_devices // num_nodes),
-                   memory_bytes=memory)
+    return Cluster(
+        device=device_type,
+        num_devices=num_devices,
+        devices_per_node=max(1, num_devices // num_nodes),
+        memory_bytes=memory,
+    )
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -198,9 +267,16 @@ def _plan(args: argparse.Namespace) -> int:
     graph = _capture(example)
     _check_example_values(graph, example)
     cluster = _cluster(args, num_devices=args.devices, device_type=args.device_type, num_nodes=args.nodes)
-    result = plan_with_baselines(graph, example.args, example.kwargs, cluster=cluster,
-                                 global_batch_size=args.global_batch, loss_fn=example.loss_fn, target=example.target,
-                                 options=_plan_options(args))
+    result = plan_with_baselines(
+        graph,
+        example.args,
+        example.kwargs,
+        cluster=cluster,
+        global_batch_size=args.global_batch,
+        loss_fn=example.loss_fn,
+        target=example.target,
+        options=_plan_options(args),
+    )
     best = result.plan
     print(plan_text(best, baselines=result.baselines, baseline_reasons=result.baseline_reasons))
     if args.png or args.trace:
@@ -224,20 +300,31 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from partita.errors import InputError
     from partita.cli.model_spec import is_factory_spec
+    from partita.cli.train_loop import TrainConfig, check_train_config
+    from partita.errors import InputError
     from partita.runtime.launch import launch_local, under_torchrun
     from partita.runtime.materialize import on_meta, save_seed
-    from partita.cli.train_loop import TrainConfig, check_train_config
 
-    config = TrainConfig(steps=args.steps, lr=args.lr, optimizer=args.optimizer, max_grad_norm=args.max_grad_norm or None,
-                         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                         resume=args.resume, seed=args.seed, on_nonfinite=args.on_nonfinite, init_from=args.init_from,
-                         trace_dir=args.trace)
+    config = TrainConfig(
+        steps=args.steps,
+        lr=args.lr,
+        optimizer=args.optimizer,
+        max_grad_norm=args.max_grad_norm or None,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        seed=args.seed,
+        on_nonfinite=args.on_nonfinite,
+        init_from=args.init_from,
+        trace_dir=args.trace,
+    )
     check_train_config(config)
     if args.init_from is not None and is_factory_spec(args.model):
-        raise InputError("--init-from works with zoo models, which can be built on meta; a factory "
-                         f"({args.model}) builds its own weights: drop --init-from")
+        raise InputError(
+            "--init-from works with zoo models, which can be built on meta; a factory "
+            f"({args.model}) builds its own weights: drop --init-from"
+        )
     _check_train_flags(args)
     if under_torchrun():
         return _train_rank(args, config)
@@ -282,8 +369,9 @@ def _check_batch_flags(args: argparse.Namespace) -> None:
 
     global_batch = DEFAULT_TRAIN_GLOBAL_BATCH if args.global_batch is None else args.global_batch
     if global_batch >= 1:
-        check_batch_divisible(global_batch, args.microbatches, args.replicas,
-                              names=("--global-batch", "--microbatches", "--replicas"))
+        check_batch_divisible(
+            global_batch, args.microbatches, args.replicas, names=("--global-batch", "--microbatches", "--replicas")
+        )
 
 
 def _check_nodes(nodes: int, devices: int, device_type: str) -> None:
@@ -292,22 +380,28 @@ def _check_nodes(nodes: int, devices: int, device_type: str) -> None:
     if nodes < 1:
         raise InputError(f"--nodes must be >= 1, got {nodes}")
     if device_type == "cpu" and nodes != 1:
-        raise InputError(f"--nodes {nodes} with --device-type cpu: cpu plans are for this machine, one node; "
-                         "drop --nodes, or plan for a catalog device (--device-type h100) on several nodes")
+        raise InputError(
+            f"--nodes {nodes} with --device-type cpu: cpu plans are for this machine, one node; "
+            "drop --nodes, or plan for a catalog device (--device-type h100) on several nodes"
+        )
     if devices >= 1 and devices % nodes:
         lower = devices // nodes * nodes
         nearest = " or ".join(str(d) for d in (lower, lower + nodes) if d > 0)
-        raise InputError(f"--nodes {nodes} does not divide --devices {devices}: every node holds the same number of "
-                         f"devices; use --devices {nearest}, or another --nodes")
+        raise InputError(
+            f"--nodes {nodes} does not divide --devices {devices}: every node holds the same number of "
+            f"devices; use --devices {nearest}, or another --nodes"
+        )
 
 
 def _check_plan_global_batch(path: str, plan, global_batch: int | None) -> None:
     from partita.errors import InputError
 
     if global_batch is not None and global_batch != plan.global_batch_size:
-        raise InputError(f"--global-batch {global_batch} differs from the global batch {plan.global_batch_size} of "
-                         f"the plan {path}: drop --global-batch to train with the plan's, or re-plan for {global_batch} "
-                         "(without --plan)")
+        raise InputError(
+            f"--global-batch {global_batch} differs from the global batch {plan.global_batch_size} of "
+            f"the plan {path}: drop --global-batch to train with the plan's, or re-plan for {global_batch} "
+            "(without --plan)"
+        )
 
 
 def _check_example_values(graph, example) -> None:
@@ -329,8 +423,10 @@ def _processes_for_plan_file(path: str, nproc: int | None, global_batch: int | N
     _check_plan_global_batch(path, plan, global_batch)
     needed = plan.num_devices
     if nproc is not None and nproc != needed:
-        raise InputError(f"{path} is a plan for {needed} devices, but --nproc is {nproc}: drop --nproc (one process "
-                         f"per device of the plan) or re-plan for {nproc} processes (without --plan)")
+        raise InputError(
+            f"{path} is a plan for {needed} devices, but --nproc is {nproc}: drop --nproc (one process "
+            f"per device of the plan) or re-plan for {nproc} processes (without --plan)"
+        )
     return needed
 
 
@@ -348,9 +444,16 @@ def _plan_for_training(args: argparse.Namespace):
     _check_example_values(graph, example)
     nproc = 2 if args.nproc is None else args.nproc
     global_batch = DEFAULT_TRAIN_GLOBAL_BATCH if args.global_batch is None else args.global_batch
-    plan = partita.plan(graph, example.args, example.kwargs, loss_fn=example.loss_fn, target=example.target,
-                        cluster=_cluster(args, num_devices=nproc), global_batch_size=global_batch,
-                        options=_plan_options(args))
+    plan = partita.plan(
+        graph,
+        example.args,
+        example.kwargs,
+        loss_fn=example.loss_fn,
+        target=example.target,
+        cluster=_cluster(args, num_devices=nproc),
+        global_batch_size=global_batch,
+        options=_plan_options(args),
+    )
     path = _with_parent(args.plan_out) or os.path.join(tempfile.mkdtemp(prefix="partita-"), "plan.json")
     plan.save(path)
     print(f"plan for {nproc} processes ({plan.cost_source} costs), written to {path}:")
@@ -365,18 +468,30 @@ def _train_rank(args: argparse.Namespace, config) -> int:
     import torch.distributed as dist
 
     import partita
-    from partita.report.format import fmt_seconds, table
     from partita.cli.train_loop import timing_rows, train, write_losses
+    from partita.report.format import fmt_seconds, table
 
     if config.init_from is not None:
         from partita.cli.model_spec import load_model
         from partita.runtime.materialize import meta_copies
 
         # The model on meta (no weights), its batches real; capture from meta copies of them.
-        example = load_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, device="meta",
-                             seed=args.seed, data_device="cpu")
-        graph = _capture(dataclasses.replace(example, args=meta_copies(example.args),
-                                             kwargs=meta_copies(example.kwargs), target=meta_copies(example.target)))
+        example = load_model(
+            args.model,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            device="meta",
+            seed=args.seed,
+            data_device="cpu",
+        )
+        graph = _capture(
+            dataclasses.replace(
+                example,
+                args=meta_copies(example.args),
+                kwargs=meta_copies(example.kwargs),
+                target=meta_copies(example.target),
+            )
+        )
     else:
         example = _load(args)
         graph = _capture(example)
@@ -387,12 +502,18 @@ def _train_rank(args: argparse.Namespace, config) -> int:
         if summary.resumed_from is not None:
             print(f"resumed from step {summary.resumed_from}")
         if summary.losses:
-            print(f"loss: {summary.losses[0]:.4f} (step {config.steps - len(summary.losses) + 1}) -> "
-                  f"{summary.losses[-1]:.4f} (step {config.steps})")
+            print(
+                f"loss: {summary.losses[0]:.4f} (step {config.steps - len(summary.losses) + 1}) -> "
+                f"{summary.losses[-1]:.4f} (step {config.steps})"
+            )
         if summary.skipped_steps:
             print(f"skipped updates (non-finite loss or gradient) at steps {summary.skipped_steps}")
-        print(table(["", "predicted", "measured"],
-                    [(name, fmt_seconds(p), fmt_seconds(m)) for name, p, m in timing_rows(plan, summary)]))
+        print(
+            table(
+                ["", "predicted", "measured"],
+                [(name, fmt_seconds(p), fmt_seconds(m)) for name, p, m in timing_rows(plan, summary)],
+            )
+        )
         if args.losses_out:
             write_losses(args.losses_out, summary)
     dist.destroy_process_group()
@@ -412,10 +533,20 @@ def _parse_bytes(text: str | None) -> int | None:
 
     if text is None:
         return None
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "tb": 10**12, "b": 1, "": 1}
+    units = {
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "b": 1,
+        "": 1,
+    }
     number = text.strip().lower().rstrip("abgikmt")
-    unit = text.strip().lower()[len(number):]
+    unit = text.strip().lower()[len(number) :]
     try:
         value = float(number) * units[unit]
     except (ValueError, KeyError):

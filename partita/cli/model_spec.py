@@ -18,8 +18,15 @@ from partita.errors import ModelSpecError
 from partita.examples import Example, build
 
 
-def load_model(spec: str, *, batch_size: int = 8, seq_len: int | None = None, device: str = "cpu",
-               seed: int = 0, data_device: str | None = None) -> Example:
+def load_model(
+    spec: str,
+    *,
+    batch_size: int = 8,
+    seq_len: int | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+    data_device: str | None = None,
+) -> Example:
     """The model, its example inputs and loss for ``spec``.
 
     ``device="auto"`` builds a zoo model on ``meta`` (no weights) when its weights would take
@@ -51,7 +58,9 @@ def _memory_bytes() -> int:
 def _load_factory(spec: str, seed: int = 0) -> Example:
     path, _, factory_name = spec.rpartition(":")
     if not os.path.isfile(path):
-        raise ModelSpecError(f"model file {path!r} (from MODEL {spec!r}) does not exist: give an existing path/to/file.py:factory")
+        raise ModelSpecError(
+            f"model file {path!r} (from MODEL {spec!r}) does not exist: give an existing path/to/file.py:factory"
+        )
     module_name = f"_partita_user_{abs(hash(os.path.abspath(path)))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -59,7 +68,9 @@ def _load_factory(spec: str, seed: int = 0) -> Example:
     module_spec.loader.exec_module(module)
     factory = getattr(module, factory_name, None)
     if not callable(factory):
-        raise ModelSpecError(f"{path} has no callable {factory_name!r}: define `def {factory_name}(): return model, inputs`")
+        raise ModelSpecError(
+            f"{path} has no callable {factory_name!r}: define `def {factory_name}(): return model, inputs`"
+        )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         result = factory()

@@ -26,8 +26,9 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,12 +36,12 @@ import torch.utils._pytree as pytree
 
 from partita.capturing import exported_call_inputs
 from partita.cli.optimizers import OPTIMIZERS
-
 from partita.errors import InputError
 from partita.runtime.checkpoint_dir import checkpoint_path
 from partita.runtime.launch import restart_count
 from partita.runtime.numerics import NonFinitePolicy
 from partita.types import OpGraph, Plan
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -81,10 +82,15 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSumm
 
     make_batch = example.make_batch or repeating_batches(example, graph)
     torch.manual_seed(config.seed)
-    trainer = Trainer(example.model, plan, graph=graph,
-                      optimizer=lambda params: OPTIMIZERS[config.optimizer](params, config.lr),
-                      max_grad_norm=config.max_grad_norm, on_nonfinite=config.on_nonfinite,
-                      init_from=config.init_from)
+    trainer = Trainer(
+        example.model,
+        plan,
+        graph=graph,
+        optimizer=lambda params: OPTIMIZERS[config.optimizer](params, config.lr),
+        max_grad_norm=config.max_grad_norm,
+        on_nonfinite=config.on_nonfinite,
+        init_from=config.init_from,
+    )
     summary = TrainSummary()
     _maybe_resume(trainer, config, summary)
     timers = _stage_forward_timers(trainer, summary)
@@ -106,8 +112,9 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSumm
         if not math.isfinite(loss):  # on_nonfinite="skip" (with "raise", step() raised)
             summary.skipped_steps.append(trainer.num_steps)
         if bar is not None:
-            bar.set_postfix(loss=f"{loss:.4f}", step=f"{elapsed * 1e3:.0f}ms",
-                            samples_s=f"{plan.global_batch_size / elapsed:.1f}")
+            bar.set_postfix(
+                loss=f"{loss:.4f}", step=f"{elapsed * 1e3:.0f}ms", samples_s=f"{plan.global_batch_size / elapsed:.1f}"
+            )
             bar.update(1)
         if config.checkpoint_dir and config.checkpoint_every and trainer.num_steps % config.checkpoint_every == 0:
             trainer.save_checkpoint(checkpoint_path(config.checkpoint_dir, trainer.num_steps))
@@ -126,8 +133,10 @@ def repeating_batches(example, graph: OpGraph) -> Callable[[int, int], tuple[tup
     call = exported_call_inputs(example.args, example.kwargs, example.target, graph.has_loss_fn)
     flat, spec = pytree.tree_flatten(call)
     if len(flat) != len(graph.inputs):
-        raise InputError(f"{example.name}: its example inputs have {len(flat)} leaves but the graph was captured "
-                         f"with {len(graph.inputs)}: capture the model from the factory's own inputs")
+        raise InputError(
+            f"{example.name}: its example inputs have {len(flat)} leaves but the graph was captured "
+            f"with {len(graph.inputs)}: capture the model from the factory's own inputs"
+        )
     dims = [info.tensor.batch_dim if info.tensor is not None else None for info in graph.inputs]
 
     def make_batch(batch_size: int, step: int) -> tuple[tuple, dict, Any]:
@@ -209,9 +218,11 @@ def _maybe_resume(trainer, config: TrainConfig, summary: TrainSummary) -> None:
 def write_losses(path: str, summary: TrainSummary) -> None:
     """The losses of this run's steps as JSON: ``{"first_step": k, "losses": [...], "skipped_steps": [...]}``,
     ``losses[i]`` being step ``k + i`` (1-based; ``k > 1`` after a resume), non-finite losses as null."""
-    record = {"first_step": summary.first_step,
-              "losses": [loss if math.isfinite(loss) else None for loss in summary.losses],
-              "skipped_steps": summary.skipped_steps}
+    record = {
+        "first_step": summary.first_step,
+        "losses": [loss if math.isfinite(loss) else None for loss in summary.losses],
+        "skipped_steps": summary.skipped_steps,
+    }
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
         f.write("\n")
@@ -311,8 +322,13 @@ def timing_rows(plan: Plan, summary: TrainSummary) -> list[tuple]:
     skip = 1 if len(summary.step_s) > 2 else 0  # the first step builds the pipeline
     for stage in plan.stages:
         measured = summary.stage_forward_s.get(stage.index, [])[skip:]
-        rows.append((f"stage {stage.index} forward", stage.forward_s * plan.num_microbatches,
-                     statistics.median(measured) if measured else float("nan")))
+        rows.append(
+            (
+                f"stage {stage.index} forward",
+                stage.forward_s * plan.num_microbatches,
+                statistics.median(measured) if measured else float("nan"),
+            )
+        )
     steps = summary.step_s[skip:]
     rows.append(("step", plan.predicted_step_s, statistics.median(steps) if steps else float("nan")))
     return rows

@@ -31,11 +31,9 @@ any of its outputs has a batch dim.
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 
-from partita.types.devices import resolve_device
+from partita.checks import positive_int
 from partita.cost.table import (
     FLOAT_DTYPES,
     activation_bytes,
@@ -47,17 +45,18 @@ from partita.cost.table import (
     requires_grad,
     value_bytes,
 )
-from partita.checks import positive_int
 from partita.errors import InputError
 from partita.types import CostTable, DeviceSpec, OpGraph, OpNode, OptimizerKind
+from partita.types.devices import resolve_device
 
 __all__ = ["analytic_costs", "optimizer_step_s"]
 
 _GATHER_OPS = frozenset({"embedding"})  # read only the rows they return
 
 
-def analytic_costs(graph: OpGraph, device: DeviceSpec | str, microbatch_size: int, *,
-                   dtype: str | None = None) -> CostTable:
+def analytic_costs(
+    graph: OpGraph, device: DeviceSpec | str, microbatch_size: int, *, dtype: str | None = None
+) -> CostTable:
     """Roofline CostTable of ``graph`` at ``microbatch_size`` on ``device`` (spec or catalog name).
 
     ``dtype`` selects the ``device.peak_flops`` entry used for every node (e.g. "bfloat16"
@@ -79,7 +78,9 @@ def analytic_costs(graph: OpGraph, device: DeviceSpec | str, microbatch_size: in
     k_weight = work["k_weight"]
     k = work["k_input"] + k_weight
     has_backward = busy & work["requires_grad"] & (k > 0)
-    backward_s = np.maximum(k * work["flops"] / compute_rate, 2.0 * work["bytes_moved"] / memory_rate) + k * device.op_overhead_s
+    backward_s = (
+        np.maximum(k * work["flops"] / compute_rate, 2.0 * work["bytes_moved"] / memory_rate) + k * device.op_overhead_s
+    )
     backward_s = np.where(has_backward, backward_s, 0.0)
     backward_weight_s = np.where(has_backward, backward_s * k_weight / np.maximum(k, 1), 0.0)
 
@@ -104,8 +105,10 @@ def analytic_costs(graph: OpGraph, device: DeviceSpec | str, microbatch_size: in
 def _node_work(graph: OpGraph, microbatch_size: int, device: DeviceSpec, dtype: str | None) -> dict[str, np.ndarray]:
     """Per node: scaled FLOPs and bytes moved, the peak FLOP/s of its dtype, gradient operand counts."""
     if dtype is not None and dtype not in device.peak_flops:
-        raise InputError(f"dtype {dtype!r} is not in the peak_flops of device {device.name!r}: "
-                         f"choose one of {', '.join(sorted(device.peak_flops))}")
+        raise InputError(
+            f"dtype {dtype!r} is not in the peak_flops of device {device.name!r}: "
+            f"choose one of {', '.join(sorted(device.peak_flops))}"
+        )
     num_nodes, b = graph.num_nodes, graph.batch_size
     values = value_bytes(graph, microbatch_size)
     grad = requires_grad(graph)
@@ -146,8 +149,9 @@ def _peak_flops(device: DeviceSpec, dtype: str) -> float:
     return float(device.peak_flops.get("float32", min(device.peak_flops.values())))
 
 
-def optimizer_step_s(trainable_bytes: float, optimizer: OptimizerKind | str, device: DeviceSpec | str, *,
-                     mixed_precision: bool = False) -> float:
+def optimizer_step_s(
+    trainable_bytes: float, optimizer: OptimizerKind | str, device: DeviceSpec | str, *, mixed_precision: bool = False
+) -> float:
     """Seconds of one optimizer step over ``trainable_bytes`` of parameters: memory-bound, so the
     bytes it moves over the device's memory bandwidth. Per parameter element it reads the
     parameter and its gradient and writes the parameter, and reads and writes each state: plain

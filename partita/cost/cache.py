@@ -29,8 +29,9 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -55,7 +56,9 @@ _ARRAY_FIELDS = (
 )
 
 
-def cache_key(graph: OpGraph, microbatch_size: int, device: torch.device, *, repeats: int, warmup: int) -> tuple[str, dict[str, Any]]:
+def cache_key(
+    graph: OpGraph, microbatch_size: int, device: torch.device, *, repeats: int, warmup: int
+) -> tuple[str, dict[str, Any]]:
     """The cache key (hex sha256) and the readable parts it was made from."""
     import torch
 
@@ -96,7 +99,7 @@ def load(cache_dir: str | os.PathLike, key: str) -> CostTable | None:
             uses_values, uses_offsets = data["param_uses_values"], data["param_uses_offsets"]
     except (OSError, ValueError, KeyError):
         return None
-    param_uses = tuple(uses_values[uses_offsets[p]:uses_offsets[p + 1]] for p in range(len(uses_offsets) - 1))
+    param_uses = tuple(uses_values[uses_offsets[p] : uses_offsets[p + 1]] for p in range(len(uses_offsets) - 1))
     return CostTable(
         microbatch_size=int(meta["microbatch_size"]),
         device=meta["device"],

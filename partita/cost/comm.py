@@ -23,11 +23,11 @@ the ring's 2(n − 1)·α latency term therefore over-estimates tiny all-reduces
 from __future__ import annotations
 
 import numbers
-from typing import Iterable
+from collections.abc import Iterable
 
-from partita.types.cluster import Cluster
 from partita.checks import positive_int
 from partita.errors import InputError
+from partita.types.cluster import Cluster
 
 __all__ = ["all_gather_time_s", "allreduce_time_s", "p2p_time_s", "reduce_scatter_time_s", "spans_nodes"]
 

@@ -32,14 +32,15 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from partita.checks import positive_int
 from partita.cost.cache import measure_once
+from partita.types import DeviceSpec
 from partita.types.cluster import Cluster
 from partita.types.devices import get_device, machine_memory_bytes
-from partita.types import DeviceSpec
 
 __all__ = [
     "LOCAL_RESERVED_MEMORY_FRACTION",
@@ -78,9 +79,15 @@ def cpu_model() -> str:
 # ----------------------------------------------------------------------------- the Cluster
 
 
-def local_cluster(num_devices: int = 2, memory_bytes: int | None = None, *, cache_dir: str | os.PathLike | None = None,
-                  num_threads: int | None = None, compute_slowdown: float | None = None,
-                  reserved_memory_fraction: float = LOCAL_RESERVED_MEMORY_FRACTION) -> Cluster:
+def local_cluster(
+    num_devices: int = 2,
+    memory_bytes: int | None = None,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    num_threads: int | None = None,
+    compute_slowdown: float | None = None,
+    reserved_memory_fraction: float = LOCAL_RESERVED_MEMORY_FRACTION,
+) -> Cluster:
     """``num_devices`` CPU ranks on this machine, one node, calibrated by measurement.
 
     The device is ``local_cpu_spec`` measured with ``num_threads`` threads (default: this
@@ -104,17 +111,24 @@ def local_cluster(num_devices: int = 2, memory_bytes: int | None = None, *, cach
     gloo = measure_gloo(cache_dir)
     if compute_slowdown is None:
         compute_slowdown = measure_contention(num_devices, threads, cache_dir=cache_dir)
-    return Cluster(device=device, num_devices=num_devices, devices_per_node=num_devices,
-                   intra_node_bandwidth_bytes_per_s=gloo["bandwidth_bytes_per_s"], intra_node_latency_s=gloo["latency_s"],
-                   collective_efficiency=gloo["collective_efficiency"], compute_slowdown=compute_slowdown,
-                   reserved_memory_fraction=reserved_memory_fraction)
+    return Cluster(
+        device=device,
+        num_devices=num_devices,
+        devices_per_node=num_devices,
+        intra_node_bandwidth_bytes_per_s=gloo["bandwidth_bytes_per_s"],
+        intra_node_latency_s=gloo["latency_s"],
+        collective_efficiency=gloo["collective_efficiency"],
+        compute_slowdown=compute_slowdown,
+        reserved_memory_fraction=reserved_memory_fraction,
+    )
 
 
 # ----------------------------------------------------------------------------- the CPU
 
 
-def local_cpu_spec(cache_dir: str | os.PathLike | None = None, *, memory_bytes: int | None = None,
-                   num_threads: int | None = None) -> DeviceSpec:
+def local_cpu_spec(
+    cache_dir: str | os.PathLike | None = None, *, memory_bytes: int | None = None, num_threads: int | None = None
+) -> DeviceSpec:
     """The catalog's "cpu" entry calibrated on this machine: matmul FLOP/s per dtype, copy
     bandwidth and the fixed cost of one operation, in place of the catalog's guesses.
 
@@ -156,7 +170,7 @@ def _calibrate_cpu(num_threads: int) -> dict[str, Any]:
         n = 1024
         for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
             a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-            seconds = _median_time(lambda: torch.mm(a, b), repeats=4 if dtype == torch.float32 else 3)
+            seconds = _median_time(lambda: torch.mm(a, b), repeats=4 if dtype == torch.float32 else 3)  # noqa: B023 - timed at once
             peak_flops[name] = 2 * n**3 / seconds
         src = torch.ones(16 * _MIB)  # 64 MiB of float32
         dst = torch.empty_like(src)
@@ -189,8 +203,14 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> float:
 # ----------------------------------------------------------------------------- gloo between two processes
 
 
-def measure_gloo(cache_dir: str | os.PathLike | None = None, *, num_bytes: int = 16 * 2**20, repeats: int = 5,
-                 num_pings: int = 30, timeout_s: float = 120.0) -> dict[str, float]:
+def measure_gloo(
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    num_bytes: int = 16 * 2**20,
+    repeats: int = 5,
+    num_pings: int = 30,
+    timeout_s: float = 120.0,
+) -> dict[str, float]:
     """What gloo achieves between two processes of this machine (loopback TCP, as CPU ranks use it).
 
     Returns ``bandwidth_bytes_per_s`` and ``latency_s`` of send/recv (ping-pong of ``num_bytes``
@@ -201,8 +221,13 @@ def measure_gloo(cache_dir: str | os.PathLike | None = None, *, num_bytes: int =
     """
     import torch
 
-    key = {"host": socket.gethostname(), "cpu": cpu_model(), "num_bytes": int(num_bytes), "torch": torch.__version__,
-           "probe": "gloo-1"}
+    key = {
+        "host": socket.gethostname(),
+        "cpu": cpu_model(),
+        "num_bytes": int(num_bytes),
+        "torch": torch.__version__,
+        "probe": "gloo-1",
+    }
 
     def measure() -> dict:
         raw = _run_gloo_probe(num_bytes, repeats, num_pings, timeout_s)
@@ -210,8 +235,12 @@ def measure_gloo(cache_dir: str | os.PathLike | None = None, *, num_bytes: int =
         bandwidth = num_bytes / max(raw["transfer_s"] - latency, 1e-9)
         # 2 ranks: all-reduce = 2·α + (2·(n−1)/n = 1) · b / β_ring
         ring_bandwidth = num_bytes / max(raw["allreduce_s"] - 2 * latency, 1e-9)
-        return {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency,
-                "collective_efficiency": min(1.0, ring_bandwidth / bandwidth), "raw": raw}
+        return {
+            "bandwidth_bytes_per_s": bandwidth,
+            "latency_s": latency,
+            "collective_efficiency": min(1.0, ring_bandwidth / bandwidth),
+            "raw": raw,
+        }
 
     measured = measure_once(cache_dir, "gloo", key, measure)
     return {k: float(v) for k, v in measured.items() if k != "raw"}
@@ -223,9 +252,16 @@ def _run_gloo_probe(num_bytes: int, repeats: int, num_pings: int, timeout_s: flo
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = _probe_env(num_threads=1)
-    procs = [subprocess.Popen(_probe_command("gloo-probe", rank, port, num_bytes, repeats, num_pings), env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            _probe_command("gloo-probe", rank, port, num_bytes, repeats, num_pings),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     outputs = []
     try:
         for p in procs:
@@ -278,8 +314,12 @@ def _gloo_probe(rank: int, port: int, num_bytes: int, repeats: int, num_pings: i
     ping_pong(small, 3)  # warm-up: connections, buffers
     ping_pong(big, 1)
     all_reduce(big, 1)
-    out = {"latency_s": ping_pong(small, num_pings), "transfer_s": ping_pong(big, repeats),
-           "allreduce_small_s": all_reduce(small, num_pings), "allreduce_s": all_reduce(big, repeats)}
+    out = {
+        "latency_s": ping_pong(small, num_pings),
+        "transfer_s": ping_pong(big, repeats),
+        "allreduce_small_s": all_reduce(small, num_pings),
+        "allreduce_s": all_reduce(big, repeats),
+    }
     if rank == 0:
         print(json.dumps(out), flush=True)
     dist.destroy_process_group()
@@ -288,8 +328,15 @@ def _gloo_probe(rank: int, port: int, num_bytes: int, repeats: int, num_pings: i
 # ----------------------------------------------------------------------------- ranks slowing each other down
 
 
-def measure_contention(num_ranks: int, num_threads: int = 1, *, cache_dir: str | os.PathLike | None = None,
-                       duration_s: float = 0.5, rounds: int = 3, timeout_s: float = 120.0) -> float:
+def measure_contention(
+    num_ranks: int,
+    num_threads: int = 1,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    duration_s: float = 0.5,
+    rounds: int = 3,
+    timeout_s: float = 120.0,
+) -> float:
     """How much slower one rank's kernels run while ``num_ranks`` ranks of ``num_threads``
     threads compute at once on this machine, as a factor >= 1 (1 for a single rank).
 
@@ -307,8 +354,13 @@ def measure_contention(num_ranks: int, num_threads: int = 1, *, cache_dir: str |
 
     if num_ranks <= 1:
         return 1.0
-    key = {"cpu": cpu_model(), "cores": os.cpu_count(), "num_ranks": int(num_ranks),
-           "num_threads": int(num_threads), "torch": torch.__version__}
+    key = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "num_ranks": int(num_ranks),
+        "num_threads": int(num_threads),
+        "torch": torch.__version__,
+    }
 
     def measure() -> dict:
         ratios = _probe_rounds(num_ranks, num_threads, duration_s, rounds, timeout_s)
@@ -319,9 +371,17 @@ def measure_contention(num_ranks: int, num_threads: int = 1, *, cache_dir: str |
 
 def _probe_rounds(count: int, num_threads: int, duration_s: float, rounds: int, timeout_s: float) -> list[float]:
     env = _probe_env(num_threads=num_threads)
-    procs = [subprocess.Popen(_probe_command("contention-probe", num_threads, duration_s), env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(count)]
+    procs = [
+        subprocess.Popen(
+            _probe_command("contention-probe", num_threads, duration_s),
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(count)
+    ]
 
     def run(group: list) -> list[float]:
         for p in group:  # released together
@@ -389,8 +449,19 @@ def _contention_probe(num_threads: int, duration_s: float) -> None:
 
 # Variables a torchrun rank passes to its children: a probe that inherits them waits in
 # init_process_group on the agent's store, which no one serves for it (../shared/FACTS.md).
-_RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                         "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+_RENDEZVOUS_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def _probe_command(probe: str, *args: Any) -> list[str]:
@@ -410,11 +481,15 @@ def _probe_env(num_threads: int) -> dict[str, str]:
 
 
 def _main(argv: list[str]) -> None:
-    probes = {"gloo-probe": (_gloo_probe, (int, int, int, int, int)),
-              "contention-probe": (_contention_probe, (int, float))}
+    probes = {
+        "gloo-probe": (_gloo_probe, (int, int, int, int, int)),
+        "contention-probe": (_contention_probe, (int, float)),
+    }
     if not argv or argv[0] not in probes or len(argv) - 1 != len(probes[argv[0]][1]):
-        sys.exit("usage: python -m partita.cost.local_machine gloo-probe RANK PORT NUM_BYTES REPEATS PINGS\n"
-                 "       python -m partita.cost.local_machine contention-probe NUM_THREADS DURATION_S")
+        sys.exit(
+            "usage: python -m partita.cost.local_machine gloo-probe RANK PORT NUM_BYTES REPEATS PINGS\n"
+            "       python -m partita.cost.local_machine contention-probe NUM_THREADS DURATION_S"
+        )
     probe, types = probes[argv[0]]
     probe(*(cast(value) for cast, value in zip(types, argv[1:])))
 

@@ -22,8 +22,9 @@ mixed precision
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -118,8 +119,12 @@ def device_memory(
         boundary_bytes=sum(int(costs.cut_bytes[start]) + int(costs.cut_bytes[stop]) for start, stop in ranges),
         largest_output_bytes=max((int(costs.output_bytes[a:b].max()) for a, b in ranges if b > a), default=0),
         largest_param_bytes=max((int(costs.param_bytes[p]) for p in held if costs.param_trainable[p]), default=0),
-        in_flight=in_flight, optimizer=optimizer, recompute=recompute,
-        mixed_precision=mixed_precision, num_replicas=num_replicas, num_microbatches=num_microbatches,
+        in_flight=in_flight,
+        optimizer=optimizer,
+        recompute=recompute,
+        mixed_precision=mixed_precision,
+        num_replicas=num_replicas,
+        num_microbatches=num_microbatches,
     )
 
 

@@ -25,23 +25,24 @@ as do saved graph inputs (token ids kept by an embedding).
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from partita.capturing import check_flat_inputs
 from partita.cost import cache
-from partita.types.devices import get_device, known_devices
 from partita.cost.table import cut_bytes, output_bytes, param_arrays
 from partita.errors import InputError
 from partita.types import CostTable, OpGraph
+from partita.types.devices import get_device, known_devices
 
 __all__ = ["profile"]
 
@@ -112,12 +113,16 @@ class _Measured:
     whole_step_s: float  # the plain graph module's forward + backward
 
 
-def _measure(graph: OpGraph, flat_inputs: list, device: torch.device, repeats: int, warmup: int, progress: bool) -> _Measured:
+def _measure(
+    graph: OpGraph, flat_inputs: list, device: torch.device, repeats: int, warmup: int, progress: bool
+) -> _Measured:
     gm = graph.graph_module
     params = [p for p in gm.parameters() if p.requires_grad]
     from tqdm.auto import tqdm  # only needed here; keeps `import partita` light
 
-    with tqdm(total=graph.num_nodes * (1 + warmup + repeats), desc="profiling", unit="node", disable=not progress) as bar:
+    with tqdm(
+        total=graph.num_nodes * (1 + warmup + repeats), desc="profiling", unit="node", disable=not progress
+    ) as bar:
         recorder = _NodeInterpreter(gm, device, keep_values=True, bar=bar)
         activation_bytes, owners = _record(recorder, flat_inputs, gm)
         loss = recorder.env[recorder.fx_nodes[graph.loss_node]]
@@ -136,7 +141,9 @@ def _measure(graph: OpGraph, flat_inputs: list, device: torch.device, repeats: i
     return _Measured(medians[0], medians[1], weight_share, activation_bytes, float(medians[2]), float(medians[3]))
 
 
-def _build_table(graph: OpGraph, m: _Measured, microbatch_size: int, device: torch.device, repeats: int, warmup: int) -> CostTable:
+def _build_table(
+    graph: OpGraph, m: _Measured, microbatch_size: int, device: torch.device, repeats: int, warmup: int
+) -> CostTable:
     """Calibrate the raw medians against the whole-graph timings and assemble the table."""
     # Per-node timings miss the work between nodes (autograd engine scheduling, gradient
     # accumulation of multi-use tensors, Python glue); scaling spreads it over the nodes in
@@ -162,9 +169,15 @@ def _build_table(graph: OpGraph, m: _Measured, microbatch_size: int, device: tor
         param_bytes=np.asarray(param_bytes),
         param_trainable=np.asarray(trainable),
         param_uses=tuple(np.asarray(u, dtype=np.int64) for u in uses),
-        calibration=dict(forward_scale=forward_scale, backward_scale=backward_scale, whole_forward_s=m.whole_forward_s,
-                         whole_step_s=m.whole_step_s, repeats=float(repeats), warmup=float(warmup),
-                         num_threads=float(torch.get_num_threads())),
+        calibration=dict(
+            forward_scale=forward_scale,
+            backward_scale=backward_scale,
+            whole_forward_s=m.whole_forward_s,
+            whole_step_s=m.whole_step_s,
+            repeats=float(repeats),
+            warmup=float(warmup),
+            num_threads=float(torch.get_num_threads()),
+        ),
     )
 
 
@@ -265,7 +278,7 @@ class _BackwardTimer:
         self.backward_s = np.zeros(num_nodes)
         self.handles: list = []
 
-    def __enter__(self) -> "_BackwardTimer":
+    def __enter__(self) -> _BackwardTimer:
         for fn, position in self.owners.items():
             if type(fn).__name__ != "AccumulateGrad":  # not run by autograd.grad w.r.t. params
                 self.handles += self._hooks(fn, position)
@@ -314,7 +327,9 @@ def _weight_shares(recorder: _NodeInterpreter, device: torch.device, repeats: in
     return shares
 
 
-def _weight_share(fx_node: torch.fx.Node, env: dict, params: list, device: torch.device, repeats: int, warmup: int) -> float:
+def _weight_share(
+    fx_node: torch.fx.Node, env: dict, params: list, device: torch.device, repeats: int, warmup: int
+) -> float:
     inputs: list[torch.Tensor] = []
 
     def fresh_leaf(t: Any) -> Any:
@@ -368,8 +383,9 @@ def flat_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-def _time_whole(graph: OpGraph, flat: torch.fx.GraphModule, flat_inputs: list, params: list,
-                device: torch.device) -> tuple[float, float]:
+def _time_whole(
+    graph: OpGraph, flat: torch.fx.GraphModule, flat_inputs: list, params: list, device: torch.device
+) -> tuple[float, float]:
     """(forward, forward + backward) of the whole graph as one flat module: what a stage runs."""
     start_s = _now(device)
     with torch.enable_grad():
@@ -383,7 +399,9 @@ def _time_whole(graph: OpGraph, flat: torch.fx.GraphModule, flat_inputs: list, p
 # ----------------------------------------------------------------------------- inputs
 
 
-def microbatch_inputs(graph: OpGraph, inputs: tuple[tuple, dict, Any] | None, microbatch_size: int, device: torch.device) -> list:
+def microbatch_inputs(
+    graph: OpGraph, inputs: tuple[tuple, dict, Any] | None, microbatch_size: int, device: torch.device
+) -> list:
     """Flat inputs in placeholder order, each batch-dim tensor cut or repeated to the micro-batch.
 
     Without ``inputs``, tensors are synthesized from their recorded shape and dtype: floats
@@ -437,7 +455,9 @@ def _user_leaves(graph: OpGraph, inputs: Any) -> list:
     args, kwargs, target = inputs
     if target is not None and not graph.has_loss_fn:
         raise InputError("inputs has a target but the graph was captured without loss_fn: pass target=None")
-    user_tree = ((tuple(args), dict(kwargs or {}), target), {}) if graph.has_loss_fn else (tuple(args), dict(kwargs or {}))
+    user_tree = (
+        ((tuple(args), dict(kwargs or {}), target), {}) if graph.has_loss_fn else (tuple(args), dict(kwargs or {}))
+    )
     given = {pytree.keystr(path): leaf for path, leaf in pytree.tree_flatten_with_path(user_tree)[0]}
     # Match by key path rather than position, so that keyword order does not matter.
     in_spec = graph.exported_program.call_spec.in_spec
@@ -449,7 +469,9 @@ def _user_leaves(graph: OpGraph, inputs: Any) -> list:
             f"inputs do not have the structure the graph was captured with: missing {missing}, "
             f"unexpected {extra}. Pass the same args/kwargs (and target) as to partita.capture"
         )
-    return [given[k] for k in expected]
+    leaves = [given[k] for k in expected]
+    check_flat_inputs(graph, leaves)  # None where a tensor was captured, or the reverse
+    return leaves
 
 
 # ----------------------------------------------------------------------------- devices and state
@@ -482,7 +504,7 @@ def _resolve_device(gm: torch.fx.GraphModule, device: str | torch.device | None)
 
 
 def device_name(device: torch.device) -> str:
-    """"cpu", or the catalog name of the GPU ("NVIDIA H100 80GB HBM3" -> "h100"), else its name in lower case."""
+    """ "cpu", or the catalog name of the GPU ("NVIDIA H100 80GB HBM3" -> "h100"), else its name in lower case."""
     if device.type != "cuda":
         return device.type
     words = torch.cuda.get_device_name(device).lower().replace("_", " ").split()

@@ -41,14 +41,41 @@ __all__ = [
     "value_bytes",
 ]
 
-FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-                          "complex64", "complex128"})
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-             "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
+FLOAT_DTYPES = frozenset(
+    {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128"}
+)
+_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
 
 # Ops whose float outputs never carry a gradient, whatever their inputs.
-_NO_GRAD_OPS = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
-                          "new_zeros", "new_ones", "new_full", "new_empty", "detach", "bernoulli"})
+_NO_GRAD_OPS = frozenset(
+    {
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "empty_like",
+        "rand_like",
+        "randn_like",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "new_empty",
+        "detach",
+        "bernoulli",
+    }
+)
 
 # What an op's backward keeps from its forward (PyTorch's derivatives.yaml, simplified):
 #   nothing: linear in its inputs with a backward that needs only shapes;
@@ -58,19 +85,61 @@ _NO_GRAD_OPS = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", 
 #   products (below) keep an operand when another operand needs a gradient;
 #   any other op keeps its non-parameter tensor inputs (conv keeps the activation for the
 #   weight gradient, gelu/layer_norm/cross_entropy/div keep their inputs).
-_SAVES_NOTHING = frozenset({
-    "add", "sub", "neg", "sum", "mean", "cat", "stack", "clone", "contiguous", "reshape", "view", "expand",
-    "pad", "constant_pad_nd", "slice", "select", "to", "_to_copy", "copy", "permute", "transpose", "t",
-    "flatten", "unflatten", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind", "narrow",
-    "alias", "repeat", "roll", "flip", "lift_fresh_copy", "type_as", "_unsafe_view",
-})
-_SAVES_OUTPUT = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "tanh", "sigmoid", "exp",
-                           "rsqrt", "sqrt", "relu", "elu"})
-_SAVES_INPUTS_AND_OUTPUT = frozenset({
-    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "flash_attention",
-})
+_SAVES_NOTHING = frozenset(
+    {
+        "add",
+        "sub",
+        "neg",
+        "sum",
+        "mean",
+        "cat",
+        "stack",
+        "clone",
+        "contiguous",
+        "reshape",
+        "view",
+        "expand",
+        "pad",
+        "constant_pad_nd",
+        "slice",
+        "select",
+        "to",
+        "_to_copy",
+        "copy",
+        "permute",
+        "transpose",
+        "t",
+        "flatten",
+        "unflatten",
+        "unsqueeze",
+        "squeeze",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "unbind",
+        "narrow",
+        "alias",
+        "repeat",
+        "roll",
+        "flip",
+        "lift_fresh_copy",
+        "type_as",
+        "_unsafe_view",
+    }
+)
+_SAVES_OUTPUT = frozenset(
+    {"softmax", "_softmax", "log_softmax", "_log_softmax", "tanh", "sigmoid", "exp", "rsqrt", "sqrt", "relu", "elu"}
+)
+_SAVES_INPUTS_AND_OUTPUT = frozenset(
+    {
+        "scaled_dot_product_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "flash_attention",
+    }
+)
 _SAVES_MASK = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout"})
 # Products keep each operand only for another operand's gradient (x * 0.5 keeps nothing; q * cos,
 # with cos a constant, keeps cos but not q).
@@ -230,8 +299,11 @@ def _kept_tensors(node: OpNode, roots: list, root_bytes, grad: np.ndarray, train
         # d(x·y)/dx needs y and d(x·y)/dy needs x: keep an operand iff another one needs a gradient.
         weight_grad = any(p in trainable for p in node.params)
         grads = [g for _, g in operands]
-        kept = [(r, root_bytes(r)) for k, (r, _) in enumerate(operands)
-                if weight_grad or any(grads[:k]) or any(grads[k + 1:])]
+        kept = [
+            (r, root_bytes(r))
+            for k, (r, _) in enumerate(operands)
+            if weight_grad or any(grads[:k]) or any(grads[k + 1 :])
+        ]
     else:
         kept = [(r, root_bytes(r)) for r, _ in operands]
     if name in _SAVES_INPUTS_AND_OUTPUT:

@@ -25,9 +25,10 @@ A name is ``<family>`` (size ``tiny``) or ``<family>-<size>``: ``gpt2``, ``gpt2-
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

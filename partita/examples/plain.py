@@ -11,15 +11,14 @@ Every family module of the zoo (this one and ``hf.py``) offers the same five nam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from partita.examples import data
-
 
 # ---------------------------------------------------------------------------------------------
 # Models

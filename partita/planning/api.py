@@ -9,18 +9,19 @@ seeds) and ``infeasible`` (what would fit when nothing does).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from partita.types.cluster import Cluster
 from partita.planning.baselines import baseline_outcomes
 from partita.planning.context import PlanningContext, planning_context
 from partita.planning.driver import best_plan
 from partita.planning.infeasible import infeasible_error
 from partita.planning.options import PlanOptions
 from partita.types import OpGraph, Plan
+from partita.types.cluster import Cluster
 
 __all__ = ["PlanningResult", "plan", "plan_with_baselines"]
 
@@ -48,8 +49,17 @@ def plan(
     (CLIP, in-batch negatives: ``OpGraph.couples_samples``) is planned with one micro-batch and
     one replica per stage, which is exact, with a warning.
     """
-    ctx = planning_context(model, args, kwargs, cluster=cluster, global_batch_size=global_batch_size,
-                           loss_fn=loss_fn, target=target, options=options, batch_dims=batch_dims)
+    ctx = planning_context(
+        model,
+        args,
+        kwargs,
+        cluster=cluster,
+        global_batch_size=global_batch_size,
+        loss_fn=loss_fn,
+        target=target,
+        options=options,
+        batch_dims=batch_dims,
+    )
     return _best_or_raise(ctx)
 
 
@@ -80,8 +90,17 @@ def plan_with_baselines(
 ) -> PlanningResult:
     """``plan``, and each baseline's split under the plan's configuration (None: it does not fit or
     cannot make that many stages), from one capture and one set of costs."""
-    ctx = planning_context(model, args, kwargs, cluster=cluster, global_batch_size=global_batch_size,
-                           loss_fn=loss_fn, target=target, options=options, batch_dims=batch_dims)
+    ctx = planning_context(
+        model,
+        args,
+        kwargs,
+        cluster=cluster,
+        global_batch_size=global_batch_size,
+        loss_fn=loss_fn,
+        target=target,
+        options=options,
+        batch_dims=batch_dims,
+    )
     best = _best_or_raise(ctx)
     baselines, reasons = baseline_outcomes(ctx, best)
     return PlanningResult(best, baselines, ctx, reasons)

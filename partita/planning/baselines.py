@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -115,8 +115,11 @@ def baseline_outcomes(ctx: PlanningContext, like: Plan) -> tuple[dict[str, Plan 
             continue
         plans[method] = fit_with_recompute(ctx, config, boundaries, method, mode=config.recompute_mode)
         if plans[method] is None:
-            reasons[method] = "does not fit" + ("" if recompute_allowed(config.schedule) else
-                                                f" without recomputation, which {config.schedule.value} never uses")
+            reasons[method] = "does not fit" + (
+                ""
+                if recompute_allowed(config.schedule)
+                else f" without recomputation, which {config.schedule.value} never uses"
+            )
     return plans, reasons
 
 
@@ -129,7 +132,7 @@ def _cannot_split(ctx: PlanningContext, method: str, config: Config) -> str:
     legal = legal_cuts(ctx.graph)
     if config.stage_replicas:
         legal = legal & ctx.per_sample_cuts
-    inner = int(np.count_nonzero(legal[1:ctx.graph.num_nodes]))
+    inner = int(np.count_nonzero(legal[1 : ctx.graph.num_nodes]))
     return f"cannot split into {n} stages: its cuts make fewer non-empty stages ({inner} legal cut positions)"
 
 
@@ -139,10 +142,16 @@ def same_config(like: Plan | Config) -> Config:
     as needed (off under ZBV)."""
     if isinstance(like, Plan):
         counts = tuple(s.num_replicas for s in like.stages)
-        like = Config(replicas=min(counts), num_rank_groups=like.num_rank_groups,
-                      schedule=like.schedule, virtual_stages=like.num_stages // like.num_rank_groups,
-                      num_microbatches=like.num_microbatches, microbatch_size=like.microbatch_size,
-                      recompute_mode=None, stage_replicas=() if like.uniform_replicas else counts)
+        like = Config(
+            replicas=min(counts),
+            num_rank_groups=like.num_rank_groups,
+            schedule=like.schedule,
+            virtual_stages=like.num_stages // like.num_rank_groups,
+            num_microbatches=like.num_microbatches,
+            microbatch_size=like.microbatch_size,
+            recompute_mode=None,
+            stage_replicas=() if like.uniform_replicas else counts,
+        )
     return dataclasses.replace(like, recompute_mode=None if recompute_allowed(like.schedule) else False)
 
 
@@ -152,7 +161,7 @@ def baseline_splits(ctx: PlanningContext) -> Callable[[Config], dict[str, list[i
     by sample (``PlanningContext.per_sample_cuts``), as partita's own uneven plans do."""
     legal = legal_cuts(ctx.graph)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def splits_of(num_stages: int, by_sample: bool) -> dict[str, list[int] | None]:
         allowed = legal & ctx.per_sample_cuts if by_sample else legal
         return {method: baseline_boundaries(method, ctx.graph, allowed, num_stages) for method in BASELINES}

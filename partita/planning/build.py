@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from partita.cost.memory import device_memory, microbatches_in_flight
 from partita.errors import InputError
@@ -30,24 +31,39 @@ def stage_tables(costs: CostTable | Callable[[int], CostTable], config: Config) 
     at ``config.microbatch_size`` (uniform configs)."""
     if isinstance(costs, CostTable):
         if config.stage_replicas:
-            raise InputError("an uneven config runs its stages at different micro-batch sizes: pass a function "
-                             "microbatch_size -> CostTable, not one CostTable")
+            raise InputError(
+                "an uneven config runs its stages at different micro-batch sizes: pass a function "
+                "microbatch_size -> CostTable, not one CostTable"
+            )
         return [costs] * config.num_stages
     by_size = {size: costs(size) for size in sorted({config.microbatch_size_of(s) for s in range(config.num_stages)})}
     return [by_size[config.microbatch_size_of(s)] for s in range(config.num_stages)]
 
 
-def rank_group_memory(tables: Sequence[CostTable], config: Config, options: SearchOptions,
-                      ranges_by_group: Mapping[int, list], recompute_by_group: Mapping[int, bool]) -> dict[int, int]:
+def rank_group_memory(
+    tables: Sequence[CostTable],
+    config: Config,
+    options: SearchOptions,
+    ranges_by_group: Mapping[int, list],
+    recompute_by_group: Mapping[int, bool],
+) -> dict[int, int]:
     """Exact predicted peak bytes per rank group (all of the group's virtual stages together).
     ``tables[s]``: stage s's CostTable (``stage_tables``); a rank group's stages share one size."""
     result = {}
     for g, ranges in ranges_by_group.items():
-        in_flight = microbatches_in_flight(config.schedule, config.num_microbatches, config.num_rank_groups, g,
-                                           config.virtual_stages)
-        mem = device_memory(tables[g], ranges, in_flight=in_flight, optimizer=options.optimizer,
-                            recompute=recompute_by_group[g], mixed_precision=options.mixed_precision,
-                            num_replicas=config.replicas_of(g), num_microbatches=config.num_microbatches)
+        in_flight = microbatches_in_flight(
+            config.schedule, config.num_microbatches, config.num_rank_groups, g, config.virtual_stages
+        )
+        mem = device_memory(
+            tables[g],
+            ranges,
+            in_flight=in_flight,
+            optimizer=options.optimizer,
+            recompute=recompute_by_group[g],
+            mixed_precision=options.mixed_precision,
+            num_replicas=config.replicas_of(g),
+            num_microbatches=config.num_microbatches,
+        )
         result[g] = mem.total_bytes
     return result
 
@@ -83,24 +99,41 @@ def build_plan(
         g = config.rank_group_of(s)
         costs = tables[s]
         held = costs.params_in_range(start, stop)
-        stages.append(StagePlan(
-            index=s, start=start, stop=stop,
-            first_node=graph.nodes[start].name, last_node=graph.nodes[stop - 1].name,
-            module_range=module_range(graph, start, stop), ranks=groups[g], rank_group=g,
-            recompute=recompute_by_group[g],
-            forward_s=float(costs.forward_s[start:stop].sum()),
-            backward_s=float(costs.backward_s[start:stop].sum() + (costs.forward_s[start:stop].sum() if recompute_by_group[g] else 0.0)),
-            memory_bytes=int(memory[g]),
-            param_bytes=int(sum(costs.param_bytes[p] for p in held)),
-            cut_bytes=int(costs.cut_bytes[stop]) if stop < graph.num_nodes else 0,
-        ))
+        stages.append(
+            StagePlan(
+                index=s,
+                start=start,
+                stop=stop,
+                first_node=graph.nodes[start].name,
+                last_node=graph.nodes[stop - 1].name,
+                module_range=module_range(graph, start, stop),
+                ranks=groups[g],
+                rank_group=g,
+                recompute=recompute_by_group[g],
+                forward_s=float(costs.forward_s[start:stop].sum()),
+                backward_s=float(
+                    costs.backward_s[start:stop].sum()
+                    + (costs.forward_s[start:stop].sum() if recompute_by_group[g] else 0.0)
+                ),
+                memory_bytes=int(memory[g]),
+                param_bytes=int(sum(costs.param_bytes[p] for p in held)),
+                cut_bytes=int(costs.cut_bytes[stop]) if stop < graph.num_nodes else 0,
+            )
+        )
     return Plan(
-        graph_fingerprint=graph.fingerprint, cluster=cluster, stages=tuple(stages),
-        schedule=config.schedule, global_batch_size=options.global_batch_size,
-        num_microbatches=config.num_microbatches, microbatch_size=config.microbatch_size,
+        graph_fingerprint=graph.fingerprint,
+        cluster=cluster,
+        stages=tuple(stages),
+        schedule=config.schedule,
+        global_batch_size=options.global_batch_size,
+        num_microbatches=config.num_microbatches,
+        microbatch_size=config.microbatch_size,
         total_compute_s=total_compute_s(costs, config, options.global_batch_size),
-        options=dict(resolved_options), method=method, cost_source=costs.source,
-        partita_version=versions[0], torch_version=versions[1],
+        options=dict(resolved_options),
+        method=method,
+        cost_source=costs.source,
+        partita_version=versions[0],
+        torch_version=versions[1],
     )
 
 

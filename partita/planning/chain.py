@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partita.cost.memory import first_gradient_bytes
 from partita.checks import positive_int
+from partita.cost.memory import first_gradient_bytes
 from partita.errors import InputError
 from partita.types import CostTable, OpGraph
 
@@ -109,8 +109,7 @@ def _storage(graph: OpGraph) -> tuple[list[int | None], np.ndarray]:
     param_view = np.zeros(graph.num_nodes, dtype=bool)
     for node in graph.nodes:
         source = next((p for p in node.inputs if graph.nodes[p].outputs), None)
-        owns = not node.is_view or (node.target == _GETITEM and source is not None
-                                     and not graph.nodes[source].is_view)
+        owns = not node.is_view or (node.target == _GETITEM and source is not None and not graph.nodes[source].is_view)
         if owns:
             roots.append(node.index)
         elif source is not None:
@@ -129,8 +128,9 @@ def _derivable_symints(graph: OpGraph) -> np.ndarray:
     ``aten.sym_size.int(input_ids, 0)``, or arithmetic on those), so any stage can recompute it."""
     result = np.zeros(graph.num_nodes, dtype=bool)
     for node in graph.nodes:
-        result[node.index] = (not node.outputs and not node.params and not node.is_higher_order
-                              and all(result[i] for i in node.inputs))
+        result[node.index] = (
+            not node.outputs and not node.params and not node.is_higher_order and all(result[i] for i in node.inputs)
+        )
     return result
 
 
@@ -179,8 +179,10 @@ def coarsen(graph: OpGraph, costs: CostTable, *, max_blocks: int = 256) -> np.nd
     """
     max_blocks = positive_int(max_blocks, "max_blocks")
     if costs.num_nodes != graph.num_nodes:
-        raise InputError(f"the CostTable has {costs.num_nodes} nodes but the graph {graph.num_nodes}: "
-                         "compute the costs of this graph")
+        raise InputError(
+            f"the CostTable has {costs.num_nodes} nodes but the graph {graph.num_nodes}: "
+            "compute the costs of this graph"
+        )
     legal = np.flatnonzero(legal_cuts(graph))
     if len(legal) - 1 <= max_blocks:
         return legal
@@ -238,8 +240,9 @@ def _cuts_around(nodes: np.ndarray, legal: np.ndarray) -> np.ndarray:
     return np.union1d(before, after)
 
 
-def _chain_dp(positions: np.ndarray, required: np.ndarray, prefix: np.ndarray, cut: np.ndarray,
-              target: float) -> np.ndarray:
+def _chain_dp(
+    positions: np.ndarray, required: np.ndarray, prefix: np.ndarray, cut: np.ndarray, target: float
+) -> np.ndarray:
     """The subset of ``positions`` (sorted, first 0, last num_nodes) that keeps every ``required``
     one and minimises the objective in coarsen()'s docstring. best[i] is the least objective of
     a chain ending at positions[i]:
@@ -327,8 +330,10 @@ def block_costs(costs: CostTable, boundaries) -> BlockCosts:
     b = np.asarray(boundaries, dtype=np.int64)
     n = costs.num_nodes
     if b.ndim != 1 or len(b) < 2 or b[0] != 0 or b[-1] != n or np.any(np.diff(b) <= 0):
-        raise InputError(f"block boundaries must rise strictly from 0 to num_nodes={n}, got {b.tolist()[:8]}"
-                         f"{'...' if len(b) > 8 else ''}: pass the output of coarsen()")
+        raise InputError(
+            f"block boundaries must rise strictly from 0 to num_nodes={n}, got {b.tolist()[:8]}"
+            f"{'...' if len(b) > 8 else ''}: pass the output of coarsen()"
+        )
     starts = b[:-1]
 
     def per_block(values, dtype) -> np.ndarray:
@@ -344,8 +349,9 @@ def block_costs(costs: CostTable, boundaries) -> BlockCosts:
         max_output_bytes=np.maximum.reduceat(np.asarray(costs.output_bytes, dtype=np.int64), starts),
         max_param_bytes=_largest_trainable_param(costs, b),
         cut_bytes=np.asarray(costs.cut_bytes, dtype=np.int64)[b],
-        last_grad_bytes=np.array([first_gradient_bytes(costs, [(int(b[k]), int(b[k + 1]))])
-                                  for k in range(len(b) - 1)], dtype=np.int64),
+        last_grad_bytes=np.array(
+            [first_gradient_bytes(costs, [(int(b[k]), int(b[k + 1]))]) for k in range(len(b) - 1)], dtype=np.int64
+        ),
         param_bytes_matrix=param_matrix,
         trainable_bytes_matrix=trainable_matrix,
     )

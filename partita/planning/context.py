@@ -153,21 +153,37 @@ def whole_batch_options(options: PlanOptions, graph: OpGraph) -> PlanOptions:
     train another loss, so each step runs the whole batch through one pipeline, which is exact.
     InputError when the options pin a split; a warning otherwise, since the plan loses the speed
     of micro-batches and data parallelism."""
-    coupling = graph.couples_samples
-    why = (f"the loss couples the samples of the batch: {coupling.describe()}, so every sample's loss depends "
-           "on the other samples of the same batch, and splitting the batch would train another loss")
-    rewrite = ("rewrite the loss so that each sample's term depends on that sample alone (e.g. gather the "
-               "embeddings of the whole batch before the similarity matrix), or keep the whole batch together")
     pinned = [f"{name}={value}" for name, value in (("num_microbatches", options.num_microbatches),
                                                      ("replicas", options.replicas)) if value not in (None, 1)]
     if options.uniform_replicas is False:
         pinned.append("uniform_replicas=False")
+    why, rewrite = _coupling_words(graph)
     if pinned:
         raise InputError(f"{', '.join(pinned)} would split the batch, but {why}. Unpin them (partita then plans one "
                          f"micro-batch on one replica per stage, which is exact), or {rewrite}")
     warnings.warn(f"{why}: planning one micro-batch and one replica per stage (exact, but without the speed of "
                   f"micro-batching and data parallelism); to get those, {rewrite}", stacklevel=4)
     return options.replace(num_microbatches=1, replicas=1, uniform_replicas=True)
+
+
+def check_whole_batch(graph: OpGraph, num_microbatches: int, replicas: Sequence[int]) -> None:
+    """InputError when a plan would split the batch of a graph whose loss couples samples
+    (``num_microbatches`` > 1, or a stage with several replicas): for plans not made by the
+    search (manual plans, plan files), before training."""
+    if graph.couples_samples is None or (num_microbatches == 1 and all(r == 1 for r in replicas)):
+        return
+    why, rewrite = _coupling_words(graph)
+    raise InputError(f"the plan splits every step's batch into {num_microbatches} micro-batches on "
+                     f"{max(replicas, default=1)} replicas, but {why}: use one micro-batch and one replica per "
+                     f"stage, or {rewrite}")
+
+
+def _coupling_words(graph: OpGraph) -> tuple[str, str]:
+    why = (f"the loss couples the samples of the batch: {graph.couples_samples.describe()}, so every sample's loss "
+           "depends on the other samples of the same batch, and splitting the batch would train another loss")
+    rewrite = ("rewrite the loss so that each sample's term depends on that sample alone (e.g. gather the "
+               "embeddings of the whole batch before the similarity matrix), or keep the whole batch together")
+    return why, rewrite
 
 
 def _resolve_uniform(uniform_replicas: bool | None, replicas: int | None, cluster: Cluster) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -33,9 +33,12 @@ def best_plan(ctx: PlanningContext, *, num_simulated: int = NUM_SIMULATED) -> Pl
     blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
     num_blocks = len(ctx.chain) - 1
     uneven = []
-    if not ctx.options.uniform_replicas and ctx.options.num_devices <= UNEVEN_MAX_DEVICES:  # more: infeasible_error's trials
-        uneven = search_uneven(blocks_at, ctx.options, ctx.cluster, num_blocks,
-                               cuttable=ctx.per_sample_cuts[np.asarray(ctx.chain)])
+    if (
+        not ctx.options.uniform_replicas and ctx.options.num_devices <= UNEVEN_MAX_DEVICES
+    ):  # more: infeasible_error's trials
+        uneven = search_uneven(
+            blocks_at, ctx.options, ctx.cluster, num_blocks, cuttable=ctx.per_sample_cuts[np.asarray(ctx.chain)]
+        )
     if num_blocks <= 16:  # small chains: simulate every candidate, refine every config
         candidates = _merged(search(blocks_at, ctx.options, ctx.cluster, num_blocks), uneven)
         simulated, candidate_of = _simulate_fitting(ctx, candidates)

@@ -35,11 +35,14 @@ def infeasible_error(ctx: PlanningContext) -> InfeasiblePlanError:
     if any(recompute_allowed(s) for s in ctx.options.schedules):
         fixes.append("or a smaller global batch, recompute=True, or a lighter optimizer")
     else:  # ZBV never recomputes
-        fixes.append("or a smaller global batch, a lighter optimizer, or schedule '1f1b' or "
-                     "'interleaved1f1b' with recompute=True")
+        fixes.append(
+            "or a smaller global batch, a lighter optimizer, or schedule '1f1b' or "
+            "'interleaved1f1b' with recompute=True"
+        )
     err = InfeasiblePlanError(
         f"no plan fits {n} device(s) with {fmt_bytes(ctx.options.memory_limit_bytes)} usable each "
-        f"({ctx.graph.num_parameters:,} parameters, optimizer {ctx.options.optimizer.value}): " + ", ".join(fixes))
+        f"({ctx.graph.num_parameters:,} parameters, optimizer {ctx.options.optimizer.value}): " + ", ".join(fixes)
+    )
     err.min_devices, err.min_memory_bytes = min_devices, min_memory
     return err
 
@@ -57,9 +60,11 @@ def _fits_with(ctx: PlanningContext, *, devices: int | None = None, memory: int 
 
 def _valid_device_count(cluster: Cluster):
     """Round a device count up to one the cluster can have (whole nodes beyond one node)."""
+
     def valid(count: int) -> int:
         per_node = cluster.devices_per_node
         return count if count <= per_node else -(-count // per_node) * per_node
+
     return valid
 
 

@@ -21,15 +21,17 @@ evenly over a stage's replicas (see ``partita.runtime.uneven``)::
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from partita.checks import positive_int
 from partita.errors import InputError
 from partita.planning.build import consecutive_ranks, module_range
+from partita.planning.context import check_whole_batch
 from partita.planning.schedules import check_schedule, stage_rank_groups
 from partita.planning.uneven import UNEVEN_SCHEDULES
-from partita.types.cluster import Cluster
 from partita.types import OpGraph, Plan, Schedule, StagePlan
+from partita.types.cluster import Cluster
 
 __all__ = ["manual_plan"]
 
@@ -65,8 +67,11 @@ def manual_plan(
     schedule = Schedule.parse(schedule)
     cuts = _check_cuts(boundaries, graph.num_nodes)
     num_stages = len(cuts) - 1
-    for name, value in (("num_rank_groups", num_rank_groups), ("num_microbatches", num_microbatches),
-                        ("global_batch_size", global_batch_size)):
+    for name, value in (
+        ("num_rank_groups", num_rank_groups),
+        ("num_microbatches", num_microbatches),
+        ("global_batch_size", global_batch_size),
+    ):
         positive_int(value, name)
     check_schedule(schedule, num_microbatches, num_rank_groups, num_stages)
     counts = _replica_counts(replicas, schedule, num_rank_groups)
@@ -78,6 +83,7 @@ def manual_plan(
                 f"use a global batch that is a multiple of {num_microbatches * r}"
             )
     flags = _recompute_flags(recompute, num_stages)
+    check_whole_batch(graph, num_microbatches, counts)  # a loss that couples samples needs the whole batch
     groups = stage_rank_groups(schedule, num_rank_groups, num_stages)
     ranks = consecutive_ranks(counts)
     stages = tuple(
@@ -89,12 +95,23 @@ def manual_plan(
     elif not isinstance(cluster, Cluster):
         cluster = Cluster.from_dict(cluster)
     return Plan(
-        graph_fingerprint=graph.fingerprint, cluster=cluster, stages=stages, schedule=schedule,
-        global_batch_size=global_batch_size, num_microbatches=num_microbatches,
+        graph_fingerprint=graph.fingerprint,
+        cluster=cluster,
+        stages=stages,
+        schedule=schedule,
+        global_batch_size=global_batch_size,
+        num_microbatches=num_microbatches,
         microbatch_size=global_batch_size // (num_microbatches * min(counts)),
-        options={"boundaries": list(cuts), "num_rank_groups": num_rank_groups,
-                 "replicas": replicas if isinstance(replicas, int) else list(counts), "recompute": list(flags)},
-        method="manual", cost_source="none", partita_version=_version(), torch_version=_torch_version(),
+        options={
+            "boundaries": list(cuts),
+            "num_rank_groups": num_rank_groups,
+            "replicas": replicas if isinstance(replicas, int) else list(counts),
+            "recompute": list(flags),
+        },
+        method="manual",
+        cost_source="none",
+        partita_version=_version(),
+        torch_version=_torch_version(),
     )
 
 
@@ -107,24 +124,38 @@ def _replica_counts(replicas: int | Sequence[int], schedule: Schedule, num_rank_
         raise InputError(f"replicas must be an int or a sequence of one int per rank group, got {replicas!r}")
     counts = tuple(replicas)
     if len(counts) != num_rank_groups:
-        raise InputError(f"replicas={list(counts)} has {len(counts)} entries for {num_rank_groups} rank groups: "
-                         "give one replica count per rank group, or one int for all")
+        raise InputError(
+            f"replicas={list(counts)} has {len(counts)} entries for {num_rank_groups} rank groups: "
+            "give one replica count per rank group, or one int for all"
+        )
     for count in counts:
         positive_int(count, "replicas")
     if len(set(counts)) > 1 and schedule not in UNEVEN_SCHEDULES:
-        raise InputError(f"replicas={list(counts)} differ between rank groups, which {schedule.value} cannot run "
-                         "(a rank group holds several stages): use schedule gpipe or 1f1b, or the same count for "
-                         "every rank group")
+        raise InputError(
+            f"replicas={list(counts)} differ between rank groups, which {schedule.value} cannot run "
+            "(a rank group holds several stages): use schedule gpipe or 1f1b, or the same count for "
+            "every rank group"
+        )
     return counts
 
 
-def _stage(graph: OpGraph, k: int, start: int, stop: int, group: int, ranks: tuple[int, ...],
-           recompute: bool) -> StagePlan:
+def _stage(
+    graph: OpGraph, k: int, start: int, stop: int, group: int, ranks: tuple[int, ...], recompute: bool
+) -> StagePlan:
     held = {p for node in graph.nodes[start:stop] for p in node.params}
     return StagePlan(
-        index=k, start=start, stop=stop, first_node=graph.nodes[start].name, last_node=graph.nodes[stop - 1].name,
-        module_range=module_range(graph, start, stop), ranks=ranks,
-        rank_group=group, recompute=recompute, forward_s=0.0, backward_s=0.0, memory_bytes=0,
+        index=k,
+        start=start,
+        stop=stop,
+        first_node=graph.nodes[start].name,
+        last_node=graph.nodes[stop - 1].name,
+        module_range=module_range(graph, start, stop),
+        ranks=ranks,
+        rank_group=group,
+        recompute=recompute,
+        forward_s=0.0,
+        backward_s=0.0,
+        memory_bytes=0,
         param_bytes=sum(graph.parameters[p].num_bytes for p in held if not graph.parameters[p].is_buffer),
         cut_bytes=0,
     )
@@ -132,11 +163,18 @@ def _stage(graph: OpGraph, k: int, start: int, stop: int, group: int, ranks: tup
 
 def _check_cuts(boundaries: Sequence[int], num_nodes: int) -> tuple[int, ...]:
     cuts = tuple(boundaries)
-    ok = (len(cuts) >= 2 and all(isinstance(c, int) and not isinstance(c, bool) for c in cuts)
-          and cuts[0] == 0 and cuts[-1] == num_nodes and all(a < b for a, b in zip(cuts, cuts[1:])))
+    ok = (
+        len(cuts) >= 2
+        and all(isinstance(c, int) and not isinstance(c, bool) for c in cuts)
+        and cuts[0] == 0
+        and cuts[-1] == num_nodes
+        and all(a < b for a, b in zip(cuts, cuts[1:]))
+    )
     if not ok:
-        raise InputError(f"boundaries={list(cuts)} are not cut positions: give strictly increasing ints from 0 to "
-                         f"num_nodes={num_nodes}, e.g. [0, {num_nodes // 2}, {num_nodes}]")
+        raise InputError(
+            f"boundaries={list(cuts)} are not cut positions: give strictly increasing ints from 0 to "
+            f"num_nodes={num_nodes}, e.g. [0, {num_nodes // 2}, {num_nodes}]"
+        )
     return cuts
 
 

@@ -78,9 +78,10 @@ class PlanOptions:
                 f"schedule {names} with recompute=True is not supported: under ZBV (torch's "
                 "ScheduleZBVZeroBubble) a recomputed stage keeps its recomputed activations alive between the "
                 "input-gradient and the weight-gradient pass, so its memory cannot be predicted; use schedule "
-                "'1f1b' or 'interleaved1f1b' with recompute=True, or 'zbv' with recompute=False (or unpinned)")
+                "'1f1b' or 'interleaved1f1b' with recompute=True, or 'zbv' with recompute=False (or unpinned)"
+            )
 
-    def replace(self, **changes: Any) -> "PlanOptions":
+    def replace(self, **changes: Any) -> PlanOptions:
         """A copy with ``changes`` (validated again)."""
         return dataclasses.replace(self, **changes)
 

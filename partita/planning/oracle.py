@@ -10,7 +10,7 @@ candidate is simulated on its schedule; the shortest step that fits wins.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from partita.planning.search import Config, SearchOptions, enumerate_configs
 from partita.planning.uneven import enumerate_shapes

@@ -18,7 +18,7 @@ driver, backtrack) is written out separately.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -93,7 +93,9 @@ def bottleneck_candidates(stage_cost: StageCost, num_blocks: int, num_stages: in
     return sorted(values)
 
 
-def candidate_partitions(stage_cost: StageCost, num_blocks: int, num_stages: int, *, exhaustive: bool) -> list[list[int]]:
+def candidate_partitions(
+    stage_cost: StageCost, num_blocks: int, num_stages: int, *, exhaustive: bool
+) -> list[list[int]]:
     """Distinct optimal-sum splits, one per candidate bottleneck, in order of increasing bound."""
     seen: set[tuple[int, ...]] = set()
     result = []

@@ -10,7 +10,7 @@ neighbours are rejected without building or simulating a Plan.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -46,8 +46,9 @@ class BaselineSeeds:
         for boundaries in self.splits(same).values():
             if boundaries is None:
                 continue
-            seed = fit_with_recompute(self.ctx, same, boundaries, "partita", mode=same.recompute_mode,
-                                       step_to_beat=to_beat.predicted_step_s)
+            seed = fit_with_recompute(
+                self.ctx, same, boundaries, "partita", mode=same.recompute_mode, step_to_beat=to_beat.predicted_step_s
+            )
             if seed is not None and plan_key(seed) < plan_key(to_beat):
                 start = Candidate(same, nearest_blocks(self.ctx.chain, boundaries), (), 0.0)
                 found.append(refine(self.ctx, start, seed))
@@ -105,8 +106,14 @@ def refine(ctx: PlanningContext, candidate: Candidate, start: Plan, *, max_round
             if cannot_beat(bound, (step[0] if step else best).predicted_step_s):
                 break  # does not fit or cannot be faster, nor can any later one
             if tuple(moved) not in tried:
-                tried[tuple(moved)] = fit_with_recompute(ctx, config, nodes, "partita", mode=config.recompute_mode,
-                                                          step_to_beat=(step[0] if step else best).predicted_step_s)
+                tried[tuple(moved)] = fit_with_recompute(
+                    ctx,
+                    config,
+                    nodes,
+                    "partita",
+                    mode=config.recompute_mode,
+                    step_to_beat=(step[0] if step else best).predicted_step_s,
+                )
             trial = tried[tuple(moved)]
             if trial is not None and plan_key(trial) < plan_key(step[0] if step else best):
                 step = (trial, moved)
@@ -128,21 +135,36 @@ def split_bound(ctx: PlanningContext, config) -> Callable[[Sequence[int]], float
     prefix = {}  # id(table) -> (forward, forward + backward) prefix sums
     for t in tables:
         if id(t) not in prefix:
-            prefix[id(t)] = (np.concatenate([[0.0], np.cumsum(np.asarray(t.forward_s, dtype=np.float64))]),
-                             np.concatenate([[0.0], np.cumsum(np.asarray(t.forward_s) + np.asarray(t.backward_s))]))
+            prefix[id(t)] = (
+                np.concatenate([[0.0], np.cumsum(np.asarray(t.forward_s, dtype=np.float64))]),
+                np.concatenate([[0.0], np.cumsum(np.asarray(t.forward_s) + np.asarray(t.backward_s))]),
+            )
     forward = [prefix[id(t)][0] for t in tables]
     compute = [prefix[id(t)][1] for t in tables]
     mode = ctx.options.recompute if config.recompute_mode is None else config.recompute_mode
     limit, options = ctx.options.memory_limit_bytes, ctx.options
-    in_flight = [microbatches_in_flight(config.schedule, config.num_microbatches, config.num_rank_groups, g,
-                                        config.virtual_stages) for g in range(config.num_rank_groups)]
+    in_flight = [
+        microbatches_in_flight(
+            config.schedule, config.num_microbatches, config.num_rank_groups, g, config.virtual_stages
+        )
+        for g in range(config.num_rank_groups)
+    ]
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def fits(start: int, stop: int, stage: int, recompute: bool) -> bool:
-        return device_memory(tables[stage], [(start, stop)], in_flight=in_flight[stage], optimizer=options.optimizer,
-                             recompute=recompute, mixed_precision=options.mixed_precision,
-                             num_replicas=config.replicas_of(stage),
-                             num_microbatches=config.num_microbatches).total_bytes <= limit
+        return (
+            device_memory(
+                tables[stage],
+                [(start, stop)],
+                in_flight=in_flight[stage],
+                optimizer=options.optimizer,
+                recompute=recompute,
+                mixed_precision=options.mixed_precision,
+                num_replicas=config.replicas_of(stage),
+                num_microbatches=config.num_microbatches,
+            ).total_bytes
+            <= limit
+        )
 
     def bound(nodes: Sequence[int]) -> float:
         stages = [(nodes[s], nodes[s + 1]) for s in range(config.num_stages)]
@@ -152,7 +174,12 @@ def split_bound(ctx: PlanningContext, config) -> Callable[[Sequence[int]], float
             recompute = [not fits(a, b, s, False) for s, (a, b) in enumerate(stages)]
             if any(r and not fits(a, b, s, True) for s, ((a, b), r) in enumerate(zip(stages, recompute))):
                 return float("inf")
-        return step_lower_bound_s(config, [compute[s][b] - compute[s][a] + (forward[s][b] - forward[s][a] if r else 0.0)
-                                            for s, ((a, b), r) in enumerate(zip(stages, recompute))])
+        return step_lower_bound_s(
+            config,
+            [
+                compute[s][b] - compute[s][a] + (forward[s][b] - forward[s][a] if r else 0.0)
+                for s, ((a, b), r) in enumerate(zip(stages, recompute))
+            ],
+        )
 
     return bound

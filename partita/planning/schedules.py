@@ -53,11 +53,11 @@ class Action:
         return f"{self.stage}{self.kind}{self.microbatch}"
 
     @classmethod
-    def parse(cls, text: str) -> "Action":
+    def parse(cls, text: str) -> Action:
         """``"2F0"`` -> ``Action(2, 0, "F")`` (torch's action notation)."""
         for i, ch in enumerate(text):
-            if ch in KINDS and text[:i].isdigit() and text[i + 1:].isdigit():
-                return cls(int(text[:i]), int(text[i + 1:]), ch)
+            if ch in KINDS and text[:i].isdigit() and text[i + 1 :].isdigit():
+                return cls(int(text[:i]), int(text[i + 1 :]), ch)
         raise InputError(f"cannot parse action {text!r}: write STAGE KIND MICROBATCH, e.g. '2F0' or '5W3'")
 
 
@@ -76,14 +76,19 @@ def check_schedule(schedule: Schedule, num_microbatches: int, num_rank_groups: i
     for name, value in (("num_microbatches", m), ("num_rank_groups", g), ("num_stages", s)):
         positive_int(value, name)
     if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B) and s != g:
-        raise InputError(f"{schedule.value} runs one stage per rank group, got {s} stages on {g} rank groups: "
-                         f"use interleaved1f1b for several stages per rank group")
+        raise InputError(
+            f"{schedule.value} runs one stage per rank group, got {s} stages on {g} rank groups: "
+            f"use interleaved1f1b for several stages per rank group"
+        )
     if schedule is Schedule.ONE_F_ONE_B and m < s:
-        raise InputError(f"1f1b needs at least as many micro-batches as stages (torch's Schedule1F1B), got "
-                         f"{m} micro-batches for {s} stages: use >= {s} micro-batches or gpipe")
+        raise InputError(
+            f"1f1b needs at least as many micro-batches as stages (torch's Schedule1F1B), got "
+            f"{m} micro-batches for {s} stages: use >= {s} micro-batches or gpipe"
+        )
     if schedule is Schedule.ZBV and s != 2 * g:
-        raise InputError(f"zbv runs exactly 2 stages per rank group, got {s} stages on {g} rank groups: "
-                         f"use {2 * g} stages")
+        raise InputError(
+            f"zbv runs exactly 2 stages per rank group, got {s} stages on {g} rank groups: use {2 * g} stages"
+        )
     if schedule is Schedule.INTERLEAVED_1F1B:
         if s % g:
             raise InputError(f"interleaved1f1b needs the stages ({s}) to be a multiple of the rank groups ({g})")
@@ -92,7 +97,8 @@ def check_schedule(schedule: Schedule, num_microbatches: int, num_rank_groups: i
             raise InputError(
                 f"interleaved1f1b (torch's ScheduleInterleaved1F1B) needs num_microbatches to be a multiple of "
                 f"max(1, num_microbatches // num_rank_groups) = {rounds}, got {m} micro-batches on {g} rank "
-                f"groups: use a multiple of {g}, e.g. {rounds * g} or {(rounds + 1) * g}")
+                f"groups: use a multiple of {g}, e.g. {rounds * g} or {(rounds + 1) * g}"
+            )
 
 
 def stage_rank_groups(schedule: Schedule, num_rank_groups: int, num_stages: int) -> tuple[int, ...]:
@@ -104,8 +110,9 @@ def stage_rank_groups(schedule: Schedule, num_rank_groups: int, num_stages: int)
 
 
 @lru_cache(maxsize=256)
-def rank_orders(schedule: Schedule, num_microbatches: int, num_rank_groups: int,
-                num_stages: int | None = None) -> tuple[tuple[Action, ...], ...]:
+def rank_orders(
+    schedule: Schedule, num_microbatches: int, num_rank_groups: int, num_stages: int | None = None
+) -> tuple[tuple[Action, ...], ...]:
     """The compute actions of every rank group, in the order torch 2.13 runs them.
 
     ``num_stages`` defaults to ``G`` (GPipe, 1F1B) or ``2G`` (ZBV); interleaved needs it.

@@ -26,15 +26,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from partita.cost.comm import p2p_time_s
 from partita.cost.memory import memory_from_totals, microbatches_in_flight
-from partita.planning.chain import BlockCosts
 from partita.errors import InputError
+from partita.planning.chain import BlockCosts
 from partita.planning.options import recompute_allowed
 from partita.planning.partition import candidate_partitions
 from partita.planning.schedules import check_schedule
@@ -200,9 +200,12 @@ class StageCosts:
         self.valid = j < i
         cut = np.asarray(blocks.cut_bytes, dtype=np.float64)
         self.totals = dict(
-            param_bytes=blocks.param_bytes_matrix, trainable_bytes=blocks.trainable_bytes_matrix,
-            activation_bytes=_range_sums(blocks.activation_bytes), stage_input_bytes=cut[j],
-            boundary_bytes=cut[j] + cut[i], largest_output_bytes=_range_max(blocks.max_output_bytes),
+            param_bytes=blocks.param_bytes_matrix,
+            trainable_bytes=blocks.trainable_bytes_matrix,
+            activation_bytes=_range_sums(blocks.activation_bytes),
+            stage_input_bytes=cut[j],
+            boundary_bytes=cut[j] + cut[i],
+            largest_output_bytes=_range_max(blocks.max_output_bytes),
             largest_param_bytes=_range_max(blocks.max_param_bytes),
             first_grad_bytes=_range_last(blocks.last_grad_bytes),
         )
@@ -215,8 +218,12 @@ class StageCosts:
         key = (in_flight, recompute)
         if key not in self._cache:
             memory = memory_from_totals(
-                **self.totals, in_flight=in_flight, optimizer=self.options.optimizer, recompute=recompute,
-                mixed_precision=self.options.mixed_precision, num_replicas=self.config.replicas,
+                **self.totals,
+                in_flight=in_flight,
+                optimizer=self.options.optimizer,
+                recompute=recompute,
+                mixed_precision=self.options.mixed_precision,
+                num_replicas=self.config.replicas,
                 num_microbatches=self.config.num_microbatches,
             )
             self._cache[key] = memory.total_bytes <= self.options.memory_limit_bytes
@@ -225,8 +232,11 @@ class StageCosts:
     def stage_cost(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
         """(time matrix with inf where infeasible, recompute-chosen matrix) for stage ``stage``."""
         c = self.config
-        return self.cost_at(microbatches_in_flight(c.schedule, c.num_microbatches, c.num_rank_groups,
-                                                   c.rank_group_of(stage), c.virtual_stages))
+        return self.cost_at(
+            microbatches_in_flight(
+                c.schedule, c.num_microbatches, c.num_rank_groups, c.rank_group_of(stage), c.virtual_stages
+            )
+        )
 
     def cost_at(self, in_flight: float) -> tuple[np.ndarray, np.ndarray]:
         """``stage_cost`` of a stage that keeps ``in_flight`` micro-batches' activations: all that
@@ -256,7 +266,7 @@ def _range_last(values: Sequence[float]) -> np.ndarray:
     for j in range(k):
         row = v[j:]
         last = np.maximum.accumulate(np.where(row != 0, np.arange(len(row)), -1))
-        out[j, j + 1:] = np.where(last >= 0, row[np.maximum(last, 0)], 0.0)
+        out[j, j + 1 :] = np.where(last >= 0, row[np.maximum(last, 0)], 0.0)
     return out
 
 
@@ -265,7 +275,7 @@ def _range_max(values: Sequence[float]) -> np.ndarray:
     k = len(v)
     out = np.zeros((k + 1, k + 1))
     for j in range(k):
-        out[j, j + 1:] = np.maximum.accumulate(v[j:])
+        out[j, j + 1 :] = np.maximum.accumulate(v[j:])
     return out
 
 
@@ -314,7 +324,11 @@ def estimate_step(config: Config, stage_times: Sequence[float]) -> float:
 
 
 def search(
-    blocks_at: Callable[[int], BlockCosts], options: SearchOptions, cluster, num_blocks: int, *,
+    blocks_at: Callable[[int], BlockCosts],
+    options: SearchOptions,
+    cluster,
+    num_blocks: int,
+    *,
     num_best: int | None = None,
 ) -> list[Candidate]:
     """All configs' best candidates, sorted by estimate (ties broken by a fixed key).
@@ -358,8 +372,15 @@ def _may_fit(blocks: BlockCosts, config: Config, options: SearchOptions) -> bool
     memory = memory_from_totals(
         param_bytes=int(blocks.param_bytes_matrix[0, k]) // g,
         trainable_bytes=int(blocks.trainable_bytes_matrix[0, k]) // g,
-        activation_bytes=0, stage_input_bytes=0, boundary_bytes=0, largest_output_bytes=0, in_flight=0,
-        optimizer=options.optimizer, recompute=False, mixed_precision=options.mixed_precision, num_replicas=1,
+        activation_bytes=0,
+        stage_input_bytes=0,
+        boundary_bytes=0,
+        largest_output_bytes=0,
+        in_flight=0,
+        optimizer=options.optimizer,
+        recompute=False,
+        mixed_precision=options.mixed_precision,
+        num_replicas=1,
     )
     return memory.total_bytes <= options.memory_limit_bytes
 
@@ -375,5 +396,14 @@ def _estimate_lower_bound(blocks: BlockCosts, config: Config) -> float:
 
 def sort_key(c: Candidate) -> tuple:
     cfg = c.config
-    return (c.estimate_s, cfg.num_rank_groups, cfg.replicas, cfg.stage_replicas, cfg.schedule.value,
-            cfg.virtual_stages, cfg.num_microbatches, str(cfg.recompute_mode), c.boundaries)
+    return (
+        c.estimate_s,
+        cfg.num_rank_groups,
+        cfg.replicas,
+        cfg.stage_replicas,
+        cfg.schedule.value,
+        cfg.virtual_stages,
+        cfg.num_microbatches,
+        str(cfg.recompute_mode),
+        c.boundaries,
+    )

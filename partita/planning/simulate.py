@@ -30,15 +30,16 @@ B(1,0) 2.5-4.5, B(0,0) 5-7: step 7 s = (f + b)·(m + S - 1) + 2·send.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from partita.cost import comm
 from partita.cost.analytic import optimizer_step_s
-from partita.types.cluster import Cluster
 from partita.errors import InputError
 from partita.planning.schedules import rank_orders, stage_rank_groups
 from partita.types import CostTable, Plan, Schedule, SimResult, TimelineEvent
+from partita.types.cluster import Cluster
 
 __all__ = ["SimResult", "TimelineEvent", "pipeline_inputs", "simulate", "simulate_pipeline"]
 
@@ -52,8 +53,9 @@ OPTIMIZER = "optimizer"  # a rank group's optimizer step, after its last backwar
 @lru_cache(maxsize=256)
 def compiled_orders(schedule: Schedule, m: int, g: int, s: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
     """rank_orders as plain int triples (stage, microbatch, kind code): no attribute lookups in the hot loop."""
-    return tuple(tuple((a.stage, a.microbatch, KIND_CODES[a.kind]) for a in order)
-                 for order in rank_orders(schedule, m, g, s))
+    return tuple(
+        tuple((a.stage, a.microbatch, KIND_CODES[a.kind]) for a in order) for order in rank_orders(schedule, m, g, s)
+    )
 
 
 def simulate_pipeline(
@@ -106,8 +108,13 @@ def simulate_pipeline(
     bubble = 1.0 - sum(busy) / (g * step) if step > 0 else 0.0
     peaks = peak_activations(orders, activation_bytes, s, free_kind=_W if split else _B)
     timeline = tuple(sorted(events, key=lambda e: (e.start_s, e.rank_group, e.end_s))) if keep_timeline else ()
-    return SimResult(step_s=step, bubble_fraction=bubble, rank_busy_s=tuple(busy),
-                     rank_peak_activation_bytes=peaks, timeline=timeline)
+    return SimResult(
+        step_s=step,
+        bubble_fraction=bubble,
+        rank_busy_s=tuple(busy),
+        rank_peak_activation_bytes=peaks,
+        timeline=timeline,
+    )
 
 
 def _check_arrays(s: int, *arrays: Sequence[float]) -> tuple[list[float], ...]:
@@ -117,8 +124,10 @@ def _check_arrays(s: int, *arrays: Sequence[float]) -> tuple[list[float], ...]:
         want = s - 1 if name == "send_s" else s
         values = [float(x) for x in values]
         if len(values) != want:
-            raise InputError(f"{name} needs {want} values (one per stage{' boundary' if name == 'send_s' else ''}), "
-                             f"got {len(values)}")
+            raise InputError(
+                f"{name} needs {want} values (one per stage{' boundary' if name == 'send_s' else ''}), "
+                f"got {len(values)}"
+            )
         if any(not x >= 0 for x in values):  # also rejects NaN
             raise InputError(f"{name} must be >= 0 seconds, got {values}")
         out.append(values)
@@ -190,8 +199,9 @@ def _run(orders, dur, send, s, m, keep_timeline):
     return clock, busy, grads_done, events
 
 
-def _allreduces(groups: Sequence[int], grads_done: Sequence[float], ar: Sequence[float],
-                events: list[TimelineEvent] | None) -> dict[int, float]:
+def _allreduces(
+    groups: Sequence[int], grads_done: Sequence[float], ar: Sequence[float], events: list[TimelineEvent] | None
+) -> dict[int, float]:
     """Run each rank group's all-reduces one after another as they become ready; return when each
     rank group's last one ends."""
     last: dict[int, float] = {}
@@ -230,8 +240,13 @@ def peak_activations(orders, activation_bytes, s, *, free_kind) -> tuple[int, ..
 # ----------------------------------------------------------------------------- plans
 
 
-def simulate(plan: Plan, costs: Callable[[int], CostTable] | CostTable,
-             cluster: Cluster | Mapping[str, Any] | None = None, *, keep_timeline: bool = True) -> SimResult:
+def simulate(
+    plan: Plan,
+    costs: Callable[[int], CostTable] | CostTable,
+    cluster: Cluster | Mapping[str, Any] | None = None,
+    *,
+    keep_timeline: bool = True,
+) -> SimResult:
     """Simulate one training step of ``plan``; ``cluster`` defaults to the plan's own.
 
     ``costs(microbatch_size)`` returns the CostTable at that per-replica micro-batch size (a bare
@@ -240,8 +255,9 @@ def simulate(plan: Plan, costs: Callable[[int], CostTable] | CostTable,
     return simulate_pipeline(**pipeline_inputs(plan, costs, cluster), keep_timeline=keep_timeline)
 
 
-def pipeline_inputs(plan: Plan, costs: Callable[[int], CostTable] | CostTable,
-                    cluster: Cluster | Mapping[str, Any] | None = None) -> dict[str, Any]:
+def pipeline_inputs(
+    plan: Plan, costs: Callable[[int], CostTable] | CostTable, cluster: Cluster | Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The keyword arguments of simulate_pipeline for ``plan``.
 
     Per stage: forward/backward seconds are sums over its node range (recompute adds the forward
@@ -256,8 +272,10 @@ def pipeline_inputs(plan: Plan, costs: Callable[[int], CostTable] | CostTable,
     groups = stage_rank_groups(plan.schedule, plan.num_rank_groups, plan.num_stages)
     for stage, group in zip(plan.stages, groups):
         if stage.rank_group != group:
-            raise InputError(f"stage {stage.index} is on rank group {stage.rank_group}, but {plan.schedule.value} "
-                             f"places it on rank group {group}: rebuild the plan with that placement")
+            raise InputError(
+                f"stage {stage.index} is on rank group {stage.rank_group}, but {plan.schedule.value} "
+                f"places it on rank group {group}: rebuild the plan with that placement"
+            )
     tables = _tables_per_stage(plan, costs)
     optimizer = plan.options.get("optimizer", "adam")
     mixed_precision = bool(plan.options.get("mixed_precision", False))
@@ -270,10 +288,17 @@ def pipeline_inputs(plan: Plan, costs: Callable[[int], CostTable] | CostTable,
         wgt.append(float(table.backward_weight_s[a:b].sum()))
         act.append(int(table.cut_bytes[a]) if stage.recompute else int(table.activation_bytes[a:b].sum()))
         trainable = sum(int(table.param_bytes[p]) for p in table.params_in_range(a, b) if table.param_trainable[p])
-        allreduce.append(0.0 if stage.num_replicas == 1 else comm.allreduce_time_s(
-            trainable, stage.num_replicas, cluster, spans_nodes=comm.spans_nodes(stage.ranks, cluster)))
-        opt.append(cluster.compute_slowdown
-                   * optimizer_step_s(trainable, optimizer, cluster.device, mixed_precision=mixed_precision))
+        allreduce.append(
+            0.0
+            if stage.num_replicas == 1
+            else comm.allreduce_time_s(
+                trainable, stage.num_replicas, cluster, spans_nodes=comm.spans_nodes(stage.ranks, cluster)
+            )
+        )
+        opt.append(
+            cluster.compute_slowdown
+            * optimizer_step_s(trainable, optimizer, cluster.device, mixed_precision=mixed_precision)
+        )
     send = []
     for k in range(plan.num_stages - 1):
         here, after = plan.stages[k], plan.stages[k + 1]
@@ -282,9 +307,18 @@ def pipeline_inputs(plan: Plan, costs: Callable[[int], CostTable] | CostTable,
             continue
         same_node = cluster.rank_to_node(here.ranks[0]) == cluster.rank_to_node(after.ranks[0])
         send.append(comm.p2p_time_s(float(tables[k].cut_bytes[here.stop]), cluster, same_node=same_node))
-    return dict(schedule=plan.schedule, num_microbatches=plan.num_microbatches, num_rank_groups=plan.num_rank_groups,
-                forward_s=fwd, backward_s=bwd, backward_weight_s=wgt, send_s=send, allreduce_s=allreduce,
-                activation_bytes=act, optimizer_s=opt)
+    return dict(
+        schedule=plan.schedule,
+        num_microbatches=plan.num_microbatches,
+        num_rank_groups=plan.num_rank_groups,
+        forward_s=fwd,
+        backward_s=bwd,
+        backward_weight_s=wgt,
+        send_s=send,
+        allreduce_s=allreduce,
+        activation_bytes=act,
+        optimizer_s=opt,
+    )
 
 
 def _as_cluster(plan: Plan, cluster: Cluster | Mapping[str, Any] | None) -> Cluster:
@@ -300,16 +334,20 @@ def _tables_per_stage(plan: Plan, costs: Callable[[int], CostTable] | CostTable)
     for stage in plan.stages:
         samples = plan.num_microbatches * stage.num_replicas
         if plan.global_batch_size % samples:
-            raise InputError(f"stage {stage.index}: global batch {plan.global_batch_size} does not split into "
-                             f"{plan.num_microbatches} micro-batches x {stage.num_replicas} replicas: use a global "
-                             f"batch that is a multiple of {samples}")
+            raise InputError(
+                f"stage {stage.index}: global batch {plan.global_batch_size} does not split into "
+                f"{plan.num_microbatches} micro-batches x {stage.num_replicas} replicas: use a global "
+                f"batch that is a multiple of {samples}"
+            )
         size = plan.global_batch_size // samples
         if size not in by_size:
             if isinstance(costs, CostTable):
                 if costs.microbatch_size != size:
-                    raise InputError(f"stage {stage.index} runs micro-batches of {size} per replica, but the cost "
-                                     f"table is for {costs.microbatch_size}: pass a function microbatch_size -> "
-                                     f"CostTable instead")
+                    raise InputError(
+                        f"stage {stage.index} runs micro-batches of {size} per replica, but the cost "
+                        f"table is for {costs.microbatch_size}: pass a function microbatch_size -> "
+                        f"CostTable instead"
+                    )
                 by_size[size] = costs
             else:
                 by_size[size] = costs(size)

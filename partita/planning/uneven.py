@@ -29,7 +29,7 @@ chain), with at most ``MAX_STAGES`` stages, on at most ``MAX_DEVICES`` devices.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -63,9 +63,16 @@ class _Shape:
     """One (schedule, S stages, m micro-batches, recompute mode): the replica choices and the
     time of every stage range at every replica count."""
 
-    def __init__(self, stage_costs: Callable[[int, int, bool | None], StageCosts], options: SearchOptions,
-                 schedule: Schedule, num_stages: int, num_microbatches: int, recompute_mode: bool | None,
-                 positions: np.ndarray):
+    def __init__(
+        self,
+        stage_costs: Callable[[int, int, bool | None], StageCosts],
+        options: SearchOptions,
+        schedule: Schedule,
+        num_stages: int,
+        num_microbatches: int,
+        recompute_mode: bool | None,
+        positions: np.ndarray,
+    ):
         b = options.global_batch_size // num_microbatches
         self.num_stages, self.num_microbatches, self.schedule = num_stages, num_microbatches, schedule
         self.recompute_mode, self.samples, self.positions = recompute_mode, b, positions
@@ -76,16 +83,26 @@ class _Shape:
         sub = np.ix_(positions, positions)
         for r in self.replica_counts:
             costs = stage_costs(r, num_microbatches, recompute_mode)
-            per_stage = [costs.cost_at(microbatches_in_flight(schedule, num_microbatches, num_stages, p, 1))
-                         for p in range(num_stages)]
+            per_stage = [
+                costs.cost_at(microbatches_in_flight(schedule, num_microbatches, num_stages, p, 1))
+                for p in range(num_stages)
+            ]
             self.time[r] = [t[sub] for t, _ in per_stage]
             self.recompute[r] = [u[sub] for _, u in per_stage]
             self.send[r] = costs.send[positions]
 
     def config(self, replicas: tuple[int, ...]) -> Config:
         fewest = min(replicas)
-        return Config(fewest, self.num_stages, self.schedule, 1, self.num_microbatches, self.samples // fewest,
-                      self.recompute_mode, stage_replicas=replicas)
+        return Config(
+            fewest,
+            self.num_stages,
+            self.schedule,
+            1,
+            self.num_microbatches,
+            self.samples // fewest,
+            self.recompute_mode,
+            stage_replicas=replicas,
+        )
 
 
 def enumerate_shapes(options: SearchOptions, num_blocks: int) -> Iterator[tuple[Schedule, int, int, bool | None]]:
@@ -117,8 +134,14 @@ def _microbatch_counts(options: SearchOptions, batch: int, num_stages: int) -> l
     return counts
 
 
-def search_uneven(blocks_at: Callable[[int], BlockCosts], options: SearchOptions, cluster,
-                  num_blocks: int, *, cuttable: np.ndarray | None = None) -> list[Candidate]:
+def search_uneven(
+    blocks_at: Callable[[int], BlockCosts],
+    options: SearchOptions,
+    cluster,
+    num_blocks: int,
+    *,
+    cuttable: np.ndarray | None = None,
+) -> list[Candidate]:
     """Candidates of every uneven shape whose replica counts are not all equal (the uniform
     search covers those), best estimates first within each shape. ``cuttable[b]``: whether block
     boundary ``b`` may separate different replica counts (``chain.per_sample_cuts``; None: all);
@@ -189,8 +212,9 @@ def _splits(shape: _Shape, num_devices: int, *, exhaustive: bool) -> Iterator[tu
     if vectors is not None and len(vectors) <= MAX_ENUMERATED_VECTORS:
         for replicas in vectors:
             stage_time = lambda p, replicas=replicas: shape.time[replicas[p]][p]  # noqa: E731 - the DP's StageCost
-            for boundaries in candidate_partitions(stage_time, len(shape.positions) - 1, shape.num_stages,
-                                                   exhaustive=True):
+            for boundaries in candidate_partitions(
+                stage_time, len(shape.positions) - 1, shape.num_stages, exhaustive=True
+            ):
                 yield boundaries, replicas
         return
     floor = _min_bottleneck(shape, num_devices)
@@ -244,8 +268,9 @@ def _initial(shape: _Shape, num_devices: int) -> np.ndarray:
     return value
 
 
-def _device_step(previous: np.ndarray, cost_by_replicas: dict[int, np.ndarray],
-                 combine: Callable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _device_step(
+    previous: np.ndarray, cost_by_replicas: dict[int, np.ndarray], combine: Callable
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One layer of the DP: F[p][i][d] = min_{j, r} combine(F[p-1][j][d - r], cost[r][j, i]).
 
     Returns (F[p], argmin j, argmin r), each (K+1, N+1); r = 0 where nothing is reachable."""

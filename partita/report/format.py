@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from partita.units import counted, fmt_bytes, fmt_count, fmt_flops, fmt_seconds
 
-__all__ = ["fmt_bytes", "fmt_count", "fmt_flops", "fmt_layout", "fmt_microbatches", "fmt_replicas", "fmt_seconds", "table"]
+__all__ = [
+    "fmt_bytes",
+    "fmt_count",
+    "fmt_flops",
+    "fmt_layout",
+    "fmt_microbatches",
+    "fmt_replicas",
+    "fmt_seconds",
+    "table",
+]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, align: str | None = None) -> str:
@@ -34,8 +43,10 @@ def fmt_layout(plan) -> str:
     '3 rank groups with 2+1+4 replicas (7 devices)'."""
     joint = "x" if plan.uniform_replicas else "with"
     replicas = "replica" if plan.uniform_replicas and plan.stages[0].num_replicas == 1 else "replicas"
-    return (f"{counted(plan.num_rank_groups, 'rank group')} {joint} {fmt_replicas(plan)} {replicas} "
-            f"({counted(plan.num_devices, 'device')})")
+    return (
+        f"{counted(plan.num_rank_groups, 'rank group')} {joint} {fmt_replicas(plan)} {replicas} "
+        f"({counted(plan.num_devices, 'device')})"
+    )
 
 
 def fmt_microbatches(plan) -> str:

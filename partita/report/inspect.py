@@ -63,13 +63,23 @@ def inspect_dict(graph: OpGraph, *, depth: int = 3, top: int = 10) -> dict[str, 
         "dynamic_batch": graph.dynamic_batch,
         "loss_node": graph.nodes[graph.loss_node].name,
         "inputs": [
-            {"name": g.name, "path": g.path, "shape": list(g.tensor.shape) if g.tensor else None,
-             "dtype": g.tensor.dtype if g.tensor else None}
+            {
+                "name": g.name,
+                "path": g.path,
+                "shape": list(g.tensor.shape) if g.tensor else None,
+                "dtype": g.tensor.dtype if g.tensor else None,
+            }
             for g in graph.inputs
         ],
         "largest_activations": [
-            {"node": n.name, "target": n.target, "module": n.module_path, "source": n.source,
-             "shape": [list(t.shape) for t in n.outputs], "bytes": n.bytes_written}
+            {
+                "node": n.name,
+                "target": n.target,
+                "module": n.module_path,
+                "source": n.source,
+                "shape": [list(t.shape) for t in n.outputs],
+                "bytes": n.bytes_written,
+            }
             for n in largest
         ],
         "modules": [vars(m) for m in module_summaries(graph, depth)],
@@ -79,7 +89,9 @@ def inspect_dict(graph: OpGraph, *, depth: int = 3, top: int = 10) -> dict[str, 
 def inspect_text(graph: OpGraph, *, name: str = "model", depth: int = 3, top: int = 10) -> str:
     """The readable report: totals, the largest activations and a per-module breakdown."""
     data = inspect_dict(graph, depth=depth, top=top)
-    inputs = ", ".join(f"{i['name']} {tuple(i['shape']) if i['shape'] else ''} {i['dtype'] or ''}".strip() for i in data["inputs"])
+    inputs = ", ".join(
+        f"{i['name']} {tuple(i['shape']) if i['shape'] else ''} {i['dtype'] or ''}".strip() for i in data["inputs"]
+    )
     lines = [
         f"{name}: {graph.num_nodes} nodes, {fmt_count(graph.num_parameters)} parameters "
         f"({fmt_bytes(graph.parameter_bytes)}), {fmt_flops(graph.total_flops)} forward per step "
@@ -90,16 +102,32 @@ def inspect_text(graph: OpGraph, *, name: str = "model", depth: int = 3, top: in
         f"Largest activations (top {top}):",
         table(
             ["node", "op", "module", "shape", "bytes"],
-            [(a["node"], a["target"], a["module"] or "(root)", " ".join(str(tuple(s)) for s in a["shape"]), fmt_bytes(a["bytes"]))
-             for a in data["largest_activations"]],
+            [
+                (
+                    a["node"],
+                    a["target"],
+                    a["module"] or "(root)",
+                    " ".join(str(tuple(s)) for s in a["shape"]),
+                    fmt_bytes(a["bytes"]),
+                )
+                for a in data["largest_activations"]
+            ],
             align="lllrr",
         ),
         "",
         f"Per module (depth {depth}; activations = bytes of new tensors produced):",
         table(
             ["module", "nodes", "params", "forward FLOPs", "activations"],
-            [(_indent(m.path), m.num_nodes, fmt_count(m.num_parameters), fmt_flops(m.flops), fmt_bytes(m.activation_bytes))
-             for m in module_summaries(graph, depth)],
+            [
+                (
+                    _indent(m.path),
+                    m.num_nodes,
+                    fmt_count(m.num_parameters),
+                    fmt_flops(m.flops),
+                    fmt_bytes(m.activation_bytes),
+                )
+                for m in module_summaries(graph, depth)
+            ],
         ),
     ]
     return "\n".join(lines)
@@ -117,14 +145,26 @@ def costs_text(graph: OpGraph, costs, *, depth: int = 3) -> str:
     """Per-module forward/backward time and saved activations from a CostTable."""
     from partita.report.format import fmt_seconds
 
-    rows = _sum_by_module(graph, depth, lambda node: (float(costs.forward_s[node.index]),
-                                                      float(costs.backward_s[node.index]),
-                                                      float(costs.activation_bytes[node.index])))
+    rows = _sum_by_module(
+        graph,
+        depth,
+        lambda node: (
+            float(costs.forward_s[node.index]),
+            float(costs.backward_s[node.index]),
+            float(costs.activation_bytes[node.index]),
+        ),
+    )
     order = list(rows)
-    header = (f"Costs ({costs.source} on {costs.device}, micro-batch {costs.microbatch_size}): "
-              f"forward {fmt_seconds(float(costs.forward_s.sum()))}, backward {fmt_seconds(float(costs.backward_s.sum()))}, "
-              f"saved for backward {fmt_bytes(float(costs.activation_bytes.sum()))}")
-    return header + "\n" + table(
-        ["module", "forward", "backward", "saved activations"],
-        [(_indent(p), fmt_seconds(rows[p][0]), fmt_seconds(rows[p][1]), fmt_bytes(rows[p][2])) for p in order],
+    header = (
+        f"Costs ({costs.source} on {costs.device}, micro-batch {costs.microbatch_size}): "
+        f"forward {fmt_seconds(float(costs.forward_s.sum()))}, backward {fmt_seconds(float(costs.backward_s.sum()))}, "
+        f"saved for backward {fmt_bytes(float(costs.activation_bytes.sum()))}"
+    )
+    return (
+        header
+        + "\n"
+        + table(
+            ["module", "forward", "backward", "saved activations"],
+            [(_indent(p), fmt_seconds(rows[p][0]), fmt_seconds(rows[p][1]), fmt_bytes(rows[p][2])) for p in order],
+        )
     )

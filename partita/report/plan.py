@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
-from partita.units import counted
 from partita.report.format import fmt_bytes, fmt_layout, fmt_microbatches, fmt_seconds, table
 from partita.types import Plan
+from partita.units import counted
 
 
-def plan_text(plan: Plan, *, baselines: Mapping[str, Plan | None] = (), baseline_reasons: Mapping[str, str] = ()) -> str:
+def plan_text(
+    plan: Plan, *, baselines: Mapping[str, Plan | None] = (), baseline_reasons: Mapping[str, str] = ()
+) -> str:
     """Stages (modules, ranks, params, memory vs limit, times, cut bytes), then the step figures.
 
     ``baseline_reasons`` (``PlanningResult.baseline_reasons``) tells a baseline that cannot make the
@@ -24,21 +26,36 @@ def plan_text(plan: Plan, *, baselines: Mapping[str, Plan | None] = (), baseline
     unsplittable = {name: why for name, why in reasons.items() if why.startswith("cannot split")}
     limit = int(plan.options.get("memory_limit_bytes", 0))
     rows = [
-        (s.index, s.module_range, ",".join(map(str, s.ranks)) if len(s.ranks) <= 4 else f"{s.ranks[0]}..{s.ranks[-1]}",
-         fmt_bytes(s.param_bytes), f"{fmt_bytes(s.memory_bytes)} / {fmt_bytes(limit)}", fmt_seconds(s.forward_s),
-         fmt_seconds(s.backward_s), "yes" if s.recompute else "no", fmt_bytes(s.cut_bytes))
+        (
+            s.index,
+            s.module_range,
+            ",".join(map(str, s.ranks)) if len(s.ranks) <= 4 else f"{s.ranks[0]}..{s.ranks[-1]}",
+            fmt_bytes(s.param_bytes),
+            f"{fmt_bytes(s.memory_bytes)} / {fmt_bytes(limit)}",
+            fmt_seconds(s.forward_s),
+            fmt_seconds(s.backward_s),
+            "yes" if s.recompute else "no",
+            fmt_bytes(s.cut_bytes),
+        )
         for s in plan.stages
     ]
     lines = [
         f"plan: {counted(plan.num_stages, 'stage')} on {fmt_layout(plan)}, schedule {plan.schedule.value}, "
         f"{fmt_microbatches(plan)}, global batch {plan.global_batch_size}, costs {plan.cost_source}",
-        table(["stage", "modules", "ranks", "params", "memory/device", "fwd/mb", "bwd/mb", "recompute", "cut"],
-              rows, align="llrrrrrrr"),
+        table(
+            ["stage", "modules", "ranks", "params", "memory/device", "fwd/mb", "bwd/mb", "recompute", "cut"],
+            rows,
+            align="llrrrrrrr",
+        ),
         "",
-        table(["plan", "fits", "step", "samples/s", "bubble", "efficiency", "vs partita"],
-              [_summary_row("partita", plan, plan, total_compute_s)]
-              + [_summary_row(name, p, plan, total_compute_s, name in unsplittable)
-                 for name, p in dict(baselines).items()]),
+        table(
+            ["plan", "fits", "step", "samples/s", "bubble", "efficiency", "vs partita"],
+            [_summary_row("partita", plan, plan, total_compute_s)]
+            + [
+                _summary_row(name, p, plan, total_compute_s, name in unsplittable)
+                for name, p in dict(baselines).items()
+            ],
+        ),
         "efficiency = ideal step (total compute / devices) / predicted step",
     ]
     lines += [f"n/a: {name} {why}" for name, why in unsplittable.items() if dict(baselines).get(name) is None]
@@ -47,15 +64,25 @@ def plan_text(plan: Plan, *, baselines: Mapping[str, Plan | None] = (), baseline
         lines.append(
             f"note: the plan uses {plan.num_devices} of {available} devices: no plan over more of them was faster "
             f"(replicas must divide the global batch of {plan.global_batch_size}, micro-batches must divide a "
-            f"replica's share, and every stage needs work of its own)")
+            f"replica's share, and every stage needs work of its own)"
+        )
     return "\n".join(lines)
 
 
-def _summary_row(name: str, p: Plan | None, reference: Plan, total_compute_s: float | None,
-                 unsplittable: bool = False) -> tuple:
+def _summary_row(
+    name: str, p: Plan | None, reference: Plan, total_compute_s: float | None, unsplittable: bool = False
+) -> tuple:
     if p is None:
         return (name, "n/a" if unsplittable else "no", "-", "-", "-", "-", "-")
-    efficiency = "-" if total_compute_s is None else f"{total_compute_s / max(1, p.num_devices) / p.predicted_step_s:.1%}"
-    return (name, "yes", fmt_seconds(p.predicted_step_s), f"{p.global_batch_size / p.predicted_step_s:,.1f}",
-            f"{p.predicted_bubble_fraction:.1%}", efficiency,
-            f"{p.predicted_step_s / reference.predicted_step_s:.2f}x")
+    efficiency = (
+        "-" if total_compute_s is None else f"{total_compute_s / max(1, p.num_devices) / p.predicted_step_s:.1%}"
+    )
+    return (
+        name,
+        "yes",
+        fmt_seconds(p.predicted_step_s),
+        f"{p.global_batch_size / p.predicted_step_s:,.1f}",
+        f"{p.predicted_bubble_fraction:.1%}",
+        efficiency,
+        f"{p.predicted_step_s / reference.predicted_step_s:.2f}x",
+    )

@@ -15,11 +15,12 @@ matplotlib is imported only when a figure is drawn (the ``plot`` extra), with th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from partita.units import counted
 from partita.report.format import fmt_bytes, fmt_layout, fmt_microbatches, fmt_seconds
 from partita.types import Plan
+from partita.units import counted
 
 if TYPE_CHECKING:  # report/ depends on data only: SimResult is read by duck typing
     from partita.types import SimResult
@@ -27,17 +28,29 @@ if TYPE_CHECKING:  # report/ depends on data only: SimResult is read by duck typ
 __all__ = ["plan_figure"]
 
 GIB = 2**30
-KIND_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#8172B3", "allreduce": "#55A868",
-                "optimizer": "#937860"}
+KIND_COLOURS = {
+    "F": "#4C72B0",
+    "B": "#DD8452",
+    "I": "#C44E52",
+    "W": "#8172B3",
+    "allreduce": "#55A868",
+    "optimizer": "#937860",
+}
 STRIP_KINDS = ("allreduce", "optimizer")  # drawn as thin strips under a rank group's compute boxes
-KIND_LABELS = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weight)",
-               "allreduce": "gradient all-reduce", "optimizer": "optimizer step"}
+KIND_LABELS = {
+    "F": "forward",
+    "B": "backward",
+    "I": "backward (input)",
+    "W": "backward (weight)",
+    "allreduce": "gradient all-reduce",
+    "optimizer": "optimizer step",
+}
 BASELINE_COLOURS = ("#BBBBBB", "#888888", "#555555")
 MIN_LABEL_PIXELS = 9.0  # a box narrower than this per character gets no micro-batch number
 MAX_EDGED_BOXES_PER_ROW = 300  # beyond this, boxes are drawn without separating edges
 
 
-def plan_figure(plan: Plan, sim_result: "SimResult", path, *, baselines: Mapping[str, Plan | None] = {}) -> None:
+def plan_figure(plan: Plan, sim_result: SimResult, path, *, baselines: Mapping[str, Plan | None] = {}) -> None:
     """Write the memory panel and the timeline of ``plan`` to ``path`` (PNG, or SVG/PDF by extension).
 
     ``sim_result`` is ``simulate(plan, ...)`` with its timeline kept. ``baselines`` (name -> Plan,
@@ -53,8 +66,7 @@ def plan_figure(plan: Plan, sim_result: "SimResult", path, *, baselines: Mapping
     width = 15.0
     height = max(3.6, 1.2 + 0.42 * rows)
     with plt.rc_context({"svg.hashsalt": "partita", "font.size": 9}):
-        fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(width, height), width_ratios=(1, 3),
-                                              layout="constrained")
+        fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(width, height), width_ratios=(1, 3), layout="constrained")
         _memory_panel(mem_ax, plan, baselines)
         _timeline_panel(fig, time_ax, plan, sim_result)
         fig.suptitle(_title(plan, sim_result), fontsize=10)
@@ -62,11 +74,13 @@ def plan_figure(plan: Plan, sim_result: "SimResult", path, *, baselines: Mapping
         plt.close(fig)
 
 
-def _title(plan: Plan, result: "SimResult") -> str:
+def _title(plan: Plan, result: SimResult) -> str:
     recompute = sum(s.recompute for s in plan.stages)
-    return (f"{plan.method}: {counted(plan.num_stages, 'stage')} on {fmt_layout(plan)}, {plan.schedule.value}, "
-            f"{fmt_microbatches(plan)}, recompute {recompute}/{plan.num_stages} stages; "
-            f"step {fmt_seconds(result.step_s)}, bubble {result.bubble_fraction:.1%}")
+    return (
+        f"{plan.method}: {counted(plan.num_stages, 'stage')} on {fmt_layout(plan)}, {plan.schedule.value}, "
+        f"{fmt_microbatches(plan)}, recompute {recompute}/{plan.num_stages} stages; "
+        f"step {fmt_seconds(result.step_s)}, bubble {result.bubble_fraction:.1%}"
+    )
 
 
 def _metadata(path: str) -> dict:
@@ -95,8 +109,9 @@ def _memory_panel(ax, plan: Plan, baselines: Mapping[str, Plan | None]) -> None:
             if s.recompute:  # recomputed stages marked with an R above the bar
                 ax.text(x, s.memory_bytes / scale, "R", ha="center", va="bottom", fontsize=7)
     if limit_drawn:
-        ax.axhline(limit / scale, color="#C44E52", linestyle="--", linewidth=1.2, zorder=3,
-                   label=f"limit {fmt_bytes(limit)}")
+        ax.axhline(
+            limit / scale, color="#C44E52", linestyle="--", linewidth=1.2, zorder=3, label=f"limit {fmt_bytes(limit)}"
+        )
     elif limit:
         ax.plot([], [], " ", label=f"limit {fmt_bytes(limit)} (off scale)")
     missing = [name for name, p in dict(baselines).items() if p is None]
@@ -114,7 +129,7 @@ def _memory_panel(ax, plan: Plan, baselines: Mapping[str, Plan | None]) -> None:
     ax.legend(loc="upper left", ncol=2, fontsize=7, framealpha=0.9)
 
 
-def _timeline_panel(fig, ax, plan: Plan, result: "SimResult") -> None:
+def _timeline_panel(fig, ax, plan: Plan, result: SimResult) -> None:
     rows = len(result.rank_busy_s)
     step = result.step_s if result.step_s > 0 else 1.0
     boxes: dict[tuple[str, bool], list] = {}
@@ -132,8 +147,14 @@ def _timeline_panel(fig, ax, plan: Plan, result: "SimResult") -> None:
         for r in range(rows):
             spans = [(e.start_s, e.end_s - e.start_s) for e in events if e.rank_group == r]
             if spans:
-                ax.broken_barh(spans, (r - 0.4, 0.62), facecolors=KIND_COLOURS[kind],
-                               alpha=0.55 if later_chunk else 1.0, edgecolor="white", linewidth=edge)
+                ax.broken_barh(
+                    spans,
+                    (r - 0.4, 0.62),
+                    facecolors=KIND_COLOURS[kind],
+                    alpha=0.55 if later_chunk else 1.0,
+                    edgecolor="white",
+                    linewidth=edge,
+                )
     for kind in STRIP_KINDS:
         for r in range(rows):
             spans = [(start, length) for k, group, start, length in strips if group == r and k == kind]
@@ -149,7 +170,7 @@ def _timeline_panel(fig, ax, plan: Plan, result: "SimResult") -> None:
     _timeline_legend(ax, result)
 
 
-def _label_microbatches(fig, ax, result: "SimResult") -> None:
+def _label_microbatches(fig, ax, result: SimResult) -> None:
     """Write the micro-batch number in every compute box wide enough to hold it."""
     fig.canvas.draw()  # the layout is final only after a draw: box widths in pixels depend on it
     x0, x1 = ax.get_xlim()
@@ -159,14 +180,23 @@ def _label_microbatches(fig, ax, result: "SimResult") -> None:
             continue
         text = str(e.microbatch)
         if (e.end_s - e.start_s) * pixels_per_s >= MIN_LABEL_PIXELS * (len(text) + 0.5):
-            ax.text((e.start_s + e.end_s) / 2, e.rank_group - 0.09, text, ha="center", va="center",
-                    fontsize=7, color="white", clip_on=True)
+            ax.text(
+                (e.start_s + e.end_s) / 2,
+                e.rank_group - 0.09,
+                text,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+                clip_on=True,
+            )
 
 
-def _timeline_legend(ax, result: "SimResult") -> None:
+def _timeline_legend(ax, result: SimResult) -> None:
     from matplotlib.patches import Patch
 
     kinds = sorted({e.kind for e in result.timeline}, key=list(KIND_COLOURS).index)
     handles = [Patch(facecolor=KIND_COLOURS[k], label=KIND_LABELS[k]) for k in kinds]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(handles), fontsize=8,
-              frameon=False)
+    ax.legend(
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(handles), fontsize=8, frameon=False
+    )

@@ -19,7 +19,8 @@ Example (GPipe, 2 stages, 2 micro-batches, forward 1 s, backward 2 s, 9 columns)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from partita.report.format import fmt_seconds
 
@@ -37,7 +38,7 @@ def action_char(kind: str, microbatch: int) -> str:
     return chr(ord(_FIRST_CHAR[kind]) + microbatch % 10)
 
 
-def timeline_text(result: "SimResult", width: int = 100) -> str:
+def timeline_text(result: SimResult, width: int = 100) -> str:
     """The step of ``result`` as a rank x time grid of ``width`` columns, with a legend."""
     if width < 1:
         raise ValueError(f"width must be >= 1 columns, got {width}")
@@ -54,15 +55,19 @@ def timeline_text(result: "SimResult", width: int = 100) -> str:
         label = f"rank {r}".ljust(label_width)
         lines.append(f"{label} |{_row(compute[r], slot_s, width, lambda e: action_char(e.kind, e.microbatch))}|")
         if len({e.stage for e in compute[r]}) > 1:
-            lines.append(f"{'stage':>{label_width}} |{_row(compute[r], slot_s, width, lambda e: _stage_char(e.stage))}|")
+            lines.append(
+                f"{'stage':>{label_width}} |{_row(compute[r], slot_s, width, lambda e: _stage_char(e.stage))}|"
+            )
         if comm[r]:
-            lines.append(f"{'comm':>{label_width}} |"
-                         f"{_row(comm[r], slot_s, width, lambda e: COMM if e.kind == 'allreduce' else STEP)}|")
+            lines.append(
+                f"{'comm':>{label_width}} |"
+                f"{_row(comm[r], slot_s, width, lambda e: COMM if e.kind == 'allreduce' else STEP)}|"
+            )
     lines.extend(_legend(result, slot_s))
     return "\n".join(lines)
 
 
-def _row(events: Sequence["TimelineEvent"], slot_s: float, width: int, char) -> str:
+def _row(events: Sequence[TimelineEvent], slot_s: float, width: int, char) -> str:
     """Characters of one row: the event covering each column's midpoint, else '.'."""
     cells = [IDLE] * width
     for e in sorted(events, key=lambda e: (e.start_s, e.end_s, e.stage)):
@@ -82,7 +87,7 @@ def _stage_char(stage: int) -> str:
     return "0123456789abcdefghijklmnopqrstuvwxyz"[stage] if stage < 36 else "+"
 
 
-def _legend(result: "SimResult", slot_s: float) -> list[str]:
+def _legend(result: SimResult, slot_s: float) -> list[str]:
     busy = ", ".join(fmt_seconds(b) for b in result.rank_busy_s)
     return [
         f"step {fmt_seconds(result.step_s)}, bubble {100 * result.bubble_fraction:.1f}%, "

@@ -26,18 +26,35 @@ def chrome_trace(result: SimResult, plan: Plan, *, label: str = "predicted") -> 
     events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"partita {label}"}}]
     for group in sorted(ranks_of):
         ranks = ",".join(map(str, ranks_of[group]))
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": group,
-                       "args": {"name": f"rank group {group} (ranks {ranks})"}})
+        events.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": 0,
+                "tid": group,
+                "args": {"name": f"rank group {group} (ranks {ranks})"},
+            }
+        )
     for e in result.timeline:
         kind = e.kind
         name = f"{e.stage}{kind}{e.microbatch}" if kind in _CATEGORIES else kind
-        events.append({
-            "name": name, "cat": _CATEGORIES.get(kind, kind), "ph": "X", "pid": 0, "tid": e.rank_group,
-            "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6,
-            "args": {"stage": e.stage, "microbatch": e.microbatch},
-        })
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"schedule": plan.schedule.value, "predicted_step_s": result.step_s}}
+        events.append(
+            {
+                "name": name,
+                "cat": _CATEGORIES.get(kind, kind),
+                "ph": "X",
+                "pid": 0,
+                "tid": e.rank_group,
+                "ts": e.start_s * 1e6,
+                "dur": (e.end_s - e.start_s) * 1e6,
+                "args": {"stage": e.stage, "microbatch": e.microbatch},
+            }
+        )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"schedule": plan.schedule.value, "predicted_step_s": result.step_s},
+    }
 
 
 def write_chrome_trace(path: str | os.PathLike, result: SimResult, plan: Plan) -> None:

@@ -28,15 +28,34 @@ __all__ = ["IndexUse", "check_batch_values", "index_uses"]
 
 # Ops whose output holds (a subset of) the input's values, possibly cast or padded.
 _SAME_VALUES = {
-    "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.unsqueeze.default",
-    "aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.flatten.using_ints",
-    "aten.contiguous.default", "aten.clone.default", "aten.expand.default", "aten.slice.Tensor",
-    "aten.select.int", "aten.permute.default", "aten.transpose.int", "aten.t.default", "aten.alias.default",
-    "aten.detach.default", "aten.pad.default", "aten.constant_pad_nd.default",
+    "aten.view.default",
+    "aten.reshape.default",
+    "aten._unsafe_view.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.default",
+    "aten.squeeze.dim",
+    "aten.squeeze.dims",
+    "aten.flatten.using_ints",
+    "aten.contiguous.default",
+    "aten.clone.default",
+    "aten.expand.default",
+    "aten.slice.Tensor",
+    "aten.select.int",
+    "aten.permute.default",
+    "aten.transpose.int",
+    "aten.t.default",
+    "aten.alias.default",
+    "aten.detach.default",
+    "aten.pad.default",
+    "aten.constant_pad_nd.default",
 }
 _CASTS = {"aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default", "aten.to.device"}
-_LOSSES = {"aten.cross_entropy_loss.default", "aten.nll_loss.default", "aten.nll_loss_nd.default",
-           "aten.nll_loss2d.default"}
+_LOSSES = {
+    "aten.cross_entropy_loss.default",
+    "aten.nll_loss.default",
+    "aten.nll_loss_nd.default",
+    "aten.nll_loss2d.default",
+}
 _DEFAULT_IGNORE_INDEX = -100
 
 
@@ -74,8 +93,16 @@ def index_uses(graph: OpGraph) -> list[IndexUse]:
         source, cast = _source(index)
         if source is None or source.name not in position or not isinstance(bound, int):
             continue
-        uses.append(IndexUse(position[source.name], kind, bound, module_of.get(node.name, "") or "the model",
-                             ignore if isinstance(ignore, int) else None, cast))
+        uses.append(
+            IndexUse(
+                position[source.name],
+                kind,
+                bound,
+                module_of.get(node.name, "") or "the model",
+                ignore if isinstance(ignore, int) else None,
+                cast,
+            )
+        )
     return uses
 
 
@@ -91,8 +118,10 @@ def check_batch_values(graph: OpGraph, flat: Sequence[Any], where: str, uses: li
         name = graph.inputs[use.input_index].path or graph.inputs[use.input_index].name
         integer = not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
         if use.kind == "embedding" and not integer and not use.cast:
-            raise InputError(f"{where}: {name} is {str(x.dtype).removeprefix('torch.')}, but it holds the ids the "
-                             f"embedding {use.where} looks up: pass integer ids (torch.long)")
+            raise InputError(
+                f"{where}: {name} is {str(x.dtype).removeprefix('torch.')}, but it holds the ids the "
+                f"embedding {use.where} looks up: pass integer ids (torch.long)"
+            )
         if not integer or x.is_meta or x.numel() == 0:
             continue  # float targets are class probabilities
         valid = (x >= 0) & (x < use.bound)
@@ -103,12 +132,16 @@ def check_batch_values(graph: OpGraph, flat: Sequence[Any], where: str, uses: li
         bad = x[~valid]
         value = int(bad.max()) if int(bad.max()) >= use.bound else int(bad.min())
         if use.kind == "embedding":
-            raise InputError(f"{where}: {name} holds id {value}, but the embedding {use.where} has {use.bound} rows: "
-                             f"ids must be in [0, {use.bound}); make the data's vocabulary match the model's "
-                             "(e.g. vocab_size of its config)")
+            raise InputError(
+                f"{where}: {name} holds id {value}, but the embedding {use.where} has {use.bound} rows: "
+                f"ids must be in [0, {use.bound}); make the data's vocabulary match the model's "
+                "(e.g. vocab_size of its config)"
+            )
         ignored = "" if use.ignore_index is None else f" or {use.ignore_index} (ignored)"
-        raise InputError(f"{where}: {name} holds label {value}, but the loss scores {use.bound} classes: labels "
-                         f"must be in [0, {use.bound}){ignored}; make the labels match the model's number of classes")
+        raise InputError(
+            f"{where}: {name} holds label {value}, but the loss scores {use.bound} classes: labels "
+            f"must be in [0, {use.bound}){ignored}; make the labels match the model's number of classes"
+        )
 
 
 def _source(value: Any) -> tuple[Node | None, bool]:

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 __all__ = ["latest_intact_checkpoint", "load_checkpoint", "load_into_model", "save_checkpoint"]
 
 
-def save_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
+def save_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
     """Write ``trainer``'s model, optimizer, scheduler, step count and RNG states to ``path``.
 
     Collective: call on every rank with the same path (a filesystem all ranks share).
@@ -81,8 +81,11 @@ def save_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
     if rank == 0 and os.path.exists(partial):
         shutil.rmtree(partial)  # left by an interrupted write
     dist.barrier()
-    dcp.save(_trainer_state(trainer), storage_writer=FileSystemWriter(partial),
-             planner=DefaultSavePlanner(flatten_state_dict=False, dedup_save_to_lowest_rank=True))
+    dcp.save(
+        _trainer_state(trainer),
+        storage_writer=FileSystemWriter(partial),
+        planner=DefaultSavePlanner(flatten_state_dict=False, dedup_save_to_lowest_rank=True),
+    )
     dist.barrier()  # every rank's files are complete
     own = _own_file_digests(partial, rank)  # each rank hashes what it wrote
     gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
@@ -97,7 +100,7 @@ def save_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
     dist.barrier()
 
 
-def load_checkpoint(trainer: "Trainer", path: str | os.PathLike, *, verify: bool = True) -> None:
+def load_checkpoint(trainer: Trainer, path: str | os.PathLike, *, verify: bool = True) -> None:
     """Load a checkpoint written under any plan into ``trainer`` (model, optimizer, scheduler,
     step count, RNG). Collective: call on every rank. With ``verify`` the files are first checked
     against the checkpoint's manifest (InputError naming a damaged one); pass False for a
@@ -111,8 +114,11 @@ def load_checkpoint(trainer: "Trainer", path: str | os.PathLike, *, verify: bool
         prefix = f"optim.state.{name}."
         for key, meta in stored.items():
             if key.startswith(prefix):
-                state[key] = None if isinstance(meta, BytesStorageMetadata) else torch.empty(
-                    meta.size, dtype=meta.properties.dtype, device=trainer.topology.device)
+                state[key] = (
+                    None
+                    if isinstance(meta, BytesStorageMetadata)
+                    else torch.empty(meta.size, dtype=meta.properties.dtype, device=trainer.topology.device)
+                )
     rng_keys = _rng_keys(trainer, stored)
     for key in rng_keys.values():
         state[key] = torch.empty(stored[key].size, dtype=torch.uint8)
@@ -166,19 +172,25 @@ def latest_intact_checkpoint(directory: str) -> str | None:
 # ----------------------------------------------------------------------------- saving
 
 
-def _trainer_state(trainer: "Trainer") -> dict[str, Any]:
+def _trainer_state(trainer: Trainer) -> dict[str, Any]:
     """The flat state dict this rank writes (see the module docstring for the keys)."""
     state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _model_tensors(trainer).items()}
     optimizer_state = trainer.optimizer.state_dict()
     for index, name in enumerate(_optimizer_names(trainer)):
         for key, value in optimizer_state["state"].get(index, {}).items():
             state[f"optim.state.{name}.{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
-    state["optim.param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer_state["param_groups"]]
+    state["optim.param_groups"] = [
+        {k: v for k, v in g.items() if k != "params"} for g in optimizer_state["param_groups"]
+    ]
     state["trainer.num_steps"] = torch.tensor(trainer.num_steps, dtype=torch.int64)
     if trainer.lr_scheduler is not None:
         state["trainer.lr_scheduler"] = trainer.lr_scheduler.state_dict()
-    state["trainer.meta"] = {"partita_version": __version__, "torch_version": torch.__version__,
-                             "graph_fingerprint": trainer.graph.fingerprint, "plan": plan_to_dict(trainer.plan)}
+    state["trainer.meta"] = {
+        "partita_version": __version__,
+        "torch_version": torch.__version__,
+        "graph_fingerprint": trainer.graph.fingerprint,
+        "plan": plan_to_dict(trainer.plan),
+    }
     rank = trainer.topology.rank
     state[f"rng.cpu.{rank}"] = torch.get_rng_state()
     if trainer.topology.device.type == "cuda":
@@ -186,25 +198,28 @@ def _trainer_state(trainer: "Trainer") -> dict[str, Any]:
     return state
 
 
-def _model_tensors(trainer: "Trainer") -> dict[str, torch.Tensor]:
+def _model_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Canonical name -> tensor this rank saves and loads: what its stages hold (parameters and
     persistent buffers), and on every rank what no stage holds (it stays as the model has it)."""
     names = canonical_names(trainer.model)
     held_anywhere = {name for stage in trainer._all_stages for name in stage.spec.param_names}
-    unheld = {names[id(t)]: t for t in trainer.model.state_dict(keep_vars=True).values()
-              if names[id(t)] not in held_anywhere}
+    unheld = {
+        names[id(t)]: t for t in trainer.model.state_dict(keep_vars=True).values() if names[id(t)] not in held_anywhere
+    }
     return {**trainer.held_state(), **unheld}
 
 
-def _optimizer_names(trainer: "Trainer") -> list[str]:
+def _optimizer_names(trainer: Trainer) -> list[str]:
     """Canonical names of the optimizer's parameters, in its state_dict's index order."""
     name_of = {id(p): name for name, p in trainer.params.items()}
     names = []
     for group in trainer.optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in name_of:
-                raise InputError("the optimizer holds a parameter that is not one of the trainer's stages': build it "
-                                 "from the parameters the trainer passes to the optimizer factory")
+                raise InputError(
+                    "the optimizer holds a parameter that is not one of the trainer's stages': build it "
+                    "from the parameters the trainer passes to the optimizer factory"
+                )
             names.append(name_of[id(p)])
     return names
 
@@ -245,8 +260,10 @@ def _local_damage(path: str) -> str | None:
 
 def _require_intact(path: str, problem: str | None) -> None:
     if problem is not None:
-        raise InputError(f"checkpoint {path!r} is damaged ({problem}): load an earlier one; "
-                         "partita.runtime.checkpoint_dir.latest_checkpoint(directory) skips damaged checkpoints")
+        raise InputError(
+            f"checkpoint {path!r} is damaged ({problem}): load an earlier one; "
+            "partita.runtime.checkpoint_dir.latest_checkpoint(directory) skips damaged checkpoints"
+        )
 
 
 @contextlib.contextmanager
@@ -259,8 +276,10 @@ def _readable(path: str | os.PathLike) -> Iterator[None]:
         failures = list(getattr(error, "failures", {}).values())
         inner = getattr(failures[0], "exc", None) if failures else None
         cause = f"{type(inner).__name__}: {inner}" if inner is not None else str(error).splitlines()[0]
-        raise InputError(f"checkpoint {os.fspath(path)!r} could not be read ({cause.strip()}): a file is cut short "
-                         "or damaged; load an earlier checkpoint") from error
+        raise InputError(
+            f"checkpoint {os.fspath(path)!r} could not be read ({cause.strip()}): a file is cut short "
+            "or damaged; load an earlier checkpoint"
+        ) from error
 
 
 # ----------------------------------------------------------------------------- loading
@@ -275,9 +294,11 @@ def _stored_keys(path: str | os.PathLike) -> dict[str, Any]:
     """Key -> storage metadata of a checkpoint directory; InputError if it is not a complete one."""
     path = os.fspath(path)
     if path.rstrip(os.sep).endswith(PARTIAL_SUFFIX):
-        raise InputError(f"{path!r} is an unfinished checkpoint write (the job stopped before every rank had "
-                         f"written it): load a complete checkpoint instead, e.g. the one "
-                         f"partita.runtime.checkpoint_dir.latest_checkpoint(directory) finds")
+        raise InputError(
+            f"{path!r} is an unfinished checkpoint write (the job stopped before every rank had "
+            f"written it): load a complete checkpoint instead, e.g. the one "
+            f"partita.runtime.checkpoint_dir.latest_checkpoint(directory) finds"
+        )
     try:
         return dict(FileSystemReader(path).read_metadata().state_dict_metadata)
     except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
@@ -287,24 +308,28 @@ def _stored_keys(path: str | os.PathLike) -> dict[str, Any]:
             cause = f"it lacks DCP's {METADATA_FILE} file, which is written last: the write was interrupted or the copy is partial"
         else:
             cause = str(e)
-        raise InputError(f"{path!r} is not a complete partita checkpoint ({cause}): load an earlier complete one; "
-                         "partita.runtime.checkpoint_dir.latest_checkpoint(directory) skips incomplete ones") from e
+        raise InputError(
+            f"{path!r} is not a complete partita checkpoint ({cause}): load an earlier complete one; "
+            "partita.runtime.checkpoint_dir.latest_checkpoint(directory) skips incomplete ones"
+        ) from e
 
 
 def _require(stored: dict[str, Any], state: dict[str, Any], path: str | os.PathLike) -> None:
     missing = sorted(k for k in state if k not in stored)
     if missing:
-        raise InputError(f"checkpoint {os.fspath(path)!r} lacks {len(missing)} entries this model needs, e.g. "
-                         f"{missing[:4]}: was it written for another model?")
+        raise InputError(
+            f"checkpoint {os.fspath(path)!r} lacks {len(missing)} entries this model needs, e.g. "
+            f"{missing[:4]}: was it written for another model?"
+        )
 
 
-def _load_optimizer(trainer: "Trainer", names: list[str], state: dict[str, Any]) -> None:
+def _load_optimizer(trainer: Trainer, names: list[str], state: dict[str, Any]) -> None:
     """Rebuild the optimizer's state_dict from per-name entries and load it."""
     current = trainer.optimizer.state_dict()
     per_param: dict[int, dict[str, Any]] = {}
     for index, name in enumerate(names):
         prefix = f"optim.state.{name}."
-        entries = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+        entries = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
         if entries:
             per_param[index] = entries
     groups = current["param_groups"]
@@ -314,7 +339,7 @@ def _load_optimizer(trainer: "Trainer", names: list[str], state: dict[str, Any])
     trainer.optimizer.load_state_dict({"state": per_param, "param_groups": groups})
 
 
-def _rng_keys(trainer: "Trainer", stored: dict[str, Any]) -> dict[str, str]:
+def _rng_keys(trainer: Trainer, stored: dict[str, Any]) -> dict[str, str]:
     """The RNG entries this rank restores: its own, or rank 0's when the writing run had fewer ranks."""
     rank, keys = trainer.topology.rank, {}
     kinds = ["cpu", "cuda"] if trainer.topology.device.type == "cuda" else ["cpu"]

@@ -30,9 +30,22 @@ from collections.abc import Collection
 
 from partita.errors import InputError
 
-__all__ = ["CHECKPOINT_PATTERN", "MANIFEST_FILE", "METADATA_FILE", "PARTIAL_SUFFIX", "check_writable",
-           "checkpoint_path", "complete_checkpoints", "damage", "file_digest", "is_complete", "latest_checkpoint",
-           "manifest_files", "warn_unverified", "write_manifest"]
+__all__ = [
+    "CHECKPOINT_PATTERN",
+    "MANIFEST_FILE",
+    "METADATA_FILE",
+    "PARTIAL_SUFFIX",
+    "check_writable",
+    "checkpoint_path",
+    "complete_checkpoints",
+    "damage",
+    "file_digest",
+    "is_complete",
+    "latest_checkpoint",
+    "manifest_files",
+    "warn_unverified",
+    "write_manifest",
+]
 
 PARTIAL_SUFFIX = ".partial"
 METADATA_FILE = ".metadata"  # what dcp.save writes last, after every rank's data files
@@ -58,8 +71,9 @@ def complete_checkpoints(directory: str) -> list[str]:
     step first; their files are not verified (see ``damage``)."""
     if not os.path.isdir(directory):
         return []
-    steps = sorted((int(m.group(1)) for name in os.listdir(directory) if (m := CHECKPOINT_PATTERN.match(name))),
-                   reverse=True)
+    steps = sorted(
+        (int(m.group(1)) for name in os.listdir(directory) if (m := CHECKPOINT_PATTERN.match(name))), reverse=True
+    )
     return [path for path in (checkpoint_path(directory, step) for step in steps) if is_complete(path)]
 
 
@@ -120,8 +134,9 @@ def manifest_files(path: str | os.PathLike) -> dict[str, dict] | None:
         with open(manifest, encoding="utf-8") as f:
             data = json.load(f)
         files = data["files"]
-        if not isinstance(files, dict) or not all(isinstance(v, dict) and {"bytes", "sha256"} <= set(v)
-                                                  for v in files.values()):
+        if not isinstance(files, dict) or not all(
+            isinstance(v, dict) and {"bytes", "sha256"} <= set(v) for v in files.values()
+        ):
             raise ValueError("no file list")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise InputError(f"the manifest {manifest!r} is unreadable ({e})") from e
@@ -158,8 +173,11 @@ def damage(path: str | os.PathLike, names: Collection[str] | None = None, *, che
 def warn_unverified(path: str | os.PathLike) -> None:
     """Warn when checkpoint ``path`` has no manifest, so that its files cannot be verified."""
     if not os.path.exists(os.path.join(os.fspath(path), MANIFEST_FILE)):
-        warnings.warn(f"checkpoint {os.fspath(path)!r} has no {MANIFEST_FILE} (written by an earlier partita): its "
-                      "files cannot be verified; a damaged file shows only when it is read", stacklevel=3)
+        warnings.warn(
+            f"checkpoint {os.fspath(path)!r} has no {MANIFEST_FILE} (written by an earlier partita): its "
+            "files cannot be verified; a damaged file shows only when it is read",
+            stacklevel=3,
+        )
 
 
 def check_writable(directory: str | os.PathLike, what: str) -> None:
@@ -173,5 +191,7 @@ def check_writable(directory: str | os.PathLike, what: str) -> None:
             f.write(b"partita")
         os.remove(probe)
     except OSError as e:
-        raise InputError(f"{what} {directory!r} is not writable ({e.strerror or e}): choose a folder this user can "
-                         "create and write, or fix its permissions") from e
+        raise InputError(
+            f"{what} {directory!r} is not writable ({e.strerror or e}): choose a folder this user can "
+            "create and write, or fix its permissions"
+        ) from e

@@ -41,8 +41,8 @@ import datetime
 import hashlib
 import os
 import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,8 +53,15 @@ from partita.planning.uneven import UNEVEN_SCHEDULES
 from partita.types import Plan
 from partita.types.plan_file import plan_to_json
 
-__all__ = ["Topology", "GradientSync", "check_same_plan", "init_process_group", "init_topology", "plan_digest",
-           "timeout_of"]
+__all__ = [
+    "Topology",
+    "GradientSync",
+    "check_same_plan",
+    "init_process_group",
+    "init_topology",
+    "plan_digest",
+    "timeout_of",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,8 +100,10 @@ def init_topology(plan: Plan, *, collective_timeout_s: float | None = None) -> T
     check_same_plan(plan, group=world_group)  # before any group that depends on the plan
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != plan.num_devices:
-        raise InputError(f"the plan needs {plan.num_devices} ranks but {world} were started: run torchrun with "
-                         f"--nproc-per-node {plan.num_devices} (x nodes), or re-plan for {world} devices")
+        raise InputError(
+            f"the plan needs {plan.num_devices} ranks but {world} were started: run torchrun with "
+            f"--nproc-per-node {plan.num_devices} (x nodes), or re-plan for {world} devices"
+        )
     check_layout(plan)
     common = dict(rank=rank, world_size=world, device=device, world_group=world_group, timeout=timeout)
     if plan.uniform_replicas:
@@ -104,20 +113,34 @@ def init_topology(plan: Plan, *, collective_timeout_s: float | None = None) -> T
         override = _mesh_timeouts(timeout) if timeout is not None else None
         mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"), backend_override=override)
         dp_group, pp_group = mesh.get_group("dp"), mesh.get_group("pp")
-        return Topology(num_rank_groups=pp, rank_group=rank // dp, replica=rank % dp, replicas=dp, dp_group=dp_group,
-                        pp_group=pp_group, mesh=mesh, **common)
+        return Topology(
+            num_rank_groups=pp,
+            rank_group=rank // dp,
+            replica=rank % dp,
+            replicas=dp,
+            dp_group=dp_group,
+            pp_group=pp_group,
+            mesh=mesh,
+            **common,
+        )
     groups = [new_group(list(s.ranks), timeout) for s in plan.stages]  # collective: every rank, same order
     # One collective of all ranks before any point-to-point: NCCL sets up the world communicator
     # here, not in a batch_isend_irecv that only some ranks join (undefined behaviour per torch's docs).
     dist.barrier(group=world_group)
     stage = next(s for s in plan.stages if rank in s.ranks)
-    return Topology(num_rank_groups=plan.num_rank_groups, rank_group=stage.rank_group,
-                    replica=stage.ranks.index(rank), replicas=stage.num_replicas, dp_group=groups[stage.index],
-                    **common)
+    return Topology(
+        num_rank_groups=plan.num_rank_groups,
+        rank_group=stage.rank_group,
+        replica=stage.ranks.index(rank),
+        replicas=stage.num_replicas,
+        dp_group=groups[stage.index],
+        **common,
+    )
 
 
-def init_process_group(timeout: datetime.timedelta | None = None, *,
-                       num_devices: int | None = None) -> tuple[torch.device, dist.ProcessGroup | None]:
+def init_process_group(
+    timeout: datetime.timedelta | None = None, *, num_devices: int | None = None
+) -> tuple[torch.device, dist.ProcessGroup | None]:
     """Join the job's process group from torchrun's environment, unless one is initialised:
     (this rank's device, the group of all ranks with ``timeout``, or None for the default group).
 
@@ -130,8 +153,10 @@ def init_process_group(timeout: datetime.timedelta | None = None, *,
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
             n = num_devices if num_devices is not None else "N"
-            raise InputError(f"torch.distributed is not initialised and {', '.join(missing)} are not set: run the "
-                             f"training script under `torchrun --nproc-per-node {n} script.py`")
+            raise InputError(
+                f"torch.distributed is not initialised and {', '.join(missing)} are not set: run the "
+                f"training script under `torchrun --nproc-per-node {n} script.py`"
+            )
         options = {"timeout": timeout} if timeout is not None else {}
         dist.init_process_group("nccl" if cuda else "gloo", **options)
     elif timeout is not None:
@@ -157,8 +182,12 @@ def _mesh_timeouts(timeout: datetime.timedelta) -> dict | None:
         options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
         options._timeout = timeout
     except (AttributeError, RuntimeError, TypeError) as e:
-        warnings.warn(f"cannot give the pipeline's process groups a timeout on backend {backend} ({e}): transfers "
-                      "between stages wait for torch's default timeout", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"cannot give the pipeline's process groups a timeout on backend {backend} ({e}): transfers "
+            "between stages wait for torch's default timeout",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
     return {"pp": (backend, options), "dp": (backend, options)}
 
@@ -190,20 +219,25 @@ def check_same_plan(plan: Plan, group: dist.ProcessGroup | None = None) -> None:
     for rank, (digest, summary) in enumerate(gathered):
         by_digest.setdefault(digest, []).append(rank)
         summaries[digest] = summary
-    listing = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: plan {digest[:12]} "
-                        f"({summaries[digest]})" for digest, ranks in by_digest.items())
+    listing = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: plan {digest[:12]} ({summaries[digest]})"
+        for digest, ranks in by_digest.items()
+    )
     raise PlanFileError(
         f"the ranks hold {len(digests)} different plans ({listing}). One plan per job: make it once, on rank 0, and "
         "give it to every rank -- plan = partita.runtime.trainer.shared_plan(lambda: partita.plan(...)) -- or save "
         "it once (plan.save('plan.json'), or `partita plan ... --out plan.json`) and load that same file on every "
-        "rank (partita.Plan.load). Planning on every rank gives different plans when costs are measured.")
+        "rank (partita.Plan.load). Planning on every rank gives different plans when costs are measured."
+    )
 
 
 def _plan_summary(plan: Plan) -> str:
     replicas = sorted({s.num_replicas for s in plan.stages})
-    return (f"{plan.num_stages} stages cut at nodes {list(plan.boundaries)}, {plan.schedule.value}, "
-            f"{plan.num_microbatches} micro-batches, replicas {replicas[0] if len(replicas) == 1 else replicas}, "
-            f"global batch {plan.global_batch_size}, {plan.num_devices} devices")
+    return (
+        f"{plan.num_stages} stages cut at nodes {list(plan.boundaries)}, {plan.schedule.value}, "
+        f"{plan.num_microbatches} micro-batches, replicas {replicas[0] if len(replicas) == 1 else replicas}, "
+        f"global batch {plan.global_batch_size}, {plan.num_devices} devices"
+    )
 
 
 def check_layout(plan: Plan) -> None:
@@ -227,18 +261,23 @@ def _check_uniform_layout(plan: Plan) -> None:
             raise InputError(
                 f"stage {s.index} runs on rank group {s.rank_group}, ranks {list(s.ranks)}; {plan.schedule.value} "
                 f"places it on rank group {placement[s.index]}, ranks {list(expected)}: build the plan with "
-                "partita.plan or partita.planning.manual.manual_plan")
+                "partita.plan or partita.planning.manual.manual_plan"
+            )
 
 
 def _check_uneven_layout(plan: Plan) -> None:
     counts = [s.num_replicas for s in plan.stages]
     if plan.schedule not in UNEVEN_SCHEDULES:
-        raise InputError(f"the plan gives stages different replica counts {counts} under {plan.schedule.value}, "
-                         "which the runtime runs on uniform pp x dp meshes only: use schedule gpipe or 1f1b, or "
-                         "the same replica count for every stage")
+        raise InputError(
+            f"the plan gives stages different replica counts {counts} under {plan.schedule.value}, "
+            "which the runtime runs on uniform pp x dp meshes only: use schedule gpipe or 1f1b, or "
+            "the same replica count for every stage"
+        )
     if plan.num_rank_groups != plan.num_stages:
-        raise InputError(f"the plan puts {plan.num_stages} stages on {plan.num_rank_groups} rank groups with "
-                         f"different replica counts {counts}: uneven plans run one stage per rank group")
+        raise InputError(
+            f"the plan puts {plan.num_stages} stages on {plan.num_rank_groups} rank groups with "
+            f"different replica counts {counts}: uneven plans run one stage per rank group"
+        )
     first = 0
     for s in plan.stages:
         expected = tuple(range(first, first + s.num_replicas))
@@ -246,14 +285,17 @@ def _check_uneven_layout(plan: Plan) -> None:
             raise InputError(
                 f"stage {s.index} runs on rank group {s.rank_group}, ranks {list(s.ranks)}; with replica counts "
                 f"{counts} it must run on rank group {s.index}, ranks {list(expected)} (each group's ranks follow "
-                "the earlier groups'): build the plan with partita.plan or partita.planning.manual.manual_plan")
+                "the earlier groups'): build the plan with partita.plan or partita.planning.manual.manual_plan"
+            )
         first += s.num_replicas
     batch, m = plan.global_batch_size, plan.num_microbatches
     bad = [r for r in counts if batch % (m * r)]
     if bad:
-        raise InputError(f"the global batch of {batch} samples in {m} micro-batches does not split evenly over "
-                         f"{bad[0]} replicas: use a global batch that is a multiple of num_microbatches x every "
-                         f"replica count {sorted(set(counts))}")
+        raise InputError(
+            f"the global batch of {batch} samples in {m} micro-batches does not split evenly over "
+            f"{bad[0]} replicas: use a global batch that is a multiple of num_microbatches x every "
+            f"replica count {sorted(set(counts))}"
+        )
 
 
 class GradientSync:
@@ -264,9 +306,16 @@ class GradientSync:
     same order, as torch.distributed requires.
     """
 
-    def __init__(self, params: Mapping[str, nn.Parameter], holders: Mapping[str, Sequence[int]], rank: int,
-                 scale: float, *, timeout: datetime.timedelta | None = None,
-                 world_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        params: Mapping[str, nn.Parameter],
+        holders: Mapping[str, Sequence[int]],
+        rank: int,
+        scale: float,
+        *,
+        timeout: datetime.timedelta | None = None,
+        world_group: dist.ProcessGroup | None = None,
+    ):
         self.params = dict(params)  # this rank's trainable parameters, canonical name -> Parameter
         self.scale = scale  # 1 / (num_microbatches * replicas of the last stage), or 1 (loss_scaling.py)
         self.world_group = world_group  # the norm's all-reduce (None: the default group)
@@ -288,7 +337,7 @@ class GradientSync:
             flat.mul_(self.scale)
             offset = 0
             for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
             reduced.update(names)
         for name, p in self.params.items():

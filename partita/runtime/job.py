@@ -3,7 +3,7 @@ groups after every rank has shown it holds the same plan (``start_topology``).""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -39,8 +39,10 @@ def shared_plan(make_plan: Callable[[], Plan], *, collective_timeout_s: float | 
         try:
             plan = make_plan()
             if not isinstance(plan, Plan):
-                raise InputError(f"make_plan returned {type(plan).__name__}, not a partita.Plan: return the plan "
-                                 "(partita.plan(...), partita.Plan.load(path) or manual_plan(...))")
+                raise InputError(
+                    f"make_plan returned {type(plan).__name__}, not a partita.Plan: return the plan "
+                    "(partita.plan(...), partita.Plan.load(path) or manual_plan(...))"
+                )
             payload = ("plan", plan_to_json(plan))
         except Exception as e:  # noqa: BLE001 - told to every rank, then re-raised here
             failure, payload = e, ("error", f"{type(e).__name__}: {e}")
@@ -50,8 +52,10 @@ def shared_plan(make_plan: Callable[[], Plan], *, collective_timeout_s: float | 
     if kind == "error":
         if failure is not None:
             raise failure
-        raise PlanFileError(f"rank 0 failed to make the plan, so no rank has one: {text}. Fix the planning call (its "
-                            "error is in rank 0's log); the plan is made on rank 0 only")
+        raise PlanFileError(
+            f"rank 0 failed to make the plan, so no rank has one: {text}. Fix the planning call (its "
+            "error is in rank 0's log); the plan is made on rank 0 only"
+        )
     return plan_from_json(text, source="the plan shared by rank 0")
 
 
@@ -63,8 +67,11 @@ def start_topology(plan: Plan, collective_timeout_s: float | None) -> Topology:
         if isinstance(e, PartitaError) or not is_timeout(e) or not dist.is_initialized():
             raise
         progress = Progress(dist.get_rank(), dist.get_world_size(), enabled=False)
-        raise progress.timeout_error(e, step=0, doing="checking that every rank holds the same plan and creating "
-                                     "the process groups (a rank has not started its trainer)", stages="starting",
-                                     timeout_s=collective_timeout_s) from e
-
-
+        raise progress.timeout_error(
+            e,
+            step=0,
+            doing="checking that every rank holds the same plan and creating "
+            "the process groups (a rank has not started its trainer)",
+            stages="starting",
+            timeout_s=collective_timeout_s,
+        ) from e

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from partita.errors import InputError
 
@@ -20,8 +20,10 @@ def restart_count() -> int:
     try:
         return int(value)
     except ValueError:
-        raise InputError(f"TORCHELASTIC_RESTART_COUNT={value!r} is not an integer: it is set by torchrun; "
-                         "unset it when not running under torchrun") from None
+        raise InputError(
+            f"TORCHELASTIC_RESTART_COUNT={value!r} is not an integer: it is set by torchrun; "
+            "unset it when not running under torchrun"
+        ) from None
 
 
 def launch_local(module_argv: Sequence[str], *, nproc: int, max_restarts: int = 0) -> None:
@@ -43,10 +45,16 @@ def launch_local(module_argv: Sequence[str], *, nproc: int, max_restarts: int = 
         # restarted ranks then read the dead ranks' gloo/NCCL addresses and fail to connect
         # (pytorch/pytorch#135712). One store per attempt avoids that.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    args = parse_args([
-        "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-        "--monitor-interval=0.5", "-m", "partita.cli",
-    ])
+    args = parse_args(
+        [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.5",
+            "-m",
+            "partita.cli",
+        ]
+    )
     # Set after parsing: torchrun's parser would read our options (--nproc) as abbreviations of its own.
     args.training_script_args = list(module_argv)
     run(args)

@@ -32,8 +32,9 @@ loss as captured (averaging) and ``warning`` says which node and what to do.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -87,16 +88,26 @@ class LossScaling:
     for the user when the loss is not recognised, else None).
     """
 
-    def __init__(self, graph: OpGraph, plan: Plan, stages: Sequence[StageModule], local: Sequence[StageModule],
-                 device: torch.device):
+    def __init__(
+        self,
+        graph: OpGraph,
+        plan: Plan,
+        stages: Sequence[StageModule],
+        local: Sequence[StageModule],
+        device: torch.device,
+    ):
         self.graph, self.device = graph, device
         self.num_slices = plan.num_microbatches * plan.stages[-1].num_replicas
         try:
             self.structure: LossStructure = analyse_loss(graph)
         except Exception as e:  # noqa: BLE001 - an analysis failure must not stop training: fall back, say so
             loss = graph.nodes[graph.loss_node]
-            self.structure = LossStructure(loss=loss.name, unknown=Unrecognised(
-                loss.name, loss.target, loss.source, f"the analysis of the loss failed ({type(e).__name__}: {e})"))
+            self.structure = LossStructure(
+                loss=loss.name,
+                unknown=Unrecognised(
+                    loss.name, loss.target, loss.source, f"the analysis of the loss failed ({type(e).__name__}: {e})"
+                ),
+            )
         self.normalised = False
         self.warning: str | None = None
         self._fed: list[_Fed] = []
@@ -201,12 +212,12 @@ class LossScaling:
         # TermKind.SUM: additive over slices as it is
 
 
-
 # ----------------------------------------------------------------------------- placing the rewrites
 
 
-def _locate(structure: LossStructure, stages: Sequence[StageModule], plan: Plan,
-            targets: dict[str, Any]) -> tuple[list[_Site], str | None]:
+def _locate(
+    structure: LossStructure, stages: Sequence[StageModule], plan: Plan, targets: dict[str, Any]
+) -> tuple[list[_Site], str | None]:
     """The stage of every rewrite, or a reason why one cannot be placed."""
     sites = []
     wanted = [(k, t.node, t.kind.value) for k, t in enumerate(structure.terms) if t.kind is not TermKind.SUM]
@@ -218,8 +229,9 @@ def _locate(structure: LossStructure, stages: Sequence[StageModule], plan: Plan,
             return [], f"node {name} of the loss runs in {len(found)} stages"
         replicas = plan.stages[found[0]].num_replicas
         if found[0] != last and replicas != plan.stages[-1].num_replicas:
-            return [], (f"node {name} of the loss runs on stage {found[0]}, whose replica count differs from the "
-                        "last stage's")
+            return [], (
+                f"node {name} of the loss runs on stage {found[0]}, whose replica count differs from the last stage's"
+            )
         sites.append(_Site(found[0], name, kind, k))
     return sites, None
 
@@ -269,15 +281,19 @@ def _count(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int)
 def _unrecognised_message(structure: LossStructure, num_slices: int) -> str:
     u = structure.unknown
     where = f"node {u.node} ({u.op}{', ' + u.source if u.source else ''})"
-    return (f"partita cannot tell what the loss is a mean over: at {where}, {u.reason}. Each step computes the loss "
-            f"on {num_slices} slices of the batch (micro-batches x replicas) and averages them, which equals the "
-            "full-batch loss only if every slice's loss is a mean over equally many elements. To train exactly as on "
-            "the full batch, write the loss as a sum over the batch divided by a count of the batch (e.g. "
-            "(x * mask).sum() / mask.sum(), or cross_entropy / nll_loss with ignore_index and reduction='mean'), and "
-            "keep the rest of it a sum or mean of such terms.")
+    return (
+        f"partita cannot tell what the loss is a mean over: at {where}, {u.reason}. Each step computes the loss "
+        f"on {num_slices} slices of the batch (micro-batches x replicas) and averages them, which equals the "
+        "full-batch loss only if every slice's loss is a mean over equally many elements. To train exactly as on "
+        "the full batch, write the loss as a sum over the batch divided by a count of the batch (e.g. "
+        "(x * mask).sum() / mask.sum(), or cross_entropy / nll_loss with ignore_index and reduction='mean'), and "
+        "keep the rest of it a sum or mean of such terms."
+    )
 
 
 def _unplaceable_message(problem: str, num_slices: int) -> str:
-    return (f"partita cannot normalise the loss over the global batch: {problem}. The {num_slices} slices' losses "
-            "are averaged instead, which equals the full-batch loss only if every slice's loss is a mean over "
-            "equally many elements: cut the model before the loss computation so that the last stage computes it.")
+    return (
+        f"partita cannot normalise the loss over the global batch: {problem}. The {num_slices} slices' losses "
+        "are averaged instead, which equals the full-batch loss only if every slice's loss is a mean over "
+        "equally many elements: cut the model before the loss computation so that the last stage computes it."
+    )

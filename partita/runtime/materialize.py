@@ -20,7 +20,8 @@ import contextlib
 import os
 import shutil
 import warnings
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -50,8 +51,10 @@ def save_seed(model: nn.Module, path: str | os.PathLike) -> None:
     """Write every parameter and buffer of ``model`` (a real, not meta, model) to ``path`` as a
     seed checkpoint, in this process alone. Written to ``<path>.partial`` and renamed when complete."""
     if on_meta(model):
-        raise InputError("save_seed needs the model's real weights, but it is on the meta device: build it on a "
-                         "device that holds it (e.g. the host CPU) to write the seed")
+        raise InputError(
+            "save_seed needs the model's real weights, but it is on the meta device: build it on a "
+            "device that holds it (e.g. the host CPU) to write the seed"
+        )
     path = os.fspath(path)
     partial = path + PARTIAL_SUFFIX
     shutil.rmtree(partial, ignore_errors=True)
@@ -63,19 +66,24 @@ def save_seed(model: nn.Module, path: str | os.PathLike) -> None:
     os.replace(partial, path)
 
 
-def materialize(model: nn.Module, modules: Iterable[nn.Module], names: set[str], device: torch.device,
-                seed: str | os.PathLike) -> None:
+def materialize(
+    model: nn.Module, modules: Iterable[nn.Module], names: set[str], device: torch.device, seed: str | os.PathLike
+) -> None:
     """Give the tensors named ``names`` (canonical names) real storage on ``device``, filled from the
     seed checkpoint, everywhere they are registered: in ``model`` and in ``modules`` (stage modules,
     the captured graph module). A tied parameter stays one tensor. In this process alone."""
     seed = os.fspath(seed)
     if not is_complete(seed):
-        raise InputError(f"init_from={seed!r} is not a complete seed checkpoint: write one with "
-                         "partita.runtime.materialize.save_seed(model, path) from the model built with real weights")
+        raise InputError(
+            f"init_from={seed!r} is not a complete seed checkpoint: write one with "
+            "partita.runtime.materialize.save_seed(model, path) from the model built with real weights"
+        )
     problem = damage(seed, checksums=False)
     if problem is not None:
-        raise InputError(f"the seed checkpoint {seed!r} is damaged ({problem}): write it again with "
-                         "partita.runtime.materialize.save_seed(model, path)")
+        raise InputError(
+            f"the seed checkpoint {seed!r} is damaged ({problem}): write it again with "
+            "partita.runtime.materialize.save_seed(model, path)"
+        )
     by_name = _named_tensors(model)
     unknown = sorted(names - set(by_name))
     if unknown:
@@ -91,8 +99,10 @@ def materialize(model: nn.Module, modules: Iterable[nn.Module], names: set[str],
     stored = set(FileSystemReader(seed).read_metadata().state_dict_metadata)
     missing = sorted(k for k in state if k not in stored)
     if missing:
-        raise InputError(f"the seed checkpoint {seed!r} lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}: "
-                         "it was written for another model; write it again with save_seed from this model")
+        raise InputError(
+            f"the seed checkpoint {seed!r} lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}: "
+            "it was written for another model; write it again with save_seed from this model"
+        )
     with single_process():
         dcp.load(state, storage_reader=FileSystemReader(seed), no_dist=True)
     for module in (m for root in (model, *modules) for m in root.modules()):

@@ -16,16 +16,24 @@ they were.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from partita.checks import parse_choice
 
-__all__ = ["NonFinite", "NonFinitePolicy", "count_nonfinite", "describe", "gather_findings", "gradient_findings",
-           "loss_findings"]
+__all__ = [
+    "NonFinite",
+    "NonFinitePolicy",
+    "count_nonfinite",
+    "describe",
+    "gather_findings",
+    "gradient_findings",
+    "loss_findings",
+]
 
 MAX_LISTED = 6  # parameters named in a message; the rest are counted
 
@@ -37,7 +45,7 @@ class NonFinitePolicy(str, enum.Enum):
     SKIP = "skip"  # warn, skip the optimizer step, return the non-finite loss
 
     @classmethod
-    def parse(cls, value: "NonFinitePolicy | str") -> "NonFinitePolicy":
+    def parse(cls, value: NonFinitePolicy | str) -> NonFinitePolicy:
         return parse_choice(cls, value, "on_nonfinite")
 
 
@@ -66,15 +74,18 @@ def count_nonfinite(tensors: Iterable[torch.Tensor], device: torch.device) -> to
     for t in tensors:
         if t.numel():
             groups.setdefault((t.device, t.dtype), []).append(t.detach())
-    counts = [(~torch.isfinite(torch.stack(torch._foreach_norm(group, float("inf"))))).sum().to(device)
-              for group in groups.values()]
+    counts = [
+        (~torch.isfinite(torch.stack(torch._foreach_norm(group, float("inf"))))).sum().to(device)
+        for group in groups.values()
+    ]
     if not counts:
         return torch.zeros((), dtype=torch.float32, device=device)
     return torch.stack(counts).sum().float()
 
 
-def loss_findings(losses: Sequence[torch.Tensor], *, stage_index: int, replica: int, rank: int,
-                  samples: Sequence[tuple[int, int]]) -> list[NonFinite]:
+def loss_findings(
+    losses: Sequence[torch.Tensor], *, stage_index: int, replica: int, rank: int, samples: Sequence[tuple[int, int]]
+) -> list[NonFinite]:
     """The non-finite micro-batch losses of the last stage on this rank (list index = micro-batch).
 
     ``samples[i]``: (first global sample, number of samples) of micro-batch ``i``'s loss, which
@@ -83,13 +94,24 @@ def loss_findings(losses: Sequence[torch.Tensor], *, stage_index: int, replica: 
     for i, loss in enumerate(losses):
         if not bool(torch.isfinite(loss.detach()).all()):
             first, count = samples[i]
-            found.append(NonFinite("loss", _value(loss), (stage_index,), rank, microbatch_index=i, replica=replica,
-                                   first_sample=first, num_samples=count))
+            found.append(
+                NonFinite(
+                    "loss",
+                    _value(loss),
+                    (stage_index,),
+                    rank,
+                    microbatch_index=i,
+                    replica=replica,
+                    first_sample=first,
+                    num_samples=count,
+                )
+            )
     return found
 
 
-def gradient_findings(params: Mapping[str, torch.nn.Parameter], stages_of: Mapping[str, tuple[int, ...]],
-                      rank: int) -> list[NonFinite]:
+def gradient_findings(
+    params: Mapping[str, torch.nn.Parameter], stages_of: Mapping[str, tuple[int, ...]], rank: int
+) -> list[NonFinite]:
     """The parameters of this rank whose gradient holds a NaN or an inf."""
     found = []
     for name, p in params.items():
@@ -117,25 +139,34 @@ def describe(findings: Sequence[NonFinite], *, step: int, replicas: int, policy:
         if grads:  # they follow from the loss: count them only
             parts.append(f"The gradients of {len(grads)} parameter(s) are non-finite too.")
     else:
-        names = ", ".join(grads[:MAX_LISTED]) + (f" and {len(grads) - MAX_LISTED} more" if len(grads) > MAX_LISTED else "")
+        names = ", ".join(grads[:MAX_LISTED]) + (
+            f" and {len(grads) - MAX_LISTED} more" if len(grads) > MAX_LISTED else ""
+        )
         parts = [f"step {step}: non-finite gradients (the loss is finite) in {len(grads)} parameter(s): {names}."]
     if policy is NonFinitePolicy.SKIP:
         parts.append("The optimizer step was skipped: weights, optimizer state and LR schedule are unchanged.")
         return " ".join(parts)
-    cause = ("look for inf/NaN or huge values in that micro-batch's inputs, lower the learning rate, or clip "
-             "gradients (max_grad_norm)" if losses else
-             "a backward op overflowed or divided by zero (sqrt or norm at 0, log of 0, a custom backward): guard "
-             "that op, lower the learning rate, or clip gradients (max_grad_norm)")
-    parts.append(f"The optimizer did not step: weights, optimizer state and LR schedule are unchanged. Fix: {cause}; "
-                 "or pass on_nonfinite='skip' (partita train --on-nonfinite skip) to skip such steps and go on.")
+    cause = (
+        "look for inf/NaN or huge values in that micro-batch's inputs, lower the learning rate, or clip "
+        "gradients (max_grad_norm)"
+        if losses
+        else "a backward op overflowed or divided by zero (sqrt or norm at 0, log of 0, a custom backward): guard "
+        "that op, lower the learning rate, or clip gradients (max_grad_norm)"
+    )
+    parts.append(
+        f"The optimizer did not step: weights, optimizer state and LR schedule are unchanged. Fix: {cause}; "
+        "or pass on_nonfinite='skip' (partita train --on-nonfinite skip) to skip such steps and go on."
+    )
     return " ".join(parts)
 
 
 def _loss_text(f: NonFinite, replicas: int) -> str:
     first, count = f.first_sample, f.num_samples
     replica = f" of replica {f.replica}" if replicas > 1 else ""
-    return (f"micro-batch {f.microbatch_index}{replica} (samples {first}-{first + count - 1} of the "
-            f"global batch) gave {f.value} on stage {f.stage_indices[0]}, the last stage (rank {f.rank})")
+    return (
+        f"micro-batch {f.microbatch_index}{replica} (samples {first}-{first + count - 1} of the "
+        f"global batch) gave {f.value} on stage {f.stage_indices[0]}, the last stage (rank {f.rank})"
+    )
 
 
 def _merge_gradients(findings: Sequence[NonFinite]) -> list[str]:
@@ -146,8 +177,10 @@ def _merge_gradients(findings: Sequence[NonFinite]) -> list[str]:
         values.update(f.value.split(", "))
         stages.update(f.stage_indices)
         ranks.add(f.rank)
-    return [f"{name} ({', '.join(sorted(values))}; stage {_ints(stages)}, rank {_ints(ranks)})"
-            for name, (values, stages, ranks) in merged.items()]
+    return [
+        f"{name} ({', '.join(sorted(values))}; stage {_ints(stages)}, rank {_ints(ranks)})"
+        for name, (values, stages, ranks) in merged.items()
+    ]
 
 
 def _ints(values: set[int]) -> str:
@@ -156,6 +189,9 @@ def _ints(values: set[int]) -> str:
 
 def _value(t: torch.Tensor) -> str:
     t = t.detach()
-    kinds = [("nan", bool(torch.isnan(t).any())), ("inf", bool(torch.isposinf(t).any())),
-             ("-inf", bool(torch.isneginf(t).any()))]
+    kinds = [
+        ("nan", bool(torch.isnan(t).any())),
+        ("inf", bool(torch.isposinf(t).any())),
+        ("-inf", bool(torch.isneginf(t).any())),
+    ]
     return ", ".join(name for name, present in kinds if present)

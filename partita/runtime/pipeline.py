@@ -25,8 +25,9 @@ split backward  ZBV runs each backward as an input-gradient pass, then a weight 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,8 +44,15 @@ from torch.utils.checkpoint import checkpoint
 from partita.runtime.stages import StageModule
 from partita.types import OpGraph, Schedule
 
-__all__ = ["StageMetadata", "StageRunner", "build_schedule", "make_pipeline_stages", "root_chunk_spec", "root_key",
-           "stage_metadata"]
+__all__ = [
+    "StageMetadata",
+    "StageRunner",
+    "build_schedule",
+    "make_pipeline_stages",
+    "root_chunk_spec",
+    "root_key",
+    "stage_metadata",
+]
 
 
 def root_key(j: int) -> str:
@@ -85,7 +93,9 @@ def root_chunk_spec(graph: OpGraph, indices: Sequence[int]) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     for j in indices:
         info = graph.inputs[j].tensor
-        spec[root_key(j)] = TensorChunkSpec(info.batch_dim) if info is not None and info.batch_dim is not None else _Replicate()
+        spec[root_key(j)] = (
+            TensorChunkSpec(info.batch_dim) if info is not None and info.batch_dim is not None else _Replicate()
+        )
     return spec
 
 
@@ -98,8 +108,9 @@ class StageMetadata:
     split_backward_complete: bool  # torch's input/weight backward split reaches every parameter
 
 
-def stage_metadata(stages: Sequence[StageModule], flat_microbatch: Sequence[Any],
-                   device: torch.device) -> list[StageMetadata]:
+def stage_metadata(
+    stages: Sequence[StageModule], flat_microbatch: Sequence[Any], device: torch.device
+) -> list[StageMetadata]:
     """The metadata of every stage of the plan, from one real micro-batch.
 
     All stages run in sequence, with autograd on (``requires_grad`` of each boundary tensor is
@@ -121,8 +132,9 @@ def stage_metadata(stages: Sequence[StageModule], flat_microbatch: Sequence[Any]
     return metadata
 
 
-def _split_backward_complete(stage: StageModule, inputs: Sequence[torch.Tensor],
-                             outputs: Sequence[torch.Tensor]) -> bool:
+def _split_backward_complete(
+    stage: StageModule, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
+) -> bool:
     """Whether zero-bubble schedules' split backward computes every weight gradient of the stage.
 
     torch's input-gradient pass (``stage_backward_input``) keeps, for the later weight pass, the
@@ -149,8 +161,14 @@ def _split_backward_complete(stage: StageModule, inputs: Sequence[torch.Tensor],
     return True
 
 
-def make_pipeline_stages(stages: Sequence[StageModule], recompute: Sequence[bool], metadata: Sequence[tuple],
-                         schedule: Schedule, device: torch.device, pp_group: Any) -> list[PipelineStage]:
+def make_pipeline_stages(
+    stages: Sequence[StageModule],
+    recompute: Sequence[bool],
+    metadata: Sequence[tuple],
+    schedule: Schedule,
+    device: torch.device,
+    pp_group: Any,
+) -> list[PipelineStage]:
     """One PipelineStage per local stage (``stages``), with static metadata."""
     result = []
     for stage, flag in zip(stages, recompute):
@@ -158,9 +176,18 @@ def make_pipeline_stages(stages: Sequence[StageModule], recompute: Sequence[bool
         runner = StageRunner(stage, flag, fresh_outputs=schedule is Schedule.ZBV)
         # A dw_builder makes the input-gradient pass a full backward, and the weight pass a no-op.
         whole = None if meta.split_backward_complete else _no_weight_pass
-        result.append(PipelineStage(runner, stage_index=stage.spec.index, num_stages=stage.spec.num_stages,
-                                    device=device, input_args=meta.input_args, output_args=meta.output_args,
-                                    group=pp_group, dw_builder=whole))
+        result.append(
+            PipelineStage(
+                runner,
+                stage_index=stage.spec.index,
+                num_stages=stage.spec.num_stages,
+                device=device,
+                input_args=meta.input_args,
+                output_args=meta.output_args,
+                group=pp_group,
+                dw_builder=whole,
+            )
+        )
     return result
 
 
@@ -168,8 +195,9 @@ def _no_weight_pass() -> Callable[[], None]:
     return lambda: None
 
 
-def build_schedule(schedule: Schedule, pipeline_stages: list[PipelineStage], num_microbatches: int,
-                   chunk_spec: dict[str, Any]) -> Any:
+def build_schedule(
+    schedule: Schedule, pipeline_stages: list[PipelineStage], num_microbatches: int, chunk_spec: dict[str, Any]
+) -> Any:
     """The torch schedule for the plan. Gradients are left unscaled (``scale_grads=False``):
     ``GradientSync`` divides each unique parameter once (a tied parameter in two local stages
     would be divided twice by torch)."""

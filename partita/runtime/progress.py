@@ -65,8 +65,9 @@ class Progress:
             return found
         return found
 
-    def timeout_error(self, error: BaseException, *, step: int, doing: str, stages: str,
-                      timeout_s: float | None) -> CollectiveTimeoutError:
+    def timeout_error(
+        self, error: BaseException, *, step: int, doing: str, stages: str, timeout_s: float | None
+    ) -> CollectiveTimeoutError:
         """The error to raise for ``error`` (a timed-out wait) in ``step`` (0: while starting)."""
         behind = self.behind(step if step > 0 else SETTING_UP)
         behind.pop(self.rank, None)
@@ -84,7 +85,10 @@ class Progress:
             f"{when}: rank {self.rank} ({stages}) waited {waited} in {doing}; {cause}. A hung rank stops every "
             f"rank that exchanges data with it: {look}, or raise collective_timeout_s if a step can legitimately "
             f"take that long. The wait that timed out: {first_line}",
-            step=step, rank=self.rank, behind=tuple(sorted(behind)))
+            step=step,
+            rank=self.rank,
+            behind=tuple(sorted(behind)),
+        )
 
 
 def _mark_text(mark: int | None) -> str:

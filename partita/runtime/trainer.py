@@ -59,24 +59,26 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from partita.capturing import canonical_names, capture
+from partita.capturing import canonical_names
 from partita.errors import InputError, NumericsError, PartitaError
+from partita.planning.context import check_whole_batch
+from partita.runtime.batch_values import check_batch_values, index_uses
 from partita.runtime.checkpoint import load_checkpoint, save_checkpoint
 from partita.runtime.data_parallel import (
     GradientSync,
     Topology,
     unique_parameters,
 )
+from partita.runtime.job import shared_plan, start_topology
 from partita.runtime.loss_scaling import LossScaling
 from partita.runtime.materialize import materialize, on_meta, retarget_device
-from partita.runtime.batch_values import check_batch_values, index_uses
-from partita.runtime.job import shared_plan, start_topology
 from partita.runtime.numerics import (
     NonFinitePolicy,
     count_nonfinite,
@@ -88,9 +90,18 @@ from partita.runtime.numerics import (
 from partita.runtime.pipeline import build_schedule, make_pipeline_stages, root_chunk_spec, root_key, stage_metadata
 from partita.runtime.progress import Progress, is_timeout
 from partita.runtime.stages import StageModule, flatten_inputs, narrow_batch, split_graph
+from partita.runtime.trainer_setup import (
+    batch_of,
+    check_scheduler,
+    example_triple,
+    holders,
+    meta_microbatch,
+    resolve_graph,
+    shape_without_batch,
+    state_names,
+)
 from partita.runtime.uneven import UnevenExecutor, check_uneven_boundaries
 from partita.types import OpGraph, Plan
-from partita.types.plan_file import check_plan_matches_graph
 
 __all__ = ["Trainer", "shared_plan"]
 
@@ -138,11 +149,22 @@ class Trainer:
     ``num_skipped_steps``, ``last_grad_norm``.
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, *, optimizer: OptimizerFactory,
-                 lr_scheduler: SchedulerFactory | None = None, max_grad_norm: float | None = None,
-                 graph: OpGraph | None = None, example_inputs: tuple | None = None, loss_fn: Callable | None = None,
-                 on_nonfinite: NonFinitePolicy | str = NonFinitePolicy.RAISE, init_from: str | None = None,
-                 seed: int | None = None, collective_timeout_s: float | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        *,
+        optimizer: OptimizerFactory,
+        lr_scheduler: SchedulerFactory | None = None,
+        max_grad_norm: float | None = None,
+        graph: OpGraph | None = None,
+        example_inputs: tuple | None = None,
+        loss_fn: Callable | None = None,
+        on_nonfinite: NonFinitePolicy | str = NonFinitePolicy.RAISE,
+        init_from: str | None = None,
+        seed: int | None = None,
+        collective_timeout_s: float | None = None,
+    ):
         if not isinstance(plan, Plan):
             raise InputError(f"plan must be a partita.Plan, got {type(plan).__name__}: load one with partita.Plan.load")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -154,14 +176,18 @@ class Trainer:
         self.collective_timeout_s = collective_timeout_s
         self.on_nonfinite = NonFinitePolicy.parse(on_nonfinite)
         if init_from is None and on_meta(model):
-            raise InputError("the model is on the meta device (no weights): pass init_from=<seed checkpoint>, "
-                             "written by partita.runtime.materialize.save_seed(model) from the model built with "
-                             "real weights")
-        self.graph = _resolve_graph(model, plan, graph, example_inputs, loss_fn)
-        self._state_names = _state_names(model)
+            raise InputError(
+                "the model is on the meta device (no weights): pass init_from=<seed checkpoint>, "
+                "written by partita.runtime.materialize.save_seed(model) from the model built with "
+                "real weights"
+            )
+        self.graph = resolve_graph(model, plan, graph, example_inputs, loss_fn)
+        check_whole_batch(self.graph, plan.num_microbatches, [s.num_replicas for s in plan.stages])
+        self._state_names = state_names(model)
         self.topology: Topology = start_topology(plan, collective_timeout_s)
-        self._progress = Progress(self.topology.rank, self.topology.world_size,
-                                  enabled=collective_timeout_s is not None)
+        self._progress = Progress(
+            self.topology.rank, self.topology.world_size, enabled=collective_timeout_s is not None
+        )
         self._all_stages = split_graph(self.graph, plan.boundaries)
         if not plan.uniform_replicas:
             check_uneven_boundaries(self.graph, plan, self._all_stages)
@@ -172,10 +198,16 @@ class Trainer:
         self._metadata: list | None = None
         if on_meta(model):
             # Static pipeline metadata from shapes alone, while every stage is still on meta.
-            self._metadata = stage_metadata(self._all_stages, _meta_microbatch(self.graph, self._samples),
-                                            torch.device("cpu"))
-            materialize(model, [*self._all_stages, self.graph.graph_module], self._local_names(),
-                        self.topology.device, init_from)
+            self._metadata = stage_metadata(
+                self._all_stages, meta_microbatch(self.graph, self._samples), torch.device("cpu")
+            )
+            materialize(
+                model,
+                [*self._all_stages, self.graph.graph_module],
+                self._local_names(),
+                self.topology.device,
+                init_from,
+            )
             for stage in self._all_stages:  # ops captured on meta create their tensors on meta
                 retarget_device(stage.graph_module, self.topology.device)
         else:
@@ -184,22 +216,34 @@ class Trainer:
                 for stage in self._all_stages:
                     stage.to(self.topology.device)
             if init_from is not None:
-                materialize(model, [*self._all_stages, self.graph.graph_module], self._local_names(),
-                            self.topology.device, init_from)
-        self._holders = _holders(plan, self._all_stages)
+                materialize(
+                    model,
+                    [*self._all_stages, self.graph.graph_module],
+                    self._local_names(),
+                    self.topology.device,
+                    init_from,
+                )
+        self._holders = holders(plan, self._all_stages)
         self.params = unique_parameters(self.stages)
-        self._stages_of = {name: tuple(s.spec.index for s in self.stages if name in s.spec.param_names)
-                           for name in self.params}
+        self._stages_of = {
+            name: tuple(s.spec.index for s in self.stages if name in s.spec.param_names) for name in self.params
+        }
         self.optimizer = self._make_optimizer(optimizer)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        _check_scheduler(self.lr_scheduler)
+        check_scheduler(self.lr_scheduler)
         # Rewrites the stages that compute a loss normalised by a data-dependent count (loss_scaling.py).
         self._index_uses = index_uses(self.graph)
         self.loss_scaling = LossScaling(self.graph, plan, self._all_stages, self.stages, self.topology.device)
         trainable = {name: h for name, h in self._holders.items() if name in self._trainable_names()}
         top = self.topology
-        self.grad_sync = GradientSync(self.params, trainable, top.rank, self.loss_scaling.grad_scale,
-                                      timeout=top.timeout, world_group=top.world_group)
+        self.grad_sync = GradientSync(
+            self.params,
+            trainable,
+            top.rank,
+            self.loss_scaling.grad_scale,
+            timeout=top.timeout,
+            world_group=top.world_group,
+        )
         self.num_steps = 0
         self.num_skipped_steps = 0
         self.last_grad_norm: float | None = None
@@ -209,8 +253,8 @@ class Trainer:
         self._executor: UnevenExecutor | None = None  # uneven plans
         self._input_shapes: list | None = None
         if example_inputs is not None:
-            flat = flatten_inputs(self.graph, *_example_triple(example_inputs))
-            if _batch_of(self.graph, flat) >= self._samples:
+            flat = flatten_inputs(self.graph, *example_triple(example_inputs))
+            if batch_of(self.graph, flat) >= self._samples:
                 self._build_pipeline(narrow_batch(self.graph, flat, 0, self._samples))
 
     # ------------------------------------------------------------------ training
@@ -254,8 +298,9 @@ class Trainer:
         except (RuntimeError, TimeoutError) as e:
             if isinstance(e, PartitaError) or not is_timeout(e):
                 raise
-            raise self._progress.timeout_error(e, step=step, doing=doing, stages=self._stages_text(),
-                                               timeout_s=self.collective_timeout_s) from e
+            raise self._progress.timeout_error(
+                e, step=step, doing=doing, stages=self._stages_text(), timeout_s=self.collective_timeout_s
+            ) from e
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -327,7 +372,8 @@ class Trainer:
                 "or parameter-free), so the trainer built its optimizer over one empty parameter group, "
                 f"optimizer([{{'params': []}}]), and the optimizer factory failed on it ({type(e).__name__}: {e}): "
                 "let the factory accept a list of parameter groups (e.g. lambda params: torch.optim.AdamW(params, "
-                "lr=3e-4)), or re-plan so that every stage holds a trainable parameter") from e
+                "lr=3e-4)), or re-plan so that every stage holds a trainable parameter"
+            ) from e
 
     def _stages_text(self) -> str:
         indices = [s.spec.index for s in self.stages]
@@ -342,7 +388,7 @@ class Trainer:
         top = self.topology
         devices = [top.device] if top.device.type == "cuda" else []
         key = f"partita/{self.seed}/{top.rank_group}/{top.replica}/{self.num_steps}".encode()
-        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2 ** 63 - 1)
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
         with torch.random.fork_rng(devices=devices):
             torch.default_generator.manual_seed(seed)
             if devices:
@@ -370,15 +416,17 @@ class Trainer:
         plan, top = self.plan, self.topology
         flat_microbatch = [x.to(top.device) if isinstance(x, torch.Tensor) else x for x in flat_microbatch]
         metadata = self._metadata or stage_metadata(self._all_stages, flat_microbatch, top.device)
-        self._input_shapes = [_shape_without_batch(self.graph, j, x) for j, x in enumerate(flat_microbatch)]
+        self._input_shapes = [shape_without_batch(self.graph, j, x) for j, x in enumerate(flat_microbatch)]
         if not top.uniform:
             stage = self.stages[0]  # uneven plans run one stage per rank group
-            self._executor = UnevenExecutor(self.graph, plan, stage, top.replica, metadata[stage.spec.index],
-                                            top.device, group=top.world_group)
+            self._executor = UnevenExecutor(
+                self.graph, plan, stage, top.replica, metadata[stage.spec.index], top.device, group=top.world_group
+            )
             return
         recompute = [plan.stages[s.spec.index].recompute for s in self.stages]
-        pipeline_stages = make_pipeline_stages(self.stages, recompute, metadata, plan.schedule, top.device,
-                                               top.pp_group)
+        pipeline_stages = make_pipeline_stages(
+            self.stages, recompute, metadata, plan.schedule, top.device, top.pp_group
+        )
         chunks = root_chunk_spec(self.graph, self._root_indices)
         self._schedule = build_schedule(plan.schedule, pipeline_stages, plan.num_microbatches, chunks)
         # The schedule cuts `target` into micro-batches and hands them to the loss function,
@@ -387,19 +435,23 @@ class Trainer:
 
     def _check_batch(self, flat: list) -> int:
         """The batch size; InputError unless it is the plan's global batch."""
-        batch = _batch_of(self.graph, flat)
+        batch = batch_of(self.graph, flat)
         if batch != self.plan.global_batch_size:
-            raise InputError(f"the batch has {batch} samples but the plan's global batch is "
-                             f"{self.plan.global_batch_size}: pass the whole global batch on every rank")
+            raise InputError(
+                f"the batch has {batch} samples but the plan's global batch is "
+                f"{self.plan.global_batch_size}: pass the whole global batch on every rank"
+            )
         return batch
 
     def _check_shapes(self, flat: list) -> None:
         """Static pipeline metadata fixes every non-batch dim (sequence length, image size)."""
-        shapes = [_shape_without_batch(self.graph, j, x) for j, x in enumerate(flat)]
+        shapes = [shape_without_batch(self.graph, j, x) for j, x in enumerate(flat)]
         if shapes != self._input_shapes:
-            raise InputError(f"input shapes (batch dim left out) {shapes} differ from the first step's "
-                             f"{self._input_shapes}: the pipeline's boundary tensors have static shapes; pad "
-                             "every batch to the same sequence length")
+            raise InputError(
+                f"input shapes (batch dim left out) {shapes} differ from the first step's "
+                f"{self._input_shapes}: the pipeline's boundary tensors have static shapes; pad "
+                "every batch to the same sequence length"
+            )
 
     def _global_loss(self, losses: list[torch.Tensor]) -> tuple[float, int]:
         """The full-batch loss (the last stage's ranks' parts of it, ``LossScaling.reported_loss``) and
@@ -425,8 +477,12 @@ class Trainer:
             samples = [self._loss_samples(i) for i in range(len(losses))]
             local = loss_findings(losses, stage_index=last, replica=top.replica, rank=top.rank, samples=samples) + local
         findings = gather_findings(local, group=top.world_group)
-        message = describe(findings, step=step, replicas=self.plan.stages[-1].num_replicas,  # the same on every rank
-                           policy=self.on_nonfinite)
+        message = describe(
+            findings,
+            step=step,
+            replicas=self.plan.stages[-1].num_replicas,  # the same on every rank
+            policy=self.on_nonfinite,
+        )
         if self.on_nonfinite is NonFinitePolicy.RAISE:
             raise NumericsError(message, step=step, findings=tuple(findings))
         warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -455,109 +511,3 @@ class Trainer:
 
     def _owner(self, name: str) -> int:
         return min(self._holders[name])
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _resolve_graph(model: nn.Module, plan: Plan, graph: OpGraph | None, example_inputs: tuple | None,
-                   loss_fn: Callable | None) -> OpGraph:
-    """The graph the plan was made for: given, or captured from ``model`` and the example inputs."""
-    if graph is None:
-        if example_inputs is None:
-            raise InputError("the trainer needs the OpGraph the plan was made for: pass graph=, or "
-                             "example_inputs=(args, kwargs, target) (and loss_fn=) to capture it as partita.plan did")
-        args, kwargs, target = _example_triple(example_inputs)
-        graph = capture(model, args, kwargs, loss_fn=loss_fn, target=target)
-    check_plan_matches_graph(plan, graph, source="the plan")
-    ours = {id(t) for t in [*model.parameters(), *model.buffers()]}
-    foreign = [name for name, t in _graph_tensors(graph) if id(t) not in ours]
-    if foreign:
-        raise InputError(f"the graph reads tensors that are not this model's ({foreign[:3]} ...): it was captured "
-                         "from another model object; capture it from the model you pass to the Trainer")
-    return graph
-
-
-def _example_triple(example_inputs: tuple) -> tuple[tuple, dict, Any]:
-    if not isinstance(example_inputs, (tuple, list)) or len(example_inputs) != 3:
-        raise InputError("example_inputs must be (args, kwargs, target), e.g. ((), {'input_ids': ids}, None)")
-    args, kwargs, target = example_inputs
-    return tuple(args or ()), dict(kwargs or {}), target
-
-
-def _graph_tensors(graph: OpGraph) -> list[tuple[str, torch.Tensor]]:
-    """(canonical name, tensor) for every parameter and buffer the captured graph reads."""
-    found = {}
-    for target, name in graph.attr_to_param.items():
-        value: Any = graph.graph_module
-        for atom in target.split("."):
-            value = getattr(value, atom)
-        found.setdefault(name, value)
-    return list(found.items())
-
-
-def _holders(plan: Plan, stages: list[StageModule]) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> sorted ranks whose stages read it (parameters and buffers)."""
-    holders: dict[str, set[int]] = {}
-    for stage in stages:
-        ranks = plan.stages[stage.spec.index].ranks
-        for name in stage.spec.param_names:
-            holders.setdefault(name, set()).update(ranks)
-    return {name: tuple(sorted(r)) for name, r in holders.items()}
-
-
-def _state_names(model: nn.Module) -> set[str]:
-    """Canonical names of what ``model.state_dict()`` holds (parameters, persistent buffers)."""
-    canonical = canonical_names(model)
-    return {canonical[id(t)] for t in model.state_dict(keep_vars=True).values()}
-
-
-def _meta_microbatch(graph: OpGraph, microbatch_size: int) -> list:
-    """Flat graph inputs of one micro-batch as meta tensors, from the captured shapes."""
-    flat = []
-    for info in graph.inputs:
-        t = info.tensor
-        if t is None:  # a constant of the captured graph (int, bool, None): no stage reads it
-            flat.append(None)
-            continue
-        shape = [microbatch_size if d == t.batch_dim else s for d, s in enumerate(t.shape)]
-        flat.append(torch.empty(shape, dtype=getattr(torch, t.dtype), device="meta"))
-    return flat
-
-
-def _batch_of(graph: OpGraph, flat: list) -> int:
-    sizes = {x.shape[info.tensor.batch_dim] for info, x in zip(graph.inputs, flat)
-             if info.tensor is not None and info.tensor.batch_dim is not None and isinstance(x, torch.Tensor)}
-    if len(sizes) != 1:
-        raise InputError(f"the inputs disagree on the batch size (sizes along their batch dims: {sorted(sizes)})"
-                         if sizes else "no input has a batch dimension: the trainer cannot split the batch")
-    return sizes.pop()
-
-
-def _shape_without_batch(graph: OpGraph, j: int, x: Any) -> Any:
-    if not isinstance(x, torch.Tensor):
-        return None
-    dim = graph.inputs[j].tensor.batch_dim if graph.inputs[j].tensor is not None else None
-    return tuple(s for d, s in enumerate(x.shape) if d != dim)
-
-
-def _check_scheduler(scheduler: Any) -> None:
-    """InputError now for a scheduler whose ``step()`` needs arguments (ReduceLROnPlateau's
-    metrics): ``step`` calls it with none after the optimizer has stepped, and would fail there."""
-    if scheduler is None:
-        return
-    import inspect
-
-    if not callable(getattr(scheduler, "step", None)):
-        raise InputError(f"lr_scheduler returned a {type(scheduler).__name__}, which has no step(): return a "
-                         "torch.optim.lr_scheduler.LRScheduler")
-    try:
-        parameters = inspect.signature(scheduler.step).parameters.values()
-    except (TypeError, ValueError):  # not introspectable (a builtin): trust it
-        return
-    required = [p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if required:
-        raise InputError(f"lr_scheduler returned a {type(scheduler).__name__}, whose step() needs "
-                         f"{', '.join(required)}, but the trainer steps it with no arguments after every optimizer "
-                         "step: use a schedule by steps (LambdaLR, CosineAnnealingLR, OneCycleLR), or build "
-                         "ReduceLROnPlateau(trainer.optimizer) yourself and call its step(loss) after trainer.step()")

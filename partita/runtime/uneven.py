@@ -59,8 +59,9 @@ dim cut to the samples the two share. Recomputation is ``StageRunner``'s (non-re
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,8 +72,15 @@ from partita.runtime.pipeline import StageMetadata, StageRunner, root_key
 from partita.runtime.stages import StageModule, narrow_batch
 from partita.types import OpGraph, Plan, TensorInfo
 
-__all__ = ["Layout", "Transfer", "UnevenExecutor", "boundary_layouts", "check_uneven_boundaries", "replica_slice",
-           "transfers"]
+__all__ = [
+    "Layout",
+    "Transfer",
+    "UnevenExecutor",
+    "boundary_layouts",
+    "check_uneven_boundaries",
+    "replica_slice",
+    "transfers",
+]
 
 
 # ----------------------------------------------------------------------------- routing math
@@ -104,9 +112,11 @@ def transfers(microbatch_samples: int, num_senders: int, num_receivers: int) -> 
     the receiver's slice; for a fixed sender, the receivers likewise tile its slice.
     """
     if microbatch_samples % num_senders or microbatch_samples % num_receivers:
-        raise InputError(f"a micro-batch of {microbatch_samples} samples does not split evenly over {num_senders} "
-                         f"and {num_receivers} replicas: use a global batch that is a multiple of "
-                         "num_microbatches x every replica count")
+        raise InputError(
+            f"a micro-batch of {microbatch_samples} samples does not split evenly over {num_senders} "
+            f"and {num_receivers} replicas: use a global batch that is a multiple of "
+            "num_microbatches x every replica count"
+        )
     result = []
     for sender in range(num_senders):
         s_start, s_size = replica_slice(microbatch_samples, num_senders, sender)
@@ -114,8 +124,16 @@ def transfers(microbatch_samples: int, num_senders: int, num_receivers: int) -> 
             r_start, r_size = replica_slice(microbatch_samples, num_receivers, receiver)
             start, stop = max(s_start, r_start), min(s_start + s_size, r_start + r_size)
             if start < stop:
-                result.append(Transfer(sender, receiver, start - s_start, start - r_start, stop - start,
-                                       carries_whole=s_start <= r_start < s_start + s_size))
+                result.append(
+                    Transfer(
+                        sender,
+                        receiver,
+                        start - s_start,
+                        start - r_start,
+                        stop - start,
+                        carries_whole=s_start <= r_start < s_start + s_size,
+                    )
+                )
     return tuple(result)
 
 
@@ -126,8 +144,9 @@ class Layout(str, enum.Enum):
     WHOLE = "whole"  # no batch dim (or both sides hold the same samples): sent whole by the owner
 
 
-def boundary_layouts(graph: OpGraph, names: Sequence[str], sender_index: int, num_senders: int,
-                     num_receivers: int) -> tuple[Layout, ...]:
+def boundary_layouts(
+    graph: OpGraph, names: Sequence[str], sender_index: int, num_senders: int, num_receivers: int
+) -> tuple[Layout, ...]:
     """The layout of each boundary tensor ``names`` (stage ``sender_index``'s outputs); InputError
     for a merged batch dim (``(B*T, H)``) crossing between different replica counts, naming the
     tensor, the boundary and the fix."""
@@ -145,15 +164,17 @@ def boundary_layouts(graph: OpGraph, names: Sequence[str], sender_index: int, nu
                 f"replicas) and stage {sender_index + 1} ({num_receivers} replicas) has batch dim {info.batch_dim} "
                 f"of size {info.shape[info.batch_dim]} for a batch of {graph.batch_size} (several batch entries "
                 "merged, e.g. batch x sequence), which cannot be split by sample: cut the model elsewhere (where "
-                "the activation keeps a per-sample batch dim) or give both stages the same number of replicas")
+                "the activation keeps a per-sample batch dim) or give both stages the same number of replicas"
+            )
     return tuple(layouts)
 
 
 def check_uneven_boundaries(graph: OpGraph, plan: Plan, stages: Sequence[StageModule]) -> None:
     """Refuse (InputError) a plan whose boundaries cannot be routed between its replica counts."""
     for sender, receiver in zip(plan.stages, plan.stages[1:]):
-        boundary_layouts(graph, stages[sender.index].spec.output_names, sender.index, sender.num_replicas,
-                         receiver.num_replicas)
+        boundary_layouts(
+            graph, stages[sender.index].spec.output_names, sender.index, sender.num_replicas, receiver.num_replicas
+        )
 
 
 def output_infos(graph: OpGraph) -> dict[str, TensorInfo]:
@@ -171,19 +192,26 @@ class _Side:
     dims: tuple[int | None, ...]  # per boundary tensor: its batch dim
 
 
-def _side(graph: OpGraph, plan: Plan, sender_index: int, names: Sequence[str], replica: int, *,
-          receiving: bool) -> _Side:
+def _side(
+    graph: OpGraph, plan: Plan, sender_index: int, names: Sequence[str], replica: int, *, receiving: bool
+) -> _Side:
     """The boundary between stages ``sender_index`` and ``sender_index + 1``, for ``replica`` of
     the receiving (``receiving``) or the sending stage."""
     sender, receiver = plan.stages[sender_index], plan.stages[sender_index + 1]
     b = plan.global_batch_size // plan.num_microbatches
-    mine = [t for t in transfers(b, sender.num_replicas, receiver.num_replicas)
-            if (t.receiver if receiving else t.sender) == replica]
+    mine = [
+        t
+        for t in transfers(b, sender.num_replicas, receiver.num_replicas)
+        if (t.receiver if receiving else t.sender) == replica
+    ]
     peers = [sender.ranks[t.sender] if receiving else receiver.ranks[t.receiver] for t in mine]
     infos = output_infos(graph)
-    return _Side(tuple(mine), tuple(peers),
-                 boundary_layouts(graph, names, sender_index, sender.num_replicas, receiver.num_replicas),
-                 tuple(infos[name].batch_dim for name in names))
+    return _Side(
+        tuple(mine),
+        tuple(peers),
+        boundary_layouts(graph, names, sender_index, sender.num_replicas, receiver.num_replicas),
+        tuple(infos[name].batch_dim for name in names),
+    )
 
 
 # ----------------------------------------------------------------------------- executor
@@ -204,8 +232,16 @@ class UnevenExecutor:
     run on ``n_k`` samples): the shapes of what it receives and sends, batch dims included.
     """
 
-    def __init__(self, graph: OpGraph, plan: Plan, stage: StageModule, replica: int, metadata: StageMetadata,
-                 device: torch.device, group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        graph: OpGraph,
+        plan: Plan,
+        stage: StageModule,
+        replica: int,
+        metadata: StageMetadata,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+    ):
         spec, k = stage.spec, stage.spec.index
         self.graph, self.stage, self.metadata, self.device = graph, stage, metadata, device
         self.group = group  # of all ranks, carrying the collective timeout; None: the default group
@@ -214,8 +250,7 @@ class UnevenExecutor:
         self.runner = StageRunner(stage, plan.stages[k].recompute)
         self.order = rank_orders(plan.schedule, plan.num_microbatches, plan.num_rank_groups, plan.num_stages)[k]
         self.inbound = _side(graph, plan, k - 1, spec.input_names, replica, receiving=True) if k > 0 else None
-        self.outbound = (None if spec.is_last else
-                         _side(graph, plan, k, spec.output_names, replica, receiving=False))
+        self.outbound = None if spec.is_last else _side(graph, plan, k, spec.output_names, replica, receiving=False)
 
     def step(self, flat: Sequence[Any]) -> list[torch.Tensor]:
         """Forward and backward of every micro-batch in the schedule's order, ``flat`` being the
@@ -236,8 +271,11 @@ class UnevenExecutor:
                 in_flight[i] = _InFlight(received, outputs)
                 if self.outbound is None:
                     losses[i] = outputs.detach()
-                pending = (_sends(self.outbound, [x.detach() for x in outputs], i, FORWARD, self.group)
-                           if self.outbound else [])
+                pending = (
+                    _sends(self.outbound, [x.detach() for x in outputs], i, FORWARD, self.group)
+                    if self.outbound
+                    else []
+                )
             else:
                 assert action.kind == BACKWARD, f"uneven plans run GPipe or 1F1B, got action {action}"
                 grad_like = [x if x.requires_grad else None for x in self.metadata.output_args]
@@ -245,8 +283,9 @@ class UnevenExecutor:
                 sent.issued(_exchange(pending, _receives(self.outbound, buffers, i, BACKWARD, self.group)))
                 state = in_flight.pop(i)
                 self._backward(state, buffers)
-                pending = (_sends(self.inbound, self._input_grads(state), i, BACKWARD, self.group)
-                           if self.inbound else [])
+                pending = (
+                    _sends(self.inbound, self._input_grads(state), i, BACKWARD, self.group) if self.inbound else []
+                )
         sent.issued(_exchange(pending, []))
         sent.wait_all()
         return [losses[i] for i in sorted(losses)]
@@ -287,8 +326,10 @@ class UnevenExecutor:
     def _input_grads(self, state: _InFlight) -> list[torch.Tensor | None]:
         """The gradient of each received tensor (zeros if the stage did not use it), None for
         tensors that take no gradient."""
-        return [None if not x.requires_grad else x.grad if x.grad is not None else torch.zeros_like(x)
-                for x in state.received]
+        return [
+            None if not x.requires_grad else x.grad if x.grad is not None else torch.zeros_like(x)
+            for x in state.received
+        ]
 
 
 # ----------------------------------------------------------------------------- messages
@@ -319,8 +360,9 @@ def _piece_shape(x: torch.Tensor | None, layout: Layout, t: Transfer, dim: int |
     return shape
 
 
-def _join(pieces: Sequence[torch.Tensor | None], layout: Layout, dim: int | None,
-          like: torch.Tensor | None = None) -> torch.Tensor:
+def _join(
+    pieces: Sequence[torch.Tensor | None], layout: Layout, dim: int | None, like: torch.Tensor | None = None
+) -> torch.Tensor:
     """One tensor from the pieces of the transfers: concatenated in sample order (sliced), or the
     sum of the copies received (whole; zeros like ``like`` when none was)."""
     present = [x for x in pieces if x is not None]
@@ -331,8 +373,13 @@ def _join(pieces: Sequence[torch.Tensor | None], layout: Layout, dim: int | None
     return present[0] if len(present) == 1 else torch.stack(present).sum(0)
 
 
-def _sends(side: _Side, tensors: Sequence[torch.Tensor | None], microbatch: int, kind: str,
-           group: dist.ProcessGroup | None = None) -> list[dist.P2POp]:
+def _sends(
+    side: _Side,
+    tensors: Sequence[torch.Tensor | None],
+    microbatch: int,
+    kind: str,
+    group: dist.ProcessGroup | None = None,
+) -> list[dist.P2POp]:
     """isend ops of this replica's ``tensors`` (outputs forward, input gradients backward), cut
     per transfer; None entries (no gradient) are not sent."""
     ops = []
@@ -342,19 +389,27 @@ def _sends(side: _Side, tensors: Sequence[torch.Tensor | None], microbatch: int,
             if x is None or (layout is Layout.WHOLE and not t.carries_whole):
                 continue
             piece = x.narrow(dim, offset, t.num_samples) if layout is Layout.SLICED else x
-            ops.append(dist.P2POp(dist.isend, piece.contiguous(), peer, group=group,
-                                  tag=_tag(microbatch, p, len(tensors), kind)))
+            ops.append(
+                dist.P2POp(
+                    dist.isend, piece.contiguous(), peer, group=group, tag=_tag(microbatch, p, len(tensors), kind)
+                )
+            )
     return ops
 
 
-def _receives(side: _Side | None, buffers: list[list], microbatch: int, kind: str,
-              group: dist.ProcessGroup | None = None) -> list[dist.P2POp]:
+def _receives(
+    side: _Side | None, buffers: list[list], microbatch: int, kind: str, group: dist.ProcessGroup | None = None
+) -> list[dist.P2POp]:
     """irecv ops filling ``buffers``, in the order the peers send (transfer, then tensor);
     ``peer`` is a global rank (P2POp maps it into ``group``)."""
     if side is None:
         return []
-    return [dist.P2POp(dist.irecv, buffer, peer, group=group, tag=_tag(microbatch, p, len(pieces), kind))
-            for peer, pieces in zip(side.peers, buffers) for p, buffer in enumerate(pieces) if buffer is not None]
+    return [
+        dist.P2POp(dist.irecv, buffer, peer, group=group, tag=_tag(microbatch, p, len(pieces), kind))
+        for peer, pieces in zip(side.peers, buffers)
+        for p, buffer in enumerate(pieces)
+        if buffer is not None
+    ]
 
 
 class _SendWindow:
@@ -393,9 +448,9 @@ def _exchange(sends: list[dist.P2POp], receives: list[dist.P2POp]) -> list[Any]:
         for work in works:
             work.wait()
         return []
-    for work in works[len(sends):]:
+    for work in works[len(sends) :]:
         work.wait()
-    return works[:len(sends)]
+    return works[: len(sends)]
 
 
 def _tag(microbatch: int, position: int, num_positions: int, kind: str) -> int:

@@ -41,6 +41,7 @@ __all__ = [
     "OptimizerKind",
     "ParamInfo",
     "Plan",
+    "Schedule",
     "SimResult",
     "StagePlan",
     "TensorInfo",

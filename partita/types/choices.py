@@ -21,7 +21,7 @@ class Schedule(str, enum.Enum):
         return {Schedule.GPIPE: 1, Schedule.ONE_F_ONE_B: 1, Schedule.ZBV: 2}.get(self)
 
     @classmethod
-    def parse(cls, value: "Schedule | str") -> "Schedule":
+    def parse(cls, value: Schedule | str) -> Schedule:
         """``"1F1B"``, ``"interleaved-1f1b"``, ``Schedule.ZBV`` -> the member; InputError otherwise."""
         return parse_choice(cls, value, "schedule")
 
@@ -38,7 +38,7 @@ class OptimizerKind(str, enum.Enum):
         return {OptimizerKind.NONE: 0, OptimizerKind.SGD_MOMENTUM: 1, OptimizerKind.ADAM: 2}[self]
 
     @classmethod
-    def parse(cls, value: "OptimizerKind | str") -> "OptimizerKind":
+    def parse(cls, value: OptimizerKind | str) -> OptimizerKind:
         """Also ``"sgd"`` (no state), ``"adamw"``, ``"momentum"``."""
         return parse_choice(cls, value, "optimizer", aliases=_OPTIMIZER_ALIASES)
 

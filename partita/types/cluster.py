@@ -11,8 +11,9 @@ import dataclasses
 import math
 import numbers
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from partita.checks import positive_int
 from partita.errors import InputError
@@ -20,8 +21,12 @@ from partita.types.devices import DeviceSpec, device_from_dict, device_to_dict, 
 
 __all__ = ["Cluster"]
 
-_LINK_FIELDS = ("intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s",
-                "intra_node_latency_s", "inter_node_latency_s")
+_LINK_FIELDS = (
+    "intra_node_bandwidth_bytes_per_s",
+    "inter_node_bandwidth_bytes_per_s",
+    "intra_node_latency_s",
+    "inter_node_latency_s",
+)
 
 
 @dataclass(frozen=True)
@@ -66,14 +71,21 @@ class Cluster:
             )
         memory = device.memory_bytes if self.memory_bytes is None else self.memory_bytes
         if isinstance(memory, bool) or not isinstance(memory, numbers.Integral) or memory <= 0:
-            raise InputError(f"memory_bytes must be a positive int (bytes per device), got {memory!r}: "
-                             "pass e.g. memory_bytes=40 * 2**30, or None for the device's own")
+            raise InputError(
+                f"memory_bytes must be a positive int (bytes per device), got {memory!r}: "
+                "pass e.g. memory_bytes=40 * 2**30, or None for the device's own"
+            )
         object.__setattr__(self, "memory_bytes", int(memory))
         for name in _LINK_FIELDS:
             value = getattr(device, name) if getattr(self, name) is None else getattr(self, name)
             positive = not name.endswith("latency_s")  # bandwidths > 0, latencies >= 0
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-                    or value < 0 or (positive and value == 0):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not math.isfinite(value)
+                or value < 0
+                or (positive and value == 0)
+            ):
                 raise InputError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
             object.__setattr__(self, name, float(value))
         fraction = self.reserved_memory_fraction
@@ -81,15 +93,23 @@ class Cluster:
             raise InputError(f"reserved_memory_fraction must be in [0, 1), got {fraction!r}: e.g. 0.05 leaves 5% free")
         object.__setattr__(self, "reserved_memory_fraction", float(fraction))
         slowdown = self.compute_slowdown
-        if isinstance(slowdown, bool) or not isinstance(slowdown, numbers.Real) or not math.isfinite(slowdown) \
-                or slowdown <= 0:
-            raise InputError(f"compute_slowdown must be a finite number > 0, got {slowdown!r}: 1.0 for devices "
-                             "that do not slow each other down")
+        if (
+            isinstance(slowdown, bool)
+            or not isinstance(slowdown, numbers.Real)
+            or not math.isfinite(slowdown)
+            or slowdown <= 0
+        ):
+            raise InputError(
+                f"compute_slowdown must be a finite number > 0, got {slowdown!r}: 1.0 for devices "
+                "that do not slow each other down"
+            )
         object.__setattr__(self, "compute_slowdown", float(slowdown))
         efficiency = self.collective_efficiency
         if isinstance(efficiency, bool) or not isinstance(efficiency, numbers.Real) or not 0 < efficiency <= 1:
-            raise InputError(f"collective_efficiency must be in (0, 1], got {efficiency!r}: the share of the link "
-                             "bandwidth a ring all-reduce reaches (1.0 for NCCL-class libraries)")
+            raise InputError(
+                f"collective_efficiency must be in (0, 1], got {efficiency!r}: the share of the link "
+                "bandwidth a ring all-reduce reaches (1.0 for NCCL-class libraries)"
+            )
         object.__setattr__(self, "collective_efficiency", float(efficiency))
 
     # ------------------------------------------------------------------ topology
@@ -127,7 +147,7 @@ class Cluster:
         return data
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Cluster":
+    def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
         """The inverse of ``to_dict``; ``device`` may also be a catalog name. Validates every field."""
         if not isinstance(data, Mapping):
             raise InputError(f"a cluster description must be a dict, got {type(data).__name__}")
@@ -135,8 +155,10 @@ class Cluster:
         unknown = sorted(set(data) - fields)
         missing = [f for f in ("device", "num_devices") if f not in data]
         if unknown or missing:
-            raise InputError(f"cluster description: unknown field(s) {unknown or 'none'}, missing field(s) "
-                             f"{missing or 'none'}; valid fields are {', '.join(sorted(fields))}")
+            raise InputError(
+                f"cluster description: unknown field(s) {unknown or 'none'}, missing field(s) "
+                f"{missing or 'none'}; valid fields are {', '.join(sorted(fields))}"
+            )
         values = dict(data)
         if isinstance(values["device"], Mapping):
             values["device"] = device_from_dict(values["device"], source="cluster field 'device'")
@@ -145,9 +167,16 @@ class Cluster:
     # ------------------------------------------------------------------ this machine
 
     @classmethod
-    def local(cls, num_devices: int = 2, memory_bytes: int | None = None, *, cache_dir: str | os.PathLike | None = None,
-              num_threads: int | None = None, compute_slowdown: float | None = None,
-              reserved_memory_fraction: float | None = None) -> "Cluster":
+    def local(
+        cls,
+        num_devices: int = 2,
+        memory_bytes: int | None = None,
+        *,
+        cache_dir: str | os.PathLike | None = None,
+        num_threads: int | None = None,
+        compute_slowdown: float | None = None,
+        reserved_memory_fraction: float | None = None,
+    ) -> Cluster:
         """``num_devices`` CPU ranks on this machine, one node, calibrated by measurement:
         ``partita.cost.local_machine.local_cluster``, which documents the arguments.
         ``reserved_memory_fraction`` None is its default, ``LOCAL_RESERVED_MEMORY_FRACTION``."""
@@ -155,6 +184,11 @@ class Cluster:
 
         if reserved_memory_fraction is None:
             reserved_memory_fraction = local_machine.LOCAL_RESERVED_MEMORY_FRACTION
-        return local_machine.local_cluster(num_devices, memory_bytes, cache_dir=cache_dir, num_threads=num_threads,
-                                           compute_slowdown=compute_slowdown,
-                                           reserved_memory_fraction=reserved_memory_fraction)
+        return local_machine.local_cluster(
+            num_devices,
+            memory_bytes,
+            cache_dir=cache_dir,
+            num_threads=num_threads,
+            compute_slowdown=compute_slowdown,
+            reserved_memory_fraction=reserved_memory_fraction,
+        )

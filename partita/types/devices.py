@@ -31,12 +31,13 @@ overhead) by a short measurement of this machine.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import json
 import math
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from partita.errors import InputError
 
@@ -56,6 +57,7 @@ class DeviceSpec:
     compute_efficiency: float = 0.6  # achieved fraction of peak FLOP/s for matmul-like ops
     memory_efficiency: float = 0.7  # achieved fraction of memory bandwidth for memory-bound ops
     op_overhead_s: float = 5e-6  # fixed cost of launching one operation (kernel launch / dispatch)
+
 
 try:  # Python >= 3.11; older Pythons read TOML device files only with tomli installed
     import tomllib
@@ -83,36 +85,112 @@ _CATALOG: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
         # A100 SXM4: FP32 19.5, TF32 156, BF16/FP16 312 TFLOP/s; NVLink3 600 GB/s both ways.
-        DeviceSpec("a100-40gb", 40960 * _MIB, {"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12},
-                   1555e9, 300e9, _IB_HDR, compute_efficiency=0.7, memory_efficiency=0.8, op_overhead_s=5e-6),
-        DeviceSpec("a100-80gb", 81920 * _MIB, {"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12},
-                   2039e9, 300e9, _IB_HDR, compute_efficiency=0.7, memory_efficiency=0.8, op_overhead_s=5e-6),
+        DeviceSpec(
+            "a100-40gb",
+            40960 * _MIB,
+            {"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12},
+            1555e9,
+            300e9,
+            _IB_HDR,
+            compute_efficiency=0.7,
+            memory_efficiency=0.8,
+            op_overhead_s=5e-6,
+        ),
+        DeviceSpec(
+            "a100-80gb",
+            81920 * _MIB,
+            {"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12},
+            2039e9,
+            300e9,
+            _IB_HDR,
+            compute_efficiency=0.7,
+            memory_efficiency=0.8,
+            op_overhead_s=5e-6,
+        ),
         # H100 SXM5: FP32 67, TF32 494.7, BF16/FP16 989.4 TFLOP/s; HBM3 3.35 TB/s; NVLink4 900 GB/s both ways.
-        DeviceSpec("h100", 81559 * _MIB, {"float32": 67e12, "tfloat32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12},
-                   3.35e12, 450e9, _IB_NDR, compute_efficiency=0.7, memory_efficiency=0.8, op_overhead_s=5e-6),
+        DeviceSpec(
+            "h100",
+            81559 * _MIB,
+            {"float32": 67e12, "tfloat32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12},
+            3.35e12,
+            450e9,
+            _IB_NDR,
+            compute_efficiency=0.7,
+            memory_efficiency=0.8,
+            op_overhead_s=5e-6,
+        ),
         # H200 SXM: H100's compute, 141 GB HBM3e at 4.8 TB/s (nvidia-smi: 143771 MiB).
-        DeviceSpec("h200", 143771 * _MIB, {"float32": 67e12, "tfloat32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12},
-                   4.8e12, 450e9, _IB_NDR, compute_efficiency=0.7, memory_efficiency=0.8, op_overhead_s=5e-6),
+        DeviceSpec(
+            "h200",
+            143771 * _MIB,
+            {"float32": 67e12, "tfloat32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12},
+            4.8e12,
+            450e9,
+            _IB_NDR,
+            compute_efficiency=0.7,
+            memory_efficiency=0.8,
+            op_overhead_s=5e-6,
+        ),
         # B200 (HGX): FP32 75, TF32 1100, BF16/FP16 2250 TFLOP/s dense; HBM3e 8 TB/s; NVLink5 1.8 TB/s both ways.
-        DeviceSpec("b200", 183359 * _MIB, {"float32": 75e12, "tfloat32": 1.1e15, "bfloat16": 2.25e15, "float16": 2.25e15},
-                   8e12, 900e9, _IB_NDR, compute_efficiency=0.65, memory_efficiency=0.8, op_overhead_s=5e-6),
+        DeviceSpec(
+            "b200",
+            183359 * _MIB,
+            {"float32": 75e12, "tfloat32": 1.1e15, "bfloat16": 2.25e15, "float16": 2.25e15},
+            8e12,
+            900e9,
+            _IB_NDR,
+            compute_efficiency=0.65,
+            memory_efficiency=0.8,
+            op_overhead_s=5e-6,
+        ),
         # MI300X: FP32 matrix 163.4, TF32 653.7, BF16/FP16 1307.4 TFLOP/s dense; HBM3 5.3 TB/s;
         # Infinity Fabric 7 links × 64 GB/s per direction.
-        DeviceSpec("mi300x", 196608 * _MIB, {"float32": 163.4e12, "tfloat32": 653.7e12, "bfloat16": 1307.4e12, "float16": 1307.4e12},
-                   5.3e12, 448e9, _IB_NDR, compute_efficiency=0.5, memory_efficiency=0.7, op_overhead_s=5e-6),
+        DeviceSpec(
+            "mi300x",
+            196608 * _MIB,
+            {"float32": 163.4e12, "tfloat32": 653.7e12, "bfloat16": 1307.4e12, "float16": 1307.4e12},
+            5.3e12,
+            448e9,
+            _IB_NDR,
+            compute_efficiency=0.5,
+            memory_efficiency=0.7,
+            op_overhead_s=5e-6,
+        ),
         # A generic server CPU (placeholder numbers; local_machine.local_cpu_spec measures the real one). Ranks
         # talk over TCP: loopback inside a node, 25 GbE (typical of cloud CPU instances) between nodes. memory_bytes is set to
         # this machine's RAM by get_device.
-        DeviceSpec("cpu", 0, {"float32": 1e12, "bfloat16": 5e11, "float16": 5e11},
-                   1e11, 5e9, 25e9 / 8, intra_node_latency_s=20e-6, inter_node_latency_s=50e-6,
-                   compute_efficiency=0.6, memory_efficiency=0.7, op_overhead_s=2e-6),
+        DeviceSpec(
+            "cpu",
+            0,
+            {"float32": 1e12, "bfloat16": 5e11, "float16": 5e11},
+            1e11,
+            5e9,
+            25e9 / 8,
+            intra_node_latency_s=20e-6,
+            inter_node_latency_s=50e-6,
+            compute_efficiency=0.6,
+            memory_efficiency=0.7,
+            op_overhead_s=2e-6,
+        ),
     )
 }
-_ALIASES = {"h100-sxm": "h100", "h100-sxm5": "h100", "h200-sxm": "h200", "a100-sxm4-40gb": "a100-40gb",
-            "a100-sxm4-80gb": "a100-80gb", "b200-sxm": "b200"}
+_ALIASES = {
+    "h100-sxm": "h100",
+    "h100-sxm5": "h100",
+    "h200-sxm": "h200",
+    "a100-sxm4-40gb": "a100-40gb",
+    "a100-sxm4-80gb": "a100-80gb",
+    "b200-sxm": "b200",
+}
 
-_REQUIRED_FIELDS = ("name", "memory_bytes", "peak_flops", "memory_bandwidth_bytes_per_s",
-                    "intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s")
+_REQUIRED_FIELDS = (
+    "name",
+    "memory_bytes",
+    "peak_flops",
+    "memory_bandwidth_bytes_per_s",
+    "intra_node_bandwidth_bytes_per_s",
+    "inter_node_bandwidth_bytes_per_s",
+)
 _FIELDS = tuple(f.name for f in dataclasses.fields(DeviceSpec))
 
 
@@ -187,8 +265,10 @@ def load_device_file(path: str | os.PathLike) -> DeviceSpec:
         raise InputError(f"cannot read device file {str(path)!r}: {e.strerror or e}") from e
     is_toml = path.suffix.lower() == ".toml"
     if is_toml and tomllib is None:
-        raise InputError(f"reading the TOML device file {str(path)!r} needs Python >= 3.11 or the tomli package: "
-                         "install tomli, or write the file as JSON")
+        raise InputError(
+            f"reading the TOML device file {str(path)!r} needs Python >= 3.11 or the tomli package: "
+            "install tomli, or write the file as JSON"
+        )
     try:
         data = tomllib.loads(text) if is_toml else json.loads(text)
     except (ValueError, json.JSONDecodeError) as e:  # tomllib.TOMLDecodeError is a ValueError
@@ -214,16 +294,20 @@ def device_from_dict(data: Any, *, source: str = "device description") -> Device
     data = dict(data)
     unknown = sorted(set(data) - set(_FIELDS) - {"base"})
     if unknown:
-        raise InputError(f"{source} has unknown field(s) {', '.join(unknown)}: valid fields are base, {', '.join(_FIELDS)}")
+        raise InputError(
+            f"{source} has unknown field(s) {', '.join(unknown)}: valid fields are base, {', '.join(_FIELDS)}"
+        )
     if "base" in data:
         base = device_to_dict(get_device(_check_str(data.pop("base"), "base", source)))
         data = base | data
     missing = [f for f in _REQUIRED_FIELDS if f not in data]
     if missing:
         raise InputError(f"{source} lacks the required field(s) {', '.join(missing)} (or give base = '<catalog name>')")
-    values = {"name": _check_str(data["name"], "name", source),
-              "memory_bytes": _check_positive_int(data["memory_bytes"], "memory_bytes", source),
-              "peak_flops": _check_peak_flops(data["peak_flops"], source)}
+    values = {
+        "name": _check_str(data["name"], "name", source),
+        "memory_bytes": _check_positive_int(data["memory_bytes"], "memory_bytes", source),
+        "peak_flops": _check_peak_flops(data["peak_flops"], source),
+    }
     for f in _FIELDS:
         if f not in values and f in data:
             values[f] = _check_number(data[f], f, source)
@@ -237,7 +321,13 @@ def _check_str(value: Any, field: str, source: str) -> str:
 
 
 def _check_positive_int(value: Any, field: str, source: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value <= 0 or value != int(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value != value
+        or value <= 0
+        or value != int(value)
+    ):
         raise InputError(f"{source}: field {field!r} must be a positive whole number of bytes, got {value!r}")
     return int(value)
 
@@ -261,6 +351,8 @@ def _check_number(value: Any, field: str, source: str) -> float:
 
 def _check_peak_flops(value: Any, source: str) -> dict[str, float]:
     if not isinstance(value, Mapping) or not value:
-        raise InputError(f"{source}: field 'peak_flops' must be a non-empty table of dtype -> FLOP/s, "
-                         f"e.g. {{\"float32\": 67e12, \"bfloat16\": 989e12}}, got {value!r}")
+        raise InputError(
+            f"{source}: field 'peak_flops' must be a non-empty table of dtype -> FLOP/s, "
+            f'e.g. {{"float32": 67e12, "bfloat16": 989e12}}, got {value!r}'
+        )
     return {str(k): _check_number(v, f"peak_flops.{k}", source) for k, v in value.items()}

@@ -60,6 +60,7 @@ class GraphInput:
     path: str  # where the leaf sits in the user's inputs, e.g. "kwargs['input_ids']"
     tensor: TensorInfo | None  # None for a non-tensor leaf (int, bool, None)
     consumers: tuple[int, ...] = ()  # indices of the nodes that read it
+    value: Any = None  # a non-tensor leaf's captured value (baked into the graph); None for tensors
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,32 @@ class OpNode:
         return sum(t.num_bytes for t in self.outputs)
 
 
+@dataclass(frozen=True)
+class SampleCoupling:
+    """Where the loss couples the samples of a batch, so that splitting the batch changes it.
+
+    A CLIP loss (similarities between every image and every text, labels ``arange(batch)``),
+    in-batch negatives or a batch statistic make each sample's loss term depend on the others:
+    micro-batches or data-parallel replicas would each see a smaller batch and train a different
+    loss. ``partita.capturing.samples`` finds the first such operation.
+    """
+
+    node: str  # FX node name of the operation (inside ``within``'s body when that is set)
+    index: int  # position in OpGraph.nodes of the operation, or of the higher-order op holding it
+    target: str  # e.g. "aten.mm.default"
+    module_path: str
+    source: str  # "file.py:LINE in func" ("" when unknown)
+    reason: str  # what the operation does to the samples
+    batch_dims: tuple[str, ...] = ()  # the batch dims it mixes, e.g. ("args[0] dim 0", "target dim 0")
+    within: str = ""  # the higher-order op whose body holds ``node`` ("" when none)
+
+    def describe(self) -> str:
+        where = f" ({self.module_path or 'root'}{', ' + self.source if self.source else ''})"
+        inside = f" inside {self.within}" if self.within else ""
+        dims = f" along {', '.join(self.batch_dims)}" if self.batch_dims else ""
+        return f"node {self.node} [{self.target}]{inside}{where} {self.reason}{dims}"
+
+
 @dataclass(frozen=True, eq=False)
 class OpGraph:
     """The captured training computation: forward nodes in topological order up to the loss.
@@ -100,6 +127,9 @@ class OpGraph:
     original model (same args/kwargs, same outputs). With ``loss_fn`` it is called as
     ``graph_module(args, kwargs, target)`` and returns the loss. ``loss(args, kwargs, target)``
     returns the scalar loss in both cases.
+
+    ``couples_samples`` is set when the loss mixes the samples of the batch (see SampleCoupling):
+    the planner then gives every step's whole batch to one pipeline, in one micro-batch.
     """
 
     nodes: tuple[OpNode, ...]
@@ -114,6 +144,8 @@ class OpGraph:
     attr_to_param: Mapping[str, str] = field(repr=False, default_factory=dict)  # get_attr target -> canonical name
     has_loss_fn: bool = False
     loss_output_index: int = 0  # position of the loss among the flat outputs of graph_module
+    couples_samples: SampleCoupling | None = None  # the operation that mixes samples, if any
+    batch_fixed_at: str = ""  # static batch although a dynamic one was asked: the line that fixed it, if known
     # (args, kwargs, target) the graph was captured from: what the profiler runs when planning is
     # given the graph alone (None for graphs built by hand)
     example_inputs: tuple | None = field(repr=False, default=None)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from partita.types.choices import Schedule
 from partita.types.cluster import Cluster
 
 if TYPE_CHECKING:
     from partita.types.graph import OpGraph
-
 
 
 PLAN_SCHEMA_VERSION = 1
@@ -88,7 +88,7 @@ class Plan:
         """Cut positions: (0, stage 1 start, ..., num_nodes)."""
         return tuple(s.start for s in self.stages) + (self.stages[-1].stop,)
 
-    def summary(self, baselines: "Mapping[str, Plan | None]" = ()) -> str:
+    def summary(self, baselines: Mapping[str, Plan | None] = ()) -> str:
         """The plan as a readable table (stages, ranks, memory, times), then the predicted step,
         throughput, bubble and efficiency, with ``baselines`` side by side."""
         from partita.report.plan import plan_text  # report depends on types only: no cycle at import
@@ -107,7 +107,7 @@ class Plan:
         save_plan(self, path)
 
     @staticmethod
-    def load(path: str, *, graph: "OpGraph | None" = None, cluster: Any = None) -> "Plan":
+    def load(path: str, *, graph: OpGraph | None = None, cluster: Any = None) -> Plan:
         """Read and validate a plan file; PlanFileError says which field is wrong."""
         from partita.types.plan_file import load_plan
 

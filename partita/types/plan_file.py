@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from partita.errors import PlanFileError
 from partita.types.choices import Schedule
@@ -19,15 +20,37 @@ from partita.types.graph import OpGraph
 from partita.types.plan import PLAN_SCHEMA_VERSION, Plan, StagePlan
 
 _STAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "index": int, "start": int, "stop": int, "first_node": str, "last_node": str, "module_range": str,
-    "ranks": list, "rank_group": int, "recompute": bool, "forward_s": (int, float), "backward_s": (int, float),
-    "memory_bytes": int, "param_bytes": int, "cut_bytes": int,
+    "index": int,
+    "start": int,
+    "stop": int,
+    "first_node": str,
+    "last_node": str,
+    "module_range": str,
+    "ranks": list,
+    "rank_group": int,
+    "recompute": bool,
+    "forward_s": (int, float),
+    "backward_s": (int, float),
+    "memory_bytes": int,
+    "param_bytes": int,
+    "cut_bytes": int,
 }
 _PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "schema_version": int, "partita_version": str, "torch_version": str, "graph_fingerprint": str,
-    "cluster": dict, "stages": list, "schedule": str, "global_batch_size": int, "num_microbatches": int,
-    "microbatch_size": int, "options": dict, "method": str, "predicted_step_s": (int, float),
-    "predicted_bubble_fraction": (int, float), "cost_source": str,
+    "schema_version": int,
+    "partita_version": str,
+    "torch_version": str,
+    "graph_fingerprint": str,
+    "cluster": dict,
+    "stages": list,
+    "schedule": str,
+    "global_batch_size": int,
+    "num_microbatches": int,
+    "microbatch_size": int,
+    "options": dict,
+    "method": str,
+    "predicted_step_s": (int, float),
+    "predicted_bubble_fraction": (int, float),
+    "cost_source": str,
 }
 _OPTIONAL_PLAN_FIELDS = ("total_compute_s",)  # absent in files of earlier versions
 
@@ -51,8 +74,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "options": dict(plan.options),
         "cluster": plan.cluster.to_dict(),
         "stages": [
-            {**{k: getattr(s, k) for k in _STAGE_FIELDS if k != "ranks"}, "ranks": list(s.ranks)}
-            for s in plan.stages
+            {**{k: getattr(s, k) for k in _STAGE_FIELDS if k != "ranks"}, "ranks": list(s.ranks)} for s in plan.stages
         ],
     }
 
@@ -77,8 +99,10 @@ def load_plan(path: str | os.PathLike, *, graph: OpGraph | None = None, cluster:
     except OSError as e:
         raise PlanFileError(f"cannot read plan file {os.fspath(path)!r}: {e.strerror}") from e
     except UnicodeDecodeError as e:
-        raise PlanFileError(f"{os.fspath(path)!r} is not a plan file: byte {e.start} is not UTF-8 text (a binary "
-                            "file?); give the JSON file that `partita plan --out` writes") from e
+        raise PlanFileError(
+            f"{os.fspath(path)!r} is not a plan file: byte {e.start} is not UTF-8 text (a binary "
+            "file?); give the JSON file that `partita plan --out` writes"
+        ) from e
     return plan_from_json(text, graph=graph, cluster=cluster, source=os.fspath(path))
 
 
@@ -86,7 +110,9 @@ def plan_from_json(text: str, *, graph: OpGraph | None = None, cluster: Any = No
     try:
         data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise PlanFileError(f"{source} is not valid JSON ({e}); was it truncated? Re-create it with `partita plan`") from e
+        raise PlanFileError(
+            f"{source} is not valid JSON ({e}); was it truncated? Re-create it with `partita plan`"
+        ) from e
     plan = plan_from_dict(data, source=source)
     if graph is not None:
         check_plan_matches_graph(plan, graph, source=source)
@@ -112,12 +138,21 @@ def plan_from_dict(data: Any, *, source: str = "plan") -> Plan:
     except ValueError as e:
         raise PlanFileError(f"{source}: field 'schedule': {e}") from e
     plan = Plan(
-        graph_fingerprint=data["graph_fingerprint"], cluster=_cluster(data["cluster"], source), stages=stages,
-        schedule=schedule, global_batch_size=data["global_batch_size"], num_microbatches=data["num_microbatches"],
-        microbatch_size=data["microbatch_size"], options=data["options"], method=data["method"],
-        predicted_step_s=float(data["predicted_step_s"]), predicted_bubble_fraction=float(data["predicted_bubble_fraction"]),
+        graph_fingerprint=data["graph_fingerprint"],
+        cluster=_cluster(data["cluster"], source),
+        stages=stages,
+        schedule=schedule,
+        global_batch_size=data["global_batch_size"],
+        num_microbatches=data["num_microbatches"],
+        microbatch_size=data["microbatch_size"],
+        options=data["options"],
+        method=data["method"],
+        predicted_step_s=float(data["predicted_step_s"]),
+        predicted_bubble_fraction=float(data["predicted_bubble_fraction"]),
         total_compute_s=_optional_seconds(data, "total_compute_s", source),
-        cost_source=data["cost_source"], partita_version=data["partita_version"], torch_version=data["torch_version"],
+        cost_source=data["cost_source"],
+        partita_version=data["partita_version"],
+        torch_version=data["torch_version"],
         schema_version=version,
     )
     check_plan_consistency(plan, source)
@@ -148,7 +183,9 @@ def _stage_from_dict(data: Any, k: int, source: str) -> StagePlan:
     return StagePlan(**values)
 
 
-def _check_fields(data: dict, fields: Mapping[str, Any], source: str, prefix: str, optional: tuple[str, ...] = ()) -> None:
+def _check_fields(
+    data: dict, fields: Mapping[str, Any], source: str, prefix: str, optional: tuple[str, ...] = ()
+) -> None:
     for key, kind in fields.items():
         if key not in data:
             raise PlanFileError(f"{source}: field '{prefix}{key}' is missing")
@@ -161,7 +198,9 @@ def _check_fields(data: dict, fields: Mapping[str, Any], source: str, prefix: st
                 raise PlanFileError(f"{source}: field '{prefix}{key}' is {value!r}, expected a finite number >= 0")
     unknown = sorted(set(data) - set(fields) - set(optional))
     if unknown:
-        raise PlanFileError(f"{source}: unknown field(s) {', '.join(prefix + u for u in unknown)}: was the file edited by hand?")
+        raise PlanFileError(
+            f"{source}: unknown field(s) {', '.join(prefix + u for u in unknown)}: was the file edited by hand?"
+        )
 
 
 def _kind_name(kind: Any) -> str:
@@ -205,7 +244,8 @@ def check_plan_consistency(plan: Plan, source: str = "plan") -> None:
         raise PlanFileError(
             f"{source}: stages[{recomputed[0]}].recompute is true, but the schedule is zbv, under which partita never "
             "recomputes (the memory of a recomputed stage cannot be predicted): set it to false, or re-plan with "
-            "another schedule")
+            "another schedule"
+        )
     num_devices = plan.cluster.num_devices
     used = sorted({r for s in stages for r in s.ranks})
     if used[-1] >= num_devices:
@@ -217,12 +257,16 @@ def _check_rank_groups(plan: Plan, source: str) -> None:
     groups: dict[int, tuple[int, ...]] = {}
     for k, s in enumerate(plan.stages):
         if groups.setdefault(s.rank_group, s.ranks) != s.ranks:
-            raise PlanFileError(f"{source}: stages[{k}].ranks {list(s.ranks)} differ from other stages of rank group {s.rank_group}")
+            raise PlanFileError(
+                f"{source}: stages[{k}].ranks {list(s.ranks)} differ from other stages of rank group {s.rank_group}"
+            )
     seen: dict[int, int] = {}
     for group, ranks in groups.items():
         for r in ranks:
             if seen.setdefault(r, group) != group:
-                raise PlanFileError(f"{source}: rank {r} is in rank groups {seen[r]} and {group}: a rank runs one group")
+                raise PlanFileError(
+                    f"{source}: rank {r} is in rank groups {seen[r]} and {group}: a rank runs one group"
+                )
     if sorted(groups) != list(range(len(groups))):
         raise PlanFileError(f"{source}: rank groups are {sorted(groups)}, expected 0..{len(groups) - 1}")
 
@@ -237,7 +281,9 @@ def _check_batch(plan: Plan, source: str) -> None:
         )
     for k, s in enumerate(plan.stages):
         if (b // m) % s.num_replicas:
-            raise PlanFileError(f"{source}: stages[{k}] has {s.num_replicas} replicas, which do not divide the micro-batch of {b // m} samples")
+            raise PlanFileError(
+                f"{source}: stages[{k}] has {s.num_replicas} replicas, which do not divide the micro-batch of {b // m} samples"
+            )
 
 
 def check_plan_matches_graph(plan: Plan, graph: OpGraph, source: str = "plan") -> None:
@@ -247,7 +293,9 @@ def check_plan_matches_graph(plan: Plan, graph: OpGraph, source: str = "plan") -
             f"this model's is {graph.fingerprint}): re-plan for this model"
         )
     if plan.stages[-1].stop != graph.num_nodes:
-        raise PlanFileError(f"{source}: the last stage ends at node {plan.stages[-1].stop}, but the graph has {graph.num_nodes} nodes")
+        raise PlanFileError(
+            f"{source}: the last stage ends at node {plan.stages[-1].stop}, but the graph has {graph.num_nodes} nodes"
+        )
     for k, s in enumerate(plan.stages):
         if graph.nodes[s.start].name != s.first_node or graph.nodes[s.stop - 1].name != s.last_node:
             raise PlanFileError(

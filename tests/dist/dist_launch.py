@@ -37,13 +37,32 @@ def run_ranks(job: str, world_size: int, out_dir: Path, *, timeout_s: float, **p
     port = free_port()
     procs = []
     for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "TRANSFORMERS_VERBOSITY": "error",
+            "HF_HUB_OFFLINE": "1",
+        }
         log = open(out_dir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(WORKERS), job, str(out_dir)], env=env, cwd=REPO,
-                                       stdout=log, stderr=subprocess.STDOUT), log))
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, str(WORKERS), job, str(out_dir)],
+                    env=env,
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                ),
+                log,
+            )
+        )
     try:
         _wait(procs, out_dir, timeout_s)
     finally:
@@ -70,8 +89,10 @@ def _wait(procs: list, out_dir: Path, timeout_s: float) -> None:
             return
         if time.monotonic() > deadline:
             logs = "\n".join(f"--- rank {r} ---\n{_tail(out_dir / f'rank{r}.log', 1500)}" for r in range(len(procs)))
-            raise AssertionError(f"job timed out after {timeout_s:.0f} s; running ranks "
-                                 f"{[r for r, c in enumerate(codes) if c is None]}:\n{logs}")
+            raise AssertionError(
+                f"job timed out after {timeout_s:.0f} s; running ranks "
+                f"{[r for r, c in enumerate(codes) if c is None]}:\n{logs}"
+            )
         time.sleep(0.05)
 
 

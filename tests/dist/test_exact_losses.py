@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_launch import run_ranks
 
 pytest.importorskip("transformers")
@@ -31,8 +30,9 @@ CONFIGS = [
 
 @pytest.fixture(scope="module")
 def exact(tmp_path_factory):
-    return run_ranks("exact_losses", 2, tmp_path_factory.mktemp("exact"), timeout_s=300, models=MODELS,
-                     configs=CONFIGS, steps=STEPS)
+    return run_ranks(
+        "exact_losses", 2, tmp_path_factory.mktemp("exact"), timeout_s=300, models=MODELS, configs=CONFIGS, steps=STEPS
+    )
 
 
 @pytest.mark.parametrize("key", [f"{m}/{c['label']}" for m in MODELS for c in CONFIGS])

@@ -5,7 +5,6 @@ with on_nonfinite="skip", the update is skipped with a warning (workers.job_nume
 from __future__ import annotations
 
 import pytest
-
 from dist_launch import run_ranks
 from workers import max_diff
 
@@ -27,8 +26,10 @@ def test_nonfinite_loss_raises_on_every_rank_naming_stage_and_microbatch(results
     assert errors[0] is not None, "an inf input did not raise"
     assert errors[0] == errors[1], "the ranks disagree on the error"
     message = errors[0]
-    assert message.startswith("step 1: non-finite loss: micro-batch 1 (samples 4-7 of the global batch) gave nan on "
-                              "stage 1, the last stage (rank 1)."), message
+    assert message.startswith(
+        "step 1: non-finite loss: micro-batch 1 (samples 4-7 of the global batch) gave nan on "
+        "stage 1, the last stage (rank 1)."
+    ), message
     assert "on_nonfinite='skip'" in message, message
     losses = [f for f in results[0]["inf"]["findings"] if f.kind == "loss"]
     assert [(f.stage_indices, f.microbatch_index, f.rank) for f in losses] == [((1,), 1, 1)]
@@ -39,8 +40,10 @@ def test_nonfinite_gradient_with_finite_loss_names_the_parameters_and_stage(resu
     message = results[0]["zero"]["raised"]
     assert message is not None, "NaN gradients did not raise"
     assert message == results[1]["zero"]["raised"]
-    assert message.startswith("step 1: non-finite gradients (the loss is finite) in 2 parameter(s): "
-                              "a.weight (nan; stage 0, rank 0), a.bias (nan; stage 0, rank 0)."), message
+    assert message.startswith(
+        "step 1: non-finite gradients (the loss is finite) in 2 parameter(s): "
+        "a.weight (nan; stage 0, rank 0), a.bias (nan; stage 0, rank 0)."
+    ), message
     assert "backward op overflowed or divided by zero" in message
     assert {f.parameter for f in results[0]["zero"]["findings"]} == {"a.weight", "a.bias"}
     _unchanged(results[0]["zero"]["state"], results[0]["initial"])

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from dist_launch import REPO
 
 pytest.importorskip("transformers")
@@ -52,18 +51,43 @@ def _make_plan(path: Path) -> None:
     ex = examples.build("gpt2", batch_size=BATCH, seq_len=SEQ_LEN)
     graph = partita.capture(ex.model, ex.args, ex.kwargs)
     n = graph.num_nodes
-    manual_plan(graph, [0, n // 2, n], schedule="1f1b", num_rank_groups=2, num_microbatches=2,
-                global_batch_size=BATCH).save(path)
+    manual_plan(
+        graph, [0, n // 2, n], schedule="1f1b", num_rank_groups=2, num_microbatches=2, global_batch_size=BATCH
+    ).save(path)
 
 
 def _start(name: str, out: Path, plan: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     """``partita train`` in the background; its output goes to ``out/<name>.log``."""
     log = out / f"{name}.log"
-    argv = [sys.executable, "-m", "partita.cli", "train", "gpt2", "--nproc", "2", "--seq-len", str(SEQ_LEN),
-            "--steps", str(STEPS), "--plan", str(plan), "--checkpoint-every", str(EVERY),
-            "--checkpoint-dir", str(out / name), "--losses-out", str(out / f"{name}.json"), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    argv = [
+        sys.executable,
+        "-m",
+        "partita.cli",
+        "train",
+        "gpt2",
+        "--nproc",
+        "2",
+        "--seq-len",
+        str(SEQ_LEN),
+        "--steps",
+        str(STEPS),
+        "--plan",
+        str(plan),
+        "--checkpoint-every",
+        str(EVERY),
+        "--checkpoint-dir",
+        str(out / name),
+        "--losses-out",
+        str(out / f"{name}.json"),
+        *extra,
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     with open(log, "w") as f:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
     return proc, log
@@ -141,8 +165,10 @@ def runs(tmp_path_factory):
     plan = out / "plan.json"
     _make_plan(plan)
     deadline = time.monotonic() + TIMEOUT_S
-    jobs = {name: _start(name, out, plan, *extra) for name, extra in
-            [("reference", ()), ("repeat", ()), ("killed", ("--max-restarts", "2"))]}
+    jobs = {
+        name: _start(name, out, plan, *extra)
+        for name, extra in [("reference", ()), ("repeat", ()), ("killed", ("--max-restarts", "2"))]
+    }
     try:
         _kill_rank_after_checkpoint(*jobs["killed"], out / "killed")
         logs = {name: _finish(proc, log, deadline) for name, (proc, log) in jobs.items()}

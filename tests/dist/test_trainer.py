@@ -9,9 +9,6 @@ many per sample (workers._exact_batch) so that micro-batch means average to the 
 from __future__ import annotations
 
 import pytest
-
-import time
-
 from dist_launch import run_ranks
 
 pytest.importorskip("transformers")
@@ -26,26 +23,68 @@ TWO_RANKS = [
     dict(label="1f1b-2-clip", schedule="1f1b", num_stages=2, num_rank_groups=2, num_microbatches=4, clip=True),
     dict(label="interleaved-4", schedule="interleaved1f1b", num_stages=4, num_rank_groups=2, num_microbatches=4),
     dict(label="zbv-4", schedule="zbv", num_stages=4, num_rank_groups=2, num_microbatches=4),
-    dict(label="1f1b-2-recompute", schedule="1f1b", num_stages=2, num_rank_groups=2, num_microbatches=2,
-         recompute=True, models=["gpt2", "t5"]),
-    dict(label="zbv-4-recompute-clip", schedule="zbv", num_stages=4, num_rank_groups=2, num_microbatches=4,
-         recompute=True, clip=True, models=["gpt2", "t5"]),
+    dict(
+        label="1f1b-2-recompute",
+        schedule="1f1b",
+        num_stages=2,
+        num_rank_groups=2,
+        num_microbatches=2,
+        recompute=True,
+        models=["gpt2", "t5"],
+    ),
+    dict(
+        label="zbv-4-recompute-clip",
+        schedule="zbv",
+        num_stages=4,
+        num_rank_groups=2,
+        num_microbatches=4,
+        recompute=True,
+        clip=True,
+        models=["gpt2", "t5"],
+    ),
 ]
 FOUR_RANKS = [
-    dict(label="1f1b-2x2-clip", schedule="1f1b", num_stages=2, num_rank_groups=2, replicas=2, num_microbatches=2,
-         clip=True),
-    dict(label="zbv-4x2", schedule="zbv", num_stages=4, num_rank_groups=2, replicas=2, num_microbatches=2,
-         models=["gpt2"]),
-    dict(label="dp-4", schedule="gpipe", num_stages=1, num_rank_groups=1, replicas=4, num_microbatches=2,
-         models=["gpt2"]),
+    dict(
+        label="1f1b-2x2-clip",
+        schedule="1f1b",
+        num_stages=2,
+        num_rank_groups=2,
+        replicas=2,
+        num_microbatches=2,
+        clip=True,
+    ),
+    dict(
+        label="zbv-4x2",
+        schedule="zbv",
+        num_stages=4,
+        num_rank_groups=2,
+        replicas=2,
+        num_microbatches=2,
+        models=["gpt2"],
+    ),
+    dict(
+        label="dp-4", schedule="gpipe", num_stages=1, num_rank_groups=1, replicas=4, num_microbatches=2, models=["gpt2"]
+    ),
 ]
 CHECKPOINT_RUNS = [
-    dict(label="gpt2-1f1b-to-interleaved", model="gpt2", steps_per_plan=5, plans=[
-        dict(schedule="1f1b", num_stages=2, num_rank_groups=2, num_microbatches=2),
-        dict(schedule="interleaved1f1b", num_stages=4, num_rank_groups=2, num_microbatches=2)]),
-    dict(label="t5-zbv-to-dp", model="t5", steps_per_plan=5, plans=[
-        dict(schedule="zbv", num_stages=4, num_rank_groups=2, num_microbatches=2),
-        dict(schedule="gpipe", num_stages=1, num_rank_groups=1, replicas=2, num_microbatches=2)]),
+    dict(
+        label="gpt2-1f1b-to-interleaved",
+        model="gpt2",
+        steps_per_plan=5,
+        plans=[
+            dict(schedule="1f1b", num_stages=2, num_rank_groups=2, num_microbatches=2),
+            dict(schedule="interleaved1f1b", num_stages=4, num_rank_groups=2, num_microbatches=2),
+        ],
+    ),
+    dict(
+        label="t5-zbv-to-dp",
+        model="t5",
+        steps_per_plan=5,
+        plans=[
+            dict(schedule="zbv", num_stages=4, num_rank_groups=2, num_microbatches=2),
+            dict(schedule="gpipe", num_stages=1, num_rank_groups=1, replicas=2, num_microbatches=2),
+        ],
+    ),
 ]
 
 
@@ -55,14 +94,16 @@ def _keys(configs: list[dict], models: list[str] = MODELS) -> list[str]:
 
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory):
-    return run_ranks("one_step", 2, tmp_path_factory.mktemp("two_ranks"), timeout_s=180, models=WITH_LOSS_FN,
-                     configs=TWO_RANKS)
+    return run_ranks(
+        "one_step", 2, tmp_path_factory.mktemp("two_ranks"), timeout_s=180, models=WITH_LOSS_FN, configs=TWO_RANKS
+    )
 
 
 @pytest.fixture(scope="module")
 def four_rank_results(tmp_path_factory):
-    return run_ranks("one_step", 4, tmp_path_factory.mktemp("four_ranks"), timeout_s=240, models=MODELS,
-                     configs=FOUR_RANKS)
+    return run_ranks(
+        "one_step", 4, tmp_path_factory.mktemp("four_ranks"), timeout_s=240, models=MODELS, configs=FOUR_RANKS
+    )
 
 
 @pytest.fixture(scope="module")

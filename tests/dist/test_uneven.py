@@ -13,7 +13,6 @@ starts from a model built on meta (seed checkpoint), and a non-finite loss names
 from __future__ import annotations
 
 import pytest
-
 from dist_launch import run_ranks
 
 pytest.importorskip("transformers")
@@ -22,14 +21,27 @@ TOLERANCE = 1e-5
 MODELS = ["gpt2", "llama", "gated", "bert", "t5"]  # BERT: the attention mask crosses; T5: the encoder output
 CONFIGS = [
     dict(label="1f1b-2x1", schedule="1f1b", replicas=(2, 1), num_microbatches=2),
-    dict(label="gpipe-1x2-recompute", schedule="gpipe", replicas=(1, 2), num_microbatches=2,
-         recompute=[False, True], models=["gpt2", "gated"]),
-    dict(label="1f1b-2x1-resume-gpipe-1x2", schedule="1f1b", replicas=(2, 1), num_microbatches=2, models=["gpt2"],
-         resume=dict(schedule="gpipe", replicas=(1, 2), num_microbatches=2)),
+    dict(
+        label="gpipe-1x2-recompute",
+        schedule="gpipe",
+        replicas=(1, 2),
+        num_microbatches=2,
+        recompute=[False, True],
+        models=["gpt2", "gated"],
+    ),
+    dict(
+        label="1f1b-2x1-resume-gpipe-1x2",
+        schedule="1f1b",
+        replicas=(2, 1),
+        num_microbatches=2,
+        models=["gpt2"],
+        resume=dict(schedule="gpipe", replicas=(1, 2), num_microbatches=2),
+    ),
     dict(label="1f1b-2x1-meta", schedule="1f1b", replicas=(2, 1), num_microbatches=2, meta=True, models=["llama"]),
 ]
-NONFINITE = dict(label="gpipe-1x2-nonfinite", schedule="gpipe", replicas=(1, 2), num_microbatches=2, nonfinite=True,
-                 models=["gated"])
+NONFINITE = dict(
+    label="gpipe-1x2-nonfinite", schedule="gpipe", replicas=(1, 2), num_microbatches=2, nonfinite=True, models=["gated"]
+)
 KEYS = [f"{m}/{c['label']}" for m in MODELS for c in CONFIGS if m in c.get("models", MODELS)]
 # 5 ranks, global batch 12: stages of 2 and 3 replicas share samples only in part (6 samples per
 # micro-batch: slices 0-2 | 3-5 against 0-1 | 2-3 | 4-5); three stages fan out 1 -> 3 and in 3 -> 1.
@@ -37,8 +49,14 @@ WIDE_MODELS = ["gpt2", "llama"]
 WIDE_CONFIGS = [
     dict(label="1f1b-2x3-clipped", schedule="1f1b", replicas=(2, 3), num_microbatches=2, max_grad_norm=0.5),
     dict(label="1f1b-1x3x1", schedule="1f1b", replicas=(1, 3, 1), num_microbatches=4, models=["gpt2"]),
-    dict(label="gpipe-3x2-recompute", schedule="gpipe", replicas=(3, 2), num_microbatches=2, recompute=[True, False],
-         models=["llama"]),
+    dict(
+        label="gpipe-3x2-recompute",
+        schedule="gpipe",
+        replicas=(3, 2),
+        num_microbatches=2,
+        recompute=[True, False],
+        models=["llama"],
+    ),
 ]
 WIDE_KEYS = [f"{m}/{c['label']}" for m in WIDE_MODELS for c in WIDE_CONFIGS if m in c.get("models", WIDE_MODELS)]
 
@@ -52,8 +70,9 @@ def results(tmp_path_factory):
 @pytest.fixture(scope="module")
 def wide_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("uneven-wide")
-    return run_ranks("uneven", 5, out, timeout_s=300, models=WIDE_MODELS, configs=WIDE_CONFIGS, dir=str(out),
-                     batch_size=12)
+    return run_ranks(
+        "uneven", 5, out, timeout_s=300, models=WIDE_MODELS, configs=WIDE_CONFIGS, dir=str(out), batch_size=12
+    )
 
 
 @pytest.mark.parametrize("key", KEYS)
@@ -97,11 +116,36 @@ def test_partita_train_plans_and_trains_on_three_processes(tmp_path):
     from dist_launch import REPO
 
     losses = tmp_path / "losses.json"
-    argv = [sys.executable, "-m", "partita.cli", "train", "gpt2", "--nproc", "3", "--num-stages", "2", "--schedule",
-            "1f1b", "--global-batch", "12", "--steps", "3", "--losses-out", str(losses), "--plan-out",
-            str(tmp_path / "plan.json"), "--cache-dir", str(tmp_path / "cache")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    argv = [
+        sys.executable,
+        "-m",
+        "partita.cli",
+        "train",
+        "gpt2",
+        "--nproc",
+        "3",
+        "--num-stages",
+        "2",
+        "--schedule",
+        "1f1b",
+        "--global-batch",
+        "12",
+        "--steps",
+        "3",
+        "--losses-out",
+        str(losses),
+        "--plan-out",
+        str(tmp_path / "plan.json"),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     recorded = json.loads(losses.read_text())["losses"]

@@ -69,13 +69,17 @@ def _exact_batch(name: str, batch: tuple) -> tuple:
     positions = torch.stack([torch.randperm(labels.shape[1], generator=g)[:3] for _ in range(labels.shape[0])])
     tokens = torch.where(labels >= 0, labels, kwargs["input_ids"])
     masked = torch.zeros_like(labels, dtype=torch.bool).scatter_(1, positions, True)
-    kwargs = {**kwargs, "input_ids": torch.where(masked, torch.full_like(tokens, 3), tokens),
-              "labels": torch.where(masked, tokens, torch.full_like(tokens, -100))}
+    kwargs = {
+        **kwargs,
+        "input_ids": torch.where(masked, torch.full_like(tokens, 3), tokens),
+        "labels": torch.where(masked, tokens, torch.full_like(tokens, -100)),
+    }
     return args, kwargs, target
 
 
-def reference_run(case: Case, optimizer, num_steps: int, *, max_grad_norm: float | None = None,
-                  lr_scheduler=None) -> tuple[list[float], dict]:
+def reference_run(
+    case: Case, optimizer, num_steps: int, *, max_grad_norm: float | None = None, lr_scheduler=None
+) -> tuple[list[float], dict]:
     """Unsplit full-batch training: the losses and the final state dict."""
     model = copy.deepcopy(case.reference_model)
     opt = optimizer(model.parameters())
@@ -109,10 +113,16 @@ def make_plan(case: Case, config: dict):
     from partita.planning.manual import manual_plan
 
     n, s = case.graph.num_nodes, config["num_stages"]
-    return manual_plan(case.graph, [n * k // s for k in range(s + 1)], schedule=config["schedule"],
-                       num_rank_groups=config["num_rank_groups"], replicas=config.get("replicas", 1),
-                       num_microbatches=config["num_microbatches"], global_batch_size=BATCH,
-                       recompute=config.get("recompute", False))
+    return manual_plan(
+        case.graph,
+        [n * k // s for k in range(s + 1)],
+        schedule=config["schedule"],
+        num_rank_groups=config["num_rank_groups"],
+        replicas=config.get("replicas", 1),
+        num_microbatches=config["num_microbatches"],
+        global_batch_size=BATCH,
+        recompute=config.get("recompute", False),
+    )
 
 
 def sgd(params):
@@ -137,16 +147,21 @@ def job_one_step(params: dict) -> dict:
             print(f"{name}/{config['label']}", flush=True)
             case.reset()
             started = time.perf_counter()
-            trainer = partita.Trainer(case.model, make_plan(case, config), optimizer=sgd, graph=case.graph,
-                                      max_grad_norm=clip)
+            trainer = partita.Trainer(
+                case.model, make_plan(case, config), optimizer=sgd, graph=case.graph, max_grad_norm=clip
+            )
             args, kwargs, target = case.batches[0]
             loss = trainer.step(*args, **kwargs, **({"target": target} if target is not None else {}))
             state = trainer.gather_state_dict()
             key = f"{name}/{config['label']}"
             if rank == 0:
                 ref_losses, ref_state = reference_run(case, sgd, 1, max_grad_norm=clip)
-                results[key] = {"loss": loss, "ref_loss": ref_losses[0], "param": max_diff(state, ref_state),
-                                "seconds": time.perf_counter() - started}
+                results[key] = {
+                    "loss": loss,
+                    "ref_loss": ref_losses[0],
+                    "param": max_diff(state, ref_state),
+                    "seconds": time.perf_counter() - started,
+                }
             else:
                 results[key] = {"loss": loss}
     return results
@@ -179,10 +194,14 @@ def job_checkpoint(params: dict) -> dict:
         for part, config in enumerate(plans):
             case.reset()  # every weight must come from the checkpoint
             print(f"{run['label']}: part {part}", flush=True)
-            source = {"graph": case.graph} if part < len(plans) - 1 else \
-                {"example_inputs": case.batches[0], "loss_fn": case.loss_fn}
-            trainer = partita.Trainer(case.model, make_plan(case, config), optimizer=adamw, lr_scheduler=halving,
-                                      max_grad_norm=1.0, **source)
+            source = (
+                {"graph": case.graph}
+                if part < len(plans) - 1
+                else {"example_inputs": case.batches[0], "loss_fn": case.loss_fn}
+            )
+            trainer = partita.Trainer(
+                case.model, make_plan(case, config), optimizer=adamw, lr_scheduler=halving, max_grad_norm=1.0, **source
+            )
             if part > 0:
                 trainer.load_checkpoint(ckpt)
                 out["resumed_at"].append(trainer.num_steps)
@@ -197,7 +216,9 @@ def job_checkpoint(params: dict) -> dict:
                 out["load_into_model"].append(max_diff(plain.state_dict(), state))
         if rank == 0:
             num_steps = run["steps_per_plan"] * len(plans)
-            out["ref_losses"], ref_state = reference_run(case, adamw, num_steps, max_grad_norm=1.0, lr_scheduler=halving)
+            out["ref_losses"], ref_state = reference_run(
+                case, adamw, num_steps, max_grad_norm=1.0, lr_scheduler=halving
+            )
             out["param"] = max_diff(state, ref_state)
             out["lr"] = (trainer.optimizer.param_groups[0]["lr"], ADAMW_LR * 0.5 ** (num_steps // 3))
             out["partial_left"] = os.path.exists(str(ckpt) + ".partial")
@@ -243,11 +264,14 @@ def job_numerics(params: dict) -> dict:
     model, loss_fn = SqrtNet(), torch.nn.functional.cross_entropy
     x, y = torch.randn(BATCH, 4), torch.randint(0, 3, (BATCH,))
     graph = partita.capture(model, (x,), loss_fn=loss_fn, target=y)
-    plan = manual_plan(graph, [0, 3, graph.num_nodes], schedule="1f1b", num_rank_groups=2, num_microbatches=2,
-                       global_batch_size=BATCH)
+    plan = manual_plan(
+        graph, [0, 3, graph.num_nodes], schedule="1f1b", num_rank_groups=2, num_microbatches=2, global_batch_size=BATCH
+    )
     initial = copy.deepcopy(model.state_dict())
-    bad = {"inf": x.clone().index_fill_(0, torch.arange(4, 8), float("inf")),  # micro-batch 1
-           "zero": x.clone().index_fill_(0, torch.arange(0, 4), 0.0)}  # micro-batch 0
+    bad = {
+        "inf": x.clone().index_fill_(0, torch.arange(4, 8), float("inf")),  # micro-batch 1
+        "zero": x.clone().index_fill_(0, torch.arange(0, 4), 0.0),
+    }  # micro-batch 0
     results: dict[str, Any] = {}
     for name, inputs in bad.items():
         model.load_state_dict(initial)
@@ -266,13 +290,18 @@ def job_numerics(params: dict) -> dict:
     after_skip = trainer.gather_state_dict()
     clean_loss = trainer.step(x, target=y)
     try:  # a batch that is not the plan's global batch is refused before anything runs
-        trainer.step(x[:BATCH - 2], target=y[:BATCH - 2])
+        trainer.step(x[: BATCH - 2], target=y[: BATCH - 2])
         results["wrong_batch"] = None
     except partita.InputError as e:
         results["wrong_batch"] = str(e)
-    results["skip"] = {"loss": skipped_loss, "warnings": [str(w.message) for w in caught], "state": after_skip,
-                       "counts": (trainer.num_steps, trainer.num_skipped_steps), "clean_loss": clean_loss,
-                       "final": trainer.gather_state_dict()}
+    results["skip"] = {
+        "loss": skipped_loss,
+        "warnings": [str(w.message) for w in caught],
+        "state": after_skip,
+        "counts": (trainer.num_steps, trainer.num_skipped_steps),
+        "clean_loss": clean_loss,
+        "final": trainer.gather_state_dict(),
+    }
     if int(os.environ["RANK"]) == 0:
         reference = SqrtNet()
         reference.load_state_dict(initial)
@@ -307,18 +336,23 @@ def job_meta_init(params: dict) -> dict:
             print(key, flush=True)
             meta = examples.build(name, batch_size=BATCH, seq_len=SEQ, device="meta")
             args, kwargs, target = case.batches[0]
-            graph = partita.capture(meta.model, meta_copies(args), meta_copies(kwargs), loss_fn=case.loss_fn,
-                                    target=meta_copies(target))
-            trainer = partita.Trainer(meta.model, make_plan(case, config), optimizer=adamw, graph=graph,
-                                      init_from=str(seed))
+            graph = partita.capture(
+                meta.model, meta_copies(args), meta_copies(kwargs), loss_fn=case.loss_fn, target=meta_copies(target)
+            )
+            trainer = partita.Trainer(
+                meta.model, make_plan(case, config), optimizer=adamw, graph=graph, init_from=str(seed)
+            )
             allocated = sum(p.numel() for p in meta.model.parameters() if not p.is_meta)
             losses = []
             for step in range(3):
                 args, kwargs, target = case.batches[step]
                 losses.append(trainer.step(*args, **kwargs))
             state = trainer.gather_state_dict()
-            results[key] = {"losses": losses, "allocated": allocated,
-                            "total": sum(p.numel() for p in case.model.parameters())}
+            results[key] = {
+                "losses": losses,
+                "allocated": allocated,
+                "total": sum(p.numel() for p in case.model.parameters()),
+            }
             if rank == 0:
                 ref_losses, ref_state = reference_run(case, adamw, 3)
                 results[key].update(ref_losses=ref_losses, param=max_diff(state, ref_state))
@@ -353,8 +387,9 @@ class GatedCase(Case):
         self.name, self.model, self.loss_fn = "gated", GatedNet(), torch.nn.functional.cross_entropy
         self.batch_size = BATCH
         g = torch.Generator().manual_seed(1)
-        self.batches = [((torch.randn(BATCH, 4, generator=g),), {}, torch.randint(0, 3, (BATCH,), generator=g))
-                        for _ in range(10)]
+        self.batches = [
+            ((torch.randn(BATCH, 4, generator=g),), {}, torch.randint(0, 3, (BATCH,), generator=g)) for _ in range(10)
+        ]
         args, kwargs, target = self.batches[0]
         self.graph = partita.capture(self.model, args, kwargs, loss_fn=self.loss_fn, target=target)
         self.initial = copy.deepcopy(self.model.state_dict())
@@ -378,10 +413,16 @@ def make_uneven_plan(case: Case, config: dict):
         cuts = [next(n.index for n in case.graph.nodes if n.target == "aten.tanh.default") + 2]
     else:
         cuts = [per_sample_cut(case.graph, case.graph.num_nodes * k // num_stages) for k in range(1, num_stages)]
-    return manual_plan(case.graph, [0, *cuts, case.graph.num_nodes], schedule=config["schedule"],
-                       num_rank_groups=num_stages, replicas=config["replicas"],
-                       num_microbatches=config["num_microbatches"], global_batch_size=case.batch_size,
-                       recompute=config.get("recompute", False))
+    return manual_plan(
+        case.graph,
+        [0, *cuts, case.graph.num_nodes],
+        schedule=config["schedule"],
+        num_rank_groups=num_stages,
+        replicas=config["replicas"],
+        num_microbatches=config["num_microbatches"],
+        global_batch_size=case.batch_size,
+        recompute=config.get("recompute", False),
+    )
 
 
 def _train_step(trainer, batch: tuple) -> float:
@@ -405,10 +446,12 @@ def _uneven_trainer(case: Case, plan, meta_seed: Path | None, max_grad_norm: flo
     dist.barrier()
     meta = examples.build(case.name, batch_size=BATCH, seq_len=SEQ, device="meta")
     args, kwargs, target = case.batches[0]
-    graph = partita.capture(meta.model, meta_copies(args), meta_copies(kwargs), loss_fn=case.loss_fn,
-                            target=meta_copies(target))
-    return partita.Trainer(meta.model, plan, optimizer=adamw, graph=graph, init_from=str(meta_seed),
-                           max_grad_norm=max_grad_norm)
+    graph = partita.capture(
+        meta.model, meta_copies(args), meta_copies(kwargs), loss_fn=case.loss_fn, target=meta_copies(target)
+    )
+    return partita.Trainer(
+        meta.model, plan, optimizer=adamw, graph=graph, init_from=str(meta_seed), max_grad_norm=max_grad_norm
+    )
 
 
 def _nonfinite_message(case: Case, plan) -> str | None:
@@ -453,8 +496,9 @@ def job_uneven(params: dict) -> dict:
                 path = Path(params["dir"]) / key.replace("/", "-")
                 trainer.save_checkpoint(path)
                 case.reset()
-                trainer = partita.Trainer(case.model, make_uneven_plan(case, config["resume"]), optimizer=adamw,
-                                          graph=case.graph)
+                trainer = partita.Trainer(
+                    case.model, make_uneven_plan(case, config["resume"]), optimizer=adamw, graph=case.graph
+                )
                 trainer.load_checkpoint(path)
                 losses += [_train_step(trainer, batch) for batch in case.batches[3:5]]
             state = trainer.gather_state_dict()
@@ -465,8 +509,14 @@ def job_uneven(params: dict) -> dict:
     return results
 
 
-JOBS = {"one_step": job_one_step, "checkpoint": job_checkpoint, "fail": job_fail, "numerics": job_numerics,
-        "meta_init": job_meta_init, "uneven": job_uneven}
+JOBS = {
+    "one_step": job_one_step,
+    "checkpoint": job_checkpoint,
+    "fail": job_fail,
+    "numerics": job_numerics,
+    "meta_init": job_meta_init,
+    "uneven": job_uneven,
+}
 
 
 # ----------------------------------------------------------------------------- exact losses, one plan, dropout,
@@ -497,8 +547,9 @@ class TinyCausalLM(torch.nn.Module):
         target = labels[:, 1:]
         if not self.masked:
             return torch.nn.functional.cross_entropy(logits.reshape(-1, self.VOCAB), target.reshape(-1))
-        per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, self.VOCAB), target.clamp(min=0).reshape(-1),
-                                                      reduction="none").reshape(-1, SEQ - 1)
+        per_token = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, self.VOCAB), target.clamp(min=0).reshape(-1), reduction="none"
+        ).reshape(-1, SEQ - 1)
         m = mask[:, 1:]
         return (per_token * m).sum() / m.sum()
 
@@ -522,8 +573,10 @@ class PaddedCase(Case):
 
         if name not in ("tiny_lm", "masked_lm"):
             super().__init__(name)
-            self.batches = [(args, {**kwargs, "labels": padded_labels(kwargs["labels"], step)}, target)
-                            for step, (args, kwargs, target) in enumerate(self.batches)]
+            self.batches = [
+                (args, {**kwargs, "labels": padded_labels(kwargs["labels"], step)}, target)
+                for step, (args, kwargs, target) in enumerate(self.batches)
+            ]
             return
         torch.manual_seed(0)
         self.name, self.model, self.loss_fn, self.batch_size = name, TinyCausalLM(name == "masked_lm"), None, BATCH
@@ -558,17 +611,26 @@ def job_exact_losses(params: dict) -> dict:
             key = f"{name}/{config['label']}"
             print(key, flush=True)
             case.reset()
-            plan = manual_plan_for(case.graph, schedule=config["schedule"], num_stages=config["num_stages"],
-                                   num_microbatches=config["num_microbatches"], replicas=config.get("replicas", 1),
-                                   num_rank_groups=config["num_rank_groups"], cuts=_lm_cuts(case, config))
+            plan = manual_plan_for(
+                case.graph,
+                schedule=config["schedule"],
+                num_stages=config["num_stages"],
+                num_microbatches=config["num_microbatches"],
+                replicas=config.get("replicas", 1),
+                num_rank_groups=config["num_rank_groups"],
+                cuts=_lm_cuts(case, config),
+            )
             trainer = partita.Trainer(case.model, plan, optimizer=sgd, graph=case.graph)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                losses = [_train_step(trainer, batch) for batch in case.batches[:params["steps"]]]
+                losses = [_train_step(trainer, batch) for batch in case.batches[: params["steps"]]]
             state = trainer.gather_state_dict()
             scaling = getattr(trainer, "loss_scaling", None)  # None: a partita without it (for comparison)
-            results[key] = {"losses": losses, "normalised": scaling is not None and scaling.normalised,
-                            "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}
+            results[key] = {
+                "losses": losses,
+                "normalised": scaling is not None and scaling.normalised,
+                "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+            }
             if rank == 0:
                 ref_losses, ref_state = reference_run(case, sgd, params["steps"])
                 results[key].update(ref_losses=ref_losses, param=max_diff(state, ref_state))
@@ -620,15 +682,30 @@ def legal_cut(graph, near: int) -> int:
     return next(cut for cut in range(near, graph.num_nodes) if ok[cut])
 
 
-def manual_plan_for(graph, *, schedule: str, num_stages: int, num_microbatches: int, replicas: int = 1,
-                    cuts: list[int] | None = None, num_rank_groups: int | None = None):
+def manual_plan_for(
+    graph,
+    *,
+    schedule: str,
+    num_stages: int,
+    num_microbatches: int,
+    replicas: int = 1,
+    cuts: list[int] | None = None,
+    num_rank_groups: int | None = None,
+):
     """A plan of ``num_stages`` stages cut at ``cuts`` (default: legal cuts near equal node counts)."""
     from partita.planning.manual import manual_plan
 
     n = graph.num_nodes
     cuts = cuts if cuts is not None else [legal_cut(graph, n * k // num_stages) for k in range(1, num_stages)]
-    return manual_plan(graph, [0, *cuts, n], schedule=schedule, num_rank_groups=num_rank_groups or num_stages,
-                       replicas=replicas, num_microbatches=num_microbatches, global_batch_size=BATCH)
+    return manual_plan(
+        graph,
+        [0, *cuts, n],
+        schedule=schedule,
+        num_rank_groups=num_rank_groups or num_stages,
+        replicas=replicas,
+        num_microbatches=num_microbatches,
+        global_batch_size=BATCH,
+    )
 
 
 def job_one_plan(params: dict) -> dict:
@@ -641,8 +718,13 @@ def job_one_plan(params: dict) -> dict:
     rank = int(os.environ["RANK"])
     case = PaddedCase("tiny_lm")
     first = legal_cut(case.graph, case.graph.num_nodes // 2)
-    plan = manual_plan_for(case.graph, schedule="1f1b", num_stages=2, num_microbatches=2,
-                           cuts=[first if rank == 0 else legal_cut(case.graph, first + 1)])
+    plan = manual_plan_for(
+        case.graph,
+        schedule="1f1b",
+        num_stages=2,
+        num_microbatches=2,
+        cuts=[first if rank == 0 else legal_cut(case.graph, first + 1)],
+    )
     results: dict[str, Any] = {}
     started = time.perf_counter()
     try:
@@ -662,8 +744,11 @@ def job_one_plan(params: dict) -> dict:
     shared = shared_plan(make)
     case.reset()
     trainer = partita.Trainer(case.model, shared, optimizer=sgd, graph=case.graph)
-    results["shared"] = {"calls": calls, "loss": _train_step(trainer, case.batches[0]),
-                         "boundaries": list(shared.boundaries)}
+    results["shared"] = {
+        "calls": calls,
+        "loss": _train_step(trainer, case.batches[0]),
+        "boundaries": list(shared.boundaries),
+    }
 
     def broken():
         raise ValueError("no cluster given")
@@ -751,8 +836,11 @@ def job_frozen(params: dict) -> dict:
         graph = partita.capture(model, (x,), loss_fn=loss_fn, target=y)
         targets = [n.target for n in graph.nodes]
         linears = [i for i, t in enumerate(targets) if t == "aten.linear.default"]
-        cut = {"frozen-tail": linears[2], "loss-only": targets.index("aten.cross_entropy_loss.default"),
-               "frozen-head": linears[0] + 1}[label]
+        cut = {
+            "frozen-tail": linears[2],
+            "loss-only": targets.index("aten.cross_entropy_loss.default"),
+            "frozen-head": linears[0] + 1,
+        }[label]
         plan = manual_plan_for(graph, schedule="1f1b", num_stages=2, num_microbatches=2, cuts=[cut])
         reference = copy.deepcopy(model)
         trainer = partita.Trainer(model, plan, optimizer=adamw, lr_scheduler=halving, graph=graph)
@@ -786,8 +874,9 @@ def job_hang(params: dict) -> dict:
     rank = int(os.environ["RANK"])
     case = PaddedCase("tiny_lm")
     plan = manual_plan_for(case.graph, schedule="1f1b", num_stages=2, num_microbatches=4)
-    trainer = partita.Trainer(case.model, plan, optimizer=sgd, graph=case.graph,
-                              collective_timeout_s=params["collective_timeout_s"])
+    trainer = partita.Trainer(
+        case.model, plan, optimizer=sgd, graph=case.graph, collective_timeout_s=params["collective_timeout_s"]
+    )
     _train_step(trainer, case.batches[0])  # a healthy step first: the timeout does not fire on its own
     if rank == 1:  # hung until its peer has given up, then gone (its pipeline connection is closed)
         time.sleep(params["sleep_s"])
@@ -797,12 +886,25 @@ def job_hang(params: dict) -> dict:
         _train_step(trainer, case.batches[1])
         return {"raised": None}
     except CollectiveTimeoutError as e:
-        return {"raised": str(e), "step": e.step, "rank": e.rank, "behind": e.behind,
-                "seconds": time.perf_counter() - started}
+        return {
+            "raised": str(e),
+            "step": e.step,
+            "rank": e.rank,
+            "behind": e.behind,
+            "seconds": time.perf_counter() - started,
+        }
 
 
-JOBS.update({"exact_losses": job_exact_losses, "unrecognised_loss": job_unrecognised_loss, "one_plan": job_one_plan,
-             "dropout": job_dropout, "frozen": job_frozen, "hang": job_hang})
+JOBS.update(
+    {
+        "exact_losses": job_exact_losses,
+        "unrecognised_loss": job_unrecognised_loss,
+        "one_plan": job_one_plan,
+        "dropout": job_dropout,
+        "frozen": job_frozen,
+        "hang": job_hang,
+    }
+)
 
 
 def main() -> None:

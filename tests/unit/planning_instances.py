@@ -3,13 +3,13 @@
 
 import numpy as np
 
-from partita.types.cluster import Cluster
 from partita.planning.build import build_plan
 from partita.planning.chain import coarsen
 from partita.planning.context import PlanningContext, finish_plan
 from partita.planning.oracle import brute_force
 from partita.planning.search import SearchOptions
 from partita.types import CostTable, OpGraph, OpNode, OptimizerKind, ParamInfo, TensorInfo
+from partita.types.cluster import Cluster
 
 GiB = 2**30
 
@@ -19,15 +19,35 @@ def random_instance(seed: int, num_nodes: tuple[int, int] = (2, 8)) -> PlanningC
     rng = np.random.default_rng(seed)
     k = int(rng.integers(*num_nodes))
     nodes = tuple(
-        OpNode(index=i, name=f"n{i}", target="aten.mm.default", module_path=f"layers.{i}", module_type="Linear",
-               source="", outputs=(TensorInfo((8, 16), "float32", 512, 0),), inputs=(i - 1,) if i else (),
-               params=(f"p{i}",), consumers=(i + 1,) if i + 1 < k else ())
+        OpNode(
+            index=i,
+            name=f"n{i}",
+            target="aten.mm.default",
+            module_path=f"layers.{i}",
+            module_type="Linear",
+            source="",
+            outputs=(TensorInfo((8, 16), "float32", 512, 0),),
+            inputs=(i - 1,) if i else (),
+            params=(f"p{i}",),
+            consumers=(i + 1,) if i + 1 < k else (),
+        )
         for i in range(k)
     )
     param_bytes = rng.integers(1, 200, size=k) * 2**20
-    params = {f"p{i}": ParamInfo(f"p{i}", (int(param_bytes[i]) // 4,), "float32", int(param_bytes[i])) for i in range(k)}
-    graph = OpGraph(nodes=nodes, inputs=(), parameters=params, loss_node=k - 1, batch_size=8, dynamic_batch=True,
-                    fingerprint=f"random{seed}", graph_module=None, exported_program=None)
+    params = {
+        f"p{i}": ParamInfo(f"p{i}", (int(param_bytes[i]) // 4,), "float32", int(param_bytes[i])) for i in range(k)
+    }
+    graph = OpGraph(
+        nodes=nodes,
+        inputs=(),
+        parameters=params,
+        loss_node=k - 1,
+        batch_size=8,
+        dynamic_batch=True,
+        fingerprint=f"random{seed}",
+        graph_module=None,
+        exported_program=None,
+    )
     forward = rng.uniform(1e-3, 2e-2, size=k)
     activation = rng.integers(1, 300, size=k) * 2**20
     cut = np.concatenate([[0], rng.integers(1, 50, size=k - 1) * 2**20, [0]])
@@ -36,31 +56,54 @@ def random_instance(seed: int, num_nodes: tuple[int, int] = (2, 8)) -> PlanningC
     def costs_at(b: int) -> CostTable:
         scale = b / 8
         return CostTable(
-            microbatch_size=b, device="h100", source="analytic",
-            forward_s=forward * scale + overhead, backward_s=2 * forward * scale + overhead,
-            backward_weight_s=forward * scale, activation_bytes=(activation * scale).astype(np.int64),
-            output_bytes=(cut[1:] * scale).astype(np.int64), cut_bytes=(cut * scale).astype(np.int64),
-            param_names=tuple(params), param_bytes=param_bytes, param_trainable=np.ones(k, bool),
+            microbatch_size=b,
+            device="h100",
+            source="analytic",
+            forward_s=forward * scale + overhead,
+            backward_s=2 * forward * scale + overhead,
+            backward_weight_s=forward * scale,
+            activation_bytes=(activation * scale).astype(np.int64),
+            output_bytes=(cut[1:] * scale).astype(np.int64),
+            cut_bytes=(cut * scale).astype(np.int64),
+            param_names=tuple(params),
+            param_bytes=param_bytes,
+            param_trainable=np.ones(k, bool),
             param_uses=tuple(np.array([i]) for i in range(k)),
         )
 
     num_devices = int(rng.integers(1, 5))
     memory = int(rng.uniform(2, 12) * max(1.0, k / 8) * GiB)  # longer chains need more
     cluster = Cluster(device="h100", num_devices=num_devices, devices_per_node=8, memory_bytes=memory)
-    options = SearchOptions(num_devices=num_devices, global_batch_size=8, memory_limit_bytes=cluster.usable_memory_bytes,
-                            optimizer=OptimizerKind.ADAM, max_microbatch_choices=16)
+    options = SearchOptions(
+        num_devices=num_devices,
+        global_batch_size=8,
+        memory_limit_bytes=cluster.usable_memory_bytes,
+        optimizer=OptimizerKind.ADAM,
+        max_microbatch_choices=16,
+    )
     chain = coarsen(graph, costs_at(8))
     return PlanningContext(graph, cluster, options, costs_at, list(chain), {})
 
 
 def oracle(ctx: PlanningContext):
     """The best plan over every split, config and recomputation choice (partita.planning.oracle)."""
+
     def evaluate(config, nodes, recompute, method):
         return finish_plan(ctx, config, nodes, recompute, method)
 
     def stage_fits(config, nodes, recompute):
-        p = build_plan(ctx.graph, ctx.costs_at, config, nodes, recompute, ctx.options,
-                       cluster=ctx.cluster, method="x", resolved_options={}, versions=("", ""))
+        p = build_plan(
+            ctx.graph,
+            ctx.costs_at,
+            config,
+            nodes,
+            recompute,
+            ctx.options,
+            cluster=ctx.cluster,
+            method="x",
+            resolved_options={},
+            versions=("", ""),
+        )
         return [s.memory_bytes <= ctx.options.memory_limit_bytes for s in p.stages]
 
     return brute_force(ctx.options, ctx.chain, evaluate, stage_fits)

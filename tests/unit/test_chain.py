@@ -31,40 +31,62 @@ def make_graph(specs: list[dict], params: tuple[str, ...] = ()) -> OpGraph:
         for p in spec.get("inputs", ()):
             consumers[p].append(i)
     nodes = tuple(
-        OpNode(index=i, name=spec["name"], target=spec.get("target", "aten.relu.default"),
-               module_path=spec.get("module_path", ""), module_type="", source="",
-               outputs=spec.get("outputs", (F32,)), inputs=tuple(spec.get("inputs", ())),
-               graph_inputs=tuple(spec.get("graph_inputs", ())), params=tuple(spec.get("params", ())),
-               consumers=tuple(consumers[i]), is_view=spec.get("is_view", False),
-               is_higher_order=spec.get("is_higher_order", False))
+        OpNode(
+            index=i,
+            name=spec["name"],
+            target=spec.get("target", "aten.relu.default"),
+            module_path=spec.get("module_path", ""),
+            module_type="",
+            source="",
+            outputs=spec.get("outputs", (F32,)),
+            inputs=tuple(spec.get("inputs", ())),
+            graph_inputs=tuple(spec.get("graph_inputs", ())),
+            params=tuple(spec.get("params", ())),
+            consumers=tuple(consumers[i]),
+            is_view=spec.get("is_view", False),
+            is_higher_order=spec.get("is_higher_order", False),
+        )
         for i, spec in enumerate(specs)
     )
     parameters = {name: ParamInfo(name=name, shape=(4, 4), dtype="float32", num_bytes=64) for name in params}
-    return OpGraph(nodes=nodes, inputs=(GraphInput(name="x", path="args[0]", tensor=F32),), parameters=parameters,
-                   loss_node=len(nodes) - 1, batch_size=2, dynamic_batch=True, fingerprint="test",
-                   graph_module=None, exported_program=None)
+    return OpGraph(
+        nodes=nodes,
+        inputs=(GraphInput(name="x", path="args[0]", tensor=F32),),
+        parameters=parameters,
+        loss_node=len(nodes) - 1,
+        batch_size=2,
+        dynamic_batch=True,
+        fingerprint="test",
+        graph_module=None,
+        exported_program=None,
+    )
 
 
 def test_parameter_view_must_not_cross():
-    g = make_graph([
-        dict(name="x1", target="aten.mul.Tensor", graph_inputs=(0,)),
-        dict(name="wt", target="aten.t.default", params=("w",), is_view=True),  # a view of the weight
-        dict(name="y", inputs=(0,)),
-        dict(name="z", target="aten.mm.default", inputs=(2, 1)),
-    ], params=("w",))
+    g = make_graph(
+        [
+            dict(name="x1", target="aten.mul.Tensor", graph_inputs=(0,)),
+            dict(name="wt", target="aten.t.default", params=("w",), is_view=True),  # a view of the weight
+            dict(name="y", inputs=(0,)),
+            dict(name="z", target="aten.mm.default", inputs=(2, 1)),
+        ],
+        params=("w",),
+    )
     # Cut 1 ships x1 only; cuts 2 and 3 would ship the transposed weight.
     assert legal_cuts(g).tolist() == [True, True, False, False, True]
 
 
 def test_tuple_must_not_cross_but_its_items_may():
     two = (F32, F32)
-    g = make_graph([
-        dict(name="h", graph_inputs=(0,)),
-        dict(name="pair", target="wrap_with_set_grad_enabled", inputs=(0,), outputs=two, is_higher_order=True),
-        dict(name="a", target="operator.getitem", inputs=(1,), is_view=True),
-        dict(name="b", target="operator.getitem", inputs=(1,), is_view=True),
-        dict(name="c", target="aten.add.Tensor", inputs=(2, 3)),
-    ])
+    g = make_graph(
+        [
+            dict(name="h", graph_inputs=(0,)),
+            dict(name="pair", target="wrap_with_set_grad_enabled", inputs=(0,), outputs=two, is_higher_order=True),
+            dict(name="a", target="operator.getitem", inputs=(1,), is_view=True),
+            dict(name="b", target="operator.getitem", inputs=(1,), is_view=True),
+            dict(name="c", target="aten.add.Tensor", inputs=(2, 3)),
+        ]
+    )
     # Cuts 2 and 3 lie between the tuple and its getitems; at cut 4 the two items cross, and
     # they are separate tensors (a higher-order op's outputs), so that is fine.
     assert legal_cuts(g).tolist() == [True, True, False, False, True, True]
@@ -72,46 +94,54 @@ def test_tuple_must_not_cross_but_its_items_may():
 
 def test_items_of_a_split_share_storage():
     three = (F32, F32, F32)
-    g = make_graph([
-        dict(name="h", graph_inputs=(0,)),
-        dict(name="split", target="aten.split.Tensor", inputs=(0,), outputs=three, is_view=True),
-        dict(name="a", target="operator.getitem", inputs=(1,), is_view=True),
-        dict(name="b", target="operator.getitem", inputs=(1,), is_view=True),
-        dict(name="c", target="aten.add.Tensor", inputs=(2, 3)),
-    ])
+    g = make_graph(
+        [
+            dict(name="h", graph_inputs=(0,)),
+            dict(name="split", target="aten.split.Tensor", inputs=(0,), outputs=three, is_view=True),
+            dict(name="a", target="operator.getitem", inputs=(1,), is_view=True),
+            dict(name="b", target="operator.getitem", inputs=(1,), is_view=True),
+            dict(name="c", target="aten.add.Tensor", inputs=(2, 3)),
+        ]
+    )
     assert legal_cuts(g).tolist() == [True, True, False, False, False, True]
 
 
 def test_tensor_and_its_view_must_not_both_cross():
-    g = make_graph([
-        dict(name="h", graph_inputs=(0,)),
-        dict(name="v", target="aten.view.default", inputs=(0,), is_view=True),
-        dict(name="k", target="aten.exp.default", graph_inputs=(0,)),
-        dict(name="out", target="aten.add.Tensor", inputs=(0, 1, 2)),
-    ])
+    g = make_graph(
+        [
+            dict(name="h", graph_inputs=(0,)),
+            dict(name="v", target="aten.view.default", inputs=(0,), is_view=True),
+            dict(name="k", target="aten.exp.default", graph_inputs=(0,)),
+            dict(name="out", target="aten.add.Tensor", inputs=(0, 1, 2)),
+        ]
+    )
     # Cut 1: only h crosses. Cut 2 falls just after the view while its base is still read:
     # h and v would be two copies of one storage; so does cut 3.
     assert legal_cuts(g).tolist() == [True, True, False, False, True]
 
 
 def test_a_view_alone_may_cross():
-    g = make_graph([
-        dict(name="h", graph_inputs=(0,)),
-        dict(name="v", target="aten.view.default", inputs=(0,), is_view=True),
-        dict(name="k", target="aten.exp.default", graph_inputs=(0,)),
-        dict(name="out", target="aten.add.Tensor", inputs=(1, 2)),
-    ])
+    g = make_graph(
+        [
+            dict(name="h", graph_inputs=(0,)),
+            dict(name="v", target="aten.view.default", inputs=(0,), is_view=True),
+            dict(name="k", target="aten.exp.default", graph_inputs=(0,)),
+            dict(name="out", target="aten.add.Tensor", inputs=(1, 2)),
+        ]
+    )
     assert legal_cuts(g).all()
 
 
 def test_symints_from_inputs_cross_others_do_not():
-    g = make_graph([
-        dict(name="batch", target="aten.sym_size.int", graph_inputs=(0,), outputs=(), is_view=True),
-        dict(name="h", graph_inputs=(0,)),
-        dict(name="rows", target="aten.sym_size.int", inputs=(1,), outputs=(), is_view=True),
-        dict(name="g", inputs=(1,)),
-        dict(name="out", target="aten.view.default", inputs=(3, 0, 2), is_view=True),
-    ])
+    g = make_graph(
+        [
+            dict(name="batch", target="aten.sym_size.int", graph_inputs=(0,), outputs=(), is_view=True),
+            dict(name="h", graph_inputs=(0,)),
+            dict(name="rows", target="aten.sym_size.int", inputs=(1,), outputs=(), is_view=True),
+            dict(name="g", inputs=(1,)),
+            dict(name="out", target="aten.view.default", inputs=(3, 0, 2), is_view=True),
+        ]
+    )
     # "batch" is recomputed from the input by every stage; "rows" reads an activation.
     assert legal_cuts(g).tolist() == [True, True, True, False, False, True]
 
@@ -120,11 +150,17 @@ def test_block_param_matrix_worked_example():
     # 5 nodes, 4 blocks (node 3 and 4 form block 3); "tied" is read in blocks 0 and 3,
     # "w1" (frozen) in block 1, "b" (a buffer) in blocks 1 and 2; "unused" by nobody.
     costs = CostTable(
-        microbatch_size=1, device="cpu", source="analytic",
-        forward_s=np.arange(5.0), backward_s=2 * np.arange(5.0), backward_weight_s=np.ones(5),
-        activation_bytes=np.array([1, 2, 3, 4, 5]), output_bytes=np.array([10, 50, 20, 30, 40]),
+        microbatch_size=1,
+        device="cpu",
+        source="analytic",
+        forward_s=np.arange(5.0),
+        backward_s=2 * np.arange(5.0),
+        backward_weight_s=np.ones(5),
+        activation_bytes=np.array([1, 2, 3, 4, 5]),
+        output_bytes=np.array([10, 50, 20, 30, 40]),
         cut_bytes=np.array([0, 7, 8, 9, 6, 0]),
-        param_names=("tied", "w1", "b", "unused"), param_bytes=np.array([100, 20, 3, 1000]),
+        param_names=("tied", "w1", "b", "unused"),
+        param_bytes=np.array([100, 20, 3, 1000]),
         param_trainable=np.array([True, False, False, True]),
         param_uses=(np.array([0, 4]), np.array([1]), np.array([1, 2]), np.array([], dtype=np.int64)),
     )
@@ -146,10 +182,21 @@ def test_block_param_matrix_worked_example():
 
 def test_block_costs_rejects_bad_boundaries():
     g = make_graph([dict(name="a", graph_inputs=(0,)), dict(name="b", inputs=(0,))])
-    costs = CostTable(microbatch_size=1, device="cpu", source="analytic", forward_s=np.ones(2),
-                      backward_s=np.ones(2), backward_weight_s=np.zeros(2), activation_bytes=np.zeros(2),
-                      output_bytes=np.zeros(2), cut_bytes=np.zeros(3), param_names=(), param_bytes=np.zeros(0),
-                      param_trainable=np.zeros(0, dtype=bool), param_uses=())
+    costs = CostTable(
+        microbatch_size=1,
+        device="cpu",
+        source="analytic",
+        forward_s=np.ones(2),
+        backward_s=np.ones(2),
+        backward_weight_s=np.zeros(2),
+        activation_bytes=np.zeros(2),
+        output_bytes=np.zeros(2),
+        cut_bytes=np.zeros(3),
+        param_names=(),
+        param_bytes=np.zeros(0),
+        param_trainable=np.zeros(0, dtype=bool),
+        param_uses=(),
+    )
     with pytest.raises(InputError):
         block_costs(costs, [0, 1, 1, 2])
     with pytest.raises(InputError):
@@ -157,8 +204,17 @@ def test_block_costs_rejects_bad_boundaries():
 
 
 def test_layer_boundaries_from_module_paths():
-    paths = ["", "model.embed", "model.layers.0.attn", "model.layers.0.attn.q.0", "model.layers.0",
-             "model.layers.1.attn", "encoder.block.0", "model.norm", "head"]
+    paths = [
+        "",
+        "model.embed",
+        "model.layers.0.attn",
+        "model.layers.0.attn.q.0",
+        "model.layers.0",
+        "model.layers.1.attn",
+        "encoder.block.0",
+        "model.norm",
+        "head",
+    ]
     g = make_graph([dict(name=f"n{i}", graph_inputs=(0,), module_path=p) for i, p in enumerate(paths)])
     assert layer_boundaries(g) == [2, 5]
 
@@ -258,7 +314,8 @@ def test_block_param_matrix_matches_brute_force(captured):
         held = costs.params_in_range(int(boundaries[j]), int(boundaries[i]))
         assert blocks.param_bytes(j, i) == sum(int(costs.param_bytes[p]) for p in held), (j, i)
         assert blocks.param_bytes(j, i, trainable=True) == sum(
-            int(costs.param_bytes[p]) for p in held if costs.param_trainable[p]), (j, i)
+            int(costs.param_bytes[p]) for p in held if costs.param_trainable[p]
+        ), (j, i)
 
 
 def test_tied_embedding_is_held_only_by_its_ends():
@@ -298,14 +355,16 @@ def test_per_sample_cuts_exclude_merged_batch_dims():
     """(B*T, H) from a reshape may be batch-major or not: cuts it crosses cannot change replica counts."""
     merged = TensorInfo(shape=(8, 4), dtype="float32", num_bytes=128, batch_dim=0)  # batch 2 x 4 positions
     shared = TensorInfo(shape=(4, 4), dtype="float32", num_bytes=64, batch_dim=None)  # no batch dim: sent whole
-    graph = make_graph([
-        dict(name="a", graph_inputs=(0,)),
-        dict(name="flat", inputs=(0,), outputs=(merged,), is_view=True),
-        dict(name="mm", inputs=(1,), outputs=(merged,)),
-        dict(name="back", inputs=(2,)),
-        dict(name="table", outputs=(shared,)),
-        dict(name="out", inputs=(3, 4)),
-    ])
+    graph = make_graph(
+        [
+            dict(name="a", graph_inputs=(0,)),
+            dict(name="flat", inputs=(0,), outputs=(merged,), is_view=True),
+            dict(name="mm", inputs=(1,), outputs=(merged,)),
+            dict(name="back", inputs=(2,)),
+            dict(name="table", outputs=(shared,)),
+            dict(name="out", inputs=(3, 4)),
+        ]
+    )
     assert per_sample_cuts(graph).tolist() == [True, True, False, False, True, True, True]
 
 

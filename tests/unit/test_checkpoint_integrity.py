@@ -78,8 +78,13 @@ def test_a_checkpoint_records_the_size_and_sha256_of_every_file(tmp_path):
     assert damage(path) is None
 
 
-@pytest.mark.parametrize("harm, why", [(_truncate, r"has \d+ bytes, its manifest says \d+: the file was cut short"),
-                                      (_flip_a_byte, "has another sha256 than its manifest records")])
+@pytest.mark.parametrize(
+    "harm, why",
+    [
+        (_truncate, r"has \d+ bytes, its manifest says \d+: the file was cut short"),
+        (_flip_a_byte, "has another sha256 than its manifest records"),
+    ],
+)
 def test_latest_checkpoint_skips_a_damaged_one_and_names_it(tmp_path, harm, why):
     first, second = _steps(tmp_path, 2)
     bad = harm(second)
@@ -110,8 +115,10 @@ def test_a_checkpoint_without_manifest_loads_with_a_warning_and_fails_readably(t
     with pytest.warns(UserWarning, match="cannot be verified"):
         assert latest_checkpoint(str(tmp_path)) == second  # unverifiable, not damaged
     _truncate(second)
-    with pytest.warns(UserWarning, match="cannot be verified"), \
-            pytest.raises(InputError, match=rf"checkpoint '{second}' could not be read \(.*\): a file is cut short"):
+    with (
+        pytest.warns(UserWarning, match="cannot be verified"),
+        pytest.raises(InputError, match=rf"checkpoint '{second}' could not be read \(.*\): a file is cut short"),
+    ):
         load_into_model(_model(), second)
 
 
@@ -150,8 +157,9 @@ def _fresh(one_rank):
 
     ex = examples.build("mlp", batch_size=4)
     graph = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
-    plan = manual_plan(graph, [0, graph.num_nodes], schedule="1f1b", num_rank_groups=1, num_microbatches=2,
-                       global_batch_size=8)
+    plan = manual_plan(
+        graph, [0, graph.num_nodes], schedule="1f1b", num_rank_groups=1, num_microbatches=2, global_batch_size=8
+    )
     return ex, graph, plan
 
 
@@ -195,10 +203,20 @@ def test_a_scheduler_whose_step_needs_a_metric_is_refused_at_construction(one_ra
 
     ex, graph, plan = _fresh(one_rank)
     with pytest.raises(InputError, match=r"ReduceLROnPlateau, whose step\(\) needs metrics.*LambdaLR"):
-        Trainer(ex.model, plan, graph=graph, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
-                lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau)
-    trainer = Trainer(ex.model, plan, graph=graph, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
-                      lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5))
+        Trainer(
+            ex.model,
+            plan,
+            graph=graph,
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+            lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau,
+        )
+    trainer = Trainer(
+        ex.model,
+        plan,
+        graph=graph,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5),
+    )
     args, kwargs, target = ex.make_batch(plan.global_batch_size, 0)
     trainer.step(*args, target=target, **kwargs)
     assert trainer.num_steps == 1

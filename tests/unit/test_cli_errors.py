@@ -31,6 +31,7 @@ def _forbid(monkeypatch, *names: str) -> None:
     """Make ``names`` (of partita.cli.main, or launch_local) fail the test if reached: the check
     must come first."""
     for name in names:
+
         def reached(*args, _name=name, **kwargs):
             raise AssertionError(f"{_name} ran before the bad flag was refused")
 
@@ -89,8 +90,9 @@ def test_negative_max_restarts_and_nproc_are_refused(monkeypatch, capsys):
 def test_global_batch_other_than_the_plan_files_is_refused(mlp, tmp_path, monkeypatch, capsys):
     _, graph = mlp
     path = tmp_path / "plan.json"
-    manual_plan(graph, [0, graph.num_nodes], schedule="1f1b", num_rank_groups=1, num_microbatches=2,
-                global_batch_size=8).save(str(path))
+    manual_plan(
+        graph, [0, graph.num_nodes], schedule="1f1b", num_rank_groups=1, num_microbatches=2, global_batch_size=8
+    ).save(str(path))
     _forbid(monkeypatch, "launch_local")
     assert main(["train", "mlp", "--plan", str(path), "--global-batch", "12"]) == 2
     err = _error(capsys)
@@ -108,8 +110,10 @@ def test_global_batch_other_than_the_plan_files_is_refused(mlp, tmp_path, monkey
 
 def test_global_batch_not_divisible_by_microbatches_names_the_cause(monkeypatch, capsys):
     _forbid(monkeypatch, "_load", "_plan_for_training")
-    assert main(["plan", "mlp", "--devices", "2", "--device-type", "h100", "--global-batch", "10",
-                 "--microbatches", "4"]) == 2
+    assert (
+        main(["plan", "mlp", "--devices", "2", "--device-type", "h100", "--global-batch", "10", "--microbatches", "4"])
+        == 2
+    )
     err = _error(capsys)
     assert "--global-batch 10 is not divisible by --microbatches 4" in err
     assert "use --global-batch 8 or 12, or --microbatches 1, 2, 5, 10" in err
@@ -120,8 +124,11 @@ def test_global_batch_not_divisible_by_microbatches_names_the_cause(monkeypatch,
 
 def test_planner_checks_divisibility_before_searching(mlp):
     _, graph = mlp
-    with pytest.raises(InputError, match=r"global_batch_size 10 is not divisible by num_microbatches 4: .*"
-                                         r"use global_batch_size 8 or 12, or num_microbatches 1, 2, 5, 10"):
+    with pytest.raises(
+        InputError,
+        match=r"global_batch_size 10 is not divisible by num_microbatches 4: .*"
+        r"use global_batch_size 8 or 12, or num_microbatches 1, 2, 5, 10",
+    ):
         partita.plan(graph, cluster=h100s(2), global_batch_size=10, options=PlanOptions(num_microbatches=4))
     with pytest.raises(InputError, match=r"global_batch_size 9 is not divisible by replicas 2: .*8 or 10"):
         partita.plan(graph, cluster=h100s(2), global_batch_size=9, options=PlanOptions(replicas=2))
@@ -142,7 +149,7 @@ def test_nodes_must_be_positive_and_divide_the_devices(monkeypatch, capsys):
 
 # ----------------------------------------------------------------------------- ids and labels
 
-FACTORY = '''
+FACTORY = """
 import torch
 from torch import nn
 
@@ -160,7 +167,7 @@ def big_ids():
 
 def big_labels():
     return M(), (torch.randint(0, 10, (4, 3)),), nn.functional.cross_entropy, torch.tensor([0, 1, 12, 3])
-'''
+"""
 
 
 def test_ids_and_labels_out_of_range_are_named_before_planning(tmp_path, capsys):
@@ -187,8 +194,11 @@ def test_batch_values_check_dtype_and_range(mlp):
     vocab = uses["embedding"].bound
     check_batch_values(graph, flatten_inputs(graph, ex.args, ex.kwargs), "step 1")
     bad = flatten_inputs(graph, ex.args, {**ex.kwargs, "input_ids": torch.full_like(ids, vocab)})
-    with pytest.raises(InputError, match=rf"step 1: kwargs\['input_ids'\] holds id {vocab}, but the embedding "
-                                         rf"transformer.wte has {vocab} rows"):
+    with pytest.raises(
+        InputError,
+        match=rf"step 1: kwargs\['input_ids'\] holds id {vocab}, but the embedding "
+        rf"transformer.wte has {vocab} rows",
+    ):
         check_batch_values(graph, bad, "step 1")
     floats = flatten_inputs(graph, ex.args, {**ex.kwargs, "input_ids": ids.float()})
     with pytest.raises(InputError, match=r"input_ids'\] is float32, but it holds the ids .*\(torch.long\)"):
@@ -215,8 +225,9 @@ def test_a_binary_plan_file_is_a_plan_file_error(tmp_path, capsys):
 
 def test_a_zbv_plan_edited_to_recompute_is_refused(mlp, tmp_path):
     _, graph = mlp
-    plan = partita.plan(graph, cluster=h100s(2), global_batch_size=8,
-                        options=PlanOptions(schedules="zbv", num_stages=2))
+    plan = partita.plan(
+        graph, cluster=h100s(2), global_batch_size=8, options=PlanOptions(schedules="zbv", num_stages=2)
+    )
     assert plan.schedule is Schedule.ZBV and not any(s.recompute for s in plan.stages)
     path = tmp_path / "plan.json"
     plan.save(str(path))
@@ -226,8 +237,15 @@ def test_a_zbv_plan_edited_to_recompute_is_refused(mlp, tmp_path):
     with pytest.raises(PlanFileError, match=r"stages\[1\]\.recompute is true, but the schedule is zbv"):
         partita.Plan.load(str(path))
     # manual plans may ask the runtime for it (no memory predictions): still loadable
-    manual = manual_plan(graph, [0, graph.num_nodes // 2, graph.num_nodes], schedule="zbv", num_rank_groups=1,
-                         num_microbatches=2, global_batch_size=8, recompute=True)
+    manual = manual_plan(
+        graph,
+        [0, graph.num_nodes // 2, graph.num_nodes],
+        schedule="zbv",
+        num_rank_groups=1,
+        num_microbatches=2,
+        global_batch_size=8,
+        recompute=True,
+    )
     manual.save(str(path))
     assert partita.Plan.load(str(path)).stages[0].recompute
 
@@ -243,8 +261,10 @@ def test_a_baseline_that_cannot_make_the_stage_count_is_not_reported_as_out_of_m
     assert result.baselines["uniform"] is None  # backwards compatible: None for no plan
     assert result.baseline_reasons["uniform"] == "cannot split into 8 stages: the model has 4 repeated layers"
     assert set(result.baseline_reasons) == {name for name, p in result.baselines.items() if p is None}
-    assert main(["plan", "mlp", "--devices", "8", "--device-type", "h100", "--global-batch", "16",
-                 "--num-stages", "8"]) == 0
+    assert (
+        main(["plan", "mlp", "--devices", "8", "--device-type", "h100", "--global-batch", "16", "--num-stages", "8"])
+        == 0
+    )
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("uniform"))
     assert row.split()[1] == "n/a", row
@@ -256,9 +276,14 @@ def test_plan_text_tells_no_split_from_no_fit(mlp):
 
     _, graph = mlp
     plan = partita.plan(graph, cluster=h100s(2), global_batch_size=8)
-    rows = plan_text(plan, baselines={"uniform": None, "parameters": None},
-                     baseline_reasons={"uniform": "cannot split into 2 stages: the model has 1 repeated layers",
-                                       "parameters": "does not fit"}).splitlines()
+    rows = plan_text(
+        plan,
+        baselines={"uniform": None, "parameters": None},
+        baseline_reasons={
+            "uniform": "cannot split into 2 stages: the model has 1 repeated layers",
+            "parameters": "does not fit",
+        },
+    ).splitlines()
     fits = {line.split()[0]: line.split()[1] for line in rows if line.split()[:1] in (["uniform"], ["parameters"])}
     assert fits == {"uniform": "n/a", "parameters": "no"}
     row = next(line for line in plan_text(plan, baselines={"uniform": None}).splitlines() if line.startswith("uniform"))

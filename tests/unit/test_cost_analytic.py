@@ -12,8 +12,6 @@ import torch
 import partita
 from partita.cost import comm, local_machine
 from partita.cost.analytic import analytic_costs
-from partita.types.cluster import Cluster
-from partita.types.devices import get_device, known_devices, load_device_file, resolve_device
 from partita.cost.local_machine import (
     LOCAL_RESERVED_MEMORY_FRACTION,
     local_cluster,
@@ -24,6 +22,8 @@ from partita.cost.local_machine import (
 from partita.cost.table import activation_bytes, contended, cut_bytes, is_inplace, param_arrays, requires_grad
 from partita.errors import InputError
 from partita.types import DeviceSpec, GraphInput, OpGraph, OpNode, ParamInfo, TensorInfo
+from partita.types.cluster import Cluster
+from partita.types.devices import get_device, known_devices, load_device_file, resolve_device
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -34,8 +34,16 @@ def _tensor(shape, dtype="float32", batch_dim=0):
 
 
 def _node(index, target, outputs, **fields):
-    return OpNode(index=index, name=f"n{index}", target=target, module_path="", module_type="", source="",
-                  outputs=tuple(outputs), **fields)
+    return OpNode(
+        index=index,
+        name=f"n{index}",
+        target=target,
+        module_path="",
+        module_type="",
+        source="",
+        outputs=tuple(outputs),
+        **fields,
+    )
 
 
 def _param(name, shape, requires_grad=True):
@@ -43,15 +51,24 @@ def _param(name, shape, requires_grad=True):
 
 
 def _graph(nodes, parameters=(), inputs=(), batch_size=4):
-    return OpGraph(nodes=tuple(nodes), inputs=tuple(inputs), parameters={p.name: p for p in parameters},
-                   loss_node=len(nodes) - 1, batch_size=batch_size, dynamic_batch=True, fingerprint="x",
-                   graph_module=None, exported_program=None)
+    return OpGraph(
+        nodes=tuple(nodes),
+        inputs=tuple(inputs),
+        parameters={p.name: p for p in parameters},
+        loss_node=len(nodes) - 1,
+        batch_size=batch_size,
+        dynamic_batch=True,
+        fingerprint="x",
+        graph_module=None,
+        exported_program=None,
+    )
 
 
 def _toy_device(**changes):
     """1 TFLOP/s, 1 GB/s, perfect efficiency and no per-op overhead: times are easy to compute."""
-    spec = DeviceSpec("toy", 10**9, {"float32": 1e12}, 1e9, 1e9, 1e8, compute_efficiency=1.0,
-                      memory_efficiency=1.0, op_overhead_s=0.0)
+    spec = DeviceSpec(
+        "toy", 10**9, {"float32": 1e12}, 1e9, 1e9, 1e8, compute_efficiency=1.0, memory_efficiency=1.0, op_overhead_s=0.0
+    )
     return dataclasses.replace(spec, **changes)
 
 
@@ -62,7 +79,9 @@ def _skip_graph():
     """
     x = GraphInput("x", "args[0]", _tensor((4, 8)), consumers=(0,))
     nodes = [
-        _node(0, "aten.linear.default", [_tensor((4, 8))], graph_inputs=(0,), params=("w0",), consumers=(1, 3), flops=512),
+        _node(
+            0, "aten.linear.default", [_tensor((4, 8))], graph_inputs=(0,), params=("w0",), consumers=(1, 3), flops=512
+        ),
         _node(1, "aten.gelu.default", [_tensor((4, 16))], inputs=(0,), consumers=(2,)),
         _node(2, "aten.linear.default", [_tensor((4, 8))], inputs=(1,), params=("w1",), consumers=(3,), flops=1024),
         _node(3, "aten.add.Tensor", [_tensor((4, 8))], inputs=(0, 2), consumers=(4,)),
@@ -75,8 +94,18 @@ def _skip_graph():
 def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, use_cache=False,
-                        attn_implementation="eager", resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=256,
+        n_positions=64,
+        use_cache=False,
+        attn_implementation="eager",
+        resid_pdrop=0,
+        embd_pdrop=0,
+        attn_pdrop=0,
+    )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, 256, (4, 32))
@@ -112,9 +141,15 @@ def test_unknown_device_lists_the_known_ones():
 
 
 def test_device_file_json_and_toml(tmp_path):
-    full = {"name": "mygpu", "memory_bytes": 2**34, "peak_flops": {"float32": 1e13, "bfloat16": 1e14},
-            "memory_bandwidth_bytes_per_s": 1e12, "intra_node_bandwidth_bytes_per_s": 1e11,
-            "inter_node_bandwidth_bytes_per_s": 1e10, "compute_efficiency": 0.5}
+    full = {
+        "name": "mygpu",
+        "memory_bytes": 2**34,
+        "peak_flops": {"float32": 1e13, "bfloat16": 1e14},
+        "memory_bandwidth_bytes_per_s": 1e12,
+        "intra_node_bandwidth_bytes_per_s": 1e11,
+        "inter_node_bandwidth_bytes_per_s": 1e10,
+        "compute_efficiency": 0.5,
+    }
     (tmp_path / "gpu.json").write_text(json.dumps(full))
     spec = load_device_file(tmp_path / "gpu.json")
     assert spec.name == "mygpu" and spec.memory_bytes == 2**34 and spec.peak_flops["bfloat16"] == 1e14
@@ -133,7 +168,11 @@ def test_device_file_json_and_toml(tmp_path):
         ('{"base": "h100", "memory_bytes": -5}', ".json", "'memory_bytes'.*positive.*got -5"),
         ('{"base": "h100", "memory_efficency": 0.5}', ".json", "unknown field.*memory_efficency"),
         ('{"base": "h100", "compute_efficiency": 1.5}', ".json", "'compute_efficiency'.*\\(0, 1\\], got 1.5"),
-        ('{"base": "h100", "memory_bandwidth_bytes_per_s": 0}', ".json", "'memory_bandwidth_bytes_per_s'.*positive.*got 0"),
+        (
+            '{"base": "h100", "memory_bandwidth_bytes_per_s": 0}',
+            ".json",
+            "'memory_bandwidth_bytes_per_s'.*positive.*got 0",
+        ),
         ('{"base": "h100", "intra_node_latency_s": -1}', ".json", "'intra_node_latency_s'.*>= 0, got -1"),
         ('{"base": "h100", "peak_flops": {"float32": "fast"}}', ".json", "'peak_flops.float32'.*positive.*got 'fast'"),
         ('{"base": "h100", "peak_flops": {}}', ".json", "'peak_flops'.*non-empty.*got \\{\\}"),
@@ -187,7 +226,9 @@ def test_cluster_defaults_and_topology():
     cluster = Cluster(device="h100", num_devices=64, devices_per_node=8)
     h100 = get_device("h100")
     assert cluster.device == h100 and cluster.memory_bytes == h100.memory_bytes
-    assert cluster.inter_node_bandwidth_bytes_per_s == 50e9 and cluster.intra_node_latency_s == h100.intra_node_latency_s
+    assert (
+        cluster.inter_node_bandwidth_bytes_per_s == 50e9 and cluster.intra_node_latency_s == h100.intra_node_latency_s
+    )
     assert cluster.num_nodes == 8
     assert cluster.usable_memory_bytes == int(h100.memory_bytes * 0.95)
     assert cluster.rank_to_node(7) == 0 and cluster.rank_to_node(8) == 1 and cluster.rank_to_node(63) == 7
@@ -208,7 +249,10 @@ def test_cluster_defaults_and_topology():
         ({"num_devices": 8, "memory_bytes": 1.5e9}, "memory_bytes.*got 1500000000.0"),
         ({"num_devices": 8, "intra_node_bandwidth_bytes_per_s": 0}, "intra_node_bandwidth_bytes_per_s.*> 0, got 0"),
         ({"num_devices": 8, "inter_node_latency_s": -1e-6}, "inter_node_latency_s.*>= 0, got -1e-06"),
-        ({"num_devices": 8, "reserved_memory_fraction": 1.0}, "reserved_memory_fraction must be in \\[0, 1\\), got 1.0"),
+        (
+            {"num_devices": 8, "reserved_memory_fraction": 1.0},
+            "reserved_memory_fraction must be in \\[0, 1\\), got 1.0",
+        ),
         ({"num_devices": 8, "device": "tpu"}, "unknown device 'tpu'"),
         ({"num_devices": 8, "compute_slowdown": 0.0}, "compute_slowdown.*> 0, got 0.0"),
         ({"num_devices": 8, "collective_efficiency": 1.5}, "collective_efficiency must be in \\(0, 1\\], got 1.5"),
@@ -251,8 +295,10 @@ def test_cluster_from_dict_errors(change, message):
 
 
 def test_local_cluster_measures_gloo(tmp_path, monkeypatch):
-    probes = {name: _count_calls(monkeypatch, local_machine, name)
-              for name in ("_calibrate_cpu", "_run_gloo_probe", "_probe_rounds")}
+    probes = {
+        name: _count_calls(monkeypatch, local_machine, name)
+        for name in ("_calibrate_cpu", "_run_gloo_probe", "_probe_rounds")
+    }
     cluster = Cluster.local(num_devices=2, memory_bytes=2**30, cache_dir=tmp_path)
     assert cluster.num_devices == 2 and cluster.num_nodes == 1 and cluster.memory_bytes == 2**30
     assert cluster.device.name == "cpu" and cluster.intra_node_bandwidth_bytes_per_s > 1e7
@@ -261,11 +307,16 @@ def test_local_cluster_measures_gloo(tmp_path, monkeypatch):
     assert measure_gloo(tmp_path)["collective_efficiency"] == cluster.collective_efficiency  # from the cache
     assert cluster.compute_slowdown >= 1.0 and len(list(tmp_path.glob("contention-*.json"))) == 1
     # glibc keeps freed memory: the planner leaves CPU ranks a larger share than accelerators
-    assert cluster.reserved_memory_fraction == LOCAL_RESERVED_MEMORY_FRACTION > Cluster("h100", 8).reserved_memory_fraction
+    assert (
+        cluster.reserved_memory_fraction == LOCAL_RESERVED_MEMORY_FRACTION > Cluster("h100", 8).reserved_memory_fraction
+    )
     assert Cluster.local(num_devices=2, memory_bytes=2**30, cache_dir=tmp_path) == cluster  # from the cache
     assert local_cluster(2, 2**30, cache_dir=tmp_path) == cluster
     assert {name: len(calls) for name, calls in probes.items()} == {name: 1 for name in probes}  # each measured once
-    assert Cluster.local(num_devices=2, memory_bytes=2**30, cache_dir=tmp_path, compute_slowdown=1.25).compute_slowdown == 1.25
+    assert (
+        Cluster.local(num_devices=2, memory_bytes=2**30, cache_dir=tmp_path, compute_slowdown=1.25).compute_slowdown
+        == 1.25
+    )
     assert Cluster.local(num_devices=1, cache_dir=tmp_path).compute_slowdown == 1.0  # one rank: nothing to share
 
 
@@ -281,9 +332,12 @@ def test_compute_slowdown_scales_every_compute_time_of_a_plan(tiny_gpt2):
     np.testing.assert_allclose(contended(slowed, 1.0).forward_s, costs.forward_s)
     # one device, no communication: the predicted step is the compute, 1.5x
     options = partita.PlanOptions(costs="analytic", schedules="gpipe", num_microbatches=2, recompute=False)
-    steps = [partita.plan(graph, cluster=Cluster("h100", 1, compute_slowdown=f), global_batch_size=4,
-                          options=options).predicted_step_s
-             for f in (1.0, 1.5)]
+    steps = [
+        partita.plan(
+            graph, cluster=Cluster("h100", 1, compute_slowdown=f), global_batch_size=4, options=options
+        ).predicted_step_s
+        for f in (1.0, 1.5)
+    ]
     assert steps[1] == pytest.approx(1.5 * steps[0], rel=1e-6)
 
 
@@ -291,8 +345,15 @@ def test_compute_slowdown_scales_every_compute_time_of_a_plan(tiny_gpt2):
 
 
 def _comm_cluster():
-    return Cluster(_toy_device(), 16, 8, intra_node_bandwidth_bytes_per_s=100e9, intra_node_latency_s=1e-5,
-                   inter_node_bandwidth_bytes_per_s=10e9, inter_node_latency_s=5e-5)
+    return Cluster(
+        _toy_device(),
+        16,
+        8,
+        intra_node_bandwidth_bytes_per_s=100e9,
+        intra_node_latency_s=1e-5,
+        inter_node_bandwidth_bytes_per_s=10e9,
+        inter_node_latency_s=5e-5,
+    )
 
 
 def test_p2p_time():
@@ -465,8 +526,18 @@ def test_analytic_costs_on_captured_gpt2(tiny_gpt2):
 def gpt2_xl_on_meta():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024, use_cache=False,
-                        attn_implementation="eager", resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    config = GPT2Config(
+        n_layer=48,
+        n_embd=1600,
+        n_head=25,
+        vocab_size=50257,
+        n_positions=1024,
+        use_cache=False,
+        attn_implementation="eager",
+        resid_pdrop=0,
+        embd_pdrop=0,
+        attn_pdrop=0,
+    )
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
         ids = torch.randint(0, 50257, (8, 1024))

@@ -61,8 +61,12 @@ class TinyLM(torch.nn.Module):
         if k == "mse":
             return F.mse_loss(per_token, torch.zeros_like(per_token))
         if k == "combo":
-            return (0.5 * F.cross_entropy(logits, target) + (per_token * m).sum() / m.sum()
-                    + 0.01 * (self.head.weight ** 2).sum() + 0.1 * per_token.mean())
+            return (
+                0.5 * F.cross_entropy(logits, target)
+                + (per_token * m).sum() / m.sum()
+                + 0.01 * (self.head.weight**2).sum()
+                + 0.1 * per_token.mean()
+            )
         if k == "squared":
             return F.cross_entropy(logits, target) ** 2
         raise AssertionError(k)
@@ -90,8 +94,14 @@ def _sliced_grads(model, graph, batch, num_stages: int, num_slices: int, cut: in
     LossScaling applied; returns (reported loss, gradients scaled as the trainer scales them, scaling)."""
     n = graph.num_nodes
     cuts = [0, cut if cut is not None else n // 2, n] if num_stages == 2 else [0, n]
-    plan = manual_plan(graph, cuts, schedule="1f1b" if num_stages == 2 else "gpipe", num_rank_groups=num_stages,
-                       num_microbatches=num_slices, global_batch_size=BATCH)
+    plan = manual_plan(
+        graph,
+        cuts,
+        schedule="1f1b" if num_stages == 2 else "gpipe",
+        num_rank_groups=num_stages,
+        num_microbatches=num_slices,
+        global_batch_size=BATCH,
+    )
     stages = split_graph(graph, plan.boundaries)
     scaling = LossScaling(graph, plan, stages, stages, torch.device("cpu"))
     flat = flatten_inputs(graph, batch)
@@ -114,9 +124,14 @@ def _reference(model, batch):
 
 
 def test_the_loss_structures_of_the_zoo_and_of_hand_written_losses():
-    kinds = {"ce": [TermKind.COUNT_MEAN], "nll": [TermKind.COUNT_MEAN], "masked": [TermKind.SUM],
-             "sum": [TermKind.SUM], "mse": [TermKind.MEAN],
-             "combo": [TermKind.COUNT_MEAN, TermKind.SUM, TermKind.CONSTANT, TermKind.MEAN]}
+    kinds = {
+        "ce": [TermKind.COUNT_MEAN],
+        "nll": [TermKind.COUNT_MEAN],
+        "masked": [TermKind.SUM],
+        "sum": [TermKind.SUM],
+        "mse": [TermKind.MEAN],
+        "combo": [TermKind.COUNT_MEAN, TermKind.SUM, TermKind.CONSTANT, TermKind.MEAN],
+    }
     for kind, expected in kinds.items():
         structure = analyse_loss(_capture(kind)[1])
         assert structure.recognised, (kind, structure.describe())
@@ -128,8 +143,10 @@ def test_the_loss_structures_of_the_zoo_and_of_hand_written_losses():
     assert "test_loss_scaling.py" in squared.unknown.source
 
 
-@pytest.mark.parametrize("kind", ["ce", "ce-mean", "nll", "nll-weighted-smoothed", "masked", "masked-reciprocal", "sum", "numel",
-                                  "mse", "combo"])
+@pytest.mark.parametrize(
+    "kind",
+    ["ce", "ce-mean", "nll", "nll-weighted-smoothed", "masked", "masked-reciprocal", "sum", "numel", "mse", "combo"],
+)
 @pytest.mark.parametrize("num_stages,num_slices", [(2, 4), (1, 2), (2, 8)])
 def test_slices_sum_to_the_full_batch_gradient(kind, num_stages, num_slices):
     """Micro-batches holding 0 to 22 valid labels: the step equals full-batch training (an
@@ -187,13 +204,19 @@ def test_gpt2_with_padded_labels():
     ex = examples.build("gpt2", batch_size=BATCH, seq_len=16)
     labels = ex.kwargs["labels"].clone()
     for i in range(BATCH):
-        labels[i, 16 - 2 * i:] = -100  # 16, 14, ..., 2 valid labels
+        labels[i, 16 - 2 * i :] = -100  # 16, 14, ..., 2 valid labels
     kwargs = {**ex.kwargs, "labels": labels}
     graph = partita.capture(ex.model, (), kwargs)
     ref = copy.deepcopy(ex.model)
     ref(**kwargs).loss.backward()
-    plan = manual_plan(graph, [0, graph.num_nodes // 2, graph.num_nodes], schedule="1f1b", num_rank_groups=2,
-                       num_microbatches=4, global_batch_size=BATCH)
+    plan = manual_plan(
+        graph,
+        [0, graph.num_nodes // 2, graph.num_nodes],
+        schedule="1f1b",
+        num_rank_groups=2,
+        num_microbatches=4,
+        global_batch_size=BATCH,
+    )
     stages = split_graph(graph, plan.boundaries)
     scaling = LossScaling(graph, plan, stages, stages, torch.device("cpu"))
     flat = flatten_inputs(graph, (), kwargs)

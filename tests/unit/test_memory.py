@@ -20,9 +20,14 @@ def mlp_costs() -> CostTable:
     act = np.array([256 * 1024, 256 * 1024, 256 * 1024, 2560])
     out = np.array([256 * 1024, 256 * 1024, 2560, 4])
     return CostTable(
-        microbatch_size=64, device="cpu", source="analytic",
-        forward_s=np.ones(4), backward_s=2 * np.ones(4), backward_weight_s=np.ones(4),
-        activation_bytes=act, output_bytes=out,
+        microbatch_size=64,
+        device="cpu",
+        source="analytic",
+        forward_s=np.ones(4),
+        backward_s=2 * np.ones(4),
+        backward_weight_s=np.ones(4),
+        activation_bytes=act,
+        output_bytes=out,
         cut_bytes=np.array([0, 256 * 1024, 256 * 1024, 2560, 0]),
         param_names=("w1", "b1", "w2", "b2", "running"),
         param_bytes=np.array([4 * MiB, 4096, 40960, 40, 8]),

@@ -25,7 +25,11 @@ def test_mixtral_plans_with_expert_compute_in_its_stages():
     ex = examples.build("mixtral-tiny", batch_size=4)
     graph = partita.capture(ex.model, ex.args, ex.kwargs)
     cluster = partita.Cluster(device="h100", num_devices=2)
-    plan = partita.plan(graph, cluster=cluster, global_batch_size=8,
-                        options=partita.PlanOptions(costs="analytic", num_stages=2, schedules="1f1b"))
+    plan = partita.plan(
+        graph,
+        cluster=cluster,
+        global_batch_size=8,
+        options=partita.PlanOptions(costs="analytic", num_stages=2, schedules="1f1b"),
+    )
     assert plan.num_stages == 2 and all(s.forward_s > 0 for s in plan.stages)
     assert plan.total_compute_s > 0

@@ -3,6 +3,7 @@
 import itertools
 
 import pytest
+from planning_instances import random_instance
 
 from partita.planning import context, refine
 from partita.planning.build import block_to_node_boundaries
@@ -11,13 +12,16 @@ from partita.planning.driver import best_plan
 from partita.planning.refine import split_bound
 from partita.planning.search import Config
 from partita.types import Schedule
-from planning_instances import random_instance
 
 
 def configs(num_blocks: int, num_devices: int):
     """Every schedule on 1..num_devices rank groups, with a few micro-batch counts (global batch 8)."""
-    for schedule, v in ((Schedule.GPIPE, 1), (Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED_1F1B, 2),
-                        (Schedule.ZBV, 2)):
+    for schedule, v in (
+        (Schedule.GPIPE, 1),
+        (Schedule.ONE_F_ONE_B, 1),
+        (Schedule.INTERLEAVED_1F1B, 2),
+        (Schedule.ZBV, 2),
+    ):
         for g in range(1, num_devices + 1):
             if g * v > num_blocks or (v == 2 and g == 1):
                 continue
@@ -26,7 +30,7 @@ def configs(num_blocks: int, num_devices: int):
                     continue
                 if schedule is Schedule.INTERLEAVED_1F1B and m % max(1, m // g):
                     continue
-                for mode in ((None,) if v == 1 else (False, True)):
+                for mode in (None,) if v == 1 else (False, True):
                     yield Config(1, g, schedule, v, m, 8 // m, mode)
 
 

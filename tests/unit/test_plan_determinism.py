@@ -16,8 +16,12 @@ pytest.importorskip("transformers")
 def test_plan_command_writes_byte_identical_files(tmp_path, capsys):
     paths = [tmp_path / "a.json", tmp_path / "b.json"]
     for path in paths:
-        assert main(["plan", "gpt2", "--devices", "2", "--device-type", "h100", "--global-batch", "16",
-                     "--out", str(path)]) == 0
+        assert (
+            main(
+                ["plan", "gpt2", "--devices", "2", "--device-type", "h100", "--global-batch", "16", "--out", str(path)]
+            )
+            == 0
+        )
     printed = capsys.readouterr().out
     assert printed.count("plan written to") == 2
     first, second = (p.read_bytes() for p in paths)

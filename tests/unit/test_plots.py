@@ -18,9 +18,14 @@ def planned():
     ex = examples.build("gpt2", batch_size=8)
     graph = partita.capture(ex.model, ex.args, ex.kwargs)
     cluster = partita.Cluster(device="h100", num_devices=4)
-    planned = plan_with_baselines(graph, cluster=cluster, global_batch_size=32,
-                                  options=partita.PlanOptions(schedules="1f1b", num_stages=2, replicas=2,
-                                                              uniform_replicas=True, costs="analytic"))
+    planned = plan_with_baselines(
+        graph,
+        cluster=cluster,
+        global_batch_size=32,
+        options=partita.PlanOptions(
+            schedules="1f1b", num_stages=2, replicas=2, uniform_replicas=True, costs="analytic"
+        ),
+    )
     result = partita.simulate(planned.plan, lambda b: analytic_costs(graph, "h100", b), cluster)
     return planned.plan, result, planned.baselines
 

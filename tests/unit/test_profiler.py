@@ -18,8 +18,16 @@ from partita.cost import cache, profiler
 from partita.cost.profiler import profile
 from partita.errors import InputError
 
-_ARRAYS = ("forward_s", "backward_s", "backward_weight_s", "activation_bytes", "output_bytes", "cut_bytes",
-           "param_bytes", "param_trainable")
+_ARRAYS = (
+    "forward_s",
+    "backward_s",
+    "backward_weight_s",
+    "activation_bytes",
+    "output_bytes",
+    "cut_bytes",
+    "param_bytes",
+    "param_trainable",
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -34,8 +42,18 @@ def _gpt2(seq_len: int = 32):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, use_cache=False,
-                        attn_implementation="eager", resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=256,
+        n_positions=64,
+        use_cache=False,
+        attn_implementation="eager",
+        resid_pdrop=0,
+        embd_pdrop=0,
+        attn_pdrop=0,
+    )
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, 256, (8, seq_len))
     kwargs = {"input_ids": ids, "labels": ids.clone()}
@@ -67,8 +85,16 @@ def mlp():
 
 def _check_table(table, graph, microbatch_size):
     n, p = graph.num_nodes, len(graph.parameters)
-    shapes = {"forward_s": n, "backward_s": n, "backward_weight_s": n, "activation_bytes": n, "output_bytes": n,
-              "cut_bytes": n + 1, "param_bytes": p, "param_trainable": p}
+    shapes = {
+        "forward_s": n,
+        "backward_s": n,
+        "backward_weight_s": n,
+        "activation_bytes": n,
+        "output_bytes": n,
+        "cut_bytes": n + 1,
+        "param_bytes": p,
+        "param_trainable": p,
+    }
     for name, length in shapes.items():
         array = np.asarray(getattr(table, name))
         assert array.shape == (length,), name
@@ -137,8 +163,16 @@ def test_llama_with_a_higher_order_op():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, use_cache=False, attn_implementation="eager")
+    config = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        use_cache=False,
+        attn_implementation="eager",
+    )
     ids = torch.randint(0, 256, (4, 16))
     graph = partita.capture(LlamaForCausalLM(config), kwargs={"input_ids": ids, "labels": ids.clone()})
     higher_order = [n.index for n in graph.nodes if n.is_higher_order]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from partita.errors import InputError
 from partita.cli.train_loop import TrainConfig, check_train_config
+from partita.errors import InputError
 from partita.runtime.checkpoint import load_into_model
 from partita.runtime.checkpoint_dir import METADATA_FILE, checkpoint_path, is_complete, latest_checkpoint
 from partita.runtime.launch import restart_count
@@ -72,26 +72,31 @@ def test_nonfinite_policy_is_checked_up_front():
 
 
 def test_nonfinite_message_names_replica_samples_and_merges_holders_of_a_parameter():
-    findings = [NonFinite("loss", "inf", (3,), rank=7, microbatch_index=1, replica=1, first_sample=10, num_samples=2),
-                *[NonFinite("gradient", "nan", (0,), rank=r, parameter="wte.weight") for r in (0, 6)],
-                NonFinite("gradient", "nan", (3,), rank=7, parameter="wte.weight")]
-    text = describe(findings, step=5, replicas=2,
-                    policy=NonFinitePolicy.RAISE)
-    assert text.startswith("step 5: non-finite loss: micro-batch 1 of replica 1 (samples 10-11 of the global batch) "
-                           "gave inf on stage 3, the last stage (rank 7). The gradients of 1 parameter(s) are "
-                           "non-finite too."), text
-    grads_only = describe(findings[1:], step=5, replicas=2,
-                          policy=NonFinitePolicy.SKIP)
-    assert grads_only == ("step 5: non-finite gradients (the loss is finite) in 1 parameter(s): wte.weight (nan; "
-                          "stage 0, 3, rank 0, 6, 7). The optimizer step was skipped: weights, optimizer state and "
-                          "LR schedule are unchanged.")
+    findings = [
+        NonFinite("loss", "inf", (3,), rank=7, microbatch_index=1, replica=1, first_sample=10, num_samples=2),
+        *[NonFinite("gradient", "nan", (0,), rank=r, parameter="wte.weight") for r in (0, 6)],
+        NonFinite("gradient", "nan", (3,), rank=7, parameter="wte.weight"),
+    ]
+    text = describe(findings, step=5, replicas=2, policy=NonFinitePolicy.RAISE)
+    assert text.startswith(
+        "step 5: non-finite loss: micro-batch 1 of replica 1 (samples 10-11 of the global batch) "
+        "gave inf on stage 3, the last stage (rank 7). The gradients of 1 parameter(s) are "
+        "non-finite too."
+    ), text
+    grads_only = describe(findings[1:], step=5, replicas=2, policy=NonFinitePolicy.SKIP)
+    assert grads_only == (
+        "step 5: non-finite gradients (the loss is finite) in 1 parameter(s): wte.weight (nan; "
+        "stage 0, 3, rank 0, 6, 7). The optimizer step was skipped: weights, optimizer state and "
+        "LR schedule are unchanged."
+    )
 
 
 def test_train_command_accepts_the_reliability_options():
     from partita.cli import build_parser
 
-    args = build_parser().parse_args(["train", "gpt2", "--on-nonfinite", "skip", "--losses-out", "l.json",
-                                      "--seed", "3", "--max-restarts", "2"])
+    args = build_parser().parse_args(
+        ["train", "gpt2", "--on-nonfinite", "skip", "--losses-out", "l.json", "--seed", "3", "--max-restarts", "2"]
+    )
     assert (args.on_nonfinite, args.losses_out, args.seed, args.max_restarts) == ("skip", "l.json", 3, 2)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "gpt2", "--on-nonfinite", "ignore"])

@@ -13,11 +13,11 @@ import torch
 import partita
 from partita import examples
 from partita.errors import InputError
-from partita.types.plan_file import plan_from_json
 from partita.planning.manual import manual_plan
 from partita.runtime.data_parallel import check_layout, init_topology
 from partita.runtime.pipeline import StageRunner, root_chunk_spec, root_key, stage_metadata
 from partita.runtime.stages import flatten_inputs, run_sequential, split_graph
+from partita.types.plan_file import plan_from_json
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +33,21 @@ def _cuts(graph, num_stages: int) -> list[int]:
 
 def test_manual_plan_places_stages_like_torch(mlp):
     _, graph = mlp
-    zbv = manual_plan(graph, _cuts(graph, 4), schedule="zbv", num_rank_groups=2, replicas=2, num_microbatches=2,
-                      global_batch_size=8)
+    zbv = manual_plan(
+        graph, _cuts(graph, 4), schedule="zbv", num_rank_groups=2, replicas=2, num_microbatches=2, global_batch_size=8
+    )
     assert [s.rank_group for s in zbv.stages] == [0, 1, 1, 0]  # the V
     assert [s.ranks for s in zbv.stages] == [(0, 1), (2, 3), (2, 3), (0, 1)]
     assert zbv.microbatch_size == 2 and zbv.num_devices == 4 and zbv.method == "manual"
-    looped = manual_plan(graph, _cuts(graph, 4), schedule="interleaved1f1b", num_rank_groups=2, num_microbatches=2,
-                         global_batch_size=8, recompute=[True, False, False, False])
+    looped = manual_plan(
+        graph,
+        _cuts(graph, 4),
+        schedule="interleaved1f1b",
+        num_rank_groups=2,
+        num_microbatches=2,
+        global_batch_size=8,
+        recompute=[True, False, False, False],
+    )
     assert [s.rank_group for s in looped.stages] == [0, 1, 0, 1]
     assert [s.recompute for s in looped.stages] == [True, False, False, False]
     assert plan_from_json(looped.to_json(), graph=graph) == looped  # a manual plan is a valid plan file
@@ -47,35 +55,44 @@ def test_manual_plan_places_stages_like_torch(mlp):
     check_layout(looped)
 
 
-@pytest.mark.parametrize("bad", [
-    dict(boundaries=[0, 1]),  # does not end at num_nodes
-    dict(global_batch_size=7),  # not a multiple of micro-batches x replicas
-    dict(num_microbatches=1),  # 1f1b needs >= num_stages micro-batches
-    dict(schedule="zbv"),  # zbv needs 2 stages per rank group
-    dict(recompute=[True]),  # one flag per stage
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(boundaries=[0, 1]),  # does not end at num_nodes
+        dict(global_batch_size=7),  # not a multiple of micro-batches x replicas
+        dict(num_microbatches=1),  # 1f1b needs >= num_stages micro-batches
+        dict(schedule="zbv"),  # zbv needs 2 stages per rank group
+        dict(recompute=[True]),  # one flag per stage
+    ],
+)
 def test_manual_plan_rejects_inconsistent_choices(mlp, bad):
     _, graph = mlp
-    choices = dict(boundaries=_cuts(graph, 2), schedule="1f1b", num_rank_groups=2, num_microbatches=2,
-                   global_batch_size=8) | bad
+    choices = (
+        dict(boundaries=_cuts(graph, 2), schedule="1f1b", num_rank_groups=2, num_microbatches=2, global_batch_size=8)
+        | bad
+    )
     with pytest.raises(InputError):
         manual_plan(graph, choices.pop("boundaries"), **choices)
 
 
 def test_layout_check_refuses_misplaced_plans(mlp):
     _, graph = mlp
-    plan = manual_plan(graph, _cuts(graph, 2), schedule="gpipe", num_rank_groups=2, replicas=2, num_microbatches=2,
-                       global_batch_size=8)
-    swapped = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], ranks=(2, 3)),
-                                                dataclasses.replace(plan.stages[1], ranks=(0, 1))))
+    plan = manual_plan(
+        graph, _cuts(graph, 2), schedule="gpipe", num_rank_groups=2, replicas=2, num_microbatches=2, global_batch_size=8
+    )
+    swapped = dataclasses.replace(
+        plan,
+        stages=(dataclasses.replace(plan.stages[0], ranks=(2, 3)), dataclasses.replace(plan.stages[1], ranks=(0, 1))),
+    )
     with pytest.raises(InputError, match=r"ranks \[2, 3\]; gpipe places it on rank group 0, ranks \[0, 1\]"):
         check_layout(swapped)
 
 
 def test_topology_needs_torchrun_environment(mlp, monkeypatch):
     _, graph = mlp
-    plan = manual_plan(graph, _cuts(graph, 2), schedule="gpipe", num_rank_groups=2, num_microbatches=2,
-                       global_batch_size=8)
+    plan = manual_plan(
+        graph, _cuts(graph, 2), schedule="gpipe", num_rank_groups=2, num_microbatches=2, global_batch_size=8
+    )
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     if torch.distributed.is_initialized():
@@ -126,8 +143,9 @@ def test_load_into_model_refuses_an_incomplete_checkpoint(tmp_path):
 
 def test_trainer_refuses_a_plan_for_another_graph_or_a_graph_of_another_model(mlp):
     ex, graph = mlp
-    plan = manual_plan(graph, _cuts(graph, 2), schedule="gpipe", num_rank_groups=2, num_microbatches=2,
-                       global_batch_size=8)
+    plan = manual_plan(
+        graph, _cuts(graph, 2), schedule="gpipe", num_rank_groups=2, num_microbatches=2, global_batch_size=8
+    )
     other = examples.build("mlp", batch_size=8, seed=1)  # same architecture, other weights and objects
     other_graph = partita.capture(other.model, other.args, other.kwargs, loss_fn=other.loss_fn, target=other.target)
     with pytest.raises(InputError, match="another model object; capture it from the model you pass"):
@@ -144,8 +162,8 @@ def test_stages_of_a_meta_model_run_from_a_seed_like_the_real_model(tmp_path):
     """llama: a non-persistent buffer (rotary frequencies), and ops captured on meta that name the meta
     device inside a higher-order op (export's device assertions): the seed fills the first, and
     retarget_device rewrites the second."""
-    from partita.runtime.materialize import materialize, on_meta, retarget_device, save_seed
     from partita.capturing import canonical_names
+    from partita.runtime.materialize import materialize, on_meta, retarget_device, save_seed
 
     real = examples.build("llama", batch_size=4, seq_len=16)
     save_seed(real.model, tmp_path / "seed")
@@ -156,8 +174,13 @@ def test_stages_of_a_meta_model_run_from_a_seed_like_the_real_model(tmp_path):
     first = set(stages[0].spec.param_names)
     materialize(meta.model, [*stages, graph.graph_module], first, torch.device("cpu"), tmp_path / "seed")
     assert {n for n, p in meta.model.named_parameters() if not p.is_meta} <= first  # only what stage 0 reads
-    materialize(meta.model, [*stages, graph.graph_module], set(canonical_names(meta.model).values()) - first,
-                torch.device("cpu"), tmp_path / "seed")
+    materialize(
+        meta.model,
+        [*stages, graph.graph_module],
+        set(canonical_names(meta.model).values()) - first,
+        torch.device("cpu"),
+        tmp_path / "seed",
+    )
     for stage in stages:
         retarget_device(stage.graph_module, torch.device("cpu"))
     flat = flatten_inputs(graph, real.args, real.kwargs)
@@ -181,7 +204,8 @@ def test_seeds_refuse_meta_models_and_models_they_were_not_written_for(tmp_path)
 def test_trainer_refuses_a_meta_model_without_a_seed(mlp):
     ex, graph = mlp
     meta = examples.build("mlp", batch_size=8, device="meta")
-    plan = manual_plan(graph, [0, graph.num_nodes], schedule="gpipe", num_rank_groups=1, num_microbatches=1,
-                       global_batch_size=8)
+    plan = manual_plan(
+        graph, [0, graph.num_nodes], schedule="gpipe", num_rank_groups=1, num_microbatches=1, global_batch_size=8
+    )
     with pytest.raises(InputError, match="meta device.*pass init_from=.*save_seed"):
         partita.Trainer(meta.model, plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), graph=graph)

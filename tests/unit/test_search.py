@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from planning_instances import oracle, random_instance
 
 from partita.planning.baselines import baseline_plans
 from partita.planning.context import PlanningContext
@@ -9,7 +10,7 @@ from partita.planning.driver import best_plan
 from partita.planning.search import SearchOptions
 from partita.types import Schedule
 from partita.types.plan_file import plan_to_json
-from planning_instances import oracle, random_instance
+
 
 @pytest.fixture(scope="module")
 def solved():
@@ -72,8 +73,16 @@ def test_pinned_choices_are_respected():
     """3 devices with ample memory (a plan surely exists): every pinned choice is in the plan."""
     ctx = random_instance(11)
     assert ctx.options.num_devices == 3
-    pinned = SearchOptions(**{**ctx.options.__dict__, "schedules": (Schedule.GPIPE,), "num_microbatches": 4,
-                              "num_stages": 2, "recompute": True, "memory_limit_bytes": 1024 * 2**30})
+    pinned = SearchOptions(
+        **{
+            **ctx.options.__dict__,
+            "schedules": (Schedule.GPIPE,),
+            "num_microbatches": 4,
+            "num_stages": 2,
+            "recompute": True,
+            "memory_limit_bytes": 1024 * 2**30,
+        }
+    )
     p = best_plan(PlanningContext(ctx.graph, ctx.cluster, pinned, ctx.costs_at, ctx.chain, {}))
     assert p is not None
     assert p.schedule is Schedule.GPIPE and p.num_microbatches == 4 and p.num_stages == 2

@@ -14,12 +14,12 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from partita.cost import comm
-from partita.types.cluster import Cluster
 from partita.cost.memory import microbatches_in_flight
 from partita.planning.schedules import Action, rank_orders, stage_rank_groups
 from partita.planning.simulate import KIND_CODES, compiled_orders, peak_activations, simulate, simulate_pipeline
 from partita.report.timeline import timeline_text
 from partita.types import CostTable, Plan, Schedule, StagePlan
+from partita.types.cluster import Cluster
 
 GPIPE, ONE_F_ONE_B, INTERLEAVED, ZBV = Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B, Schedule.ZBV
 
@@ -80,7 +80,9 @@ def ours(schedule, g, m, v):
 
 
 @pytest.mark.parametrize("g,m", [(1, 3), (2, 2), (2, 5), (4, 4), (4, 9), (5, 12)])
-@pytest.mark.parametrize("schedule,cls", [(GPIPE, torch_schedules.ScheduleGPipe), (ONE_F_ONE_B, torch_schedules.Schedule1F1B)])
+@pytest.mark.parametrize(
+    "schedule,cls", [(GPIPE, torch_schedules.ScheduleGPipe), (ONE_F_ONE_B, torch_schedules.Schedule1F1B)]
+)
 def test_single_stage_orders_match_what_torch_executes(schedule, cls, g, m):
     assert ours(schedule, g, m, 1) == [torch_executed_single(cls, g, m, r) for r in range(g)]
 
@@ -95,7 +97,9 @@ def test_1f1b_matches_torch_pipeline_order_except_its_last_rank():
         assert (ir == ours(ONE_F_ONE_B, g, m, 1)[r]) == (r < g - 1)
 
 
-@pytest.mark.parametrize("g,m", [(1, 2), (2, 2), (2, 4), (3, 6), (4, 4), (4, 8), (4, 12), (4, 3), (4, 6), (4, 10), (8, 16)])
+@pytest.mark.parametrize(
+    "g,m", [(1, 2), (2, 2), (2, 4), (3, 6), (4, 4), (4, 8), (4, 12), (4, 3), (4, 6), (4, 10), (8, 16)]
+)
 @pytest.mark.parametrize("schedule,v", [(INTERLEAVED, 2), (INTERLEAVED, 3), (ZBV, 2)])
 def test_multi_stage_orders_match_torch_pipeline_order(schedule, v, g, m):
     assert ours(schedule, g, m, v) == torch_pipeline_order(schedule, g, m, v)
@@ -125,8 +129,15 @@ def test_action_prints_and_parses_like_torch():
     assert stage_rank_groups(INTERLEAVED, 3, 6) == (0, 1, 2, 0, 1, 2)
 
 
-CONFIGS = [(GPIPE, 3, 1, 5), (ONE_F_ONE_B, 4, 1, 6), (INTERLEAVED, 4, 2, 8), (INTERLEAVED, 2, 3, 6),
-           (INTERLEAVED, 4, 2, 3), (ZBV, 3, 2, 7), (ZBV, 4, 2, 2)]
+CONFIGS = [
+    (GPIPE, 3, 1, 5),
+    (ONE_F_ONE_B, 4, 1, 6),
+    (INTERLEAVED, 4, 2, 8),
+    (INTERLEAVED, 2, 3, 6),
+    (INTERLEAVED, 4, 2, 3),
+    (ZBV, 3, 2, 7),
+    (ZBV, 4, 2, 2),
+]
 
 
 @pytest.mark.parametrize("schedule,g,v,m", CONFIGS)
@@ -155,8 +166,16 @@ def random_times(rng, s, split):
 def test_simulated_timeline_respects_every_dependency(schedule, g, v, m):
     rng, s = random.Random(7), g * v
     fwd, bwd, wgt, send = random_times(rng, s, schedule is ZBV)
-    res = simulate_pipeline(schedule=schedule, num_microbatches=m, num_rank_groups=g, forward_s=fwd,
-                            backward_s=bwd, backward_weight_s=wgt, send_s=send, allreduce_s=[0.0] * s)
+    res = simulate_pipeline(
+        schedule=schedule,
+        num_microbatches=m,
+        num_rank_groups=g,
+        forward_s=fwd,
+        backward_s=bwd,
+        backward_weight_s=wgt,
+        send_s=send,
+        allreduce_s=[0.0] * s,
+    )
     end = {(e.stage, e.microbatch, e.kind): e.end_s for e in res.timeline}
     eps = 1e-9
     for e in res.timeline:
@@ -173,8 +192,17 @@ def test_simulated_timeline_respects_every_dependency(schedule, g, v, m):
         mine = [e for e in res.timeline if e.rank_group == r]
         assert [f"{e.stage}{e.kind}{e.microbatch}" for e in mine] == [str(a) for a in rank_orders(schedule, m, g, s)[r]]
         assert all(a.end_s <= b.start_s + eps for a, b in zip(mine, mine[1:]))
-    fast = simulate_pipeline(schedule=schedule, num_microbatches=m, num_rank_groups=g, forward_s=fwd, backward_s=bwd,
-                             backward_weight_s=wgt, send_s=send, allreduce_s=[0.0] * s, keep_timeline=False)
+    fast = simulate_pipeline(
+        schedule=schedule,
+        num_microbatches=m,
+        num_rank_groups=g,
+        forward_s=fwd,
+        backward_s=bwd,
+        backward_weight_s=wgt,
+        send_s=send,
+        allreduce_s=[0.0] * s,
+        keep_timeline=False,
+    )
     assert fast.step_s == res.step_s and fast.rank_busy_s == res.rank_busy_s and fast.timeline == ()
 
 
@@ -183,9 +211,18 @@ def test_simulated_timeline_respects_every_dependency(schedule, g, v, m):
 
 def uniform(schedule, g, m, *, v=1, f=1.0, b=2.0, w=0.0, send=0.0, allreduce=0.0, act=1, keep=True):
     s = g * v
-    return simulate_pipeline(schedule=schedule, num_microbatches=m, num_rank_groups=g, forward_s=[f] * s,
-                             backward_s=[b] * s, backward_weight_s=[w] * s, send_s=[send] * (s - 1),
-                             allreduce_s=[allreduce] * s, activation_bytes=[act] * s, keep_timeline=keep)
+    return simulate_pipeline(
+        schedule=schedule,
+        num_microbatches=m,
+        num_rank_groups=g,
+        forward_s=[f] * s,
+        backward_s=[b] * s,
+        backward_weight_s=[w] * s,
+        send_s=[send] * (s - 1),
+        allreduce_s=[allreduce] * s,
+        activation_bytes=[act] * s,
+        keep_timeline=keep,
+    )
 
 
 @pytest.mark.parametrize("schedule", [GPIPE, ONE_F_ONE_B])
@@ -251,7 +288,11 @@ def test_sends_with_one_microbatch_in_detail():
     f, b, c = 1.0, 2.0, 0.25
     res = uniform(GPIPE, 2, 1, f=f, b=b, send=c)
     assert [(e.kind, e.stage, e.start_s) for e in res.timeline] == [
-        ("F", 0, 0.0), ("F", 1, f + c), ("B", 1, 2 * f + c), ("B", 0, 2 * f + b + 2 * c)]
+        ("F", 0, 0.0),
+        ("F", 1, f + c),
+        ("B", 1, 2 * f + c),
+        ("B", 0, 2 * f + b + 2 * c),
+    ]
 
 
 def test_allreduce_overlaps_compute_and_the_step_ends_at_the_later_of_both():
@@ -260,12 +301,28 @@ def test_allreduce_overlaps_compute_and_the_step_ends_at_the_later_of_both():
     assert base.step_s == 15.0
     compute_end = {r: max(e.end_s for e in base.timeline if e.rank_group == r) for r in (0, 1)}
     assert compute_end == {0: 15.0, 1: 13.0}
-    hidden = simulate_pipeline(schedule=ONE_F_ONE_B, num_microbatches=4, num_rank_groups=2, forward_s=[1.0, 1.0],
-                               backward_s=[2.0, 2.0], backward_weight_s=[0, 0], send_s=[0.0], allreduce_s=[0.0, 0.5])
+    hidden = simulate_pipeline(
+        schedule=ONE_F_ONE_B,
+        num_microbatches=4,
+        num_rank_groups=2,
+        forward_s=[1.0, 1.0],
+        backward_s=[2.0, 2.0],
+        backward_weight_s=[0, 0],
+        send_s=[0.0],
+        allreduce_s=[0.0, 0.5],
+    )
     assert hidden.step_s == 15.0  # rank 1's all-reduce runs 13 - 13.5 s, while rank 0 still computes
     assert [(e.start_s, e.end_s) for e in hidden.timeline if e.kind == "allreduce"] == [(13.0, 13.5)]
-    longer = simulate_pipeline(schedule=ONE_F_ONE_B, num_microbatches=4, num_rank_groups=2, forward_s=[1.0, 1.0],
-                               backward_s=[2.0, 2.0], backward_weight_s=[0, 0], send_s=[0.0], allreduce_s=[3.0, 0.5])
+    longer = simulate_pipeline(
+        schedule=ONE_F_ONE_B,
+        num_microbatches=4,
+        num_rank_groups=2,
+        forward_s=[1.0, 1.0],
+        backward_s=[2.0, 2.0],
+        backward_weight_s=[0, 0],
+        send_s=[0.0],
+        allreduce_s=[3.0, 0.5],
+    )
     assert longer.step_s == 18.0  # max(compute end 15, rank 0's all-reduce 15 + 3)
     assert longer.rank_busy_s == base.rank_busy_s
 
@@ -293,10 +350,24 @@ def torch_in_flight(schedule, m, g, r, v):
     return microbatches_in_flight(schedule, m, g, r, v)
 
 
-@pytest.mark.parametrize("schedule,v,g,m", [
-    (GPIPE, 1, 4, 3), (GPIPE, 1, 4, 8), (ONE_F_ONE_B, 1, 4, 4), (ONE_F_ONE_B, 1, 4, 9), (ONE_F_ONE_B, 1, 8, 32),
-    (INTERLEAVED, 2, 4, 4), (INTERLEAVED, 2, 4, 8), (INTERLEAVED, 3, 4, 16), (INTERLEAVED, 4, 8, 32),
-    (ZBV, 2, 2, 3), (ZBV, 2, 4, 8), (ZBV, 2, 4, 13), (ZBV, 2, 8, 16)])
+@pytest.mark.parametrize(
+    "schedule,v,g,m",
+    [
+        (GPIPE, 1, 4, 3),
+        (GPIPE, 1, 4, 8),
+        (ONE_F_ONE_B, 1, 4, 4),
+        (ONE_F_ONE_B, 1, 4, 9),
+        (ONE_F_ONE_B, 1, 8, 32),
+        (INTERLEAVED, 2, 4, 4),
+        (INTERLEAVED, 2, 4, 8),
+        (INTERLEAVED, 3, 4, 16),
+        (INTERLEAVED, 4, 8, 32),
+        (ZBV, 2, 2, 3),
+        (ZBV, 2, 4, 8),
+        (ZBV, 2, 4, 13),
+        (ZBV, 2, 8, 16),
+    ],
+)
 def test_peak_activations_agree_with_the_memory_model(schedule, v, g, m):
     act = 1000
     res = uniform(schedule, g, m, v=v, act=act, keep=False)
@@ -342,9 +413,18 @@ def test_zbv_peak_is_the_same_whether_i_or_w_frees_the_activations():
     for g, m in [(2, 3), (4, 4), (4, 8), (5, 17)]:
         orders = compiled_orders(ZBV, m, g, 2 * g)
         act = [random.Random(g * m).randint(1, 100) for _ in range(2 * g)]
-        at_w = simulate_pipeline(schedule=ZBV, num_microbatches=m, num_rank_groups=g, forward_s=[1.0] * 2 * g,
-                                 backward_s=[2.0] * 2 * g, backward_weight_s=[1.0] * 2 * g, send_s=[0.0] * (2 * g - 1),
-                                 allreduce_s=[0.0] * 2 * g, activation_bytes=act, keep_timeline=False)
+        at_w = simulate_pipeline(
+            schedule=ZBV,
+            num_microbatches=m,
+            num_rank_groups=g,
+            forward_s=[1.0] * 2 * g,
+            backward_s=[2.0] * 2 * g,
+            backward_weight_s=[1.0] * 2 * g,
+            send_s=[0.0] * (2 * g - 1),
+            allreduce_s=[0.0] * 2 * g,
+            activation_bytes=act,
+            keep_timeline=False,
+        )
         assert at_w.rank_peak_activation_bytes == peak_activations(orders, act, 2 * g, free_kind=KIND_CODES["I"])
 
 
@@ -354,9 +434,18 @@ def test_zbv_peak_is_the_same_whether_i_or_w_frees_the_activations():
 def test_simulation_is_fast_enough_for_the_search():
     rng = random.Random(0)
     fwd, bwd, wgt, send = random_times(rng, 8, False)
-    kwargs = dict(schedule=ONE_F_ONE_B, num_microbatches=64, num_rank_groups=8, forward_s=fwd, backward_s=bwd,
-                  backward_weight_s=wgt, send_s=send, allreduce_s=[0.1] * 8, activation_bytes=[10] * 8,
-                  keep_timeline=False)
+    kwargs = dict(
+        schedule=ONE_F_ONE_B,
+        num_microbatches=64,
+        num_rank_groups=8,
+        forward_s=fwd,
+        backward_s=bwd,
+        backward_weight_s=wgt,
+        send_s=send,
+        allreduce_s=[0.1] * 8,
+        activation_bytes=[10] * 8,
+        keep_timeline=False,
+    )
     simulate_pipeline(**kwargs)  # warm the order cache
     start = time.perf_counter()
     for _ in range(20):
@@ -379,23 +468,53 @@ def tiny_costs(microbatch_size):
     """Four nodes whose times and bytes scale with the micro-batch size; one 1 MB parameter per node."""
     scale = microbatch_size / 8
     return CostTable(
-        microbatch_size=microbatch_size, device="h100", source="analytic",
-        forward_s=scale * np.array([1.0, 2.0, 3.0, 4.0]), backward_s=scale * np.array([2.0, 4.0, 6.0, 8.0]),
+        microbatch_size=microbatch_size,
+        device="h100",
+        source="analytic",
+        forward_s=scale * np.array([1.0, 2.0, 3.0, 4.0]),
+        backward_s=scale * np.array([2.0, 4.0, 6.0, 8.0]),
         backward_weight_s=scale * np.array([1.0, 2.0, 3.0, 4.0]),
-        activation_bytes=(scale * np.array([100, 200, 300, 400])).astype(int), output_bytes=np.array([10] * 4),
+        activation_bytes=(scale * np.array([100, 200, 300, 400])).astype(int),
+        output_bytes=np.array([10] * 4),
         cut_bytes=(scale * np.array([0, 1e6, 2e6, 3e6, 0])).astype(int),
-        param_names=("w0", "w1", "w2", "w3"), param_bytes=np.array([10**6] * 4),
+        param_names=("w0", "w1", "w2", "w3"),
+        param_bytes=np.array([10**6] * 4),
         param_trainable=np.array([True, True, False, True]),
-        param_uses=tuple(np.array([n]) for n in range(4)))
+        param_uses=tuple(np.array([n]) for n in range(4)),
+    )
 
 
 def tiny_plan(cluster, replicas=(1, 2), recompute=(False, True)):
     ranks = [tuple(range(replicas[0])), tuple(range(replicas[0], replicas[0] + replicas[1]))]
-    stages = tuple(StagePlan(index=k, start=2 * k, stop=2 * k + 2, first_node="a", last_node="b", module_range="",
-                             ranks=ranks[k], rank_group=k, recompute=recompute[k], forward_s=0.0, backward_s=0.0,
-                             memory_bytes=0, param_bytes=0, cut_bytes=0) for k in range(2))
-    return Plan(graph_fingerprint="x", cluster=cluster, stages=stages, schedule=GPIPE,
-                global_batch_size=32, num_microbatches=2, microbatch_size=8, options={})
+    stages = tuple(
+        StagePlan(
+            index=k,
+            start=2 * k,
+            stop=2 * k + 2,
+            first_node="a",
+            last_node="b",
+            module_range="",
+            ranks=ranks[k],
+            rank_group=k,
+            recompute=recompute[k],
+            forward_s=0.0,
+            backward_s=0.0,
+            memory_bytes=0,
+            param_bytes=0,
+            cut_bytes=0,
+        )
+        for k in range(2)
+    )
+    return Plan(
+        graph_fingerprint="x",
+        cluster=cluster,
+        stages=stages,
+        schedule=GPIPE,
+        global_batch_size=32,
+        num_microbatches=2,
+        microbatch_size=8,
+        options={},
+    )
 
 
 def test_plan_simulation_sums_stage_costs_and_prices_comm_with_the_cluster():
@@ -411,28 +530,49 @@ def test_plan_simulation_sums_stage_costs_and_prices_comm_with_the_cluster():
     assert allreduce > 0
     # Adam moves 7 tensors' worth of the trainable bytes over the H100's memory bandwidth
     h100 = cluster.device
-    optimizer = [7 * trainable / (h100.memory_bandwidth_bytes_per_s * h100.memory_efficiency)
-                 for trainable in _trainable_per_stage(plan)]
+    optimizer = [
+        7 * trainable / (h100.memory_bandwidth_bytes_per_s * h100.memory_efficiency)
+        for trainable in _trainable_per_stage(plan)
+    ]
     assert optimizer[1] > 0
-    expected = simulate_pipeline(schedule=GPIPE, num_microbatches=2, num_rank_groups=2, forward_s=[f0, f1],
-                                 backward_s=[b0, b1], backward_weight_s=[2 * 3, 7], send_s=[send],
-                                 allreduce_s=[0.0, allreduce], activation_bytes=[2 * 300, 2 * 10**6],
-                                 keep_timeline=False, optimizer_s=optimizer)
+    expected = simulate_pipeline(
+        schedule=GPIPE,
+        num_microbatches=2,
+        num_rank_groups=2,
+        forward_s=[f0, f1],
+        backward_s=[b0, b1],
+        backward_weight_s=[2 * 3, 7],
+        send_s=[send],
+        allreduce_s=[0.0, allreduce],
+        activation_bytes=[2 * 300, 2 * 10**6],
+        keep_timeline=False,
+        optimizer_s=optimizer,
+    )
     assert res == expected
     assert simulate(plan, tiny_costs, keep_timeline=False) == expected  # the plan's own cluster
 
 
 def _trainable_per_stage(plan) -> list[int]:
     table = tiny_costs(8)
-    return [sum(int(table.param_bytes[p]) for p in table.params_in_range(st.start, st.stop) if table.param_trainable[p])
-            for st in plan.stages]
+    return [
+        sum(int(table.param_bytes[p]) for p in table.params_in_range(st.start, st.stop) if table.param_trainable[p])
+        for st in plan.stages
+    ]
 
 
 def test_optimizer_steps_end_each_rank_groups_step():
     """Each rank group steps its optimizer once its backward and all-reduce are done: the step
     grows by the slowest group's optimizer time, and the timeline shows it."""
-    common = dict(schedule=GPIPE, num_microbatches=2, num_rank_groups=2, forward_s=[1.0, 1.0], backward_s=[2.0, 2.0],
-                  backward_weight_s=[1.0, 1.0], send_s=[0.0], allreduce_s=[0.0, 0.0])
+    common = dict(
+        schedule=GPIPE,
+        num_microbatches=2,
+        num_rank_groups=2,
+        forward_s=[1.0, 1.0],
+        backward_s=[2.0, 2.0],
+        backward_weight_s=[1.0, 1.0],
+        send_s=[0.0],
+        allreduce_s=[0.0, 0.0],
+    )
     plain = simulate_pipeline(**common)
     stepped = simulate_pipeline(**common, optimizer_s=[0.5, 0.25])
     # group 0 finishes its last backward last (it waits for group 1's gradients), then steps for 0.5 s

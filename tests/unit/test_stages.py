@@ -35,32 +35,83 @@ def _one_thread():
 
 def _token_batch(batch: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(4, VOCAB, (batch, SEQ), generator=g),
-            "labels": torch.randint(4, VOCAB, (batch, SEQ), generator=g)}
+    return {
+        "input_ids": torch.randint(4, VOCAB, (batch, SEQ), generator=g),
+        "labels": torch.randint(4, VOCAB, (batch, SEQ), generator=g),
+    }
 
 
 def _gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, use_cache=False, attn_implementation="eager",
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=64,
+            use_cache=False,
+            attn_implementation="eager",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    )
 
 
 def _bert() -> nn.Module:
-    return transformers.BertForMaskedLM(transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager"))
+    return transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation="eager",
+        )
+    )
 
 
 def _llama() -> nn.Module:
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, use_cache=False, attn_implementation="eager", bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            use_cache=False,
+            attn_implementation="eager",
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+    )
 
 
 def _t5() -> nn.Module:
-    return transformers.T5ForConditionalGeneration(transformers.T5Config(
-        num_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=128, vocab_size=VOCAB, dropout_rate=0.0, use_cache=False,
-        tie_word_embeddings=True, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, attn_implementation="eager"))
+    return transformers.T5ForConditionalGeneration(
+        transformers.T5Config(
+            num_layers=2,
+            d_model=64,
+            d_kv=16,
+            num_heads=4,
+            d_ff=128,
+            vocab_size=VOCAB,
+            dropout_rate=0.0,
+            use_cache=False,
+            tie_word_embeddings=True,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+            attn_implementation="eager",
+        )
+    )
 
 
 class _Case:
@@ -106,8 +157,13 @@ def _mlp_case() -> _Case:
     return _Case(_MLP(), (x,), None, y, F.cross_entropy, run)
 
 
-_BUILDERS = {"gpt2": lambda: _hf_case(_gpt2), "bert": lambda: _hf_case(_bert), "llama": lambda: _hf_case(_llama),
-             "t5": lambda: _hf_case(_t5), "mlp": _mlp_case}
+_BUILDERS = {
+    "gpt2": lambda: _hf_case(_gpt2),
+    "bert": lambda: _hf_case(_bert),
+    "llama": lambda: _hf_case(_llama),
+    "t5": lambda: _hf_case(_t5),
+    "mlp": _mlp_case,
+}
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +212,9 @@ def run_detached(stages: list[StageModule], flat_inputs: list) -> torch.Tensor:
     for s in range(len(stages) - 1, -1, -1):
         inputs = runs[s][0]
         wanted = [x for x in inputs if x.requires_grad]
-        input_grads = torch.autograd.grad(outputs, wanted, grad_outputs, retain_graph=True, allow_unused=True) if wanted else ()
+        input_grads = (
+            torch.autograd.grad(outputs, wanted, grad_outputs, retain_graph=True, allow_unused=True) if wanted else ()
+        )
         assert all(g is None or g.is_contiguous() for g in input_grads), f"stage {s} input gradient not contiguous"
         if outputs:
             torch.autograd.backward(outputs, grad_outputs)  # the parameters' gradients
@@ -212,7 +270,9 @@ def test_stages_hold_the_models_own_tensors_where_read(cases, name):
             spec = stage.spec
             read = {p for i in range(spec.node_start, spec.node_stop) for p in case.graph.nodes[i].params}
             assert set(spec.param_names) == read, (cuts, spec.index)
-            held = dict(stage.named_parameters()) | {k: b for k, b in stage.named_buffers() if not k.startswith("graph_module.")}
+            held = dict(stage.named_parameters()) | {
+                k: b for k, b in stage.named_buffers() if not k.startswith("graph_module.")
+            }
             assert set(held) == read
             for canonical, tensor in held.items():
                 assert tensor is model_tensors[canonical], canonical  # the same object, not a copy
@@ -278,7 +338,9 @@ def test_buffers_and_in_place_updates_batchnorm():
         model.zero_grad()
 
 
-@pytest.mark.parametrize("bad", [[], [0], [1, 10], [0, 5], [0, 5, 5, 10], [0, 7, 3, 10], [0, 2.5, 10], [0, 11], [0, True, 10]])
+@pytest.mark.parametrize(
+    "bad", [[], [0], [1, 10], [0, 5], [0, 5, 5, 10], [0, 7, 3, 10], [0, 2.5, 10], [0, 11], [0, True, 10]]
+)
 def test_bad_boundaries_raise_input_error(cases, bad):
     graph = cases("mlp").graph
     n = graph.num_nodes

@@ -24,8 +24,9 @@ def mlp():
 
 
 def _plan(graph, cut: int):
-    return manual_plan(graph, [0, cut, graph.num_nodes], schedule="1f1b", num_rank_groups=2, num_microbatches=2,
-                       global_batch_size=8)
+    return manual_plan(
+        graph, [0, cut, graph.num_nodes], schedule="1f1b", num_rank_groups=2, num_microbatches=2, global_batch_size=8
+    )
 
 
 def test_the_plan_digest_tells_plans_apart_and_survives_a_round_trip(mlp):
@@ -49,8 +50,11 @@ def test_timeouts_and_seeds_are_validated_before_anything_starts(mlp):
 
 
 def test_timed_out_waits_are_told_from_other_errors():
-    assert is_timeout(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv "
-                                   "operation to complete"))
+    assert is_timeout(
+        RuntimeError(
+            "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
+        )
+    )
     assert is_timeout(RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5)"))
     assert not is_timeout(RuntimeError("Connection closed by peer [127.0.0.1]:3987"))
     assert not is_timeout(ValueError("timed out"))
@@ -58,8 +62,13 @@ def test_timed_out_waits_are_told_from_other_errors():
 
 def test_a_timeout_error_without_store_still_names_the_step_and_the_rank():
     progress = Progress(rank=3, world_size=4, enabled=False)
-    error = progress.timeout_error(RuntimeError("Timed out waiting 5000ms for recv operation to complete"), step=7,
-                                   doing="the all-reduce of the loss", stages="stage 1", timeout_s=5)
+    error = progress.timeout_error(
+        RuntimeError("Timed out waiting 5000ms for recv operation to complete"),
+        step=7,
+        doing="the all-reduce of the loss",
+        stages="stage 1",
+        timeout_s=5,
+    )
     assert isinstance(error, CollectiveTimeoutError) and isinstance(error, TimeoutError)
     assert (error.step, error.rank, error.behind) == (7, 3, ())
     assert str(error).startswith("step 7: rank 3 (stage 1) waited more than 5 s in the all-reduce of the loss")

@@ -13,12 +13,12 @@ import torch
 import partita
 from partita import examples
 from partita.errors import InputError
-from partita.types.plan_file import plan_from_json
 from partita.planning.manual import manual_plan
 from partita.runtime.data_parallel import check_layout
 from partita.runtime.numerics import NonFinitePolicy, describe, loss_findings
 from partita.runtime.stages import split_graph
 from partita.runtime.uneven import Layout, Transfer, boundary_layouts, check_uneven_boundaries, replica_slice, transfers
+from partita.types.plan_file import plan_from_json
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,15 @@ def _half(graph) -> list[int]:
 
 
 def test_manual_plan_gives_each_rank_group_its_replicas_on_consecutive_ranks(mlp_graph):
-    plan = manual_plan(mlp_graph, _half(mlp_graph), schedule="1f1b", num_rank_groups=2, replicas=(2, 1),
-                       num_microbatches=2, global_batch_size=8)
+    plan = manual_plan(
+        mlp_graph,
+        _half(mlp_graph),
+        schedule="1f1b",
+        num_rank_groups=2,
+        replicas=(2, 1),
+        num_microbatches=2,
+        global_batch_size=8,
+    )
     assert [s.ranks for s in plan.stages] == [(0, 1), (2,)]
     assert [s.rank_group for s in plan.stages] == [0, 1]
     assert not plan.uniform_replicas and plan.num_devices == 3
@@ -51,19 +58,29 @@ def test_manual_plan_gives_each_rank_group_its_replicas_on_consecutive_ranks(mlp
     assert plan.options["replicas"] == [2, 1]
     assert plan_from_json(plan.to_json(), graph=mlp_graph) == plan
     check_layout(plan)
-    gpipe = manual_plan(mlp_graph, _half(mlp_graph), schedule="gpipe", num_rank_groups=2, replicas=[1, 3],
-                        num_microbatches=2, global_batch_size=12)
+    gpipe = manual_plan(
+        mlp_graph,
+        _half(mlp_graph),
+        schedule="gpipe",
+        num_rank_groups=2,
+        replicas=[1, 3],
+        num_microbatches=2,
+        global_batch_size=12,
+    )
     assert [s.ranks for s in gpipe.stages] == [(0,), (1, 2, 3)] and gpipe.microbatch_size == 6
     check_layout(gpipe)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(replicas=(2, 1), schedule="interleaved1f1b", num_stages=4), r"replicas=\[2, 1\] differ.*gpipe or 1f1b"),
-    (dict(replicas=(2, 1, 1)), r"replicas=\[2, 1, 1\] has 3 entries for 2 rank groups: give one"),
-    (dict(replicas=(3, 1)), r"global_batch_size=8.*2 x 3.*multiple of 6"),
-    (dict(replicas=(0, 1)), r"replicas must be an int >= 1, got 0"),
-    (dict(replicas="2"), r"replicas must be an int or a sequence.*got '2'"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(replicas=(2, 1), schedule="interleaved1f1b", num_stages=4), r"replicas=\[2, 1\] differ.*gpipe or 1f1b"),
+        (dict(replicas=(2, 1, 1)), r"replicas=\[2, 1, 1\] has 3 entries for 2 rank groups: give one"),
+        (dict(replicas=(3, 1)), r"global_batch_size=8.*2 x 3.*multiple of 6"),
+        (dict(replicas=(0, 1)), r"replicas must be an int >= 1, got 0"),
+        (dict(replicas="2"), r"replicas must be an int or a sequence.*got '2'"),
+    ],
+)
 def test_manual_plan_refuses_replica_counts_the_runtime_cannot_run(mlp_graph, bad, match):
     choices = dict(schedule="1f1b", num_rank_groups=2, num_microbatches=2, global_batch_size=8) | bad
     num_stages = choices.pop("num_stages", 2)
@@ -73,8 +90,15 @@ def test_manual_plan_refuses_replica_counts_the_runtime_cannot_run(mlp_graph, ba
 
 
 def test_layout_check_refuses_uneven_plans_it_cannot_run(mlp_graph):
-    plan = manual_plan(mlp_graph, _half(mlp_graph), schedule="gpipe", num_rank_groups=2, replicas=(2, 1),
-                       num_microbatches=2, global_batch_size=8)
+    plan = manual_plan(
+        mlp_graph,
+        _half(mlp_graph),
+        schedule="gpipe",
+        num_rank_groups=2,
+        replicas=(2, 1),
+        num_microbatches=2,
+        global_batch_size=8,
+    )
     gap = dataclasses.replace(plan, stages=(plan.stages[0], dataclasses.replace(plan.stages[1], ranks=(3,))))
     with pytest.raises(InputError, match=r"stage 1 runs on rank group 1, ranks \[3\].*ranks \[2\].*manual_plan"):
         check_layout(gap)
@@ -108,7 +132,7 @@ def test_routing_rebuilds_every_slice_and_returns_every_gradient(num_senders, nu
 
     def own(x, replicas, replica):
         start, size = replica_slice(b, replicas, replica)
-        return x[start:start + size]
+        return x[start : start + size]
 
     for receiver in range(num_receivers):
         mine = [t for t in routes if t.receiver == receiver]
@@ -132,8 +156,15 @@ def _after_first(graph, target: str) -> int:
 
 def test_merged_batch_dims_are_refused_between_different_replica_counts(gpt2_graph):
     cut = _after_first(gpt2_graph, "aten.addmm.default")  # GPT-2's Conv1D: (B*T, 3C) before the view
-    plan = manual_plan(gpt2_graph, [0, cut, gpt2_graph.num_nodes], schedule="1f1b", num_rank_groups=2,
-                       replicas=(2, 1), num_microbatches=2, global_batch_size=8)
+    plan = manual_plan(
+        gpt2_graph,
+        [0, cut, gpt2_graph.num_nodes],
+        schedule="1f1b",
+        num_rank_groups=2,
+        replicas=(2, 1),
+        num_microbatches=2,
+        global_batch_size=8,
+    )
     stages = split_graph(gpt2_graph, plan.boundaries)
     sent = gpt2_graph.node(stages[0].spec.output_names[-1])
     assert sent.target == "aten.addmm.default" and sent.outputs[0].shape[0] == 8 * 16
@@ -158,17 +189,24 @@ def test_per_sample_and_batchless_boundary_tensors_are_routed(gpt2_graph):
 
 def test_nonfinite_loss_message_names_the_slice_of_an_uneven_plan():
     # Micro-batch 1 of replica 1 of a last stage with 2 replicas, b = 4: samples 6-7.
-    findings = loss_findings([torch.tensor(1.0), torch.tensor(float("nan"))], stage_index=1, replica=1, rank=2,
-                             samples=[(2, 2), (6, 2)])
-    text = describe(findings, step=1, replicas=2,
-                    policy=NonFinitePolicy.RAISE)
+    findings = loss_findings(
+        [torch.tensor(1.0), torch.tensor(float("nan"))], stage_index=1, replica=1, rank=2, samples=[(2, 2), (6, 2)]
+    )
+    text = describe(findings, step=1, replicas=2, policy=NonFinitePolicy.RAISE)
     assert "micro-batch 1 of replica 1 (samples 6-7 of the global batch) gave nan on stage 1" in text
 
 
 def test_layout_check_refuses_several_stages_per_group_and_a_batch_that_does_not_split(mlp_graph):
     cuts = [mlp_graph.num_nodes * k // 3 for k in range(4)]
-    plan = manual_plan(mlp_graph, cuts, schedule="gpipe", num_rank_groups=3, replicas=(2, 1, 1), num_microbatches=2,
-                       global_batch_size=8)
+    plan = manual_plan(
+        mlp_graph,
+        cuts,
+        schedule="gpipe",
+        num_rank_groups=3,
+        replicas=(2, 1, 1),
+        num_microbatches=2,
+        global_batch_size=8,
+    )
     first, second, third = plan.stages
     shared = dataclasses.replace(plan, stages=(first, second, dataclasses.replace(third, ranks=(0, 1), rank_group=0)))
     with pytest.raises(InputError, match=r"3 stages on 2 rank groups.*\[2, 1, 2\]: uneven plans run one stage"):

@@ -4,20 +4,20 @@ import dataclasses
 
 import numpy as np
 import pytest
+from planning_instances import oracle, random_instance
 
 import partita
-from partita.types.cluster import Cluster
 from partita.errors import InputError
-from partita.types.plan_file import load_plan, plan_to_json
-from partita.planning.search import SearchOptions
-from partita.planning.simulate import simulate
 from partita.planning.api import plan
 from partita.planning.baselines import baseline_plans
 from partita.planning.context import PlanningContext
 from partita.planning.driver import best_plan
 from partita.planning.options import PlanOptions
+from partita.planning.search import SearchOptions
+from partita.planning.simulate import simulate
 from partita.types import OptimizerKind, Schedule
-from planning_instances import oracle, random_instance
+from partita.types.cluster import Cluster
+from partita.types.plan_file import load_plan, plan_to_json
 
 
 def uneven_instance(seed: int) -> PlanningContext:
@@ -57,7 +57,7 @@ def test_uneven_search_matches_brute_force(solved):
 
 def test_uneven_plans_are_never_slower_and_often_faster_than_uniform(solved):
     faster = 0
-    for seed, (ctx, found, _, flat) in enumerate(solved):
+    for seed, (_ctx, found, _, flat) in enumerate(solved):
         if flat is None:
             continue
         assert found.predicted_step_s <= flat.predicted_step_s * (1 + 1e-12), seed
@@ -82,7 +82,7 @@ def test_uneven_plan_layout(solved):
         assert found.microbatch_size == samples // min(s.num_replicas for s in found.stages)
         for s in found.stages:
             table = ctx.costs_at(samples // s.num_replicas)
-            assert s.forward_s == pytest.approx(float(table.forward_s[s.start:s.stop].sum()))
+            assert s.forward_s == pytest.approx(float(table.forward_s[s.start : s.stop].sum()))
         assert simulate(found, ctx.costs_at, ctx.cluster).step_s == pytest.approx(found.predicted_step_s)
     assert num_uneven >= 40
 
@@ -126,8 +126,15 @@ def test_uneven_search_refuses_clusters_beyond_its_device_axis():
 
 def test_uneven_search_respects_pinned_choices():
     ctx = uneven_instance(4)
-    pinned = SearchOptions(**{**ctx.options.__dict__, "schedules": (Schedule.ONE_F_ONE_B,), "num_microbatches": 2,
-                              "num_stages": 2, "optimizer": OptimizerKind.ADAM})
+    pinned = SearchOptions(
+        **{
+            **ctx.options.__dict__,
+            "schedules": (Schedule.ONE_F_ONE_B,),
+            "num_microbatches": 2,
+            "num_stages": 2,
+            "optimizer": OptimizerKind.ADAM,
+        }
+    )
     p = best_plan(dataclasses.replace(ctx, options=pinned))
     assert p is not None and p.schedule is Schedule.ONE_F_ONE_B and p.num_microbatches == 2 and p.num_stages == 2
 
@@ -140,22 +147,29 @@ def gpt2_context():
     ex = examples.build("gpt2-tiny", batch_size=4, device="meta")
     graph = partita.capture(ex.model, ex.args, ex.kwargs)
     cluster = Cluster(device="h100", num_devices=3, devices_per_node=8)
-    return planning_context(graph, cluster=cluster, global_batch_size=24,
-                            options=PlanOptions(uniform_replicas=False, costs="analytic"))
+    return planning_context(
+        graph, cluster=cluster, global_batch_size=24, options=PlanOptions(uniform_replicas=False, costs="analytic")
+    )
 
 
 def test_replica_counts_change_only_where_tensors_split_by_sample(gpt2_context):
     """A cut crossed by a merged (B*T, H) tensor cannot separate 2 replicas from 1 (the runtime
     could not route it); the same cut between equal counts, and a layer start, can."""
     from partita.planning.chain import layer_boundaries, per_sample_cuts
-    from partita.planning.search import Config
     from partita.planning.context import finish_plan
+    from partita.planning.search import Config
 
     ctx = gpt2_context
     graph = ctx.graph
-    merged = next(c for c in range(1, graph.num_nodes) if not per_sample_cuts(graph)[c]
-                  and finish_plan(ctx, Config(1, 2, Schedule.ONE_F_ONE_B, 1, 4, 6, None),
-                                  [0, c, graph.num_nodes], [False, False], "x") is not None)
+    merged = next(
+        c
+        for c in range(1, graph.num_nodes)
+        if not per_sample_cuts(graph)[c]
+        and finish_plan(
+            ctx, Config(1, 2, Schedule.ONE_F_ONE_B, 1, 4, 6, None), [0, c, graph.num_nodes], [False, False], "x"
+        )
+        is not None
+    )
     uneven = Config(1, 2, Schedule.ONE_F_ONE_B, 1, 4, 6, None, stage_replicas=(2, 1))
     assert finish_plan(ctx, uneven, [0, merged, graph.num_nodes], [False, False], "x") is None
     layer = layer_boundaries(graph)[1]
@@ -167,8 +181,9 @@ def test_searched_uneven_plans_cut_where_tensors_split_by_sample(gpt2_context):
     from partita.planning.chain import per_sample_cuts
 
     ctx = gpt2_context
-    pinned = dataclasses.replace(ctx, options=dataclasses.replace(ctx.options, schedules=(Schedule.ONE_F_ONE_B,),
-                                                                   num_stages=2))
+    pinned = dataclasses.replace(
+        ctx, options=dataclasses.replace(ctx.options, schedules=(Schedule.ONE_F_ONE_B,), num_stages=2)
+    )
     p = best_plan(pinned)
     assert p is not None and not p.uniform_replicas  # 3 devices, 2 stages: 2 + 1
     cuts = per_sample_cuts(ctx.graph)
