@@ -52,8 +52,14 @@ def build_example(name: str, batch_size: int, *, device: str = "cpu", seed: int 
     m = _CUSTOM_GPT2.match(name)
     if m:
         layers, hidden = int(m.group(1)), int(m.group(2))
-        return _gpt2_example(name, dict(n_layer=layers, n_embd=hidden, n_head=max(1, hidden // 64)),
-                             batch_size, device, seed, data_device)
+        return _gpt2_example(
+            name,
+            dict(n_layer=layers, n_embd=hidden, n_head=max(1, hidden // 64)),
+            batch_size,
+            device,
+            seed,
+            data_device,
+        )
     return examples.build(name, batch_size=batch_size, device=device, seed=seed, data_device=data_device)
 
 
@@ -64,8 +70,10 @@ def config_text(p, *, always_recompute: bool = False) -> str:
     v = p.num_stages // p.num_rank_groups
     rc = sum(s.recompute for s in p.stages)
     recompute = f" rc={rc}/{p.num_stages}" if always_recompute else (f" rc={rc}" if rc else "")
-    return (f"{p.num_rank_groups}x{fmt_replicas(p)}{f' v={v}' if v > 1 else ''} {p.schedule.value} "
-            f"m={p.num_microbatches} mb={p.microbatch_size}{recompute}")
+    return (
+        f"{p.num_rank_groups}x{fmt_replicas(p)}{f' v={v}' if v > 1 else ''} {p.schedule.value} "
+        f"m={p.num_microbatches} mb={p.microbatch_size}{recompute}"
+    )
 
 
 def gpt2_params(layers: int, hidden: int, vocab: int = 8192, positions: int = 1024) -> int:
@@ -139,8 +147,21 @@ def memory_status() -> dict[str, int]:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def malloc_in_use() -> int | None:
@@ -198,13 +219,32 @@ def run_ranks(script: Path, world_size: int, out_dir: Path, *, timeout_s: float,
     port = free_port()
     procs = []
     for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "TRANSFORMERS_VERBOSITY": "error",
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
         log = open(out_dir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(script), "--worker", str(out_dir)], env=env, cwd=REPO,
-                                       stdout=log, stderr=subprocess.STDOUT), log))
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, str(script), "--worker", str(out_dir)],
+                    env=env,
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                ),
+                log,
+            )
+        )
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -248,9 +288,11 @@ def machine_line() -> str:
         pass
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, shared with other jobs "
-            f"(1-min load average at the start: {load:.1f}); Python {platform.python_version()}, "
-            f"torch {torch.__version__}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, shared with other jobs "
+        f"(1-min load average at the start: {load:.1f}); Python {platform.python_version()}, "
+        f"torch {torch.__version__}"
+    )
 
 
 def now_utc() -> str:

@@ -80,7 +80,7 @@ def layer_starts(graph: OpGraph, family: str) -> list[int]:
             starts.append(node.index)
             i += 1
     # The last layer ends at the first later node of another named module (final norm, head).
-    end = next(n.index for n in graph.nodes[starts[-1]:] if n.module_path and not in_layer(n.module_path, i - 1))
+    end = next(n.index for n in graph.nodes[starts[-1] :] if n.module_path and not in_layer(n.module_path, i - 1))
     return starts + [end]
 
 
@@ -160,7 +160,7 @@ def time_rounds(runs: list[RangeRun], reference, rounds: int) -> list[float]:
     """Time every range once per round, rotating who goes first; returns the reference's times."""
     reference_s = []
     for r in range(rounds):
-        for run in runs[r % len(runs):] + runs[:r % len(runs)]:
+        for run in runs[r % len(runs) :] + runs[: r % len(runs)]:
             forward_s, step_s = time_step(run)
             run.forward_s.append(forward_s)
             run.step_s.append(step_s)
@@ -184,8 +184,11 @@ def measure_memory(run: RangeRun) -> dict[str, int]:
     optimizer.step()
     clear_grads(run, optimizer)
     states = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-    parts = dict(params=unique_bytes([*run.stage.parameters(), *run.stage.buffers()]), optimizer=unique_bytes(states),
-                 boundary=unique_bytes([*run.inputs[:run.num_received], *run.grad_outputs]))
+    parts = dict(
+        params=unique_bytes([*run.stage.parameters(), *run.stage.buffers()]),
+        optimizer=unique_bytes(states),
+        boundary=unique_bytes([*run.inputs[: run.num_received], *run.grad_outputs]),
+    )
     parts["backward_peak"], parts["grads"] = allocated_peak(lambda: forward_backward(run))
     parts["optimizer_peak"], _ = allocated_peak(optimizer.step)
     clear_grads(run, optimizer)
@@ -262,10 +265,16 @@ def bench_model(name: str, args: argparse.Namespace) -> tuple[dict, list[dict], 
     costs = profile(graph, (ex.args, ex.kwargs, ex.target), microbatch_size=BATCH_SIZE, repeats=args.repeats)
     reference_s += time_rounds(runs, reference, rounds // 2)
     reference_ms = 1e3 * statistics.median(reference_s)
-    model = dict(model=name, rounds=rounds, load=os.getloadavg()[0], reference_ms=reference_ms,
-                 drift=error_pct(1e3 * costs.calibration["whole_step_s"], reference_ms),
-                 gflops=cpu_spec.peak_flops["float32"] / 1e9, bandwidth=cpu_spec.memory_bandwidth_bytes_per_s / 1e9,
-                 op_overhead_us=1e6 * cpu_spec.op_overhead_s)
+    model = dict(
+        model=name,
+        rounds=rounds,
+        load=os.getloadavg()[0],
+        reference_ms=reference_ms,
+        drift=error_pct(1e3 * costs.calibration["whole_step_s"], reference_ms),
+        gflops=cpu_spec.peak_flops["float32"] / 1e9,
+        bandwidth=cpu_spec.memory_bandwidth_bytes_per_s / 1e9,
+        op_overhead_us=1e6 * cpu_spec.op_overhead_s,
+    )
     time_rows = [time_row(name, run, costs, analytic) for run in runs]
     memory_rows = [memory_row(name, run, costs) for run in runs]
     return model, time_rows, memory_rows
@@ -276,19 +285,34 @@ def time_row(name: str, run: RangeRun, costs, analytic) -> dict:
     step_s, forward_s = statistics.median(run.step_s), statistics.median(run.forward_s)
     predicted_s = float(costs.forward_s[span].sum() + costs.backward_s[span].sum())
     analytic_s = float(analytic.forward_s[span].sum() + analytic.backward_s[span].sum())
-    return dict(model=name, range=run.label, nodes=f"{run.start}-{run.stop} ({count})", count=count,
-                predicted_ms=1e3 * predicted_s, analytic_ms=1e3 * analytic_s, measured_ms=1e3 * step_s,
-                error=error_pct(predicted_s, step_s), analytic_error=error_pct(analytic_s, step_s),
-                forward_error=error_pct(float(costs.forward_s[span].sum()), forward_s))
+    return dict(
+        model=name,
+        range=run.label,
+        nodes=f"{run.start}-{run.stop} ({count})",
+        count=count,
+        predicted_ms=1e3 * predicted_s,
+        analytic_ms=1e3 * analytic_s,
+        measured_ms=1e3 * step_s,
+        error=error_pct(predicted_s, step_s),
+        analytic_error=error_pct(analytic_s, step_s),
+        forward_error=error_pct(float(costs.forward_s[span].sum()), forward_s),
+    )
 
 
 def memory_row(name: str, run: RangeRun, costs) -> dict:
-    predicted = device_memory(costs, [(run.start, run.stop)], in_flight=1, optimizer=OptimizerKind.ADAM,
-                              num_microbatches=1)
+    predicted = device_memory(
+        costs, [(run.start, run.stop)], in_flight=1, optimizer=OptimizerKind.ADAM, num_microbatches=1
+    )
     peak = measure_memory(run)
-    return dict(model=name, range=run.label, predicted=predicted, peak=peak,
-                error=error_pct(predicted.total_bytes, peak["total"]),
-                predicted_saved=int(costs.activation_bytes[run.start:run.stop].sum()), saved=saved_bytes(run))
+    return dict(
+        model=name,
+        range=run.label,
+        predicted=predicted,
+        peak=peak,
+        error=error_pct(predicted.total_bytes, peak["total"]),
+        predicted_saved=int(costs.activation_bytes[run.start : run.stop].sum()),
+        saved=saved_bytes(run),
+    )
 
 
 def error_pct(predicted: float, measured: float) -> float:
@@ -301,7 +325,8 @@ def error_pct(predicted: float, measured: float) -> float:
 def header(args: argparse.Namespace, started: datetime.datetime) -> list[str]:
     malloc = "default" if args.default_malloc else "no mmap, no trimming (freed memory is reused)"
     return [
-        "# Cost model accuracy: predicted vs measured, per node range", "",
+        "# Cost model accuracy: predicted vs measured, per node range",
+        "",
         f"- command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`",
         f"- date: {started:%Y-%m-%d %H:%M} UTC; machine: {cpu_model()}, {os.cpu_count()} cores, shared with other "
         f"jobs; torch {torch.__version__}; 1 intra-op thread; batch {BATCH_SIZE}; glibc malloc: {malloc}",
@@ -310,78 +335,106 @@ def header(args: argparse.Namespace, started: datetime.datetime) -> list[str]:
         "Error = (predicted - measured) / measured.",
         "- memory: `device_memory(costs, [(start, stop)], in_flight=1, optimizer=ADAM).total_bytes` vs the "
         "allocator's peak over one forward + backward + Adam step, plus what is alive at its start. (Not "
-        "MemTracker: its hooks on module inputs, here the parameters, make AccumulateGrad clone every gradient.)", "",
+        "MemTracker: its hooks on module inputs, here the parameters, make AccumulateGrad clone every gradient.)",
+        "",
     ]
 
 
 def summary(models: list[dict], time_rows: list[dict], memory_rows: list[dict]) -> list[str]:
-    lines = ["## Summary per model", "",
-             f"Targets: time median |error| <= {TIME_TARGETS[0]:.0f}% and worst <= {TIME_TARGETS[1]:.0f}% "
-             f"(measured costs); memory worst |error| <= {MEMORY_TARGET:.0f}%. `load`: 1-min load average after the "
-             "model. `CPU`: the calibrated local spec (fp32 GFLOP/s, GB/s). `drift`: the profile's whole step vs "
-             "the same step re-timed during the rounds; `drift-corrected` divides the predictions by it. "
-             "`whole/quarters`: measured whole / the sum of its 4 quarters, 1 when times add up.", "",
-             "| model | rounds | load | CPU | drift % | whole/quarters | time median / worst abs err % | met | "
-             "drift-corrected | analytic | memory median / worst abs err % | met |",
-             "|---|---:|---:|---|---:|---:|---|---|---|---|---|---|"]
+    lines = [
+        "## Summary per model",
+        "",
+        f"Targets: time median |error| <= {TIME_TARGETS[0]:.0f}% and worst <= {TIME_TARGETS[1]:.0f}% "
+        f"(measured costs); memory worst |error| <= {MEMORY_TARGET:.0f}%. `load`: 1-min load average after the "
+        "model. `CPU`: the calibrated local spec (fp32 GFLOP/s, GB/s). `drift`: the profile's whole step vs "
+        "the same step re-timed during the rounds; `drift-corrected` divides the predictions by it. "
+        "`whole/quarters`: measured whole / the sum of its 4 quarters, 1 when times add up.",
+        "",
+        "| model | rounds | load | CPU | drift % | whole/quarters | time median / worst abs err % | met | "
+        "drift-corrected | analytic | memory median / worst abs err % | met |",
+        "|---|---:|---:|---|---:|---:|---|---|---|---|---|---|",
+    ]
     for m in models:
         t, mem = rows_of(time_rows, m), rows_of(memory_rows, m)
         med, worst = abs_stats(r["error"] for r in t)
         corrected = abs_stats(error_pct(r["predicted_ms"] / (1 + m["drift"] / 100), r["measured_ms"]) for r in t)
         analytic, memory = abs_stats(r["analytic_error"] for r in t), abs_stats(r["error"] for r in mem)
-        lines.append(f"| {m['model']} | {m['rounds']} | {m['load']:.1f} | {m['gflops']:.0f}, {m['bandwidth']:.0f} | "
-                     f"{m['drift']:+.1f} | {additivity(t):.2f} | {med:.1f} / {worst:.1f} | "
-                     f"{'yes' if time_ok(t) else 'NO'} | "
-                     f"{corrected[0]:.1f} / {corrected[1]:.1f} | {analytic[0]:.1f} / {analytic[1]:.1f} | "
-                     f"{memory[0]:.1f} / {memory[1]:.1f} | {'yes' if memory[1] <= MEMORY_TARGET else 'NO'} |")
+        lines.append(
+            f"| {m['model']} | {m['rounds']} | {m['load']:.1f} | {m['gflops']:.0f}, {m['bandwidth']:.0f} | "
+            f"{m['drift']:+.1f} | {additivity(t):.2f} | {med:.1f} / {worst:.1f} | "
+            f"{'yes' if time_ok(t) else 'NO'} | "
+            f"{corrected[0]:.1f} / {corrected[1]:.1f} | {analytic[0]:.1f} / {analytic[1]:.1f} | "
+            f"{memory[0]:.1f} / {memory[1]:.1f} | {'yes' if memory[1] <= MEMORY_TARGET else 'NO'} |"
+        )
     return lines + [""]
 
 
 def time_table(rows: list[dict]) -> list[str]:
-    lines = ["## (a) Forward + backward time per range (ms)", "",
-             "`costs`: profiler CostTable summed over the range; `analytic`: roofline with the calibrated local "
-             "CPU spec; `fwd err`: the forward-only error of the costs.", "",
-             "| model | range | nodes | costs | analytic | measured | error % | analytic error % | fwd err % |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['model']} | {r['range']} | {r['nodes']} | {r['predicted_ms']:.2f} | {r['analytic_ms']:.2f} | "
-              f"{r['measured_ms']:.2f} | {r['error']:+.1f} | {r['analytic_error']:+.1f} | {r['forward_error']:+.1f} |"
-              for r in rows]
+    lines = [
+        "## (a) Forward + backward time per range (ms)",
+        "",
+        "`costs`: profiler CostTable summed over the range; `analytic`: roofline with the calibrated local "
+        "CPU spec; `fwd err`: the forward-only error of the costs.",
+        "",
+        "| model | range | nodes | costs | analytic | measured | error % | analytic error % | fwd err % |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['model']} | {r['range']} | {r['nodes']} | {r['predicted_ms']:.2f} | {r['analytic_ms']:.2f} | "
+        f"{r['measured_ms']:.2f} | {r['error']:+.1f} | {r['analytic_error']:+.1f} | {r['forward_error']:+.1f} |"
+        for r in rows
+    ]
     return lines + [""]
 
 
 def memory_table(rows: list[dict]) -> list[str]:
-    lines = ["## (b) Peak memory of one Adam training step per range (MiB)", "",
-             "Predicted parts: P params, G grads, O Adam states, A activations, C comm buffers, W working. "
-             "Measured: P params, O Adam states, X received inputs + output gradients (alive at the start); "
-             "B peak of forward + backward above the start; G gradients left after backward; S peak of "
-             "`Adam.step` above that; measured = P + O + X + max(B, G + S). `saved`: bytes kept for backward, "
-             "CostTable.activation_bytes vs saved_tensors_hooks on the stage.", "",
-             "| model | range | predicted | measured | error % | predicted P/G/O/A/C/W | measured P/O/X B G S | "
-             "peak in | saved pred / meas |",
-             "|---|---|---:|---:|---:|---|---|---|---|"]
+    lines = [
+        "## (b) Peak memory of one Adam training step per range (MiB)",
+        "",
+        "Predicted parts: P params, G grads, O Adam states, A activations, C comm buffers, W working. "
+        "Measured: P params, O Adam states, X received inputs + output gradients (alive at the start); "
+        "B peak of forward + backward above the start; G gradients left after backward; S peak of "
+        "`Adam.step` above that; measured = P + O + X + max(B, G + S). `saved`: bytes kept for backward, "
+        "CostTable.activation_bytes vs saved_tensors_hooks on the stage.",
+        "",
+        "| model | range | predicted | measured | error % | predicted P/G/O/A/C/W | measured P/O/X B G S | "
+        "peak in | saved pred / meas |",
+        "|---|---|---:|---:|---:|---|---|---|---|",
+    ]
     for r in rows:
         p, m = r["predicted"], r["peak"]
         measured = f"{mib(m['params'])}/{mib(m['optimizer'])}/{mib(m['boundary'])} " + " ".join(
-            mib(m[k]) for k in ("backward_peak", "grads", "optimizer_peak"))
-        lines.append(f"| {r['model']} | {r['range']} | {mib(p.total_bytes)} | {mib(m['total'])} | {r['error']:+.1f} | "
-                     f"{'/'.join(mib(b) for b in predicted_parts(p).values())} | {measured} | {peak_phase(m)} | "
-                     f"{mib(r['predicted_saved'])} / {mib(r['saved'])} |")
+            mib(m[k]) for k in ("backward_peak", "grads", "optimizer_peak")
+        )
+        lines.append(
+            f"| {r['model']} | {r['range']} | {mib(p.total_bytes)} | {mib(m['total'])} | {r['error']:+.1f} | "
+            f"{'/'.join(mib(b) for b in predicted_parts(p).values())} | {measured} | {peak_phase(m)} | "
+            f"{mib(r['predicted_saved'])} / {mib(r['saved'])} |"
+        )
     return lines + [""]
 
 
 def findings(models: list[dict], time_rows: list[dict], memory_rows: list[dict]) -> list[str]:
     """What the numbers say: where targets were missed, and the diagnostic columns summed up."""
     missed = [m["model"] for m in models if not time_ok(rows_of(time_rows, m))]
-    missed_memory = [m["model"] for m in models
-                     if abs_stats(r["error"] for r in rows_of(memory_rows, m))[1] > MEMORY_TARGET]
-    lines = ["## Findings", "", f"- Time target missed by: {', '.join(missed) or 'none'}; memory target missed by: "
-             f"{', '.join(missed_memory) or 'none'}."]
+    missed_memory = [
+        m["model"] for m in models if abs_stats(r["error"] for r in rows_of(memory_rows, m))[1] > MEMORY_TARGET
+    ]
+    lines = [
+        "## Findings",
+        "",
+        f"- Time target missed by: {', '.join(missed) or 'none'}; memory target missed by: "
+        f"{', '.join(missed_memory) or 'none'}.",
+    ]
     for m in (m for m in models if m["model"] in missed):
         worst = max(rows_of(time_rows, m), key=lambda r: abs(r["error"]))
-        lines.append(f"- {m['model']}: worst `{worst['range']}` {worst['error']:+.0f}% (forward alone "
-                     f"{worst['forward_error']:+.0f}%); profile drift {m['drift']:+.0f}%, load {m['load']:.1f}.")
-    overhead = ", ".join(f"{m['model']} {error_pct(m['reference_ms'], rows_of(time_rows, m)[0]['measured_ms']):+.0f}%"
-                         for m in models)
+        lines.append(
+            f"- {m['model']}: worst `{worst['range']}` {worst['error']:+.0f}% (forward alone "
+            f"{worst['forward_error']:+.0f}%); profile drift {m['drift']:+.0f}%, load {m['load']:.1f}."
+        )
+    overhead = ", ".join(
+        f"{m['model']} {error_pct(m['reference_ms'], rows_of(time_rows, m)[0]['measured_ms']):+.0f}%" for m in models
+    )
     ratios, gflops = sorted(additivity(rows_of(time_rows, m)) for m in models), sorted(m["gflops"] for m in models)
     per_node_us = min(1e3 * r["measured_ms"] / r["count"] for r in time_rows if r["range"] == "whole")  # us
     lines += [
@@ -391,8 +444,14 @@ def findings(models: list[dict], time_rows: list[dict], memory_rows: list[dict])
         f"- Noise and additivity: `whole/quarters` ranged {ratios[0]:.2f} to {ratios[-1]:.2f} (max load "
         f"{max(m['load'] for m in models):.1f} on {os.cpu_count()} cores). Below 1 (tiny models): each stage call "
         "adds a fixed cost (Python, boundary clones) that no node carries. Above 1 ("
-        + (", ".join(f"{m['model']} {additivity(rows_of(time_rows, m)):.2f}" for m in models
-                     if additivity(rows_of(time_rows, m)) > 1.15) or "none here")
+        + (
+            ", ".join(
+                f"{m['model']} {additivity(rows_of(time_rows, m)):.2f}"
+                for m in models
+                if additivity(rows_of(time_rows, m)) > 1.15
+            )
+            or "none here"
+        )
         + "): a step longer than a scheduler slice (a few ms) is preempted by other jobs more often than its "
         "quarters are, and the profile, calibrated on that whole step, then over-predicts every part. A large "
         "`drift` means the load changed between profiling and timing; the drift-corrected column removes it.",
@@ -412,8 +471,9 @@ def memory_findings(rows: list[dict]) -> list[str]:
         parts = predicted_parts(r["predicted"])
         largest.setdefault(r["model"], []).append(max(parts, key=parts.get))
     return [
-        "- Largest predicted memory part in most ranges: " + ", ".join(f"{m} {max(set(v), key=v.count)}" for m, v
-        in largest.items()) + f". Bytes saved for backward (CostTable vs hooks) differ by at most {saved_gap:.1f}%.",
+        "- Largest predicted memory part in most ranges: "
+        + ", ".join(f"{m} {max(set(v), key=v.count)}" for m, v in largest.items())
+        + f". Bytes saved for backward (CostTable vs hooks) differ by at most {saved_gap:.1f}%.",
         f"- The measured peak is in `Adam.step` for {len(in_optimizer)} of {len(rows)} ranges "
         f"({', '.join(sorted({r['model'] for r in in_optimizer})) or 'none'}): torch's CPU Adam (single-tensor) "
         "makes temporaries of ~2x the largest parameter while every gradient is alive (the model's second peak, "
@@ -424,8 +484,14 @@ def memory_findings(rows: list[dict]) -> list[str]:
 
 
 def predicted_parts(p) -> dict[str, int]:
-    return dict(params=p.param_bytes, grads=p.grad_bytes, adam=p.optimizer_bytes, activations=p.activation_bytes,
-                comm=p.comm_buffer_bytes, working=p.working_bytes)  # grads: all of them (the step's peak)
+    return dict(
+        params=p.param_bytes,
+        grads=p.grad_bytes,
+        adam=p.optimizer_bytes,
+        activations=p.activation_bytes,
+        comm=p.comm_buffer_bytes,
+        working=p.working_bytes,
+    )  # grads: all of them (the step's peak)
 
 
 def additivity(rows: list[dict]) -> float:
@@ -486,8 +552,13 @@ def main() -> None:
         models.append(model)
         time_rows += t
         memory_rows += m
-    lines = (header(args, started) + summary(models, time_rows, memory_rows) + time_table(time_rows)
-             + memory_table(memory_rows) + findings(models, time_rows, memory_rows))
+    lines = (
+        header(args, started)
+        + summary(models, time_rows, memory_rows)
+        + time_table(time_rows)
+        + memory_table(memory_rows)
+        + findings(models, time_rows, memory_rows)
+    )
     lines.append(f"Runtime: {time.perf_counter() - start_s:.0f} s.")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -46,12 +46,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from _e2e_common import (  # noqa: E402
+    MIB,
+    REPO,
+    InUseSampler,
+    build_example,
+    command_line,
+    config_text,
+    gpt2_params,
+    loss_of,
+    machine_line,
+    malloc_in_use,
+    memory_status,
+    now_utc,
+    reset_peak,
+    run_ranks,
+    step_kwargs,
+)
 
 from partita.cost.local_machine import LOCAL_RESERVED_MEMORY_FRACTION  # noqa: E402
-
-from _e2e_common import (MIB, REPO, InUseSampler, build_example, command_line, config_text, gpt2_params,  # noqa: E402
-                         loss_of, machine_line, malloc_in_use, memory_status, now_utc, reset_peak, run_ranks,
-                         step_kwargs)
 
 LADDER = [1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32, 40, 48, 56, 64]
 BASELINE_METHODS = ("uniform", "parameters", "equal_flops")
@@ -85,11 +98,13 @@ class Sized:
 
         key = (ranks, tuple(sorted(pins.items())))
         if key not in self._ctx:
-            cluster = partita.Cluster.local(num_devices=ranks, memory_bytes=self.args.budget_mib * MIB,
-                                            cache_dir=self.args.cache_dir, num_threads=1)
+            cluster = partita.Cluster.local(
+                num_devices=ranks, memory_bytes=self.args.budget_mib * MIB, cache_dir=self.args.cache_dir, num_threads=1
+            )
             options = partita.PlanOptions(uniform_replicas=True, costs="analytic", **pins)
-            self._ctx[key] = planning_context(self.graph, cluster=cluster, global_batch_size=self.args.global_batch,
-                                              options=options)
+            self._ctx[key] = planning_context(
+                self.graph, cluster=cluster, global_batch_size=self.args.global_batch, options=options
+            )
         return self._ctx[key]
 
     def usable(self, ranks: int = 1) -> int:
@@ -127,8 +142,9 @@ class Sized:
 
         ctx = self.ctx(1)
         costs = ctx.costs_at(self.args.global_batch)
-        return device_memory(costs, [(0, self.graph.num_nodes)], in_flight=1, optimizer=OptimizerKind.ADAM,
-                             num_microbatches=1).total_bytes
+        return device_memory(
+            costs, [(0, self.graph.num_nodes)], in_flight=1, optimizer=OptimizerKind.ADAM, num_microbatches=1
+        ).total_bytes
 
 
 def same_config_unchecked(ctx, like, method: str):
@@ -140,18 +156,33 @@ def same_config_unchecked(ctx, like, method: str):
     from partita.planning.chain import legal_cuts
     from partita.planning.search import Config
 
-    config = Config(replicas=like.stages[0].num_replicas, num_rank_groups=like.num_rank_groups,
-                    schedule=like.schedule, virtual_stages=like.num_stages // like.num_rank_groups,
-                    num_microbatches=like.num_microbatches, microbatch_size=like.microbatch_size, recompute_mode=None)
+    config = Config(
+        replicas=like.stages[0].num_replicas,
+        num_rank_groups=like.num_rank_groups,
+        schedule=like.schedule,
+        virtual_stages=like.num_stages // like.num_rank_groups,
+        num_microbatches=like.num_microbatches,
+        microbatch_size=like.microbatch_size,
+        recompute_mode=None,
+    )
     boundaries = baseline_boundaries(method, ctx.graph, legal_cuts(ctx.graph), config.num_stages)
     if boundaries is None:
         return None
     costs = ctx.costs_at(config.microbatch_size)
 
     def build(recompute):
-        return build_plan(ctx.graph, costs, config, boundaries, recompute, ctx.options,
-                          cluster=ctx.cluster, method=method, resolved_options=ctx.resolved,
-                          versions=(partita.__version__, torch.__version__))
+        return build_plan(
+            ctx.graph,
+            costs,
+            config,
+            boundaries,
+            recompute,
+            ctx.options,
+            cluster=ctx.cluster,
+            method=method,
+            resolved_options=ctx.resolved,
+            versions=(partita.__version__, torch.__version__),
+        )
 
     draft = build([False] * config.num_stages)
     limit = ctx.options.memory_limit_bytes
@@ -183,8 +214,15 @@ def ladder(args, log) -> dict:
                 row[(m, n)] = need
                 fits, plan = need <= sized.usable(1), None
             else:
-                plan = (sized.partita(n) if m == "partita" else sized.data_parallel(n) if m == "data parallel"
-                        else sized.partita_no_zbv(n) if m == PARTITA_NO_ZBV else sized.baseline_own(n, m))
+                plan = (
+                    sized.partita(n)
+                    if m == "partita"
+                    else sized.data_parallel(n)
+                    if m == "data parallel"
+                    else sized.partita_no_zbv(n)
+                    if m == PARTITA_NO_ZBV
+                    else sized.baseline_own(n, m)
+                )
                 need = plan and max(per_rank_predicted(plan))
                 row[(m, n)] = need
                 fits = plan is not None
@@ -193,9 +231,12 @@ def ladder(args, log) -> dict:
                     largest[(m, n)] = (layers, plan, need)
             else:
                 failed[(m, n)] = min(layers, failed.get((m, n), layers))
-        log(f"L={layers} ({sized.num_parameters / 1e6:.1f} M) in {time.perf_counter() - t:.0f} s: "
-            + ", ".join(f"{m}@{n} {'fits' if (m, n) in largest and largest[(m, n)][0] == layers else 'no'}"
-                        for m, n in todo))
+        log(
+            f"L={layers} ({sized.num_parameters / 1e6:.1f} M) in {time.perf_counter() - t:.0f} s: "
+            + ", ".join(
+                f"{m}@{n} {'fits' if (m, n) in largest and largest[(m, n)][0] == layers else 'no'}" for m, n in todo
+            )
+        )
 
     for layers in LADDER:
         todo = [k for k in keys if k not in failed]
@@ -240,8 +281,13 @@ def worker(out_dir: Path) -> None:
         batches = [ex.make_batch(params["global_batch"], s) for s in range(3)]
         graph = capture_on_meta(ex)
         plan = partita.Plan.load(params["plan"], graph=graph)
-        trainer = partita.Trainer(ex.model, plan, graph=graph, init_from=params["seed"],
-                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, foreach=params.get("foreach")))
+        trainer = partita.Trainer(
+            ex.model,
+            plan,
+            graph=graph,
+            init_from=params["seed"],
+            optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, foreach=params.get("foreach")),
+        )
         losses = [trainer.step(*step_kwargs(ex, batches[0])[0], **step_kwargs(ex, batches[0])[1])]
         out["setup_peak"] = memory_status()["VmHWM"] - base
         out["released"] = 0
@@ -344,12 +390,19 @@ def warm_up(params: dict, distributed: bool) -> None:
         tiny = build_example("gpt2-L2-H64", gb, device="meta", data_device="cpu")
         graph = capture_on_meta(tiny)
         n, s = graph.num_nodes, real.num_stages
-        plan = manual_plan(graph, [n * k // s for k in range(s + 1)], schedule=real.schedule,
-                           num_rank_groups=real.num_rank_groups, replicas=real.stages[0].num_replicas,
-                           num_microbatches=real.num_microbatches, global_batch_size=gb,
-                           recompute=[st.recompute for st in real.stages])
-        trainer = partita.Trainer(tiny.model, plan, graph=graph, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
-                                  init_from=seed)
+        plan = manual_plan(
+            graph,
+            [n * k // s for k in range(s + 1)],
+            schedule=real.schedule,
+            num_rank_groups=real.num_rank_groups,
+            replicas=real.stages[0].num_replicas,
+            num_microbatches=real.num_microbatches,
+            global_batch_size=gb,
+            recompute=[st.recompute for st in real.stages],
+        )
+        trainer = partita.Trainer(
+            tiny.model, plan, graph=graph, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR), init_from=seed
+        )
         for step in range(2):
             a, k = step_kwargs(tiny, tiny.make_batch(gb, step))
             trainer.step(*a, **k)
@@ -370,8 +423,9 @@ def capture_on_meta(ex):
     import partita
     from partita.runtime.materialize import meta_copies
 
-    return partita.capture(ex.model, meta_copies(ex.args), meta_copies(ex.kwargs), loss_fn=ex.loss_fn,
-                           target=meta_copies(ex.target))
+    return partita.capture(
+        ex.model, meta_copies(ex.args), meta_copies(ex.kwargs), loss_fn=ex.loss_fn, target=meta_copies(ex.target)
+    )
 
 
 def verify(label: str, name: str, plan, ranks: int, args, log) -> dict:
@@ -386,13 +440,30 @@ def verify(label: str, name: str, plan, ranks: int, args, log) -> dict:
         plan.save(path)
         save_seed(build_example(name, args.global_batch).model, seed)  # here, in the parent: not measured
     t = time.perf_counter()
-    results = run_ranks(Path(__file__), ranks, work, timeout_s=args.timeout, model=name, plan=path, seed=seed,
-                        global_batch=args.global_batch)
-    log(f"verified {label}: {name} on {ranks} rank(s) in {time.perf_counter() - t:.0f} s: peaks "
-        + ", ".join(f"{r['peak'] / MIB:.0f}" for r in results) + " MiB")
-    return {"label": label, "model": name, "ranks": ranks, "results": results,
-            "config": config_text(plan, always_recompute=True) if plan is not None else "plain, whole batch",
-            "predicted": per_rank_predicted(plan) if plan is not None else None, "seconds": time.perf_counter() - t}
+    results = run_ranks(
+        Path(__file__),
+        ranks,
+        work,
+        timeout_s=args.timeout,
+        model=name,
+        plan=path,
+        seed=seed,
+        global_batch=args.global_batch,
+    )
+    log(
+        f"verified {label}: {name} on {ranks} rank(s) in {time.perf_counter() - t:.0f} s: peaks "
+        + ", ".join(f"{r['peak'] / MIB:.0f}" for r in results)
+        + " MiB"
+    )
+    return {
+        "label": label,
+        "model": name,
+        "ranks": ranks,
+        "results": results,
+        "config": config_text(plan, always_recompute=True) if plan is not None else "plain, whole batch",
+        "predicted": per_rank_predicted(plan) if plan is not None else None,
+        "seconds": time.perf_counter() - t,
+    }
 
 
 # ----------------------------------------------------------------------------- report
@@ -437,17 +508,20 @@ def write_markdown(path: Path, args, header: str, part_a: dict, lad: dict, check
     ]
     # (A)
     if part_a:
-        lines += [f"## (A) Which plans fit: {part_a['model']} ({part_a['params'] / 1e6:.1f} M parameters) on 2 ranks",
-                  "",
-                  f"The largest ladder model partita fits on 2 ranks. Baselines: their split under partita's "
-                  f"configuration ({part_a['config']}), recomputing only stages over the limit. Peaks per rank, MiB "
-                  f"(the planner's limit: {usable / MIB:.0f}; the budget, what `RSS fits` checks: {args.budget_mib}). `RSS`: VmHWM over 2 steps less the base RSS; `in use`: "
-                  "the largest sample (every 0.5 ms) of glibc's bytes in use (`mallinfo2`: live tensors and Python "
-                  "objects, without the freed memory glibc keeps), less its value at the base reading. Errors: "
-                  "(predicted - measured) / measured.", "",
-                  "| plan | configuration | predicted fits | predicted | RSS | error | RSS fits | in use | error "
-                  "| set-up RSS peak | base RSS |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## (A) Which plans fit: {part_a['model']} ({part_a['params'] / 1e6:.1f} M parameters) on 2 ranks",
+            "",
+            f"The largest ladder model partita fits on 2 ranks. Baselines: their split under partita's "
+            f"configuration ({part_a['config']}), recomputing only stages over the limit. Peaks per rank, MiB "
+            f"(the planner's limit: {usable / MIB:.0f}; the budget, what `RSS fits` checks: {args.budget_mib}). `RSS`: VmHWM over 2 steps less the base RSS; `in use`: "
+            "the largest sample (every 0.5 ms) of glibc's bytes in use (`mallinfo2`: live tensors and Python "
+            "objects, without the freed memory glibc keeps), less its value at the base reading. Errors: "
+            "(predicted - measured) / measured.",
+            "",
+            "| plan | configuration | predicted fits | predicted | RSS | error | RSS fits | in use | error "
+            "| set-up RSS peak | base RSS |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for row in part_a["rows"]:
             pred = row["predicted"]
             if pred is None:
@@ -459,19 +533,25 @@ def write_markdown(path: Path, args, header: str, part_a: dict, lad: dict, check
                 lines.append(
                     f"| {row['label']} | {row['config']} | {pred_fit} | {per_rank(pred)} | {per_rank(meas)} | "
                     f"{errors(pred, meas)} | {'yes' if max(meas) <= budget else '**no**'} | {per_rank(in_use)} | "
-                    f"{errors(pred, in_use)} | {per_rank(row['setup'])} | {per_rank(row['base'])} |")
+                    f"{errors(pred, in_use)} | {per_rank(row['setup'])} | {per_rank(row['base'])} |"
+                )
             else:
-                lines.append(f"| {row['label']} | {row['config']} | {pred_fit} | {per_rank(pred)} | - | - | - | - | - "
-                             "| - | - |")
+                lines.append(
+                    f"| {row['label']} | {row['config']} | {pred_fit} | {per_rank(pred)} | - | - | - | - | - | - | - |"
+                )
         lines.append("")
     lines += findings(args, part_a, lad, checks, usable, budget)
     # (B)
-    lines += ["## (B) The largest model each method fits (planner's prediction)", "",
-              f"Ladder of layer counts {LADDER[0]}..{LADDER[-1]} at hidden {args.hidden}; a method stops at its first "
-              "failure. Baselines: their split under their own best configuration. Entry: layers (parameters), "
-              "predicted peak per rank in MiB, configuration.", "",
-              "| method | " + " | ".join(f"{n} rank{'s' if n > 1 else ''}" for n in [1, *args.ranks]) + " |",
-              "|---|" + "---|" * (1 + len(args.ranks))]
+    lines += [
+        "## (B) The largest model each method fits (planner's prediction)",
+        "",
+        f"Ladder of layer counts {LADDER[0]}..{LADDER[-1]} at hidden {args.hidden}; a method stops at its first "
+        "failure. Baselines: their split under their own best configuration. Entry: layers (parameters), "
+        "predicted peak per rank in MiB, configuration.",
+        "",
+        "| method | " + " | ".join(f"{n} rank{'s' if n > 1 else ''}" for n in [1, *args.ranks]) + " |",
+        "|---|" + "---|" * (1 + len(args.ranks)),
+    ]
     largest = lad["largest"]
     for m in ["partita", PARTITA_NO_ZBV, "data parallel", *BASELINE_METHODS, "unsplit"]:
         cells = []
@@ -484,18 +564,23 @@ def write_markdown(path: Path, args, header: str, part_a: dict, lad: dict, check
             params = gpt2_params(layers, args.hidden)
             cfg = config_text(p, always_recompute=True) if p is not None else "plain, whole batch"
             cells.append(f"**{layers}** ({params / 1e6:.0f} M), {mib(need)}, {cfg}")
-        label = {"unsplit": "unsplit, 1 process (plain PyTorch)",
-                 "data parallel": "data parallel (`num_stages=1, replicas=N`)"}.get(m, m)
+        label = {
+            "unsplit": "unsplit, 1 process (plain PyTorch)",
+            "data parallel": "data parallel (`num_stages=1, replicas=N`)",
+        }.get(m, m)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
     # ladder detail
-    keys = [("unsplit", 1), ("partita", 1)] + [(m, n) for n in args.ranks
-                                               for m in ["partita", PARTITA_NO_ZBV, "data parallel",
-                                                         *BASELINE_METHODS]]
-    lines += ["Predicted peak per rank (MiB) along the ladder; blank: not evaluated after the method's first failure, "
-              "OOM: no configuration fits.", "",
-              "| layers | params | " + " | ".join(f"{m}@{n}" for m, n in keys) + " |",
-              "|---:|---:|" + "---:|" * len(keys)]
+    keys = [("unsplit", 1), ("partita", 1)] + [
+        (m, n) for n in args.ranks for m in ["partita", PARTITA_NO_ZBV, "data parallel", *BASELINE_METHODS]
+    ]
+    lines += [
+        "Predicted peak per rank (MiB) along the ladder; blank: not evaluated after the method's first failure, "
+        "OOM: no configuration fits.",
+        "",
+        "| layers | params | " + " | ".join(f"{m}@{n}" for m, n in keys) + " |",
+        "|---:|---:|" + "---:|" * len(keys),
+    ]
     for row in lad["rows"]:
         cells = []
         for k in keys:
@@ -509,23 +594,29 @@ def write_markdown(path: Path, args, header: str, part_a: dict, lad: dict, check
     lines.append("")
     # checks
     if checks:
-        lines += ["## Verification: the largest sizes, trained", "",
-                  "2 training steps after 1 warm-up step, peaks per rank in MiB, measured as in (A); `tensors`: "
-                  "MemTracker's peak of live tensors over a third step (one process only: under MemTracker torch's "
-                  "PipelineStage forward fails).", "",
-                  "| method | model | ranks | configuration | predicted | RSS | error | RSS fits | in use | error "
-                  "| tensors | set-up RSS peak | losses (rank 0) |",
-                  "|---|---|---:|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Verification: the largest sizes, trained",
+            "",
+            "2 training steps after 1 warm-up step, peaks per rank in MiB, measured as in (A); `tensors`: "
+            "MemTracker's peak of live tensors over a third step (one process only: under MemTracker torch's "
+            "PipelineStage forward fails).",
+            "",
+            "| method | model | ranks | configuration | predicted | RSS | error | RSS fits | in use | error "
+            "| tensors | set-up RSS peak | losses (rank 0) |",
+            "|---|---|---:|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for c in checks:
             meas = [r["peak"] for r in c["results"]]
             in_use = [r.get("in_use_peak") for r in c["results"]]
             pred = c["predicted"] or [c.get("predicted_unsplit")]
             tensors = [r.get("tensor_peak") for r in c["results"]]
             losses = ", ".join(f"{x:.3f}" for x in c["results"][0]["losses"])
-            lines.append(f"| {c['label']} | {c['model']} | {c['ranks']} | {c.get('config', '')} | {per_rank(pred)} | "
-                         f"{per_rank(meas)} | {errors(pred, meas)} | {'yes' if max(meas) <= budget else '**no**'} | "
-                         f"{per_rank(in_use)} | {errors(pred, in_use)} | {per_rank(tensors)} | "
-                         f"{per_rank([r['setup_peak'] for r in c['results']])} | {losses} |")
+            lines.append(
+                f"| {c['label']} | {c['model']} | {c['ranks']} | {c.get('config', '')} | {per_rank(pred)} | "
+                f"{per_rank(meas)} | {errors(pred, meas)} | {'yes' if max(meas) <= budget else '**no**'} | "
+                f"{per_rank(in_use)} | {errors(pred, in_use)} | {per_rank(tensors)} | "
+                f"{per_rank([r['setup_peak'] for r in c['results']])} | {losses} |"
+            )
         lines.append("")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -543,11 +634,13 @@ def findings(args, part_a: dict, lad: dict, checks: list, usable: int, budget: i
         return f"{layers} layers ({gpt2_params(layers, args.hidden) / 1e6:.0f} M)"
 
     for n in args.ranks:
-        out.append(f"- Largest model by prediction on {n} ranks: partita {size(('partita', n))} "
-                   f"(GPipe/1F1B only: {size((PARTITA_NO_ZBV, n))}); "
-                   + ", ".join(f"{m} {size((m, n))}" for m in BASELINE_METHODS)
-                   + f"; data parallelism {size(('data parallel', n))}. One process: unsplit plain PyTorch "
-                   f"{size(('unsplit', 1))}, partita on 1 rank (micro-batches + recomputation) {size(('partita', 1))}.")
+        out.append(
+            f"- Largest model by prediction on {n} ranks: partita {size(('partita', n))} "
+            f"(GPipe/1F1B only: {size((PARTITA_NO_ZBV, n))}); "
+            + ", ".join(f"{m} {size((m, n))}" for m in BASELINE_METHODS)
+            + f"; data parallelism {size(('data parallel', n))}. One process: unsplit plain PyTorch "
+            f"{size(('unsplit', 1))}, partita on 1 rank (micro-batches + recomputation) {size(('partita', 1))}."
+        )
     measured = []  # (label, config, predicted, rss, in_use)
     for row in (part_a or {}).get("rows", []):
         if row.get("measured") is not None:
@@ -555,14 +648,24 @@ def findings(args, part_a: dict, lad: dict, checks: list, usable: int, budget: i
     for c in checks:
         if c["label"] == "partita" and c["ranks"] == 2 and part_a:
             continue  # the same run as (A) partita
-        measured.append((f"{c['label']} on {c['ranks']}", c.get("config", ""),
-                         c["predicted"] or [c.get("predicted_unsplit")], [r["peak"] for r in c["results"]],
-                         [r.get("in_use_peak") for r in c["results"]]))
+        measured.append(
+            (
+                f"{c['label']} on {c['ranks']}",
+                c.get("config", ""),
+                c["predicted"] or [c.get("predicted_unsplit")],
+                [r["peak"] for r in c["results"]],
+                [r.get("in_use_peak") for r in c["results"]],
+            )
+        )
     if measured:
         predicted_fit = [m for m in measured if max(m[2]) <= usable]
         rss_fit = [m for m in predicted_fit if max(m[3]) <= budget]
-        out.append(f"- Of {len(predicted_fit)} trained plans predicted to fit the planner's {usable / MIB:.0f} MiB, "
-                   f"{len(rss_fit)} stayed under the {budget / MIB:.0f} MiB budget in RSS" + (": " + ", ".join(m[0] for m in rss_fit) if rss_fit else "") + ".")
+        out.append(
+            f"- Of {len(predicted_fit)} trained plans predicted to fit the planner's {usable / MIB:.0f} MiB, "
+            f"{len(rss_fit)} stayed under the {budget / MIB:.0f} MiB budget in RSS"
+            + (": " + ", ".join(m[0] for m in rss_fit) if rss_fit else "")
+            + "."
+        )
 
         def err_range(group, idx):
             errs = [(p - x) / x for m in group for p, x in zip(m[2], m[idx]) if x]
@@ -570,29 +673,39 @@ def findings(args, part_a: dict, lad: dict, checks: list, usable: int, budget: i
 
         zbv_rc = [m for m in measured if "zbv" in m[1] and "rc=0/" not in m[1]]
         rest = [m for m in measured if m not in zbv_rc]
-        out.append(f"- Predicted vs measured peak per rank, all plans except ZBV with recomputation: RSS "
-                   f"{err_range(rest, 3)}, bytes in use {err_range(rest, 4)}.")
+        out.append(
+            f"- Predicted vs measured peak per rank, all plans except ZBV with recomputation: RSS "
+            f"{err_range(rest, 3)}, bytes in use {err_range(rest, 4)}."
+        )
         if zbv_rc:
-            out.append(f"- ZBV with recomputation ({', '.join(m[0] for m in zbv_rc)}): RSS {err_range(zbv_rc, 3)}, "
-                       f"bytes in use {err_range(zbv_rc, 4)}.")
+            out.append(
+                f"- ZBV with recomputation ({', '.join(m[0] for m in zbv_rc)}): RSS {err_range(zbv_rc, 3)}, "
+                f"bytes in use {err_range(zbv_rc, 4)}."
+            )
     for c in checks:
         if c["ranks"] > 1:
             whole = 4 * gpt2_params(int(c["model"].split("-L")[1].split("-")[0]), args.hidden)
-            out.append(f"- Set-up of {c['label']} on {c['ranks']} ranks ({c['model']}, {mib(whole)} MiB of parameters "
-                       f"in all): peaks of {per_rank([r['setup_peak'] for r in c['results']])} MiB RSS, against "
-                       f"{per_rank([r['peak'] for r in c['results']])} MiB in the timed steps.")
-    out += ["", "Notes:",
-            "- `RSS` is what a memory limit (cgroup, the OOM killer) sees; `in use` is close to what the planner "
-            "models (live tensors). The difference is glibc keeping freed memory (RSS/in use per rank, this run: "
-            + rss_ratio_range(measured) + f"); `Cluster.local` reserves {LOCAL_RESERVED_MEMORY_FRACTION:.0%} of the "
-            "budget for it. Making glibc give freed memory back (`MALLOC_TRIM_THRESHOLD_=0`) brought RSS to ~1.2x "
-            "the bytes in use but made a GPT-2 step 40-50% slower on this machine (bench/results/probes.md).",
-            "- Set-up: the ranks build the model on meta (no weights), take the pipeline's static shapes from the "
-            "graph on meta, then allocate and load only their stages' weights (`partita/runtime/materialize.py`).",
-            "- ZBV with recomputation is never planned (an earlier run of this benchmark measured such plans 40-60% "
-            "above the memory model: torch's ZBV keeps a recomputed stage's activations alive between its input- "
-            "and weight-gradient passes).",
-            ""]
+            out.append(
+                f"- Set-up of {c['label']} on {c['ranks']} ranks ({c['model']}, {mib(whole)} MiB of parameters "
+                f"in all): peaks of {per_rank([r['setup_peak'] for r in c['results']])} MiB RSS, against "
+                f"{per_rank([r['peak'] for r in c['results']])} MiB in the timed steps."
+            )
+    out += [
+        "",
+        "Notes:",
+        "- `RSS` is what a memory limit (cgroup, the OOM killer) sees; `in use` is close to what the planner "
+        "models (live tensors). The difference is glibc keeping freed memory (RSS/in use per rank, this run: "
+        + rss_ratio_range(measured)
+        + f"); `Cluster.local` reserves {LOCAL_RESERVED_MEMORY_FRACTION:.0%} of the "
+        "budget for it. Making glibc give freed memory back (`MALLOC_TRIM_THRESHOLD_=0`) brought RSS to ~1.2x "
+        "the bytes in use but made a GPT-2 step 40-50% slower on this machine (bench/results/probes.md).",
+        "- Set-up: the ranks build the model on meta (no weights), take the pipeline's static shapes from the "
+        "graph on meta, then allocate and load only their stages' weights (`partita/runtime/materialize.py`).",
+        "- ZBV with recomputation is never planned (an earlier run of this benchmark measured such plans 40-60% "
+        "above the memory model: torch's ZBV keeps a recomputed stage's activations alive between its input- "
+        "and weight-gradient passes).",
+        "",
+    ]
     return out
 
 
@@ -611,11 +724,13 @@ def plot(path: Path, args, lad: dict) -> None:
         ys = [gpt2_params(largest[(m, n)][0], args.hidden) / 1e6 if (m, n) in largest else 0 for n in ns]
         ax.bar([j + i * width for j in range(len(ns))], ys, width, label=m)
     if ("unsplit", 1) in largest:
-        ax.axhline(gpt2_params(largest[("unsplit", 1)][0], args.hidden) / 1e6, color="k", ls="--",
-                   label="unsplit, 1 process")
+        ax.axhline(
+            gpt2_params(largest[("unsplit", 1)][0], args.hidden) / 1e6, color="k", ls="--", label="unsplit, 1 process"
+        )
     if ("partita", 1) in largest:
-        ax.axhline(gpt2_params(largest[("partita", 1)][0], args.hidden) / 1e6, color="grey", ls=":",
-                   label="partita, 1 rank")
+        ax.axhline(
+            gpt2_params(largest[("partita", 1)][0], args.hidden) / 1e6, color="grey", ls=":", label="partita, 1 rank"
+        )
     ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(ns))], [f"{n} ranks" for n in ns])
     ax.set_ylabel("largest GPT-2 that fits (M parameters)")
     ax.set_title(f"Largest trainable model, {args.budget_mib} MiB per rank (predicted)")
@@ -659,24 +774,44 @@ def main() -> None:
         ctx = sized.ctx(2)
         rows = [{"label": "partita", "plan": plan}]
         simple = sized.partita_no_zbv(2)
-        rows.append({"label": PARTITA_NO_ZBV, "plan": simple} if simple is not None else
-                    {"label": PARTITA_NO_ZBV, "plan": None, "predicted": None, "config": "no plan fits"})
+        rows.append(
+            {"label": PARTITA_NO_ZBV, "plan": simple}
+            if simple is not None
+            else {"label": PARTITA_NO_ZBV, "plan": None, "predicted": None, "config": "no plan fits"}
+        )
         for m in BASELINE_METHODS:
             p = same_config_unchecked(ctx, plan, m)
             if p is not None:
                 rows.append({"label": m, "plan": p})
         dp = sized.data_parallel(2)
-        rows.append({"label": "data parallel", "plan": dp} if dp is not None else
-                    {"label": "data parallel", "plan": None, "predicted": None,
-                     "config": "no micro-batch count / recompute mode fits"})
-        rows.append({"label": "unsplit, 1 process", "plan": None, "predicted": [sized.unsplit_bytes()],
-                     "config": "plain, whole batch"})
+        rows.append(
+            {"label": "data parallel", "plan": dp}
+            if dp is not None
+            else {
+                "label": "data parallel",
+                "plan": None,
+                "predicted": None,
+                "config": "no micro-batch count / recompute mode fits",
+            }
+        )
+        rows.append(
+            {
+                "label": "unsplit, 1 process",
+                "plan": None,
+                "predicted": [sized.unsplit_bytes()],
+                "config": "plain, whole batch",
+            }
+        )
         for row in rows:
             if row["plan"] is not None:
                 row["predicted"] = per_rank_predicted(row["plan"])
                 row["config"] = config_text(row["plan"], always_recompute=True)
-        part_a = {"model": sized.name, "params": sized.num_parameters,
-                  "config": config_text(plan, always_recompute=True), "rows": rows}
+        part_a = {
+            "model": sized.name,
+            "params": sized.num_parameters,
+            "config": config_text(plan, always_recompute=True),
+            "rows": rows,
+        }
         if not args.no_verify:
             for row in rows:
                 if row["predicted"] is None:
@@ -716,10 +851,15 @@ def main() -> None:
     write_markdown(args.out, args, header, part_a, lad, checks, started)
     if args.plot:
         plot(args.plot, args, lad)
-    (args.work_dir / "raw.json").write_text(json.dumps(
-        {"ladder": [{str(k): v for k, v in r.items()} for r in lad["rows"]],
-         "checks": [{k: v for k, v in c.items() if k != "results"} | {"results": c["results"]} for c in checks]},
-        default=str))
+    (args.work_dir / "raw.json").write_text(
+        json.dumps(
+            {
+                "ladder": [{str(k): v for k, v in r.items()} for r in lad["rows"]],
+                "checks": [{k: v for k, v in c.items() if k != "results"} | {"results": c["results"]} for c in checks],
+            },
+            default=str,
+        )
+    )
 
 
 if __name__ == "__main__":

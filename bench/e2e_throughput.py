@@ -45,9 +45,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-from _e2e_common import (REPO, build_example, command_line, config_text, loss_of, machine_line, now_utc,  # noqa: E402
-                         run_ranks, step_kwargs)
+from _e2e_common import (  # noqa: E402
+    REPO,
+    build_example,
+    command_line,
+    config_text,
+    loss_of,
+    machine_line,
+    now_utc,
+    run_ranks,
+    step_kwargs,
+)
 
 DEFAULT_MODELS = ["gpt2-small", "gpt2-small-v50k", "bert-small", "llama-small", "cnn-small"]
 LR = 1e-4
@@ -73,10 +81,19 @@ def plan_model(name: str, global_batch: int, cache_dir: str, work: Path) -> dict
     cluster = partita.Cluster.local(num_devices=2, cache_dir=cache_dir, num_threads=1)
 
     def context(num_stages):
-        options = partita.PlanOptions(num_stages=num_stages, uniform_replicas=True, costs="measured",
-                                      cache_dir=cache_dir)
-        return planning_context(graph, ex.args, ex.kwargs, cluster=cluster, global_batch_size=global_batch,
-                                loss_fn=ex.loss_fn, target=ex.target, options=options)
+        options = partita.PlanOptions(
+            num_stages=num_stages, uniform_replicas=True, costs="measured", cache_dir=cache_dir
+        )
+        return planning_context(
+            graph,
+            ex.args,
+            ex.kwargs,
+            cluster=cluster,
+            global_batch_size=global_batch,
+            loss_fn=ex.loss_fn,
+            target=ex.target,
+            options=options,
+        )
 
     started = time.perf_counter()
     ctx = context(None)
@@ -91,21 +108,38 @@ def plan_model(name: str, global_batch: int, cache_dir: str, work: Path) -> dict
         plans[method] = p
     planning_s = time.perf_counter() - started
     # The unsplit step as the solo profile predicts it (one process: no contention between ranks).
-    whole = manual_plan(graph, [0, graph.num_nodes], schedule="gpipe", num_rank_groups=1, num_microbatches=1,
-                        global_batch_size=global_batch)
+    whole = manual_plan(
+        graph,
+        [0, graph.num_nodes],
+        schedule="gpipe",
+        num_rank_groups=1,
+        num_microbatches=1,
+        global_batch_size=global_batch,
+    )
     solo = dataclasses.replace(cluster, compute_slowdown=1.0)
     unsplit_pred = simulate(whole, lambda b: contended(ctx.costs_at(b), 1.0), solo).step_s
-    out = {"name": name, "num_parameters": graph.num_parameters, "num_nodes": graph.num_nodes,
-           "planning_s": planning_s, "plans": {}, "unsplit_predicted_s": unsplit_pred,
-           "compute_slowdown": cluster.compute_slowdown}
+    out = {
+        "name": name,
+        "num_parameters": graph.num_parameters,
+        "num_nodes": graph.num_nodes,
+        "planning_s": planning_s,
+        "plans": {},
+        "unsplit_predicted_s": unsplit_pred,
+        "compute_slowdown": cluster.compute_slowdown,
+    }
     for label, p in plans.items():
         if p is None:
             out["plans"][label] = None
             continue
         path = work / f"{name}.{label.replace(' ', '_').replace('=', '')}.json"
         p.save(str(path))
-        out["plans"][label] = {"path": str(path), "predicted_s": p.predicted_step_s, "config": config_text(p),
-                               "boundaries": list(p.boundaries), "split": split_text(graph, p)}
+        out["plans"][label] = {
+            "path": str(path),
+            "predicted_s": p.predicted_step_s,
+            "config": config_text(p),
+            "boundaries": list(p.boundaries),
+            "split": split_text(graph, p),
+        }
     return out
 
 
@@ -143,8 +177,9 @@ def worker(out_dir: Path) -> None:
     trainers = {}
     for label, path in params["plans"].items():
         plan = partita.Plan.load(path, graph=graph)
-        trainers[label] = partita.Trainer(ex.model, plan, graph=graph,
-                                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
+        trainers[label] = partita.Trainer(
+            ex.model, plan, graph=graph, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR)
+        )
     labels = list(trainers) + ["unsplit 1t", "unsplit 2t"]
     batches = [ex.make_batch(gb, s) for s in range(3)]
     times: dict[str, list] = {label: [] for label in labels}
@@ -157,7 +192,7 @@ def worker(out_dir: Path) -> None:
     foreign_s: dict[str, list] = {label: [] for label in labels}  # other jobs' share of the machine per step
     quiet_count, r = 0, 0
     while True:
-        order = labels[r % len(labels):] + labels[: r % len(labels)]
+        order = labels[r % len(labels) :] + labels[: r % len(labels)]
         for label in order:
             batch = batches[r % len(batches)]
             dist.barrier()
@@ -196,8 +231,13 @@ def worker(out_dir: Path) -> None:
                 busy_s[label].append(busy)
                 wall_s[label].append(wall)
                 foreign_s[label].append(foreign)
-        print(f"round {r}: " + ", ".join(f"{k} {times[k][-1]:.3f}" for k in labels if times[k]) + " | others' share "
-              + ", ".join(f"{foreign_s[k][-1]:.2f}" for k in labels if foreign_s[k]), flush=True)
+        print(
+            f"round {r}: "
+            + ", ".join(f"{k} {times[k][-1]:.3f}" for k in labels if times[k])
+            + " | others' share "
+            + ", ".join(f"{foreign_s[k][-1]:.2f}" for k in labels if foreign_s[k]),
+            flush=True,
+        )
         r += 1
         timed = r - params["warmup"]
         if timed > 0 and rank == 0:
@@ -207,8 +247,19 @@ def worker(out_dir: Path) -> None:
         quiet_count = int(decision)
         if timed >= params["rounds"] and (quiet_count >= params["quiet_rounds"] or timed >= params["max_rounds"]):
             break
-    torch.save({"times": times, "losses": losses, "idle_cpu": idle_cpu, "threads": threads_seen, "cpu": cpu_s,
-                "busy": busy_s, "wall": wall_s, "foreign": foreign_s}, out_dir / f"result{rank}.pt")
+    torch.save(
+        {
+            "times": times,
+            "losses": losses,
+            "idle_cpu": idle_cpu,
+            "threads": threads_seen,
+            "cpu": cpu_s,
+            "busy": busy_s,
+            "wall": wall_s,
+            "foreign": foreign_s,
+        },
+        out_dir / f"result{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
@@ -219,9 +270,19 @@ def measure_model(info: dict, args, work: Path) -> dict:
     plans = {label: p["path"] for label, p in info["plans"].items() if p is not None}
     out_dir = work / f"run-{info['name']}"
     load_before = os.getloadavg()[0]
-    results = run_ranks(Path(__file__), 2, out_dir, timeout_s=args.timeout, model=info["name"], plans=plans,
-                        global_batch=args.global_batch, warmup=args.warmup, rounds=args.rounds,
-                        quiet_rounds=args.quiet_rounds, max_rounds=args.max_rounds)
+    results = run_ranks(
+        Path(__file__),
+        2,
+        out_dir,
+        timeout_s=args.timeout,
+        model=info["name"],
+        plans=plans,
+        global_batch=args.global_batch,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        quiet_rounds=args.quiet_rounds,
+        max_rounds=args.max_rounds,
+    )
     r0, r1 = results
     times = {}
     for label, t0 in r0["times"].items():
@@ -230,8 +291,14 @@ def measure_model(info: dict, args, work: Path) -> dict:
         times[label] = [max(a, b) if b == b else a for a, b in zip(t0, t1)]
     # Other jobs' share of the machine during each step: machine-wide CPU time less both ranks' own.
     foreign = r0["foreign"]
-    return {"times": times, "losses": r0["losses"], "idle_cpu": r1["idle_cpu"], "threads": r0["threads"],
-            "load": (load_before, os.getloadavg()[0]), "foreign": foreign}
+    return {
+        "times": times,
+        "losses": r0["losses"],
+        "idle_cpu": r1["idle_cpu"],
+        "threads": r0["threads"],
+        "load": (load_before, os.getloadavg()[0]),
+        "foreign": foreign,
+    }
 
 
 def quiet_rounds(measured: dict) -> list[bool]:
@@ -261,13 +328,25 @@ def summarize(info: dict, measured: dict, global_batch: int, mask: list[bool] | 
         ratio = statistics.median(a / b for a, b in zip(ts, times[ref]))  # > 1: slower than partita
         ratio_pp = statistics.median(a / b for a, b in zip(ts, times[pipelined_ref]))
         ranks = 2 if plan else 1
-        rows.append(dict(
-            label=label, config=plan["config"] if plan else ("1 process, 1 thread" if label.endswith("1t")
-                                                               else "1 process, 2 threads"),
-            split=plan["split"] if plan else "-", median_s=med, min_s=min(ts), max_s=max(ts),
-            samples_s=global_batch / med, slowdown=ratio, slowdown_pp=ratio_pp,
-            efficiency=one / (2 * med) if plan else (one / (2 * med) if label.endswith("2t") else None),
-            ranks=ranks, predicted_s=pred, error=(pred - med) / med if pred else None))
+        rows.append(
+            dict(
+                label=label,
+                config=plan["config"]
+                if plan
+                else ("1 process, 1 thread" if label.endswith("1t") else "1 process, 2 threads"),
+                split=plan["split"] if plan else "-",
+                median_s=med,
+                min_s=min(ts),
+                max_s=max(ts),
+                samples_s=global_batch / med,
+                slowdown=ratio,
+                slowdown_pp=ratio_pp,
+                efficiency=one / (2 * med) if plan else (one / (2 * med) if label.endswith("2t") else None),
+                ranks=ranks,
+                predicted_s=pred,
+                error=(pred - med) / med if pred else None,
+            )
+        )
     return rows
 
 
@@ -277,8 +356,9 @@ def slowdowns(infos: dict) -> str:
     return ", ".join(f"{x:.3f}" for x in found) or "not recorded"
 
 
-def write_markdown(path: Path, all_rows: dict, infos: dict, measured: dict, args, started: float | None,
-                   header: str) -> None:
+def write_markdown(
+    path: Path, all_rows: dict, infos: dict, measured: dict, args, started: float | None, header: str
+) -> None:
     commands = []
     for m in sorted(measured.values(), key=lambda m: m["meta"]["date"]):
         line = f"`{m['meta']['command']}` ({m['meta']['date']})"
@@ -287,8 +367,13 @@ def write_markdown(path: Path, all_rows: dict, infos: dict, measured: dict, args
     lines = [
         "# End-to-end throughput: partita's plan vs the baselines' splits vs no split",
         "",
-        "- command(s): " + "; then ".join(commands) + (" (models with fewer than 3 quiet rounds in the first "
-                                                       "run measured again with `--reuse`)" if len(commands) > 1 else ""),
+        "- command(s): "
+        + "; then ".join(commands)
+        + (
+            " (models with fewer than 3 quiet rounds in the first run measured again with `--reuse`)"
+            if len(commands) > 1
+            else ""
+        ),
         f"- report written {now_utc()} by `{command_line()}`",
         f"- machine: {header}",
         f"- setup: 2 ranks x 1 thread, gloo on loopback, separate processes (torchrun-style); global batch "
@@ -314,25 +399,30 @@ def write_markdown(path: Path, all_rows: dict, infos: dict, measured: dict, args
         "",
     ]
     # Summary table.
-    lines += ["## Summary", "",
-              "Samples/s (medians). Baselines: step time relative to partita's split under the same (pipelined) "
-              "configuration, > 1 = slower. Efficiency: unsplit-1-thread step / (2 x step).", "",
-              "| model | params | partita's plan | partita | partita pp=2 | uniform | parameters | equal_flops "
-              "| unsplit 1 thread | unsplit 2 threads | efficiency partita / pp=2 | predicted vs measured partita / pp=2 |",
-              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "## Summary",
+        "",
+        "Samples/s (medians). Baselines: step time relative to partita's split under the same (pipelined) "
+        "configuration, > 1 = slower. Efficiency: unsplit-1-thread step / (2 x step).",
+        "",
+        "| model | params | partita's plan | partita | partita pp=2 | uniform | parameters | equal_flops "
+        "| unsplit 1 thread | unsplit 2 threads | efficiency partita / pp=2 | predicted vs measured partita / pp=2 |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, rows in all_rows.items():
         by = {r["label"]: r for r in rows}
         p = by["partita"]
         pp = by.get("partita pp=2", p)
 
         def rel(method):
-            return f"{by[method]['slowdown_pp']:.2f}x" if method in by else "n/a"
+            return f"{by[method]['slowdown_pp']:.2f}x" if method in by else "n/a"  # noqa: B023 - called in this iteration
 
         lines.append(
             f"| {name} | {infos[name]['num_parameters'] / 1e6:.1f} M | {p['config']} | {p['samples_s']:.1f} | "
             f"{pp['samples_s']:.1f} | {rel('uniform')} | {rel('parameters')} | {rel('equal_flops')} | "
             f"{by['unsplit 1t']['samples_s']:.1f} | {by['unsplit 2t']['samples_s']:.1f} | "
-            f"{p['efficiency']:.2f} / {pp['efficiency']:.2f} | {p['error'] * 100:+.0f}% / {pp['error'] * 100:+.0f}% |")
+            f"{p['efficiency']:.2f} / {pp['efficiency']:.2f} | {p['error'] * 100:+.0f}% / {pp['error'] * 100:+.0f}% |"
+        )
     lines.append("")
     lines += findings(all_rows)
     for name, rows in all_rows.items():
@@ -341,27 +431,37 @@ def write_markdown(path: Path, all_rows: dict, infos: dict, measured: dict, args
         lines += [f"<!-- threads seen by the unsplit runs: {m['threads']} -->"]
         idle = statistics.median(m["idle_cpu"]) if m["idle_cpu"] else float("nan")
         mask = m["quiet"]
-        used = f"the {sum(mask)} quiet rounds of {len(mask)}" if sum(mask) >= 3 else \
-            f"all {len(mask)} rounds (only {sum(mask)} quiet: numbers include other jobs' load)"
+        used = (
+            f"the {sum(mask)} quiet rounds of {len(mask)}"
+            if sum(mask) >= 3
+            else f"all {len(mask)} rounds (only {sum(mask)} quiet: numbers include other jobs' load)"
+        )
         others = statistics.median(x for ts in m["foreign"].values() for x in ts)
         all_med = {r["label"]: r["median_s"] for r in m["rows_all"]}
-        lines += [f"## {name}", "",
-                  f"Medians over {used}; other jobs' median share of the machine during a step: "
-                  f"{others * 100:.0f}%. Measured by `{m['meta']['command']}` ({m['meta']['date']}).", "",
-                  f"{info['num_parameters']:,} parameters, {info['num_nodes']} graph nodes; planning "
-                  f"{info['planning_s']:.1f} s; rank 1's CPU time while waiting during an unsplit step: "
-                  f"median {idle * 1e3:.0f} ms; 1-min load average before / after: {m['load'][0]:.1f} / "
-                  f"{m['load'][1]:.1f}.", "",
-                  "| configuration | plan | stages (node ranges) | step median (min-max) s | samples/s | vs partita "
-                  "| vs pp=2 | efficiency | predicted s | error | all rounds: median s |",
-                  "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## {name}",
+            "",
+            f"Medians over {used}; other jobs' median share of the machine during a step: "
+            f"{others * 100:.0f}%. Measured by `{m['meta']['command']}` ({m['meta']['date']}).",
+            "",
+            f"{info['num_parameters']:,} parameters, {info['num_nodes']} graph nodes; planning "
+            f"{info['planning_s']:.1f} s; rank 1's CPU time while waiting during an unsplit step: "
+            f"median {idle * 1e3:.0f} ms; 1-min load average before / after: {m['load'][0]:.1f} / "
+            f"{m['load'][1]:.1f}.",
+            "",
+            "| configuration | plan | stages (node ranges) | step median (min-max) s | samples/s | vs partita "
+            "| vs pp=2 | efficiency | predicted s | error | all rounds: median s |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in rows:
             eff = f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "-"
             pred = f"{r['predicted_s']:.3f}" if r["predicted_s"] else "-"
             err = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else "-"
-            lines.append(f"| {r['label']} | {r['config']} | {r['split']} | {r['median_s']:.3f} ({r['min_s']:.3f}-"
-                         f"{r['max_s']:.3f}) | {r['samples_s']:.1f} | {r['slowdown']:.2f}x | {r['slowdown_pp']:.2f}x "
-                         f"| {eff} | {pred} | {err} | {all_med[r['label']]:.3f} |")
+            lines.append(
+                f"| {r['label']} | {r['config']} | {r['split']} | {r['median_s']:.3f} ({r['min_s']:.3f}-"
+                f"{r['max_s']:.3f}) | {r['samples_s']:.1f} | {r['slowdown']:.2f}x | {r['slowdown_pp']:.2f}x "
+                f"| {eff} | {pred} | {err} | {all_med[r['label']]:.3f} |"
+            )
         for label, p in info["plans"].items():
             if p is None:
                 lines.append(f"| {label} | does not fit / cannot split | | | | | | | | | |")
@@ -372,62 +472,83 @@ def write_markdown(path: Path, all_rows: dict, infos: dict, measured: dict, args
 
 def findings(all_rows: dict) -> list[str]:
     """Bullet points with the numbers of this run (computed, so that a re-run rewrites them)."""
+
     def by(name):
         return {r["label"]: r for r in all_rows[name]}
 
     out = ["## Findings (computed from the tables below)", ""]
     dp = [n for n in all_rows if by(n)["partita"]["config"].startswith("1x")]
     if dp:
-        out.append(f"- partita chose plain data parallelism (`1x2`) for {len(dp)} of {len(all_rows)} models "
-                   f"({', '.join(dp)}). Its step vs the best pipelined plan (`partita pp=2`): "
-                   + ", ".join(f"{n} {by(n)['partita']['slowdown_pp']:.2f}x" for n in dp if 'partita pp=2' in by(n))
-                   + " (< 1: data parallelism was faster).")
+        out.append(
+            f"- partita chose plain data parallelism (`1x2`) for {len(dp)} of {len(all_rows)} models "
+            f"({', '.join(dp)}). Its step vs the best pipelined plan (`partita pp=2`): "
+            + ", ".join(f"{n} {by(n)['partita']['slowdown_pp']:.2f}x" for n in dp if "partita pp=2" in by(n))
+            + " (< 1: data parallelism was faster)."
+        )
     for method in ("uniform", "parameters", "equal_flops"):
         vals = {n: by(n)[method]["slowdown_pp"] for n in all_rows if method in by(n)}
         if vals:
-            out.append(f"- `{method}` split under partita's pipelined configuration: step "
-                       f"{min(vals.values()):.2f}x-{max(vals.values()):.2f}x partita's split ("
-                       + ", ".join(f"{n} {v:.2f}x" for n, v in vals.items()) + ").")
+            out.append(
+                f"- `{method}` split under partita's pipelined configuration: step "
+                f"{min(vals.values()):.2f}x-{max(vals.values()):.2f}x partita's split ("
+                + ", ".join(f"{n} {v:.2f}x" for n, v in vals.items())
+                + ")."
+            )
     best2 = {n: min(r["median_s"] for r in all_rows[n] if not r["label"].startswith("unsplit")) for n in all_rows}
     two = {n: by(n)["unsplit 2t"]["median_s"] for n in all_rows}
-    out.append("- One process with 2 threads vs the fastest 2-rank configuration: "
-               + ", ".join(f"{n} {best2[n] / two[n]:.2f}x faster" if best2[n] > two[n] else
-                           f"{n} {two[n] / best2[n]:.2f}x slower" for n in all_rows)
-               + ". 2 threads run " + ", ".join(f"{by(n)['unsplit 1t']['median_s'] / two[n]:.2f}x"
-                                              for n in all_rows) + " one thread.")
-    errs = [(n, r["label"], r["error"]) for n in all_rows for r in all_rows[n]
-            if r["error"] is not None and not r["label"].startswith("unsplit")]
+    out.append(
+        "- One process with 2 threads vs the fastest 2-rank configuration: "
+        + ", ".join(
+            f"{n} {best2[n] / two[n]:.2f}x faster" if best2[n] > two[n] else f"{n} {two[n] / best2[n]:.2f}x slower"
+            for n in all_rows
+        )
+        + ". 2 threads run "
+        + ", ".join(f"{by(n)['unsplit 1t']['median_s'] / two[n]:.2f}x" for n in all_rows)
+        + " one thread."
+    )
+    errs = [
+        (n, r["label"], r["error"])
+        for n in all_rows
+        for r in all_rows[n]
+        if r["error"] is not None and not r["label"].startswith("unsplit")
+    ]
     solo = [(n, by(n)["unsplit 1t"]["error"]) for n in all_rows]
     within = sum(abs(e) <= 0.25 for _, _, e in errs)
-    out.append(f"- Predicted vs measured step: the solo 1-thread profile predicts the unsplit 1-thread step within "
-               f"{max(abs(e) for _, e in solo) * 100:.0f}% ("
-               + ", ".join(f"{e * 100:+.0f}%" for _, e in solo) + "); the 2-rank steps are under-predicted by "
-               f"{-max(e for _, _, e in errs) * 100:.0f}% to {-min(e for _, _, e in errs) * 100:.0f}% "
-               f"({within} of {len(errs)} within the 25% target).")
-    out += ["", "Notes:",
-            "- Why data parallelism wins on this machine: each rank computes half the batch with the whole model, "
-            "and the only communication is one gradient all-reduce (gloo between 2 processes, as `Cluster.local` "
-            "measures it: send/recv at 2.4-3 GB/s, a 2-rank all-reduce at 0.4-0.55 of that; GPT-2 small's "
-            "35 MB of gradients took 45-51 ms with the flattening copy, bench/results/probes.md), while a 2-stage "
-            "pipeline has a bubble and sends activations every micro-batch. The pipelined configurations only "
-            "show how good each split is.",
-            "- Contention: `Cluster.local` measures how much slower a rank computes while the other computes too "
-            "(a kernel mix in 2 processes at once vs 1, the least disturbed of 3 rounds) and the planner applies "
-            "it to every compute time; on this machine with no other jobs it measured ~1.01.",
-            "- What the predictions miss (bench/results/probes.md, a hand-written data-parallel loop on the same 2 "
-            "ranks, GPT-2 small): its step took 0.73-0.78 s and partita's trainer 0.77-0.78 s, so the trainer "
-            "adds at most ~5% and the rest of the gap is the cost model's (the loop's forward + backward alone took "
-            "0.62-0.63 s, its all-reduce 45-51 ms). A fixed cost per stage call is not modelled either: a "
-            "pipelined split with a one-node stage (the CNN's, 9-10) pays it for nothing, which is why partita's "
-            "pinned 2-stage CNN split measured 6% slower than uniform and equal FLOPs although it "
-            "was predicted 2% faster. partita's own CNN plan (data parallel) is 13% faster than all of them.",
-            "- One process with 2 threads is the fastest way to train these models on 2 cores (no duplicated "
-            "weights, no communication); partita does not consider intra-op threads as an alternative to ranks.",
-            "- Quiet rounds matter: when another job holds a core, 2 ranks x 1 thread run at about the speed of one "
-            "thread, and 2 OpenMP threads in one process become 3-6x SLOWER than one thread (threads wait for a "
-            "descheduled peer). Rounds with other jobs running are left out of the medians (the `all rounds` column "
-            "keeps them), and a model with fewer than 3 quiet rounds is measured again.",
-            ""]
+    out.append(
+        f"- Predicted vs measured step: the solo 1-thread profile predicts the unsplit 1-thread step within "
+        f"{max(abs(e) for _, e in solo) * 100:.0f}% ("
+        + ", ".join(f"{e * 100:+.0f}%" for _, e in solo)
+        + "); the 2-rank steps are under-predicted by "
+        f"{-max(e for _, _, e in errs) * 100:.0f}% to {-min(e for _, _, e in errs) * 100:.0f}% "
+        f"({within} of {len(errs)} within the 25% target)."
+    )
+    out += [
+        "",
+        "Notes:",
+        "- Why data parallelism wins on this machine: each rank computes half the batch with the whole model, "
+        "and the only communication is one gradient all-reduce (gloo between 2 processes, as `Cluster.local` "
+        "measures it: send/recv at 2.4-3 GB/s, a 2-rank all-reduce at 0.4-0.55 of that; GPT-2 small's "
+        "35 MB of gradients took 45-51 ms with the flattening copy, bench/results/probes.md), while a 2-stage "
+        "pipeline has a bubble and sends activations every micro-batch. The pipelined configurations only "
+        "show how good each split is.",
+        "- Contention: `Cluster.local` measures how much slower a rank computes while the other computes too "
+        "(a kernel mix in 2 processes at once vs 1, the least disturbed of 3 rounds) and the planner applies "
+        "it to every compute time; on this machine with no other jobs it measured ~1.01.",
+        "- What the predictions miss (bench/results/probes.md, a hand-written data-parallel loop on the same 2 "
+        "ranks, GPT-2 small): its step took 0.73-0.78 s and partita's trainer 0.77-0.78 s, so the trainer "
+        "adds at most ~5% and the rest of the gap is the cost model's (the loop's forward + backward alone took "
+        "0.62-0.63 s, its all-reduce 45-51 ms). A fixed cost per stage call is not modelled either: a "
+        "pipelined split with a one-node stage (the CNN's, 9-10) pays it for nothing, which is why partita's "
+        "pinned 2-stage CNN split measured 6% slower than uniform and equal FLOPs although it "
+        "was predicted 2% faster. partita's own CNN plan (data parallel) is 13% faster than all of them.",
+        "- One process with 2 threads is the fastest way to train these models on 2 cores (no duplicated "
+        "weights, no communication); partita does not consider intra-op threads as an alternative to ranks.",
+        "- Quiet rounds matter: when another job holds a core, 2 ranks x 1 thread run at about the speed of one "
+        "thread, and 2 OpenMP threads in one process become 3-6x SLOWER than one thread (threads wait for a "
+        "descheduled peer). Rounds with other jobs running are left out of the medians (the `all rounds` column "
+        "keeps them), and a model with fewer than 3 quiet rounds is measured again.",
+        "",
+    ]
     return out
 
 
@@ -464,16 +585,21 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds at least")
-    parser.add_argument("--quiet-rounds", type=int, default=5,
-                        help="go on (up to --max-rounds) until this many rounds were quiet")
+    parser.add_argument(
+        "--quiet-rounds", type=int, default=5, help="go on (up to --max-rounds) until this many rounds were quiet"
+    )
     parser.add_argument("--max-rounds", type=int, default=12)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--cache-dir", default=".partita-cache")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/partita-e2e-throughput"))
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/e2e_throughput.md")
     parser.add_argument("--plot", type=Path, default=REPO / "bench/results/e2e_throughput.png")
-    parser.add_argument("--reuse", type=Path, help="raw.json of an earlier run: its models with >= 3 quiet "
-                        "rounds are taken from it instead of measured again")
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        help="raw.json of an earlier run: its models with >= 3 quiet "
+        "rounds are taken from it instead of measured again",
+    )
     parser.add_argument("--report-only", type=Path, help="rewrite the report from a raw.json, measure nothing")
     parser.add_argument("--plan-only", action="store_true", help="plan (and fill the cost cache), do not train")
     args = parser.parse_args()
@@ -492,17 +618,27 @@ def main() -> None:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     infos, measured, all_rows = {}, {}, {}
     previous = json.loads(args.reuse.read_text()) if args.reuse else {"infos": {}, "measured": {}}
-    reused = [name for name in args.models.split(",")
-              if name in previous["measured"] and sum(previous["measured"][name]["quiet"]) >= 3]
+    reused = [
+        name
+        for name in args.models.split(",")
+        if name in previous["measured"] and sum(previous["measured"][name]["quiet"]) >= 3
+    ]
     for name in args.models.split(","):
         if name in reused:
             infos[name] = previous["infos"][name]
             continue
         t = time.perf_counter()
         infos[name] = plan_model(name, args.global_batch, args.cache_dir, args.work_dir)
-        print(f"{name}: planned in {time.perf_counter() - t:.0f} s: " +
-              json.dumps({k: v and (v["config"], v["split"], round(v["predicted_s"], 3))
-                          for k, v in infos[name]["plans"].items()}), flush=True)
+        print(
+            f"{name}: planned in {time.perf_counter() - t:.0f} s: "
+            + json.dumps(
+                {
+                    k: v and (v["config"], v["split"], round(v["predicted_s"], 3))
+                    for k, v in infos[name]["plans"].items()
+                }
+            ),
+            flush=True,
+        )
     if args.plan_only:
         return
     meta = {"date": now_utc(), "command": command_line()}
@@ -539,8 +675,11 @@ def main() -> None:
             all_rows[name] = headline_rows(infos[name], measured[name], args.global_batch)
             print(f"{name}: measured in {time.perf_counter() - t:.0f} s, {sum(m['quiet'])} quiet rounds", flush=True)
             for r in all_rows[name]:
-                print(f"  {r['label']:14s} {r['median_s']:.3f} s  {r['samples_s']:.1f}/s  x{r['slowdown']:.2f} "
-                      f"x{r['slowdown_pp']:.2f} pred {r['predicted_s']}", flush=True)
+                print(
+                    f"  {r['label']:14s} {r['median_s']:.3f} s  {r['samples_s']:.1f}/s  x{r['slowdown']:.2f} "
+                    f"x{r['slowdown_pp']:.2f} pred {r['predicted_s']}",
+                    flush=True,
+                )
             record()
     if args.plot:
         plot(args.plot, all_rows)

@@ -101,7 +101,7 @@ QUICK = {0, 5, 8, 10, 16}  # rows of --quick
 CAPTURE_BATCH = 2  # >= 2: export keeps the batch dimension symbolic, so costs scale with the micro-batch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def captured(model: str, seq_len: int | None):
     ex = examples.build(model, batch_size=CAPTURE_BATCH, seq_len=seq_len, device="meta")
     return partita.capture(ex.model, ex.args, ex.kwargs)
@@ -111,8 +111,9 @@ def context(case: Case):
     graph = captured(case.model, case.seq_len)
     memory = None if case.memory_gib is None else int(case.memory_gib * GIB)
     cluster = partita.Cluster(device=case.device, num_devices=case.devices, devices_per_node=8, memory_bytes=memory)
-    return planning_context(graph, cluster=cluster, global_batch_size=case.global_batch,
-                            options=partita.PlanOptions(costs="analytic"))
+    return planning_context(
+        graph, cluster=cluster, global_batch_size=case.global_batch, options=partita.PlanOptions(costs="analytic")
+    )
 
 
 def own_best(ctx, method: str):
@@ -131,16 +132,31 @@ def own_best(ctx, method: str):
             compute[c.microbatch_size] = float(costs.forward_s.sum() + costs.backward_s.sum())
     bound = lambda c: c.num_microbatches * compute[c.microbatch_size] / c.num_rank_groups  # noqa: E731
     best, splittable = None, False
-    for config in sorted(configs, key=lambda c: (bound(c), c.num_rank_groups, c.replicas, c.schedule.value,
-                                                 c.num_microbatches, str(c.recompute_mode))):
+    for config in sorted(
+        configs,
+        key=lambda c: (
+            bound(c),
+            c.num_rank_groups,
+            c.replicas,
+            c.schedule.value,
+            c.num_microbatches,
+            str(c.recompute_mode),
+        ),
+    ):
         if best is not None and bound(config) >= best.predicted_step_s:
             break
         boundaries = baseline_boundaries(method, ctx.graph, legal, config.num_stages)
         if boundaries is None:
             continue
         splittable = True
-        p = fit_with_recompute(ctx, config, boundaries, method, mode=config.recompute_mode,
-                               step_to_beat=None if best is None else best.predicted_step_s)
+        p = fit_with_recompute(
+            ctx,
+            config,
+            boundaries,
+            method,
+            mode=config.recompute_mode,
+            step_to_beat=None if best is None else best.predicted_step_s,
+        )
         if p is not None and (best is None or p.predicted_step_s < best.predicted_step_s):
             best = p
     return best if best is not None or splittable else "n/a"
@@ -157,8 +173,10 @@ def ratio(p, reference, splittable: bool = True) -> str:
 def config_text(p) -> str:
     recompute = sum(s.recompute for s in p.stages)
     v = p.num_stages // p.num_rank_groups
-    return (f"{p.num_rank_groups}x{fmt_replicas(p)}{f' (v={v})' if v > 1 else ''} {p.schedule.value} "
-            f"m={p.num_microbatches} rc={recompute}/{p.num_stages}")
+    return (
+        f"{p.num_rank_groups}x{fmt_replicas(p)}{f' (v={v})' if v > 1 else ''} {p.schedule.value} "
+        f"m={p.num_microbatches} rc={recompute}/{p.num_stages}"
+    )
 
 
 def run_case(case: Case, own: bool, plots: Path | None) -> dict:
@@ -199,8 +217,12 @@ def markdown_row(row: dict, own: bool) -> str:
     cells = [fmt_seconds(p.predicted_step_s), *same]
     if own:
         cells += [ratio(row["own"][m], p) for m in BASELINES]
-    cells += [config_text(p), f"{p.predicted_bubble_fraction:.1%}", f"{row['efficiency']:.1%}",
-              f"{row['seconds']:.0f} s"]
+    cells += [
+        config_text(p),
+        f"{p.predicted_bubble_fraction:.1%}",
+        f"{row['efficiency']:.1%}",
+        f"{row['seconds']:.0f} s",
+    ]
     return head + " " + " | ".join(cells) + " |"
 
 
@@ -210,16 +232,24 @@ def summary(rows: list[dict], own: bool) -> list[str]:
     lines = []
     for kind in ("same", "own") if own else ("same",):
         for method in BASELINES:
-            values = [r[kind][method].predicted_step_s / r["plan"].predicted_step_s for r in rows
-                      if r["plan"] is not None and r[kind].get(method) not in (None, "n/a")]
-            ooms = sum(1 for r in rows if r["plan"] is not None and r[kind].get(method) is None
-                       and (kind == "own" or r["splittable"][method]))
+            values = [
+                r[kind][method].predicted_step_s / r["plan"].predicted_step_s
+                for r in rows
+                if r["plan"] is not None and r[kind].get(method) not in (None, "n/a")
+            ]
+            ooms = sum(
+                1
+                for r in rows
+                if r["plan"] is not None and r[kind].get(method) is None and (kind == "own" or r["splittable"][method])
+            )
             faster = sum(1 for v in values if v < 1 - 5e-3)
             if values:
-                lines.append(f"- {method} ({kind} config): geometric-mean ratio "
-                             f"{statistics.geometric_mean(values):.2f}, max {max(values):.2f}, "
-                             f"min {min(values):.2f} over {len(values)} rows; OOM in {ooms} rows"
-                             + (f"; faster than partita in {faster} rows" if faster else ""))
+                lines.append(
+                    f"- {method} ({kind} config): geometric-mean ratio "
+                    f"{statistics.geometric_mean(values):.2f}, max {max(values):.2f}, "
+                    f"min {min(values):.2f} over {len(values)} rows; OOM in {ooms} rows"
+                    + (f"; faster than partita in {faster} rows" if faster else "")
+                )
     return lines
 
 
@@ -248,8 +278,9 @@ def markdown(rows: list[dict], own: bool, command: str) -> str:
         "own-config searches (capture excluded)",
         "",
         "| " + " | ".join(headers) + " |",
-        "|" + "|".join("---" if h in ("model", "cluster") or h.startswith("partita config") else "---:"
-                       for h in headers) + "|",
+        "|"
+        + "|".join("---" if h in ("model", "cluster") or h.startswith("partita config") else "---:" for h in headers)
+        + "|",
     ]
     lines += [markdown_row(r, own) for r in rows]
     lines += ["", "## Summary", ""] + summary(rows, own)

@@ -91,8 +91,9 @@ def run_case(case: Case, profile_top: int) -> dict:
 
     cluster = partita.Cluster(device="h100", num_devices=case.devices, devices_per_node=8)
     t0 = time.perf_counter()
-    ctx = planning_context(graph, cluster=cluster, global_batch_size=case.global_batch,
-                           options=partita.PlanOptions(costs="analytic"))
+    ctx = planning_context(
+        graph, cluster=cluster, global_batch_size=case.global_batch, options=partita.PlanOptions(costs="analytic")
+    )
     context_s = time.perf_counter() - t0
     # Time every cost table the search asks for separately from the search itself.
     tables: dict[int, object] = {}
@@ -109,9 +110,18 @@ def run_case(case: Case, profile_top: int) -> dict:
     t0 = time.perf_counter()
     plan = best_plan(ctx)
     search_s = time.perf_counter() - t0 - cost_s[0]
-    row = dict(case=case, nodes=graph.num_nodes, params=graph.num_parameters, blocks=len(ctx.chain) - 1,
-               capture_s=capture_s, costs_s=context_s + cost_s[0], tables=len(tables), search_s=search_s,
-               plan=plan, profile="")
+    row = dict(
+        case=case,
+        nodes=graph.num_nodes,
+        params=graph.num_parameters,
+        blocks=len(ctx.chain) - 1,
+        capture_s=capture_s,
+        costs_s=context_s + cost_s[0],
+        tables=len(tables),
+        search_s=search_s,
+        plan=plan,
+        profile="",
+    )
     if profile_top:  # a second, profiled run (cost tables cached), so that the timings above stay clean
         profiler = cProfile.Profile()
         profiler.enable()
@@ -134,9 +144,11 @@ def config_text(plan) -> str:
     if plan is None:
         return "no plan fits"
     recompute = sum(s.recompute for s in plan.stages)
-    return (f"{plan.num_rank_groups} x {fmt_replicas(plan)} ({plan.num_devices} dev), {plan.schedule.value}, "
-            f"m={plan.num_microbatches}, {plan.num_stages} stages, recompute {recompute}/{plan.num_stages}, "
-            f"step {plan.predicted_step_s:.3f} s")
+    return (
+        f"{plan.num_rank_groups} x {fmt_replicas(plan)} ({plan.num_devices} dev), {plan.schedule.value}, "
+        f"m={plan.num_microbatches}, {plan.num_stages} stages, recompute {recompute}/{plan.num_stages}, "
+        f"step {plan.predicted_step_s:.3f} s"
+    )
 
 
 def markdown(rows: list[dict], command: str) -> str:
@@ -159,30 +171,47 @@ def markdown(rows: list[dict], command: str) -> str:
     for r in rows:
         c = r["case"]
         total = r["capture_s"] + r["costs_s"] + r["search_s"]
-        lines.append(f"| {c.model} | {c.devices} | {c.global_batch} | {c.seq_len} | {r['nodes']:,} | {r['blocks']} "
-                     f"| {r['capture_s']:.1f} s | {r['costs_s']:.1f} s ({r['tables']}) | {r['search_s']:.1f} s "
-                     f"| {total:.1f} s | {'yes' if total < TARGET_S else 'no'} | {config_text(r['plan'])} |")
+        lines.append(
+            f"| {c.model} | {c.devices} | {c.global_batch} | {c.seq_len} | {r['nodes']:,} | {r['blocks']} "
+            f"| {r['capture_s']:.1f} s | {r['costs_s']:.1f} s ({r['tables']}) | {r['search_s']:.1f} s "
+            f"| {total:.1f} s | {'yes' if total < TARGET_S else 'no'} | {config_text(r['plan'])} |"
+        )
     lines += ["", HISTORY.rstrip()]
     for r in rows:
         if r["profile"]:
-            lines += ["", f"## Profile of the search: {r['case'].model} on {r['case'].devices}", "", "```",
-                      r["profile"], "```"]
+            lines += [
+                "",
+                f"## Profile of the search: {r['case'].model} on {r['case'].devices}",
+                "",
+                "```",
+                r["profile"],
+                "```",
+            ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="top N functions of each search, from a second (profiled) run")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="top N functions of each search, from a second (profiled) run",
+    )
     parser.add_argument("--out", help="write the markdown table here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
     for name in args.cases:
         row = run_case(CASES[name], args.profile)
-        print(f"{name}: capture {row['capture_s']:.1f} s, costs {row['costs_s']:.1f} s, "
-              f"search {row['search_s']:.1f} s; {config_text(row['plan'])}", file=sys.stderr, flush=True)
+        print(
+            f"{name}: capture {row['capture_s']:.1f} s, costs {row['costs_s']:.1f} s, "
+            f"search {row['search_s']:.1f} s; {config_text(row['plan'])}",
+            file=sys.stderr,
+            flush=True,
+        )
         rows.append(row)
     command = "python " + " ".join(shlex.quote(a) for a in ["bench/plan_time.py", *(argv or sys.argv[1:])])
     text = markdown(rows, command)

@@ -28,9 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import partita  # noqa: E402
 from _e2e_common import command_line, machine_line, now_utc  # noqa: E402
 from plan_quality import GIB, Case, captured  # noqa: E402
+
+import partita  # noqa: E402
 from partita.planning.context import planning_context  # noqa: E402
 from partita.planning.driver import best_plan  # noqa: E402
 from partita.report.format import fmt_replicas, fmt_seconds  # noqa: E402
@@ -51,11 +52,16 @@ PIPELINE_ONLY = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
 def plan_case(case: Case, *, uniform: bool, schedules) -> tuple[partita.Plan | None, float]:
     graph = captured(case.model, case.seq_len)
     per_node = max(d for d in range(1, 9) if case.devices % d == 0)  # 12 devices: 3 nodes of 4
-    cluster = partita.Cluster(device=case.device, num_devices=case.devices, devices_per_node=per_node,
-                              memory_bytes=None if case.memory_gib is None else int(case.memory_gib * GIB))
+    cluster = partita.Cluster(
+        device=case.device,
+        num_devices=case.devices,
+        devices_per_node=per_node,
+        memory_bytes=None if case.memory_gib is None else int(case.memory_gib * GIB),
+    )
     start = time.perf_counter()
-    options = partita.PlanOptions(schedules=tuple(Schedule) if schedules is None else schedules,
-                                  uniform_replicas=uniform, costs="analytic")
+    options = partita.PlanOptions(
+        schedules=tuple(Schedule) if schedules is None else schedules, uniform_replicas=uniform, costs="analytic"
+    )
     ctx = planning_context(graph, cluster=cluster, global_batch_size=case.global_batch, options=options)
     return best_plan(ctx), time.perf_counter() - start
 
@@ -65,8 +71,10 @@ def layout(p) -> str:
         return "none fits"
     recompute = sum(s.recompute for s in p.stages)
     v = p.num_stages // p.num_rank_groups
-    return (f"{p.num_rank_groups}x{fmt_replicas(p)}{f' (v={v})' if v > 1 else ''} {p.schedule.value} "
-            f"m={p.num_microbatches} rc={recompute}/{p.num_stages}")
+    return (
+        f"{p.num_rank_groups}x{fmt_replicas(p)}{f' (v={v})' if v > 1 else ''} {p.schedule.value} "
+        f"m={p.num_microbatches} rc={recompute}/{p.num_stages}"
+    )
 
 
 def ratio(reference, p) -> str:
@@ -82,8 +90,12 @@ def step(p) -> str:
 def run_case(case: Case) -> dict:
     captured(case.model, case.seq_len)  # not timed
     row = {"case": case}
-    for name, uniform, schedules in (("uniform", True, None), ("uneven", False, None),
-                                     ("uniform_pipe", True, PIPELINE_ONLY), ("uneven_pipe", False, PIPELINE_ONLY)):
+    for name, uniform, schedules in (
+        ("uniform", True, None),
+        ("uneven", False, None),
+        ("uniform_pipe", True, PIPELINE_ONLY),
+        ("uneven_pipe", False, PIPELINE_ONLY),
+    ):
         row[name], row[name + "_s"] = plan_case(case, uniform=uniform, schedules=schedules)
     return row
 
@@ -91,12 +103,14 @@ def run_case(case: Case) -> dict:
 def markdown_row(row: dict) -> str:
     c = row["case"]
     cluster = f"{c.devices} x {c.device}" + (f" @{c.memory_gib:g} GiB" if c.memory_gib is not None else "")
-    return (f"| {c.model} | {cluster} | {c.global_batch} "
-            f"| {step(row['uniform'])} | {step(row['uneven'])} | {ratio(row['uniform'], row['uneven'])} "
-            f"| {layout(row['uneven'])} "
-            f"| {step(row['uniform_pipe'])} | {step(row['uneven_pipe'])} | {ratio(row['uniform_pipe'], row['uneven_pipe'])} "
-            f"| {layout(row['uniform_pipe'])} | {layout(row['uneven_pipe'])} "
-            f"| {row['uniform_s']:.0f} s / {row['uneven_s']:.0f} s |")
+    return (
+        f"| {c.model} | {cluster} | {c.global_batch} "
+        f"| {step(row['uniform'])} | {step(row['uneven'])} | {ratio(row['uniform'], row['uneven'])} "
+        f"| {layout(row['uneven'])} "
+        f"| {step(row['uniform_pipe'])} | {step(row['uneven_pipe'])} | {ratio(row['uniform_pipe'], row['uneven_pipe'])} "
+        f"| {layout(row['uniform_pipe'])} | {layout(row['uneven_pipe'])} "
+        f"| {row['uniform_s']:.0f} s / {row['uneven_s']:.0f} s |"
+    )
 
 
 def markdown(rows: list[dict]) -> str:

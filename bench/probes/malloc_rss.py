@@ -44,5 +44,7 @@ with InUseSampler() as sampler:
         step(i)
 seconds = (time.perf_counter() - start) / 3
 env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")) or "default"
-print(f"{env}: RSS peak {(memory_status()['VmHWM'] - base) / MIB:.0f} MiB, in use {(sampler.peak - base_in_use) / MIB:.0f}"
-      f" MiB, step {seconds:.3f} s")
+print(
+    f"{env}: RSS peak {(memory_status()['VmHWM'] - base) / MIB:.0f} MiB, in use {(sampler.peak - base_in_use) / MIB:.0f}"
+    f" MiB, step {seconds:.3f} s"
+)

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 torch.set_num_threads(1)
 
 import torch.distributed as dist  # noqa: E402
+from _e2e_common import InUseSampler, build_example, malloc_in_use, reset_peak, step_kwargs  # noqa: E402
 
 import partita  # noqa: E402
-from _e2e_common import InUseSampler, build_example, malloc_in_use, reset_peak, step_kwargs  # noqa: E402
 from partita.cost.analytic import analytic_costs  # noqa: E402
 from partita.cost.memory import device_memory, microbatches_in_flight  # noqa: E402
 from partita.planning.manual import manual_plan  # noqa: E402
@@ -46,10 +46,17 @@ graph = partita.capture(ex.model, meta_copies(ex.args), meta_copies(ex.kwargs))
 captured = malloc_in_use() - base
 n = graph.num_nodes
 s = 4 if schedule in ("zbv", "interleaved1f1b") else 2
-plan = manual_plan(graph, [n * k // s for k in range(s + 1)], schedule=schedule, num_rank_groups=2,
-                   num_microbatches=m, global_batch_size=16)
-trainer = partita.Trainer(ex.model, plan, graph=graph, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
-                          init_from=seed)
+plan = manual_plan(
+    graph,
+    [n * k // s for k in range(s + 1)],
+    schedule=schedule,
+    num_rank_groups=2,
+    num_microbatches=m,
+    global_batch_size=16,
+)
+trainer = partita.Trainer(
+    ex.model, plan, graph=graph, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), init_from=seed
+)
 a, k = step_kwargs(ex, ex.make_batch(16, 0))
 trainer.step(*a, **k)
 gc.collect()
@@ -61,10 +68,12 @@ costs = analytic_costs(graph, "cpu", 16 // m)
 ranges = [(st.start, st.stop) for st in plan.stages if st.rank_group == rank]
 in_flight = microbatches_in_flight(plan.schedule, m, 2, rank, s // 2)
 mem = device_memory(costs, ranges, in_flight=in_flight, optimizer=OptimizerKind.ADAM, num_microbatches=m)
-line = (f"{schedule} m={m} rank {rank}: capture {captured / MIB:.0f}, resting {resting / MIB:.0f}, peak {peak / MIB:.0f} "
-        f"MiB | predicted {mem.total_bytes / MIB:.0f} = P {mem.param_bytes / MIB:.0f} + O {mem.optimizer_bytes / MIB:.0f}"
-        f" + max(A {mem.activation_bytes / MIB:.0f} + C {mem.comm_buffer_bytes / MIB:.0f} + W "
-        f"{mem.working_bytes / MIB:.0f} + G {mem.grad_bytes / MIB:.0f}, G + S)")
+line = (
+    f"{schedule} m={m} rank {rank}: capture {captured / MIB:.0f}, resting {resting / MIB:.0f}, peak {peak / MIB:.0f} "
+    f"MiB | predicted {mem.total_bytes / MIB:.0f} = P {mem.param_bytes / MIB:.0f} + O {mem.optimizer_bytes / MIB:.0f}"
+    f" + max(A {mem.activation_bytes / MIB:.0f} + C {mem.comm_buffer_bytes / MIB:.0f} + W "
+    f"{mem.working_bytes / MIB:.0f} + G {mem.grad_bytes / MIB:.0f}, G + S)"
+)
 lines = [None] * 2
 dist.all_gather_object(lines, line)
 if rank == 0:

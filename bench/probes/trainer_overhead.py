@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 torch.set_num_threads(1)
 
 import torch.distributed as dist  # noqa: E402
+from _e2e_common import build_example, loss_of, step_kwargs  # noqa: E402
 
 import partita  # noqa: E402
-from _e2e_common import build_example, loss_of, step_kwargs  # noqa: E402
 from partita.planning.manual import manual_plan  # noqa: E402
 
 dist.init_process_group("gloo")
@@ -35,7 +35,7 @@ opt = torch.optim.AdamW(params, lr=1e-4)
 
 def part(start, n):
     args, kwargs, target = batch
-    return args, {k: v[start:start + n] for k, v in kwargs.items()}, target
+    return args, {k: v[start : start + n] for k, v in kwargs.items()}, target
 
 
 def forward_backward():
@@ -56,8 +56,15 @@ def hand_written():
 
 
 graph = partita.capture(model, ex.args, ex.kwargs)
-plan = manual_plan(graph, [0, graph.num_nodes], schedule="gpipe", num_rank_groups=1, replicas=2,
-                   num_microbatches=2, global_batch_size=16)
+plan = manual_plan(
+    graph,
+    [0, graph.num_nodes],
+    schedule="gpipe",
+    num_rank_groups=1,
+    replicas=2,
+    num_microbatches=2,
+    global_batch_size=16,
+)
 trainer = partita.Trainer(model, plan, graph=graph, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
 a, k = step_kwargs(ex, batch)
 

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 torch.set_num_threads(1)
 
 import torch.distributed as dist  # noqa: E402
+from _e2e_common import build_example, step_kwargs  # noqa: E402
 
 import partita  # noqa: E402
-from _e2e_common import build_example, step_kwargs  # noqa: E402
 from partita.planning.chain import layer_boundaries  # noqa: E402
 from partita.planning.manual import manual_plan  # noqa: E402
 from partita.runtime.pipeline import stage_metadata  # noqa: E402
@@ -39,8 +39,14 @@ ex = build_example("gpt2-small", 16)
 model, batch = ex.model, ex.make_batch(16, 0)
 graph = partita.capture(model, ex.args, ex.kwargs)
 layers = layer_boundaries(graph)
-plan = manual_plan(graph, [0, layers[len(layers) // 2], graph.num_nodes], schedule="1f1b", num_rank_groups=2,
-                   num_microbatches=4, global_batch_size=16)
+plan = manual_plan(
+    graph,
+    [0, layers[len(layers) // 2], graph.num_nodes],
+    schedule="1f1b",
+    num_rank_groups=2,
+    num_microbatches=4,
+    global_batch_size=16,
+)
 # SGD with lr 0: the weights stay as they are, so both paths compute the same losses every step.
 trainer = partita.Trainer(model, plan, graph=graph, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
 a, k = step_kwargs(ex, batch)

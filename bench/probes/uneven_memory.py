@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 torch.set_num_threads(1)
 
 import torch.distributed as dist  # noqa: E402
+from _e2e_common import InUseSampler, build_example, malloc_in_use, step_kwargs  # noqa: E402
 
 import partita  # noqa: E402
-from _e2e_common import InUseSampler, build_example, malloc_in_use, step_kwargs  # noqa: E402
 from partita.cost.analytic import analytic_costs  # noqa: E402
 from partita.cost.memory import device_memory, microbatches_in_flight  # noqa: E402
 from partita.planning.chain import layer_boundaries  # noqa: E402
@@ -54,8 +54,15 @@ rank = dist.get_rank()
 ex = build_example("gpt2-L8-H512", BATCH)
 graph = partita.capture(ex.model, ex.args, ex.kwargs)
 layers = layer_boundaries(graph)
-plan = manual_plan(graph, [0, layers[len(layers) // 2], graph.num_nodes], schedule="1f1b", num_rank_groups=2,
-                   replicas=(2, 1), num_microbatches=M, global_batch_size=BATCH)
+plan = manual_plan(
+    graph,
+    [0, layers[len(layers) // 2], graph.num_nodes],
+    schedule="1f1b",
+    num_rank_groups=2,
+    replicas=(2, 1),
+    num_microbatches=M,
+    global_batch_size=BATCH,
+)
 trainer = partita.Trainer(ex.model, plan, graph=graph, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
 a, k = step_kwargs(ex, ex.make_batch(BATCH, 0))
 trainer.step(*a, **k)  # warm-up: builds the executor, allocates gradients
@@ -64,8 +71,14 @@ stage = plan.stages[trainer.stages[0].spec.index]
 samples = BATCH // (M * stage.num_replicas)
 costs = analytic_costs(graph, "cpu", samples)
 in_flight = microbatches_in_flight(plan.schedule, M, plan.num_rank_groups, stage.rank_group, 1)
-model = device_memory(costs, [(stage.start, stage.stop)], in_flight=in_flight, optimizer=OptimizerKind.NONE,
-                      num_replicas=stage.num_replicas, num_microbatches=M)
+model = device_memory(
+    costs,
+    [(stage.start, stage.stop)],
+    in_flight=in_flight,
+    optimizer=OptimizerKind.NONE,
+    num_replicas=stage.num_replicas,
+    num_microbatches=M,
+)
 predicted = model.activation_bytes + model.comm_buffer_bytes + model.working_bytes
 
 growth: dict[str, list[float]] = {"send window": [], "waited at step end": []}
@@ -80,9 +93,11 @@ for _ in range(2):
             trainer.step(*a, **k)
         growth[name].append((sampler.peak - before) / MIB)
 uneven._SendWindow = original
-line = (f"rank {rank} (stage {stage.index}, {samples} samples per micro-batch): step peak above resting: "
-        + "; ".join(f"{name} {statistics.median(v):.0f} MiB" for name, v in growth.items())
-        + f" | model A + C + W = {predicted / MIB:.0f} MiB")
+line = (
+    f"rank {rank} (stage {stage.index}, {samples} samples per micro-batch): step peak above resting: "
+    + "; ".join(f"{name} {statistics.median(v):.0f} MiB" for name, v in growth.items())
+    + f" | model A + C + W = {predicted / MIB:.0f} MiB"
+)
 lines = [None] * dist.get_world_size()
 dist.all_gather_object(lines, line)
 if rank == 0:

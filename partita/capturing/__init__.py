@@ -11,7 +11,8 @@ samples of the batch (along a wrong dim, or in a loss that couples them: ``OpGra
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.fx
@@ -81,7 +82,9 @@ def capture(
     with _restored_buffers(model):
         found = _export_with_batch(module, leaves, declared, args, kwargs, target, has_loss_fn, dynamic_batch)
     exported, gm, values, batch_size, coupling, fixed_at = found
-    export_args, export_kwargs = exported_call_inputs(*batch.rebuild(values, args, kwargs, target, has_loss_fn), has_loss_fn)
+    export_args, export_kwargs = exported_call_inputs(
+        *batch.rebuild(values, args, kwargs, target, has_loss_fn), has_loss_fn
+    )
 
     flat_leaves = _flat_inputs_with_paths(export_args, export_kwargs, has_loss_fn)
     with _restored_buffers(model):
@@ -123,9 +126,12 @@ def _export_with_batch(module, leaves, declared, args, kwargs, target, has_loss_
             raise batch.no_batch_error(leaves)
         assigned = probed
     dims, batch_size = assigned
-    values, batch_size = batch.widened(leaves, dims, batch_size) if dynamic_batch else ([x.value for x in leaves], batch_size)
-    exported, gm, mixing, fixed_at = _export(module, values, dims if dynamic_batch else {}, args, kwargs, target,
-                                             has_loss_fn)
+    values, batch_size = (
+        batch.widened(leaves, dims, batch_size) if dynamic_batch else ([x.value for x in leaves], batch_size)
+    )
+    exported, gm, mixing, fixed_at = _export(
+        module, values, dims if dynamic_batch else {}, args, kwargs, target, has_loss_fn
+    )
     if not dynamic_batch or (mixing is None and not fixed_at):
         return exported, gm, values, batch_size, mixing, fixed_at
     # The samples mix along the first guess, or export fixed its size: look for a dim that keeps them apart.
@@ -146,7 +152,9 @@ def _export(module, values, dims, args, kwargs, target, has_loss_fn, check: bool
     """One export with ``dims`` (leaf index -> dim, or list of dims) symbolic: (exported, gm, the
     Mixing along the symbols of those dims or None, and when export fixed every one of those dims
     to a constant, the line that did, or "unknown")."""
-    export_args, export_kwargs = exported_call_inputs(*batch.rebuild(values, args, kwargs, target, has_loss_fn), has_loss_fn)
+    export_args, export_kwargs = exported_call_inputs(
+        *batch.rebuild(values, args, kwargs, target, has_loss_fn), has_loss_fn
+    )
     spec = batch.dynamic_shapes_for(module, export_args, export_kwargs, batch.dims_spec(values, dims)) if dims else None
     log = SpecialisationLog()
     exported = run_export(module, export_args, export_kwargs, spec, log=log)
@@ -168,16 +176,18 @@ def _export(module, values, dims, args, kwargs, target, has_loss_fn, check: bool
     return exported, gm, samples.mixing_along(gm, symbols, loss) if loss is not None else None, fixed_at
 
 
-def _probe(module, leaves, args, kwargs, target, has_loss_fn, required: set[int] = frozenset()
-           ) -> tuple[dict[int, int], int] | None:
+def _probe(
+    module, leaves, args, kwargs, target, has_loss_fn, required: set[int] = frozenset()
+) -> tuple[dict[int, int], int] | None:
     """Export with every dim of size >= 2 symbolic and pick, among the symbols that reach the loss
     and that every leaf in ``required`` has (the inputs the first guess called batched), one along
     which no operation mixes samples (the one most inputs have first): the dims that have it, and
     its size. None when there is none, or when the probe export fails."""
     values = [leaf.value for leaf in leaves]
     try:
-        exported, gm, _, _ = _export(module, values, batch.all_dims(values), args, kwargs, target, has_loss_fn,
-                                     check=False)
+        exported, gm, _, _ = _export(
+            module, values, batch.all_dims(values), args, kwargs, target, has_loss_fn, check=False
+        )
     except Exception:  # noqa: BLE001 - a model that cannot be exported this way keeps its default
         return None
     loss = _loss_fx_node(gm, exported, has_loss_fn)
@@ -234,7 +244,8 @@ def _declared_mixes_error(leaves, dims, better, mixing) -> InputError:
     return InputError(
         f"batch_dims puts the batch at {declared}, but the samples mix along it: node {mixing.node.name} "
         f"({_target(mixing)}) {mixing.reason}. Along another dim they stay apart: pass "
-        f"batch_dims={{{suggestion}}}, the dims that hold one sample each")
+        f"batch_dims={{{suggestion}}}, the dims that hold one sample each"
+    )
 
 
 def _target(mixing: samples.Mixing) -> str:
@@ -247,19 +258,31 @@ def coupling_record(gm, mixing: samples.Mixing, index_of: dict, inputs, prefix: 
     module_path, _ = module_of(mixing.node, prefix)
     if not module_path:
         module_path, _ = module_of(outer, prefix)
-    dims = tuple(f"{g.path} dim {g.tensor.batch_dim}" for g in inputs if g.tensor is not None and g.tensor.batch_dim is not None)
+    dims = tuple(
+        f"{g.path} dim {g.tensor.batch_dim}" for g in inputs if g.tensor is not None and g.tensor.batch_dim is not None
+    )
     return SampleCoupling(
-        node=mixing.node.name, index=index_of.get(outer.name, -1), target=target_name(mixing.node.target),
-        module_path=module_path, source=source_of(mixing.node) or source_of(outer), reason=mixing.reason,
-        batch_dims=dims, within=mixing.within.name if mixing.within is not None else "")
+        node=mixing.node.name,
+        index=index_of.get(outer.name, -1),
+        target=target_name(mixing.node.target),
+        module_path=module_path,
+        source=source_of(mixing.node) or source_of(outer),
+        reason=mixing.reason,
+        batch_dims=dims,
+        within=mixing.within.name if mixing.within is not None else "",
+    )
 
 
 @contextlib.contextmanager
 def _restored_buffers(model: torch.nn.Module) -> Iterator[None]:
     """Buffers as they were before: export and measurement run the model once, which advances
     ``num_batches_tracked`` and counters and updates statistics kept in place."""
-    saved = [(module, name, b, b.detach().clone()) for module in model.modules()
-             for name, b in module._buffers.items() if b is not None]
+    saved = [
+        (module, name, b, b.detach().clone())
+        for module in model.modules()
+        for name, b in module._buffers.items()
+        if b is not None
+    ]
     try:
         yield
     finally:
@@ -327,16 +350,19 @@ def check_flat_inputs(graph: OpGraph, flat: list) -> None:
             raise InputError(
                 f"{info.path} was {info.value!r} when the model was captured, so the graph has no use for it and "
                 f"would ignore the tensor passed now (shape {tuple(value.shape)}): capture the model with this input "
-                f"given as a tensor ({name}=...) to train with it, or pass {info.value!r} as at capture")
+                f"given as a tensor ({name}=...) to train with it, or pass {info.value!r} as at capture"
+            )
         if info.tensor is not None and not isinstance(value, torch.Tensor):
             raise InputError(
                 f"{info.path} was a tensor of shape {info.tensor.shape} when the model was captured, but "
                 f"{value!r} is passed now: the graph needs a tensor there. Pass one (e.g. an all-ones "
-                f"attention mask for 'attend everywhere'), or capture the model with {name}={value!r}")
+                f"attention mask for 'attend everywhere'), or capture the model with {name}={value!r}"
+            )
         if info.tensor is None and not _same_constant(value, info.value):
             raise InputError(
                 f"{info.path} was {info.value!r} when the model was captured, and the graph has that value baked "
-                f"in, but {value!r} is passed now: pass {info.value!r}, or capture the model with {name}={value!r}")
+                f"in, but {value!r} is passed now: pass {info.value!r}, or capture the model with {name}={value!r}"
+            )
 
 
 def _same_constant(a: Any, b: Any) -> bool:

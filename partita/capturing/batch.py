@@ -24,8 +24,9 @@ dim of size 1 (0/1 specialisation), which would make the graph's batch static.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -100,7 +101,8 @@ def declared_dims(batch_dims: Mapping | None, leaves: list[Leaf]) -> dict[int, i
             known = sorted({leaf.argument for leaf in leaves} | {leaf.path for leaf in leaves})
             raise InputError(
                 f"batch_dims names {key!r}, which is no input of the model: name a forward parameter, a "
-                f"positional index, 'target' or an input path, one of {known}")
+                f"positional index, 'target' or an input path, one of {known}"
+            )
         if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
             raise InputError(f"batch_dims[{key!r}] must be an int dim or None (no batch dim), got {dim!r}")
         for j in matched:
@@ -111,7 +113,8 @@ def declared_dims(batch_dims: Mapping | None, leaves: list[Leaf]) -> dict[int, i
             if not -value.dim() <= dim < value.dim():
                 raise InputError(
                     f"batch_dims[{key!r}] = {dim}, but {leaves[j].path} has shape {tuple(value.shape)} "
-                    f"({value.dim()} dims): give a dim in [{-value.dim()}, {value.dim() - 1}] or None")
+                    f"({value.dim()} dims): give a dim in [{-value.dim()}, {value.dim() - 1}] or None"
+                )
             result[j] = dim % value.dim()
     return result
 
@@ -130,12 +133,17 @@ def assign_dims(leaves: list[Leaf], declared: dict[int, int | None] | None) -> t
     declared = declared or {}
     sizes = {leaves[j].value.shape[d] for j, d in declared.items() if d is not None}
     if len(sizes) > 1:
-        listing = ", ".join(f"{leaves[j].path} dim {d}: {leaves[j].value.shape[d]}" for j, d in declared.items()
-                            if d is not None)
-        raise InputError(f"the batch dims given in batch_dims have different sizes ({listing}): every batch dim "
-                         "must hold the same samples; fix the sizes or the dims")
+        listing = ", ".join(
+            f"{leaves[j].path} dim {d}: {leaves[j].value.shape[d]}" for j, d in declared.items() if d is not None
+        )
+        raise InputError(
+            f"the batch dims given in batch_dims have different sizes ({listing}): every batch dim "
+            "must hold the same samples; fix the sizes or the dims"
+        )
     if not sizes:
-        firsts = {leaf.value.shape[0] for j, leaf in enumerate(leaves) if j not in declared and _is_batchable(leaf.value)}
+        firsts = {
+            leaf.value.shape[0] for j, leaf in enumerate(leaves) if j not in declared and _is_batchable(leaf.value)
+        }
         if len(firsts) != 1:
             return None
         sizes = firsts
@@ -154,7 +162,8 @@ def no_batch_error(leaves: list[Leaf]) -> InputError:
     return InputError(
         f"the example inputs disagree on dim 0 ({shapes}) and no dim of theirs was found along which the "
         "samples are independent: declare where the batch is, e.g. partita.capture(..., batch_dims={'src': 1}) "
-        "for a sequence-first (S, B, E) input, and give the batch dims of all inputs the same size")
+        "for a sequence-first (S, B, E) input, and give the batch dims of all inputs the same size"
+    )
 
 
 # ----------------------------------------------------------------------------- widening and specs

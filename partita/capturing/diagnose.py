@@ -36,8 +36,7 @@ _KNOWN_CAUSES: tuple[tuple[str, str, str], ...] = (
     ),
     (
         r"\.numpy\(\)|data pointer|tolist|Cannot access storage|not supported for tensor subclasses",
-        "the model reads tensor data on the host (.numpy(), .tolist(), data_ptr), which cannot "
-        "be traced",
+        "the model reads tensor data on the host (.numpy(), .tolist(), data_ptr), which cannot be traced",
         "replace the host-side computation with torch operations",
     ),
     (

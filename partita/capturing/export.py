@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -42,8 +43,7 @@ def check_inputs(model: Any, args: Any, kwargs: Any, loss_fn: Any, target: Any) 
         )
     if not isinstance(args, (tuple, list)):
         raise InputError(
-            f"args must be a tuple of positional inputs, got {type(args).__name__}: "
-            "wrap a single tensor as args=(x,)"
+            f"args must be a tuple of positional inputs, got {type(args).__name__}: wrap a single tensor as args=(x,)"
         )
     if kwargs is not None and not isinstance(kwargs, dict):
         raise InputError(f"kwargs must be a dict of keyword inputs, got {type(kwargs).__name__}")
@@ -61,8 +61,9 @@ def check_inputs(model: Any, args: Any, kwargs: Any, loss_fn: Any, target: Any) 
     return tuple(args), kwargs
 
 
-def run_export(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,
-               log: SpecialisationLog | None = None) -> ExportedProgram:
+def run_export(
+    module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, log: SpecialisationLog | None = None
+) -> ExportedProgram:
     """torch.export (non-strict); failures become CaptureError with cause and fix. With ``log``,
     records which lines fixed a dynamic size to a constant."""
     try:

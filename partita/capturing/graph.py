@@ -6,7 +6,8 @@ import hashlib
 import operator
 import os
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.fx
@@ -124,7 +125,9 @@ def build_nodes(
                 outputs=outputs,
                 inputs=tuple(index_of[r.name] for r in read if r.name in index_of),
                 graph_inputs=tuple(input_index[r.name] for r in read if r.op == "placeholder"),
-                params=tuple(_unique(attr_to_param[r.target] for r in read if r.op == "get_attr" and r.target in attr_to_param)),
+                params=tuple(
+                    _unique(attr_to_param[r.target] for r in read if r.op == "get_attr" and r.target in attr_to_param)
+                ),
                 consumers=tuple(_unique(index_of[u.name] for u in fx_node.users if u.name in index_of)),
                 flops=m.flops,
                 bytes_read=0 if m.is_view else m.bytes_read,
@@ -136,7 +139,9 @@ def build_nodes(
     return tuple(nodes), index_of, input_index
 
 
-def build_inputs(gm: torch.fx.GraphModule, flat_leaves: list[tuple[str, Any]], nodes: Iterable[OpNode]) -> tuple[GraphInput, ...]:
+def build_inputs(
+    gm: torch.fx.GraphModule, flat_leaves: list[tuple[str, Any]], nodes: Iterable[OpNode]
+) -> tuple[GraphInput, ...]:
     """GraphInput per placeholder, with the user's path to it and the nodes that read it."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     readers: dict[int, list[int]] = {i: [] for i in range(len(placeholders))}
@@ -148,8 +153,11 @@ def build_inputs(gm: torch.fx.GraphModule, flat_leaves: list[tuple[str, Any]], n
         path, value = flat_leaves[j] if j < len(flat_leaves) else (ph.name, None)
         info = tensor_infos(value, ph.meta.get("val"))
         constant = None if isinstance(value, torch.Tensor) else value
-        result.append(GraphInput(name=ph.name, path=path, tensor=info[0] if info else None, consumers=tuple(readers[j]),
-                                 value=constant))
+        result.append(
+            GraphInput(
+                name=ph.name, path=path, tensor=info[0] if info else None, consumers=tuple(readers[j]), value=constant
+            )
+        )
     return tuple(result)
 
 
@@ -184,7 +192,11 @@ def _batch_dim(sym: torch.Tensor | None) -> int | None:
 
 def target_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target._schema.name.split('::')[-1]}.{target._overloadname}" if target.namespace == "aten" else str(target)
+        return (
+            f"aten.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+            if target.namespace == "aten"
+            else str(target)
+        )
     if target is operator.getitem:
         return "operator.getitem"
     return getattr(target, "__name__", None) or getattr(target, "name", lambda: str(target))()
@@ -198,7 +210,7 @@ def module_of(node: torch.fx.Node, prefix: str) -> tuple[str, str]:
             continue
         path = str(path)
         if prefix and (path + ".").startswith(prefix):
-            path = path[len(prefix):]
+            path = path[len(prefix) :]
         type_name = type_.__name__ if isinstance(type_, type) else str(type_).rsplit(".", 1)[-1]
         return path, type_name
     return "", ""
@@ -216,12 +228,21 @@ def source_of(node: torch.fx.Node) -> str:
 # ----------------------------------------------------------------------------- loss
 
 
-def find_loss_output(gm: torch.fx.GraphModule, out_spec: Any, has_loss_fn: bool, index_of: dict[str, int], measurements: dict[str, NodeMeasurement]) -> tuple[int, int]:
+def find_loss_output(
+    gm: torch.fx.GraphModule,
+    out_spec: Any,
+    has_loss_fn: bool,
+    index_of: dict[str, int],
+    measurements: dict[str, NodeMeasurement],
+) -> tuple[int, int]:
     """(node index of the loss, position of the loss among the flat outputs)."""
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     flat = list(pytree.tree_leaves(output_node.args[0]))
-    tensor_outputs = [(k, o) for k, o in enumerate(flat) if isinstance(o, torch.fx.Node) and o.name in index_of
-                      and isinstance(measurements[o.name].value, torch.Tensor)]
+    tensor_outputs = [
+        (k, o)
+        for k, o in enumerate(flat)
+        if isinstance(o, torch.fx.Node) and o.name in index_of and isinstance(measurements[o.name].value, torch.Tensor)
+    ]
     if not tensor_outputs:
         raise CaptureError(
             "the model returns no tensor computed from its inputs: partita trains on a scalar loss. "

@@ -38,7 +38,8 @@ class _MeasuringInterpreter(torch.fx.Interpreter):
             return super().run_node(n)
         before = self.counter.get_total_flops()
         operands = [
-            x for x in pytree.tree_leaves((self.map_nodes_to_values(n.args, n), self.map_nodes_to_values(n.kwargs, n)))
+            x
+            for x in pytree.tree_leaves((self.map_nodes_to_values(n.args, n), self.map_nodes_to_values(n.kwargs, n)))
             if isinstance(x, torch.Tensor)
         ]
         value = super().run_node(n)
@@ -66,8 +67,13 @@ def _grouped_mm_formulas(gm: torch.fx.GraphModule) -> dict:
     does not count: ``aten._grouped_mm`` and operators named ``*grouped_mm*`` such as
     transformers' ``grouped_mm_fallback``, all ``(tokens, K) x (experts, K, N) -> (tokens, N)``
     with every token row multiplied by one expert's matrix: ``2 * tokens * K * N``."""
-    packets = {getattr(n.target, "_overloadpacket", None) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
-               for n in m.graph.nodes if n.op == "call_function" and "grouped_mm" in str(n.target)}
+    packets = {
+        getattr(n.target, "_overloadpacket", None)
+        for m in gm.modules()
+        if isinstance(m, torch.fx.GraphModule)
+        for n in m.graph.nodes
+        if n.op == "call_function" and "grouped_mm" in str(n.target)
+    }
     return {p: _grouped_mm_flops for p in packets if p is not None}
 
 

@@ -47,37 +47,69 @@ from __future__ import annotations
 
 import enum
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.fx
 
 from partita.types import OpGraph
 
-__all__ = ["GlobalFactor", "LossStructure", "LossTerm", "TermKind", "Unrecognised", "analyse_loss",
-           "global_values_module", "schema_arguments"]
+__all__ = [
+    "GlobalFactor",
+    "LossStructure",
+    "LossTerm",
+    "TermKind",
+    "Unrecognised",
+    "analyse_loss",
+    "global_values_module",
+    "schema_arguments",
+]
 
 aten = torch.ops.aten
 
 # Reductions with ignore_index whose mean divides by a data-dependent count (or class-weight sum).
-COUNT_OPS = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default,
-             aten.nll_loss2d.default}
+COUNT_OPS = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default, aten.nll_loss2d.default}
 # Losses with a ``reduction`` argument and a fixed count of elements under "mean".
-FIXED_COUNT_OPS = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
-                   aten.huber_loss.default, aten.binary_cross_entropy.default,
-                   aten.binary_cross_entropy_with_logits.default, aten.kl_div.default,
-                   aten.soft_margin_loss.default, aten.multilabel_margin_loss.default,
-                   aten.hinge_embedding_loss.default, aten.margin_ranking_loss.default,
-                   aten.cosine_embedding_loss.default, aten.poisson_nll_loss.default,
-                   aten.multi_margin_loss.default}
+FIXED_COUNT_OPS = {
+    aten.mse_loss.default,
+    aten.l1_loss.default,
+    aten.smooth_l1_loss.default,
+    aten.huber_loss.default,
+    aten.binary_cross_entropy.default,
+    aten.binary_cross_entropy_with_logits.default,
+    aten.kl_div.default,
+    aten.soft_margin_loss.default,
+    aten.multilabel_margin_loss.default,
+    aten.hinge_embedding_loss.default,
+    aten.margin_ranking_loss.default,
+    aten.cosine_embedding_loss.default,
+    aten.poisson_nll_loss.default,
+    aten.multi_margin_loss.default,
+}
 SUM_OPS = {aten.sum.default, aten.sum.dim_IntList, aten.nansum.default}
 MEAN_OPS = {aten.mean.default, aten.mean.dim, aten.nanmean.default}
 # 0-dim -> 0-dim ops that are linear in their first argument.
-PASS_THROUGH_OPS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten._to_copy.default,
-                    aten.clone.default, aten.alias.default, aten.view.default, aten.reshape.default,
-                    aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
-                    aten.contiguous.default, aten.neg.default, aten.detach.default, aten.lift_fresh_copy.default}
+PASS_THROUGH_OPS = {
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten.to.device,
+    aten.to.other,
+    aten._to_copy.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.unsqueeze.default,
+    aten.contiguous.default,
+    aten.neg.default,
+    aten.detach.default,
+    aten.lift_fresh_copy.default,
+}
 ADD_OPS = {aten.add.Tensor, aten.sub.Tensor}
 SCALE_OPS = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, operator.mul, operator.truediv}
 DIV_OPS = {aten.div.Tensor, aten.div.Scalar, operator.truediv}
@@ -143,8 +175,11 @@ class LossStructure:
     def averages_equal_counts(self) -> bool:
         """Every term is a mean over a fixed count (or a constant) and nothing is scaled by a
         data-dependent factor: the mean of the slices' losses is the full-batch loss as it is."""
-        return self.recognised and not self.factors and all(
-            t.kind in (TermKind.MEAN, TermKind.CONSTANT) for t in self.terms)
+        return (
+            self.recognised
+            and not self.factors
+            and all(t.kind in (TermKind.MEAN, TermKind.CONSTANT) for t in self.terms)
+        )
 
     def describe(self) -> str:
         if self.unknown is not None:
@@ -313,8 +348,11 @@ class _Walker:
         if not d.reads_inputs:
             return  # a constant, or a function of the parameters: the same in every slice
         if d.reads_trainable:
-            raise _Unknown(consumer, f"the loss is multiplied or divided by {factor.name}, which depends on both the "
-                                     "batch and the parameters (a product of two terms)")
+            raise _Unknown(
+                consumer,
+                f"the loss is multiplied or divided by {factor.name}, which depends on both the "
+                "batch and the parameters (a product of two terms)",
+            )
         if not _is_scalar(factor):
             raise _Unknown(consumer, f"the loss is scaled by {factor.name}, which is not a scalar")
         self.factors.append(GlobalFactor(factor.name, consumer.name, position))
@@ -345,8 +383,13 @@ class _Walker:
             raise _Unknown(node, "ignore_index is not a constant")
         if weight is not None and not isinstance(weight, torch.fx.Node):
             raise _Unknown(node, "the class weights are not a tensor")
-        self._add(node, TermKind.COUNT_MEAN, target=target.name, weight=weight.name if weight is not None else None,
-                  ignore_index=int(ignore_index))
+        self._add(
+            node,
+            TermKind.COUNT_MEAN,
+            target=target.name,
+            weight=weight.name if weight is not None else None,
+            ignore_index=int(ignore_index),
+        )
 
     def _visit_reduction(self, node: torch.fx.Node) -> None:
         source = node.args[0]
@@ -354,8 +397,11 @@ class _Walker:
             self.visit(source)  # the sum or mean of one element (``loss.mean()`` on a 0-dim loss)
             return
         if not isinstance(source, torch.fx.Node) or _batch_dim(source) is None:
-            raise _Unknown(node, "the loss reduces a tensor without a batch dimension, whose value per micro-batch "
-                                 "partita cannot relate to the full batch's")
+            raise _Unknown(
+                node,
+                "the loss reduces a tensor without a batch dimension, whose value per micro-batch "
+                "partita cannot relate to the full batch's",
+            )
         self._add(node, TermKind.SUM if node.target in SUM_OPS else TermKind.MEAN)
 
     def _add(self, node: torch.fx.Node, kind: TermKind, **fields: Any) -> None:

@@ -31,12 +31,32 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+
+from partita.capturing.sample_ops import (
+    ALONG_DIM,
+    ARANGE,
+    ARANGE_VIEWS,
+    ATTENTION,
+    BATCH_NORM,
+    CLASS_LOSSES,
+    CONVOLUTION,
+    GROUP_NORM,
+    INDEXING,
+    INSTANCE_NORM,
+    LINEAR,
+    NONLINEAR_REDUCTIONS,
+    NORMALISED_TAIL,
+    RECURRENT,
+    SHAPE_ONLY,
+    WINDOWED,
+)
 
 
 @dataclass(frozen=True)
@@ -109,9 +129,13 @@ def reaches_loss(gm: torch.fx.GraphModule, symbols: Iterable, loss: torch.fx.Nod
     """Whether some operation the loss depends on has a batch symbol in its result's shape (an input
     that no operation of the loss reads is no batch)."""
     symbols = frozenset(symbols)
-    return any(n.op == "call_function" and any(batch_symbol_dims(v, symbols) for v in pytree.tree_leaves(n.meta.get("val"))
-                                               if isinstance(v, torch.Tensor))
-               for n in _ancestors(loss))
+    return any(
+        n.op == "call_function"
+        and any(
+            batch_symbol_dims(v, symbols) for v in pytree.tree_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor)
+        )
+        for n in _ancestors(loss)
+    )
 
 
 def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
@@ -124,49 +148,6 @@ def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
         found.add(n)
         stack.extend(n.all_input_nodes)
     return found
-
-
-# Ops whose output only carries the shape of their input, and counting ops (tokens per expert: integer
-# bookkeeping even when the result is a float tensor, as histc's is).
-_SHAPE_ONLY = {"new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like",
-               "full_like", "rand_like", "randn_like", "randint_like", "scalar_tensor", "sym_size", "sym_numel",
-               "sym_stride", "sym_storage_offset", "_assert_tensor_metadata", "_assert_scalar", "_assert_async",
-               "sym_constrain_range", "sym_constrain_range_for_size", "histc", "bincount", "histogram", "zeros", "ones", "empty", "full",
-               "empty_strided", "rand", "randn", "randint", "lift_fresh_copy", "detach", "_functional_assert_async"}
-# What may be done to a floating-point sum or mean over the batch on its way to the loss.
-_LINEAR = {"add", "sub", "rsub", "mul", "div", "true_divide", "neg", "_to_copy", "to", "type_as", "clone", "alias",
-           "view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "expand", "expand_as", "flatten", "copy",
-           "contiguous", "where", "masked_fill", "clamp", "clamp_min", "clamp_max", "maximum", "minimum", "gt",
-           "ge", "lt", "le", "eq", "ne", "fill", "nan_to_num", "sum", "mean", "permute", "transpose", "t",
-           "select", "slice", "squeeze_copy", "view_copy", "dropout", "_unsafe_index", "index"}
-# Reductions over a dim: sums and means of per-sample terms are linear in the samples.
-_LINEAR_REDUCTIONS = {"sum", "mean", "nansum", "count_nonzero"}
-_NONLINEAR_REDUCTIONS = {"amax", "amin", "max", "min", "argmax", "argmin", "prod", "var", "std", "var_mean",
-                         "std_mean", "logsumexp", "norm", "linalg_vector_norm", "any", "all", "median", "nanmedian",
-                         "mode", "aminmax", "nanmean"}
-_ALONG_DIM = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax", "cumsum", "cumprod", "cummax",
-              "cummin", "logcumsumexp", "topk", "kthvalue"}
-_CLASS_LOSSES = {"cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "nll_loss2d_forward",
-                 "nll_loss_nd", "multi_margin_loss", "multilabel_margin_loss", "multilabel_margin_loss_forward"}
-_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
-              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
-              "_scaled_dot_product_fused_attention_overrideable"}
-_RECURRENT = {"lstm", "gru", "rnn_tanh", "rnn_relu"}
-_CONVOLUTION = re.compile(r"^(_?convolution|conv\d?d|conv_transpose\d?d|cudnn_convolution.*|mkldnn_convolution|"
-                          r"convolution_overrideable|_conv_depthwise2d|slow_conv.*|conv_tbc|miopen_convolution.*)$")
-_WINDOWED = re.compile(r"pool|upsample|interpolate|grid_sampler|im2col|col2im|pixel_(un)?shuffle|reflection_pad|"
-                       r"replication_pad|_upsample")
-_NORMALISED_TAIL = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}
-_BATCH_NORM = re.compile(r"batch_norm")
-_GROUP_NORM = {"group_norm", "native_group_norm"}
-_INSTANCE_NORM = {"instance_norm"}
-_ARANGE = {"arange", "linspace", "logspace", "randperm"}
-# Ops that carry an arange over the batch along unchanged (views of it).
-_ARANGE_VIEWS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "expand", "expand_as", "_to_copy", "to",
-                 "clone", "alias", "contiguous", "lift_fresh_copy", "detach", "flatten", "permute", "transpose", "t",
-                 "slice"}
-_INDEXING = {"index", "_unsafe_index", "index_put", "index_put_", "_unsafe_index_put", "_index_put_impl_"}
 
 
 def _op_name(target: Any) -> str:
@@ -236,13 +217,17 @@ class _Checker:
         inputs = [a for a in node.all_input_nodes if a.op != "get_attr" or isinstance(_val(a), torch.Tensor)]
         if target is operator.getitem:
             return self._getitem(node)
-        if name in _SHAPE_ONLY or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if name in SHAPE_ONLY or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             return None  # SymInt arithmetic, assertions, constants shaped like the batch
-        if name in _ARANGE:
-            if any(symbols_of(x) & self.symbols for x in pytree.tree_leaves((node.args, node.kwargs))
-                   if isinstance(x, torch.SymInt)) or any(
-                    isinstance(x, torch.fx.Node) and symbols_of(_val(x)) & self.symbols
-                    for x in pytree.tree_leaves((node.args, node.kwargs))):
+        if name in ARANGE:
+            if any(
+                symbols_of(x) & self.symbols
+                for x in pytree.tree_leaves((node.args, node.kwargs))
+                if isinstance(x, torch.SymInt)
+            ) or any(
+                isinstance(x, torch.fx.Node) and symbols_of(_val(x)) & self.symbols
+                for x in pytree.tree_leaves((node.args, node.kwargs))
+            ):
                 self.arange.add(node)
             return None
         from_arange = [a for a in inputs if a in self.arange]
@@ -274,30 +259,42 @@ class _Checker:
         return None
 
     def _arange_use(self, node: torch.fx.Node, name: str, from_arange: list) -> Mixing | None:
-        if name in _ARANGE_VIEWS:
+        if name in ARANGE_VIEWS:
             self.arange.add(node)
             return None
-        if name in _INDEXING:
+        if name in INDEXING:
             base, indices = _val(node.args[0]), node.args[1]
-            ok = all(idx not in self.arange or (isinstance(base, torch.Tensor) and i < base.dim()
-                                                and symbols_of(base.shape[i]) & self.symbols)
-                     for i, idx in enumerate(indices))
+            ok = all(
+                idx not in self.arange
+                or (isinstance(base, torch.Tensor) and i < base.dim() and symbols_of(base.shape[i]) & self.symbols)
+                for i, idx in enumerate(indices)
+            )
             if ok and node.args[0] not in self.arange:
                 return None
         source = next(iter(from_arange))
-        return Mixing(node, f"uses the position of each sample in the batch as a value (an arange over the batch "
-                            f"size, {source.name}, reaches {_op_name(node.target)})")
+        return Mixing(
+            node,
+            f"uses the position of each sample in the batch as a value (an arange over the batch "
+            f"size, {source.name}, reaches {_op_name(node.target)})",
+        )
 
-    def _after_reduction(self, node: torch.fx.Node, name: str, inputs: list, from_reduction: list,
-                         out: Any) -> Mixing | None:
+    def _after_reduction(
+        self, node: torch.fx.Node, name: str, inputs: list, from_reduction: list, out: Any
+    ) -> Mixing | None:
         reduction = self.reduced[from_reduction[0]]
         if any(self.carries(_val(a)) for a in inputs if a not in self.reduced) or self.carries(out):
-            return Mixing(node, f"combines a statistic of the whole batch ({reduction.name}, "
-                                f"{_op_name(reduction.target)} over the batch) with each sample's values")
-        if name not in _LINEAR:
-            return Mixing(node, f"applies {name} to a statistic of the whole batch ({reduction.name}, "
-                                f"{_op_name(reduction.target)} over the batch): only sums and means of per-sample "
-                                "terms may reach the loss, combined linearly")
+            return Mixing(
+                node,
+                f"combines a statistic of the whole batch ({reduction.name}, "
+                f"{_op_name(reduction.target)} over the batch) with each sample's values",
+            )
+        if name not in LINEAR:
+            return Mixing(
+                node,
+                f"applies {name} to a statistic of the whole batch ({reduction.name}, "
+                f"{_op_name(reduction.target)} over the batch): only sums and means of per-sample "
+                "terms may reach the loss, combined linearly",
+            )
         if _is_float(out):
             self.reduced[node] = reduction
         return None
@@ -328,45 +325,47 @@ class _Checker:
                     return f"contracts the batch dim in {name} while the result still has it (e.g. attention along it)"
         if name == "einsum":
             return self._einsum(node, out)
-        if name in _ATTENTION:
+        if name in ATTENTION:
             q, k = _val(args[0]), _val(args[1])
             for role, t in (("query", q), ("key", k)):
                 if isinstance(t, torch.Tensor) and t.dim() >= 2 and symbols_of(t.shape[-2]) & self.symbols:
                     return f"attends along the batch dim (the {role} positions of {name} are the batch)"
-        if name in _RECURRENT and ndim >= 2:
+        if name in RECURRENT and ndim >= 2:
             time = (1 if _arg(node, 8, "batch_first", False) else 0) if ndim == 3 else 0
             if time in dims:
                 return f"runs a recurrence along the batch dim ({name} steps through it in order)"
-        if _CONVOLUTION.match(name):
+        if CONVOLUTION.match(name):
             if any(d >= 1 for d in dims):
                 return f"convolves along the batch dim ({name} slides its kernel over it)"
-        if _WINDOWED.search(name):
+        if WINDOWED.search(name):
             spatial = _spatial_dims(name, ndim)
             if any(d in spatial for d in dims):
                 return f"pools or resamples along the batch dim ({name})"
-        if name in _NORMALISED_TAIL:
+        if name in NORMALISED_TAIL:
             shape = _arg(node, 1, "normalized_shape", ())
             tail = range(ndim - len(shape), ndim)
             if any(d in tail for d in dims):
                 return f"normalises over the batch dim ({name} over its last {len(shape)} dims)"
-        if name in _GROUP_NORM and any(d >= 1 for d in dims):
+        if name in GROUP_NORM and any(d >= 1 for d in dims):
             return f"normalises over the batch dim ({name} over channels and positions)"
-        if name in _INSTANCE_NORM and any(d >= 2 for d in dims):
+        if name in INSTANCE_NORM and any(d >= 2 for d in dims):
             return f"normalises over the batch dim ({name} over positions)"
-        if _BATCH_NORM.search(name):
+        if BATCH_NORM.search(name):
             return None  # the documented exception: each micro-batch is normalised on its own
-        if name in _ALONG_DIM:
+        if name in ALONG_DIM:
             default = -1 if name in ("topk", "kthvalue") else None
             position = {"topk": 2, "kthvalue": 2}.get(name, 1)
             dim = _arg(node, position, "dim", default)
             along = _norm_dims(dim, ndim) if dim is not None else list(range(ndim))
             if any(d in along for d in dims):
                 return f"takes {name} along the batch dim"
-        if name in _CLASS_LOSSES:
+        if name in CLASS_LOSSES:
             class_dim = 1 if ndim >= 2 else 0
             if class_dim in dims:
-                return (f"its classes are the samples of the batch ({name} over logits whose class dim is the "
-                        "batch: in-batch negatives, as in a contrastive loss)")
+                return (
+                    f"its classes are the samples of the batch ({name} over logits whose class dim is the "
+                    "batch: in-batch negatives, as in a contrastive loss)"
+                )
         if name in ("select", "select_copy"):
             if _norm_dims(_arg(node, 1, "dim", 0), ndim)[0] in dims:
                 return "takes one sample of the batch (select along the batch dim)"
@@ -377,11 +376,17 @@ class _Checker:
         if name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split", "unsafe_split"):
             dim = _norm_dims(_arg(node, 2 if name != "unbind" else 1, "dim", 0), ndim)[0]
             pieces = [p for p in pytree.tree_leaves(out) if isinstance(p, torch.Tensor)]
-            if dim in dims and (name == "unbind" or any(not _proportional(p.shape[dim], first.shape[dim]) for p in pieces)):
+            if dim in dims and (
+                name == "unbind" or any(not _proportional(p.shape[dim], first.shape[dim]) for p in pieces)
+            ):
                 return f"takes a fixed part of the batch ({name} along the batch dim)"
         if name in ("flip", "roll", "tril", "triu", "diagonal", "diag_embed", "diag", "trace"):
-            along = {"flip": _arg(node, 1, "dims", None), "roll": _arg(node, 2, "dims", None),
-                     "tril": [-2, -1], "triu": [-2, -1]}.get(name, [_arg(node, 2, "dim1", 0), _arg(node, 3, "dim2", 1)])
+            along = {
+                "flip": _arg(node, 1, "dims", None),
+                "roll": _arg(node, 2, "dims", None),
+                "tril": [-2, -1],
+                "triu": [-2, -1],
+            }.get(name, [_arg(node, 2, "dim1", 0), _arg(node, 3, "dim2", 1)])
             if any(d in _norm_dims(along, ndim) for d in dims):
                 return f"depends on the order of the samples ({name} along the batch dim)"
         if name in ("constant_pad_nd", "pad"):
@@ -415,11 +420,14 @@ class _Checker:
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         for t in outs:
             if len(batch_symbol_dims(t, self.symbols)) >= 2:
-                return Mixing(node, f"pairs samples with each other: its result ({name}, shape "
-                                    f"{self._show(t.shape)}) has the batch B in two dims")
+                return Mixing(
+                    node,
+                    f"pairs samples with each other: its result ({name}, shape "
+                    f"{self._show(t.shape)}) has the batch B in two dims",
+                )
         if outs and not any(batch_symbol_dims(t, self.symbols) for t in outs):
             # a reduction over the batch: every batch dim of the inputs is gone
-            if name in _NONLINEAR_REDUCTIONS and any(_is_float(t) for t in outs):
+            if name in NONLINEAR_REDUCTIONS and any(_is_float(t) for t in outs):
                 return Mixing(node, f"takes a non-linear statistic over the batch ({name})")
             if any(_is_float(t) for t in outs):
                 self.reduced[node] = node
@@ -428,12 +436,17 @@ class _Checker:
     # -- higher-order ops -------------------------------------------------------------------
 
     def _higher_order(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> Mixing | None:
-        bodies = [(i, a) for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node) and a.op == "get_attr"
-                  and isinstance(_resolve(gm, a.target), torch.fx.GraphModule)]
+        bodies = [
+            (i, a)
+            for i, a in enumerate(node.args)
+            if isinstance(a, torch.fx.Node)
+            and a.op == "get_attr"
+            and isinstance(_resolve(gm, a.target), torch.fx.GraphModule)
+        ]
         if not bodies:
             return self._generic(node, _op_name(node.target), list(node.all_input_nodes), _val(node))
         last = bodies[-1][0]
-        operands = list(pytree.tree_leaves(list(node.args[last + 1:])))
+        operands = list(pytree.tree_leaves(list(node.args[last + 1 :])))
         statuses = []
         for _, body_node in bodies:
             body = _resolve(gm, body_node.target)

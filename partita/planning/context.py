@@ -12,8 +12,9 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,17 +23,17 @@ import partita
 from partita.capturing import capture, flatten_call_inputs
 from partita.checks import positive_int
 from partita.cost.analytic import analytic_costs
-from partita.types.cluster import Cluster
-from partita.cost.table import contended
 from partita.cost.profiler import profile
+from partita.cost.table import contended
 from partita.errors import InputError
 from partita.planning.build import block_to_node_boundaries, build_plan, fits
 from partita.planning.chain import coarsen, per_sample_cuts
 from partita.planning.options import CostSource, PlanOptions
 from partita.planning.search import Candidate, SearchOptions
-from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
 from partita.planning.simulate import simulate
+from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
 from partita.types import CostTable, OpGraph, Plan
+from partita.types.cluster import Cluster
 
 
 @dataclass(frozen=True)
@@ -78,17 +79,27 @@ def planning_context(
     positive_int(global_batch_size, "global_batch_size")
     check_batch_divisible(global_batch_size, options.num_microbatches, options.replicas)
     uniform_replicas = _resolve_uniform(options.uniform_replicas, options.replicas, cluster)
-    graph = model if isinstance(model, OpGraph) else capture(model, args, kwargs, loss_fn=loss_fn, target=target,
-                                                             batch_dims=batch_dims)
+    graph = (
+        model
+        if isinstance(model, OpGraph)
+        else capture(model, args, kwargs, loss_fn=loss_fn, target=target, batch_dims=batch_dims)
+    )
     if not graph.dynamic_batch:
         raise InputError(static_batch_message(graph))
     if graph.couples_samples is not None:
         options, uniform_replicas = whole_batch_options(options, graph), True
     search_options = SearchOptions(
-        num_devices=cluster.num_devices, global_batch_size=global_batch_size,
-        memory_limit_bytes=cluster.usable_memory_bytes, schedules=options.schedules, num_stages=options.num_stages,
-        replicas=options.replicas, num_microbatches=options.num_microbatches, recompute=options.recompute,
-        optimizer=options.optimizer, mixed_precision=options.mixed_precision, uniform_replicas=uniform_replicas,
+        num_devices=cluster.num_devices,
+        global_batch_size=global_batch_size,
+        memory_limit_bytes=cluster.usable_memory_bytes,
+        schedules=options.schedules,
+        num_stages=options.num_stages,
+        replicas=options.replicas,
+        num_microbatches=options.num_microbatches,
+        recompute=options.recompute,
+        optimizer=options.optimizer,
+        mixed_precision=options.mixed_precision,
+        uniform_replicas=uniform_replicas,
     )
     source = _cost_source(options.costs, graph, cluster)
     if source is CostSource.MEASURED and (args or kwargs or target is not None):
@@ -100,17 +111,27 @@ def planning_context(
     reference = costs_at(_reference_microbatch(graph, global_batch_size, cluster.num_devices))
     chain = coarsen(graph, reference, max_blocks=options.max_blocks)
     resolved = {  # the plan file's "options": what was pinned, and what the search was allowed
-        "schedules": [s.value for s in options.schedules], "num_stages": options.num_stages,
-        "replicas": options.replicas, "num_microbatches": options.num_microbatches,
-        "recompute": options.recompute, "uniform_replicas": uniform_replicas,
-        "optimizer": options.optimizer.value, "mixed_precision": options.mixed_precision, "costs": source.value,
-        "max_blocks": options.max_blocks, "memory_limit_bytes": search_options.memory_limit_bytes,
+        "schedules": [s.value for s in options.schedules],
+        "num_stages": options.num_stages,
+        "replicas": options.replicas,
+        "num_microbatches": options.num_microbatches,
+        "recompute": options.recompute,
+        "uniform_replicas": uniform_replicas,
+        "optimizer": options.optimizer.value,
+        "mixed_precision": options.mixed_precision,
+        "costs": source.value,
+        "max_blocks": options.max_blocks,
+        "memory_limit_bytes": search_options.memory_limit_bytes,
     }
     return PlanningContext(graph, cluster, search_options, costs_at, chain, resolved)
 
 
-def check_batch_divisible(global_batch_size: int, num_microbatches: int | None, replicas: int | None,
-                          names: tuple[str, str, str] = ("global_batch_size", "num_microbatches", "replicas")) -> None:
+def check_batch_divisible(
+    global_batch_size: int,
+    num_microbatches: int | None,
+    replicas: int | None,
+    names: tuple[str, str, str] = ("global_batch_size", "num_microbatches", "replicas"),
+) -> None:
     """InputError unless the global batch splits evenly into the pinned micro-batches and replicas
     (every micro-batch of every replica runs the same number of samples): no search could then
     find a plan, and "nothing fits" would name the wrong cause. ``names`` are how the caller spells
@@ -119,8 +140,9 @@ def check_batch_divisible(global_batch_size: int, num_microbatches: int | None, 
     if global_batch_size % unit == 0:
         return
     batch_name, microbatches_name, replicas_name = names
-    pinned = [f"{name} {value}" for name, value in ((microbatches_name, num_microbatches), (replicas_name, replicas))
-              if value]
+    pinned = [
+        f"{name} {value}" for name, value in ((microbatches_name, num_microbatches), (replicas_name, replicas)) if value
+    ]
     lower = global_batch_size // unit * unit
     fix = f"use {batch_name} " + " or ".join(str(b) for b in (lower, lower + unit) if b > 0)
     share, rest = divmod(global_batch_size, replicas or 1)
@@ -128,22 +150,30 @@ def check_batch_divisible(global_batch_size: int, num_microbatches: int | None, 
         divisors = {d for k in range(1, math.isqrt(share) + 1) if share % k == 0 for d in (k, share // k)}
         closest = sorted(sorted(divisors, key=lambda d: (abs(d - num_microbatches), d))[:4])
         fix += f", or {microbatches_name} " + ", ".join(map(str, closest))
-    raise InputError(f"{batch_name} {global_batch_size} is not divisible by {' x '.join(pinned)}"
-                     f"{f' = {unit}' if len(pinned) > 1 else ''}: every micro-batch of every replica needs the same "
-                     f"number of samples; {fix}")
+    raise InputError(
+        f"{batch_name} {global_batch_size} is not divisible by {' x '.join(pinned)}"
+        f"{f' = {unit}' if len(pinned) > 1 else ''}: every micro-batch of every replica needs the same "
+        f"number of samples; {fix}"
+    )
 
 
 def static_batch_message(graph: OpGraph) -> str:
     """Why a graph with a static batch cannot be planned, and what to do."""
-    head = (f"the graph has a static batch dimension (captured at batch {graph.batch_size}): it runs that batch "
-            "size only, so its costs cannot be scaled to micro-batches")
+    head = (
+        f"the graph has a static batch dimension (captured at batch {graph.batch_size}): it runs that batch "
+        "size only, so its costs cannot be scaled to micro-batches"
+    )
     if graph.batch_fixed_at and graph.batch_fixed_at != "unknown":
-        return (f"{head}. The model fixes the batch size at {graph.batch_fixed_at} (torch.export specialised it "
-                "there, e.g. len(x) or a Python int where x.shape[0] would keep it symbolic): make that line work "
-                "for any batch size and capture again")
+        return (
+            f"{head}. The model fixes the batch size at {graph.batch_fixed_at} (torch.export specialised it "
+            "there, e.g. len(x) or a Python int where x.shape[0] would keep it symbolic): make that line work "
+            "for any batch size and capture again"
+        )
     if graph.batch_fixed_at:
-        return (f"{head}. The model fixes the batch size somewhere (torch.export specialised it; run with "
-                "TORCH_LOGS=+dynamic to see where): make that code work for any batch size and capture again")
+        return (
+            f"{head}. The model fixes the batch size somewhere (torch.export specialised it; run with "
+            "TORCH_LOGS=+dynamic to see where): make that code work for any batch size and capture again"
+        )
     return f"{head}: capture with dynamic_batch=True (the default)"
 
 
@@ -153,16 +183,24 @@ def whole_batch_options(options: PlanOptions, graph: OpGraph) -> PlanOptions:
     train another loss, so each step runs the whole batch through one pipeline, which is exact.
     InputError when the options pin a split; a warning otherwise, since the plan loses the speed
     of micro-batches and data parallelism."""
-    pinned = [f"{name}={value}" for name, value in (("num_microbatches", options.num_microbatches),
-                                                     ("replicas", options.replicas)) if value not in (None, 1)]
+    pinned = [
+        f"{name}={value}"
+        for name, value in (("num_microbatches", options.num_microbatches), ("replicas", options.replicas))
+        if value not in (None, 1)
+    ]
     if options.uniform_replicas is False:
         pinned.append("uniform_replicas=False")
     why, rewrite = _coupling_words(graph)
     if pinned:
-        raise InputError(f"{', '.join(pinned)} would split the batch, but {why}. Unpin them (partita then plans one "
-                         f"micro-batch on one replica per stage, which is exact), or {rewrite}")
-    warnings.warn(f"{why}: planning one micro-batch and one replica per stage (exact, but without the speed of "
-                  f"micro-batching and data parallelism); to get those, {rewrite}", stacklevel=4)
+        raise InputError(
+            f"{', '.join(pinned)} would split the batch, but {why}. Unpin them (partita then plans one "
+            f"micro-batch on one replica per stage, which is exact), or {rewrite}"
+        )
+    warnings.warn(
+        f"{why}: planning one micro-batch and one replica per stage (exact, but without the speed of "
+        f"micro-batching and data parallelism); to get those, {rewrite}",
+        stacklevel=4,
+    )
     return options.replace(num_microbatches=1, replicas=1, uniform_replicas=True)
 
 
@@ -173,16 +211,22 @@ def check_whole_batch(graph: OpGraph, num_microbatches: int, replicas: Sequence[
     if graph.couples_samples is None or (num_microbatches == 1 and all(r == 1 for r in replicas)):
         return
     why, rewrite = _coupling_words(graph)
-    raise InputError(f"the plan splits every step's batch into {num_microbatches} micro-batches on "
-                     f"{max(replicas, default=1)} replicas, but {why}: use one micro-batch and one replica per "
-                     f"stage, or {rewrite}")
+    raise InputError(
+        f"the plan splits every step's batch into {num_microbatches} micro-batches on "
+        f"{max(replicas, default=1)} replicas, but {why}: use one micro-batch and one replica per "
+        f"stage, or {rewrite}"
+    )
 
 
 def _coupling_words(graph: OpGraph) -> tuple[str, str]:
-    why = (f"the loss couples the samples of the batch: {graph.couples_samples.describe()}, so every sample's loss "
-           "depends on the other samples of the same batch, and splitting the batch would train another loss")
-    rewrite = ("rewrite the loss so that each sample's term depends on that sample alone (e.g. gather the "
-               "embeddings of the whole batch before the similarity matrix), or keep the whole batch together")
+    why = (
+        f"the loss couples the samples of the batch: {graph.couples_samples.describe()}, so every sample's loss "
+        "depends on the other samples of the same batch, and splitting the batch would train another loss"
+    )
+    rewrite = (
+        "rewrite the loss so that each sample's term depends on that sample alone (e.g. gather the "
+        "embeddings of the whole batch before the similarity matrix), or keep the whole batch together"
+    )
     return why, rewrite
 
 
@@ -193,11 +237,15 @@ def _resolve_uniform(uniform_replicas: bool | None, replicas: int | None, cluste
     if uniform_replicas:
         return True
     if replicas is not None:
-        raise InputError(f"replicas={replicas} pins the same replica count for every stage, but uniform_replicas=False "
-                         "asks for different counts: drop one of the two")
+        raise InputError(
+            f"replicas={replicas} pins the same replica count for every stage, but uniform_replicas=False "
+            "asks for different counts: drop one of the two"
+        )
     if cluster.num_devices > UNEVEN_MAX_DEVICES:
-        raise InputError(f"uniform_replicas=False searches every device count per stage, up to {UNEVEN_MAX_DEVICES} "
-                         f"devices; the cluster has {cluster.num_devices}: plan with uniform_replicas=True")
+        raise InputError(
+            f"uniform_replicas=False searches every device count per stage, up to {UNEVEN_MAX_DEVICES} "
+            f"devices; the cluster has {cluster.num_devices}: plan with uniform_replicas=True"
+        )
     return False
 
 
@@ -205,21 +253,29 @@ def _cost_source(costs: CostSource, graph: OpGraph, cluster: Cluster) -> CostSou
     on_meta = any(p.device.type == "meta" for p in graph.graph_module.parameters())
     local = cluster.device.name == "cpu"
     if costs is CostSource.MEASURED and (on_meta or not local):
-        why = "the model is on the meta device" if on_meta else f"the target device {cluster.device.name!r} is not this machine's"
+        why = (
+            "the model is on the meta device"
+            if on_meta
+            else f"the target device {cluster.device.name!r} is not this machine's"
+        )
         raise InputError(f"costs='measured' is impossible: {why}; use costs='analytic'")
     if costs is CostSource.AUTO:
         return CostSource.MEASURED if local and not on_meta else CostSource.ANALYTIC
     return costs
 
 
-def _costs_provider(graph: OpGraph, cluster: Cluster, source: CostSource, inputs, cache_dir) -> Callable[[int], CostTable]:
+def _costs_provider(
+    graph: OpGraph, cluster: Cluster, source: CostSource, inputs, cache_dir
+) -> Callable[[int], CostTable]:
     """Cost tables per micro-batch size, compute times slowed by ``cluster.compute_slowdown``
     (ranks that share one host's memory system run slower together than a solo profile says)."""
     if source is CostSource.ANALYTIC:
         return functools.lru_cache(maxsize=None)(
-            lambda b: contended(analytic_costs(graph, cluster.device, b), cluster.compute_slowdown))
+            lambda b: contended(analytic_costs(graph, cluster.device, b), cluster.compute_slowdown)
+        )
     return functools.lru_cache(maxsize=None)(
-        lambda b: contended(profile(graph, inputs, microbatch_size=b, cache_dir=cache_dir), cluster.compute_slowdown))
+        lambda b: contended(profile(graph, inputs, microbatch_size=b, cache_dir=cache_dir), cluster.compute_slowdown)
+    )
 
 
 def _reference_microbatch(graph: OpGraph, global_batch_size: int, num_devices: int) -> int:
@@ -236,8 +292,9 @@ def routable(ctx: PlanningContext, config, node_boundaries: Sequence[int]) -> bo
     if not config.stage_replicas:
         return True
     counts = config.stage_replicas
-    return all(counts[k] == counts[k + 1] or ctx.per_sample_cuts[node_boundaries[k + 1]]
-               for k in range(len(counts) - 1))
+    return all(
+        counts[k] == counts[k + 1] or ctx.per_sample_cuts[node_boundaries[k + 1]] for k in range(len(counts) - 1)
+    )
 
 
 def plan_from_candidate(ctx: PlanningContext, candidate: Candidate, method: str = "partita") -> Plan | None:
@@ -256,19 +313,36 @@ def finish_plan(ctx: PlanningContext, config, node_boundaries, recompute, method
 
 def draft_plan(ctx: PlanningContext, config, node_boundaries, recompute, method: str) -> Plan:
     """The Plan with predicted stage times and memory, its step not yet simulated."""
-    return build_plan(ctx.graph, ctx.costs_at, config, node_boundaries, recompute, ctx.options,
-                      cluster=ctx.cluster, method=method, resolved_options=ctx.resolved,
-                      versions=(partita.__version__, torch.__version__))
+    return build_plan(
+        ctx.graph,
+        ctx.costs_at,
+        config,
+        node_boundaries,
+        recompute,
+        ctx.options,
+        cluster=ctx.cluster,
+        method=method,
+        resolved_options=ctx.resolved,
+        versions=(partita.__version__, torch.__version__),
+    )
 
 
 def simulated(ctx: PlanningContext, p: Plan) -> Plan:
     result = simulate(p, ctx.costs_at, ctx.cluster, keep_timeline=False)  # only the step and bubble are kept
-    return p.__class__(**{**p.__dict__, "predicted_step_s": result.step_s,
-                          "predicted_bubble_fraction": result.bubble_fraction})
+    return p.__class__(
+        **{**p.__dict__, "predicted_step_s": result.step_s, "predicted_bubble_fraction": result.bubble_fraction}
+    )
 
 
-def fit_with_recompute(ctx: PlanningContext, config, boundaries: list[int], method: str,
-                        mode: bool | None = None, *, step_to_beat: float | None = None) -> Plan | None:
+def fit_with_recompute(
+    ctx: PlanningContext,
+    config,
+    boundaries: list[int],
+    method: str,
+    mode: bool | None = None,
+    *,
+    step_to_beat: float | None = None,
+) -> Plan | None:
     """Recompute only the stages that do not fit without it (a pinned or config-wide mode is kept).
 
     With ``step_to_beat``, also None (without simulating) when ``step_lower_bound_s`` shows that
@@ -320,8 +394,16 @@ def draft_lower_bound_s(config, draft: Plan, recompute: Sequence[bool]) -> float
     """``step_lower_bound_s`` of ``draft`` with ``recompute`` (a rank group recomputes all its
     stages when any of them does, as the simulator counts it)."""
     recomputes = {s.rank_group for s in draft.stages if recompute[s.index]}
-    return step_lower_bound_s(config, [s.forward_s + s.backward_s - (s.forward_s if s.recompute else 0.0)
-                                        + (s.forward_s if s.rank_group in recomputes else 0.0) for s in draft.stages])
+    return step_lower_bound_s(
+        config,
+        [
+            s.forward_s
+            + s.backward_s
+            - (s.forward_s if s.recompute else 0.0)
+            + (s.forward_s if s.rank_group in recomputes else 0.0)
+            for s in draft.stages
+        ],
+    )
 
 
 def cannot_beat(lower_bound_s: float, step_s: float) -> bool:

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import bisect
 import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 import torch.fx
@@ -109,7 +109,9 @@ def check_boundaries(boundaries: Sequence[int], num_nodes: int) -> tuple[int, ..
         raise InputError(f"the last boundary must be num_nodes={num_nodes}, got {cuts[-1]}: {hint}")
     for a, b in zip(cuts, cuts[1:]):
         if b <= a:
-            raise InputError(f"boundary {b} follows {a}: boundaries must be strictly increasing (no empty stage); {hint}")
+            raise InputError(
+                f"boundary {b} follows {a}: boundaries must be strictly increasing (no empty stage); {hint}"
+            )
     return cuts
 
 
@@ -140,7 +142,9 @@ def plan_stages(graph: OpGraph, boundaries: Sequence[int]) -> list[StageContents
 def call_function_nodes(graph: OpGraph) -> list[torch.fx.Node]:
     """The FX nodes behind ``graph.nodes``, by position."""
     ops = [n for n in graph.graph_module.graph.nodes if n.op == "call_function"]
-    others = [n for n in graph.graph_module.graph.nodes if n.op not in ("call_function", "placeholder", "get_attr", "output")]
+    others = [
+        n for n in graph.graph_module.graph.nodes if n.op not in ("call_function", "placeholder", "get_attr", "output")
+    ]
     assert not others, f"unexpected FX node kinds in an exported graph: {[(n.op, n.name) for n in others]}"
     assert [n.name for n in ops] == [n.name for n in graph.nodes], "OpGraph.nodes out of step with its graph_module"
     return ops
@@ -177,7 +181,9 @@ def _live_nodes(ops: list[torch.fx.Node], loss: torch.fx.Node) -> set[torch.fx.N
             continue
         live.add(node)
         stack.extend(a for a in node.all_input_nodes if a.op == "call_function")
-    checks = [n for n in ops if _is_assertion(n) and all(a in live for a in n.all_input_nodes if a.op == "call_function")]
+    checks = [
+        n for n in ops if _is_assertion(n) and all(a in live for a in n.all_input_nodes if a.op == "call_function")
+    ]
     return live | set(checks)
 
 
@@ -313,7 +319,9 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
 
 def _writes_in_place(node: torch.fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None and schema.returns[0].alias_info.is_write)
+    return bool(
+        schema and schema.returns and schema.returns[0].alias_info is not None and schema.returns[0].alias_info.is_write
+    )
 
 
 def _written_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -321,8 +329,11 @@ def _written_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return []
-    values = [node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name)
-              for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    values = [
+        node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name)
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
     return [v for v in values if isinstance(v, torch.fx.Node)]
 
 
@@ -360,8 +371,9 @@ def _check_input_writes(graph: OpGraph, ops: list, run_stage: dict, stages: list
                 )
 
 
-def _contents(graph: OpGraph, s: int, cuts: tuple, nodes: list, received: list, sent: list, remade: list,
-              reused: dict) -> StageContents:
+def _contents(
+    graph: OpGraph, s: int, cuts: tuple, nodes: list, received: list, sent: list, remade: list, reused: dict
+) -> StageContents:
     """Collect the graph inputs and parameters that ``nodes`` read into a StageContents."""
     placeholders = [n for n in graph.graph_module.graph.nodes if n.op == "placeholder"]
     read = {a for n in nodes if n not in reused for a in n.all_input_nodes}

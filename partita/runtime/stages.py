@@ -38,7 +38,8 @@ constants lifted by export (T5's ``lifted_tensor_0``, as non-persistent buffers)
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -49,8 +50,15 @@ from partita.errors import InputError
 from partita.runtime.graph_split import StageContents, StageSpec, check_boundaries, plan_stages, written_in_place
 from partita.types import OpGraph
 
-__all__ = ["StageModule", "StageSpec", "check_boundaries", "flatten_inputs", "narrow_batch", "run_sequential",
-           "split_graph"]
+__all__ = [
+    "StageModule",
+    "StageSpec",
+    "check_boundaries",
+    "flatten_inputs",
+    "narrow_batch",
+    "run_sequential",
+    "split_graph",
+]
 
 # The attribute of StageModule holding its GraphModule; no model may use it as a top-level name.
 _GRAPH_ATTR = "graph_module"
@@ -90,11 +98,18 @@ class StageModule(nn.Module):
             received boundary values, then the graph inputs it reads.
     """
 
-    def __init__(self, spec: StageSpec, graph_module: torch.fx.GraphModule, tensors: dict[str, torch.Tensor],
-                 non_persistent: set[str]):
+    def __init__(
+        self,
+        spec: StageSpec,
+        graph_module: torch.fx.GraphModule,
+        tensors: dict[str, torch.Tensor],
+        non_persistent: set[str],
+    ):
         super().__init__()
         if any(name.split(".")[0] == _GRAPH_ATTR for name in tensors):
-            raise InputError(f"the model has a top-level attribute named {_GRAPH_ATTR!r}, which stage modules reserve: rename it")
+            raise InputError(
+                f"the model has a top-level attribute named {_GRAPH_ATTR!r}, which stage modules reserve: rename it"
+            )
         self.spec = spec
         self.graph_module = graph_module
         # (dict, key) per parameter: forward reads the current entry, so .to() and load_state_dict() apply.
@@ -124,8 +139,10 @@ class StageModule(nn.Module):
 
     def extra_repr(self) -> str:
         s = self.spec
-        return (f"stage={s.index}/{s.num_stages}, nodes=[{s.node_start}, {s.node_stop}), "
-                f"inputs={len(s.input_names)}+{len(s.graph_input_indices)}, outputs={len(s.output_names)}")
+        return (
+            f"stage={s.index}/{s.num_stages}, nodes=[{s.node_start}, {s.node_stop}), "
+            f"inputs={len(s.input_names)}+{len(s.graph_input_indices)}, outputs={len(s.output_names)}"
+        )
 
 
 def split_graph(graph: OpGraph, boundaries: Sequence[int]) -> list[StageModule]:
@@ -176,8 +193,9 @@ def _build_stage(graph: OpGraph, contents: StageContents) -> StageModule:
     """Copy the stage's nodes into a new FX graph and wrap it with the model's own tensors."""
     fx_graph, attrs = _stage_fx_graph(graph, contents)
     source = graph.graph_module
-    gm = torch.fx.GraphModule({target: _resolve(source, target) for target in attrs}, fx_graph,
-                              class_name=f"Stage{contents.spec.index}")
+    gm = torch.fx.GraphModule(
+        {target: _resolve(source, target) for target in attrs}, fx_graph, class_name=f"Stage{contents.spec.index}"
+    )
     for target in attrs:  # constants lifted by export: buffers that move with .to() but are not checkpointed
         owner_path, _, leaf = target.rpartition(".")
         owner = gm.get_submodule(owner_path)

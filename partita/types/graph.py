@@ -4,8 +4,9 @@ glossary in ``partita.types``)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -139,7 +140,7 @@ class OpGraph:
     batch_size: int  # the example batch size that shapes are recorded at
     dynamic_batch: bool  # whether the graph accepts other batch sizes
     fingerprint: str  # hash of structure + shapes + dtypes: same model and inputs -> same value
-    graph_module: "torch.fx.GraphModule" = field(repr=False)
+    graph_module: torch.fx.GraphModule = field(repr=False)
     exported_program: Any = field(repr=False)  # torch.export.ExportedProgram
     attr_to_param: Mapping[str, str] = field(repr=False, default_factory=dict)  # get_attr target -> canonical name
     has_loss_fn: bool = False
@@ -174,7 +175,7 @@ class OpGraph:
                 return n
         raise KeyError(f"no node named {name!r} in this graph")
 
-    def loss(self, args: tuple = (), kwargs: Mapping | None = None, target: Any = None) -> "torch.Tensor":
+    def loss(self, args: tuple = (), kwargs: Mapping | None = None, target: Any = None) -> torch.Tensor:
         """Run the captured computation and return the scalar loss."""
         import torch.utils._pytree as pytree
 
@@ -184,7 +185,7 @@ class OpGraph:
         out = self.graph_module(*args, **kwargs)
         return pytree.tree_leaves(out)[self.loss_output_index]
 
-    def replace(self, **changes: Any) -> "OpGraph":
+    def replace(self, **changes: Any) -> OpGraph:
         return dataclasses.replace(self, **changes)
 
 

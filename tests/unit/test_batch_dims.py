@@ -141,15 +141,16 @@ def test_sequence_first_batch_dim_is_found(seq_len):
 @pytest.mark.parametrize("declared", [False, True])
 def test_sequence_first_encoder_is_exact_at_2_stages_x_2_microbatches(declared):
     model, src, y = _classifier_case()
-    graph = partita.capture(model, (src,), loss_fn=F.cross_entropy, target=y,
-                            batch_dims={"src": 1, "target": 0} if declared else None)
+    graph = partita.capture(
+        model, (src,), loss_fn=F.cross_entropy, target=y, batch_dims={"src": 1, "target": 0} if declared else None
+    )
     assert _dims(graph) == [1, 0]
     flat = flatten_inputs(graph, (src,), None, y)
     reference = _eager(model, lambda: F.cross_entropy(model(src), y))
     for cut in (graph.num_nodes // 3, graph.num_nodes // 2, 2 * graph.num_nodes // 3):
         _assert_same(_pipelined(graph, model, flat, 2, cut), reference)
     # cutting dim 0, as the old dim-0 assumption did, would train on half sequences: another loss
-    half = [(F.cross_entropy(model(src[k * S // 2:(k + 1) * S // 2]), y)) for k in range(2)]
+    half = [(F.cross_entropy(model(src[k * S // 2 : (k + 1) * S // 2]), y)) for k in range(2)]
     assert abs(torch.stack(half).mean().item() - reference[0].item()) > 1e-4
 
 
@@ -192,13 +193,16 @@ def test_a_declared_batch_dim_that_mixes_samples_is_refused():
     assert "args[0] dim 0" in text and "attends along the batch dim" in text and "'src': 1" in text
 
 
-@pytest.mark.parametrize("batch_dims, words", [
-    ({"nope": 1}, "no input of the model"),
-    ({"src": 3}, "has shape (6, 4, 16)"),
-    ({"src": 1.5}, "must be an int dim or None"),
-    ({"src": 0, "target": 0}, None),  # sizes 6 and 4
-    ([1], "must be a dict"),
-])
+@pytest.mark.parametrize(
+    "batch_dims, words",
+    [
+        ({"nope": 1}, "no input of the model"),
+        ({"src": 3}, "has shape (6, 4, 16)"),
+        ({"src": 1.5}, "must be an int dim or None"),
+        ({"src": 0, "target": 0}, None),  # sizes 6 and 4
+        ([1], "must be a dict"),
+    ],
+)
 def test_bad_batch_dims_are_input_errors(batch_dims, words):
     model, src, y = _classifier_case()
     with pytest.raises(InputError) as info:
@@ -216,8 +220,16 @@ def test_plan_takes_batch_dims_and_plans_micro_batches():
     model, src, y = _classifier_case()
     cluster = partita.Cluster(device="h100", num_devices=2)
     options = partita.PlanOptions(costs="analytic", num_stages=2, schedules="gpipe", num_microbatches=2)
-    plan = partita.plan(model, (src,), loss_fn=F.cross_entropy, target=y, cluster=cluster, global_batch_size=8,
-                        options=options, batch_dims={"src": 1})
+    plan = partita.plan(
+        model,
+        (src,),
+        loss_fn=F.cross_entropy,
+        target=y,
+        cluster=cluster,
+        global_batch_size=8,
+        options=options,
+        batch_dims={"src": 1},
+    )
     assert plan.num_stages == 2 and plan.num_microbatches == 2
 
 
@@ -265,8 +277,9 @@ def test_clip_plans_one_microbatch_on_one_replica_per_stage():
     assert plan.num_microbatches == 1 and all(s.num_replicas == 1 for s in plan.stages)
     for pins in (dict(num_microbatches=2), dict(replicas=2), dict(uniform_replicas=False)):
         with pytest.raises(InputError, match=r"would split the batch.*couples the samples.*matmul"):
-            partita.plan(graph, cluster=cluster, global_batch_size=16,
-                         options=partita.PlanOptions(costs="analytic", **pins))
+            partita.plan(
+                graph, cluster=cluster, global_batch_size=16, options=partita.PlanOptions(costs="analytic", **pins)
+            )
 
 
 def test_plans_not_made_by_the_search_are_checked_too():
@@ -309,9 +322,16 @@ class _Statistic(nn.Module):
         return F.cross_entropy(z, y) + 0.1 * z.pow(2).mean()  # "mean": sums and means only
 
 
-@pytest.mark.parametrize("kind, reason", [
-    ("centre", "statistic of the whole batch"), ("std", "non-linear statistic"), ("softmax", "softmax along the batch"),
-    ("first", "fixed part of the batch"), ("mean", None)])
+@pytest.mark.parametrize(
+    "kind, reason",
+    [
+        ("centre", "statistic of the whole batch"),
+        ("std", "non-linear statistic"),
+        ("softmax", "softmax along the batch"),
+        ("first", "fixed part of the batch"),
+        ("mean", None),
+    ],
+)
 def test_batch_statistics_couple_samples_and_means_do_not(kind, reason):
     graph = partita.capture(_Statistic(kind), (torch.randn(8, 4), torch.randint(0, 3, (8,))))
     if reason is None:
@@ -323,7 +343,9 @@ def test_batch_statistics_couple_samples_and_means_do_not(kind, reason):
 def test_batch_norm_is_the_documented_exception():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 5))
-    graph = partita.capture(model, (torch.randn(4, 3, 8, 8),), loss_fn=F.cross_entropy, target=torch.randint(0, 5, (4,)))
+    graph = partita.capture(
+        model, (torch.randn(4, 3, 8, 8),), loss_fn=F.cross_entropy, target=torch.randint(0, 5, (4,))
+    )
     assert graph.couples_samples is None and _dims(graph) == [0, 0]
 
 
@@ -342,11 +364,15 @@ def test_a_per_sample_index_by_arange_is_not_coupling():
     """GPT-2 sequence classification picks each sample's last token: logits[arange(B), last]."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32, num_labels=3,
-                                     pad_token_id=0, use_cache=False)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32, num_labels=3, pad_token_id=0, use_cache=False
+    )
     model = transformers.GPT2ForSequenceClassification(config)
-    kwargs = {"input_ids": torch.randint(1, 64, (4, 8)), "labels": torch.randint(0, 3, (4,)),
-              "attention_mask": torch.ones(4, 8, dtype=torch.long)}
+    kwargs = {
+        "input_ids": torch.randint(1, 64, (4, 8)),
+        "labels": torch.randint(0, 3, (4,)),
+        "attention_mask": torch.ones(4, 8, dtype=torch.long),
+    }
     graph = partita.capture(model, (), kwargs)
     assert graph.couples_samples is None and graph.dynamic_batch
 
@@ -355,18 +381,37 @@ def test_hf_clip_fixes_its_batch_and_planning_says_where():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.CLIPConfig(
-        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=16, bos_token_id=1, eos_token_id=2),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=16, patch_size=8),
-        projection_dim=16)
+        text_config=dict(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=8,
+        ),
+        projection_dim=16,
+    )
     model = transformers.CLIPModel(config).train()
     kwargs = dict(input_ids=torch.randint(3, 64, (4, 7)), pixel_values=torch.randn(4, 3, 16, 16), return_loss=True)
     graph = partita.capture(model, (), kwargs)
     assert not graph.dynamic_batch and "modeling_clip.py" in graph.batch_fixed_at
     with pytest.raises(InputError, match=r"static batch dimension.*modeling_clip\.py:\d+ in contrastive_loss"):
-        partita.plan(graph, cluster=partita.Cluster(device="h100", num_devices=2), global_batch_size=8,
-                     options=partita.PlanOptions(costs="analytic"))
+        partita.plan(
+            graph,
+            cluster=partita.Cluster(device="h100", num_devices=2),
+            global_batch_size=8,
+            options=partita.PlanOptions(costs="analytic"),
+        )
 
 
 # ----------------------------------------------------------------------------- batch of 1
@@ -394,15 +439,26 @@ def test_a_batch_of_one_on_meta_plans():
     from partita import examples
 
     ex = examples.build("gpt2", batch_size=1, seq_len=64, device="meta")
-    plan = partita.plan(ex.model, ex.args, ex.kwargs, cluster=partita.Cluster(device="h100", num_devices=2),
-                        global_batch_size=4, options=partita.PlanOptions(costs="analytic"))
+    plan = partita.plan(
+        ex.model,
+        ex.args,
+        ex.kwargs,
+        cluster=partita.Cluster(device="h100", num_devices=2),
+        global_batch_size=4,
+        options=partita.PlanOptions(costs="analytic"),
+    )
     assert plan.num_devices <= 2
 
 
 def test_static_capture_is_still_refused_by_the_planner():
     model = nn.Sequential(nn.Linear(4, 3))
-    graph = partita.capture(model, (torch.randn(4, 4),), loss_fn=F.cross_entropy, target=torch.zeros(4, dtype=torch.long),
-                            dynamic_batch=False)
+    graph = partita.capture(
+        model,
+        (torch.randn(4, 4),),
+        loss_fn=F.cross_entropy,
+        target=torch.zeros(4, dtype=torch.long),
+        dynamic_batch=False,
+    )
     assert not graph.dynamic_batch and graph.batch_fixed_at == ""
     with warnings.catch_warnings(), pytest.raises(InputError, match="static batch dimension.*dynamic_batch=True"):
         partita.plan(graph, cluster=partita.Cluster(device="h100", num_devices=2), global_batch_size=8)
@@ -412,6 +468,5 @@ def test_copy_of_graph_inputs_is_independent():
     """Widening copies: the captured example tensors are not the user's (no aliasing of batch-1 inputs)."""
     model, src, y = _classifier_case()
     src1, y1 = src[:, :1].clone(), y[:1].clone()
-    graph = partita.capture(copy.deepcopy(model), (src1,), loss_fn=F.cross_entropy, target=y1,
-                            batch_dims={"src": 1})
+    graph = partita.capture(copy.deepcopy(model), (src1,), loss_fn=F.cross_entropy, target=y1, batch_dims={"src": 1})
     assert graph.batch_size == 2 and _dims(graph) == [1, 0] and src1.shape == (S, 1, E)

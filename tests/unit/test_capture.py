@@ -205,8 +205,11 @@ def test_hf_cache_output_suggests_use_cache_false():
     except CaptureError as e:
         assert "use_cache=False" in str(e)
     else:  # an export that handles the cache must still give the right loss
-        assert torch.allclose(graph.loss((), {"input_ids": ids, "labels": ids.clone(), "use_cache": True}),
-                              model(input_ids=ids, labels=ids.clone()).loss, atol=1e-5)
+        assert torch.allclose(
+            graph.loss((), {"input_ids": ids, "labels": ids.clone(), "use_cache": True}),
+            model(input_ids=ids, labels=ids.clone()).loss,
+            atol=1e-5,
+        )
 
 
 def test_model_returning_no_tensor():
@@ -229,12 +232,24 @@ def test_loss_that_is_not_a_scalar():
     "call, pattern",
     [
         (lambda: partita.capture(_ReturnsLogits, (torch.randn(3, 4),)), "nn.Module, got type: pass the module"),
-        (lambda: partita.capture(_ReturnsLogits(), torch.randn(3, 4)), r"args must be a tuple.*got Tensor.*args=\(x,\)"),
-        (lambda: partita.capture(_ReturnsLogits(), (torch.randn(3, 4),), kwargs=[1]), "kwargs must be a dict.*got list"),
-        (lambda: partita.capture(_ReturnsLogits(), (torch.randn(3, 4),), target=torch.zeros(3)),
-         "target was given but loss_fn is None: pass loss_fn="),
-        (lambda: partita.capture(_ReturnsLogits(), (torch.randn(3, 4),), loss_fn=F.cross_entropy,
-                                 target=torch.zeros(5, dtype=torch.long)), r"disagree.*args\[0\].*target: \(?5.*batch"),
+        (
+            lambda: partita.capture(_ReturnsLogits(), torch.randn(3, 4)),
+            r"args must be a tuple.*got Tensor.*args=\(x,\)",
+        ),
+        (
+            lambda: partita.capture(_ReturnsLogits(), (torch.randn(3, 4),), kwargs=[1]),
+            "kwargs must be a dict.*got list",
+        ),
+        (
+            lambda: partita.capture(_ReturnsLogits(), (torch.randn(3, 4),), target=torch.zeros(3)),
+            "target was given but loss_fn is None: pass loss_fn=",
+        ),
+        (
+            lambda: partita.capture(
+                _ReturnsLogits(), (torch.randn(3, 4),), loss_fn=F.cross_entropy, target=torch.zeros(5, dtype=torch.long)
+            ),
+            r"disagree.*args\[0\].*target: \(?5.*batch",
+        ),
         (lambda: partita.capture(_ReturnsLogits(), ("not a tensor",)), "contain no tensor: pass the tensors"),
     ],
 )

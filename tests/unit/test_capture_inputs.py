@@ -91,9 +91,14 @@ def test_plan_with_measured_costs_checks_the_inputs_first():
     ids, labels, mask = _batch()
     graph = partita.capture(model, (), {"input_ids": ids, "labels": labels, "attention_mask": None})
     with pytest.raises(InputError, match="attention_mask'] was None when the model was captured"):
-        partita.plan(graph, (), {"input_ids": ids, "labels": labels, "attention_mask": mask},
-                     cluster=partita.Cluster(device="cpu", num_devices=2), global_batch_size=4,
-                     options=partita.PlanOptions(costs="measured"))
+        partita.plan(
+            graph,
+            (),
+            {"input_ids": ids, "labels": labels, "attention_mask": mask},
+            cluster=partita.Cluster(device="cpu", num_devices=2),
+            global_batch_size=4,
+            options=partita.PlanOptions(costs="measured"),
+        )
 
 
 # ----------------------------------------------------------------------------- the model is left as it was

@@ -57,13 +57,21 @@ def test_plan_file_for_another_model_or_cluster_is_rejected(gpt2, tmp_path):
         partita.Plan.load(path, cluster=h100s(4))
 
 
-@pytest.mark.parametrize("edit, pattern", [
-    (lambda d: d.update(schema_version=99), "'schema_version' is 99.*reads schema 1: re-create the plan"),
-    (lambda d: d["stages"][0].update(stop=d["stages"][0]["stop"] + 1) if len(d["stages"]) > 1 else d.update(stages=[]), "contiguous|empty"),
-    (lambda d: d.pop("schedule"), "'schedule' is missing"),
-    (lambda d: d["stages"][0].update(ranks=[999]), "rank|999"),
-    (lambda d: d.update(num_microbatches=-1), "'num_microbatches' is -1, expected a finite number >= 0"),
-])
+@pytest.mark.parametrize(
+    "edit, pattern",
+    [
+        (lambda d: d.update(schema_version=99), "'schema_version' is 99.*reads schema 1: re-create the plan"),
+        (
+            lambda d: (
+                d["stages"][0].update(stop=d["stages"][0]["stop"] + 1) if len(d["stages"]) > 1 else d.update(stages=[])
+            ),
+            "contiguous|empty",
+        ),
+        (lambda d: d.pop("schedule"), "'schedule' is missing"),
+        (lambda d: d["stages"][0].update(ranks=[999]), "rank|999"),
+        (lambda d: d.update(num_microbatches=-1), "'num_microbatches' is -1, expected a finite number >= 0"),
+    ],
+)
 def test_invalid_plan_files(gpt2, tmp_path, edit, pattern):
     _, graph = gpt2
     p = partita.plan(graph, cluster=h100s(2), global_batch_size=8, options=PlanOptions(num_stages=2))
@@ -92,7 +100,10 @@ def test_infeasible_request_says_what_would_fit_and_that_it_does(gpt2):
     assert err.min_devices is not None and err.min_memory_bytes is not None
     assert f"at least {err.min_devices} devices" in str(err)
     # Verified by planning again with the suggested numbers.
-    assert partita.plan(graph, cluster=h100s(err.min_devices, memory=2**20), global_batch_size=8).num_devices <= err.min_devices
+    assert (
+        partita.plan(graph, cluster=h100s(err.min_devices, memory=2**20), global_batch_size=8).num_devices
+        <= err.min_devices
+    )
     enough = h100s(1, memory=err.min_memory_bytes)
     fitting = partita.plan(graph, cluster=enough, global_batch_size=8)
     assert fitting.num_devices == 1 and fitting.predicted_step_s > 0
@@ -103,8 +114,25 @@ def test_infeasible_request_says_what_would_fit_and_that_it_does(gpt2):
 
 def test_cli_plan_prints_the_table_and_baselines(tmp_path, capsys):
     out, png = tmp_path / "p.json", tmp_path / "p.png"
-    assert main(["plan", "gpt2", "--devices", "4", "--device-type", "h100", "--global-batch", "32", "--out", str(out),
-                 "--png", str(png)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "gpt2",
+                "--devices",
+                "4",
+                "--device-type",
+                "h100",
+                "--global-batch",
+                "32",
+                "--out",
+                str(out),
+                "--png",
+                str(png),
+            ]
+        )
+        == 0
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     for word in ("stage", "memory/device", "partita", "uniform", "parameters", "equal_flops", "bubble"):
@@ -153,8 +181,9 @@ def _smallest_memory(graph, **pins) -> int:
 def test_zbv_with_recompute_is_refused(gpt2, schedules):
     _, graph = gpt2
     with pytest.raises(partita.InputError, match=r"'zbv' with recompute=True.*1f1b.*recompute=False"):
-        partita.plan(graph, cluster=h100s(2), global_batch_size=8,
-                     options=PlanOptions(schedules=schedules, recompute=True))
+        partita.plan(
+            graph, cluster=h100s(2), global_batch_size=8, options=PlanOptions(schedules=schedules, recompute=True)
+        )
 
 
 def test_zbv_never_recomputes_and_says_so_when_nothing_fits_without(gpt2):
@@ -190,8 +219,15 @@ def test_train_with_a_plan_file_starts_one_process_per_device_of_the_plan(tmp_pa
     ex = examples.build("gpt2", batch_size=4)
     graph = partita.capture(ex.model, ex.args, ex.kwargs)
     path = tmp_path / "plan.json"
-    manual_plan(graph, [0, graph.num_nodes // 2, graph.num_nodes], schedule="1f1b", num_rank_groups=2,
-                replicas=(2, 1), num_microbatches=2, global_batch_size=8).save(str(path))
+    manual_plan(
+        graph,
+        [0, graph.num_nodes // 2, graph.num_nodes],
+        schedule="1f1b",
+        num_rank_groups=2,
+        replicas=(2, 1),
+        num_microbatches=2,
+        global_batch_size=8,
+    ).save(str(path))
     assert _processes_for_plan_file(str(path), None) == 3
     assert _processes_for_plan_file(str(path), 3) == 3
     assert main(["train", "gpt2", "--plan", str(path), "--nproc", "2"]) == 2
@@ -202,8 +238,22 @@ def test_cli_plan_gives_stages_uneven_replica_counts_unless_told_otherwise(tmp_p
     """3 devices, 2 pinned 1F1B stages: only 2 + 1 or 1 + 2 replicas use all three; with
     --uniform-replicas the plan is a 2 x 1 mesh on 2 of them."""
     out = tmp_path / "p.json"
-    pinned = ["plan", "gpt2", "--devices", "3", "--device-type", "h100", "--global-batch", "24", "--schedule", "1f1b",
-              "--num-stages", "2", "--out", str(out)]
+    pinned = [
+        "plan",
+        "gpt2",
+        "--devices",
+        "3",
+        "--device-type",
+        "h100",
+        "--global-batch",
+        "24",
+        "--schedule",
+        "1f1b",
+        "--num-stages",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main(pinned) == 0
     text = capsys.readouterr().out
     p = partita.Plan.load(str(out))
