@@ -125,6 +125,12 @@ def mixing_along(gm: torch.fx.GraphModule, symbols: Iterable, loss: torch.fx.Nod
     return _Checker(symbols).run(gm, live, {})
 
 
+def _data_only(node: torch.fx.Node) -> bool:
+    """Whether ``node`` depends on the graph's inputs alone: no parameter or buffer (get_attr) is
+    among its ancestors, so its value is fixed by the batch."""
+    return not any(a.op == "get_attr" for a in _ancestors(node))
+
+
 def reaches_loss(gm: torch.fx.GraphModule, symbols: Iterable, loss: torch.fx.Node) -> bool:
     """Whether some operation the loss depends on has a batch symbol in its result's shape (an input
     that no operation of the loss reads is no batch)."""
@@ -288,7 +294,10 @@ class _Checker:
                 f"combines a statistic of the whole batch ({reduction.name}, "
                 f"{_op_name(reduction.target)} over the batch) with each sample's values",
             )
-        if name not in LINEAR:
+        if name not in LINEAR and not _data_only(reduction):
+            # A statistic of the data alone (mask.sum(), a count) is a constant of the step that the
+            # runtime evaluates on the whole global batch (partita.runtime.loss_scaling): any function
+            # of it is exact. A statistic of the model's outputs is not.
             return Mixing(
                 node,
                 f"applies {name} to a statistic of the whole batch ({reduction.name}, "

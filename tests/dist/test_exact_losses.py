@@ -48,12 +48,12 @@ def test_padded_labels_train_like_the_full_batch(exact, key):
     assert mine["warnings"] == [] and exact[1][key]["warnings"] == []
 
 
-def test_an_unrecognised_loss_warns_once_at_the_first_step_on_rank_0(tmp_path):
+def test_a_loss_that_squares_a_batch_mean_is_refused_on_every_rank_before_training(tmp_path):
     results = run_ranks("unrecognised_loss", 2, tmp_path, timeout_s=120)
-    first, second = results[0]["warnings"]
-    assert len(first) == 1 and second == [], results[0]["warnings"]
-    assert "aten.pow.Tensor_Scalar" in first[0] and "workers.py" in first[0] and "mask.sum()" in first[0]
-    assert results[1]["warnings"] == [[], []]
+    for result in results:
+        error = result["error"]
+        assert error is not None and "pow" in error and "workers.py" in error, error
+        assert "statistic of the whole batch" in error and "one micro-batch and one replica" in error
 
 
 @pytest.fixture(scope="module")

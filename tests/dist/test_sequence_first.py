@@ -32,10 +32,10 @@ def _worker(rank: int, world: int, port: int, out: str, schedule: str, replicas:
     torch.set_num_threads(1)
     sys.path.insert(0, str(UNIT))
     import torch.distributed as dist
+    from test_batch_dims import SeqFirstClassifier
 
     import partita
     from partita.planning.manual import manual_plan
-    from test_batch_dims import SeqFirstClassifier
 
     torch.manual_seed(0)
     model = SeqFirstClassifier()

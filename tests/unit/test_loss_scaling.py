@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import partita
 from partita.capturing.normalizer import TermKind, analyse_loss
+from partita.errors import InputError
 from partita.planning.manual import manual_plan
 from partita.runtime.loss_scaling import LossScaling
 from partita.runtime.stages import flatten_inputs, narrow_batch, run_sequential, split_graph
@@ -172,11 +173,11 @@ def test_the_slices_mean_is_wrong_for_padded_labels_without_global_normalisation
     assert diff > 1e-3
 
 
-def test_an_unrecognised_loss_keeps_averaging_and_says_where_and_what_to_do():
+def test_a_squared_batch_mean_couples_samples_and_a_split_of_it_is_refused():
+    """(mean cross-entropy)^2 is no sum of per-sample terms: splitting the batch would train another loss."""
     model, graph, batch = _capture("squared")
-    _, _, scaling = _sliced_grads(model, graph, batch, 2, 4)
-    assert not scaling.normalised and scaling.grad_scale == 0.25
-    assert "aten.pow.Tensor_Scalar" in scaling.warning and "mask.sum()" in scaling.warning
+    with pytest.raises(InputError, match=r"pow.*statistic of the whole batch.*one micro-batch and one replica"):
+        _sliced_grads(model, graph, batch, 2, 4)
 
 
 def test_one_slice_needs_nothing():
