@@ -1,7 +1,5 @@
 """capture(): the captured training computation equals the eager model, and failures are explained."""
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,12 +108,9 @@ def test_fingerprint_is_deterministic_and_shape_sensitive():
 
 
 @pytest.mark.slow
-def test_gpt2_xl_on_meta_is_captured_quickly_and_counted_right():
+def test_gpt2_xl_on_meta_is_captured_and_counted_right():
     ex = examples.build("gpt2-xl", batch_size=2, seq_len=1024, device="meta")
-    start = time.perf_counter()
-    graph = partita.capture(ex.model, ex.args, ex.kwargs)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 60
+    graph = partita.capture(ex.model, ex.args, ex.kwargs)  # its time is in bench/plan_time.py
     true_params = 1_557_611_200
     assert abs(graph.num_parameters - true_params) / true_params < 0.01
     tokens, layers, hidden = 2 * 1024, 48, 1600

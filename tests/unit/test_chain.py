@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import time
 
 import numpy as np
 import pytest
@@ -334,16 +333,12 @@ def test_tied_embedding_is_held_only_by_its_ends():
 
 
 @pytest.mark.slow
-def test_gpt2_xl_on_meta_is_fast():
+def test_gpt2_xl_on_meta_coarsens_into_at_most_256_blocks():
     ex = examples.build("gpt2-xl", batch_size=2, device="meta")
     graph = partita.capture(ex.model, ex.args, ex.kwargs)
     costs = analytic_costs(graph, "h100", 1)
-    start = time.perf_counter()
-    boundaries = coarsen(graph, costs)
+    boundaries = coarsen(graph, costs)  # its time is in bench/plan_time.py, not asserted here
     blocks = block_costs(costs, boundaries)
-    elapsed = time.perf_counter() - start
-    print(f"gpt2-xl: {graph.num_nodes} nodes -> {blocks.num_blocks} blocks in {elapsed * 1e3:.0f} ms")
-    assert elapsed < 1.0
     assert blocks.num_blocks <= 256
     layers = layer_boundaries(graph)
     assert len(layers) == 48 and set(layers) <= set(boundaries.tolist())
