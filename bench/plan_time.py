@@ -102,7 +102,7 @@ def run_case(case: Case, profile_top: int) -> dict:
     def costs_at(b: int):
         if b not in tables:
             start = time.perf_counter()
-            tables[b] = analytic_costs(graph, cluster.device, b)
+            tables[b] = analytic_costs(graph, cluster.device, b, precision=ctx.options.precision)
             cost_s[0] += time.perf_counter() - start
         return tables[b]
 

@@ -24,6 +24,11 @@ A linear layer gets 2× its forward FLOPs (input + weight gradient), the attenti
 The memory side reads the output gradient and the saved tensors and writes the input
 gradients: about twice the forward traffic.
 
+Precision: under ``Precision.BF16`` every node runs at the device's bfloat16 peak, and every
+float32 value and parameter read counts at 2 bytes (bf16 parameter copies and activations,
+``partita.cost.table``); ``param_bytes`` stay in the parameters' own dtype (the fp32 master
+weights), which the memory model converts.
+
 Micro-batch scaling: shapes are recorded at ``graph.batch_size``. Tensors with a batch dim
 scale by ``microbatch_size / graph.batch_size``; parameters do not. A node's FLOPs scale when
 any of its outputs has a batch dim.
@@ -37,16 +42,18 @@ from partita.checks import positive_int
 from partita.cost.table import (
     FLOAT_DTYPES,
     activation_bytes,
+    compute_dtype,
     costs_nothing,
     cut_bytes,
     op_name,
     output_bytes,
     param_arrays,
     requires_grad,
+    tensor_bytes,
     value_bytes,
 )
 from partita.errors import InputError
-from partita.types import CostTable, DeviceSpec, OpGraph, OpNode, OptimizerKind
+from partita.types import CostTable, DeviceSpec, OpGraph, OpNode, OptimizerKind, Precision
 from partita.types.devices import resolve_device
 
 __all__ = ["analytic_costs", "optimizer_step_s"]
@@ -55,19 +62,25 @@ _GATHER_OPS = frozenset({"embedding"})  # read only the rows they return
 
 
 def analytic_costs(
-    graph: OpGraph, device: DeviceSpec | str, microbatch_size: int, *, dtype: str | None = None
+    graph: OpGraph,
+    device: DeviceSpec | str,
+    microbatch_size: int,
+    *,
+    dtype: str | None = None,
+    precision: Precision | str = Precision.FP32,
 ) -> CostTable:
     """Roofline CostTable of ``graph`` at ``microbatch_size`` on ``device`` (spec or catalog name).
 
-    ``dtype`` selects the ``device.peak_flops`` entry used for every node (e.g. "bfloat16"
-    for mixed-precision training of a graph captured in float32, "tfloat32" for float32
-    matmuls run as TF32); by default each node uses its own output dtype. Memory traffic and
-    every byte count are those of the captured dtypes. Runs in well under a second for a
-    graph of thousands of nodes.
+    ``precision`` is what the plan computes in: "bf16" costs every node at the bfloat16 peak and
+    counts float32 values at 2 bytes (memory traffic, activations, cut bytes). ``dtype`` selects
+    another ``device.peak_flops`` entry for every node (e.g. "tfloat32" for float32 matmuls run
+    as TF32); by default each node uses its own output dtype in ``precision``. Runs in well under
+    a second for a graph of thousands of nodes.
     """
     device = resolve_device(device)
     microbatch_size = positive_int(microbatch_size, "microbatch_size")
-    work = _node_work(graph, microbatch_size, device, dtype)
+    precision = Precision.parse(precision)
+    work = _node_work(graph, microbatch_size, device, dtype, precision)
     compute_rate = work["peak_flops"] * device.compute_efficiency  # FLOP/s per node
     memory_rate = device.memory_bandwidth_bytes_per_s * device.memory_efficiency  # bytes/s
     busy = ~work["free"]
@@ -89,12 +102,13 @@ def analytic_costs(
         microbatch_size=microbatch_size,
         device=device.name,
         source="analytic",
+        precision=precision.value,
         forward_s=forward_s,
         backward_s=backward_s,
         backward_weight_s=backward_weight_s,
-        activation_bytes=activation_bytes(graph, microbatch_size),
-        output_bytes=output_bytes(graph, microbatch_size),
-        cut_bytes=cut_bytes(graph, microbatch_size),
+        activation_bytes=activation_bytes(graph, microbatch_size, precision),
+        output_bytes=output_bytes(graph, microbatch_size, precision),
+        cut_bytes=cut_bytes(graph, microbatch_size, precision),
         param_names=params.names,
         param_bytes=params.num_bytes,
         param_trainable=params.trainable,
@@ -102,7 +116,9 @@ def analytic_costs(
     )
 
 
-def _node_work(graph: OpGraph, microbatch_size: int, device: DeviceSpec, dtype: str | None) -> dict[str, np.ndarray]:
+def _node_work(
+    graph: OpGraph, microbatch_size: int, device: DeviceSpec, dtype: str | None, precision: Precision
+) -> dict[str, np.ndarray]:
     """Per node: scaled FLOPs and bytes moved, the peak FLOP/s of its dtype, gradient operand counts."""
     if dtype is not None and dtype not in device.peak_flops:
         raise InputError(
@@ -110,17 +126,22 @@ def _node_work(graph: OpGraph, microbatch_size: int, device: DeviceSpec, dtype: 
             f"choose one of {', '.join(sorted(device.peak_flops))}"
         )
     num_nodes, b = graph.num_nodes, graph.batch_size
-    values = value_bytes(graph, microbatch_size)
+    values = value_bytes(graph, microbatch_size, precision)
     grad = requires_grad(graph)
-    input_bytes = [g.tensor.bytes_at_batch(microbatch_size, b) if g.tensor is not None else 0 for g in graph.inputs]
-    param_bytes = {name: p.num_bytes for name, p in graph.parameters.items()}
+    input_bytes = [
+        tensor_bytes(g.tensor, microbatch_size, b, precision) if g.tensor is not None else 0 for g in graph.inputs
+    ]
+    param_bytes = {  # as read by the op: bf16 copies of float32 parameters under bf16
+        name: p.num_bytes // 2 if compute_dtype(p.dtype, precision) != p.dtype else p.num_bytes
+        for name, p in graph.parameters.items()
+    }
     trainable = {name for name, p in graph.parameters.items() if p.requires_grad and not p.is_buffer}
     work = {name: np.zeros(num_nodes) for name in ("flops", "bytes_moved", "peak_flops", "k_input", "k_weight")}
     work["free"] = np.zeros(num_nodes, dtype=bool)
     work["requires_grad"] = grad
     for node in graph.nodes:
         n = node.index
-        work["peak_flops"][n] = _peak_flops(device, dtype or _node_dtype(node))
+        work["peak_flops"][n] = _peak_flops(device, dtype or compute_dtype(_node_dtype(node), precision))
         if costs_nothing(node):
             work["free"][n] = True
             continue
@@ -150,15 +171,19 @@ def _peak_flops(device: DeviceSpec, dtype: str) -> float:
 
 
 def optimizer_step_s(
-    trainable_bytes: float, optimizer: OptimizerKind | str, device: DeviceSpec | str, *, mixed_precision: bool = False
+    trainable_bytes: float,
+    optimizer: OptimizerKind | str,
+    device: DeviceSpec | str,
+    *,
+    precision: Precision | str = Precision.FP32,
 ) -> float:
-    """Seconds of one optimizer step over ``trainable_bytes`` of parameters: memory-bound, so the
-    bytes it moves over the device's memory bandwidth. Per parameter element it reads the
-    parameter and its gradient and writes the parameter, and reads and writes each state: plain
-    SGD moves 3 tensors' worth, SGD with momentum 5, Adam 7 (fp32 master weights under mixed
-    precision: the states and master copy count at fp32, twice the 16-bit parameter bytes)."""
+    """Seconds of one optimizer step over ``trainable_bytes`` of parameters (in their own dtype,
+    fp32: the master weights; a sharded stage passes its shard): memory-bound, so the bytes it
+    moves over the device's memory bandwidth. Per parameter element it reads the parameter and
+    its gradient and writes the parameter, and reads and writes each state: plain SGD moves 3
+    tensors' worth, SGD with momentum 5, Adam 7; under bf16 it also writes the bf16 copy the next
+    step computes with (half a tensor more)."""
     optimizer = OptimizerKind.parse(optimizer)
     device = resolve_device(device)
-    fp32_bytes = 2 * trainable_bytes if mixed_precision else trainable_bytes
-    tensors = 3 + 2 * optimizer.states_per_parameter + (2 if mixed_precision else 0)
-    return tensors * fp32_bytes / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+    tensors = 3 + 2 * optimizer.states_per_parameter + (0.5 if Precision.parse(precision) is Precision.BF16 else 0)
+    return tensors * trainable_bytes / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)

@@ -29,7 +29,14 @@ from partita.checks import positive_int
 from partita.errors import InputError
 from partita.types.cluster import Cluster
 
-__all__ = ["all_gather_time_s", "allreduce_time_s", "p2p_time_s", "reduce_scatter_time_s", "spans_nodes"]
+__all__ = [
+    "all_gather_time_s",
+    "allreduce_time_s",
+    "p2p_time_s",
+    "reduce_scatter_time_s",
+    "ring_pass_coefficients",
+    "spans_nodes",
+]
 
 
 def p2p_time_s(num_bytes: float, cluster: Cluster, *, same_node: bool) -> float:
@@ -59,15 +66,22 @@ def spans_nodes(ranks: Iterable[int], cluster: Cluster) -> bool:
     return len({cluster.rank_to_node(r) for r in ranks}) > 1
 
 
+def ring_pass_coefficients(num_ranks: int, cluster: Cluster, *, spans_nodes: bool) -> tuple[float, float]:
+    """(seconds, seconds per byte) of one ring pass over ``num_ranks`` ranks: a pass over ``b``
+    bytes takes ``seconds + b · seconds per byte`` (both 0 for one rank). For arrays of sizes."""
+    positive_int(num_ranks, "num_ranks")
+    if num_ranks == 1:
+        return 0.0, 0.0
+    bandwidth, latency = _link(cluster, spans_nodes)
+    steps = int(num_ranks) - 1
+    return steps * latency, steps / num_ranks / (bandwidth * cluster.collective_efficiency)
+
+
 def _ring_pass_s(num_bytes: float, num_ranks: int, cluster: Cluster, spans: bool) -> float:
     """(n − 1)·α + (n − 1)/n · b / β: one trip of every chunk around the ring."""
     _check_bytes(num_bytes)
-    positive_int(num_ranks, "num_ranks")
-    if num_ranks == 1:
-        return 0.0
-    bandwidth, latency = _link(cluster, spans)
-    steps = int(num_ranks) - 1
-    return steps * latency + steps / num_ranks * num_bytes / (bandwidth * cluster.collective_efficiency)
+    latency_s, per_byte_s = ring_pass_coefficients(num_ranks, cluster, spans_nodes=spans)
+    return latency_s + num_bytes * per_byte_s if num_ranks > 1 else 0.0
 
 
 def _link(cluster: Cluster, spans_nodes: bool) -> tuple[float, float]:

@@ -1,13 +1,39 @@
 """Memory model of one device (one replica of a stage, or a rank holding several virtual stages).
 
-memory = parameters + optimizer state
-       + max(backward peak, gradients + optimizer-step temporaries)
-backward peak = activations kept for backward x micro-batches in flight (schedule-dependent)
+memory = parameters + optimizer state (incl. master weights)
+       + max(backward peak, optimizer-step peak)
+backward peak = gathered parameter copies (sharded stages)
+              + activations kept for backward x micro-batches in flight (schedule-dependent)
               + communication buffers + a working-memory peak
               + the gradients alive by then: all of them when some micro-batch's backward
                 ran before the activation peak (1F1B steady state), else only the first one
                 (GPipe, or as many micro-batches as in flight; gradients are set to None
                 between steps)
+step peak     = the gradients the optimizer reads (a shard when sharded) + its temporaries
+
+Per trainable byte of the parameters in their own (captured, fp32) dtype, with ``k`` optimizer
+states per parameter and ``r`` replicas of the stage::
+
+                              params             master (shard)   optimizer   grads (backward / step)
+    replicate                 1                  -                k           1 / 1
+    shard_grads_and_opt       1 gathered         1/r              k/r         1 / 1/r
+    full_shard                G gathered         1/r              k/r         1 / 1/r
+
+bf16 (the runtime's autocast, partita/runtime/precision.py) keeps these fp32 parameters and adds
+autocast's bf16 copies of the weights each forward reads, saved for its backward: 1/2 (G/2 under
+full_shard) per micro-batch in flight, counted with the activations (one set at a time when the
+stage recomputes). Sharded stages gather fp32 parameters in bf16 plans too (the runtime's
+MixedPrecisionPolicy keeps param_dtype fp32), so gathered copies and their traffic are fp32.
+
+Gradients are fp32 (the reduce dtype) and accumulate unsharded over the step's micro-batches:
+the sharded levels reduce-scatter them once, after the last backward, as torch's pipelining
+runs FSDP2 modules (``set_requires_gradient_sync(False)`` until the last backward), so they
+save gradient memory only at the optimizer step. Gathered copies are freed before the optimizer
+step (FSDP2 reshards after the last backward). ``G``: under full_shard only one FSDP unit's
+parameters are gathered at a time; the runtime wraps each stage module as one unit (one
+``fully_shard`` call per stage), so G is the largest stage a device holds: full_shard saves
+parameter memory over shard_grads_and_optimizer only on ranks with several virtual stages.
+Buffers and frozen parameters stay whole, in their own dtype, at every level.
 
 Glossary
 --------
@@ -15,9 +41,11 @@ in flight   micro-batches whose forward has run on this device and whose backwar
             freed their activations. The schedule decides how many there are at the peak.
 recompute   activation checkpointing of a whole stage: forward keeps only the stage's input,
             and backward re-runs the forward of one micro-batch at a time.
-mixed precision
-            parameters and gradients in 16 bits; the optimizer keeps fp32 master weights and
-            fp32 states (``param_bytes`` in the CostTable are then the 16-bit bytes).
+precision   the CostTable's activation, output and cut bytes are already in the plan's
+            precision (``partita.cost.table``); its ``param_bytes`` are the parameters' own
+            (master) bytes, which this model converts.
+sharding    ``partita.types.Sharding``: how a stage's ``r`` replicas share parameters,
+            gradients and optimizer state (one replica: always replicate).
 """
 
 from __future__ import annotations
@@ -28,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from partita.types import CostTable, OptimizerKind, Schedule
+from partita.types import CostTable, MemoryBreakdown, OptimizerKind, Precision, Schedule, Sharding
 
 # DDP-style gradient bucket kept while replicas all-reduce (torch DDP's default bucket_cap_mb).
 ALLREDUCE_BUCKET_BYTES = 25 * 2**20
@@ -46,16 +74,46 @@ class DeviceMemory:
     working_bytes: int  # transient peak inside one operation's forward/backward
     optimizer_step_bytes: int = 0  # temporaries while the optimizer steps (activations are freed by then)
     backward_grad_bytes: int | None = None  # gradients alive at the backward peak (None: all of them)
+    gathered_param_bytes: int = 0  # sharded stages: copies gathered for forward/backward, freed before the step
+    step_grad_bytes: int | None = None  # gradients the optimizer step reads (None: grad_bytes; a shard)
 
     @property
     def total_bytes(self) -> int:
         """Persistent state (parameters, optimizer state) plus the larger of the two peaks:
-        backward (activations, buffers, working memory, the gradients alive by then) and the
-        optimizer step (every gradient, and the step's temporaries)."""
+        backward (gathered parameters, activations, buffers, working memory, the gradients alive
+        by then) and the optimizer step (the gradients it reads, and the step's temporaries)."""
+        return self.param_bytes + self.optimizer_bytes + np.maximum(self._during_backward, self._during_step)
+
+    @property
+    def _during_backward(self) -> int:
         grads_then = self.grad_bytes if self.backward_grad_bytes is None else self.backward_grad_bytes
-        during_backward = self.activation_bytes + self.comm_buffer_bytes + self.working_bytes + grads_then
-        during_step = self.grad_bytes + self.optimizer_step_bytes
-        return self.param_bytes + self.optimizer_bytes + np.maximum(during_backward, during_step)
+        return (
+            self.gathered_param_bytes + self.activation_bytes + self.comm_buffer_bytes + self.working_bytes + grads_then
+        )
+
+    @property
+    def _during_step(self) -> int:
+        grads = self.grad_bytes if self.step_grad_bytes is None else self.step_grad_bytes
+        return grads + self.optimizer_step_bytes
+
+    def breakdown(self) -> MemoryBreakdown:
+        """``total_bytes`` by kind, at the larger of the two peaks (scalars only)."""
+        if self._during_backward >= self._during_step:
+            grads = self.grad_bytes if self.backward_grad_bytes is None else self.backward_grad_bytes
+            return MemoryBreakdown(
+                params_bytes=int(self.param_bytes + self.gathered_param_bytes),
+                grads_bytes=int(grads),
+                optimizer_bytes=int(self.optimizer_bytes),
+                activations_bytes=int(self.activation_bytes),
+                buffers_bytes=int(self.comm_buffer_bytes + self.working_bytes),
+            )
+        return MemoryBreakdown(
+            params_bytes=int(self.param_bytes),
+            grads_bytes=int(self.grad_bytes if self.step_grad_bytes is None else self.step_grad_bytes),
+            optimizer_bytes=int(self.optimizer_bytes),
+            activations_bytes=0,
+            buffers_bytes=int(self.optimizer_step_bytes),
+        )
 
 
 def microbatches_in_flight(
@@ -98,7 +156,8 @@ def device_memory(
     in_flight: float,
     optimizer: OptimizerKind = OptimizerKind.ADAM,
     recompute: bool = False,
-    mixed_precision: bool = False,
+    precision: Precision = Precision.FP32,
+    sharding: Sharding = Sharding.REPLICATE,
     num_replicas: int = 1,
     num_microbatches: int | None = None,
 ) -> DeviceMemory:
@@ -107,9 +166,15 @@ def device_memory(
     ``in_flight`` comes from :func:`microbatches_in_flight`; ``num_microbatches`` is the step's
     count (None: assume some backward runs before the activation peak, so every gradient is
     alive then). A parameter read by several ranges is counted once; a tied parameter held by
-    two stages on two devices counts on each.
+    two stages on two devices counts on each. ``costs`` must be in ``precision`` (its bytes).
+    Under full_shard the largest range's trainable parameters are what is gathered at a time.
     """
     held = sorted({p for start, stop in ranges for p in costs.params_in_range(start, stop)})
+    trainable = np.asarray(costs.param_trainable, dtype=bool)
+    largest_unit = max(
+        (int(sum(costs.param_bytes[p] for p in costs.params_in_range(a, b) if trainable[p])) for a, b in ranges),
+        default=0,
+    )
     return memory_from_totals(
         first_grad_bytes=first_gradient_bytes(costs, ranges),
         param_bytes=int(sum(costs.param_bytes[p] for p in held)),
@@ -122,9 +187,11 @@ def device_memory(
         in_flight=in_flight,
         optimizer=optimizer,
         recompute=recompute,
-        mixed_precision=mixed_precision,
+        precision=precision,
+        sharding=sharding,
         num_replicas=num_replicas,
         num_microbatches=num_microbatches,
+        gathered_trainable_bytes=largest_unit if sharding is Sharding.FULL_SHARD else None,
     )
 
 
@@ -153,10 +220,12 @@ def memory_from_totals(
     largest_param_bytes: Any = 0,
     optimizer: OptimizerKind,
     recompute: bool,
-    mixed_precision: bool,
-    num_replicas: int,
+    precision: Precision = Precision.FP32,
+    sharding: Sharding = Sharding.REPLICATE,
+    num_replicas: int = 1,
     num_microbatches: Any = None,
     first_grad_bytes: Any = None,
+    gathered_trainable_bytes: Any = None,
 ) -> DeviceMemory:
     """The memory formula on totals of a device's node ranges. Works element-wise on numpy
     arrays too, so the search evaluates every candidate stage at once with the same formula.
@@ -169,16 +238,32 @@ def memory_from_totals(
     num_microbatches: when it is at most ``in_flight``, every forward runs before the first
     backward, so only the first gradients exist at the activation peak: ``first_grad_bytes``
     (those of the last node reading trainable parameters; None: the largest parameter, an upper
-    bound when no node reads several large parameters).
+    bound when no node reads several large parameters). param_bytes, trainable_bytes,
+    largest_param_bytes, first_grad_bytes: in the parameters' own dtype (fp32); the rest in
+    ``precision``. gathered_trainable_bytes: under full_shard, the trainable bytes gathered at a
+    time (None: all of them). The table in the module docstring gives the formulas.
     """
-    # fp32 bytes of the trainable parameters: master weights and states are fp32 under mixed precision.
-    fp32_bytes = 2 * trainable_bytes if mixed_precision else trainable_bytes
-    optimizer_bytes = optimizer.states_per_parameter * fp32_bytes + (fp32_bytes if mixed_precision else 0)
+    sharded = sharding is not Sharding.REPLICATE and num_replicas > 1
+    shards = num_replicas if sharded else 1
+    gathered = trainable_bytes if gathered_trainable_bytes is None else gathered_trainable_bytes
+    # A sharded stage's fp32 shard is its master copy (counted with the optimizer state); the
+    # parameters of a replicated stage are their own master, in bf16 as in fp32.
+    master_bytes = trainable_bytes / shards if sharded else 0 * trainable_bytes
+    optimizer_bytes = np.ceil(optimizer.states_per_parameter * trainable_bytes / shards + master_bytes)
+    if sharded:  # whole fp32 copies gathered for forward and backward only
+        persistent_params = param_bytes - trainable_bytes
+        gathered_bytes = 1 * gathered
+    else:
+        persistent_params = 1 * param_bytes
+        gathered_bytes = 0 * trainable_bytes
+    # bf16: autocast's bf16 copies of the weights a forward reads, saved for its backward, one set
+    # per micro-batch in flight (one at a time when the stage recomputes)
+    copies = 0.5 * (gathered if sharded else trainable_bytes) if precision is Precision.BF16 else 0 * trainable_bytes
     if recompute:
         # Keep only each in-flight micro-batch's stage inputs; backward rebuilds one micro-batch.
-        kept = np.ceil(in_flight * stage_input_bytes) + activation_bytes
+        kept = np.ceil(in_flight * stage_input_bytes) + activation_bytes + np.ceil(copies)
     else:
-        kept = np.ceil(in_flight * activation_bytes)
+        kept = np.ceil(in_flight * (activation_bytes + copies))
     comm_buffer_bytes = 1 * boundary_bytes  # the received input and the output gradient of the micro-batch
     if num_microbatches is None:
         backward_grad_bytes = None
@@ -186,25 +271,28 @@ def memory_from_totals(
         no_steady_state = np.asarray(num_microbatches) <= np.asarray(in_flight)
         first = largest_param_bytes if first_grad_bytes is None else first_grad_bytes
         backward_grad_bytes = _as_int(np.where(no_steady_state, np.minimum(first, trainable_bytes), trainable_bytes))
-    if num_replicas > 1:
+    if num_replicas > 1 and not sharded:  # DDP's gradient bucket (FSDP2 reduce-scatters from the gradients counted)
         comm_buffer_bytes = comm_buffer_bytes + np.minimum(trainable_bytes, ALLREDUCE_BUCKET_BYTES)
     return DeviceMemory(
-        param_bytes=_as_int(param_bytes),
+        param_bytes=_as_int(persistent_params),
         grad_bytes=_as_int(trainable_bytes),
         optimizer_bytes=_as_int(optimizer_bytes),
         activation_bytes=_as_int(kept),
         comm_buffer_bytes=_as_int(comm_buffer_bytes),
         # an operation's output and its gradient coexist in backward
         working_bytes=_as_int(2 * largest_output_bytes),
-        optimizer_step_bytes=_as_int(_step_temporaries(optimizer, largest_param_bytes, mixed_precision)),
+        optimizer_step_bytes=_as_int(_step_temporaries(optimizer, largest_param_bytes, shards)),
         backward_grad_bytes=backward_grad_bytes,
+        gathered_param_bytes=_as_int(gathered_bytes),
+        step_grad_bytes=_as_int(np.ceil(trainable_bytes / shards)) if sharded else None,
     )
 
 
-def _step_temporaries(optimizer: OptimizerKind, largest_param_bytes: Any, mixed_precision: bool) -> Any:
+def _step_temporaries(optimizer: OptimizerKind, largest_param_bytes: Any, shards: int) -> Any:
+    """About twice the largest parameter (fp32) that one single-tensor step updates: its shard when sharded."""
     if optimizer.states_per_parameter == 0:
         return 0 * largest_param_bytes  # plain SGD updates in place
-    return 2 * largest_param_bytes * (2 if mixed_precision else 1)
+    return np.ceil(2 * largest_param_bytes / shards)
 
 
 def _as_int(value: Any) -> Any:

@@ -17,6 +17,12 @@ Method:
 4. Calibration: scale per-node forward (backward) times so that they sum to the plain module's
    forward (step minus forward); the factors go into ``CostTable.calibration``.
 
+Precision: the graph runs as captured (fp32), so a measured table is an fp32 table
+(``CostTable.precision == "fp32"``). Plans in bf16 are costed analytically instead
+(``partita.planning.context``). Measuring under ``torch.autocast`` is not done: it would time
+autocast's per-op casts and the ops it keeps in fp32, which need not be what the runtime runs,
+and bf16 matmuls on most CPUs are not faster than fp32 ones.
+
 Activation bytes exclude parameters and buffers (parameter memory) and their views (same
 storage); a saved *copy* of a parameter (a cast to bf16) is per-micro-batch memory and counts,
 as do saved graph inputs (token ids kept by an embedding).

@@ -14,6 +14,10 @@ storage root    the node whose memory a value lives in. A view (``is_view``: vie
                 activation.
 scaled          bytes at the micro-batch size: batch-proportional tensors (``batch_dim`` set)
                 scale by ``microbatch_size / graph.batch_size``, the rest stay.
+precision       the dtype values are computed in (``Precision``): under bf16 every float32 value
+                of the captured graph counts at 2 bytes per element (the runtime computes with
+                bf16 parameter copies, so every float32 activation becomes bf16); other dtypes
+                (integer ids, masks, float64) keep theirs.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from partita.types import CostTable, OpGraph, OpNode
+from partita.types import CostTable, OpGraph, OpNode, Precision, TensorInfo
 
 __all__ = [
     "FLOAT_DTYPES",
     "ParamArrays",
     "activation_bytes",
+    "compute_dtype",
     "contended",
     "costs_nothing",
     "cut_bytes",
@@ -38,6 +43,7 @@ __all__ = [
     "param_arrays",
     "requires_grad",
     "storage_roots",
+    "tensor_bytes",
     "value_bytes",
 ]
 
@@ -182,20 +188,37 @@ def _is_float(node: OpNode) -> bool:
 # ----------------------------------------------------------------------------- bytes
 
 
-def value_bytes(graph: OpGraph, microbatch_size: int) -> np.ndarray:
-    """int64[n]: bytes of every tensor output of node n, scaled; views included."""
+def compute_dtype(dtype: str, precision: Precision = Precision.FP32) -> str:
+    """The dtype a captured value of ``dtype`` has when the graph runs in ``precision``."""
+    return "bfloat16" if precision is Precision.BF16 and dtype == "float32" else dtype
+
+
+def tensor_bytes(
+    tensor: TensorInfo, microbatch_size: int, example_batch_size: int, precision: Precision = Precision.FP32
+) -> int:
+    """Bytes of ``tensor`` at ``microbatch_size``, in ``precision`` (halved: float32 under bf16)."""
+    num_bytes = tensor.bytes_at_batch(microbatch_size, example_batch_size)
+    if compute_dtype(tensor.dtype, precision) != tensor.dtype:
+        return num_bytes // 2
+    return num_bytes
+
+
+def value_bytes(graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32) -> np.ndarray:
+    """int64[n]: bytes of every tensor output of node n, scaled, in ``precision``; views included."""
     b = graph.batch_size
-    return np.array([sum(t.bytes_at_batch(microbatch_size, b) for t in n.outputs) for n in graph.nodes], dtype=np.int64)
+    return np.array(
+        [sum(tensor_bytes(t, microbatch_size, b, precision) for t in n.outputs) for n in graph.nodes], dtype=np.int64
+    )
 
 
-def output_bytes(graph: OpGraph, microbatch_size: int) -> np.ndarray:
+def output_bytes(graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32) -> np.ndarray:
     """int64[n]: bytes of new memory node n's outputs take, scaled (0 for views and in-place ops)."""
-    values = value_bytes(graph, microbatch_size)
+    values = value_bytes(graph, microbatch_size, precision)
     views = np.array([n.is_view for n in graph.nodes], dtype=bool)
     return np.where(views, 0, values)
 
 
-def cut_bytes(graph: OpGraph, microbatch_size: int) -> np.ndarray:
+def cut_bytes(graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32) -> np.ndarray:
     """int64[num_nodes + 1]: bytes of every value produced before cut c and read at or after it.
 
     A value is sent across a stage boundary as it is (the runtime clones boundary views to
@@ -205,7 +228,7 @@ def cut_bytes(graph: OpGraph, microbatch_size: int) -> np.ndarray:
     has the batch); values nobody reads (graph outputs other than through nodes) cross nothing.
     """
     num_nodes = graph.num_nodes
-    values = value_bytes(graph, microbatch_size)
+    values = value_bytes(graph, microbatch_size, precision)
     diff = np.zeros(num_nodes + 2, dtype=np.int64)
     for node in graph.nodes:
         if node.consumers and values[node.index]:
@@ -251,7 +274,7 @@ def requires_grad(graph: OpGraph) -> np.ndarray:
     return result
 
 
-def activation_bytes(graph: OpGraph, microbatch_size: int) -> np.ndarray:
+def activation_bytes(graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32) -> np.ndarray:
     """int64[n]: bytes node n keeps alive for its backward, scaled.
 
     Which tensors an op keeps follows the tables above. A kept view keeps its whole storage
@@ -259,12 +282,14 @@ def activation_bytes(graph: OpGraph, microbatch_size: int) -> np.ndarray:
     keeps it (softmax keeps its output and the next matmul keeps the same memory). Nodes
     without a backward (no grad, views, in-place ops, integer outputs) keep nothing.
     """
-    values = value_bytes(graph, microbatch_size)
+    values = value_bytes(graph, microbatch_size, precision)
     roots = storage_roots(graph)
     grad = requires_grad(graph)
     trainable = {name for name, p in graph.parameters.items() if p.requires_grad and not p.is_buffer}
     b = graph.batch_size
-    input_bytes = [g.tensor.bytes_at_batch(microbatch_size, b) if g.tensor is not None else 0 for g in graph.inputs]
+    input_bytes = [
+        tensor_bytes(g.tensor, microbatch_size, b, precision) if g.tensor is not None else 0 for g in graph.inputs
+    ]
 
     def root_bytes(root: int | None) -> int:
         return 0 if root is None else int(values[root]) if root >= 0 else input_bytes[-root - 1]
@@ -275,7 +300,7 @@ def activation_bytes(graph: OpGraph, microbatch_size: int) -> np.ndarray:
         if not grad[node.index] or node.is_view:
             continue
         total = 0
-        for root, num_bytes in _kept_tensors(node, roots, root_bytes, grad, trainable):
+        for root, num_bytes in _kept_tensors(node, roots, root_bytes, grad, trainable, precision):
             if root is not None and root not in kept:
                 kept.add(root)
                 total += num_bytes
@@ -283,14 +308,17 @@ def activation_bytes(graph: OpGraph, microbatch_size: int) -> np.ndarray:
     return result
 
 
-def _kept_tensors(node: OpNode, roots: list, root_bytes, grad: np.ndarray, trainable: set) -> list[tuple]:
+def _kept_tensors(
+    node: OpNode, roots: list, root_bytes, grad: np.ndarray, trainable: set, precision: Precision
+) -> list[tuple]:
     """(storage root, bytes) of each tensor ``node`` keeps for its backward."""
     name = op_name(node.target)
     own = roots[node.index]
     if name in _SAVES_NOTHING:
         return []
     if name in _SAVES_MASK:  # one byte per element of the output
-        return [(("mask", node.index), root_bytes(node.index) // _ITEMSIZE.get(node.outputs[0].dtype, 4))]
+        itemsize = _ITEMSIZE.get(compute_dtype(node.outputs[0].dtype, precision), 4)
+        return [(("mask", node.index), root_bytes(node.index) // itemsize)]
     if name in _SAVES_OUTPUT:
         return [(own, root_bytes(own))]
     # (storage root, requires grad) of each non-parameter operand; graph inputs never need grad.

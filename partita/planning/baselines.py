@@ -6,10 +6,14 @@
   ``partition_method="parameters"``).
 - ``equal_flops``: equal forward FLOPs per stage.
 
-A baseline only chooses the stage boundaries: the rest of the configuration (rank groups,
-replicas, micro-batches, schedule) is the one it is compared against, and recomputation is
+These only choose the stage boundaries: the rest of the configuration (rank groups,
+replicas, micro-batches, schedule) is the one they are compared against, and recomputation is
 switched on for a stage only when it would not fit otherwise. Boundaries snap to the chain's
 legal cut positions.
+
+- ``fsdp``: what most users run instead of a pipeline: plain data parallelism over every device
+  with FSDP2's full sharding (one stage, ``full_shard``), the fewest micro-batches (gradient
+  accumulation steps, 1F1B order) that fit, recomputing only if nothing fits without.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import numpy as np
 from partita.planning.chain import layer_boundaries, legal_cuts
 from partita.planning.context import PlanningContext, fit_with_recompute
 from partita.planning.options import recompute_allowed
-from partita.planning.search import Config
-from partita.types import OpGraph, Plan
+from partita.planning.search import Config, divisors
+from partita.types import OpGraph, Plan, Schedule, Sharding
 
-BASELINES = ("uniform", "parameters", "equal_flops")
+BASELINES = ("uniform", "parameters", "equal_flops")  # splits under the plan's configuration
+FSDP = "fsdp"  # a configuration of its own: one stage on every device, full_shard
 
 
 def baseline_boundaries(method: str, graph: OpGraph, legal: np.ndarray, num_stages: int) -> list[int] | None:
@@ -98,13 +103,17 @@ def baseline_plans(ctx: PlanningContext, like: Plan) -> dict[str, Plan | None]:
 
     Recomputation is switched on only for the stages that do not fit without it, and never under
     ZBV (see partita.planning.search). ``best_plan`` starts its refinement from these same splits, so
-    no baseline's split is faster than partita's plan under partita's configuration."""
-    return baseline_outcomes(ctx, like)[0]
+    no baseline's split is faster than partita's plan under partita's configuration. The ``fsdp``
+    baseline, a configuration of its own, is ``fsdp_plan``'s."""
+    return baseline_outcomes(ctx, like, fsdp=False)[0]
 
 
-def baseline_outcomes(ctx: PlanningContext, like: Plan) -> tuple[dict[str, Plan | None], dict[str, str]]:
-    """``baseline_plans``, and why each baseline without a plan has none: it "cannot split into N
-    stages" (too few layers or cut positions), or its split "does not fit" the memory."""
+def baseline_outcomes(
+    ctx: PlanningContext, like: Plan, *, fsdp: bool = True
+) -> tuple[dict[str, Plan | None], dict[str, str]]:
+    """``baseline_plans`` (and with ``fsdp`` the ``fsdp`` baseline last), and why each baseline
+    without a plan has none: it "cannot split into N stages" (too few layers or cut positions),
+    or its split "does not fit" the memory."""
     splits = baseline_splits(ctx)
     config = same_config(like)
     plans: dict[str, Plan | None] = {}
@@ -120,7 +129,29 @@ def baseline_outcomes(ctx: PlanningContext, like: Plan) -> tuple[dict[str, Plan 
                 if recompute_allowed(config.schedule)
                 else f" without recomputation, which {config.schedule.value} never uses"
             )
+    if fsdp:
+        plans[FSDP], why = fsdp_plan(ctx)
+        if why:
+            reasons[FSDP] = why
     return plans, reasons
+
+
+def fsdp_plan(ctx: PlanningContext) -> tuple[Plan | None, str]:
+    """The ``fsdp`` baseline (module docstring), or None and why there is none."""
+    n, batch = ctx.options.num_devices, ctx.options.global_batch_size
+    if n == 1:
+        return None, "needs several devices to shard over"
+    if batch % n:
+        return None, f"the global batch of {batch} does not split over {n} devices"
+    sharded = dataclasses.replace(ctx, options=dataclasses.replace(ctx.options, sharding=Sharding.FULL_SHARD))
+    boundaries = [0, ctx.graph.num_nodes]
+    for m in divisors(batch // n):
+        schedule = Schedule.GPIPE if m == 1 else Schedule.ONE_F_ONE_B
+        config = Config(n, 1, schedule, 1, m, batch // (n * m), None)
+        found = fit_with_recompute(sharded, config, boundaries, FSDP)
+        if found is not None:
+            return found, ""
+    return None, "does not fit with any number of micro-batches"
 
 
 def _cannot_split(ctx: PlanningContext, method: str, config: Config) -> str:

@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from partita.cost.memory import device_memory, microbatches_in_flight
+import numpy as np
+
+from partita.cost.comm import spans_nodes
+from partita.cost.memory import DeviceMemory, device_memory, microbatches_in_flight
 from partita.errors import InputError
 from partita.planning.search import Config, SearchOptions
-from partita.types import Cluster, CostTable, OpGraph, Plan, StagePlan
+from partita.planning.sharding import levels, step_overhead_s
+from partita.types import Cluster, CostTable, OpGraph, Plan, Sharding, StagePlan
 
 
 def stage_ranks(config: Config) -> list[tuple[int, ...]]:
@@ -46,26 +50,70 @@ def rank_group_memory(
     options: SearchOptions,
     ranges_by_group: Mapping[int, list],
     recompute_by_group: Mapping[int, bool],
-) -> dict[int, int]:
-    """Exact predicted peak bytes per rank group (all of the group's virtual stages together).
-    ``tables[s]``: stage s's CostTable (``stage_tables``); a rank group's stages share one size."""
+    cluster: Cluster | None = None,
+) -> dict[int, tuple[DeviceMemory, Sharding]]:
+    """Exact predicted memory per rank group (all of the group's virtual stages together) and the
+    group's sharding level: the fastest level that fits (``partita.planning.sharding``; ties: the
+    least sharded), or, when none fits, the one that needs the least memory. ``tables[s]``: stage
+    s's CostTable (``stage_tables``); a rank group's stages share one size. Without ``cluster``
+    (no comm model) the least sharded level that fits."""
     result = {}
+    groups = stage_ranks(config)
     for g, ranges in ranges_by_group.items():
         in_flight = microbatches_in_flight(
             config.schedule, config.num_microbatches, config.num_rank_groups, g, config.virtual_stages
         )
-        mem = device_memory(
-            tables[g],
-            ranges,
-            in_flight=in_flight,
-            optimizer=options.optimizer,
-            recompute=recompute_by_group[g],
-            mixed_precision=options.mixed_precision,
-            num_replicas=config.replicas_of(g),
-            num_microbatches=config.num_microbatches,
-        )
-        result[g] = mem.total_bytes
+        r = config.replicas_of(g)
+        memory = {
+            level: device_memory(
+                tables[g],
+                ranges,
+                in_flight=in_flight,
+                optimizer=options.optimizer,
+                recompute=recompute_by_group[g],
+                precision=options.precision,
+                sharding=level,
+                num_replicas=r,
+                num_microbatches=config.num_microbatches,
+            )
+            for level in levels(options.sharding, r)
+        }
+        fitting = [level for level, mem in memory.items() if mem.total_bytes <= options.memory_limit_bytes]
+        if not fitting:
+            level = min(memory, key=lambda lv: memory[lv].total_bytes)  # dict order: least sharded first on ties
+        elif cluster is None or len(fitting) == 1:
+            level = fitting[0]
+        else:
+            cost = {lv: _group_overhead_s(lv, tables[g], ranges, config, options, cluster, groups[g]) for lv in fitting}
+            level = min(fitting, key=lambda lv: cost[lv])  # min keeps the first (least sharded) of equals
+        result[g] = (memory[level], level)
     return result
+
+
+def _group_overhead_s(
+    level: Sharding, table: CostTable, ranges, config: Config, options: SearchOptions, cluster: Cluster, ranks
+) -> float:
+    """Seconds per step ``level`` adds to the compute of a rank group's stages (``step_overhead_s``)."""
+    total = 0.0
+    trainable = np.asarray(table.param_trainable, dtype=bool)
+    for start, stop in ranges:
+        total += float(
+            step_overhead_s(
+                level,
+                trainable_bytes=sum(
+                    int(table.param_bytes[p]) for p in table.params_in_range(start, stop) if trainable[p]
+                ),
+                forward_s=float(table.forward_s[start:stop].sum()),
+                backward_s=float(table.backward_s[start:stop].sum()),
+                num_microbatches=config.num_microbatches,
+                num_replicas=len(ranks),
+                precision=options.precision,
+                optimizer=options.optimizer,
+                cluster=cluster,
+                spans_nodes=spans_nodes(ranks, cluster),
+            )
+        )
+    return total
 
 
 def build_plan(
@@ -92,7 +140,7 @@ def build_plan(
         g = config.rank_group_of(s)
         ranges_by_group.setdefault(g, []).append((node_boundaries[s], node_boundaries[s + 1]))
         recompute_by_group[g] = recompute_by_group.get(g, False) or bool(recompute[s])
-    memory = rank_group_memory(tables, config, options, ranges_by_group, recompute_by_group)
+    memory = rank_group_memory(tables, config, options, ranges_by_group, recompute_by_group, cluster)
     stages = []
     for s in range(config.num_stages):
         start, stop = int(node_boundaries[s]), int(node_boundaries[s + 1])
@@ -115,9 +163,11 @@ def build_plan(
                     costs.backward_s[start:stop].sum()
                     + (costs.forward_s[start:stop].sum() if recompute_by_group[g] else 0.0)
                 ),
-                memory_bytes=int(memory[g]),
+                memory_bytes=int(memory[g][0].total_bytes),
                 param_bytes=int(sum(costs.param_bytes[p] for p in held)),
                 cut_bytes=int(costs.cut_bytes[stop]) if stop < graph.num_nodes else 0,
+                sharding=memory[g][1],
+                memory_breakdown=memory[g][0].breakdown(),
             )
         )
     return Plan(
@@ -132,6 +182,7 @@ def build_plan(
         options=dict(resolved_options),
         method=method,
         cost_source=costs.source,
+        precision=options.precision,
         partita_version=versions[0],
         torch_version=versions[1],
     )

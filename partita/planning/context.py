@@ -28,11 +28,11 @@ from partita.cost.table import contended
 from partita.errors import InputError
 from partita.planning.build import block_to_node_boundaries, build_plan, fits
 from partita.planning.chain import coarsen, per_sample_cuts
-from partita.planning.options import CostSource, PlanOptions
+from partita.planning.options import CostSource, PlanOptions, resolve_precision
 from partita.planning.search import Candidate, SearchOptions
 from partita.planning.simulate import simulate
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
-from partita.types import CostTable, OpGraph, Plan
+from partita.types import CostTable, OpGraph, Plan, Precision, Sharding
 from partita.types.cluster import Cluster
 
 
@@ -88,6 +88,8 @@ def planning_context(
         raise InputError(static_batch_message(graph))
     if graph.couples_samples is not None:
         options, uniform_replicas = whole_batch_options(options, graph), True
+    precision = resolve_precision(options.precision, cluster.device)
+    _check_sharding_pin(options, cluster)
     search_options = SearchOptions(
         num_devices=cluster.num_devices,
         global_batch_size=global_batch_size,
@@ -98,16 +100,17 @@ def planning_context(
         num_microbatches=options.num_microbatches,
         recompute=options.recompute,
         optimizer=options.optimizer,
-        mixed_precision=options.mixed_precision,
+        precision=precision,
+        sharding=options.sharding,
         uniform_replicas=uniform_replicas,
     )
-    source = _cost_source(options.costs, graph, cluster)
+    source = _cost_source(options.costs, graph, cluster, precision)
     if source is CostSource.MEASURED and (args or kwargs or target is not None):
         flatten_call_inputs(graph, args, kwargs, target)  # InputError: a tensor where None was captured, ...
     inputs = (args, dict(kwargs or {}), target)
     if isinstance(model, OpGraph) and not args and not kwargs and target is None and graph.example_inputs is not None:
         inputs = graph.example_inputs  # a graph alone: profile it on the inputs it was captured from
-    costs_at = _costs_provider(graph, cluster, source, inputs, options.cache_dir)
+    costs_at = _costs_provider(graph, cluster, source, inputs, options.cache_dir, precision)
     reference = costs_at(_reference_microbatch(graph, global_batch_size, cluster.num_devices))
     chain = coarsen(graph, reference, max_blocks=options.max_blocks)
     resolved = {  # the plan file's "options": what was pinned, and what the search was allowed
@@ -118,7 +121,8 @@ def planning_context(
         "recompute": options.recompute,
         "uniform_replicas": uniform_replicas,
         "optimizer": options.optimizer.value,
-        "mixed_precision": options.mixed_precision,
+        "precision": precision.value,
+        "sharding": None if options.sharding is None else options.sharding.value,
         "costs": source.value,
         "max_blocks": options.max_blocks,
         "memory_limit_bytes": search_options.memory_limit_bytes,
@@ -249,29 +253,47 @@ def _resolve_uniform(uniform_replicas: bool | None, replicas: int | None, cluste
     return False
 
 
-def _cost_source(costs: CostSource, graph: OpGraph, cluster: Cluster) -> CostSource:
+def _check_sharding_pin(options: PlanOptions, cluster: Cluster) -> None:
+    """InputError when a pinned sharding level has nothing to shard over: one replica per stage."""
+    if options.sharding in (None, Sharding.REPLICATE):
+        return
+    if options.replicas == 1 or cluster.num_devices == 1:
+        why = "replicas=1 pins one replica per stage" if options.replicas == 1 else "the cluster has one device"
+        raise InputError(
+            f"sharding={options.sharding.value!r} shards a stage over its replicas, but {why}: "
+            "unpin sharding (or pin 'replicate'), or plan with several replicas per stage"
+        )
+
+
+def _cost_source(costs: CostSource, graph: OpGraph, cluster: Cluster, precision: Precision) -> CostSource:
+    """The profiler measures the graph as captured (fp32): a bf16 plan is costed analytically, and
+    costs='measured' with bf16 is refused."""
     on_meta = any(p.device.type == "meta" for p in graph.graph_module.parameters())
     local = cluster.device.name == "cpu"
-    if costs is CostSource.MEASURED and (on_meta or not local):
-        why = (
-            "the model is on the meta device"
-            if on_meta
-            else f"the target device {cluster.device.name!r} is not this machine's"
-        )
-        raise InputError(f"costs='measured' is impossible: {why}; use costs='analytic'")
+    if costs is CostSource.MEASURED and (on_meta or not local or precision is Precision.BF16):
+        if on_meta:
+            why = "the model is on the meta device"
+        elif not local:
+            why = f"the target device {cluster.device.name!r} is not this machine's"
+        else:
+            why = "the profiler measures the captured dtype (fp32) only, and the plan computes in bf16"
+        fix = "use costs='analytic'" + (" or precision='fp32'" if local and not on_meta else "")
+        raise InputError(f"costs='measured' is impossible: {why}; {fix}")
     if costs is CostSource.AUTO:
-        return CostSource.MEASURED if local and not on_meta else CostSource.ANALYTIC
+        measurable = local and not on_meta and precision is Precision.FP32
+        return CostSource.MEASURED if measurable else CostSource.ANALYTIC
     return costs
 
 
 def _costs_provider(
-    graph: OpGraph, cluster: Cluster, source: CostSource, inputs, cache_dir
+    graph: OpGraph, cluster: Cluster, source: CostSource, inputs, cache_dir, precision: Precision
 ) -> Callable[[int], CostTable]:
-    """Cost tables per micro-batch size, compute times slowed by ``cluster.compute_slowdown``
-    (ranks that share one host's memory system run slower together than a solo profile says)."""
+    """Cost tables per micro-batch size in the plan's ``precision`` (measured ones: fp32 only),
+    compute times slowed by ``cluster.compute_slowdown`` (ranks that share one host's memory
+    system run slower together than a solo profile says)."""
     if source is CostSource.ANALYTIC:
         return functools.lru_cache(maxsize=None)(
-            lambda b: contended(analytic_costs(graph, cluster.device, b), cluster.compute_slowdown)
+            lambda b: contended(analytic_costs(graph, cluster.device, b, precision=precision), cluster.compute_slowdown)
         )
     return functools.lru_cache(maxsize=None)(
         lambda b: contended(profile(graph, inputs, microbatch_size=b, cache_dir=cache_dir), cluster.compute_slowdown)

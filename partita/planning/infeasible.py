@@ -7,6 +7,7 @@ from partita.planning.context import PlanningContext
 from partita.planning.driver import best_plan
 from partita.planning.options import recompute_allowed
 from partita.planning.search import SearchOptions
+from partita.types import Precision, Sharding
 from partita.types.cluster import Cluster
 from partita.units import fmt_bytes
 
@@ -32,6 +33,10 @@ def infeasible_error(ctx: PlanningContext) -> InfeasiblePlanError:
         fixes.append(f"use at least {min_devices} devices")
     if min_memory is not None:
         fixes.append(f"use devices with at least {fmt_bytes(min_memory)} ({min_memory} bytes) of memory")
+    if ctx.options.sharding is Sharding.REPLICATE:
+        fixes.append("unpin sharding='replicate' (sharded replicas hold 1/r of the optimizer state)")
+    if ctx.options.precision is Precision.FP32:
+        fixes.append("precision='bf16' (half-size activations)")
     if any(recompute_allowed(s) for s in ctx.options.schedules):
         fixes.append("or a smaller global batch, recompute=True, or a lighter optimizer")
     else:  # ZBV never recomputes

@@ -21,6 +21,7 @@ evenly over a stage's replicas (see ``partita.runtime.uneven``)::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ from partita.planning.build import consecutive_ranks, module_range
 from partita.planning.context import check_whole_batch
 from partita.planning.schedules import check_schedule, stage_rank_groups
 from partita.planning.uneven import UNEVEN_SCHEDULES
-from partita.types import OpGraph, Plan, Schedule, StagePlan
+from partita.types import OpGraph, Plan, Precision, Schedule, Sharding, StagePlan
 from partita.types.cluster import Cluster
 
 __all__ = ["manual_plan"]
@@ -47,6 +48,8 @@ def manual_plan(
     replicas: int | Sequence[int] = 1,
     recompute: bool | Sequence[bool] = False,
     cluster: Cluster | Mapping[str, Any] | None = None,
+    precision: Precision | str = Precision.FP32,
+    sharding: Sharding | str | Sequence[Sharding | str] = Sharding.REPLICATE,
 ) -> Plan:
     """A Plan with stages ``[boundaries[k], boundaries[k + 1])`` of ``graph.nodes``.
 
@@ -61,6 +64,9 @@ def manual_plan(
             ``num_microbatches * r`` for every replica count ``r``.
         recompute: activation recomputation, for all stages or per stage.
         cluster: the machines (a Cluster, or its ``to_dict()``); default: as many CPU ranks as the plan uses, on one node.
+        precision: "fp32" or "bf16" (``Plan.precision``).
+        sharding: a ``Sharding`` level for all stages or one per stage; a stage with one replica
+            must replicate.
 
     Raises InputError when the split, the schedule or the batch do not fit together.
     """
@@ -83,11 +89,16 @@ def manual_plan(
                 f"use a global batch that is a multiple of {num_microbatches * r}"
             )
     flags = _recompute_flags(recompute, num_stages)
+    precision = Precision.parse(precision)
     check_whole_batch(graph, num_microbatches, counts)  # a loss that couples samples needs the whole batch
     groups = stage_rank_groups(schedule, num_rank_groups, num_stages)
     ranks = consecutive_ranks(counts)
+    levels = _sharding_levels(sharding, [len(ranks[g]) for g in groups])
     stages = tuple(
-        _stage(graph, k, cuts[k], cuts[k + 1], groups[k], ranks[groups[k]], flags[k]) for k in range(num_stages)
+        dataclasses.replace(
+            _stage(graph, k, cuts[k], cuts[k + 1], groups[k], ranks[groups[k]], flags[k]), sharding=levels[k]
+        )
+        for k in range(num_stages)
     )
     if cluster is None:
         n = sum(counts)
@@ -107,9 +118,12 @@ def manual_plan(
             "num_rank_groups": num_rank_groups,
             "replicas": replicas if isinstance(replicas, int) else list(counts),
             "recompute": list(flags),
+            "precision": precision.value,
+            "sharding": [level.value for level in levels],
         },
         method="manual",
         cost_source="none",
+        precision=precision,
         partita_version=_version(),
         torch_version=_torch_version(),
     )
@@ -176,6 +190,26 @@ def _check_cuts(boundaries: Sequence[int], num_nodes: int) -> tuple[int, ...]:
             f"num_nodes={num_nodes}, e.g. [0, {num_nodes // 2}, {num_nodes}]"
         )
     return cuts
+
+
+def _sharding_levels(sharding: Any, replicas: Sequence[int]) -> tuple[Sharding, ...]:
+    """One level per stage (``replicas[k]``: stage k's replica count); InputError for a level other
+    than replicate on a stage with one replica (nothing to shard over)."""
+    if isinstance(sharding, (str, Sharding)):
+        chosen = (Sharding.parse(sharding),) * len(replicas)
+    else:
+        chosen = tuple(Sharding.parse(level) for level in sharding)
+        if len(chosen) != len(replicas):
+            raise InputError(
+                f"sharding has {len(chosen)} entries for {len(replicas)} stages: give one per stage or one level"
+            )
+    for k, (level, r) in enumerate(zip(chosen, replicas)):
+        if level is not Sharding.REPLICATE and r == 1:
+            raise InputError(
+                f"stage {k} has one replica, so sharding={level.value!r} has nothing to shard over: use "
+                "'replicate' for it, or give its rank group several replicas"
+            )
+    return chosen
 
 
 def _recompute_flags(recompute: bool | Sequence[bool], num_stages: int) -> tuple[bool, ...]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from partita.checks import optional_positive_int, parse_choice, positive_int
 from partita.errors import InputError
-from partita.types import OptimizerKind, Schedule
+from partita.types import DeviceSpec, OptimizerKind, Precision, Schedule, Sharding
 
 
 class CostSource(str, enum.Enum):
@@ -40,8 +40,12 @@ class PlanOptions:
     the same count for every stage). ``num_microbatches``, ``recompute``: pin those.
     ``uniform_replicas``: True restricts the search to pp x dp meshes, False asks for
     per-stage replica counts explicitly, None searches them where the search can (see
-    ``partita.planning.uneven``). ``optimizer`` sets optimizer-state memory. ``costs``: where
-    costs come from. ``max_blocks``: how finely the graph is coarsened into a chain of blocks.
+    ``partita.planning.uneven``). ``optimizer`` sets optimizer-state memory.
+    ``precision``: "fp32" or "bf16" (bf16 compute, fp32 master weights, optimizer state and gradient
+    reduction); None: bf16 on GPU device types, fp32 on the CPU (decided where the cluster is known,
+    ``resolve_precision``). ``sharding``: "replicate", "shard_grads_and_optimizer" or "full_shard"
+    pins every stage with several replicas (stages with one replica always replicate); None: each
+    stage's level is searched. ``costs``: where costs come from. ``max_blocks``: how finely the graph is coarsened into a chain of blocks.
     ``cache_dir``: where profiles and calibrations are cached (default: the user cache folder).
     """
 
@@ -52,7 +56,8 @@ class PlanOptions:
     recompute: bool | None = None
     uniform_replicas: bool | None = None
     optimizer: OptimizerKind = OptimizerKind.ADAM
-    mixed_precision: bool = False
+    precision: Precision | str | None = None
+    sharding: Sharding | str | None = None
     costs: CostSource = CostSource.AUTO
     max_blocks: int = 128
     cache_dir: str | None = None
@@ -66,8 +71,10 @@ class PlanOptions:
         for name in ("recompute", "uniform_replicas"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be True, False or None (searched), got {getattr(self, name)!r}")
-        if not isinstance(self.mixed_precision, bool):
-            raise InputError(f"mixed_precision must be True or False, got {self.mixed_precision!r}")
+        if self.precision is not None:
+            set_(self, "precision", Precision.parse(self.precision))
+        if self.sharding is not None:
+            set_(self, "sharding", Sharding.parse(self.sharding))
         set_(self, "optimizer", OptimizerKind.parse(self.optimizer))
         set_(self, "costs", parse_choice(CostSource, self.costs, "costs"))
         if self.cache_dir is not None:
@@ -84,6 +91,19 @@ class PlanOptions:
     def replace(self, **changes: Any) -> PlanOptions:
         """A copy with ``changes`` (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def resolve_precision(precision: Precision | None, device: DeviceSpec) -> Precision:
+    """The precision a plan computes in: the pinned one; else fp32 on the CPU ("cpu", whose plans
+    are usually measured, and the profiler measures in the captured dtype); else bf16 where the
+    device's bf16 peak exceeds its fp32 peak (every GPU of the catalog: 2-16x), fp32 otherwise."""
+    if precision is not None:
+        return precision
+    if device.name == "cpu":
+        return Precision.FP32
+    peaks = device.peak_flops
+    faster = peaks.get("bfloat16", 0.0) > peaks.get("float32", float("inf"))
+    return Precision.BF16 if faster else Precision.FP32
 
 
 def _parse_schedules(value: Any) -> tuple[Schedule, ...]:

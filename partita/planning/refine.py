@@ -25,6 +25,7 @@ from partita.planning.context import (
     step_lower_bound_s,
 )
 from partita.planning.search import Candidate, Config
+from partita.planning.sharding import levels
 from partita.types import Plan
 
 
@@ -152,18 +153,21 @@ def split_bound(ctx: PlanningContext, config) -> Callable[[Sequence[int]], float
 
     @functools.cache
     def fits(start: int, stop: int, stage: int, recompute: bool) -> bool:
-        return (
+        """Whether some sharding level the stage may take fits (``rank_group_memory`` picks it)."""
+        return any(
             device_memory(
                 tables[stage],
                 [(start, stop)],
                 in_flight=in_flight[stage],
                 optimizer=options.optimizer,
                 recompute=recompute,
-                mixed_precision=options.mixed_precision,
+                precision=options.precision,
+                sharding=level,
                 num_replicas=config.replicas_of(stage),
                 num_microbatches=config.num_microbatches,
             ).total_bytes
             <= limit
+            for level in levels(options.sharding, config.replicas_of(stage))
         )
 
     def bound(nodes: Sequence[int]) -> float:

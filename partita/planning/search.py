@@ -38,7 +38,8 @@ from partita.planning.chain import BlockCosts
 from partita.planning.options import recompute_allowed
 from partita.planning.partition import candidate_partitions
 from partita.planning.schedules import check_schedule
-from partita.types import OptimizerKind, Schedule
+from partita.planning.sharding import levels, step_overhead_s
+from partita.types import OptimizerKind, Precision, Schedule, Sharding
 
 # Chains with at most this many blocks try every bottleneck value (exact for the estimate).
 EXHAUSTIVE_BLOCKS = 16
@@ -67,7 +68,8 @@ class SearchOptions:
     recompute: bool | None = None
     interleaved_virtual_stages: tuple[int, ...] = (2,)
     optimizer: OptimizerKind = OptimizerKind.ADAM
-    mixed_precision: bool = False
+    precision: Precision = Precision.FP32
+    sharding: Sharding | None = None  # None: each stage's level is searched
     max_microbatch_choices: int = 6
     candidates_per_config: int = 3
 
@@ -132,7 +134,7 @@ def enumerate_configs(options: SearchOptions, num_blocks: int) -> Iterator[Confi
                 if g * v > num_blocks:
                     continue
                 for m in _microbatch_counts(options, batch // r, g, schedule):
-                    if not schedule_accepts(schedule, m, g, g * v):
+                    if not schedule_accepts(schedule, m, g, g * v) or _same_as_gpipe(options, schedule, g, m):
                         continue
                     for mode in _recompute_modes(options, schedule, v):
                         yield Config(r, g, schedule, v, m, batch // (r * m), mode)
@@ -141,12 +143,17 @@ def enumerate_configs(options: SearchOptions, num_blocks: int) -> Iterator[Confi
 def _schedules(options: SearchOptions, num_groups: int) -> Iterator[tuple[Schedule, int]]:
     for schedule in options.schedules:
         if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
-            if schedule is Schedule.GPIPE or num_groups > 1 or Schedule.GPIPE not in options.schedules:
-                yield schedule, 1
+            yield schedule, 1
         elif num_groups > 1:
             vs = options.interleaved_virtual_stages if schedule is Schedule.INTERLEAVED_1F1B else (2,)
             for v in vs:
                 yield schedule, v
+
+
+def _same_as_gpipe(options: SearchOptions, schedule: Schedule, num_groups: int, m: int) -> bool:
+    """1F1B on one rank group with one micro-batch runs as GPipe does: searched once, as GPipe. With
+    more micro-batches it is gradient accumulation (one micro-batch in flight, GPipe keeps all m)."""
+    return schedule is Schedule.ONE_F_ONE_B and num_groups == 1 and m == 1 and Schedule.GPIPE in options.schedules
 
 
 def _microbatch_counts(options: SearchOptions, samples: int, num_groups: int, schedule: Schedule) -> list[int]:
@@ -188,14 +195,20 @@ def divisors(n: int) -> list[int]:
 
 
 class StageCosts:
-    """Time and memory of every possible stage ``[j, i)`` of one config, as (K+1, K+1) matrices."""
+    """Time and memory of every possible stage ``[j, i)`` of one config, as (K+1, K+1) matrices.
+
+    A stage with several replicas takes, at each size, the fastest sharding level that fits
+    (``partita.planning.sharding``; recomputing only when no level fits without it): its time is
+    its compute plus what that level's step overhead exceeds replicate's, spread over the m
+    micro-batches (never less than its compute, which the search's lower bounds rely on)."""
 
     def __init__(self, blocks: BlockCosts, config: Config, options: SearchOptions, cluster):
         k = blocks.num_blocks
         self.config, self.options = config, options
         forward = _range_sums(blocks.forward_s)
         self.forward = forward
-        self.compute = forward + _range_sums(blocks.backward_s)
+        backward = _range_sums(blocks.backward_s)
+        self.compute = forward + backward
         j, i = np.meshgrid(np.arange(k + 1), np.arange(k + 1), indexing="ij")
         self.valid = j < i
         cut = np.asarray(blocks.cut_bytes, dtype=np.float64)
@@ -211,18 +224,46 @@ class StageCosts:
         )
         # Activation and gradient of the stage's output cross to the next stage once each.
         self.send = np.array([2 * p2p_time_s(float(c), cluster, same_node=True) for c in cut])
-        self._cache: dict[tuple[float, bool], np.ndarray] = {}
+        self.levels = levels(options.sharding, config.replicas)
+        self.penalty = self._level_penalties(forward, backward, cluster)
+        self._cache: dict[tuple[float, bool, Sharding], np.ndarray] = {}
         self._costs: dict[float, tuple[np.ndarray, np.ndarray]] = {}
 
-    def fits(self, in_flight: float, recompute: bool) -> np.ndarray:
-        key = (in_flight, recompute)
+    def _level_penalties(self, forward: np.ndarray, backward: np.ndarray, cluster) -> dict[Sharding, np.ndarray]:
+        """Per level, seconds per micro-batch its step overhead exceeds replicate's (>= 0)."""
+        c, o = self.config, self.options
+        if len(self.levels) == 1 and self.levels[0] is Sharding.REPLICATE:
+            return {Sharding.REPLICATE: np.zeros_like(forward)}
+        per_node, r = cluster.devices_per_node, c.replicas  # rank group g: ranks [g r, (g + 1) r)
+        spans = any(g * r // per_node != ((g + 1) * r - 1) // per_node for g in range(c.num_rank_groups))
+        overhead = {
+            level: step_overhead_s(
+                level,
+                trainable_bytes=self.totals["trainable_bytes"],
+                forward_s=forward,
+                backward_s=backward,
+                num_microbatches=c.num_microbatches,
+                num_replicas=c.replicas,
+                precision=o.precision,
+                optimizer=o.optimizer,
+                cluster=cluster,
+                spans_nodes=spans,
+            )
+            for level in (Sharding.REPLICATE, *self.levels)
+        }
+        base = overhead[Sharding.REPLICATE]
+        return {level: np.maximum(0.0, overhead[level] - base) / c.num_microbatches for level in self.levels}
+
+    def fits(self, in_flight: float, recompute: bool, level: Sharding = Sharding.REPLICATE) -> np.ndarray:
+        key = (in_flight, recompute, level)
         if key not in self._cache:
             memory = memory_from_totals(
                 **self.totals,
                 in_flight=in_flight,
                 optimizer=self.options.optimizer,
                 recompute=recompute,
-                mixed_precision=self.options.mixed_precision,
+                precision=self.options.precision,
+                sharding=level,
                 num_replicas=self.config.replicas,
                 num_microbatches=self.config.num_microbatches,
             )
@@ -242,15 +283,31 @@ class StageCosts:
         """``stage_cost`` of a stage that keeps ``in_flight`` micro-batches' activations: all that
         depends on the stage's position (remembered: stages at the same depth share it). Only the
         config's replicas, micro-batches and recompute mode enter, so configs that differ in
-        schedule or depth alone may share one StageCosts (``partita.planning.uneven`` does)."""
+        schedule or depth alone may share one StageCosts (``partita.planning.uneven`` does).
+
+        Without recomputation the time is the fastest fitting level's; recomputation only where no
+        level fits without it (then again the fastest fitting level)."""
         if in_flight not in self._costs:
             mode = self.config.recompute_mode
-            plain_ok = self.fits(in_flight, False) & self.valid if mode is not True else np.zeros_like(self.valid)
-            recompute_ok = self.fits(in_flight, True) & self.valid if mode is not False else np.zeros_like(self.valid)
-            use_recompute = ~plain_ok & recompute_ok
-            time = np.where(plain_ok, self.compute, np.where(recompute_ok, self.compute + self.forward, np.inf))
-            self._costs[in_flight] = (time, use_recompute)
+            plain = self._fastest(in_flight, False) if mode is not True else None
+            again = self._fastest(in_flight, True) if mode is not False else None
+            if plain is None:
+                time, use_recompute = again + self.forward, np.ones_like(self.valid)
+            elif again is None:
+                time, use_recompute = plain, np.zeros_like(self.valid)
+            else:
+                use_recompute = ~np.isfinite(plain) & np.isfinite(again)
+                time = np.where(use_recompute, again + self.forward, plain)
+            self._costs[in_flight] = (time, use_recompute & np.isfinite(time))
         return self._costs[in_flight]
+
+    def _fastest(self, in_flight: float, recompute: bool) -> np.ndarray:
+        """Compute + the smallest penalty over the levels that fit (inf where none does)."""
+        best = np.full(self.valid.shape, np.inf)
+        for level in self.levels:
+            ok = self.fits(in_flight, recompute, level) & self.valid
+            best = np.where(ok, np.minimum(best, self.compute + self.penalty[level]), best)
+        return best
 
 
 def _range_sums(values: Sequence[float]) -> np.ndarray:
@@ -366,9 +423,11 @@ def search(
 
 def _may_fit(blocks: BlockCosts, config: Config, options: SearchOptions) -> bool:
     """False when the parameters, gradients and optimizer state of the whole model, spread evenly
-    over the rank groups, exceed the memory limit: the fullest rank group holds at least that."""
+    over the rank groups (and sharded as far as the options allow, nothing gathered), exceed the
+    memory limit: the fullest rank group holds at least that."""
     k = blocks.num_blocks
     g = config.num_rank_groups
+    sharded = config.replicas > 1 and options.sharding is not Sharding.REPLICATE
     memory = memory_from_totals(
         param_bytes=int(blocks.param_bytes_matrix[0, k]) // g,
         trainable_bytes=int(blocks.trainable_bytes_matrix[0, k]) // g,
@@ -379,8 +438,11 @@ def _may_fit(blocks: BlockCosts, config: Config, options: SearchOptions) -> bool
         in_flight=0,
         optimizer=options.optimizer,
         recompute=False,
-        mixed_precision=options.mixed_precision,
-        num_replicas=1,
+        precision=options.precision,
+        # the least memory any allowed level needs: nothing gathered, state sharded where allowed
+        sharding=Sharding.FULL_SHARD if sharded else Sharding.REPLICATE,
+        num_replicas=config.replicas if sharded else 1,
+        gathered_trainable_bytes=0,
     )
     return memory.total_bytes <= options.memory_limit_bytes
 

@@ -13,10 +13,16 @@ dependency   F(k, i) needs F(k-1, i) + send_s[k-1]. B/I(k, i) needs F(k, i) and 
              I(k, i). The last stage's B/I needs only its own F (the loss is part of that F).
 send         point-to-point transfer of a stage's output (or its gradient), asynchronous: it
              delays the receiver but does not occupy either rank group's compute.
-all-reduce   stage k's gradients summed over its replicas, once per step. It starts when the
-             stage's last B (or W) ends and runs beside compute (overlapped, as with DDP). A rank
-             group's all-reduces share one communication stream: they run one after another,
-             in the order they become ready.
+all-reduce   stage k's gradients summed over its replicas, once per step, beside compute. DDP
+             (replicate) all-reduces its buckets while the stage's last B (or W) runs: it starts
+             with that action and ends no earlier than the action's end plus the last bucket's
+             all-reduce (``allreduce_tail_s``). A sharded stage reduce-scatters instead, after its
+             last B (or W). A rank group's collectives share one communication stream: they run
+             one after another, in the order they become ready.
+all-gather   a sharded stage's parameters gathered over its replicas (``gather_s``), on the
+             rank group's stream at the start of the step, before the stage's first F; under
+             full_shard again for every F and B, prefetched during the rank group's previous
+             action, so F and B take max(compute, all-gather) (``pipeline_inputs``).
 busy         seconds a rank group computes in one step (all-reduces excluded).
 bubble       1 - mean busy / step time: the share of device time spent idle or only communicating.
 in flight    micro-batches whose activations a rank group keeps: added at F, freed at B. With the
@@ -38,7 +44,8 @@ from partita.cost import comm
 from partita.cost.analytic import optimizer_step_s
 from partita.errors import InputError
 from partita.planning.schedules import rank_orders, stage_rank_groups
-from partita.types import CostTable, Plan, Schedule, SimResult, TimelineEvent
+from partita.planning.sharding import collective_times_s
+from partita.types import CostTable, Plan, Precision, Schedule, Sharding, SimResult, StagePlan, TimelineEvent
 from partita.types.cluster import Cluster
 
 __all__ = ["SimResult", "TimelineEvent", "pipeline_inputs", "simulate", "simulate_pipeline"]
@@ -46,7 +53,8 @@ __all__ = ["SimResult", "TimelineEvent", "pipeline_inputs", "simulate", "simulat
 _F, _B, _I, _W = 0, 1, 2, 3
 KIND_CODES = {"F": _F, "B": _B, "I": _I, "W": _W}
 _KIND_NAMES = ("F", "B", "I", "W")
-ALLREDUCE = "allreduce"
+ALLREDUCE = "allreduce"  # also a sharded stage's reduce-scatter
+ALLGATHER = "allgather"  # a sharded stage's parameters gathered at the start of the step
 OPTIMIZER = "optimizer"  # a rank group's optimizer step, after its last backward and all-reduce
 
 
@@ -71,6 +79,8 @@ def simulate_pipeline(
     activation_bytes: Sequence[int] | None = None,
     keep_timeline: bool = True,
     optimizer_s: Sequence[float] | None = None,
+    allreduce_tail_s: Sequence[float] | None = None,
+    gather_s: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate one step of ``schedule``; all per-stage arrays are indexed by stage (length S).
 
@@ -83,18 +93,25 @@ def simulate_pipeline(
                              the I/W split); None: peaks are reported as 0.
     optimizer_s              seconds of the optimizer step over stage k's parameters; a rank group
                              steps once its last backward and all-reduce are done (None: 0).
+    allreduce_tail_s         what of allreduce_s[k] cannot overlap stage k's last backward (DDP's last
+                             bucket); None, or allreduce_s[k]: the collective starts after that backward.
+    gather_s                 seconds of stage k's all-gather before its first forward (None: 0).
     Raises InputError (a ValueError) for a schedule torch cannot run with these counts.
     """
     schedule = Schedule.parse(schedule)
     s, m, g = len(forward_s), num_microbatches, num_rank_groups
     fwd, bwd, wgt, send, ar = _check_arrays(s, forward_s, backward_s, backward_weight_s, send_s, allreduce_s)
+    tail = ar if allreduce_tail_s is None else _per_stage(allreduce_tail_s, s, "allreduce_tail_s")
+    gather = [0.0] * s if gather_s is None else _per_stage(gather_s, s, "gather_s")
     orders = compiled_orders(schedule, m, g, s)
     split = schedule is Schedule.ZBV
+    groups = stage_rank_groups(schedule, g, s)
+    events: list[TimelineEvent] = []
+    gathered = _gathers(groups, gather, events)
     # Durations per kind code: F, B (whole backward), I (backward less W), W.
     dur = (fwd, bwd, [max(0.0, b - w) for b, w in zip(bwd, wgt)], wgt)
-    clock, busy, grads_done, events = _run(orders, dur, send, s, m, keep_timeline)
-    groups = stage_rank_groups(schedule, g, s)
-    comm_end = _allreduces(groups, grads_done, ar, events if keep_timeline else None)
+    clock, busy, grads_done, events = _run(orders, dur, send, s, m, keep_timeline, gathered, events)
+    comm_end = _allreduces(groups, grads_done, ar, tail, gathered, events if keep_timeline else None)
     opt = [0.0] * s if optimizer_s is None else [float(x) for x in optimizer_s]
     if len(opt) != s or any(not x >= 0 for x in opt):
         raise InputError(f"optimizer_s needs {s} values >= 0 (one per stage), got {opt}")
@@ -117,6 +134,25 @@ def simulate_pipeline(
     )
 
 
+def _per_stage(values: Sequence[float], s: int, name: str) -> list[float]:
+    out = [float(x) for x in values]
+    if len(out) != s or any(not x >= 0 for x in out):
+        raise InputError(f"{name} needs {s} values >= 0 seconds (one per stage), got {out}")
+    return out
+
+
+def _gathers(groups: Sequence[int], gather: Sequence[float], events: list[TimelineEvent]) -> list[float]:
+    """When each stage's start-of-step all-gather ends: a rank group's run one after another from
+    time 0, in stage order (0 for stages that gather nothing)."""
+    end, free = [0.0] * len(groups), {}
+    for k, r in enumerate(groups):
+        if gather[k] > 0:
+            start = free.get(r, 0.0)
+            end[k] = free[r] = start + gather[k]
+            events.append(TimelineEvent(r, k, -1, ALLGATHER, start, end[k]))
+    return end
+
+
 def _check_arrays(s: int, *arrays: Sequence[float]) -> tuple[list[float], ...]:
     names = ("forward_s", "backward_s", "backward_weight_s", "send_s", "allreduce_s")
     out = []
@@ -137,17 +173,19 @@ def _check_arrays(s: int, *arrays: Sequence[float]) -> tuple[list[float], ...]:
     return tuple(out)
 
 
-def _run(orders, dur, send, s, m, keep_timeline):
+def _run(orders, dur, send, s, m, keep_timeline, gathered, events):
     """Event loop: advance every rank group through its order while the next action's inputs are ready.
 
-    Returns (clock per rank group, busy per rank group, last B/W end per stage, events).
+    ``gathered[k]``: when stage k's parameters are gathered (its first F waits). Returns (clock per
+    rank group, busy per rank group, (start, end) of the last B/W per stage, events).
     """
     g = len(orders)
     f_end: list[Any] = [None] * (s * m)  # index stage * m + microbatch
     b_end: list[Any] = [None] * (s * m)  # B or I
     pos, clock, busy = [0] * g, [0.0] * g, [0.0] * g
-    grads_done = [0.0] * s
-    events: list[TimelineEvent] = []
+    grads_done = [(0.0, 0.0)] * s
+    if not keep_timeline:
+        events = []
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
@@ -157,12 +195,12 @@ def _run(orders, dur, send, s, m, keep_timeline):
                 k, i, kind = order[p]
                 idx = k * m + i
                 if kind == _F:
-                    ready = 0.0
+                    ready = gathered[k]
                     if k:
                         dep = f_end[idx - m]
                         if dep is None:
                             break
-                        ready = dep + send[k - 1]
+                        ready = max(ready, dep + send[k - 1])
                 elif kind == _W:
                     ready = b_end[idx]
                     if ready is None:
@@ -181,11 +219,11 @@ def _run(orders, dur, send, s, m, keep_timeline):
                 if kind == _F:
                     f_end[idx] = t
                 elif kind == _W:
-                    grads_done[k] = t
+                    grads_done[k] = (start, t)
                 else:
                     b_end[idx] = t
                     if kind == _B:
-                        grads_done[k] = t
+                        grads_done[k] = (start, t)
                 busy[r] += dur[kind][k]
                 if keep_timeline:
                     events.append(TimelineEvent(r, k, i, _KIND_NAMES[kind], start, t))
@@ -200,17 +238,25 @@ def _run(orders, dur, send, s, m, keep_timeline):
 
 
 def _allreduces(
-    groups: Sequence[int], grads_done: Sequence[float], ar: Sequence[float], events: list[TimelineEvent] | None
+    groups: Sequence[int],
+    grads_done: Sequence[tuple[float, float]],
+    ar: Sequence[float],
+    tail: Sequence[float],
+    gathered: Sequence[float],
+    events: list[TimelineEvent] | None,
 ) -> dict[int, float]:
-    """Run each rank group's all-reduces one after another as they become ready; return when each
-    rank group's last one ends."""
+    """Run each rank group's gradient collectives one after another as they become ready (after
+    its start-of-step gathers); return when each rank group's last one ends. A collective with a
+    tail shorter than itself (DDP's buckets) may start with the last backward, and ends no earlier
+    than that backward's end plus the tail."""
     last: dict[int, float] = {}
     for r in sorted(set(groups)):
-        stages = sorted((grads_done[k], k) for k in range(len(groups)) if groups[k] == r and ar[k] > 0)
-        free = 0.0
-        for ready, k in stages:
-            start = max(ready, free)
-            free = start + ar[k]
+        stages = sorted((grads_done[k][1], k) for k in range(len(groups)) if groups[k] == r and ar[k] > 0)
+        free = max((gathered[k] for k in range(len(groups)) if groups[k] == r), default=0.0)
+        for done, k in stages:
+            overlapped = tail[k] < ar[k]
+            start = max(grads_done[k][0] if overlapped else done, free)
+            free = max(start + ar[k], done + tail[k]) if overlapped else start + ar[k]
             if events is not None:
                 events.append(TimelineEvent(r, k, -1, ALLREDUCE, start, free))
         last[r] = free
@@ -250,7 +296,8 @@ def simulate(
     """Simulate one training step of ``plan``; ``cluster`` defaults to the plan's own.
 
     ``costs(microbatch_size)`` returns the CostTable at that per-replica micro-batch size (a bare
-    CostTable serves when every stage runs at its micro-batch size).
+    CostTable serves when every stage runs at its micro-batch size), in the plan's precision
+    (``analytic_costs(..., precision=plan.precision)``; InputError otherwise).
     """
     return simulate_pipeline(**pipeline_inputs(plan, costs, cluster), keep_timeline=keep_timeline)
 
@@ -262,11 +309,12 @@ def pipeline_inputs(
 
     Per stage: forward/backward seconds are sums over its node range (recompute adds the forward
     to the backward); activations kept per micro-batch are the range's saved tensors, or only the
-    stage input (``cut_bytes[start]``) under recompute; the all-reduce moves the trainable
-    parameter bytes of the range over the stage's replicas; the send to the next stage moves
+    stage input (``cut_bytes[start]``) under recompute; the all-reduce (sharded: reduce-scatter)
+    moves the trainable parameter bytes of the range over the stage's replicas, a sharded stage's
+    all-gather their bytes in the plan's precision (``_collectives``); the send to the next stage moves
     ``cut_bytes[stop]`` between the two stages' first ranks; the optimizer step moves the range's
-    trainable parameters and states over the device's memory bandwidth (``optimizer_step_s``,
-    slowed by ``cluster.compute_slowdown`` like the compute).
+    trainable parameters (a sharded stage: its shard) and states over the device's memory
+    bandwidth (``optimizer_step_s``, slowed by ``cluster.compute_slowdown`` like the compute).
     """
     cluster = _as_cluster(plan, cluster)
     groups = stage_rank_groups(plan.schedule, plan.num_rank_groups, plan.num_stages)
@@ -278,26 +326,26 @@ def pipeline_inputs(
             )
     tables = _tables_per_stage(plan, costs)
     optimizer = plan.options.get("optimizer", "adam")
-    mixed_precision = bool(plan.options.get("mixed_precision", False))
-    fwd, bwd, wgt, act, allreduce, opt = [], [], [], [], [], []
+    fwd, bwd, wgt, act, allreduce, tail, gather, opt = [], [], [], [], [], [], [], []
     for stage, table in zip(plan.stages, tables):
         a, b = stage.start, stage.stop
         forward = float(table.forward_s[a:b].sum())
-        fwd.append(forward)
-        bwd.append(float(table.backward_s[a:b].sum()) + (forward if stage.recompute else 0.0))
-        wgt.append(float(table.backward_weight_s[a:b].sum()))
+        backward = float(table.backward_s[a:b].sum()) + (forward if stage.recompute else 0.0)
         act.append(int(table.cut_bytes[a]) if stage.recompute else int(table.activation_bytes[a:b].sum()))
+        wgt.append(float(table.backward_weight_s[a:b].sum()))
         trainable = sum(int(table.param_bytes[p]) for p in table.params_in_range(a, b) if table.param_trainable[p])
-        allreduce.append(
-            0.0
-            if stage.num_replicas == 1
-            else comm.allreduce_time_s(
-                trainable, stage.num_replicas, cluster, spans_nodes=comm.spans_nodes(stage.ranks, cluster)
-            )
-        )
+        collectives = _collectives(stage, trainable, plan.precision, cluster)
+        allreduce.append(collectives[0])
+        tail.append(collectives[1])
+        gather.append(collectives[2])
+        if stage.sharding is Sharding.FULL_SHARD and stage.num_replicas > 1:
+            forward, backward = max(forward, collectives[2]), max(backward, collectives[2])
+        fwd.append(forward)
+        bwd.append(backward)
+        shards = stage.num_replicas if stage.sharding is not Sharding.REPLICATE else 1
         opt.append(
             cluster.compute_slowdown
-            * optimizer_step_s(trainable, optimizer, cluster.device, mixed_precision=mixed_precision)
+            * optimizer_step_s(trainable / shards, optimizer, cluster.device, precision=plan.precision)
         )
     send = []
     for k in range(plan.num_stages - 1):
@@ -318,7 +366,23 @@ def pipeline_inputs(
         allreduce_s=allreduce,
         activation_bytes=act,
         optimizer_s=opt,
+        allreduce_tail_s=tail,
+        gather_s=gather,
     )
+
+
+def _collectives(stage: StagePlan, trainable_bytes: int, precision: Precision, cluster: Cluster) -> tuple:
+    """(gradient collective, its part that cannot overlap the last backward, start-of-step
+    all-gather) seconds of one stage (``partita.planning.sharding.collective_times_s``)."""
+    times = collective_times_s(
+        stage.sharding,
+        trainable_bytes,
+        num_replicas=stage.num_replicas,
+        precision=precision,
+        cluster=cluster,
+        spans_nodes=comm.spans_nodes(stage.ranks, cluster),
+    )
+    return tuple(float(t) for t in times)
 
 
 def _as_cluster(plan: Plan, cluster: Cluster | Mapping[str, Any] | None) -> Cluster:
@@ -351,5 +415,10 @@ def _tables_per_stage(plan: Plan, costs: Callable[[int], CostTable] | CostTable)
                 by_size[size] = costs
             else:
                 by_size[size] = costs(size)
+        if by_size[size].precision != plan.precision.value:
+            raise InputError(
+                f"the cost table is for {by_size[size].precision}, but the plan computes in {plan.precision.value}: "
+                f"pass costs in the plan's precision (analytic_costs(..., precision={plan.precision.value!r}))"
+            )
         tables.append(by_size[size])
     return tables

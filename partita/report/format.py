@@ -14,8 +14,11 @@ __all__ = [
     "fmt_microbatches",
     "fmt_replicas",
     "fmt_seconds",
+    "fmt_sharding",
     "table",
 ]
+
+_SHARDING_NAMES = {"replicate": "replicate", "shard_grads_and_optimizer": "grads+opt", "full_shard": "full"}
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, align: str | None = None) -> str:
@@ -30,6 +33,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, align: st
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def fmt_sharding(level) -> str:
+    """A sharding level in a table cell: 'replicate', 'grads+opt' (shard_grads_and_optimizer), 'full'."""
+    value = getattr(level, "value", level)
+    return _SHARDING_NAMES.get(value, value)
 
 
 def fmt_replicas(plan) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from partita.report.format import fmt_bytes, fmt_layout, fmt_microbatches, fmt_seconds, table
+from partita.report.format import fmt_bytes, fmt_layout, fmt_microbatches, fmt_seconds, fmt_sharding, table
 from partita.types import Plan
 from partita.units import counted
 
@@ -12,7 +12,8 @@ from partita.units import counted
 def plan_text(
     plan: Plan, *, baselines: Mapping[str, Plan | None] = (), baseline_reasons: Mapping[str, str] = ()
 ) -> str:
-    """Stages (modules, ranks, params, memory vs limit, times, cut bytes), then the step figures.
+    """Stages (modules, ranks, params, sharding, memory vs limit, times, cut bytes), the memory of
+    each rank group's devices by kind, then the step figures, with each plan's layout.
 
     ``baseline_reasons`` (``PlanningResult.baseline_reasons``) tells a baseline that cannot make the
     plan's stage count ("fits: n/a", with the reason below the table) from one that does not fit
@@ -31,6 +32,7 @@ def plan_text(
             s.module_range,
             ",".join(map(str, s.ranks)) if len(s.ranks) <= 4 else f"{s.ranks[0]}..{s.ranks[-1]}",
             fmt_bytes(s.param_bytes),
+            fmt_sharding(s.sharding) if s.num_replicas > 1 else "-",
             f"{fmt_bytes(s.memory_bytes)} / {fmt_bytes(limit)}",
             fmt_seconds(s.forward_s),
             fmt_seconds(s.backward_s),
@@ -41,20 +43,34 @@ def plan_text(
     ]
     lines = [
         f"plan: {counted(plan.num_stages, 'stage')} on {fmt_layout(plan)}, schedule {plan.schedule.value}, "
-        f"{fmt_microbatches(plan)}, global batch {plan.global_batch_size}, costs {plan.cost_source}",
+        f"{fmt_microbatches(plan)}, global batch {plan.global_batch_size}, precision {plan.precision.value}, "
+        f"costs {plan.cost_source}",
         table(
-            ["stage", "modules", "ranks", "params", "memory/device", "fwd/mb", "bwd/mb", "recompute", "cut"],
+            [
+                "stage",
+                "modules",
+                "ranks",
+                "params",
+                "sharding",
+                "memory/device",
+                "fwd/mb",
+                "bwd/mb",
+                "recompute",
+                "cut",
+            ],
             rows,
-            align="llrrrrrrr",
+            align="llrrlrrrrr",
         ),
+        *_memory_lines(plan),
         "",
         table(
-            ["plan", "fits", "step", "samples/s", "bubble", "efficiency", "vs partita"],
+            ["plan", "fits", "step", "samples/s", "bubble", "efficiency", "vs partita", "layout"],
             [_summary_row("partita", plan, plan, total_compute_s)]
             + [
                 _summary_row(name, p, plan, total_compute_s, name in unsplittable)
                 for name, p in dict(baselines).items()
             ],
+            align="lrrrrrrl",
         ),
         "efficiency = ideal step (total compute / devices) / predicted step",
     ]
@@ -69,11 +85,40 @@ def plan_text(
     return "\n".join(lines)
 
 
+def _memory_lines(plan: Plan) -> list[str]:
+    """The peak memory of each rank group's devices by kind (plans with predictions only)."""
+    groups = {}
+    for s in plan.stages:
+        if s.memory_breakdown is not None:
+            groups.setdefault(s.rank_group, s)
+    if not groups:
+        return []
+    rows = [
+        (
+            g,
+            *(fmt_bytes(b) for b in (m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.activations_bytes)),
+            fmt_bytes(m.buffers_bytes),
+            fmt_bytes(m.total_bytes),
+        )
+        for g, m in ((g, s.memory_breakdown) for g, s in sorted(groups.items()))
+    ]
+    headers = ["rank group", "params", "grads", "optimizer", "activations", "buffers", "peak/device"]
+    return ["", "memory per device at its peak (optimizer: states + fp32 master weights)", table(headers, rows)]
+
+
+def _layout(p: Plan) -> str:
+    """'2x4 grads+opt': rank groups x replicas, and the sharding levels of replicated stages."""
+    levels = sorted({fmt_sharding(s.sharding) for s in p.stages if s.num_replicas > 1})
+    counts = "+".join(str(s.num_replicas) for s in p.stages[: p.num_rank_groups]) if not p.uniform_replicas else None
+    shape = f"{p.num_rank_groups}x{counts or p.stages[0].num_replicas}"
+    return " ".join([shape, "/".join(levels)]) if levels else shape
+
+
 def _summary_row(
     name: str, p: Plan | None, reference: Plan, total_compute_s: float | None, unsplittable: bool = False
 ) -> tuple:
     if p is None:
-        return (name, "n/a" if unsplittable else "no", "-", "-", "-", "-", "-")
+        return (name, "n/a" if unsplittable else "no", "-", "-", "-", "-", "-", "-")
     efficiency = (
         "-" if total_compute_s is None else f"{total_compute_s / max(1, p.num_devices) / p.predicted_step_s:.1%}"
     )
@@ -85,4 +130,5 @@ def _summary_row(
         f"{p.predicted_bubble_fraction:.1%}",
         efficiency,
         f"{p.predicted_step_s / reference.predicted_step_s:.2f}x",
+        _layout(p),
     )

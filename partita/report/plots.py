@@ -34,15 +34,17 @@ KIND_COLOURS = {
     "I": "#C44E52",
     "W": "#8172B3",
     "allreduce": "#55A868",
+    "allgather": "#64B5CD",
     "optimizer": "#937860",
 }
-STRIP_KINDS = ("allreduce", "optimizer")  # drawn as thin strips under a rank group's compute boxes
+STRIP_KINDS = ("allreduce", "allgather", "optimizer")  # drawn as thin strips under a rank group's compute boxes
 KIND_LABELS = {
     "F": "forward",
     "B": "backward",
     "I": "backward (input)",
     "W": "backward (weight)",
-    "allreduce": "gradient all-reduce",
+    "allreduce": "gradient all-reduce / reduce-scatter",
+    "allgather": "parameter all-gather",
     "optimizer": "optimizer step",
 }
 BASELINE_COLOURS = ("#BBBBBB", "#888888", "#555555")

@@ -9,7 +9,7 @@ with the stage of each column; rank groups with all-reduces a row marking when t
     B   full backward of micro-batch i    a-j  (i mod 10)
     I   input-gradient backward of i      A-J  (i mod 10)
     W   weight-gradient backward of i     k-t  (i mod 10)
-    .   idle;  =  all-reduce in flight (communication row)
+    .   idle;  =  all-reduce, reduce-scatter or all-gather in flight (communication row)
 
 Example (GPipe, 2 stages, 2 micro-batches, forward 1 s, backward 2 s, 9 columns):
 
@@ -61,7 +61,7 @@ def timeline_text(result: SimResult, width: int = 100) -> str:
         if comm[r]:
             lines.append(
                 f"{'comm':>{label_width}} |"
-                f"{_row(comm[r], slot_s, width, lambda e: COMM if e.kind == 'allreduce' else STEP)}|"
+                f"{_row(comm[r], slot_s, width, lambda e: COMM if e.kind in ('allreduce', 'allgather') else STEP)}|"
             )
     lines.extend(_legend(result, slot_s))
     return "\n".join(lines)
@@ -92,5 +92,5 @@ def _legend(result: SimResult, slot_s: float) -> list[str]:
     return [
         f"step {fmt_seconds(result.step_s)}, bubble {100 * result.bubble_fraction:.1f}%, "
         f"1 column = {fmt_seconds(slot_s)}; busy per rank group: {busy}",
-        "F 0-9 | B a-j | I A-J | W k-t (micro-batch mod 10) | . idle | = all-reduce in flight | o optimizer step",
+        "F 0-9 | B a-j | I A-J | W k-t (micro-batch mod 10) | . idle | = all-reduce / gather in flight | o optimizer step",
     ]

@@ -1,11 +1,11 @@
 """Frozen data shared by every layer of partita: the one layer everybody imports.
 
 ``graph``      OpGraph and its parts (nodes, tensors, parameters, inputs): what capture produces.
-``choices``    Schedule and OptimizerKind.
+``choices``    Schedule, OptimizerKind, Precision and Sharding.
 ``costs``      CostTable: per-node costs at one micro-batch size, the planner's view of cost/.
 ``devices``    DeviceSpec and the device catalog (``get_device``, device files).
 ``cluster``    Cluster: how many devices of which kind, in which nodes, linked how.
-``plan``       StagePlan and Plan; ``plan_file`` reads and writes them as versioned JSON.
+``plan``       StagePlan, MemoryBreakdown and Plan; ``plan_file`` reads and writes them as versioned JSON.
 ``sim``        SimResult and TimelineEvent: a simulated step, which report/ draws.
 
 Glossary
@@ -21,12 +21,12 @@ batch dim   the dimension of a tensor that scales with the batch size. Shapes ar
             scale the batch-proportional parts.
 """
 
-from partita.types.choices import OptimizerKind, Schedule
+from partita.types.choices import OptimizerKind, Precision, Schedule, Sharding
 from partita.types.cluster import Cluster
 from partita.types.costs import CostTable
 from partita.types.devices import DeviceSpec
 from partita.types.graph import GraphInput, LossFn, OpGraph, OpNode, ParamInfo, TensorInfo
-from partita.types.plan import PLAN_SCHEMA_VERSION, Plan, StagePlan
+from partita.types.plan import PLAN_SCHEMA_VERSION, MemoryBreakdown, Plan, StagePlan
 from partita.types.sim import SimResult, TimelineEvent
 
 __all__ = [
@@ -36,12 +36,15 @@ __all__ = [
     "DeviceSpec",
     "GraphInput",
     "LossFn",
+    "MemoryBreakdown",
     "OpGraph",
     "OpNode",
     "OptimizerKind",
     "ParamInfo",
     "Plan",
+    "Precision",
     "Schedule",
+    "Sharding",
     "SimResult",
     "StagePlan",
     "TensorInfo",

@@ -1,4 +1,4 @@
-"""The fixed choices a plan is made of: pipeline schedules and optimizer kinds."""
+"""The fixed choices a plan is made of: pipeline schedules, optimizer kinds, precision and sharding."""
 
 from __future__ import annotations
 
@@ -44,3 +44,54 @@ class OptimizerKind(str, enum.Enum):
 
 
 _OPTIMIZER_ALIASES = {"sgd": "none", "adamw": "adam", "momentum": "sgd-momentum"}
+
+
+class Precision(str, enum.Enum):
+    """The dtype a plan computes in.
+
+    ``bf16``: mixed precision as torchtitan and FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)`` run it: bf16 parameter copies, activations and boundary tensors; fp32 master
+    weights, optimizer state and gradient reduction.
+    """
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of parameters as computed with, activations and boundary tensors."""
+        return {Precision.FP32: 4, Precision.BF16: 2}[self]
+
+    @classmethod
+    def parse(cls, value: Precision | str) -> Precision:
+        """Also ``"float32"``, ``"bfloat16"``."""
+        return parse_choice(cls, value, "precision", aliases=_PRECISION_ALIASES)
+
+
+class Sharding(str, enum.Enum):
+    """How a stage's replicas share its parameters, gradients and optimizer state (ZeRO levels).
+
+    Within the replica group of one stage (r devices): ``replicate`` keeps a full copy on each and
+    all-reduces gradients (DDP); ``shard_grads_and_optimizer`` is FSDP2 with
+    ``reshard_after_forward=False`` (ZeRO-2-like: parameters all-gathered once per step, gradients
+    reduce-scattered, optimizer state and master weights 1/r each); ``full_shard`` is ZeRO-3
+    (parameters also 1/r, re-gathered for every micro-batch's forward and backward).
+    """
+
+    REPLICATE = "replicate"
+    SHARD_GRADS_AND_OPTIMIZER = "shard_grads_and_optimizer"
+    FULL_SHARD = "full_shard"
+
+    @classmethod
+    def parse(cls, value: Sharding | str) -> Sharding:
+        """Also ``"ddp"``, ``"zero2"``, ``"zero3"``, ``"fsdp"`` (full shard)."""
+        return parse_choice(cls, value, "sharding", aliases=_SHARDING_ALIASES)
+
+
+_PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
+_SHARDING_ALIASES = {
+    "ddp": "replicate",
+    "zero2": "shard_grads_and_optimizer",
+    "zero3": "full_shard",
+    "fsdp": "full_shard",
+}

@@ -48,6 +48,9 @@ class CostTable:
     param_bytes: Any
     param_trainable: Any
     param_uses: tuple[Any, ...]
+    # The compute dtype its bytes and times are for ("fp32" or "bf16", a Precision value): the
+    # activation, output and cut bytes are in it; param_bytes stay the parameters' own.
+    precision: str = "fp32"
     # How measured costs were scaled to whole-graph timings (profiler only; empty when analytic):
     # forward_scale, backward_scale, whole_forward_s, whole_step_s, repeats, warmup, num_threads.
     calibration: Mapping[str, float] = field(default_factory=dict)

@@ -150,6 +150,10 @@ class OpGraph:
     # (args, kwargs, target) the graph was captured from: what the profiler runs when planning is
     # given the graph alone (None for graphs built by hand)
     example_inputs: tuple | None = field(repr=False, default=None)
+    # ``recapture(args, kwargs, target, training=True)``: the same model captured again, with the
+    # same options, on other inputs (another sequence length) or in eval mode; None for graphs
+    # built by hand or loaded. The runtime uses it for batches of other shapes and for evaluation.
+    recapture: Callable[..., OpGraph] | None = field(repr=False, default=None)
 
     @property
     def num_nodes(self) -> int:

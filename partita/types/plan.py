@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from partita.types.choices import Schedule
+from partita.types.choices import Precision, Schedule, Sharding
 from partita.types.cluster import Cluster
 
 if TYPE_CHECKING:
@@ -14,6 +14,28 @@ if TYPE_CHECKING:
 
 
 PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Predicted bytes of one device at its peak, by kind; the parts sum to ``total_bytes``.
+
+    ``params_bytes``: parameters and buffers as computed with (under full_shard / shard_grads_and_optimizer
+    the shard plus what is gathered at the peak); ``grads_bytes``: the gradients alive at the peak;
+    ``optimizer_bytes``: optimizer state plus fp32 master weights (bf16); ``activations_bytes``: kept
+    for backward at the peak; ``buffers_bytes``: communication buffers, working memory of one
+    operation, or the optimizer step's temporaries (whichever peak is the larger).
+    """
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    buffers_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes + self.buffers_bytes
 
 
 @dataclass(frozen=True)
@@ -37,7 +59,11 @@ class StagePlan:
     backward_s: float  # predicted, per micro-batch per replica
     memory_bytes: int  # predicted peak per device of this stage's rank group
     param_bytes: int
-    cut_bytes: int  # bytes sent to the next stage per micro-batch (0 for the last stage)
+    cut_bytes: int  # bytes sent to the next stage per micro-batch, in the plan's precision (0 for the last stage)
+    # how the stage's replicas share parameters, gradients and optimizer state (replicate for one replica)
+    sharding: Sharding = Sharding.REPLICATE
+    # memory_bytes by kind (None: plans made without costs, and older plan files)
+    memory_breakdown: MemoryBreakdown | None = None
 
     @property
     def num_replicas(self) -> int:
@@ -63,6 +89,9 @@ class Plan:
     # devices); None for plans made without costs (manual plans) and older plan files
     total_compute_s: float | None = None
     cost_source: str = "analytic"  # "measured" or "analytic"
+    # compute dtype: bf16 = bf16 parameters as computed with, activations and boundary tensors, fp32
+    # master weights, optimizer state and gradient reduction (partita.types.choices.Precision)
+    precision: Precision = Precision.FP32
     partita_version: str = ""
     torch_version: str = ""
     schema_version: int = PLAN_SCHEMA_VERSION

@@ -7,6 +7,7 @@ another model or cluster.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -14,10 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from partita.errors import PlanFileError
-from partita.types.choices import Schedule
+from partita.types.choices import Precision, Schedule, Sharding
 from partita.types.cluster import Cluster
 from partita.types.graph import OpGraph
-from partita.types.plan import PLAN_SCHEMA_VERSION, Plan, StagePlan
+from partita.types.plan import PLAN_SCHEMA_VERSION, MemoryBreakdown, Plan, StagePlan
 
 _STAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "index": int,
@@ -35,6 +36,9 @@ _STAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "param_bytes": int,
     "cut_bytes": int,
 }
+# Absent in files of earlier versions: they load as replicate, without a breakdown.
+_OPTIONAL_STAGE_FIELDS = ("sharding", "memory_breakdown")
+_BREAKDOWN_FIELDS: dict[str, type] = {f.name: int for f in dataclasses.fields(MemoryBreakdown)}
 _PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
     "schema_version": int,
     "partita_version": str,
@@ -52,7 +56,7 @@ _PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
     "predicted_bubble_fraction": (int, float),
     "cost_source": str,
 }
-_OPTIONAL_PLAN_FIELDS = ("total_compute_s",)  # absent in files of earlier versions
+_OPTIONAL_PLAN_FIELDS = ("total_compute_s", "precision")  # absent in files of earlier versions (fp32)
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -71,11 +75,20 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "predicted_step_s": plan.predicted_step_s,
         "predicted_bubble_fraction": plan.predicted_bubble_fraction,
         "total_compute_s": plan.total_compute_s,
+        "precision": plan.precision.value,
         "options": dict(plan.options),
         "cluster": plan.cluster.to_dict(),
-        "stages": [
-            {**{k: getattr(s, k) for k in _STAGE_FIELDS if k != "ranks"}, "ranks": list(s.ranks)} for s in plan.stages
-        ],
+        "stages": [_stage_to_dict(s) for s in plan.stages],
+    }
+
+
+def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
+    breakdown = stage.memory_breakdown
+    return {
+        **{k: getattr(stage, k) for k in _STAGE_FIELDS if k != "ranks"},
+        "ranks": list(stage.ranks),
+        "sharding": stage.sharding.value,
+        "memory_breakdown": None if breakdown is None else {k: getattr(breakdown, k) for k in _BREAKDOWN_FIELDS},
     }
 
 
@@ -133,10 +146,8 @@ def plan_from_dict(data: Any, *, source: str = "plan") -> Plan:
         )
     _check_fields(data, _PLAN_FIELDS, source, "", optional=_OPTIONAL_PLAN_FIELDS)
     stages = tuple(_stage_from_dict(s, k, source) for k, s in enumerate(_nonempty(data["stages"], "stages", source)))
-    try:
-        schedule = Schedule.parse(data["schedule"])
-    except ValueError as e:
-        raise PlanFileError(f"{source}: field 'schedule': {e}") from e
+    schedule = _choice(Schedule, data["schedule"], "schedule", source)
+    precision = _choice(Precision, data.get("precision", Precision.FP32.value), "precision", source)
     plan = Plan(
         graph_fingerprint=data["graph_fingerprint"],
         cluster=_cluster(data["cluster"], source),
@@ -151,12 +162,23 @@ def plan_from_dict(data: Any, *, source: str = "plan") -> Plan:
         predicted_bubble_fraction=float(data["predicted_bubble_fraction"]),
         total_compute_s=_optional_seconds(data, "total_compute_s", source),
         cost_source=data["cost_source"],
+        precision=precision,
         partita_version=data["partita_version"],
         torch_version=data["torch_version"],
         schema_version=version,
     )
     check_plan_consistency(plan, source)
     return plan
+
+
+def _choice(cls: Any, value: Any, field: str, source: str) -> Any:
+    """The member of the string enum ``cls`` a field names; PlanFileError otherwise."""
+    if not isinstance(value, str):
+        raise PlanFileError(f"{source}: field {field!r} is {value!r}, expected a string")
+    try:
+        return cls.parse(value)
+    except ValueError as e:
+        raise PlanFileError(f"{source}: field {field!r}: {e}") from e
 
 
 def _optional_seconds(data: dict, key: str, source: str) -> float | None:
@@ -173,14 +195,25 @@ def _stage_from_dict(data: Any, k: int, source: str) -> StagePlan:
     where = f"stages[{k}]"
     if not isinstance(data, dict):
         raise PlanFileError(f"{source}: {where} must be an object, found {type(data).__name__}")
-    _check_fields(data, _STAGE_FIELDS, source, where + ".")
+    _check_fields(data, _STAGE_FIELDS, source, where + ".", optional=_OPTIONAL_STAGE_FIELDS)
     ranks = data["ranks"]
     if not ranks or not all(type(r) is int and r >= 0 for r in ranks) or len(set(ranks)) != len(ranks):
         raise PlanFileError(f"{source}: {where}.ranks is {ranks!r}: it must be a non-empty list of distinct ranks >= 0")
     values = {key: data[key] for key in _STAGE_FIELDS}
     values["ranks"] = tuple(ranks)
     values["forward_s"], values["backward_s"] = float(data["forward_s"]), float(data["backward_s"])
+    values["sharding"] = _choice(Sharding, data.get("sharding", Sharding.REPLICATE.value), f"{where}.sharding", source)
+    values["memory_breakdown"] = _breakdown(data.get("memory_breakdown"), f"{where}.memory_breakdown", source)
     return StagePlan(**values)
+
+
+def _breakdown(data: Any, where: str, source: str) -> MemoryBreakdown | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise PlanFileError(f"{source}: {where} must be an object or null, found {type(data).__name__}")
+    _check_fields(data, _BREAKDOWN_FIELDS, source, where + ".")
+    return MemoryBreakdown(**data)
 
 
 def _check_fields(
@@ -237,6 +270,7 @@ def check_plan_consistency(plan: Plan, source: str = "plan") -> None:
                 "stages must be contiguous, without gaps or overlaps"
             )
     _check_rank_groups(plan, source)
+    _check_sharding(plan, source)
     recomputed = [k for k, s in enumerate(stages) if s.recompute]
     if plan.schedule is Schedule.ZBV and recomputed and plan.method != "manual":
         # The planner never recomputes under ZBV (partita.planning.options.recompute_allowed): such a
@@ -269,6 +303,17 @@ def _check_rank_groups(plan: Plan, source: str) -> None:
                 )
     if sorted(groups) != list(range(len(groups))):
         raise PlanFileError(f"{source}: rank groups are {sorted(groups)}, expected 0..{len(groups) - 1}")
+
+
+def _check_sharding(plan: Plan, source: str) -> None:
+    """A sharding level other than replicate needs a replica group to shard over: with one replica it
+    would do nothing, and partita never changes a value it was given, so such a plan is refused."""
+    for k, s in enumerate(plan.stages):
+        if s.sharding is not Sharding.REPLICATE and s.num_replicas == 1:
+            raise PlanFileError(
+                f"{source}: stages[{k}].sharding is {s.sharding.value!r}, but the stage has one replica, so there "
+                "is nothing to shard over: set it to 'replicate', or give the stage several replicas"
+            )
 
 
 def _check_batch(plan: Plan, source: str) -> None:

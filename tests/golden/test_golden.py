@@ -44,6 +44,13 @@ PLAN_CASES = {
         gbs=16,
         kw=dict(schedules="gpipe", num_stages=2),
     ),
+    "gpt2-tiny_h100x4_fp32_zero2": dict(
+        model="gpt2-tiny",
+        batch=8,
+        cluster=dict(device="h100", num_devices=4),
+        gbs=32,
+        kw=dict(precision="fp32", sharding="shard_grads_and_optimizer", replicas=2),
+    ),
     "mlp-tiny_h100x6_uneven": dict(
         model="mlp-tiny", batch=8, cluster=dict(device="h100", num_devices=6), gbs=24, kw=dict(uniform_replicas=False)
     ),

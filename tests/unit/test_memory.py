@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from partita.cost.memory import ALLREDUCE_BUCKET_BYTES, device_memory, microbatches_in_flight
-from partita.types import CostTable, OptimizerKind, Schedule
+from partita.types import CostTable, OptimizerKind, Precision, Schedule
 
 MiB = 2**20
 
@@ -100,10 +100,18 @@ def test_recompute_keeps_stage_inputs_plus_one_microbatch():
     assert mem.optimizer_bytes == 0
 
 
-def test_mixed_precision_adds_fp32_master_weights():
-    mem = device_memory(mlp_costs(), [(2, 3)], in_flight=1, optimizer=OptimizerKind.ADAM, mixed_precision=True)
-    half = 40960 + 40  # bytes of w2, b2 in 16 bits
-    assert mem.optimizer_bytes == 2 * (2 * half) + 2 * half  # Adam m, v in fp32 + fp32 master copy
+def test_bf16_keeps_fp32_master_weights_and_a_bf16_copy_per_microbatch_in_flight():
+    kw = dict(optimizer=OptimizerKind.ADAM, precision=Precision.BF16)
+    mem = device_memory(mlp_costs(), [(2, 3)], in_flight=1, **kw)
+    three = device_memory(mlp_costs(), [(2, 3)], in_flight=3, **kw)
+    master = 40960 + 40  # bytes of w2, b2 in fp32 (the table holds the parameters' own bytes)
+    assert mem.param_bytes == master  # the fp32 parameters are the master weights
+    assert mem.optimizer_bytes == 2 * master  # Adam m, v
+    assert mem.grad_bytes == master  # fp32 gradients (the reduce dtype)
+    # autocast's bf16 copy of the weights, saved for backward by every micro-batch in flight
+    fp32 = device_memory(mlp_costs(), [(2, 3)], in_flight=1, optimizer=OptimizerKind.ADAM)
+    assert mem.activation_bytes - fp32.activation_bytes == master // 2
+    assert three.activation_bytes == 3 * mem.activation_bytes
 
 
 def test_replicas_add_an_allreduce_bucket():

@@ -189,16 +189,19 @@ def test_zbv_with_recompute_is_refused(gpt2, schedules):
 def test_zbv_never_recomputes_and_says_so_when_nothing_fits_without(gpt2):
     """ZBV keeps recomputed activations alive between its I and W passes (bench/results/e2e_memory.md),
     so the search never recomputes under it; with only ZBV allowed, a memory that needs
-    recomputation is infeasible, and the error points to 1F1B with recomputation."""
+    recomputation is infeasible, and the error points to 1F1B with recomputation. (Replicated fp32
+    stages: ZBV's two virtual stages per rank group could fit by full sharding instead.)"""
     _, graph = gpt2
-    with_recompute = _smallest_memory(graph, schedules=["1f1b"], recompute=True)
-    zbv = _smallest_memory(graph, schedules=["zbv"])
+    pins = dict(sharding="replicate", precision="fp32")
+    with_recompute = _smallest_memory(graph, schedules=["1f1b"], recompute=True, **pins)
+    zbv = _smallest_memory(graph, schedules=["zbv"], **pins)
     assert with_recompute < zbv / 1.02
     memory = (with_recompute + zbv) // 2
-    p = partita.plan(graph, cluster=h100s(2, memory=memory), global_batch_size=8, options=PlanOptions(recompute=True))
+    cluster = h100s(2, memory=memory)
+    p = partita.plan(graph, cluster=cluster, global_batch_size=8, options=PlanOptions(recompute=True, **pins))
     assert p.schedule is not Schedule.ZBV and any(s.recompute for s in p.stages)
     with pytest.raises(InfeasiblePlanError, match="'1f1b' or 'interleaved1f1b' with recompute=True") as info:
-        partita.plan(graph, cluster=h100s(2, memory=memory), global_batch_size=8, options=PlanOptions(schedules="zbv"))
+        partita.plan(graph, cluster=cluster, global_batch_size=8, options=PlanOptions(schedules="zbv", **pins))
     assert info.value.min_memory_bytes > memory
 
 

@@ -26,7 +26,9 @@ def planned():
             schedules="1f1b", num_stages=2, replicas=2, uniform_replicas=True, costs="analytic"
         ),
     )
-    result = partita.simulate(planned.plan, lambda b: analytic_costs(graph, "h100", b), cluster)
+    result = partita.simulate(
+        planned.plan, lambda b: analytic_costs(graph, "h100", b, precision=planned.plan.precision), cluster
+    )
     return planned.plan, result, planned.baselines
 
 

@@ -1,0 +1,109 @@
+"""Choosing a stage's sharding level: which levels may be tried, and what each costs per step.
+
+The memory model (``partita.cost.memory``) says which levels fit; this module estimates the
+seconds per step that each level adds to the stage's compute, as the simulator
+(``partita.planning.simulate``) counts them, so that a rank group takes the fastest level that
+fits (ties: the least sharded). With ``T`` the stage's trainable bytes (fp32), ``T_c`` the bytes
+gathered (T: the runtime gathers fp32 parameters, in bf16 plans too), ``F``, ``B`` its forward and backward seconds per
+micro-batch, ``m`` micro-batches and ``r`` replicas:
+
+    replicate                  max(AR(T) - B, AR(bucket)) + opt(T)
+    shard_grads_and_optimizer  AG(T_c) + RS(T) + opt(T) / r
+    full_shard                 AG(T_c) + RS(T) + opt(T) / r + m (max(0, AG(T_c) - F) + max(0, AG(T_c) - B))
+
+AR/AG/RS: ring all-reduce / all-gather / reduce-scatter over the r replicas
+(``partita.cost.comm``; AG and RS also pay FSDP2's copy-in / copy-out, ``collective_times_s``); opt: the optimizer step (``optimizer_step_s``). DDP all-reduces its
+gradient buckets while the last backward runs, so only what exceeds that backward (at least the
+last bucket) shows; a sharded stage is one FSDP unit: its parameters are gathered before its first
+forward (under full_shard again for every forward and backward, prefetched during the previous
+action, so only what exceeds the action shows) and its gradients reduce-scattered after its last
+backward, neither overlapping its own compute; each replica steps its own shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from partita.cost import comm
+from partita.cost.analytic import optimizer_step_s
+from partita.cost.memory import ALLREDUCE_BUCKET_BYTES
+from partita.types import Cluster, OptimizerKind, Precision, Sharding
+
+__all__ = ["LEVELS", "collective_times_s", "levels", "step_overhead_s"]
+
+LEVELS = (Sharding.REPLICATE, Sharding.SHARD_GRADS_AND_OPTIMIZER, Sharding.FULL_SHARD)  # least sharded first
+
+
+def levels(pinned: Sharding | None, num_replicas: int) -> tuple[Sharding, ...]:
+    """The levels a stage with ``num_replicas`` replicas may take: replicate alone for one replica,
+    the pinned level otherwise, else every level, least sharded first (the tie-break)."""
+    if num_replicas == 1:
+        return (Sharding.REPLICATE,)
+    return LEVELS if pinned is None else (pinned,)
+
+
+def collective_times_s(
+    level: Sharding,
+    trainable_bytes: Any,
+    *,
+    num_replicas: int,
+    precision: Precision,
+    cluster: Cluster,
+    spans_nodes: bool,
+) -> tuple[Any, Any, Any]:
+    """(gradient collective, its part that cannot overlap the last backward, all-gather) seconds of
+    a stage with ``trainable_bytes`` (fp32) over ``num_replicas`` replicas; element-wise on arrays.
+
+    replicate: DDP's ring all-reduce of the fp32 gradients; the tail is its last bucket's. Sharded:
+    the ring reduce-scatter of the fp32 gradients (no overlap: the tail is all of it) and the ring
+    all-gather of the parameters in ``precision``, each with FSDP2's copy-in / copy-out through
+    device memory ((1 + 1/r) of the unsharded bytes, at the device's memory bandwidth)."""
+    trainable_bytes = np.asarray(trainable_bytes, dtype=np.float64)
+    zero = 0.0 * trainable_bytes
+    if num_replicas == 1:
+        return zero, zero, zero
+    latency_s, per_byte_s = comm.ring_pass_coefficients(num_replicas, cluster, spans_nodes=spans_nodes)
+    if level is Sharding.REPLICATE:
+        bucket = np.minimum(trainable_bytes, ALLREDUCE_BUCKET_BYTES)
+        return 2 * (latency_s + per_byte_s * trainable_bytes), 2 * (latency_s + per_byte_s * bucket), zero
+    device = cluster.device
+    copy_s_per_byte = (1 + 1 / num_replicas) / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+    compute_bytes = trainable_bytes  # gathered in fp32 in bf16 plans too (partita/runtime/precision.py)
+    reduce_s = latency_s + (per_byte_s + copy_s_per_byte) * trainable_bytes
+    gather_s = latency_s + (per_byte_s + copy_s_per_byte) * compute_bytes
+    return reduce_s, reduce_s, gather_s
+
+
+def step_overhead_s(
+    level: Sharding,
+    *,
+    trainable_bytes: Any,
+    forward_s: Any,
+    backward_s: Any,
+    num_microbatches: int,
+    num_replicas: int,
+    precision: Precision,
+    optimizer: OptimizerKind,
+    cluster: Cluster,
+    spans_nodes: bool,
+) -> Any:
+    """Seconds per step a stage's communication and optimizer step add to its compute under
+    ``level`` (formulas in the module docstring). Element-wise on arrays of stages."""
+    trainable_bytes = np.asarray(trainable_bytes, dtype=np.float64)
+    step_s = cluster.compute_slowdown * optimizer_step_s(
+        trainable_bytes, optimizer, cluster.device, precision=precision
+    )
+    if num_replicas == 1:
+        return step_s
+    reduce_s, tail_s, gather_s = collective_times_s(
+        level, trainable_bytes, num_replicas=num_replicas, precision=precision, cluster=cluster, spans_nodes=spans_nodes
+    )
+    if level is Sharding.REPLICATE:
+        return np.maximum(reduce_s - backward_s, tail_s) + step_s
+    overhead = gather_s + reduce_s + step_s / num_replicas
+    if level is Sharding.FULL_SHARD:
+        exposed = np.maximum(0.0, gather_s - forward_s) + np.maximum(0.0, gather_s - backward_s)
+        overhead = overhead + num_microbatches * exposed
+    return overhead
