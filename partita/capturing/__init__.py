@@ -11,6 +11,7 @@ samples of the batch (along a wrong dim, or in a loss that couples them: ``OpGra
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -110,7 +111,43 @@ def capture(
         example_inputs=(tuple(args), dict(kwargs), target),
         couples_samples=coupling_record(gm, coupling, index_of, inputs, prefix) if coupling else None,
         batch_fixed_at=fixed_at,
+        recapture=functools.partial(
+            _recapture,
+            model,
+            [m.training for m in model.modules()],
+            loss_fn=loss_fn,
+            dynamic_batch=dynamic_batch,
+            batch_dims=batch_dims,
+        ),
     )
+
+
+def _recapture(
+    model: torch.nn.Module,
+    modes: list[bool],
+    args: tuple,
+    kwargs: dict,
+    target: Any,
+    *,
+    training: bool = True,
+    **options: Any,
+) -> OpGraph:
+    """``capture`` again, with the first capture's options and modules' train/eval modes
+    (``training=False``: every module in eval mode, dropout off, batch norm from running
+    statistics); the model's modes are restored afterwards (``OpGraph.recapture``)."""
+    modules = list(model.modules())
+    if len(modules) != len(modes):
+        raise InputError(
+            f"the model has {len(modules)} modules but had {len(modes)} when it was captured: capture it again"
+        )
+    now = [m.training for m in modules]
+    try:
+        for m, mode in zip(modules, modes):
+            m.training = mode and training
+        return capture(model, args, kwargs, target=target, **options)
+    finally:
+        for m, mode in zip(modules, now):
+            m.training = mode
 
 
 def _export_with_batch(module, leaves, declared, args, kwargs, target, has_loss_fn, dynamic_batch):

@@ -41,7 +41,7 @@ import datetime
 import hashlib
 import os
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -315,15 +315,21 @@ class GradientSync:
         *,
         timeout: datetime.timedelta | None = None,
         world_group: dist.ProcessGroup | None = None,
+        sharded: Collection[str] = (),
     ):
         self.params = dict(params)  # this rank's trainable parameters, canonical name -> Parameter
+        # Read by sharded stages (sharding.py): FSDP2 reduce-scatters them over the replicas, and
+        # each replica's shard is its own part of the norm.
+        self.sharded = frozenset(sharded)
         self.scale = scale  # 1 / (num_microbatches * replicas of the last stage), or 1 (loss_scaling.py)
         self.world_group = world_group  # the norm's all-reduce (None: the default group)
-        self.owned = [name for name in self.params if min(holders[name]) == rank]  # counted once in the norm
+        self.owned = [
+            name for name in self.params if name in self.sharded or min(holders[name]) == rank
+        ]  # once in the norm
         self.buckets: list[tuple[dist.ProcessGroup, list[str]]] = []
         for ranks in sorted({tuple(h) for h in holders.values() if len(h) > 1}):
             group = new_group(list(ranks), timeout)  # collective: every rank creates every group, in this order
-            names = [name for name in self.params if tuple(holders[name]) == ranks]
+            names = [name for name in self.params if tuple(holders[name]) == ranks and name not in self.sharded]
             if rank in ranks and names:
                 self.buckets.append((group, names))
 
@@ -355,13 +361,14 @@ class GradientSync:
         for name in self.owned:
             grad = self.params[name].grad
             if grad is not None:
-                squares += torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).double() ** 2
+                squares += torch.linalg.vector_norm(local_tensor(grad).detach(), dtype=torch.float32).double() ** 2
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.world_group)
         total = squares.sqrt().float()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.params.values():
             if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+                grad = local_tensor(p.grad)  # a shard's local tensor: scaled in place
+                grad.mul_(coef.to(grad.device, grad.dtype))
         return total
 
     def _grad(self, name: str) -> torch.Tensor:
@@ -370,6 +377,13 @@ class GradientSync:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         return p.grad
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (FSDP2's parameters and gradients), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _group_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -1,7 +1,7 @@
 """Make each slice's loss a part of the full-batch loss: rewrite the stages, feed global values.
 
 A step computes the loss once per *slice* -- one micro-batch of one replica of the last stage,
-``S = num_microbatches x replicas(last stage)`` slices in all. Unsplit training computes it once
+``S = num_microbatches x replicas(last stage) x accumulation_steps`` slices in all. Unsplit training computes it once
 over the global batch. Two ways to make the two agree (``partita.capturing.normalizer`` tells
 which one a loss needs):
 
@@ -95,9 +95,11 @@ class LossScaling:
         stages: Sequence[StageModule],
         local: Sequence[StageModule],
         device: torch.device,
+        *,
+        accumulation_steps: int = 1,
     ):
         self.graph, self.device = graph, device
-        self.num_slices = plan.num_microbatches * plan.stages[-1].num_replicas
+        self.num_slices = plan.num_microbatches * plan.stages[-1].num_replicas * accumulation_steps
         try:
             self.structure: LossStructure = analyse_loss(graph)
         except Exception as e:  # noqa: BLE001 - an analysis failure must not stop training: fall back, say so

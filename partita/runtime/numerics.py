@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from partita.checks import parse_choice
 
@@ -115,8 +116,9 @@ def gradient_findings(
     """The parameters of this rank whose gradient holds a NaN or an inf."""
     found = []
     for name, p in params.items():
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-            found.append(NonFinite("gradient", _value(p.grad), stages_of.get(name, ()), rank, parameter=name))
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # a sharded stage's: this shard
+        if grad is not None and not bool(torch.isfinite(grad).all()):
+            found.append(NonFinite("gradient", _value(grad), stages_of.get(name, ()), rank, parameter=name))
     return found
 
 

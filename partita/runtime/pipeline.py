@@ -25,7 +25,7 @@ split backward  ZBV runs each backward as an input-gradient pass, then a weight 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.utils.checkpoint import checkpoint
 
+from partita.runtime.precision import FP32, Compute
 from partita.runtime.stages import StageModule
 from partita.types import OpGraph, Schedule
 
@@ -49,6 +50,7 @@ __all__ = [
     "StageRunner",
     "build_schedule",
     "make_pipeline_stages",
+    "rng_and_buffers_restored",
     "root_chunk_spec",
     "root_key",
     "stage_metadata",
@@ -73,16 +75,21 @@ class StageRunner(nn.Module):
     use a saved tensor that has been detached in-place".
     """
 
-    def __init__(self, stage: StageModule, recompute: bool, fresh_outputs: bool = False):
+    def __init__(self, stage: StageModule, recompute: bool, fresh_outputs: bool = False, compute: Compute = FP32):
         super().__init__()
         self.stage = stage
         self.recompute = recompute
         self.fresh_outputs = fresh_outputs and not stage.spec.is_last
+        self.compute = compute
         self.keys = tuple(root_key(j) for j in stage.graph_input_indices)
 
     def forward(self, *received: torch.Tensor, **root_inputs: Any) -> Any:
         inputs = (*received, *(root_inputs[key] for key in self.keys))
-        out = checkpoint(self.stage, *inputs, use_reentrant=False) if self.recompute else self.stage(*inputs)
+        with self.compute.context():  # checkpoint's recomputation restores it too
+            out = checkpoint(self.stage, *inputs, use_reentrant=False) if self.recompute else self.stage(*inputs)
+        if self.stage.spec.is_last:
+            return out
+        out = tuple(self.compute.boundary(t) for t in out)
         return tuple(t.clone() for t in out) if self.fresh_outputs else out
 
 
@@ -109,7 +116,7 @@ class StageMetadata:
 
 
 def stage_metadata(
-    stages: Sequence[StageModule], flat_microbatch: Sequence[Any], device: torch.device
+    stages: Sequence[StageModule], flat_microbatch: Sequence[Any], device: torch.device, compute: Compute = FP32
 ) -> list[StageMetadata]:
     """The metadata of every stage of the plan, from one real micro-batch.
 
@@ -117,14 +124,16 @@ def stage_metadata(
     part of the metadata: a float tensor that does not depend on a parameter gets no gradient).
     The RNG state and every buffer are restored afterwards, so training continues exactly as if
     this run had not happened (BatchNorm statistics, dropout streams). Stage outputs are detached
-    between stages, so only one stage's activations are alive at a time.
+    between stages, so only one stage's activations are alive at a time. Stages run in ``compute``'s
+    precision, and record the dtypes their runners send (precision.py).
     """
     metadata = []
     received: tuple[torch.Tensor, ...] = ()
-    with _rng_and_buffers_restored(stages, device):
+    with rng_and_buffers_restored(stages, device):
         for stage in stages:
-            out = stage(*received, *stage.graph_inputs(flat_microbatch))
-            outputs = (out,) if stage.spec.is_last else tuple(out)
+            with compute.context():
+                out = stage(*received, *stage.graph_inputs(flat_microbatch))
+            outputs = (out,) if stage.spec.is_last else tuple(compute.boundary(t) for t in out)
             complete = _split_backward_complete(stage, received, outputs)
             outputs = tuple(_detached(t) for t in outputs)
             metadata.append(StageMetadata(received, outputs, complete))
@@ -168,12 +177,17 @@ def make_pipeline_stages(
     schedule: Schedule,
     device: torch.device,
     pp_group: Any,
+    runners: Mapping[int, nn.Module] | None = None,
+    compute: Compute = FP32,
 ) -> list[PipelineStage]:
-    """One PipelineStage per local stage (``stages``), with static metadata."""
+    """One PipelineStage per local stage (``stages``), with static metadata; ``runners`` by stage
+    index are used as they are (sharded ones, sharding.py), the other stages get a StageRunner."""
     result = []
     for stage, flag in zip(stages, recompute):
         meta = metadata[stage.spec.index]
-        runner = StageRunner(stage, flag, fresh_outputs=schedule is Schedule.ZBV)
+        runner = (runners or {}).get(stage.spec.index) or StageRunner(
+            stage, flag, fresh_outputs=schedule is Schedule.ZBV, compute=compute
+        )
         # A dw_builder makes the input-gradient pass a full backward, and the weight pass a no-op.
         whole = None if meta.split_backward_complete else _no_weight_pass
         result.append(
@@ -225,7 +239,8 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _rng_and_buffers_restored(stages: Sequence[StageModule], device: torch.device) -> Iterator[None]:
+def rng_and_buffers_restored(stages: Sequence[StageModule], device: torch.device) -> Iterator[None]:
+    """Run the body in a fork of the RNG state, and put every buffer of ``stages`` back afterwards."""
     buffers = {id(b): b for stage in stages for b in stage.buffers()}
     saved = {key: b.detach().clone() for key, b in buffers.items()}
     devices = [device] if device.type == "cuda" else []

@@ -38,7 +38,7 @@ constants lifted by export (T5's ``lifted_tensor_0``, as non-persistent buffers)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -136,6 +136,17 @@ class StageModule(nn.Module):
             )
         tensors = [slots[key] for slots, key in self._slots]
         return self.graph_module(*tensors, *inputs)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Canonical name -> the parameter or buffer this stage reads under it."""
+        return {name: slots[key] for (slots, key), name in zip(self._slots, self.spec.param_names)}
+
+    def rebind(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Read ``tensors[name]`` for the parameters and buffers named there (another stage set's
+        objects: one set of weights for graphs captured at several shapes, partita.runtime.variants)."""
+        for (slots, key), name in zip(self._slots, self.spec.param_names):
+            if name in tensors:
+                slots[key] = tensors[name]
 
     def extra_repr(self) -> str:
         s = self.spec

@@ -48,6 +48,23 @@ Randomness (dropout): every step, each rank draws from a generator seeded from (
 pipeline position, its replica, the step number), so replicas draw different masks and a run
 with the same seed repeats itself; the global RNG state the user sees is left untouched.
 
+Batches of other shapes: a plan is made at the example's shapes, the longest the job will see. A
+batch padded to a shorter length (or bucketed) runs the model captured again at its shapes, split
+at the matching nodes into the same stages and reading the same tensors (variants.py): once per
+distinct shape, without re-planning. A longer batch is refused (the memory fit holds up to the
+captured sizes). ``evaluate`` runs the model captured in eval mode the same way, forwards only.
+
+Precision and sharding (``Plan.precision``, ``StagePlan.sharding``): bf16 plans run every stage
+under autocast with fp32 master weights and send activations in bf16 (precision.py); a stage
+sharded over its replicas runs as an FSDP2 module, ZeRO-2-like or ZeRO-3 (sharding.py). Both are
+exact in the same sense as above: fp32 sharding equals unsplit training up to summation order,
+bf16 equals the unsplit model under the same autocast policy up to bf16 rounding.
+
+Gradient accumulation (``accumulation_steps=K``): a step takes ``K * plan.global_batch_size``
+samples, runs K pipeline rounds of ``plan.global_batch_size`` each, gradients accumulating, and
+steps the optimizer once: the same update as unsplit training on all the samples (the loss's
+global counts are taken over all of them).
+
 One plan per job: at start, every rank compares a digest of its plan with the others' and all
 raise PlanFileError if they differ (``shared_plan`` makes the plan on rank 0 only and shares it).
 With ``collective_timeout_s``, a wait on a hung rank ends in CollectiveTimeoutError naming the
@@ -65,19 +82,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from partita.capturing import canonical_names
+from partita.checks import positive_int
 from partita.errors import InputError, NumericsError, PartitaError
 from partita.planning.context import check_whole_batch
-from partita.runtime.batch_values import check_batch_values, index_uses
+from partita.runtime.batch_values import check_batch_values
 from partita.runtime.checkpoint import load_checkpoint, save_checkpoint
 from partita.runtime.data_parallel import (
     GradientSync,
     Topology,
+    local_tensor,
     unique_parameters,
 )
 from partita.runtime.job import shared_plan, start_topology
-from partita.runtime.loss_scaling import LossScaling
 from partita.runtime.materialize import materialize, on_meta, retarget_device
 from partita.runtime.numerics import (
     NonFinitePolicy,
@@ -87,9 +106,12 @@ from partita.runtime.numerics import (
     gradient_findings,
     loss_findings,
 )
-from partita.runtime.pipeline import build_schedule, make_pipeline_stages, root_chunk_spec, root_key, stage_metadata
+from partita.runtime.pipeline import rng_and_buffers_restored, stage_metadata
+from partita.runtime.precision import Compute
 from partita.runtime.progress import Progress, is_timeout
+from partita.runtime.sharding import check_sharding, gathered_for, sharded_names, sharded_runners, sharded_stages
 from partita.runtime.stages import StageModule, flatten_inputs, narrow_batch, split_graph
+from partita.runtime.step_program import StepProgram
 from partita.runtime.trainer_setup import (
     batch_of,
     check_scheduler,
@@ -97,10 +119,10 @@ from partita.runtime.trainer_setup import (
     holders,
     meta_microbatch,
     resolve_graph,
-    shape_without_batch,
     state_names,
 )
-from partita.runtime.uneven import UnevenExecutor, check_uneven_boundaries
+from partita.runtime.uneven import check_uneven_boundaries
+from partita.runtime.variants import captured_shapes, check_within_plan, input_shapes, variant_stages
 from partita.types import OpGraph, Plan
 
 __all__ = ["Trainer", "shared_plan"]
@@ -114,7 +136,9 @@ class Trainer:
 
     Args:
         model: the unmodified model, with the same weights on every rank. Its parameters are
-            trained in place (stage modules hold the model's own Parameter objects).
+            trained in place (stage modules hold the model's own Parameter objects), except those
+            of stages the plan shards: FSDP2 replaces them by DTensor shards (``gather_state_dict``
+            and checkpoints give the trained weights).
         plan: a Plan made for this model's graph: uniform (same replica count for every stage), or
             uneven (GPipe/1F1B, one stage per rank group, any replica count per stage).
         optimizer: ``params -> Optimizer``; each rank builds one over the parameters of its stages.
@@ -134,6 +158,8 @@ class Trainer:
             seeded per step from (seed, pipeline position, replica, step), so replicas draw
             different masks and runs with the same seed are identical. None: ``torch.initial_seed()``
             (the last ``torch.manual_seed``).
+        accumulation_steps: pipeline rounds per optimizer step; each step is then given
+            ``accumulation_steps * plan.global_batch_size`` samples.
         collective_timeout_s: how long a collective or a transfer between stages may wait before
             CollectiveTimeoutError (naming the step, this rank and the ranks that have not reached
             the step); also the timeout of the process group when the trainer initialises it.
@@ -146,7 +172,7 @@ class Trainer:
     Attributes: ``graph``, ``plan``, ``topology`` (rank, replica, mesh, groups), ``stages`` (this rank's
     StageModules), ``optimizer``, ``lr_scheduler``, ``loss_scaling`` (how the loss is normalised over
     the global batch), ``seed``, ``num_steps`` (steps taken, skipped ones included),
-    ``num_skipped_steps``, ``last_grad_norm``.
+    ``num_skipped_steps``, ``last_grad_norm``, ``accumulation_steps``.
     """
 
     def __init__(
@@ -164,6 +190,7 @@ class Trainer:
         init_from: str | None = None,
         seed: int | None = None,
         collective_timeout_s: float | None = None,
+        accumulation_steps: int = 1,
     ):
         if not isinstance(plan, Plan):
             raise InputError(f"plan must be a partita.Plan, got {type(plan).__name__}: load one with partita.Plan.load")
@@ -172,6 +199,7 @@ class Trainer:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise InputError(f"seed must be a non-negative int or None, got {seed!r}")
         self.model, self.plan, self.max_grad_norm = model, plan, max_grad_norm
+        self.accumulation_steps = positive_int(accumulation_steps, "accumulation_steps")
         self.seed = seed if seed is not None else torch.initial_seed()
         self.collective_timeout_s = collective_timeout_s
         self.on_nonfinite = NonFinitePolicy.parse(on_nonfinite)
@@ -185,12 +213,14 @@ class Trainer:
         check_whole_batch(self.graph, plan.num_microbatches, [s.num_replicas for s in plan.stages])
         self._state_names = state_names(model)
         self.topology: Topology = start_topology(plan, collective_timeout_s)
+        self.compute = Compute(plan.precision, self.topology.device.type)  # fp32, or bf16 autocast (precision.py)
         self._progress = Progress(
             self.topology.rank, self.topology.world_size, enabled=collective_timeout_s is not None
         )
         self._all_stages = split_graph(self.graph, plan.boundaries)
         if not plan.uniform_replicas:
             check_uneven_boundaries(self.graph, plan, self._all_stages)
+        self._captured_shapes = captured_shapes(self.graph)
         # Samples per micro-batch that this rank's stages run (uniform: plan.microbatch_size).
         self._samples = plan.global_batch_size // (plan.num_microbatches * self.topology.replicas)
         group = self.topology.rank_group
@@ -199,7 +229,7 @@ class Trainer:
         if on_meta(model):
             # Static pipeline metadata from shapes alone, while every stage is still on meta.
             self._metadata = stage_metadata(
-                self._all_stages, meta_microbatch(self.graph, self._samples), torch.device("cpu")
+                self._all_stages, meta_microbatch(self.graph, self._samples), torch.device("cpu"), self.compute
             )
             materialize(
                 model,
@@ -223,6 +253,9 @@ class Trainer:
                     self.topology.device,
                     init_from,
                 )
+        check_sharding(plan, self._all_stages)
+        # before the optimizer: FSDP2 makes new (DTensor) parameters
+        self._runners = sharded_runners(plan, self.stages, self.topology, self.compute)
         self._holders = holders(plan, self._all_stages)
         self.params = unique_parameters(self.stages)
         self._stages_of = {
@@ -232,8 +265,17 @@ class Trainer:
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         check_scheduler(self.lr_scheduler)
         # Rewrites the stages that compute a loss normalised by a data-dependent count (loss_scaling.py).
-        self._index_uses = index_uses(self.graph)
-        self.loss_scaling = LossScaling(self.graph, plan, self._all_stages, self.stages, self.topology.device)
+        planned = StepProgram(
+            self.graph,
+            plan,
+            self.topology,
+            self._all_stages,
+            accumulation_steps=self.accumulation_steps,
+            runners=self._runners,
+            compute=self.compute,
+        )
+        self._programs: dict[tuple, StepProgram] = {(True, self._captured_shapes): planned}
+        self.loss_scaling = planned.loss_scaling
         trainable = {name: h for name, h in self._holders.items() if name in self._trainable_names()}
         top = self.topology
         self.grad_sync = GradientSync(
@@ -243,19 +285,16 @@ class Trainer:
             self.loss_scaling.grad_scale,
             timeout=top.timeout,
             world_group=top.world_group,
+            sharded=sharded_names(plan, self._all_stages) & set(trainable),
         )
         self.num_steps = 0
         self.num_skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._warned_loss = False
-        self._root_indices = sorted({j for s in self.stages for j in s.graph_input_indices})
-        self._schedule: Any = None  # uniform plans: the torch schedule
-        self._executor: UnevenExecutor | None = None  # uneven plans
-        self._input_shapes: list | None = None
         if example_inputs is not None:
             flat = flatten_inputs(self.graph, *example_triple(example_inputs))
             if batch_of(self.graph, flat) >= self._samples:
-                self._build_pipeline(narrow_batch(self.graph, flat, 0, self._samples))
+                planned.build(narrow_batch(self.graph, flat, 0, self._samples), self._metadata)
 
     # ------------------------------------------------------------------ training
 
@@ -264,31 +303,27 @@ class Trainer:
 
         Call it exactly like the model: ``trainer.step(*args, **kwargs)``. When the graph was
         captured with a ``loss_fn``, the keyword ``target=`` is the loss target (not a model
-        input). Every rank must pass the same batch of ``plan.global_batch_size`` samples.
+        input). Every rank must pass the same batch of ``plan.global_batch_size *
+        accumulation_steps`` samples; its non-batch dims (sequence length) may be smaller than
+        the captured ones, never larger.
 
         Raises NumericsError (on every rank, before the optimizer step) when a loss or gradient
         is not finite, unless the trainer was built with ``on_nonfinite="skip"``.
         """
         step = self.num_steps + 1
         self._progress.mark(step)
-        target = kwargs.pop("target", None) if self.graph.has_loss_fn else None
-        flat = flatten_inputs(self.graph, args, kwargs, target)
-        check_batch_values(self.graph, flat, f"step {step}", self._index_uses)  # before any stage fails on them
-        local = self._local_batch(flat)
-        self.loss_scaling.update(flat)  # global counts of the step, from the whole global batch
-        if self._schedule is None and self._executor is None:
-            self._build_pipeline(narrow_batch(self.graph, local, 0, self._samples))
-        self._check_shapes(local)
-        self._warn_about_loss()
+        program, flat = self._prepare(args, kwargs, f"step {step}", training=True)
+        self._warn_about_loss(program)
         self.optimizer.zero_grad(set_to_none=True)
+        self.grad_sync.scale = program.loss_scaling.grad_scale
         doing = "the pipeline's transfers between stages"
         try:
             with self._step_rng():
-                losses = self._run_microbatches(local)
+                losses = self._run_rounds(program, flat)
             doing = "the all-reduce of gradients over their holders"
             self.grad_sync.reduce_and_scale()
             doing = "the all-reduce of the loss"
-            loss, num_nonfinite = self._global_loss(losses)
+            loss, num_nonfinite = self._global_loss(program, losses)
             if num_nonfinite:
                 doing = "gathering the non-finite values"
                 return self._nonfinite_step(loss, losses)
@@ -307,6 +342,24 @@ class Trainer:
         self.num_steps += 1
         return loss
 
+    def evaluate(self, *args: Any, **kwargs: Any) -> float:
+        """The loss of this batch with the model in eval mode (dropout off, batch norm from its
+        running statistics), the same on every rank; nothing changes: weights, gradients,
+        optimizer, buffers, RNG streams and ``num_steps`` are left as they were.
+
+        Called like ``step``, with a batch of as many samples. The model is captured once more in
+        eval mode (per input shape) and run forward through the plan's pipeline (variants.py).
+        """
+        program, flat = self._prepare(args, kwargs, "evaluate", training=False)
+        gathered = gathered_for(program.all_stages, self._runners, self._all_stages)
+        with torch.no_grad(), rng_and_buffers_restored(program.stages, self.topology.device), gathered:
+            losses = self._run_rounds(program, flat, forward_only=True)
+        local = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
+        if losses:  # this rank runs the last stage
+            local[0] = program.loss_scaling.reported_loss(losses)
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.topology.world_group)
+        return float(local.item())
+
     def gather_state_dict(self) -> dict[str, torch.Tensor] | None:
         """On rank 0: the full state dict (parameters and persistent buffers, CPU tensors) with
         the keys of ``model.state_dict()`` (tied names included), so that the unsplit model
@@ -316,7 +369,11 @@ class Trainer:
         the loss) come from rank 0's model, which never changes them.
         """
         rank = self.topology.rank
-        local = {name: t.detach().cpu().clone() for name, t in self.held_state().items() if self._owner(name) == rank}
+        local = {}
+        for name, t in sorted(self.held_state().items()):  # one order on every rank: full_tensor is collective
+            whole = t.full_tensor() if isinstance(t, DTensor) else t  # a sharded stage's: gathered over its replicas
+            if self._owner(name) == rank:
+                local[name] = whole.detach().cpu().clone()
         gathered: list | None = [None] * self.topology.world_size if rank == 0 else None
         dist.gather_object(local, gathered, dst=0)
         if rank != 0:
@@ -349,13 +406,79 @@ class Trainer:
 
     # ------------------------------------------------------------------ internals
 
+    def _prepare(self, args: tuple, kwargs: dict, where: str, *, training: bool) -> tuple[StepProgram, list]:
+        """The batch's flat inputs, checked (size, ids and labels), the program for its shapes, and
+        its global values (the loss's counts over the whole batch) filled in."""
+        kwargs = dict(kwargs)
+        target = kwargs.pop("target", None) if self.graph.has_loss_fn else None
+        flat = flatten_inputs(self.graph, args, kwargs, target)
+        self._check_batch(flat)
+        program = self._program_for(flat, args, kwargs, target, training=training)
+        check_batch_values(program.graph, flat, where, program.index_uses)  # before any stage fails on them
+        program.loss_scaling.update(flat)  # global counts of the step, from the whole batch
+        return program, flat
+
+    def _program_for(self, flat: list, args: tuple, kwargs: dict, target: Any, *, training: bool) -> StepProgram:
+        """The program for this batch's shapes and mode: the planned graph's, or a variant captured
+        now (once per shape and mode, variants.py)."""
+        shapes = input_shapes(self.graph, flat)
+        key = (training, shapes)
+        if key not in self._programs:
+            self._programs[key] = self._variant(shapes, args, kwargs, target, training=training)
+        return self._programs[key]
+
+    def _variant(self, shapes: tuple, args: tuple, kwargs: dict, target: Any, *, training: bool) -> StepProgram:
+        check_within_plan(self.graph, shapes)
+        if training and sharded_stages(self.plan):  # FSDP2 reduces the gradients of its own forwards only
+            raise InputError(
+                f"stages {sorted(sharded_stages(self.plan))} are sharded (FSDP2), and sharded stages train at the "
+                f"planned shapes {[list(s) for s in self._captured_shapes if s is not None]} (batch dim left out) "
+                f"only; got {[list(s) for s in shapes if s is not None]}: pad the batches to the planned shapes, or "
+                "plan with sharding='replicate'"
+            )
+        if self._metadata is not None:  # the model is on meta: nothing to capture again from
+            planned = [list(s) for s in self._captured_shapes if s is not None]
+            raise InputError(
+                "evaluate() is not available for a model built on the meta device (init_from=): it captures the "
+                "model again in eval mode, which needs its weights; build the model with weights to evaluate"
+                if not training
+                else f"the model was built on the meta device (init_from=), so every batch must have the planned "
+                f"shapes {planned} (batch dim left out), got {[list(s) for s in shapes if s is not None]}: pad the "
+                "batches to the planned shapes, or build the model with weights"
+            )
+        call, device = (args, kwargs, target), self.topology.device
+        graph, stages = variant_stages(self.graph, self.plan, self._all_stages, call, training, device)
+        return StepProgram(
+            graph, self.plan, self.topology, stages, accumulation_steps=self.accumulation_steps, compute=self.compute
+        )
+
+    def _run_rounds(self, program: StepProgram, flat: list, *, forward_only: bool = False) -> list[torch.Tensor]:
+        """``accumulation_steps`` pipeline rounds over consecutive ``plan.global_batch_size`` samples
+        of the batch (gradients accumulate in ``.grad``); the last stage's micro-batch losses."""
+        size = self.plan.global_batch_size
+        losses: list[torch.Tensor] = []
+        for k in range(self.accumulation_steps):
+            local = self._local_batch(
+                flat if self.accumulation_steps == 1 else narrow_batch(self.graph, flat, k * size, size)
+            )
+            self._build(program, local)
+            losses += program.run(local, forward_only=forward_only)
+        return losses
+
+    def _build(self, program: StepProgram, local: list) -> None:
+        """The program's pipeline, at its first use, from one micro-batch of ``local`` (autograd on)."""
+        if program.built:
+            return
+        planned = program is self._programs[(True, self._captured_shapes)]
+        with torch.enable_grad():
+            program.build(narrow_batch(self.graph, local, 0, self._samples), self._metadata if planned else None)
+
     def _local_batch(self, flat: list) -> list:
-        """What this rank runs, on its device: its replica's slice of the global batch (uniform),
-        or the whole global batch (uneven: the executor slices each micro-batch itself)."""
-        batch = self._check_batch(flat)
+        """What this rank runs of one round's ``plan.global_batch_size`` samples, on its device: its
+        replica's slice (uniform), or all of them (uneven: the executor slices each micro-batch itself)."""
         top = self.topology
         if top.uniform:
-            per_replica = batch // top.replicas
+            per_replica = self.plan.global_batch_size // top.replicas
             flat = narrow_batch(self.graph, flat, top.replica * per_replica, per_replica)
         return [x.to(top.device) if isinstance(x, torch.Tensor) else x for x in flat]
 
@@ -395,73 +518,33 @@ class Trainer:
                 torch.cuda.manual_seed(seed)  # this rank's device (init_topology made it current)
             yield
 
-    def _warn_about_loss(self) -> None:
+    def _warn_about_loss(self, program: StepProgram) -> None:
         """Once, at the first step, on rank 0: the loss could not be normalised over the global batch."""
-        if self.loss_scaling.warning is not None and not self._warned_loss and self.topology.rank == 0:
-            warnings.warn(self.loss_scaling.warning, RuntimeWarning, stacklevel=3)
+        if program.loss_scaling.warning is not None and not self._warned_loss and self.topology.rank == 0:
+            warnings.warn(program.loss_scaling.warning, RuntimeWarning, stacklevel=3)
         self._warned_loss = True
 
-    def _run_microbatches(self, local: list) -> list[torch.Tensor]:
-        """Forward and backward of every micro-batch; the last stage's micro-batch losses ([] elsewhere)."""
-        if self._executor is not None:
-            return self._executor.step(local)
-        losses: list[torch.Tensor] = []
-        roots = {root_key(j): local[j] for j in self._root_indices}
-        self._schedule.step(target=self._dummy_target, losses=losses, return_outputs=False, **roots)
-        return losses
-
-    def _build_pipeline(self, flat_microbatch: list) -> None:
-        """Static metadata from one micro-batch of this rank's size (``_samples``), then the plan's
-        torch schedule (uniform) or the uneven executor for this rank's one stage."""
-        plan, top = self.plan, self.topology
-        flat_microbatch = [x.to(top.device) if isinstance(x, torch.Tensor) else x for x in flat_microbatch]
-        metadata = self._metadata or stage_metadata(self._all_stages, flat_microbatch, top.device)
-        self._input_shapes = [shape_without_batch(self.graph, j, x) for j, x in enumerate(flat_microbatch)]
-        if not top.uniform:
-            stage = self.stages[0]  # uneven plans run one stage per rank group
-            self._executor = UnevenExecutor(
-                self.graph, plan, stage, top.replica, metadata[stage.spec.index], top.device, group=top.world_group
-            )
-            return
-        recompute = [plan.stages[s.spec.index].recompute for s in self.stages]
-        pipeline_stages = make_pipeline_stages(
-            self.stages, recompute, metadata, plan.schedule, top.device, top.pp_group
-        )
-        chunks = root_chunk_spec(self.graph, self._root_indices)
-        self._schedule = build_schedule(plan.schedule, pipeline_stages, plan.num_microbatches, chunks)
-        # The schedule cuts `target` into micro-batches and hands them to the loss function,
-        # which ignores them: the last stage computes the loss itself.
-        self._dummy_target = torch.zeros(plan.num_microbatches, device=top.device)
-
     def _check_batch(self, flat: list) -> int:
-        """The batch size; InputError unless it is the plan's global batch."""
+        """The batch size; InputError unless it is the plan's global batch (times ``accumulation_steps``)."""
         batch = batch_of(self.graph, flat)
-        if batch != self.plan.global_batch_size:
+        expected = self.plan.global_batch_size * self.accumulation_steps
+        if batch != expected:
+            rounds = f" x {self.accumulation_steps} accumulation steps" if self.accumulation_steps > 1 else ""
             raise InputError(
-                f"the batch has {batch} samples but the plan's global batch is "
-                f"{self.plan.global_batch_size}: pass the whole global batch on every rank"
+                f"the batch has {batch} samples but the trainer takes {expected} (the plan's global batch "
+                f"{self.plan.global_batch_size}{rounds}): pass the whole batch on every rank"
             )
         return batch
 
-    def _check_shapes(self, flat: list) -> None:
-        """Static pipeline metadata fixes every non-batch dim (sequence length, image size)."""
-        shapes = [shape_without_batch(self.graph, j, x) for j, x in enumerate(flat)]
-        if shapes != self._input_shapes:
-            raise InputError(
-                f"input shapes (batch dim left out) {shapes} differ from the first step's "
-                f"{self._input_shapes}: the pipeline's boundary tensors have static shapes; pad "
-                "every batch to the same sequence length"
-            )
-
-    def _global_loss(self, losses: list[torch.Tensor]) -> tuple[float, int]:
+    def _global_loss(self, program: StepProgram, losses: list[torch.Tensor]) -> tuple[float, int]:
         """The full-batch loss (the last stage's ranks' parts of it, ``LossScaling.reported_loss``) and
         the number of non-finite micro-batch losses and gradients over all ranks: one all-reduce, the
         same answer on every rank."""
         top = self.topology
         local = torch.zeros(2, dtype=torch.float32, device=top.device)  # (loss part, non-finite count)
         if losses:  # this rank runs the last stage
-            local[0] = self.loss_scaling.reported_loss(losses)
-        grads = [p.grad for p in self.params.values() if p.grad is not None]
+            local[0] = program.loss_scaling.reported_loss(losses)
+        grads = [local_tensor(p.grad) for p in self.params.values() if p.grad is not None]
         local[1] = count_nonfinite(losses, top.device) + count_nonfinite(grads, top.device)
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=top.world_group)
         loss, count = local.tolist()
@@ -491,13 +574,17 @@ class Trainer:
         self.num_skipped_steps += 1
         return loss
 
-    def _loss_samples(self, microbatch: int) -> tuple[int, int]:
-        """(first global sample, number of samples) of this last-stage rank's loss for ``microbatch``."""
+    def _loss_samples(self, index: int) -> tuple[int, int]:
+        """(first sample in the batch, number of samples) of this last-stage rank's ``index``-th
+        micro-batch loss (micro-batches of every accumulation round, in order)."""
         top, plan = self.topology, self.plan
+        rounds, microbatch = divmod(index, plan.num_microbatches)
+        first = rounds * plan.global_batch_size
         if top.uniform:
-            return top.replica * (plan.global_batch_size // top.replicas) + microbatch * self._samples, self._samples
+            per_replica = plan.global_batch_size // top.replicas
+            return first + top.replica * per_replica + microbatch * self._samples, self._samples
         microbatch_samples = plan.global_batch_size // plan.num_microbatches
-        return microbatch * microbatch_samples + top.replica * self._samples, self._samples
+        return first + microbatch * microbatch_samples + top.replica * self._samples, self._samples
 
     def _local_names(self) -> set[str]:
         """Canonical names of what this rank must hold: its stages' tensors, and the model's

@@ -65,10 +65,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from partita.errors import InputError
 from partita.planning.schedules import BACKWARD, FORWARD, rank_orders
 from partita.runtime.pipeline import StageMetadata, StageRunner, root_key
+from partita.runtime.precision import FP32, Compute
 from partita.runtime.stages import StageModule, narrow_batch
 from partita.types import OpGraph, Plan, TensorInfo
 
@@ -241,38 +243,50 @@ class UnevenExecutor:
         metadata: StageMetadata,
         device: torch.device,
         group: dist.ProcessGroup | None = None,
+        compute: Compute = FP32,
+        runner: nn.Module | None = None,
     ):
         spec, k = stage.spec, stage.spec.index
         self.graph, self.stage, self.metadata, self.device = graph, stage, metadata, device
         self.group = group  # of all ranks, carrying the collective timeout; None: the default group
         self.microbatch_samples = plan.global_batch_size // plan.num_microbatches
         self.first, self.num_samples = replica_slice(self.microbatch_samples, plan.stages[k].num_replicas, replica)
-        self.runner = StageRunner(stage, plan.stages[k].recompute)
+        # the stage's FSDP2 module when it is sharded (sharding.py), else a plain runner
+        self.runner = runner or StageRunner(stage, plan.stages[k].recompute, compute=compute)
+        self.sharded = runner is not None
         self.order = rank_orders(plan.schedule, plan.num_microbatches, plan.num_rank_groups, plan.num_stages)[k]
+        self.last_backward = next((a for a in reversed(self.order) if a.kind == BACKWARD), None)
         self.inbound = _side(graph, plan, k - 1, spec.input_names, replica, receiving=True) if k > 0 else None
         self.outbound = None if spec.is_last else _side(graph, plan, k, spec.output_names, replica, receiving=False)
 
-    def step(self, flat: Sequence[Any]) -> list[torch.Tensor]:
+    def step(self, flat: Sequence[Any], *, forward_only: bool = False) -> list[torch.Tensor]:
         """Forward and backward of every micro-batch in the schedule's order, ``flat`` being the
         whole global batch (flat graph inputs). Parameter gradients are accumulated, unscaled, in
         ``.grad``. Returns the last stage's micro-batch losses (detached, in micro-batch order),
-        ``[]`` on other stages."""
+        ``[]`` on other stages. ``forward_only`` (an evaluation, under no_grad): the forwards alone,
+        in the schedule's order, on every rank."""
         in_flight: dict[int, _InFlight] = {}
         losses: dict[int, torch.Tensor] = {}
         pending: list[dist.P2POp] = []  # an action's sends, issued with the next action's receives
         sent = _SendWindow()
         for action in self.order:
             i = action.microbatch
+            if forward_only and action.kind != FORWARD:
+                continue
             if action.kind == FORWARD:
                 buffers = _buffers(self.inbound, self.metadata.input_args, self.device)
                 sent.issued(_exchange(pending, _receives(self.inbound, buffers, i, FORWARD, self.group)))
                 received = self._assemble_inputs(buffers)
                 outputs = self.runner(*received, **self._root_inputs(flat, i))
-                in_flight[i] = _InFlight(received, outputs)
+                if not forward_only:
+                    in_flight[i] = _InFlight(received, outputs)
                 if self.outbound is None:
                     losses[i] = outputs.detach()
+                sent_dtypes = [m.dtype for m in self.metadata.output_args]  # in bf16, also under no_grad
                 pending = (
-                    _sends(self.outbound, [x.detach() for x in outputs], i, FORWARD, self.group)
+                    _sends(
+                        self.outbound, [x.detach().to(d) for x, d in zip(outputs, sent_dtypes)], i, FORWARD, self.group
+                    )
                     if self.outbound
                     else []
                 )
@@ -282,6 +296,8 @@ class UnevenExecutor:
                 buffers = _buffers(self.outbound, grad_like, self.device)
                 sent.issued(_exchange(pending, _receives(self.outbound, buffers, i, BACKWARD, self.group)))
                 state = in_flight.pop(i)
+                if self.sharded:  # reduce-scatter the gradients once, after the step's last backward
+                    self._sync_gradients(last=action is self.last_backward)
                 self._backward(state, buffers)
                 pending = (
                     _sends(self.inbound, self._input_grads(state), i, BACKWARD, self.group) if self.inbound else []
@@ -322,6 +338,13 @@ class UnevenExecutor:
             grads.append(_join(pieces, self.outbound.layouts[p], self.outbound.dims[p], like=out))
         if tensors:
             torch.autograd.backward(tensors, grads)
+
+    def _sync_gradients(self, *, last: bool) -> None:
+        """FSDP2's per-backward switches, as torch's PipelineStage sets them: accumulate unreduced
+        (and keep the parameters gathered) until the last backward of the step."""
+        self.runner.set_is_last_backward(last)
+        self.runner.set_reshard_after_backward(last)
+        self.runner.set_requires_gradient_sync(last)
 
     def _input_grads(self, state: _InFlight) -> list[torch.Tensor | None]:
         """The gradient of each received tensor (zeros if the stage did not use it), None for

@@ -30,8 +30,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(job: str, world_size: int, out_dir: Path, *, timeout_s: float, **params: Any) -> list[Any]:
-    """Run ``job`` on ``world_size`` ranks; return each rank's result, in rank order."""
+def run_ranks(
+    job: str, world_size: int, out_dir: Path, *, timeout_s: float, workers: Path = WORKERS, **params: Any
+) -> list[Any]:
+    """Run ``job`` of the ``workers`` script on ``world_size`` ranks; return each rank's result, in rank order."""
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.save(params, out_dir / "params.pt")
     port = free_port()
@@ -54,7 +56,7 @@ def run_ranks(job: str, world_size: int, out_dir: Path, *, timeout_s: float, **p
         procs.append(
             (
                 subprocess.Popen(
-                    [sys.executable, str(WORKERS), job, str(out_dir)],
+                    [sys.executable, str(workers), job, str(out_dir)],
                     env=env,
                     cwd=REPO,
                     stdout=log,

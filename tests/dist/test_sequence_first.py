@@ -27,8 +27,9 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, out: str, schedule: str, replicas: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     sys.path.insert(0, str(UNIT))
     import torch.distributed as dist
@@ -44,8 +45,16 @@ def _worker(rank: int, world: int, port: int, out: str, schedule: str, replicas:
     src, y = torch.randn(6, 8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
     graph = partita.capture(model, (src,), loss_fn=F.cross_entropy, target=y)
     n = graph.num_nodes
-    plan = manual_plan(graph, [0, n // 2, n], schedule=schedule, num_rank_groups=2, replicas=replicas,
-                       num_microbatches=2, global_batch_size=8, recompute=False)
+    plan = manual_plan(
+        graph,
+        [0, n // 2, n],
+        schedule=schedule,
+        num_rank_groups=2,
+        replicas=replicas,
+        num_microbatches=2,
+        global_batch_size=8,
+        recompute=False,
+    )
     trainer = partita.Trainer(model, plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), graph=graph)
     loss = trainer.step(src, target=y)
     state = trainer.gather_state_dict()
@@ -55,8 +64,15 @@ def _worker(rank: int, world: int, port: int, out: str, schedule: str, replicas:
         ref_loss.backward()
         optimizer.step()
         diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
-        torch.save({"loss": float(loss), "ref_loss": ref_loss.item(), "diff": diff,
-                    "dims": [i.tensor.batch_dim for i in graph.inputs]}, out)
+        torch.save(
+            {
+                "loss": float(loss),
+                "ref_loss": ref_loss.item(),
+                "diff": diff,
+                "dims": [i.tensor.batch_dim for i in graph.inputs],
+            },
+            out,
+        )
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -549,7 +549,7 @@ class TinyCausalLM(torch.nn.Module):
             return torch.nn.functional.cross_entropy(logits.reshape(-1, self.VOCAB), target.reshape(-1))
         per_token = torch.nn.functional.cross_entropy(
             logits.reshape(-1, self.VOCAB), target.clamp(min=0).reshape(-1), reduction="none"
-        ).reshape(-1, SEQ - 1)
+        ).reshape(-1, input_ids.shape[1] - 1)
         m = mask[:, 1:]
         return (per_token * m).sum() / m.sum()
 
@@ -787,14 +787,14 @@ def job_dropout(params: dict) -> dict:
         seeded = {"seed": seed} if "seed" in inspect.signature(partita.Trainer).parameters else {}  # older partita
         trainer = partita.Trainer(model, plan, optimizer=sgd, graph=graph, **seeded)
         local: list[list[float]] = []
-        run_microbatches = trainer._run_microbatches
+        run_rounds = trainer._run_rounds
 
-        def recorded(batch, run=run_microbatches, local=local):
-            losses = run(batch)
+        def recorded(program, batch, run=run_rounds, local=local, **options):
+            losses = run(program, batch, **options)
             local.append([float(loss) for loss in losses])
             return losses
 
-        trainer._run_microbatches = recorded
+        trainer._run_rounds = recorded
         torch.manual_seed(123)  # the caller's stream: the trainer must leave it alone
         losses = [trainer.step(x, target=y) for _ in range(3)]
         runs[label] = {"losses": losses, "local": local, "after": torch.rand(4)}

@@ -1,0 +1,79 @@
+"""The plan's compute precision as the stages run it.
+
+``bf16`` (``Plan.precision``): the parameters stay fp32 -- the master weights the optimizer
+updates, the checkpoints keep under the model's names -- and every stage runs its graph under
+``torch.autocast(device, bfloat16)``, exactly as the unsplit model trains under the same
+autocast policy: matrix products in bf16, reductions, norms and the loss in fp32, gradients of
+the parameters in fp32 and reduced in fp32. Stages sharded with FSDP2 gather their parameters in
+fp32 too (FSDP's default MixedPrecisionPolicy) and autocast casts them per op: gathering bf16
+copies would halve that traffic, but would also feed rounded weights to the ops autocast keeps
+in fp32 (layer norms; the CPU kernels refuse bf16 weights with fp32 inputs).
+
+Boundary tensors: the activations a stage sends (fp32 tensors on the autograd path) travel in
+bf16 -- half the bytes, as the planner's cost model counts them -- and so do their gradients
+on the way back. Tensors without gradients (masks, ids, labels) travel as they are: a mask's
+``finfo(float32).min`` does not survive bf16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from partita.runtime.stages import StageModule
+from partita.types import Precision
+
+__all__ = ["FP32", "Compute", "drop_dtype_assertions"]
+
+
+@dataclass(frozen=True)
+class Compute:
+    """How this rank's stages compute: the plan's ``precision`` on a device of ``device_type``."""
+
+    precision: Precision = Precision.FP32
+    device_type: str = "cpu"
+
+    @property
+    def low(self) -> torch.dtype | None:
+        """The autocast dtype, None in fp32."""
+        return torch.bfloat16 if self.precision is Precision.BF16 else None
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """Where a stage's forward (and its recomputation) runs."""
+        if self.low is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.low)
+
+    def boundary(self, t: Any) -> Any:
+        """A tensor a stage sends to the next one: activations in the compute dtype."""
+        if self.low is not None and isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.requires_grad:
+            return t.to(self.low)
+        return t
+
+    def fsdp_policy(self) -> Any:
+        """FSDP2's MixedPrecisionPolicy for a sharded stage: fp32 parameters and gradient
+        reduction (autocast does the casting, see the module docstring); inputs left as they come."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def drop_dtype_assertions(stages: Iterable[StageModule]) -> None:
+    """Remove export's ``aten._assert_tensor_metadata`` checks from the stages' graphs: they pin the
+    dtypes of the captured (fp32) run, which autocast changes by design."""
+    for stage in stages:
+        graph = stage.graph_module.graph
+        found = [n for n in graph.nodes if n.op == "call_function" and n.target is _ASSERT_METADATA]
+        for node in found:
+            graph.erase_node(node)
+        if found:
+            stage.graph_module.recompile()
+
+
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+FP32 = Compute()  # full precision: no autocast, boundaries as they are (the device type is then unused)

@@ -1,0 +1,157 @@
+"""Sharded data parallelism per stage: torch's FSDP2 (``fully_shard``) inside each replica group.
+
+A stage the plan shards (``StagePlan.sharding``) over its ``r`` replicas runs as an FSDP2 module
+on the DeviceMesh of its replica group (the ``dp`` axis of the pp x dp mesh; in an uneven plan,
+a mesh over the stage's own ranks), applied to the stage's runner -- the module that
+torch.distributed.pipelining's PipelineStage (or partita's uneven executor) drives, which defers
+the reduce-scatter of gradients to the last micro-batch of the step and re-gathers as the level
+says:
+
+- ``shard_grads_and_optimizer``: ``reshard_after_forward=False`` (ZeRO-2-like): parameters stay
+  gathered from a micro-batch's forward to its backward; gradients are reduce-scattered and
+  optimizer state is kept for this rank's shard only;
+- ``full_shard``: ``reshard_after_forward=True`` (ZeRO-3): parameters are re-gathered for every
+  forward and every backward.
+
+The parameters of a sharded stage become DTensors (a ``1/r`` shard each, along dim 0); this
+rank's optimizer is built over them. Gradients are reduce-scattered as SUMS (divide factor 1)
+so that ``GradientSync`` scales every gradient once, sharded or not, and clips by the norm over
+all shards. Exactness is that of replicated training (fp32, up to summation order).
+
+Graphs captured at other shapes (runtime/variants.py) train on replicated stages only: FSDP2
+reduces the gradients of its own module's forwards. ``evaluate`` works on sharded stages too: the
+parameters are gathered whole (``unshard``) and bound into the eval graph's stages for its
+forwards, then resharded.
+
+Refused with InputError, before training: a parameter read by a sharded stage and by another
+stage (tied weights across stages: their gradients would have to be summed shard by shard
+across pipeline positions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from partita.errors import InputError
+from partita.runtime.data_parallel import Topology, new_group
+from partita.runtime.pipeline import StageRunner
+from partita.runtime.precision import Compute
+from partita.runtime.stages import StageModule
+from partita.types import Plan, Schedule, Sharding
+
+__all__ = [
+    "check_sharding",
+    "gathered_for",
+    "replica_mesh",
+    "shard_runner",
+    "sharded_names",
+    "sharded_runners",
+    "sharded_stages",
+]
+
+
+def sharded_stages(plan: Plan) -> set[int]:
+    """Indices of the stages that FSDP2 shards (a sharding level other than replicate)."""
+    return {s.index for s in plan.stages if s.sharding is not Sharding.REPLICATE}
+
+
+def check_sharding(plan: Plan, stages: Sequence[StageModule]) -> None:
+    """InputError for what sharded stages cannot run exactly (see the module docstring)."""
+    sharded = sharded_stages(plan)
+    if not sharded:
+        return
+    readers: dict[str, set[int]] = {}
+    for stage in stages:
+        for name in stage.spec.param_names:
+            readers.setdefault(name, set()).add(stage.spec.index)
+    for name, indices in sorted(readers.items()):
+        if len(indices) > 1 and indices & sharded:
+            raise InputError(
+                f"{name!r} is read by stages {sorted(indices)} (tied weights), and stage(s) "
+                f"{sorted(indices & sharded)} of them are sharded: partita does not shard a parameter that "
+                "several stages share; plan with sharding='replicate' for those stages, or cut so that one "
+                "stage reads it"
+            )
+
+
+def sharded_names(plan: Plan, stages: Sequence[StageModule]) -> set[str]:
+    """Canonical names of the parameters and buffers read by sharded stages (the whole plan's)."""
+    sharded = sharded_stages(plan)
+    return {name for s in stages if s.spec.index in sharded for name in s.spec.param_names}
+
+
+def sharded_runners(
+    plan: Plan, stages: Sequence[StageModule], topology: Topology, compute: Compute
+) -> dict[int, nn.Module]:
+    """Stage index -> the FSDP2 module running it, for this rank's sharded ``stages``. Collective
+    (the replica meshes): call it on every rank."""
+    runners: dict[int, nn.Module] = {}
+    if not sharded_stages(plan):
+        return runners
+    mesh = replica_mesh(plan, topology)
+    for stage in stages:
+        stage_plan = plan.stages[stage.spec.index]
+        if stage_plan.sharding is Sharding.REPLICATE or stage_plan.num_replicas == 1:
+            continue
+        runner = StageRunner(stage, stage_plan.recompute, fresh_outputs=plan.schedule is Schedule.ZBV, compute=compute)
+        runners[stage.spec.index] = shard_runner(runner, stage_plan.sharding, mesh, compute)
+    return runners
+
+
+@contextlib.contextmanager
+def gathered_for(
+    stages: Sequence[StageModule], runners: Mapping[int, nn.Module], planned: Sequence[StageModule]
+) -> Iterator[None]:
+    """For an evaluation: the sharded parameters gathered whole (FSDP2's ``unshard``) and bound into
+    ``stages`` (an eval-mode graph's) from the ``planned`` stages, resharded afterwards."""
+    if not runners:
+        yield
+        return
+    for runner in runners.values():
+        runner.unshard()
+    try:
+        whole = {name: t for s in planned for name, t in s.state_tensors().items()}
+        for stage in stages:
+            stage.rebind(whole)
+        yield
+    finally:
+        for runner in runners.values():
+            runner.reshard()
+
+
+def replica_mesh(plan: Plan, topology: Topology) -> Any:
+    """The DeviceMesh of this rank's replica group, for FSDP2. Uniform plans: the ``dp`` axis of the
+    pp x dp mesh. Uneven plans: every rank creates a process group per sharded stage, in stage
+    order (torch.distributed requires all ranks to), and the stage's own ranks make a 1-D mesh of
+    theirs. Collective: call it on every rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if topology.uniform:
+        return topology.mesh["dp"]
+    mine = None
+    for index in sorted(sharded_stages(plan)):
+        ranks = list(plan.stages[index].ranks)
+        group = new_group(ranks, topology.timeout)
+        if topology.rank in ranks:
+            mine = DeviceMesh.from_group(group, topology.device.type, mesh=ranks)
+    return mine
+
+
+def shard_runner(runner: nn.Module, sharding: Sharding, mesh: Any, compute: Compute) -> nn.Module:
+    """``fully_shard`` the stage runner over ``mesh`` (its replica group), gradients summed, in the
+    compute precision's policy (precision.py)."""
+    from torch.distributed.fsdp import fully_shard
+
+    module = fully_shard(
+        runner,
+        mesh=mesh,
+        reshard_after_forward=sharding is Sharding.FULL_SHARD,
+        mp_policy=compute.fsdp_policy(),
+    )
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+    return module

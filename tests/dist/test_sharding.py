@@ -1,0 +1,142 @@
+"""Stages sharded with FSDP2 inside their replica group (workers_sharding.py), on 2 and 4 gloo ranks:
+every level trains like unsplit full-batch training (AdamW, clipped, 3 steps), each rank keeping a
+1/r shard; checkpoints written sharded load into a replicated trainer and into the plain model;
+tied weights across a sharded stage are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dist_launch import run_ranks
+
+pytest.importorskip("transformers")
+
+WORKERS = Path(__file__).with_name("workers_sharding.py")
+TOLERANCE = 1e-5
+
+TWO_RANKS = [
+    dict(label="gpt2-zero2", model="gpt2", levels=["shard_grads_and_optimizer"], num_stages=1, replicas=2),
+    dict(label="gpt2-zero3", model="gpt2", levels=["full_shard"], num_stages=1, replicas=2),
+    dict(label="lm-zero3-2mb", model="tiny_lm", levels=["full_shard"], num_stages=1, replicas=2, num_microbatches=2),
+]
+FOUR_RANKS = [
+    dict(label="lm-pp2-zero3", model="tiny_lm", levels=["full_shard", "full_shard"], num_stages=2, replicas=2),
+    dict(
+        label="lm-pp2-mixed",
+        model="tiny_lm",
+        levels=["shard_grads_and_optimizer", "replicate"],
+        num_stages=2,
+        replicas=2,
+    ),
+    dict(label="gpt2-pp2-tied", model="gpt2", levels=["full_shard", "full_shard"], num_stages=2, replicas=2),
+]
+UNEVEN = [  # stage 0 on rank 0, stage 1 sharded over ranks 1 and 2 (partita's uneven executor)
+    dict(label="lm-uneven-zero3", model="tiny_lm", levels=["replicate", "full_shard"], replicas=[1, 2]),
+    dict(
+        label="lm-uneven-zero2",
+        model="tiny_lm",
+        levels=["replicate", "shard_grads_and_optimizer"],
+        replicas=[1, 2],
+        schedule="gpipe",
+        num_microbatches=4,
+    ),
+]
+for config in UNEVEN:
+    config.setdefault("num_stages", 2)
+for config in TWO_RANKS + FOUR_RANKS + UNEVEN:
+    config.setdefault("num_microbatches", 2 if config["num_stages"] > 1 else 1)
+    config.setdefault("schedule", "1f1b" if config["num_stages"] > 1 else "gpipe")
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharding2")
+    return run_ranks("levels", 2, out, timeout_s=400, workers=WORKERS, configs=TWO_RANKS, checkpoints=str(out))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharding4")
+    return run_ranks("levels", 4, out, timeout_s=500, workers=WORKERS, configs=FOUR_RANKS, checkpoints=str(out))
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharding3")
+    return run_ranks("levels", 3, out, timeout_s=400, workers=WORKERS, configs=UNEVEN, checkpoints=str(out))
+
+
+def _check_exact(results: list, label: str, replicas: int) -> None:
+    mine = results[0][label]
+    diff, where = mine["param"]
+    assert diff <= TOLERANCE, f"{label}: parameter {where} differs from unsplit training's by {diff:.3g}"
+    for got, want in zip(mine["losses"], mine["ref_losses"], strict=True):
+        assert abs(got - want) <= TOLERANCE, (label, mine["losses"], mine["ref_losses"])
+    assert all(r[label]["losses"] == mine["losses"] for r in results)
+    assert mine["shards"], "the sharded stage's parameters are DTensors"
+    for name, (local, whole) in mine["shards"].items():
+        assert local <= -(-whole // replicas) * max(1, whole // max(1, whole)), (name, local, whole)
+    assert sum(local for local, _ in mine["shards"].values()) < sum(whole for _, whole in mine["shards"].values())
+    assert mine["loaded_plain"][0] <= TOLERANCE, mine["loaded_plain"]
+    assert mine["loaded_replicated"][0] == 0.0, mine["loaded_replicated"]
+    assert abs(mine["eval"] - mine["ref_eval"]) <= TOLERANCE, (mine["eval"], mine["ref_eval"])
+
+
+@pytest.mark.parametrize("label", [c["label"] for c in TWO_RANKS])
+def test_sharded_data_parallelism_trains_like_the_unsplit_model(two, label):
+    _check_exact(two, label, replicas=2)
+
+
+@pytest.mark.parametrize("label", ["lm-pp2-zero3", "lm-pp2-mixed"])
+def test_pipeline_of_sharded_stages_trains_like_the_unsplit_model(four, label):
+    _check_exact(four, label, replicas=2)
+
+
+@pytest.mark.parametrize("label", [c["label"] for c in UNEVEN])
+def test_a_sharded_stage_of_an_uneven_plan_trains_like_the_unsplit_model(uneven, label):
+    assert "shards" not in uneven[0][label] or not uneven[0][label]["shards"], "rank 0 replicates stage 0"
+    results = [uneven[1], uneven[2], uneven[0]]  # rank 1 holds a shard; rank 0 compared with the reference
+    mine = uneven[0][label]
+    diff, where = mine["param"]
+    assert diff <= TOLERANCE, f"{label}: parameter {where} differs from unsplit training's by {diff:.3g}"
+    for got, want in zip(mine["losses"], mine["ref_losses"], strict=True):
+        assert abs(got - want) <= TOLERANCE, (label, mine["losses"], mine["ref_losses"])
+    assert all(r[label]["losses"] == mine["losses"] for r in results)
+    assert uneven[1][label]["shards"] and uneven[2][label]["shards"]
+    assert mine["loaded_plain"][0] <= TOLERANCE and mine["loaded_replicated"][0] == 0.0
+    assert abs(mine["eval"] - mine["ref_eval"]) <= TOLERANCE, (mine["eval"], mine["ref_eval"])
+
+
+def test_tied_weights_across_a_sharded_stage_are_refused(four):
+    for result in four:
+        message = result["gpt2-pp2-tied"]["refused"]
+        assert "tied weights" in message and "sharding='replicate'" in message, message
+
+
+BF16 = [
+    dict(label="lm-pp2", model="tiny_lm", levels=["replicate", "replicate"], num_stages=2, replicas=1),
+    dict(label="gpt2-pp2", model="gpt2", levels=["replicate", "replicate"], num_stages=2, replicas=1),
+    dict(label="gpt2-zero3", model="gpt2", levels=["full_shard"], num_stages=1, replicas=2),
+]
+for config in BF16:
+    config.setdefault("num_microbatches", 2)
+    config.setdefault("schedule", "1f1b" if config["num_stages"] > 1 else "gpipe")
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bf16")
+    return run_ranks("bf16", 2, out, timeout_s=400, workers=WORKERS, configs=BF16, checkpoints=str(out))
+
+
+@pytest.mark.parametrize("label", [c["label"] for c in BF16])
+def test_bf16_trains_like_the_unsplit_model_under_autocast(bf16, label):
+    mine = bf16[0][label]
+    for got, want in zip(mine["losses"], mine["ref_losses"], strict=True):
+        assert abs(got - want) <= 1e-2 * abs(want), (label, mine["losses"], mine["ref_losses"])
+    assert mine["losses"] != mine["fp32_losses"], "the steps ran in bf16"
+    assert mine["stored_dtypes"] == ["torch.float32"], "master weights are checkpointed in fp32"
+    for stage, sent in mine["sent"].items():  # activations in bf16; masks and ids as they are
+        activations = [dtype for dtype, requires_grad in sent if requires_grad]
+        assert activations and set(activations) == {"torch.bfloat16"}, (stage, sent)
