@@ -7,7 +7,8 @@ The factory takes no arguments and returns ``(model, inputs)`` when the model re
 loss, or ``(model, inputs, loss_fn, target)`` as here; ``inputs`` is a tuple of positional
 arguments or a dict of keyword arguments, with the batch along dim 0. partita captures the
 model from these inputs, plans it, and trains it on this example batch repeated to the global
-batch: a quick check that a model of yours splits and trains before you point it at real data.
+batch: a quick check that a model of yours splits and trains before you point it at real data
+(a factory that returns a dict with a data source: examples/own_data.py).
 """
 
 import torch

@@ -10,174 +10,12 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from partita.cli.optimizers import OPTIMIZER_KINDS, OPTIMIZERS
+from partita.cli.optimizers import OPTIMIZER_KINDS
+from partita.cli.parser import DEFAULT_TRAIN_GLOBAL_BATCH, build_parser
 from partita.errors import PartitaError
-from partita.planning.options import CostSource, PlanOptions
+from partita.planning.options import PlanOptions
 from partita.types import Schedule
 from partita.types.cluster import Cluster
-
-MODEL_HELP = (
-    "a built-in example (gpt2, bert, llama, mixtral, t5, vit, mlp, cnn; with a size: gpt2-xl, llama-7b, mixtral-8x7b) "
-    "or path/to/file.py:factory returning (model, inputs) or (model, inputs, loss_fn, target)"
-)
-
-
-DEFAULT_TRAIN_GLOBAL_BATCH = 16
-
-
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    parser.add_argument("--batch-size", type=int, default=8, help="example batch size (default 8)")
-    parser.add_argument("--seq-len", type=int, default=None, help="sequence length of example models")
-    parser.add_argument(
-        "--model-device",
-        default="auto",
-        choices=["auto", "cpu", "meta"],
-        help="where to build example models: meta allocates no weights (auto: meta when the "
-        "weights would not comfortably fit in this machine's memory)",
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="partita", description="Plan and train PyTorch models too large for one device."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    inspect = sub.add_parser(
-        "inspect", help="capture a model and show its graph: nodes, parameters, FLOPs, activations"
-    )
-    _add_model_arguments(inspect)
-    inspect.add_argument("--depth", type=int, default=3, help="module depth of the per-module table (default 3)")
-    inspect.add_argument("--top", type=int, default=10, help="how many of the largest activations to list")
-    inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    inspect.add_argument("--costs", action="store_true", help="also print per-module costs (time, saved activations)")
-    inspect.add_argument(
-        "--device",
-        default=None,
-        help="with --costs: a catalog device for analytic costs (h100, a100-80gb, ...); "
-        "default: measured on this machine when the model has real weights",
-    )
-    inspect.set_defaults(func=_inspect)
-
-    plan = sub.add_parser("plan", help="search the best split over devices; compare with the baselines")
-    _add_model_arguments(plan)
-    plan.add_argument("--devices", type=int, required=True, help="number of devices")
-    plan.add_argument(
-        "--device-type", default="cpu", help="catalog name (h100, a100-80gb, h200, b200, mi300x, cpu) or a device file"
-    )
-    plan.add_argument("--memory", default=None, help="memory per device, e.g. 80GiB (default: the device's)")
-    plan.add_argument(
-        "--nodes",
-        type=int,
-        default=1,
-        help="number of nodes the devices are spread over (must divide --devices; 1 for cpu)",
-    )
-    plan.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
-    plan.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
-    plan.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
-    plan.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
-    plan.add_argument(
-        "--uniform-replicas",
-        action="store_true",
-        help="search only pp x dp meshes (by default stages may also get different replica counts, "
-        "GPipe/1F1B, up to 64 devices)",
-    )
-    plan.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
-    plan.add_argument("--recompute", default=None, choices=["yes", "no"], help="pin activation recomputation")
-    plan.add_argument("--optimizer", default="adam", help="adam, sgd-momentum or sgd (sets optimizer-state memory)")
-    plan.add_argument(
-        "--costs",
-        default="auto",
-        choices=[c.value for c in CostSource],
-        help="where per-node costs come from: measured (profile every node here), analytic (roofline "
-        "for --device-type), auto (measured for this machine's CPU with real weights, else analytic)",
-    )
-    plan.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
-    plan.add_argument("--out", default=None, help="write the plan as JSON to this path")
-    plan.add_argument("--png", default=None, help="write memory bars per stage and the pipeline timeline (PNG or SVG)")
-    plan.add_argument(
-        "--trace",
-        default=None,
-        help="write the simulated step as a Chrome/Perfetto trace (JSON; one track per rank group)",
-    )
-    plan.set_defaults(func=_plan)
-
-    train = sub.add_parser("train", help="plan (or load a plan) and train with one process per device")
-    _add_model_arguments(train)
-    train.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help="processes (devices) on this machine to plan for (default 2); the job starts as many "
-        "as the plan uses. With --plan: the plan's device count (default), or an error if different",
-    )
-    train.add_argument("--plan", default=None, help="a plan file from `partita plan`; otherwise plan now")
-    train.add_argument("--plan-out", default=None, help="where to write the plan made now")
-    train.add_argument(
-        "--global-batch",
-        type=int,
-        default=None,
-        help=f"samples per optimizer step (default {DEFAULT_TRAIN_GLOBAL_BATCH}); with --plan: the "
-        "plan's, and another value is refused",
-    )
-    train.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
-    train.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
-    train.add_argument(
-        "--optimizer",
-        default="adamw",
-        choices=sorted(OPTIMIZERS),
-        help="the torch optimizer (default adamw); the planner counts its state memory",
-    )
-    train.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
-    train.add_argument("--memory", default=None, help="memory per process for planning, e.g. 512MiB")
-    train.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
-    train.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
-    train.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
-    train.add_argument(
-        "--uniform-replicas",
-        action="store_true",
-        help="search only pp x dp meshes (by default stages may also get different replica counts, "
-        "GPipe/1F1B, up to 64 devices)",
-    )
-    train.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
-    train.add_argument("--checkpoint-dir", default=None, help="write checkpoints here (step-NNNNNN)")
-    train.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: at the end)")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
-    train.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="restart all processes up to R times when one fails; restarted processes resume from "
-        "the latest complete checkpoint in --checkpoint-dir",
-    )
-    train.add_argument("--seed", type=int, default=0, help="seed of the example's weights and data and of torch's RNG")
-    train.add_argument(
-        "--on-nonfinite",
-        default="raise",
-        choices=["raise", "skip"],
-        help="a NaN/inf loss or gradient: stop with an error naming where (raise), or skip that "
-        "update with a warning (skip); the weights are never updated with it",
-    )
-    train.add_argument(
-        "--trace",
-        default=None,
-        metavar="DIR",
-        help="write steps 2-4 as measured by torch's profiler, one Chrome/Perfetto trace per rank "
-        "(DIR/rank-R.json); `partita plan --trace` writes the predicted step in the same format",
-    )
-    train.add_argument(
-        "--losses-out", default=None, help="write this run's per-step losses as JSON to this path (rank 0)"
-    )
-    train.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
-    train.add_argument(
-        "--init-from",
-        default=None,
-        help="a seed checkpoint of the initial weights: every process builds the model on meta and "
-        "allocates only its stages (written by the planning process for zoo models)",
-    )
-    train.set_defaults(func=_train)
-    return parser
 
 
 def _load(args: argparse.Namespace):
@@ -239,6 +77,8 @@ def _plan_options(args: argparse.Namespace):
         recompute=None if recompute is None else recompute == "yes",
         uniform_replicas=True if args.uniform_replicas else None,
         optimizer=OPTIMIZER_KINDS.get(args.optimizer, args.optimizer),
+        precision=getattr(args, "precision", None),
+        sharding=getattr(args, "sharding", None),
         costs=getattr(args, "costs", "auto"),
         cache_dir=args.cache_dir,
     )
@@ -318,6 +158,13 @@ def _train(args: argparse.Namespace) -> int:
         on_nonfinite=args.on_nonfinite,
         init_from=args.init_from,
         trace_dir=args.trace,
+        accumulate=args.accumulate,
+        lr_schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps,
+        min_lr=args.min_lr,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        log_dir=args.log_dir,
     )
     check_train_config(config)
     if args.init_from is not None and is_factory_spec(args.model):
@@ -325,18 +172,26 @@ def _train(args: argparse.Namespace) -> int:
             "--init-from works with zoo models, which can be built on meta; a factory "
             f"({args.model}) builds its own weights: drop --init-from"
         )
+    if args.init_from is not None and args.eval_every:
+        raise InputError(
+            f"--eval-every {args.eval_every} with --init-from: the processes would build the model on meta, and "
+            "evaluating captures it again in eval mode, which needs its weights: drop --init-from (each process "
+            "then builds the whole model), or --eval-every"
+        )
     _check_train_flags(args)
     if under_torchrun():
         return _train_rank(args, config)
     argv = list(args.argv)
     if args.plan:
         plan_path = args.plan
-        nproc = _processes_for_plan_file(args.plan, args.nproc, args.global_batch)
+        nproc = _processes_for_plan_file(args.plan, args.nproc, args.global_batch, args.accumulate)
     else:
         plan_path, example, nproc = _plan_for_training(args)
-        if args.init_from is None and not is_factory_spec(args.model) and not on_meta(example.model):
+        seeded = not (is_factory_spec(args.model) or on_meta(example.model) or args.eval_every)
+        if args.init_from is None and seeded:
             # The processes build the model on meta and read their stages' weights from this seed:
-            # none of them needs memory for the whole model.
+            # none of them needs memory for the whole model. (Not with --eval-every: evaluating
+            # captures the model once more, in eval mode, which takes a model with weights.)
             argv += ["--init-from", plan_path + ".seed"]
             save_seed(example.model, plan_path + ".seed")
     launch_local([*argv, "--plan", plan_path], nproc=nproc, max_restarts=args.max_restarts)
@@ -356,11 +211,48 @@ def _check_train_flags(args: argparse.Namespace) -> None:
     if args.global_batch is not None and args.global_batch < 1:
         raise InputError(f"--global-batch must be >= 1, got {args.global_batch}")
     if not args.plan:
-        _check_batch_flags(args)
+        _check_accumulation(args)
     if args.checkpoint_dir:
         check_writable(args.checkpoint_dir, "--checkpoint-dir")
     if args.losses_out:
         check_writable(os.path.dirname(os.path.abspath(args.losses_out)), "the folder of --losses-out")
+    if args.log_dir:
+        check_writable(args.log_dir, "--log-dir")
+
+
+def _check_accumulation(args: argparse.Namespace) -> None:
+    """--accumulate K divides --global-batch, and the samples of one pipeline round (global / K)
+    split into the pinned --microbatches and --replicas."""
+    from partita.errors import InputError
+    from partita.planning.context import check_batch_divisible
+
+    if args.accumulate == 1:
+        _check_batch_flags(args)
+        return
+    global_batch = _train_global_batch(args)
+    if global_batch % args.accumulate:
+        lower = global_batch // args.accumulate * args.accumulate
+        nearest = " or ".join(str(b) for b in (lower, lower + args.accumulate) if b > 0)
+        raise InputError(
+            f"--accumulate {args.accumulate} does not divide --global-batch {global_batch}: each of the "
+            f"{args.accumulate} pipeline rounds of a step takes the same number of samples; use --global-batch "
+            f"{nearest}, or an --accumulate that divides {global_batch}"
+        )
+    check_batch_divisible(
+        global_batch // args.accumulate,
+        args.microbatches,
+        args.replicas,
+        names=(
+            f"the samples per round (--global-batch / --accumulate {args.accumulate})",
+            "--microbatches",
+            "--replicas",
+        ),
+    )
+
+
+def _train_global_batch(args: argparse.Namespace) -> int:
+    """Samples per optimizer step (K pipeline rounds with --accumulate K)."""
+    return DEFAULT_TRAIN_GLOBAL_BATCH if args.global_batch is None else args.global_batch
 
 
 def _check_batch_flags(args: argparse.Namespace) -> None:
@@ -393,12 +285,13 @@ def _check_nodes(nodes: int, devices: int, device_type: str) -> None:
         )
 
 
-def _check_plan_global_batch(path: str, plan, global_batch: int | None) -> None:
+def _check_plan_global_batch(path: str, plan, global_batch: int | None, accumulate: int = 1) -> None:
     from partita.errors import InputError
 
-    if global_batch is not None and global_batch != plan.global_batch_size:
+    if global_batch is not None and global_batch != plan.global_batch_size * accumulate:
+        rounds = f" x --accumulate {accumulate} = {plan.global_batch_size * accumulate}" if accumulate > 1 else ""
         raise InputError(
-            f"--global-batch {global_batch} differs from the global batch {plan.global_batch_size} of "
+            f"--global-batch {global_batch} differs from the global batch {plan.global_batch_size}{rounds} of "
             f"the plan {path}: drop --global-batch to train with the plan's, or re-plan for {global_batch} "
             "(without --plan)"
         )
@@ -413,14 +306,14 @@ def _check_example_values(graph, example) -> None:
     check_batch_values(graph, flat, f"the example inputs of {example.name}")
 
 
-def _processes_for_plan_file(path: str, nproc: int | None, global_batch: int | None = None) -> int:
+def _processes_for_plan_file(path: str, nproc: int | None, global_batch: int | None = None, accumulate: int = 1) -> int:
     """The plan's device count: one process per device. InputError when --nproc says otherwise,
-    or --global-batch differs from the plan's."""
+    or --global-batch differs from the plan's (times --accumulate)."""
     import partita
     from partita.errors import InputError
 
     plan = partita.Plan.load(path)
-    _check_plan_global_batch(path, plan, global_batch)
+    _check_plan_global_batch(path, plan, global_batch, accumulate)
     needed = plan.num_devices
     if nproc is not None and nproc != needed:
         raise InputError(
@@ -438,12 +331,16 @@ def _plan_for_training(args: argparse.Namespace):
     import tempfile
 
     import partita
+    from partita.cli.data_source import check_first_batch, check_held_out
 
     example = _load(args)
     graph = _capture(example)
     _check_example_values(graph, example)
+    check_first_batch(example, graph)  # a wrong data source fails here, not in every process
+    if args.eval_every:
+        check_held_out(example)
     nproc = 2 if args.nproc is None else args.nproc
-    global_batch = DEFAULT_TRAIN_GLOBAL_BATCH if args.global_batch is None else args.global_batch
+    global_batch = _train_global_batch(args) // args.accumulate  # one pipeline round's samples
     plan = partita.plan(
         graph,
         example.args,
@@ -456,7 +353,8 @@ def _plan_for_training(args: argparse.Namespace):
     )
     path = _with_parent(args.plan_out) or os.path.join(tempfile.mkdtemp(prefix="partita-"), "plan.json")
     plan.save(path)
-    print(f"plan for {nproc} processes ({plan.cost_source} costs), written to {path}:")
+    rounds = f", {args.accumulate} rounds per optimizer step" if args.accumulate > 1 else ""
+    print(f"plan for {nproc} processes ({plan.cost_source} costs{rounds}), written to {path}:")
     print(plan.summary())
     if plan.num_devices < nproc:
         print(f"starting {plan.num_devices} processes, one per device of the plan")
@@ -496,7 +394,7 @@ def _train_rank(args: argparse.Namespace, config) -> int:
         example = _load(args)
         graph = _capture(example)
     plan = partita.Plan.load(args.plan, graph=graph)
-    _check_plan_global_batch(args.plan, plan, args.global_batch)
+    _check_plan_global_batch(args.plan, plan, args.global_batch, args.accumulate)
     summary = train(example, plan, graph, config)
     if dist.get_rank() == 0:
         if summary.resumed_from is not None:
@@ -508,6 +406,9 @@ def _train_rank(args: argparse.Namespace, config) -> int:
             )
         if summary.skipped_steps:
             print(f"skipped updates (non-finite loss or gradient) at steps {summary.skipped_steps}")
+        if summary.eval_losses:
+            ends = dict([summary.eval_losses[0], summary.eval_losses[-1]])  # step -> loss, once if one
+            print("eval loss: " + " -> ".join(f"{loss:.4f} (step {step})" for step, loss in ends.items()))
         print(
             table(
                 ["", "predicted", "measured"],
@@ -561,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
-        return args.func(args)
+        return {"inspect": _inspect, "plan": _plan, "train": _train}[args.command](args)
     except PartitaError as e:
         print(f"partita {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -1,8 +1,25 @@
 """Resolve a MODEL argument of the command line: a zoo name or ``path/to/file.py:factory``.
 
-A factory is called with no arguments and returns either ``(model, inputs)`` — the model then
-returns its own loss, as HF models do with ``labels=`` — or ``(model, inputs, loss_fn, target)``.
-``inputs`` is a dict of keyword arguments or a tuple of positional arguments.
+A factory is called with no arguments (torch's RNG seeded with ``--seed``) and returns one of:
+
+- ``(model, inputs)``: the model returns its own loss, as HF models do with ``labels=``;
+- ``(model, inputs, loss_fn, target)``: the loss is ``loss_fn(model(*inputs), target)``;
+- a dict with the same names, and the data to train on::
+
+      {"model": model, "inputs": inputs,            # required
+       "loss_fn": loss_fn, "target": target,        # optional, both or neither
+       "data": train_source, "eval_data": held_out, # optional: what `partita train` reads
+       "collate_fn": collate}                       # optional: for sources that are datasets of rows
+
+``inputs`` is a dict of keyword arguments or a tuple of positional arguments: the example batch
+the model is captured and planned with. A source (``data``, ``eval_data``) is a
+``torch.utils.data.DataLoader`` or any iterable of batches, a function returning a fresh
+iterator of batches, or a map-style dataset of rows (``__len__`` and ``__getitem__``, such as a
+Hugging Face ``datasets.Dataset``) that ``collate_fn`` (default torch's ``default_collate``) turns
+into batches. A batch is shaped like ``inputs``: a dict of the same keywords, or a tuple of the
+same positional arguments; with a ``loss_fn`` it also holds the target, as the key ``"target"``
+of a dict or the last item of a tuple (what a DataLoader over ``TensorDataset(x, y)`` yields).
+How `partita train` reads sources (re-batching, epochs, resumes): partita.cli.data_source.
 """
 
 from __future__ import annotations
@@ -10,10 +27,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from partita.cli.data_source import check_source
 from partita.errors import ModelSpecError
 from partita.examples import Example, build
 
@@ -77,21 +97,73 @@ def _load_factory(spec: str, seed: int = 0) -> Example:
     return _as_example(spec, result)
 
 
-def _as_example(spec: str, result: Any) -> Example:
-    usage = (
-        "return (model, inputs) or (model, inputs, loss_fn, target), with inputs a dict of keyword "
-        "arguments or a tuple of positional arguments"
-    )
-    if not isinstance(result, tuple) or len(result) not in (2, 4):
-        raise ModelSpecError(f"the factory of {spec!r} returned {type(result).__name__}: {usage}")
-    model, inputs = result[0], result[1]
-    loss_fn, target = (result[2], result[3]) if len(result) == 4 else (None, None)
+@dataclass(frozen=True)
+class FactoryExample(Example):
+    """A factory's model and example batch, with the sources it gave (None when it gave none)."""
+
+    data: Any = None
+    eval_data: Any = None
+    collate_fn: Callable | None = None
+
+
+FACTORY_KEYS = ("model", "inputs", "loss_fn", "target", "data", "eval_data", "collate_fn")
+_USAGE = (
+    "return (model, inputs), (model, inputs, loss_fn, target) or a dict "
+    '{"model": ..., "inputs": ..., "loss_fn": ..., "target": ..., "data": ..., "eval_data": ...}, '
+    "with inputs a dict of keyword arguments or a tuple of positional arguments"
+)
+
+
+def _as_example(spec: str, result: Any) -> FactoryExample:
+    fields = _factory_fields(spec, result)
+    model, inputs = fields.get("model"), fields.get("inputs")
     if not isinstance(model, torch.nn.Module):
-        raise ModelSpecError(f"the factory of {spec!r} returned a {type(model).__name__} as the model: {usage}")
+        raise ModelSpecError(f"the factory of {spec!r} returned a {type(model).__name__} as the model: {_USAGE}")
     if isinstance(inputs, dict):
         args, kwargs = (), inputs
     elif isinstance(inputs, (tuple, list)):
         args, kwargs = tuple(inputs), {}
     else:
-        raise ModelSpecError(f"the factory of {spec!r} returned inputs of type {type(inputs).__name__}: {usage}")
-    return Example(name=spec, model=model, args=args, kwargs=kwargs, loss_fn=loss_fn, target=target, make_batch=None)
+        raise ModelSpecError(f"the factory of {spec!r} returned inputs of type {type(inputs).__name__}: {_USAGE}")
+    collate_fn = fields.get("collate_fn")
+    if collate_fn is not None and not callable(collate_fn):
+        raise ModelSpecError(
+            f"the factory of {spec!r} returned a {type(collate_fn).__name__} as collate_fn: give a function"
+        )
+    for key in ("data", "eval_data"):
+        if fields.get(key) is not None:
+            check_source(fields[key], f"the {key!r} of the factory of {spec!r}", collate_fn)
+    return FactoryExample(
+        name=spec,
+        model=model,
+        args=args,
+        kwargs=kwargs,
+        loss_fn=fields.get("loss_fn"),
+        target=fields.get("target"),
+        make_batch=None,
+        data=fields.get("data"),
+        eval_data=fields.get("eval_data"),
+        collate_fn=collate_fn,
+    )
+
+
+def _factory_fields(spec: str, result: Any) -> dict[str, Any]:
+    """The factory's return value as a dict of FACTORY_KEYS."""
+    if isinstance(result, tuple) and len(result) in (2, 4):
+        return dict(zip(FACTORY_KEYS, result))
+    if not isinstance(result, dict):
+        raise ModelSpecError(f"the factory of {spec!r} returned {type(result).__name__}: {_USAGE}")
+    unknown = sorted(set(result) - set(FACTORY_KEYS))
+    if unknown:
+        raise ModelSpecError(
+            f"the factory of {spec!r} returned a dict with unknown keys {unknown}: the keys are {', '.join(FACTORY_KEYS)}"
+        )
+    for key in ("model", "inputs"):
+        if key not in result:
+            raise ModelSpecError(f"the factory of {spec!r} returned a dict without {key!r}: {_USAGE}")
+    if (result.get("loss_fn") is None) != (result.get("target") is None):
+        raise ModelSpecError(
+            f"the factory of {spec!r} returned a loss_fn without a target or a target without a loss_fn: give both "
+            "(the loss is loss_fn(model(inputs), target)) or neither (the model returns its own loss)"
+        )
+    return result

@@ -1,16 +1,22 @@
-"""The training loop behind `partita train`: one rank's steps, progress, checkpoints, timings.
+"""The training loop behind `partita train`: one rank's steps, evaluations, logs and checkpoints.
 
 Every rank builds the same model (same seed), loads the same plan and feeds every step the same
-global batch from the example's deterministic ``make_batch(global_batch, step)``, so a resumed
-run sees exactly the batches an uninterrupted one would.
+global batch (``plan.global_batch_size * accumulate`` samples; partita.cli.data_source says where
+batches come from: a zoo model's deterministic ``make_batch``, a factory's data source, or the
+factory's example batch repeated), so a resumed run sees exactly the batches an uninterrupted
+one would. With ``accumulate = K`` the plan is made for ``1/K`` of the step's samples: the
+Trainer runs K pipeline rounds and one optimizer step. ``--lr-schedule`` is
+partita.cli.lr_schedule; ``--eval-every`` averages the loss of a fixed set of held-out batches
+(``eval_batches``, the same at every evaluation) without changing weights or optimizer state;
+``--log-dir`` is partita.cli.metrics.
 
 Resuming: with ``resume=True``, or in a process torchrun restarted after a rank failed
 (``--max-restarts``; TORCHELASTIC_RESTART_COUNT > 0), training continues from the latest
 complete checkpoint in ``checkpoint_dir`` (``partita.runtime.checkpoint.latest_intact_checkpoint``:
 ``.partial`` writes and directories without DCP's metadata are skipped, and so are damaged
 checkpoints -- files that differ from their manifest -- with a warning naming each); the
-checkpoint holds the optimizer and RNG states, so the resumed run ends with the parameters an
-uninterrupted one would have.
+checkpoint holds the optimizer, LR schedule and RNG states, so the resumed run ends with the
+parameters an uninterrupted one would have.
 
 Every step's batch is checked against the graph first (``partita.runtime.batch_values``): ids
 outside an embedding or labels outside the loss's classes stop the run with an InputError
@@ -26,15 +32,15 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
-from partita.capturing import exported_call_inputs
+from partita.cli.data_source import eval_batches, training_batches
+from partita.cli.lr_schedule import check_lr_schedule, lr_scheduler_factory
+from partita.cli.metrics import MetricsWriter
 from partita.cli.optimizers import OPTIMIZERS
 from partita.errors import InputError
 from partita.runtime.checkpoint_dir import checkpoint_path
@@ -57,6 +63,13 @@ class TrainConfig:
     on_nonfinite: str = "raise"  # or "skip": see partita.Trainer
     init_from: str | None = None  # a seed checkpoint: the model is on meta, see partita.Trainer
     trace_dir: str | None = None  # write TRACED_STEPS as a Chrome trace per rank here
+    accumulate: int = 1  # pipeline rounds (of plan.global_batch_size samples) per optimizer step
+    lr_schedule: str = "constant"  # a name of partita.cli.lr_schedule.LR_SCHEDULES
+    warmup_steps: int = 0
+    min_lr: float = 0.0  # where cosine and linear decay end
+    eval_every: int = 0  # 0: never
+    eval_batches: int = 4  # held-out step batches averaged per evaluation
+    log_dir: str | None = None  # TensorBoard scalars and metrics.jsonl (rank 0)
 
 
 @dataclass
@@ -66,6 +79,7 @@ class TrainSummary:
     stage_forward_s: dict[int, list[float]] = field(default_factory=dict)  # per stage index, per step
     resumed_from: int | None = None  # steps done before this run (its losses start at step resumed_from + 1)
     skipped_steps: list[int] = field(default_factory=list)  # 1-based steps whose update was skipped (non-finite)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (1-based step, held-out loss)
 
     @property
     def first_step(self) -> int:
@@ -74,88 +88,117 @@ class TrainSummary:
 
 
 def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSummary:
-    """Run ``config.steps`` optimizer steps (counting steps done before a resume).
-
-    Batches come from the example's ``make_batch``; a factory model without one trains on its
-    example batch, repeated along each input's batch dim up to the plan's global batch."""
+    """Run ``config.steps`` optimizer steps (counting steps done before a resume), each on
+    ``plan.global_batch_size * config.accumulate`` samples, evaluating every ``config.eval_every``."""
     from partita.runtime.trainer import Trainer
 
-    make_batch = example.make_batch or repeating_batches(example, graph)
+    step_samples = plan.global_batch_size * config.accumulate
+    held_out = (
+        eval_batches(example, graph, step_samples, config.eval_batches, seed=config.seed, note=_note)
+        if config.eval_every
+        else []
+    )
     torch.manual_seed(config.seed)
     trainer = Trainer(
         example.model,
         plan,
         graph=graph,
         optimizer=lambda params: OPTIMIZERS[config.optimizer](params, config.lr),
+        lr_scheduler=lr_scheduler_factory(
+            config.lr_schedule, lr=config.lr, steps=config.steps, warmup_steps=config.warmup_steps, min_lr=config.min_lr
+        ),
         max_grad_norm=config.max_grad_norm,
         on_nonfinite=config.on_nonfinite,
         init_from=config.init_from,
+        **({"accumulation_steps": config.accumulate} if config.accumulate > 1 else {}),
     )
     summary = TrainSummary()
     _maybe_resume(trainer, config, summary)
-    timers = _stage_forward_timers(trainer, summary)
-    bar = _progress_bar(trainer, config)
-    tracer = _StepTracer(config.trace_dir)
+    batches = training_batches(example, graph, step_samples, start_step=trainer.num_steps, seed=config.seed, note=_note)
+    log = _RunLog(trainer, config, summary, step_samples)
     while trainer.num_steps < config.steps:  # Trainer.step checks each batch's ids and labels
-        tracer.before_step(trainer.num_steps + 1)
-        args, kwargs, target = make_batch(plan.global_batch_size, trainer.num_steps)
-        if graph.has_loss_fn:
-            kwargs = {**kwargs, "target": target}
+        log.before_step()
+        args, kwargs, target = next(batches)
+        lr = trainer.optimizer.param_groups[0]["lr"]  # this step's (the scheduler steps after it)
         start = time.perf_counter()
-        loss = trainer.step(*args, **kwargs)
-        elapsed = time.perf_counter() - start
-        timers.end_step()
-        if not tracer.active:  # the profiler slows the steps it records
-            summary.step_s.append(elapsed)
-        tracer.after_step(trainer.num_steps)
-        summary.losses.append(loss)
-        if not math.isfinite(loss):  # on_nonfinite="skip" (with "raise", step() raised)
-            summary.skipped_steps.append(trainer.num_steps)
-        if bar is not None:
-            bar.set_postfix(
-                loss=f"{loss:.4f}", step=f"{elapsed * 1e3:.0f}ms", samples_s=f"{plan.global_batch_size / elapsed:.1f}"
-            )
-            bar.update(1)
+        loss = trainer.step(*args, **_with_target(graph, kwargs, target))
+        log.after_step(loss, lr, time.perf_counter() - start)
+        if config.eval_every and trainer.num_steps % config.eval_every == 0:
+            log.evaluation(_evaluate(trainer, graph, held_out), len(held_out))
         if config.checkpoint_dir and config.checkpoint_every and trainer.num_steps % config.checkpoint_every == 0:
             trainer.save_checkpoint(checkpoint_path(config.checkpoint_dir, trainer.num_steps))
-    if bar is not None:
-        bar.close()
-    tracer.close()
+    log.close()
     if config.checkpoint_dir and (not config.checkpoint_every or trainer.num_steps % config.checkpoint_every):
         trainer.save_checkpoint(checkpoint_path(config.checkpoint_dir, trainer.num_steps))
     summary.stage_forward_s = _gather_stage_times(summary.stage_forward_s)
     return summary
 
 
-def repeating_batches(example, graph: OpGraph) -> Callable[[int, int], tuple[tuple, dict, Any]]:
-    """``make_batch(batch_size, step)`` for an example without a data source: its own inputs (and
-    target), tiled along each graph input's batch dim and cut to ``batch_size``; the same every step."""
-    call = exported_call_inputs(example.args, example.kwargs, example.target, graph.has_loss_fn)
-    flat, spec = pytree.tree_flatten(call)
-    if len(flat) != len(graph.inputs):
-        raise InputError(
-            f"{example.name}: its example inputs have {len(flat)} leaves but the graph was captured "
-            f"with {len(graph.inputs)}: capture the model from the factory's own inputs"
-        )
-    dims = [info.tensor.batch_dim if info.tensor is not None else None for info in graph.inputs]
-
-    def make_batch(batch_size: int, step: int) -> tuple[tuple, dict, Any]:
-        leaves = [_tiled(x, dim, batch_size) for x, dim in zip(flat, dims)]
-        call = pytree.tree_unflatten(leaves, spec)
-        if graph.has_loss_fn:
-            (args, kwargs, target), _ = call
-            return args, kwargs, target
-        args, kwargs = call
-        return args, kwargs, None
-
-    return make_batch
+def _with_target(graph: OpGraph, kwargs: dict, target: Any) -> dict:
+    return {**kwargs, "target": target} if graph.has_loss_fn else kwargs
 
 
-def _tiled(x: Any, dim: int | None, batch_size: int) -> Any:
-    if dim is None or not isinstance(x, torch.Tensor):
-        return x
-    copies = -(-batch_size // x.shape[dim])
-    return torch.cat([x] * copies, dim=dim).narrow(dim, 0, batch_size).contiguous()
+def _evaluate(trainer, graph: OpGraph, batches: list) -> float:
+    """The mean held-out loss over ``batches`` (weights, optimizer state and step count unchanged)."""
+    losses = [trainer.evaluate(*args, **_with_target(graph, kwargs, target)) for args, kwargs, target in batches]
+    return sum(losses) / len(losses)
+
+
+def _note(text: str) -> None:
+    """A one-line note about the data, from rank 0."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"note: {text}", flush=True)
+
+
+class _RunLog:
+    """What a run records besides training: losses and times (summary), the progress bar, the
+    profiler's trace, per-stage timers and the --log-dir metrics."""
+
+    def __init__(self, trainer, config: TrainConfig, summary: TrainSummary, step_samples: int):
+        self.trainer, self.summary, self.step_samples = trainer, summary, step_samples
+        self.timers = _stage_forward_timers(trainer, summary)
+        self.bar = _progress_bar(trainer, config)
+        self.tracer = _StepTracer(config.trace_dir)
+        self.metrics = None
+        if config.log_dir and dist.get_rank() == 0:
+            self.metrics = MetricsWriter(config.log_dir, resumed_from=summary.resumed_from, note=_note)
+
+    def before_step(self) -> None:
+        self.tracer.before_step(self.trainer.num_steps + 1)
+
+    def after_step(self, loss: float, lr: float, elapsed: float) -> None:
+        step, summary = self.trainer.num_steps, self.summary
+        self.timers.end_step()
+        if not self.tracer.active:  # the profiler slows the steps it records
+            summary.step_s.append(elapsed)
+        self.tracer.after_step(step)
+        summary.losses.append(loss)
+        if not math.isfinite(loss):  # on_nonfinite="skip" (with "raise", step() raised)
+            summary.skipped_steps.append(step)
+        samples_per_s = self.step_samples / elapsed
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", step=f"{elapsed * 1e3:.0f}ms", samples_s=f"{samples_per_s:.1f}")
+            self.bar.update(1)
+        if self.metrics is not None:
+            grad_norm = self.trainer.last_grad_norm
+            self.metrics.train_step(
+                step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=elapsed, samples_per_s=samples_per_s
+            )
+
+    def evaluation(self, loss: float, num_batches: int) -> None:
+        step = self.trainer.num_steps
+        self.summary.eval_losses.append((step, loss))
+        if self.bar is not None:
+            self.bar.write(f"eval: step {step} loss {loss:.4f} ({num_batches} held-out batches)")
+        if self.metrics is not None:
+            self.metrics.evaluation(step, loss=loss, num_batches=num_batches)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.tracer.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 TRACED_STEPS = range(2, 5)  # 1-based; the first step builds the pipeline
@@ -216,12 +259,14 @@ def _maybe_resume(trainer, config: TrainConfig, summary: TrainSummary) -> None:
 
 
 def write_losses(path: str, summary: TrainSummary) -> None:
-    """The losses of this run's steps as JSON: ``{"first_step": k, "losses": [...], "skipped_steps": [...]}``,
-    ``losses[i]`` being step ``k + i`` (1-based; ``k > 1`` after a resume), non-finite losses as null."""
+    """The losses of this run's steps as JSON: ``{"first_step": k, "losses": [...], "skipped_steps": [...],
+    "eval_losses": [{"step": s, "loss": x}, ...]}``, ``losses[i]`` being step ``k + i`` (1-based; ``k > 1``
+    after a resume), non-finite losses as null."""
     record = {
         "first_step": summary.first_step,
         "losses": [loss if math.isfinite(loss) else None for loss in summary.losses],
         "skipped_steps": summary.skipped_steps,
+        "eval_losses": [{"step": step, "loss": loss} for step, loss in summary.eval_losses],
     }
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
@@ -240,6 +285,20 @@ def check_train_config(config: TrainConfig) -> None:
     if (config.resume or config.checkpoint_every) and not config.checkpoint_dir:
         raise InputError("--resume and --checkpoint-every need --checkpoint-dir")
     NonFinitePolicy.parse(config.on_nonfinite)
+    if config.accumulate < 1:
+        raise InputError(f"--accumulate must be >= 1 (pipeline rounds per optimizer step), got {config.accumulate}")
+    check_lr_schedule(
+        config.lr_schedule, lr=config.lr, steps=config.steps, warmup_steps=config.warmup_steps, min_lr=config.min_lr
+    )
+    if config.eval_every < 0:
+        raise InputError(f"--eval-every must be >= 0 (0: never), got {config.eval_every}")
+    if config.eval_every > config.steps:
+        raise InputError(
+            f"--eval-every {config.eval_every} is more than --steps {config.steps}: no evaluation would run; "
+            f"use at most {config.steps}"
+        )
+    if config.eval_batches < 1:
+        raise InputError(f"--eval-batches must be >= 1, got {config.eval_batches}")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -311,6 +370,9 @@ class _LogLines:
         if self.done % self.every == 0 or self.done == self.total:
             details = " ".join(f"{k}={v}" for k, v in self.postfix.items())
             print(f"train: step {self.done}/{self.total} {details}", file=sys.stderr, flush=True)
+
+    def write(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         pass

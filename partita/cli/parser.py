@@ -1,0 +1,227 @@
+"""The `partita` command line's arguments: the three subcommands and their flags (commands in main.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from partita.cli.lr_schedule import LR_SCHEDULES
+from partita.cli.optimizers import OPTIMIZERS
+from partita.planning.options import CostSource
+from partita.types import Precision, Sharding
+
+MODEL_HELP = (
+    "a built-in example (gpt2, bert, llama, mixtral, t5, vit, mlp, cnn; with a size: gpt2-xl, llama-7b, mixtral-8x7b) "
+    "or path/to/file.py:factory returning (model, inputs), (model, inputs, loss_fn, target) or a dict of "
+    'those with "data" and "eval_data" sources (see examples/own_data.py)'
+)
+
+
+DEFAULT_TRAIN_GLOBAL_BATCH = 16
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    parser.add_argument("--batch-size", type=int, default=8, help="example batch size (default 8)")
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length of example models")
+    parser.add_argument(
+        "--model-device",
+        default="auto",
+        choices=["auto", "cpu", "meta"],
+        help="where to build example models: meta allocates no weights (auto: meta when the "
+        "weights would not comfortably fit in this machine's memory)",
+    )
+
+
+def _add_precision_sharding(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--precision",
+        default=None,
+        choices=[p.value for p in Precision],
+        help="compute dtype: bf16 (fp32 master weights, optimizer state and gradient reduction) or fp32 "
+        "(default: bf16 on GPU device types, fp32 on the CPU)",
+    )
+    parser.add_argument(
+        "--sharding",
+        default=None,
+        choices=[s.value for s in Sharding],
+        help="pin how every stage's replicas share parameters, gradients and optimizer state (default: "
+        "searched per stage; stages with one replica replicate)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="partita", description="Plan and train PyTorch models too large for one device."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    inspect = sub.add_parser(
+        "inspect", help="capture a model and show its graph: nodes, parameters, FLOPs, activations"
+    )
+    _add_model_arguments(inspect)
+    inspect.add_argument("--depth", type=int, default=3, help="module depth of the per-module table (default 3)")
+    inspect.add_argument("--top", type=int, default=10, help="how many of the largest activations to list")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    inspect.add_argument("--costs", action="store_true", help="also print per-module costs (time, saved activations)")
+    inspect.add_argument(
+        "--device",
+        default=None,
+        help="with --costs: a catalog device for analytic costs (h100, a100-80gb, ...); "
+        "default: measured on this machine when the model has real weights",
+    )
+
+    plan = sub.add_parser("plan", help="search the best split over devices; compare with the baselines")
+    _add_model_arguments(plan)
+    plan.add_argument("--devices", type=int, required=True, help="number of devices")
+    plan.add_argument(
+        "--device-type", default="cpu", help="catalog name (h100, a100-80gb, h200, b200, mi300x, cpu) or a device file"
+    )
+    plan.add_argument("--memory", default=None, help="memory per device, e.g. 80GiB (default: the device's)")
+    plan.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="number of nodes the devices are spread over (must divide --devices; 1 for cpu)",
+    )
+    plan.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    plan.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
+    plan.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
+    plan.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
+    plan.add_argument(
+        "--uniform-replicas",
+        action="store_true",
+        help="search only pp x dp meshes (by default stages may also get different replica counts, "
+        "GPipe/1F1B, up to 64 devices)",
+    )
+    plan.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
+    plan.add_argument("--recompute", default=None, choices=["yes", "no"], help="pin activation recomputation")
+    plan.add_argument("--optimizer", default="adam", help="adam, sgd-momentum or sgd (sets optimizer-state memory)")
+    _add_precision_sharding(plan)
+    plan.add_argument(
+        "--costs",
+        default="auto",
+        choices=[c.value for c in CostSource],
+        help="where per-node costs come from: measured (profile every node here), analytic (roofline "
+        "for --device-type), auto (measured for this machine's CPU with real weights, else analytic)",
+    )
+    plan.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
+    plan.add_argument("--out", default=None, help="write the plan as JSON to this path")
+    plan.add_argument("--png", default=None, help="write memory bars per stage and the pipeline timeline (PNG or SVG)")
+    plan.add_argument(
+        "--trace",
+        default=None,
+        help="write the simulated step as a Chrome/Perfetto trace (JSON; one track per rank group)",
+    )
+
+    train = sub.add_parser("train", help="plan (or load a plan) and train with one process per device")
+    _add_model_arguments(train)
+    train.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes (devices) on this machine to plan for (default 2); the job starts as many "
+        "as the plan uses. With --plan: the plan's device count (default), or an error if different",
+    )
+    train.add_argument("--plan", default=None, help="a plan file from `partita plan`; otherwise plan now")
+    train.add_argument("--plan-out", default=None, help="where to write the plan made now")
+    train.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help=f"samples per optimizer step (default {DEFAULT_TRAIN_GLOBAL_BATCH}); with --plan: the "
+        "plan's, and another value is refused",
+    )
+    train.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    train.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
+    train.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=sorted(OPTIMIZERS),
+        help="the torch optimizer (default adamw); the planner counts its state memory",
+    )
+    train.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    train.add_argument(
+        "--lr-schedule",
+        default="constant",
+        choices=LR_SCHEDULES,
+        help="the learning rate per step: constant (default), cosine or linear decay from --lr to --min-lr "
+        "over the steps after --warmup-steps",
+    )
+    train.add_argument(
+        "--warmup-steps", type=int, default=0, help="steps of linear warm-up from 0 to --lr (any schedule; default 0)"
+    )
+    train.add_argument("--min-lr", type=float, default=0.0, help="where cosine and linear decay end (default 0)")
+    train.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        metavar="K",
+        help="gradient accumulation: plan for --global-batch / K samples per pipeline round, and step the "
+        "optimizer once per K rounds (the whole --global-batch); K must divide --global-batch",
+    )
+    train.add_argument("--memory", default=None, help="memory per process for planning, e.g. 512MiB")
+    train.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
+    train.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
+    train.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
+    train.add_argument(
+        "--uniform-replicas",
+        action="store_true",
+        help="search only pp x dp meshes (by default stages may also get different replica counts, "
+        "GPipe/1F1B, up to 64 devices)",
+    )
+    train.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
+    _add_precision_sharding(train)
+    train.add_argument("--checkpoint-dir", default=None, help="write checkpoints here (step-NNNNNN)")
+    train.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: at the end)")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart all processes up to R times when one fails; restarted processes resume from "
+        "the latest complete checkpoint in --checkpoint-dir",
+    )
+    train.add_argument("--seed", type=int, default=0, help="seed of the example's weights and data and of torch's RNG")
+    train.add_argument(
+        "--on-nonfinite",
+        default="raise",
+        choices=["raise", "skip"],
+        help="a NaN/inf loss or gradient: stop with an error naming where (raise), or skip that "
+        "update with a warning (skip); the weights are never updated with it",
+    )
+    train.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="write steps 2-4 as measured by torch's profiler, one Chrome/Perfetto trace per rank "
+        "(DIR/rank-R.json); `partita plan --trace` writes the predicted step in the same format",
+    )
+    train.add_argument(
+        "--losses-out", default=None, help="write this run's per-step losses as JSON to this path (rank 0)"
+    )
+    train.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every N steps, the mean loss over --eval-batches held-out batches (a factory's eval_data; "
+        "zoo models: synthetic batches no training step draws); 0: never",
+    )
+    train.add_argument(
+        "--eval-batches", type=int, default=4, metavar="M", help="held-out batches per evaluation (default 4)"
+    )
+    train.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="write per-step metrics (loss, lr, grad norm, step time, samples/s, eval loss) as TensorBoard "
+        "scalars and DIR/metrics.jsonl (rank 0)",
+    )
+    train.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
+    train.add_argument(
+        "--init-from",
+        default=None,
+        help="a seed checkpoint of the initial weights: every process builds the model on meta and "
+        "allocates only its stages (written by the planning process for zoo models)",
+    )
+    return parser
