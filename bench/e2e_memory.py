@@ -69,6 +69,9 @@ from partita.cost.local_machine import LOCAL_RESERVED_MEMORY_FRACTION  # noqa: E
 LADDER = [1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32, 40, 48, 56, 64]
 BASELINE_METHODS = ("uniform", "parameters", "equal_flops")
 PARTITA_NO_ZBV = "partita, GPipe/1F1B only"
+REPLICATE_ONLY = "partita, no sharding"  # every stage's replicas hold whole copies (issue 13's "without sharding")
+FSDP_DP = "FSDP data parallel"  # num_stages=1, every device a fully sharded replica (what most users run)
+METHODS = ["partita", REPLICATE_ONLY, PARTITA_NO_ZBV, "data parallel", FSDP_DP, *BASELINE_METHODS]
 LR = 1e-4
 
 
@@ -121,6 +124,18 @@ class Sized:
         from partita.planning.driver import best_plan
 
         return best_plan(self.ctx(ranks, num_stages=1, replicas=ranks))
+
+    def replicate_only(self, ranks: int):
+        """partita with every stage replicated (no sharding: the plans before sharding existed)."""
+        from partita.planning.driver import best_plan
+
+        return best_plan(self.ctx(ranks, sharding="replicate"))
+
+    def fsdp_data_parallel(self, ranks: int):
+        """Plain data parallelism with every parameter, gradient and optimizer state fully sharded."""
+        from partita.planning.driver import best_plan
+
+        return best_plan(self.ctx(ranks, num_stages=1, replicas=ranks, sharding="full_shard"))
 
     def partita_no_zbv(self, ranks: int):
         """partita restricted to the GPipe and 1F1B schedules (no ZBV, no interleaving)."""
@@ -198,8 +213,7 @@ def ladder(args, log) -> dict:
     """Largest fitting layer count per (method, ranks), by prediction. A coarse pass over LADDER (each
     method stops at its first failure), then every layer count between a method's largest fit and its
     first failure."""
-    methods = ["partita", PARTITA_NO_ZBV, "data parallel", *BASELINE_METHODS]
-    keys = [("unsplit", 1), ("partita", 1)] + [(m, n) for n in args.ranks for m in methods]
+    keys = [("unsplit", 1), ("partita", 1)] + [(m, n) for n in args.ranks for m in METHODS]
     largest: dict = {}
     failed: dict = {}  # (method, ranks) -> smallest layer count found not to fit
     rows: dict = {}
@@ -217,6 +231,10 @@ def ladder(args, log) -> dict:
                 plan = (
                     sized.partita(n)
                     if m == "partita"
+                    else sized.replicate_only(n)
+                    if m == REPLICATE_ONLY
+                    else sized.fsdp_data_parallel(n)
+                    if m == FSDP_DP
                     else sized.data_parallel(n)
                     if m == "data parallel"
                     else sized.partita_no_zbv(n)
@@ -553,7 +571,7 @@ def write_markdown(path: Path, args, header: str, part_a: dict, lad: dict, check
         "|---|" + "---|" * (1 + len(args.ranks)),
     ]
     largest = lad["largest"]
-    for m in ["partita", PARTITA_NO_ZBV, "data parallel", *BASELINE_METHODS, "unsplit"]:
+    for m in [*METHODS, "unsplit"]:
         cells = []
         for n in [1, *args.ranks]:
             if (m, n) not in largest:
@@ -567,13 +585,13 @@ def write_markdown(path: Path, args, header: str, part_a: dict, lad: dict, check
         label = {
             "unsplit": "unsplit, 1 process (plain PyTorch)",
             "data parallel": "data parallel (`num_stages=1, replicas=N`)",
+            FSDP_DP: "FSDP data parallel (`num_stages=1, replicas=N, sharding=full_shard`)",
+            REPLICATE_ONLY: "partita, no sharding (`sharding=replicate`)",
         }.get(m, m)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
     # ladder detail
-    keys = [("unsplit", 1), ("partita", 1)] + [
-        (m, n) for n in args.ranks for m in ["partita", PARTITA_NO_ZBV, "data parallel", *BASELINE_METHODS]
-    ]
+    keys = [("unsplit", 1), ("partita", 1)] + [(m, n) for n in args.ranks for m in METHODS]
     lines += [
         "Predicted peak per rank (MiB) along the ladder; blank: not evaluated after the method's first failure, "
         "OOM: no configuration fits.",
@@ -638,9 +656,17 @@ def findings(args, part_a: dict, lad: dict, checks: list, usable: int, budget: i
             f"- Largest model by prediction on {n} ranks: partita {size(('partita', n))} "
             f"(GPipe/1F1B only: {size((PARTITA_NO_ZBV, n))}); "
             + ", ".join(f"{m} {size((m, n))}" for m in BASELINE_METHODS)
-            + f"; data parallelism {size(('data parallel', n))}. One process: unsplit plain PyTorch "
-            f"{size(('unsplit', 1))}, partita on 1 rank (micro-batches + recomputation) {size(('partita', 1))}."
+            + f"; data parallelism {size(('data parallel', n))}, FSDP data parallelism {size((FSDP_DP, n))}. "
+            f"One process: unsplit plain PyTorch {size(('unsplit', 1))}, partita on 1 rank (micro-batches + "
+            f"recomputation) {size(('partita', 1))}."
         )
+        if ("partita", n) in largest and (REPLICATE_ONLY, n) in largest:
+            with_sharding = gpt2_params(largest[("partita", n)][0], args.hidden)
+            without = gpt2_params(largest[(REPLICATE_ONLY, n)][0], args.hidden)
+            out.append(
+                f"- Sharding on {n} ranks: partita fits {with_sharding / 1e6:.0f} M parameters with sharding "
+                f"searched, {without / 1e6:.0f} M without ({with_sharding / without:.2f}x)."
+            )
     measured = []  # (label, config, predicted, rss, in_use)
     for row in (part_a or {}).get("rows", []):
         if row.get("measured") is not None:
@@ -716,7 +742,7 @@ def plot(path: Path, args, lad: dict) -> None:
     import matplotlib.pyplot as plt
 
     largest = lad["largest"]
-    methods = ["partita", PARTITA_NO_ZBV, "data parallel", *BASELINE_METHODS]
+    methods = METHODS
     fig, ax = plt.subplots(figsize=(8, 4))
     ns = list(args.ranks)
     width = 0.8 / (len(methods) + 1)
@@ -830,7 +856,7 @@ def main() -> None:
     if not args.no_verify:
         done = {(c["model"], c["ranks"], c["label"]) for c in checks}
         for n in args.ranks:
-            todo = [("partita", largest.get(("partita", n))), (PARTITA_NO_ZBV, largest.get((PARTITA_NO_ZBV, n)))]
+            todo = [(m, largest.get((m, n))) for m in ("partita", REPLICATE_ONLY, FSDP_DP, PARTITA_NO_ZBV)]
             base = [(m, largest[(m, n)]) for m in BASELINE_METHODS if (m, n) in largest]
             if base:
                 todo.append(max(base, key=lambda kv: (kv[1][0], -kv[1][2])))
