@@ -59,6 +59,7 @@ def rank_group_memory(
     (no comm model) the least sharded level that fits."""
     result = {}
     groups = stage_ranks(config)
+    shared = _groups_sharing_parameters(tables, ranges_by_group)
     for g, ranges in ranges_by_group.items():
         in_flight = microbatches_in_flight(
             config.schedule, config.num_microbatches, config.num_rank_groups, g, config.virtual_stages
@@ -76,7 +77,7 @@ def rank_group_memory(
                 num_replicas=r,
                 num_microbatches=config.num_microbatches,
             )
-            for level in levels(options.sharding, r)
+            for level in (levels(options.sharding, r) if g not in shared else (Sharding.REPLICATE,))
         }
         fitting = [level for level, mem in memory.items() if mem.total_bytes <= options.memory_limit_bytes]
         if not fitting:
@@ -88,6 +89,25 @@ def rank_group_memory(
             level = min(fitting, key=lambda lv: cost[lv])  # min keeps the first (least sharded) of equals
         result[g] = (memory[level], level)
     return result
+
+
+def _groups_sharing_parameters(tables: Sequence[CostTable], ranges_by_group: Mapping[int, list]) -> set[int]:
+    """Rank groups with a stage that reads a trainable parameter another stage reads too (tied
+    weights across stages): they replicate, as the runtime shards no parameter two stages share
+    (partita/runtime/sharding.py)."""
+    readers: dict[int, set[tuple[int, int]]] = {}
+    for g, ranges in ranges_by_group.items():
+        trainable = np.asarray(tables[g].param_trainable, dtype=bool)
+        for start, stop in ranges:
+            for p in tables[g].params_in_range(start, stop):
+                if trainable[p]:
+                    readers.setdefault(int(p), set()).add((start, stop))
+    tied = {p for p, stages in readers.items() if len(stages) > 1}
+    return {
+        g
+        for g, ranges in ranges_by_group.items()
+        if any(int(p) in tied for start, stop in ranges for p in tables[g].params_in_range(start, stop))
+    }
 
 
 def _group_overhead_s(

@@ -44,8 +44,9 @@ class PlanOptions:
     ``precision``: "fp32" or "bf16" (bf16 compute, fp32 master weights, optimizer state and gradient
     reduction); None: bf16 on GPU device types, fp32 on the CPU (decided where the cluster is known,
     ``resolve_precision``). ``sharding``: "replicate", "shard_grads_and_optimizer" or "full_shard"
-    pins every stage with several replicas (stages with one replica always replicate); None: each
-    stage's level is searched. ``costs``: where costs come from. ``max_blocks``: how finely the graph is coarsened into a chain of blocks.
+    pins every stage with several replicas (stages with one replica always replicate, and so do
+    stages that share a weight with another stage: tied weights across stages are never sharded);
+    None: each stage's level is searched. ``costs``: where costs come from. ``max_blocks``: how finely the graph is coarsened into a chain of blocks.
     ``cache_dir``: where profiles and calibrations are cached (default: the user cache folder).
     """
 

@@ -440,3 +440,17 @@ def test_bf16_plans_say_so_and_pin_every_replicated_stage():
     assert p is not None and p.precision is Precision.BF16
     assert all(s.sharding is (Sharding.FULL_SHARD if s.num_replicas > 1 else Sharding.REPLICATE) for s in p.stages)
     assert all(s.memory_breakdown is not None and s.memory_breakdown.total_bytes == s.memory_bytes for s in p.stages)
+
+
+def test_stages_sharing_a_tied_weight_replicate_even_when_sharding_is_pinned():
+    """GPT-2's input embedding is its output head: the runtime shards no parameter two stages read."""
+    cluster = Cluster(device="h100", num_devices=4, devices_per_node=4)
+    options = PlanOptions(
+        schedules="1f1b", num_stages=2, replicas=2, uniform_replicas=True, sharding="full_shard", costs="analytic"
+    )
+    for name, tied in (("gpt2-tiny", True), ("mlp-tiny", False)):
+        ex = examples.build(name, batch_size=8)
+        graph = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+        plan = partita.plan(graph, cluster=cluster, global_batch_size=16, options=options)
+        levels = {s.sharding for s in plan.stages}
+        assert levels == ({Sharding.REPLICATE} if tied else {Sharding.FULL_SHARD}), (name, levels)
