@@ -16,7 +16,6 @@ WORKERS = Path(__file__).with_name("workers_sharding.py")
 TOLERANCE = 1e-5
 
 TWO_RANKS = [
-    dict(label="gpt2-zero2", model="gpt2", levels=["shard_grads_and_optimizer"], num_stages=1, replicas=2),
     dict(label="gpt2-zero3", model="gpt2", levels=["full_shard"], num_stages=1, replicas=2),
     dict(label="lm-zero3-2mb", model="tiny_lm", levels=["full_shard"], num_stages=1, replicas=2, num_microbatches=2),
 ]

@@ -1,0 +1,183 @@
+"""What partita predicts at cluster scale: GPT models of 1.7 B to 146 B parameters on 32 to 1536 A100s.
+
+The configurations of Megatron-LM's scaling table (Narayanan et al., "Efficient Large-Scale Language
+Model Training on GPU Clusters Using Megatron-LM", SC21, arXiv:2104.04473, Table 1): GPT with
+vocabulary 51,200, sequence 2048, the paper's hidden size, heads, layers, GPU count and global batch,
+on A100-80GB in nodes of 8 (the catalog's A100: 312 TFLOP/s dense bf16, NVLink in a node,
+InfiniBand between nodes). Each model is captured on ``meta`` (transformers' GPT-2 class at those
+shapes) and planned with analytic costs in bf16 (``partita.plan``; no tensor parallelism: partita
+has none yet, so every layer runs whole on one GPU, and its activations must fit there).
+
+Reported: the predicted step, and the model FLOP/s per GPU it implies over ALL GPUs of the cluster
+(idle ones included), with Megatron's count of a step's FLOPs *without* recomputation,
+``72 B s l h^2 (1 + s / 6h) + 6 B s h V``. The paper reports FLOP/s with full activation
+recomputation counted (``96 B s l h^2 (1 + s / 6h) + 6 B s h V``); its figures are converted to the
+model count (the ratio of the two formulas) for the comparison. Published figures are the paper's
+Table 1 as cited here, not re-measured.
+
+Usage: python bench/scale_prediction.py [--rows 1.7B,7.5B,...] [--out bench/results/scale_prediction.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import partita  # noqa: E402
+
+VOCAB, SEQ = 51200, 2048
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of Megatron-LM's Table 1: shape, GPUs, global batch, achieved TFLOP/s per GPU (with
+    recomputation counted) and their tensor/pipeline parallel sizes."""
+
+    name: str
+    heads: int
+    hidden: int
+    layers: int
+    gpus: int
+    global_batch: int
+    published_tflops: float
+    tp: int
+    pp: int
+
+
+ROWS = [
+    Row("1.7B", 24, 2304, 24, 32, 512, 137, 1, 1),
+    Row("3.6B", 32, 3072, 30, 64, 512, 138, 2, 1),
+    Row("7.5B", 32, 4096, 36, 128, 512, 142, 4, 1),
+    Row("18.4B", 48, 6144, 40, 256, 1024, 135, 8, 1),
+    Row("39.1B", 64, 8192, 48, 512, 1536, 138, 8, 2),
+    Row("76.1B", 80, 10240, 60, 1024, 1792, 140, 8, 4),
+    Row("145.6B", 96, 12288, 80, 1536, 2304, 148, 8, 8),
+]
+
+
+def step_flops(row: Row, *, recompute: bool) -> float:
+    """Megatron's FLOPs of one step (forward + backward, + a second forward when recomputing)."""
+    b, s, layers, h, v = row.global_batch, SEQ, row.layers, row.hidden, VOCAB
+    passes = 96 if recompute else 72
+    return passes * b * s * layers * h * h * (1 + s / (6 * h)) + 6 * b * s * h * v
+
+
+def capture(row: Row):
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=row.layers,
+        n_embd=row.hidden,
+        n_head=row.heads,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        attn_implementation="eager",
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"
+    ids = torch.zeros(2, SEQ, dtype=torch.long, device="meta")
+    return partita.capture(model, (), {"input_ids": ids, "labels": ids})
+
+
+def plan_row(row: Row) -> dict:
+    started = time.perf_counter()
+    graph = capture(row)
+    captured = time.perf_counter() - started
+    cluster = partita.Cluster(device="a100-80gb", num_devices=row.gpus, devices_per_node=8)
+    plan = partita.plan(
+        graph, cluster=cluster, global_batch_size=row.global_batch, options=partita.PlanOptions(costs="analytic")
+    )
+    planned = time.perf_counter() - started - captured
+    model_tflops = step_flops(row, recompute=False) / (plan.predicted_step_s * row.gpus) / 1e12
+    published_model = row.published_tflops * step_flops(row, recompute=False) / step_flops(row, recompute=True)
+    return {
+        "row": row,
+        "params": graph.num_parameters,
+        "plan": plan,
+        "model_tflops": model_tflops,
+        "published_model": published_model,
+        "capture_s": captured,
+        "plan_s": planned,
+    }
+
+
+def layout(plan) -> str:
+    from partita.report.format import fmt_replicas
+
+    levels = sorted({s.sharding.value for s in plan.stages})
+    rc = sum(s.recompute for s in plan.stages)
+    return (
+        f"{plan.num_rank_groups} x {fmt_replicas(plan)} ({plan.num_devices} dev), {plan.schedule.value}, "
+        f"m={plan.num_microbatches}, {plan.num_stages} stages, recompute {rc}/{plan.num_stages}, "
+        f"{'/'.join(levels)}, {plan.precision.value}"
+    )
+
+
+def write(path: Path, results: list[dict], started: float) -> None:
+    lines = [
+        "# Scale prediction: partita's plans for Megatron-LM's GPT configurations",
+        "",
+        f"- command: `python {' '.join(sys.argv)}`",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; "
+        f"wall time {(time.perf_counter() - started) / 60:.1f} min",
+        "- GPT, vocabulary 51,200, sequence 2048, A100-80GB (catalog: 312 TFLOP/s bf16) in nodes of 8, bf16, "
+        "AdamW, analytic costs; shapes, GPU counts and global batches of Megatron-LM's Table 1 (arXiv:2104.04473).",
+        "- model TFLOP/s per GPU: `72 B s l h^2 (1 + s/6h) + 6 B s h V` per step / (predicted step x GPUs of the "
+        "cluster). Published: the paper's TFLOP/s per GPU (counted with recomputation, `96 B s l h^2 ...`), and "
+        "the same converted to the model count.",
+        "",
+        "| model | params | GPUs | batch | partita's plan | predicted step | predicted model TFLOP/s/GPU | "
+        "Megatron-LM (TP x PP) | published TFLOP/s/GPU (with recompute) | published, model count | ratio | "
+        "capture + plan |",
+        "|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        row, plan = r["row"], r["plan"]
+        lines.append(
+            f"| {row.name} | {r['params'] / 1e9:.2f} B | {row.gpus} | {row.global_batch} | {layout(plan)} | "
+            f"{plan.predicted_step_s:.2f} s | {r['model_tflops']:.0f} | {row.tp} x {row.pp} | "
+            f"{row.published_tflops:.0f} | {r['published_model']:.0f} | {r['model_tflops'] / r['published_model']:.2f} | "
+            f"{r['capture_s']:.0f} + {r['plan_s']:.0f} s |"
+        )
+    lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default=",".join(r.name for r in ROWS))
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results/scale_prediction.md")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    wanted = args.rows.split(",")
+    results = []
+    for row in ROWS:
+        if row.name not in wanted:
+            continue
+        result = plan_row(row)
+        results.append(result)
+        print(
+            f"{row.name}: {layout(result['plan'])}, step {result['plan'].predicted_step_s:.2f} s, "
+            f"{result['model_tflops']:.0f} model TFLOP/s/GPU (published {result['published_model']:.0f})",
+            flush=True,
+        )
+        write(args.out, results, started)
+    print(args.out.read_text())
+
+
+if __name__ == "__main__":
+    main()
