@@ -40,7 +40,7 @@ from partita.errors import InputError
 from partita.runtime.data_parallel import Topology, new_group
 from partita.runtime.pipeline import StageRunner
 from partita.runtime.precision import Compute
-from partita.runtime.stages import StageModule
+from partita.runtime.stages import StageModule, state_of
 from partita.types import Plan, Schedule, Sharding
 
 __all__ = [
@@ -114,7 +114,7 @@ def gathered_for(
     for runner in runners.values():
         runner.unshard()
     try:
-        whole = {name: t for s in planned for name, t in s.state_tensors().items()}
+        whole = state_of(planned)
         for stage in stages:
             stage.rebind(whole)
         yield

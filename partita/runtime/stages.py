@@ -156,6 +156,11 @@ class StageModule(nn.Module):
         )
 
 
+def state_of(stages: Sequence[StageModule]) -> dict[str, torch.Tensor]:
+    """Canonical name -> the tensor the ``stages`` read under it (``StageModule.state_tensors``, merged)."""
+    return {name: t for stage in stages for name, t in stage.state_tensors().items()}
+
+
 def split_graph(graph: OpGraph, boundaries: Sequence[int]) -> list[StageModule]:
     """Stage modules for the node ranges ``[boundaries[s], boundaries[s + 1])`` of ``graph.nodes``.
 

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 
 from partita.capturing import exported_call_inputs
 from partita.errors import InputError
-from partita.runtime.stages import StageModule, split_graph
+from partita.runtime.stages import StageModule, split_graph, state_of
 from partita.runtime.uneven import check_uneven_boundaries
 from partita.types import OpGraph, Plan
 
@@ -156,7 +156,7 @@ def variant_stages(
     if device.type != "cpu":  # what the stages hold besides the planned tensors (lifted constants)
         for stage in stages:
             stage.to(device)
-    rebind(stages, {name: t for s in planned_stages for name, t in s.state_tensors().items()})
+    rebind(stages, state_of(planned_stages))
     if not plan.uniform_replicas:
         check_uneven_boundaries(graph, plan, stages)
     return graph, stages

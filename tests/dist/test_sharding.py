@@ -80,6 +80,7 @@ def _check_exact(results: list, label: str, replicas: int) -> None:
     assert mine["loaded_plain"][0] <= TOLERANCE, mine["loaded_plain"]
     assert mine["loaded_replicated"][0] == 0.0, mine["loaded_replicated"]
     assert abs(mine["eval"] - mine["ref_eval"]) <= TOLERANCE, (mine["eval"], mine["ref_eval"])
+    assert all("sharded stages train at the planned shapes" in r[label]["shorter"] for r in results), mine["shorter"]
 
 
 @pytest.mark.parametrize("label", [c["label"] for c in TWO_RANKS])
@@ -105,6 +106,7 @@ def test_a_sharded_stage_of_an_uneven_plan_trains_like_the_unsplit_model(uneven,
     assert uneven[1][label]["shards"] and uneven[2][label]["shards"]
     assert mine["loaded_plain"][0] <= TOLERANCE and mine["loaded_replicated"][0] == 0.0
     assert abs(mine["eval"] - mine["ref_eval"]) <= TOLERANCE, (mine["eval"], mine["ref_eval"])
+    assert all("sharded stages train at the planned shapes" in r[label]["shorter"] for r in results), mine["shorter"]
 
 
 def test_tied_weights_across_a_sharded_stage_are_refused(four):

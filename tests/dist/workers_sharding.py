@@ -106,6 +106,11 @@ def job_levels(params: dict) -> dict:
             name: (p.to_local().numel(), p.numel()) for name, p in trainer.params.items() if isinstance(p, DTensor)
         }
         result: dict[str, Any] = {"losses": losses, "shards": shards, "eval": trainer.evaluate(**batches[0])}
+        try:  # sharded stages train at the planned shapes only
+            trainer.step(**{k: v[:, : SEQ // 2] for k, v in batches[0].items()})
+            result["shorter"] = None
+        except InputError as e:
+            result["shorter"] = str(e)
         checkpoint = Path(params["checkpoints"]) / f"ckpt-{label}"
         trainer.save_checkpoint(str(checkpoint))
         if rank == 0:
