@@ -80,6 +80,12 @@ class Topology:
     mesh: object = None  # uniform: the DeviceMesh with axes ("pp", "dp"); uneven: None (no mesh expresses it)
     world_group: dist.ProcessGroup | None = None  # all ranks, with partita's timeout; None: the default group
     timeout: datetime.timedelta | None = None  # collective timeout of partita's groups; None: torch's default
+    # Tensor parallelism (tensor_parallel.py): this rank's index in its group of `tensor_parallel`
+    # ranks and that group. Then `world_group` holds the ranks of this index only (the job that
+    # `local_plan` describes), and `rank`/`world_size` stay global.
+    tensor_parallel: int = 1
+    tp_index: int = 0
+    tp_group: dist.ProcessGroup | None = None
 
     @property
     def uniform(self) -> bool:
@@ -106,6 +112,8 @@ def init_topology(plan: Plan, *, collective_timeout_s: float | None = None) -> T
         )
     check_layout(plan)
     common = dict(rank=rank, world_size=world, device=device, world_group=world_group, timeout=timeout)
+    if plan.tensor_parallel > 1:
+        return _tensor_parallel_topology(plan, common, timeout)
     if plan.uniform_replicas:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -135,6 +143,39 @@ def init_topology(plan: Plan, *, collective_timeout_s: float | None = None) -> T
         replicas=stage.num_replicas,
         dp_group=groups[stage.index],
         **common,
+    )
+
+
+def _tensor_parallel_topology(plan: Plan, common: dict, timeout: datetime.timedelta | None) -> Topology:
+    """A uniform plan of degree t on a pp x dp x tp mesh: rank = (group * dp + replica) * t + index."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not plan.uniform_replicas:
+        raise InputError(
+            f"the plan has tensor-parallel degree {plan.tensor_parallel} and uneven replica counts "
+            f"{[s.num_replicas for s in plan.stages]}: tensor parallelism runs on pp x dp x tp meshes only; "
+            "re-plan with tensor_parallel=1 or with one replica count for every stage"
+        )
+    t, rank = plan.tensor_parallel, common["rank"]
+    pp, dp = plan.num_rank_groups, plan.stages[0].num_replicas
+    override = _mesh_timeouts(timeout, ("pp", "dp", "tp")) if timeout is not None else None
+    mesh = init_device_mesh(
+        common["device"].type, (pp, dp, t), mesh_dim_names=("pp", "dp", "tp"), backend_override=override
+    )
+    # one group per index, every rank creating all of them in the same order
+    slices = [new_group(list(range(i, plan.num_devices, t)), timeout) for i in range(t)]
+    return Topology(
+        **{**common, "world_group": slices[rank % t]},
+        num_rank_groups=pp,
+        rank_group=rank // (dp * t),
+        replica=(rank // t) % dp,
+        replicas=dp,
+        dp_group=mesh.get_group("dp"),
+        pp_group=mesh.get_group("pp"),
+        mesh=mesh,
+        tensor_parallel=t,
+        tp_index=rank % t,
+        tp_group=mesh.get_group("tp"),
     )
 
 
@@ -173,8 +214,8 @@ def new_group(ranks: list[int] | None, timeout: datetime.timedelta | None) -> di
     return dist.new_group(ranks, timeout=timeout) if timeout is not None else dist.new_group(ranks)
 
 
-def _mesh_timeouts(timeout: datetime.timedelta) -> dict | None:
-    """``init_device_mesh``'s backend_override giving both mesh dims' groups ``timeout`` (setting it
+def _mesh_timeouts(timeout: datetime.timedelta, dims: tuple[str, ...] = ("pp", "dp")) -> dict | None:
+    """``init_device_mesh``'s backend_override giving the mesh dims' groups ``timeout`` (setting it
     on a gloo group afterwards does not reach its transfers), or None, with a warning, where this
     torch has no such options."""
     backend = dist.get_backend()
@@ -189,7 +230,7 @@ def _mesh_timeouts(timeout: datetime.timedelta) -> dict | None:
             stacklevel=3,
         )
         return None
-    return {"pp": (backend, options), "dp": (backend, options)}
+    return {dim: (backend, options) for dim in dims}
 
 
 def timeout_of(seconds: float | None) -> datetime.timedelta | None:
@@ -253,10 +294,10 @@ def check_layout(plan: Plan) -> None:
 def _check_uniform_layout(plan: Plan) -> None:
     from partita.planning.schedules import stage_rank_groups
 
-    dp, pp = plan.stages[0].num_replicas, plan.num_rank_groups
+    dp, pp, t = plan.stages[0].num_replicas, plan.num_rank_groups, plan.tensor_parallel
     placement = stage_rank_groups(plan.schedule, pp, plan.num_stages)
     for s in plan.stages:
-        expected = tuple(range(s.rank_group * dp, (s.rank_group + 1) * dp))
+        expected = tuple(range(s.rank_group * dp * t, (s.rank_group + 1) * dp * t))
         if s.ranks != expected or s.rank_group != placement[s.index]:
             raise InputError(
                 f"stage {s.index} runs on rank group {s.rank_group}, ranks {list(s.ranks)}; {plan.schedule.value} "
@@ -316,6 +357,9 @@ class GradientSync:
         timeout: datetime.timedelta | None = None,
         world_group: dist.ProcessGroup | None = None,
         sharded: Collection[str] = (),
+        group_sets: Sequence[tuple[int, ...]] | None = None,
+        tp_split: Collection[str] = (),
+        tp_group: dist.ProcessGroup | None = None,
     ):
         self.params = dict(params)  # this rank's trainable parameters, canonical name -> Parameter
         # Read by sharded stages (sharding.py): FSDP2 reduce-scatters them over the replicas, and
@@ -326,8 +370,14 @@ class GradientSync:
         self.owned = [
             name for name in self.params if name in self.sharded or min(holders[name]) == rank
         ]  # once in the norm
+        # Split by tensor parallelism (tensor_parallel.py): every rank of the group holds its own
+        # part, so their squares are summed over `tp_group` too. `group_sets`: the holder sets of
+        # every tensor-parallel index, which all ranks create (default: those of `holders`).
+        self.tp_split, self.tp_group = frozenset(tp_split), tp_group
         self.buckets: list[tuple[dist.ProcessGroup, list[str]]] = []
-        for ranks in sorted({tuple(h) for h in holders.values() if len(h) > 1}):
+        if group_sets is None:
+            group_sets = sorted({tuple(h) for h in holders.values() if len(h) > 1})
+        for ranks in group_sets:
             group = new_group(list(ranks), timeout)  # collective: every rank creates every group, in this order
             names = [name for name in self.params if tuple(holders[name]) == ranks and name not in self.sharded]
             if rank in ranks and names:
@@ -357,13 +407,18 @@ class GradientSync:
         norm before clipping (on every rank).
         """
         device = next(iter(self.params.values())).device if self.params else _group_device(self.world_group)
-        squares = torch.zeros((), dtype=torch.float64, device=device)
+        squares = torch.zeros(2, dtype=torch.float64, device=device)  # (whole in the group, split by it)
         for name in self.owned:
             grad = self.params[name].grad
             if grad is not None:
-                squares += torch.linalg.vector_norm(local_tensor(grad).detach(), dtype=torch.float32).double() ** 2
+                norm = torch.linalg.vector_norm(local_tensor(grad).detach(), dtype=torch.float32).double()
+                squares[int(name in self.tp_split)] += norm**2
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.world_group)
-        total = squares.sqrt().float()
+        if self.tp_group is not None:
+            split = squares[1:].clone()
+            dist.all_reduce(split, op=dist.ReduceOp.SUM, group=self.tp_group)
+            squares[1:] = split
+        total = squares.sum().sqrt().float()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.params.values():
             if p.grad is not None:

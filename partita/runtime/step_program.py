@@ -28,6 +28,7 @@ from partita.runtime.pipeline import (
 )
 from partita.runtime.precision import FP32, Compute, drop_dtype_assertions
 from partita.runtime.stages import StageModule, narrow_batch
+from partita.runtime.tensor_parallel import TensorParallel, program_layouts, rewrite_stage
 from partita.runtime.uneven import UnevenExecutor
 from partita.types import OpGraph, Plan
 
@@ -36,8 +37,9 @@ __all__ = ["StepProgram"]
 
 class StepProgram:
     """``graph`` split into the plan's stages (``all_stages``), this rank's ``stages``, their
-    ``loss_scaling`` (over ``accumulation_steps`` pipeline rounds per step) and ``index_uses``
-    (the inputs read as ids or labels, checked every step)."""
+    ``loss_scaling`` (over ``accumulation_steps`` pipeline rounds per step), ``index_uses``
+    (the inputs read as ids or labels, checked every step) and, with tensor parallelism, the
+    stages' layouts (this rank's stages rewritten to run on its group)."""
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class StepProgram:
         accumulation_steps: int,
         runners: dict[int, nn.Module] | None = None,
         compute: Compute = FP32,
+        tensor_parallel: TensorParallel | None = None,
     ):
         self.graph, self.plan, self.topology, self.all_stages = graph, plan, topology, all_stages
         if compute.low is not None:
@@ -59,6 +62,10 @@ class StepProgram:
         self.loss_scaling = LossScaling(
             graph, plan, all_stages, self.stages, topology.device, accumulation_steps=accumulation_steps
         )
+        # after the loss rewriting: the vocab-parallel cross-entropy takes over its (sum) reduction
+        self.tensor_parallel = None if tensor_parallel is None else program_layouts(tensor_parallel, graph, all_stages)
+        for stage in self.stages if self.tensor_parallel is not None else ():
+            rewrite_stage(stage, self.tensor_parallel)
         self.root_indices = sorted({j for s in self.stages for j in s.graph_input_indices})
         self._schedule: Any = None  # uniform plans: the torch schedule
         self._executor: UnevenExecutor | None = None  # uneven plans

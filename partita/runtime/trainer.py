@@ -82,7 +82,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from partita.capturing import canonical_names
 from partita.checks import positive_int
@@ -111,7 +110,9 @@ from partita.runtime.precision import Compute
 from partita.runtime.progress import Progress, is_timeout
 from partita.runtime.sharding import check_sharding, gathered_for, sharded_names, sharded_runners, sharded_stages
 from partita.runtime.stages import StageModule, flatten_inputs, narrow_batch, split_graph
+from partita.runtime.state_dict import gather_state_dict
 from partita.runtime.step_program import StepProgram
+from partita.runtime.tensor_parallel import local_plan, start_tensor_parallel, tensor_parallel_sync, whole_tensors
 from partita.runtime.trainer_setup import (
     batch_of,
     check_scheduler,
@@ -213,6 +214,9 @@ class Trainer:
         check_whole_batch(self.graph, plan.num_microbatches, [s.num_replicas for s in plan.stages])
         self._state_names = state_names(model)
         self.topology: Topology = start_topology(plan, collective_timeout_s)
+        self.full_plan = plan
+        if plan.tensor_parallel > 1:  # the ranks of this tensor-parallel index run a plan of their own
+            self.plan = plan = local_plan(plan, self.topology.tp_index)
         self.compute = Compute(plan.precision, self.topology.device.type)  # fp32, or bf16 autocast (precision.py)
         self._progress = Progress(
             self.topology.rank, self.topology.world_size, enabled=collective_timeout_s is not None
@@ -254,6 +258,8 @@ class Trainer:
                     init_from,
                 )
         check_sharding(plan, self._all_stages)
+        # before the optimizer and FSDP2: this rank's parts of the weights tensor parallelism splits
+        self.tensor_parallel = start_tensor_parallel(self.graph, self.topology, self._all_stages, self.stages)
         # before the optimizer: FSDP2 makes new (DTensor) parameters
         self._runners = sharded_runners(plan, self.stages, self.topology, self.compute)
         self._holders = holders(plan, self._all_stages)
@@ -273,6 +279,7 @@ class Trainer:
             accumulation_steps=self.accumulation_steps,
             runners=self._runners,
             compute=self.compute,
+            tensor_parallel=self.tensor_parallel,
         )
         self._programs: dict[tuple, StepProgram] = {(True, self._captured_shapes): planned}
         self.loss_scaling = planned.loss_scaling
@@ -286,6 +293,7 @@ class Trainer:
             timeout=top.timeout,
             world_group=top.world_group,
             sharded=sharded_names(plan, self._all_stages) & set(trainable),
+            **tensor_parallel_sync(self.full_plan, self.tensor_parallel, self._all_stages, holders),
         )
         self.num_steps = 0
         self.num_skipped_steps = 0
@@ -363,28 +371,8 @@ class Trainer:
     def gather_state_dict(self) -> dict[str, torch.Tensor] | None:
         """On rank 0: the full state dict (parameters and persistent buffers, CPU tensors) with
         the keys of ``model.state_dict()`` (tied names included), so that the unsplit model
-        loads it directly. Other ranks return None. Collective: call it on every rank.
-
-        Each tensor comes from the first rank holding it; tensors no stage reads (unused by
-        the loss) come from rank 0's model, which never changes them.
-        """
-        rank = self.topology.rank
-        local = {}
-        for name, t in sorted(self.held_state().items()):  # one order on every rank: full_tensor is collective
-            whole = t.full_tensor() if isinstance(t, DTensor) else t  # a sharded stage's: gathered over its replicas
-            if self._owner(name) == rank:
-                local[name] = whole.detach().cpu().clone()
-        gathered: list | None = [None] * self.topology.world_size if rank == 0 else None
-        dist.gather_object(local, gathered, dst=0)
-        if rank != 0:
-            return None
-        merged = {name: t for part in gathered for name, t in part.items()}
-        canonical = canonical_names(self.model)
-        result = {}
-        for key, t in self.model.state_dict(keep_vars=True).items():
-            name = canonical[id(t)]
-            result[key] = merged[name] if name in merged else t.detach().cpu().clone()
-        return result
+        loads it directly. Other ranks return None. Collective: call it on every rank."""
+        return gather_state_dict(self)
 
     def held_state(self) -> dict[str, torch.Tensor]:
         """This rank's stages' parameters and persistent buffers, by canonical name: the tensors
@@ -394,7 +382,7 @@ class Trainer:
             for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
                 if name in self._state_names:  # leaves out export's lifted constants, non-persistent buffers
                     held.setdefault(name, t)
-        return held
+        return whole_tensors(held, self.tensor_parallel)
 
     def save_checkpoint(self, path: str) -> None:
         """Write a DCP checkpoint keyed by the model's parameter names (see checkpoint.py)."""
@@ -449,7 +437,13 @@ class Trainer:
         call, device = (args, kwargs, target), self.topology.device
         graph, stages = variant_stages(self.graph, self.plan, self._all_stages, call, training, device)
         return StepProgram(
-            graph, self.plan, self.topology, stages, accumulation_steps=self.accumulation_steps, compute=self.compute
+            graph,
+            self.plan,
+            self.topology,
+            stages,
+            accumulation_steps=self.accumulation_steps,
+            compute=self.compute,
+            tensor_parallel=self.tensor_parallel,
         )
 
     def _run_rounds(self, program: StepProgram, flat: list, *, forward_only: bool = False) -> list[torch.Tensor]:

@@ -1,0 +1,352 @@
+"""Tensor parallelism at run time: split the stages' weights over a group, rewrite their graphs.
+
+A plan of degree ``t`` (``Plan.tensor_parallel``) runs every stage replica on a group of ``t``
+ranks of one node (``StagePlan.ranks[j*t:(j+1)*t]`` for replica ``j``). The ranks with the same
+index ``i`` in their groups form a plan of their own (``local_plan``: ranks ``[i::t]``), which
+trains exactly as a plan without tensor parallelism -- pipelines, replicas, sharding, loss
+scaling -- and the groups meet only inside the stages:
+
+* ``stage_analyses`` finds the layout of every stage's graph (``partita.capturing.tensor_parallel``);
+  a weight several stages read (tied embeddings) is split only where all of them split it alike;
+* ``shard_parameters`` gives each stage this rank's part of every split weight (a new Parameter,
+  before the optimizer and FSDP2 see it);
+* ``rewrite_stage`` (after the loss rewriting of loss_scaling.py) inserts the collectives of
+  ``tensor_parallel_ops`` into the stage graph and divides the size arguments of the views.
+
+Explicit collectives, not DTensor: the stage graphs stay plain tensors, so FSDP2, the
+pipelines, recomputation and bf16 autocast work on them unchanged, and a fused QKV projection
+(one weight holding query, key and value) splits by heads, which no DTensor placement expresses.
+Boundary tensors between stages are whole (replicated in the group): every rank of a group
+sends its copy along its own pipeline. Checkpoints and ``gather_state_dict`` hold whole tensors
+under the original names (``gather_full``), so any plan, or the plain model, loads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+
+from partita.capturing.tensor_parallel import TensorParallelAnalysis, analyze
+from partita.errors import InputError
+from partita.runtime import tensor_parallel_ops as ops
+from partita.runtime.stages import StageModule, boundary_tensor, contiguous_grad
+from partita.types import OpGraph, Plan
+from partita.types.tensor_parallel import ParamShard
+
+__all__ = [
+    "TensorParallel",
+    "gather_full",
+    "local_part",
+    "local_plan",
+    "rewrite_stage",
+    "shard_parameters",
+    "stage_analyses",
+]
+
+aten = torch.ops.aten
+_GROUPS: dict[int, dist.ProcessGroup] = {}  # key (an int in the FX graphs) -> group
+
+
+@dataclass(frozen=True, eq=False)
+class TensorParallel:
+    """This rank's tensor-parallel group: ``degree`` ranks, this one ``index``-th; ``analyses``:
+    stage index -> the layout of that stage's graph."""
+
+    degree: int
+    index: int
+    group: dist.ProcessGroup | None
+    analyses: Mapping[int, TensorParallelAnalysis]
+
+    @property
+    def key(self) -> int:
+        _GROUPS[id(self.group)] = self.group
+        return id(self.group)
+
+    def shards(self) -> dict[str, ParamShard]:
+        """Canonical name -> how it is split, over every stage."""
+        return {name: s for a in self.analyses.values() for name, s in a.layout.params.items()}
+
+
+def local_plan(plan: Plan, index: int) -> Plan:
+    """The plan the ranks of tensor-parallel index ``index`` run: each stage's ranks ``[index::t]``,
+    degree 1."""
+    t = plan.tensor_parallel
+    stages = tuple(dataclasses.replace(s, ranks=s.ranks[index::t], tensor_parallel=1) for s in plan.stages)
+    return dataclasses.replace(plan, stages=stages)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def stage_analyses(graph: OpGraph, stages: Sequence[StageModule], degree: int) -> dict[int, TensorParallelAnalysis]:
+    """The layout of every stage's graph; a weight read by several stages is split only when every
+    one of them splits it the same way (their gradients are summed shard by shard)."""
+    whole: set[str] = set()
+    while True:
+        found = {s.spec.index: _analyze_stage(graph, s, degree, whole) for s in stages}
+        ways: dict[str, set] = {}
+        for stage in stages:
+            layout = found[stage.spec.index].layout
+            for name in stage.spec.param_names:
+                ways.setdefault(name, set()).add(layout.params.get(name))
+        disagree = {name for name, w in ways.items() if len(w) > 1} - whole
+        if not disagree:
+            return found
+        whole |= disagree
+
+
+def _analyze_stage(graph: OpGraph, stage: StageModule, degree: int, whole: set[str]) -> TensorParallelAnalysis:
+    gm = stage.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = list(stage.spec.param_names)
+    params = {node.name: name for node, name in zip(placeholders, names)}
+    for node, name in zip(placeholders, names):  # parameter placeholders carry no value: give them their shape
+        if "val" not in node.meta:
+            info = graph.parameters[name]
+            node.meta["val"] = torch.empty(info.shape, dtype=getattr(torch, info.dtype), device="meta")
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "val" not in node.meta and node.target in (contiguous_grad, boundary_tensor):
+            source = node.args[0]
+            if isinstance(source, torch.fx.Node) and "val" in source.meta:
+                node.meta["val"] = source.meta["val"]
+    return analyze(gm.graph, degree, params=params, replicated=whole & set(names))
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def local_part(tensor: torch.Tensor, shard: ParamShard, index: int, degree: int) -> torch.Tensor:
+    """Part ``index`` of ``degree`` of ``tensor`` as ``shard`` splits it (a new contiguous tensor)."""
+    d, k = shard.dim, shard.blocks
+    per_block = tensor.shape[d] // k
+    size = per_block // degree
+    blocks = tensor.unflatten(d, (k, per_block))
+    return blocks.narrow(d + 1, index * size, size).flatten(d, d + 1).clone(memory_format=torch.contiguous_format)
+
+
+def whole_from_parts(parts: Sequence[torch.Tensor], shard: ParamShard) -> torch.Tensor:
+    """The inverse of ``local_part`` over all the group's parts, in index order."""
+    d, k = shard.dim, shard.blocks
+    split = [p.unflatten(d, (k, p.shape[d] // k)) for p in parts]
+    return torch.cat(split, dim=d + 1).flatten(d, d + 1)
+
+
+def gather_full(tensor: torch.Tensor, shard: ParamShard, tp: TensorParallel) -> torch.Tensor:
+    """The whole tensor from every rank's part (collective over the group)."""
+    parts = [torch.empty_like(tensor) for _ in range(tp.degree)]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=tp.group)
+    return whole_from_parts(parts, shard)
+
+
+def shard_parameters(stages: Sequence[StageModule], tp: TensorParallel) -> None:
+    """Give every stage this rank's part of each weight its layout splits: one new Parameter per
+    weight, shared by the stages that read it."""
+    made: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        layout = tp.analyses[stage.spec.index].layout
+        tensors = stage.state_tensors()
+        local = {}
+        for name, shard in layout.params.items():
+            if name not in made:
+                t = tensors[name]
+                part = local_part(t.detach(), shard, tp.index, tp.degree)
+                made[name] = nn.Parameter(part, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else part
+            local[name] = made[name]
+        stage.rebind(local)
+
+
+# ----------------------------------------------------------------------------- graph rewriting
+
+
+def copy_in(x: torch.Tensor, key: int) -> torch.Tensor:
+    return ops.copy_to_group(x, _GROUPS[key])
+
+
+def reduce_out(x: torch.Tensor, key: int) -> torch.Tensor:
+    return ops.reduce_from_group(x, _GROUPS[key])
+
+
+def scatter_in(x: torch.Tensor, dim: int, blocks: int, key: int) -> torch.Tensor:
+    return ops.scatter_to_group(x, dim, blocks, _GROUPS[key])
+
+
+def embedding(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int, key: int) -> torch.Tensor:
+    group = _GROUPS[key]
+    start = dist.get_rank(group) * weight.shape[0] if weight.device.type != "meta" else 0
+    return ops.vocab_parallel_embedding(weight, ids, start, padding_idx, group)
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int, key: int) -> Any:
+    group = _GROUPS[key]
+    start = dist.get_rank(group) * logits.shape[-1] if logits.device.type != "meta" else 0
+    return ops.vocab_parallel_cross_entropy(logits, target, start, reduction, ignore_index, group)
+
+
+def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
+    """Insert the collectives of the stage's layout into its graph (in place, recompiled)."""
+    analysis = tp.analyses[stage.spec.index]
+    if analysis.layout.is_trivial:
+        return
+    gm = stage.graph_module
+    g = gm.graph
+    nodes = {n.name: n for n in g.nodes}
+    key = tp.key
+    for name in sorted(analysis.copies):
+        x = nodes[name]
+        columns = [u for u in x.users if analysis.kinds.get(u.name) == "column"]
+        with g.inserting_after(x):
+            copied = g.call_function(copy_in, (x, key))
+        for user in columns:
+            user.replace_input_with(x, copied)
+    for (name, position), (dim, blocks) in analysis.scatters.items():
+        node = nodes[name]
+        value = _operand(node, position)
+        with g.inserting_before(node):
+            part = g.call_function(scatter_in, (value, dim, blocks, key))
+        _set_operand(node, position, part)
+    for name, (position, element) in analysis.resized.items():
+        node = nodes[name]
+        node.update_arg(position, _divided(node.args[position], element, tp.degree))
+    for name, kind in analysis.kinds.items():
+        node = nodes[name]
+        if kind == "row":
+            _row(g, node, key)
+        elif kind == "vocab_embedding":
+            padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+            # looked up where held and all-reduced: the output is whole
+            node.target, node.args, node.kwargs = embedding, (node.args[0], node.args[1], padding, key), {}
+        elif kind == "vocab_cross_entropy":
+            args = list(node.args) + [None] * (6 - len(node.args))
+            reduction = args[3] if args[3] is not None else node.kwargs.get("reduction", 1)
+            ignore = args[4] if args[4] is not None else node.kwargs.get("ignore_index", -100)
+            node.target, node.args, node.kwargs = cross_entropy, (args[0], args[1], reduction, ignore, key), {}
+    sharded = set(analysis.states)
+    for node in list(g.nodes):  # shape assertions of split values would name the whole sizes
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_tensor_metadata.default":
+            if isinstance(node.args[0], torch.fx.Node) and node.args[0].name in sharded:
+                g.erase_node(node)
+    g.lint()
+    gm.recompile()
+
+
+def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int) -> None:
+    """Row-parallel matmul: the partial products are summed over the group, then the bias added."""
+    name = getattr(node.target, "overloadpacket", None).__name__
+    bias = None
+    if name == "linear":
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        node.args, node.kwargs = (node.args[0], node.args[1]), {}
+    elif name == "addmm":
+        bias = node.args[0]
+        node.target, node.args, node.kwargs = aten.mm.default, (node.args[1], node.args[2]), {}
+    with g.inserting_after(node):
+        reduced = g.call_function(reduce_out, (node, key))
+    out = reduced
+    if bias is not None:
+        with g.inserting_after(reduced):
+            out = g.call_function(aten.add.Tensor, (reduced, bias))
+    node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not reduced)
+
+
+def _operand(node: torch.fx.Node, position: int) -> Any:
+    if position < len(node.args):
+        return node.args[position]
+    return list(node.kwargs.values())[position - len(node.args)]
+
+
+def _set_operand(node: torch.fx.Node, position: int, value: Any) -> None:
+    if position < len(node.args):
+        node.update_arg(position, value)
+    else:
+        node.update_kwarg(list(node.kwargs)[position - len(node.args)], value)
+
+
+def _divided(value: Any, element: int | None, degree: int) -> Any:
+    if element is None:
+        return value // degree if isinstance(value, int) else [v // degree for v in value]
+    sizes = list(value)
+    sizes[element] = sizes[element] // degree
+    return sizes
+
+
+# ----------------------------------------------------------------------------- the trainer's part
+
+
+def start_tensor_parallel(
+    graph: OpGraph, topology: Any, all_stages: Sequence[StageModule], own: Sequence[StageModule]
+) -> TensorParallel | None:
+    """This rank's TensorParallel (None without tensor parallelism), with its stages' weights split."""
+    if topology.tensor_parallel == 1:
+        return None
+    tp = TensorParallel(
+        topology.tensor_parallel,
+        topology.tp_index,
+        topology.tp_group,
+        stage_analyses(graph, all_stages, topology.tensor_parallel),
+    )
+    shard_parameters(own, tp)
+    return tp
+
+
+def program_layouts(
+    tp: TensorParallel, graph: OpGraph, all_stages: Sequence[StageModule]
+) -> TensorParallel:
+    """The TensorParallel of a program's stages (the planned graph after its loss rewriting, or a
+    variant captured at other shapes), which must split the weights as the planned stages do."""
+    found = stage_analyses(graph, all_stages, tp.degree)
+    ours = tp.shards()
+    theirs = {name: s for a in found.values() for name, s in a.layout.params.items()}
+    if theirs != ours:
+        differ = sorted(set(ours.items()) ^ set(theirs.items()))[:3]
+        raise InputError(
+            f"the graph captured at these shapes splits its weights differently over the tensor-parallel group "
+            f"than the planned one ({differ} ...): pad the batches to the planned shapes, or plan with "
+            "tensor_parallel=1"
+        )
+    return dataclasses.replace(tp, analyses=found)
+
+
+def holder_sets(full: Plan, holders_of: Any, stages: Sequence[StageModule]) -> list[tuple[int, ...]]:
+    """The sets of ranks that sum a gradient, over every tensor-parallel index, in one order."""
+    sets: set[tuple[int, ...]] = set()
+    for i in range(full.tensor_parallel):
+        sets |= {tuple(h) for h in holders_of(local_plan(full, i), stages).values() if len(h) > 1}
+    return sorted(sets)
+
+
+def tensor_parallel_sync(
+    full: Plan, tp: TensorParallel | None, all_stages: Sequence[StageModule], holders_of: Any
+) -> dict[str, Any]:
+    """GradientSync's tensor-parallel arguments: every index's holder sets (all ranks create the
+    same groups), the split parameters and the group (their squares add up over it in the norm)."""
+    if tp is None:
+        return {}
+    return {
+        "group_sets": holder_sets(full, holders_of, all_stages),
+        "tp_split": set(tp.shards()),
+        "tp_group": tp.group,
+    }
+
+
+def whole_tensors(held: Mapping[str, torch.Tensor], tp: TensorParallel | None) -> dict[str, torch.Tensor]:
+    """``held`` with every tensor-parallel part gathered whole (collective over the group, in name
+    order); a sharded stage's DTensor is first gathered over its replicas."""
+    if tp is None:
+        return dict(held)
+    from torch.distributed.tensor import DTensor
+
+    shards = tp.shards()
+    result = {}
+    for name, t in sorted(held.items()):
+        if name in shards:
+            t = t.full_tensor() if isinstance(t, DTensor) else t
+            t = gather_full(t, shards[name], tp)
+        result[name] = t
+    return result

@@ -1,0 +1,281 @@
+"""Autograd-aware collectives that the tensor-parallel (Megatron-style) rewrite inserts into stage graphs.
+
+Every function takes plain local tensors and the tensor-parallel ``group``, and is a plain
+module-level function, so that a rewritten FX graph calls it as a ``call_function`` target. The
+group may be a ``ProcessGroup`` or its ``group_name`` (a ``str``): FX prints a node's arguments
+as Python source when it builds a ``GraphModule``, and a ``ProcessGroup`` has no source form, so a
+graph holds either the name or a ``get_attr`` node that reads the group from the module.
+
+On the ``meta`` device nothing communicates: the functions return results of the right shape and
+dtype (shape propagation runs them there). ``scatter_to_group`` and ``gather_from_group`` still ask
+the group its size and this rank's index; the others do not touch the group on ``meta``.
+
+Glossary
+--------
+group        the tensor-parallel ranks; ``rank`` is this rank's index in it, ``degree`` its size.
+f / g        Megatron's pair: ``copy_to_group`` (f) before a column-parallel matmul, whose
+             backward sums the input gradient over the group, and ``reduce_from_group`` (g) after
+             a row-parallel matmul, whose forward sums the partial outputs.
+block layout a split ``dim`` viewed as ``blocks`` equal blocks (a fused QKV projection's query, key
+             and value); rank ``r`` holds part ``r`` of every block, in block order. Example, a
+             ``dim`` of size 12, ``blocks=3``, 2 ranks: the blocks are 0-3, 4-7 and 8-11; rank 0
+             holds 0 1 4 5 8 9, rank 1 holds 2 3 6 7 10 11. ``blocks=1`` is the plain r-th chunk.
+vocab range  the rows (embedding) or columns (logits) ``[vocab_start, vocab_start + V_local)`` of
+             the full vocabulary that this rank holds; the ranges of the group tile the vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.distributed import ProcessGroup, ReduceOp
+
+from partita.errors import InputError
+
+__all__ = [
+    "copy_to_group",
+    "reduce_from_group",
+    "scatter_to_group",
+    "gather_from_group",
+    "vocab_parallel_embedding",
+    "vocab_parallel_cross_entropy",
+]
+
+Group = ProcessGroup | str
+
+REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2  # aten's integer codes (torch.nn._reduction)
+
+
+# ----------------------------------------------------------------------------- public functions
+
+
+def copy_to_group(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Megatron's f: forward the identity; backward all-reduce (SUM) the gradient over ``group``."""
+    return _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Megatron's g: forward all-reduce (SUM) a copy of ``x`` over ``group`` (``x`` is left as it is);
+    backward the identity."""
+    return _ReduceFromGroup.apply(x, group)
+
+
+def scatter_to_group(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
+    """This rank's part of the full ``x`` along ``dim`` in the block layout (contiguous); backward
+    all-gathers the gradient parts into the full gradient. ``x.shape[dim]`` must divide by
+    ``blocks * degree``."""
+    return _ScatterToGroup.apply(x, dim, blocks, group)
+
+
+def gather_from_group(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
+    """The full tensor from every rank's part ``x`` along ``dim`` in the block layout (all-gather);
+    backward keeps this rank's part of the gradient. The inverse of ``scatter_to_group``."""
+    return _GatherFromGroup.apply(x, dim, blocks, group)
+
+
+def vocab_parallel_embedding(
+    weight_local: torch.Tensor, ids: torch.Tensor, vocab_start: int, padding_idx: int | None, group: Group
+) -> torch.Tensor:
+    """``F.embedding(full_weight, ids, padding_idx)`` from the rows ``[vocab_start, vocab_start +
+    weight_local.shape[0])`` that this rank holds: each rank looks up its own ids, zeros the others,
+    and the outputs are all-reduced (SUM). ``weight_local`` gets exactly its rows' gradient; the
+    ``padding_idx`` row (a global index; ``None`` or -1, aten's default, mean none) gets none."""
+    num_local = weight_local.shape[0]
+    elsewhere = (ids < vocab_start) | (ids >= vocab_start + num_local)  # (*ids.shape)
+    local_ids = (ids - vocab_start).masked_fill(elsewhere, 0)  # row 0 stands in; its output is zeroed
+    out = F.embedding(local_ids, weight_local, padding_idx=_local_padding_idx(padding_idx, vocab_start, num_local))
+    # masked_fill's backward zeros those positions' gradients, so row 0 receives nothing from them
+    out = out.masked_fill(elsewhere.unsqueeze(-1), 0)  # (*ids.shape, C)
+    return reduce_from_group(out, group)
+
+
+def vocab_parallel_cross_entropy(
+    logits_local: torch.Tensor, target: torch.Tensor, vocab_start: int, reduction: int, ignore_index: int, group: Group
+) -> torch.Tensor:
+    """``aten.cross_entropy_loss(full_logits, target, None, reduction, ignore_index, 0.0)`` from this
+    rank's columns ``[vocab_start, vocab_start + V_local)`` of the logits, never gathered.
+
+    ``logits_local`` is ``(N, V_local)`` (also ``(V_local,)`` or ``(N, V_local, d1, ...)``: the
+    class dim is 1 as in aten), ``target`` holds global class ids, ``reduction`` is aten's integer
+    (0 none, 1 mean over the non-ignored targets, 2 sum). Computed in float32, or float64 for
+    float64 logits (the dtype autocast gives cross-entropy), and returned in that dtype; the
+    gradient is cast back to the logits' dtype. Ignored targets give loss 0 and no gradient; with
+    every target ignored the mean is NaN, as in torch. Three values per row are all-reduced: the
+    row's max (MAX), then its sum of exponentials and its target logit (SUM, one call)."""
+    if reduction not in (REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM):
+        raise InputError(f"reduction={reduction!r} is not one of aten's codes: use 0 (none), 1 (mean) or 2 (sum)")
+    if logits_local.dim() == 1:  # (V_local,) with a scalar target
+        logits_rows = logits_local.unsqueeze(0)
+    else:  # (N, V_local, d1, ...) -> (N * d1 * ..., V_local)
+        logits_rows = logits_local.movedim(1, -1).reshape(-1, logits_local.shape[1])
+    loss = _VocabParallelCrossEntropy.apply(logits_rows, target.reshape(-1), vocab_start, ignore_index, group)  # (M,)
+    if reduction == REDUCTION_NONE:
+        return loss.reshape(target.shape)
+    if reduction == REDUCTION_SUM:
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum()  # 0 / 0 = NaN when every target is ignored, as in aten
+
+
+# ----------------------------------------------------------------------------- autograd functions
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce_copy(grad, ReduceOp.SUM, ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return _all_reduce_copy(x, ReduceOp.SUM, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _ScatterToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
+        ctx.layout = (_normalized_dim(dim, x), blocks, group)
+        return _local_part(x, *ctx.layout)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_parts(grad, *ctx.layout), None, None, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
+        ctx.layout = (_normalized_dim(dim, x), blocks, group)
+        return _gather_parts(x, *ctx.layout)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        return _local_part(grad, *ctx.layout), None, None, None
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-row losses ``log(sum_v exp(z_v)) - z_target`` over the whole vocabulary, 0 where ignored.
+
+    The backward is ``(softmax_local - onehot_local) * grad``. It saves the logits (in their own
+    dtype) and the rows' log-sum-exp and recomputes the softmax, rather than keeping an
+    ``(M, V_local)`` float32 softmax alive from forward to backward.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, ignore_index: int, group: Group
+    ) -> torch.Tensor:
+        z = logits.to(_compute_dtype(logits))  # (M, V_local)
+        valid = target != ignore_index  # (M,)
+        local_target = target - vocab_start
+        here = valid & (local_target >= 0) & (local_target < z.shape[1])  # the target column is on this rank
+        local_target = local_target.masked_fill(~here, 0)
+
+        row_max = _all_reduce_copy(z.amax(dim=1), ReduceOp.MAX, group)  # (M,) the global max, for stability
+        shifted = z - row_max.unsqueeze(1)
+        target_logit = shifted.gather(1, local_target.unsqueeze(1)).squeeze(1).masked_fill(~here, 0)
+        sums = _all_reduce_copy(torch.stack([shifted.exp().sum(dim=1), target_logit]), ReduceOp.SUM, group)  # (2, M)
+        log_sum_exp = sums[0].log()
+
+        ctx.save_for_backward(logits, row_max + log_sum_exp, local_target, here, valid)
+        return (log_sum_exp - sums[1]).masked_fill(~valid, 0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):
+        logits, log_sum_exp, local_target, here, valid = ctx.saved_tensors
+        softmax = (logits.to(log_sum_exp.dtype) - log_sum_exp.unsqueeze(1)).exp()  # (M, V_local)
+        softmax.scatter_add_(1, local_target.unsqueeze(1), -here.to(softmax.dtype).unsqueeze(1))  # - onehot
+        # where, not a product: a mean over zero targets sends an infinite grad_loss to ignored rows
+        grad_rows = torch.where(valid, grad_loss, 0).unsqueeze(1)  # (M, 1)
+        return (softmax * grad_rows).to(logits.dtype), None, None, None, None
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _process_group(group: Group) -> ProcessGroup:
+    if isinstance(group, str):
+        return dist.distributed_c10d._resolve_process_group(group)
+    return group
+
+
+def _communicates(x: torch.Tensor, group: Group) -> bool:
+    """Whether ``x`` goes through a collective: not on meta (shape propagation), not in a group of one."""
+    return x.device.type != "meta" and dist.get_world_size(_process_group(group)) > 1
+
+
+def _all_reduce_copy(x: torch.Tensor, op: ReduceOp, group: Group) -> torch.Tensor:
+    """A contiguous copy of ``x`` all-reduced with ``op``; ``x`` itself is never written."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    if _communicates(x, group):
+        dist.all_reduce(out, op=op, group=_process_group(group))
+    return out
+
+
+def _normalized_dim(dim: int, x: torch.Tensor) -> int:
+    if not -x.dim() <= dim < x.dim():
+        raise InputError(f"dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def _local_part(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
+    """Part ``rank`` of each of the ``blocks`` blocks of ``x`` along ``dim``, concatenated (contiguous)."""
+    pg = _process_group(group)
+    degree, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    size = x.shape[dim]
+    if blocks < 1 or size % (blocks * degree):
+        raise InputError(
+            f"cannot split dim {dim} of size {size} (shape {tuple(x.shape)}) into {blocks} block(s) over "
+            f"{degree} ranks: the size must be a multiple of blocks * ranks = {blocks * degree}"
+        )
+    parts = x.unflatten(dim, (blocks, degree, size // (blocks * degree)))  # (..., blocks, degree, part, ...)
+    # a copy even where a view would do: a custom Function's output that views its input cannot be
+    # modified in place later, and the rewritten graph may do that
+    return parts.select(dim + 1, rank).flatten(dim, dim + 1).clone(memory_format=torch.contiguous_format)
+
+
+def _gather_parts(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
+    """The full tensor from every rank's ``_local_part`` ``x``: all-gather, then interleave the blocks."""
+    pg = _process_group(group)
+    degree = dist.get_world_size(pg)
+    if x.shape[dim] % blocks:
+        raise InputError(f"a local part of size {x.shape[dim]} along dim {dim} does not hold {blocks} equal blocks")
+    x = x.contiguous()
+    parts = [x] if degree == 1 else [torch.empty_like(x) for _ in range(degree)]
+    if _communicates(x, group):
+        dist.all_gather(parts, x, group=pg)
+    # each part (..., blocks * part, ...) -> (..., blocks, part, ...), stacked as (..., blocks, degree, part, ...)
+    stacked = torch.stack([p.unflatten(dim, (blocks, -1)) for p in parts], dim=dim + 1)
+    return stacked.flatten(dim, dim + 2)
+
+
+def _local_padding_idx(padding_idx: int | None, vocab_start: int, num_local: int) -> int | None:
+    """The global ``padding_idx`` as an index into this rank's rows, or None when it is not one of them."""
+    if padding_idx is None or padding_idx == -1:
+        return None
+    if padding_idx < 0:
+        raise InputError(
+            f"padding_idx={padding_idx} is negative: give the global row index (non-negative), or None or -1 for none"
+        )
+    local = padding_idx - vocab_start
+    return local if 0 <= local < num_local else None
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    """float32 for half and bfloat16 logits (as autocast computes cross-entropy), float64 for float64."""
+    return torch.promote_types(logits.dtype, torch.float32)

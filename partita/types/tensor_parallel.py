@@ -1,0 +1,51 @@
+"""Tensor-parallel layouts: which parameters a group of devices splits, and what that costs.
+
+Found on the captured graph by ``partita.capturing.tensor_parallel`` (the rules), read by the
+planner (work, memory and collectives divided or added per degree) and by the runtime
+(``partita.runtime.tensor_parallel`` slices the parameters and rewrites the stage graphs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """How a parameter is split over a tensor-parallel group of ``degree`` devices.
+
+    ``dim`` is split; with ``blocks > 1`` it is ``blocks`` equal blocks (a fused QKV projection's
+    query, key and value columns) and device ``r`` holds part ``r`` of every block, side by side.
+    """
+
+    dim: int
+    blocks: int = 1
+
+
+@dataclass(frozen=True)
+class TensorParallelLayout:
+    """How one graph runs on a tensor-parallel group of ``degree`` devices.
+
+    ``params``: the split parameters (canonical names for a whole captured graph, get_attr
+    targets for a stage graph); every other parameter is replicated in the group.
+    ``sharded_nodes``: nodes whose work and output memory divide by ``degree``.
+    ``forward_reductions`` / ``backward_reductions``: node name -> elements all-reduced over the
+    group after that node in the forward (the output of a row-parallel matmul or of a
+    vocab-parallel embedding), or for its input in the backward (the input of column-parallel
+    matmuls). The vocab-parallel cross-entropy all-reduces three values per row (max, sum of
+    exponentials, target logit): counted in ``forward_reductions`` at the loss node.
+    ``rejected``: pattern candidates left replicated, node name -> why (for ``partita inspect``).
+    """
+
+    degree: int
+    params: Mapping[str, ParamShard] = field(default_factory=dict)
+    sharded_nodes: frozenset[str] = frozenset()
+    forward_reductions: Mapping[str, int] = field(default_factory=dict)
+    backward_reductions: Mapping[str, int] = field(default_factory=dict)
+    rejected: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def is_trivial(self) -> bool:
+        """Nothing is split: the group would run replicated."""
+        return not self.params

@@ -1,0 +1,83 @@
+"""Rank-side code of test_tensor_parallel.py (``python workers_tensor_parallel.py JOB DIR``): stages
+split over tensor-parallel groups, against unsplit full-batch training on rank 0."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from workers import JOBS, Case, adamw, legal_cut, main, max_diff, reference_run
+
+STEPS, MAX_GRAD_NORM = 3, 0.5
+
+
+def _plan(case: Case, config: dict):
+    from partita.planning.manual import manual_plan
+
+    n, s = case.graph.num_nodes, config["num_stages"]
+    cuts = [legal_cut(case.graph, n * k // s) for k in range(1, s)]
+    return manual_plan(
+        case.graph,
+        [0, *cuts, n],
+        schedule=config["schedule"],
+        num_rank_groups=s,
+        replicas=config["replicas"],
+        num_microbatches=config["num_microbatches"],
+        global_batch_size=case.batch_size,
+        tensor_parallel=config["tensor_parallel"],
+        sharding=config.get("sharding", "replicate"),
+    )
+
+
+def _step(trainer, batch: tuple) -> float:
+    args, kwargs, target = batch
+    return trainer.step(*args, **kwargs, **({"target": target} if target is not None else {}))
+
+
+def job_tp(params: dict) -> dict:
+    """Each config: STEPS clipped AdamW steps; losses and parameters against unsplit training; the
+    share of each parameter this rank holds; a checkpoint loaded into the plain model."""
+    import partita
+    from partita.runtime.checkpoint import load_into_model
+
+    rank = int(os.environ["RANK"])
+    results: dict[str, Any] = {}
+    for config in params["configs"]:
+        label = config["label"]
+        print(label, flush=True)
+        case = Case(config["model"])
+        plan = _plan(case, config)
+        trainer = partita.Trainer(case.model, plan, optimizer=adamw, graph=case.graph, max_grad_norm=MAX_GRAD_NORM)
+        losses = [_step(trainer, case.batches[k]) for k in range(STEPS)]
+        state = trainer.gather_state_dict()
+        held = sum(p.numel() for p in trainer.params.values())
+        whole = sum(p.numel() for p in case.reference_model.parameters())
+        tp = trainer.tensor_parallel
+        result: dict[str, Any] = {
+            "losses": losses,
+            "held": held,
+            "whole": whole,
+            "split": sorted(tp.shards()) if tp is not None else [],
+            "rejected": {k: v for a in tp.analyses.values() for k, v in a.layout.rejected.items()} if tp else {},
+        }
+        checkpoint = Path(params["checkpoints"]) / f"tp-{label}"
+        trainer.save_checkpoint(str(checkpoint))
+        if rank == 0:
+            ref_losses, ref_state = reference_run(case, adamw, STEPS, max_grad_norm=MAX_GRAD_NORM)
+            result.update(ref_losses=ref_losses, param=max_diff(state, ref_state))
+            plain = copy.deepcopy(case.reference_model)
+            load_into_model(plain, str(checkpoint))
+            result["loaded_plain"] = max_diff(dict(plain.state_dict()), ref_state)
+        results[label] = result
+    return results
+
+
+JOBS.update({"tp": job_tp})
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    main()
