@@ -16,6 +16,9 @@ Keys (flat; ``<name>`` is a canonical parameter or buffer name, e.g. ``transform
     rng.cpu.<rank>             RNG states of each rank (``rng.cuda.<rank>`` on GPUs); a rank that the
                                writing run did not have takes rank 0's
 
+Tensor-parallel parts are saved whole (gathered over their group) and each rank keeps its own
+part when loading, so the keys and shapes never depend on the degree.
+
 A checkpoint is written to ``<dir>.partial`` and renamed to ``<dir>`` only when every rank has
 finished: an interrupted write never looks complete. A complete checkpoint is a directory
 holding DCP's metadata file (``checkpoint_dir.is_complete``); loading anything else raises InputError.
@@ -46,6 +49,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from partita import __version__
 from partita.capturing import canonical_names
@@ -61,7 +65,9 @@ from partita.runtime.checkpoint_dir import (
     warn_unverified,
     write_manifest,
 )
+from partita.runtime.data_parallel import local_tensor
 from partita.runtime.materialize import single_process
+from partita.runtime.tensor_parallel import gather_full, local_part
 from partita.types.plan_file import plan_to_dict
 
 if TYPE_CHECKING:
@@ -129,6 +135,7 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike, *, verify: bool =
     _require(stored, state, path)
     with _readable(path):
         dcp.load(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_load_planner())
+    _keep_local_parts(trainer, state)
     _load_optimizer(trainer, names, state)
     if trainer.lr_scheduler is not None:
         trainer.lr_scheduler.load_state_dict(state["trainer.lr_scheduler"])
@@ -176,8 +183,12 @@ def _trainer_state(trainer: Trainer) -> dict[str, Any]:
     """The flat state dict this rank writes (see the module docstring for the keys)."""
     state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _model_tensors(trainer).items()}
     optimizer_state = trainer.optimizer.state_dict()
+    tp = trainer.tensor_parallel
+    shards = tp.shards() if tp is not None else {}
     for index, name in enumerate(_optimizer_names(trainer)):
         for key, value in optimizer_state["state"].get(index, {}).items():
+            if isinstance(value, torch.Tensor) and name in shards and value.dim() > 0:
+                value = gather_full(value, shards[name], tp)  # whole, as the model's tensors are
             state[f"optim.state.{name}.{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
     state["optim.param_groups"] = [
         {k: v for k, v in g.items() if k != "params"} for g in optimizer_state["param_groups"]
@@ -207,6 +218,29 @@ def _model_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
         names[id(t)]: t for t in trainer.model.state_dict(keep_vars=True).values() if names[id(t)] not in held_anywhere
     }
     return {**trainer.held_state(), **unheld}
+
+
+def _keep_local_parts(trainer: Trainer, state: dict[str, Any]) -> None:
+    """With tensor parallelism: copy this rank's part of each whole tensor loaded into its own
+    (``held_state`` gave whole copies to load into), and cut the optimizer state likewise."""
+    tp = trainer.tensor_parallel
+    if tp is None:
+        return
+    shards = tp.shards()
+    for stage in trainer.stages:
+        for name, t in stage.state_tensors().items():
+            if name in shards and f"model.{name}" in state:
+                part = local_part(state[f"model.{name}"], shards[name], tp.index, tp.degree)
+                if isinstance(t, DTensor):  # a sharded stage's: this replica's shard of the part
+                    part = distribute_tensor(part, t.device_mesh, t.placements, src_data_rank=None)
+                with torch.no_grad():
+                    local_tensor(t).copy_(local_tensor(part))
+    for key, value in list(state.items()):
+        if not key.startswith("optim.state.") or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        name = next((n for n in shards if key.startswith(f"optim.state.{n}.")), None)
+        if name is not None and key[len(f"optim.state.{name}.") :].count(".") == 0:
+            state[key] = local_part(value, shards[name], tp.index, tp.degree)
 
 
 def _optimizer_names(trainer: Trainer) -> list[str]:
@@ -330,6 +364,14 @@ def _load_optimizer(trainer: Trainer, names: list[str], state: dict[str, Any]) -
     for index, name in enumerate(names):
         prefix = f"optim.state.{name}."
         entries = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
+        param = trainer.params[name]
+        if isinstance(param, DTensor):  # a sharded stage's parameter: its state is sharded alike
+            entries = {
+                k: distribute_tensor(v, param.device_mesh, param.placements, src_data_rank=None)
+                if isinstance(v, torch.Tensor) and v.shape == param.shape
+                else v
+                for k, v in entries.items()
+            }
         if entries:
             per_param[index] = entries
     groups = current["param_groups"]

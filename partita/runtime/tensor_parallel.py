@@ -139,7 +139,12 @@ def whole_from_parts(parts: Sequence[torch.Tensor], shard: ParamShard) -> torch.
 
 
 def gather_full(tensor: torch.Tensor, shard: ParamShard, tp: TensorParallel) -> torch.Tensor:
-    """The whole tensor from every rank's part (collective over the group)."""
+    """The whole tensor from every rank's part (collective over the group); a sharded stage's
+    DTensor part is first gathered over its replicas."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
     parts = [torch.empty_like(tensor) for _ in range(tp.degree)]
     dist.all_gather(parts, tensor.detach().contiguous(), group=tp.group)
     return whole_from_parts(parts, shard)
@@ -340,13 +345,5 @@ def whole_tensors(held: Mapping[str, torch.Tensor], tp: TensorParallel | None) -
     order); a sharded stage's DTensor is first gathered over its replicas."""
     if tp is None:
         return dict(held)
-    from torch.distributed.tensor import DTensor
-
     shards = tp.shards()
-    result = {}
-    for name, t in sorted(held.items()):
-        if name in shards:
-            t = t.full_tensor() if isinstance(t, DTensor) else t
-            t = gather_full(t, shards[name], tp)
-        result[name] = t
-    return result
+    return {name: gather_full(t, shards[name], tp) if name in shards else t for name, t in sorted(held.items())}

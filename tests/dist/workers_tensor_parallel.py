@@ -58,6 +58,7 @@ def job_tp(params: dict) -> dict:
         whole = sum(p.numel() for p in case.reference_model.parameters())
         tp = trainer.tensor_parallel
         result: dict[str, Any] = {
+            "model": config["model"],
             "losses": losses,
             "held": held,
             "whole": whole,
@@ -66,8 +67,23 @@ def job_tp(params: dict) -> dict:
         }
         checkpoint = Path(params["checkpoints"]) / f"tp-{label}"
         trainer.save_checkpoint(str(checkpoint))
+        # the checkpoint into a trainer of the same plan from the initial weights, and into one
+        # without tensor parallelism (its replicas on the same ranks)
+        for kind, degree in (("loaded_tp", config["tensor_parallel"]), ("loaded_other", 1)):
+            case.reset()
+            other = _plan(case, {**config, "tensor_parallel": degree, "replicas": config["replicas"] * config["tensor_parallel"] // degree})
+            fresh = partita.Trainer(case.model, other, optimizer=adamw, graph=case.graph, max_grad_norm=MAX_GRAD_NORM)
+            fresh.load_checkpoint(str(checkpoint))
+            reloaded = fresh.gather_state_dict()
+            if kind == "loaded_tp":  # and it trains on as the original would
+                next_loss = _step(fresh, case.batches[STEPS])
+                result["next_loss"] = next_loss
+            if rank == 0:
+                result[kind] = max_diff(reloaded, state)
         if rank == 0:
-            ref_losses, ref_state = reference_run(case, adamw, STEPS, max_grad_norm=MAX_GRAD_NORM)
+            ref_losses, ref_state = reference_run(case, adamw, STEPS + 1, max_grad_norm=MAX_GRAD_NORM)
+            result["ref_next_loss"] = ref_losses.pop()
+            _, ref_state = reference_run(case, adamw, STEPS, max_grad_norm=MAX_GRAD_NORM)
             result.update(ref_losses=ref_losses, param=max_diff(state, ref_state))
             plain = copy.deepcopy(case.reference_model)
             load_into_model(plain, str(checkpoint))
