@@ -17,7 +17,8 @@ model-specific code:
 * **vocab-parallel embedding**: a vocabulary (rows >= 8 x columns, at least 16 columns: not a
   per-head bias table) is split by rows, looked up
   where it is held and all-reduced;
-* **vocab-parallel cross-entropy**: a column-parallel LM head's logits go into
+* **vocab-parallel cross-entropy**: a column-parallel LM head's logits (a vocabulary again: at
+  least 8 classes per input feature, not a classifier's few) go into
   ``cross_entropy`` without being gathered (max, sum of exponentials and target logit are
   reduced over the group).
 
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from partita.errors import InputError
 from partita.types import OpGraph
 from partita.types.tensor_parallel import ParamShard, TensorParallelLayout
 
@@ -129,7 +131,7 @@ def analyze(
     names of the graph outputs that are used (None: all), which must be whole.
     """
     if degree < 1 or degree & (degree - 1):
-        raise ValueError(f"tensor-parallel degree must be a power of 2, got {degree}")
+        raise InputError(f"tensor-parallel degree must be a power of 2 (1, 2, 4, 8, ...), got {degree!r}")
     if degree == 1:
         return TensorParallelAnalysis(degree, TensorParallelLayout(degree=1))
     rejected: dict[str, str] = {}
@@ -173,6 +175,7 @@ class _Propagation:
         self.resized: dict[str, tuple[int, int | None]] = {}
         self.param_uses: dict[str, list[tuple[ParamShard | None, frozenset[str]]]] = {}
         self.errors: dict[str, str] = {}
+        self.widths: dict[str, tuple[int, int]] = {}  # column matmul -> (output, input) features
         self.forward_reductions: dict[str, int] = {}
         self.backward_reductions: dict[str, int] = {}
 
@@ -309,6 +312,7 @@ class _Propagation:
             self._use_param(weight, ParamShard(out_dim, blocks), origins)
             self._use_param(bias, ParamShard(0, blocks), origins)
             self.kinds[node.name] = "column"
+            self.widths[node.name] = (features, _shape(weight)[1 - out_dim])
             self.copies.add(x.name)
             self.backward_reductions[x.name] = _numel(x)
             self.states[node] = Sharded(len(_shape(node)) - 1, blocks, origins)
@@ -540,6 +544,9 @@ class _Propagation:
             or self._state(target) is not None
         ):
             raise _Failure(s.origins, f"{node.name}: only a 2-d cross-entropy without weights or smoothing splits")
+        narrow = [o for o in s.origins if self.widths[o][0] < VOCAB_ROWS_PER_COLUMN * self.widths[o][1]]
+        if narrow:  # a classifier's few classes: nothing worth splitting
+            raise _Failure(narrow, f"{node.name}: {self.widths[narrow[0]][0]} classes are too few to split")
         self.kinds[node.name] = "vocab_cross_entropy"
         self.forward_reductions[node.name] = 3 * _shape(logits)[0]
         return WHOLE

@@ -58,6 +58,7 @@ def _check(results: list, label: str) -> None:
     assert mine["loaded_plain"][0] <= TOLERANCE, mine["loaded_plain"]
     assert mine["loaded_tp"][0] == 0.0 and mine["loaded_other"][0] == 0.0, (mine["loaded_tp"], mine["loaded_other"])
     assert abs(mine["next_loss"] - mine["ref_next_loss"]) <= TOLERANCE, (mine["next_loss"], mine["ref_next_loss"])
+    assert abs(mine["eval_short"] - mine["ref_eval_short"]) <= TOLERANCE, (mine["eval_short"], mine["ref_eval_short"])
 
 
 @pytest.mark.parametrize("label", [c["label"] for c in TWO_RANKS])

@@ -38,6 +38,13 @@ def _step(trainer, batch: tuple) -> float:
     return trainer.step(*args, **kwargs, **({"target": target} if target is not None else {}))
 
 
+def _shorter(batch: tuple) -> tuple:
+    """The batch cut to half its sequence length."""
+    args, kwargs, target = batch
+    half = {k: v[:, : v.shape[1] // 2].contiguous() if isinstance(v, torch.Tensor) and v.dim() > 1 else v for k, v in kwargs.items()}
+    return args, half, target
+
+
 def job_tp(params: dict) -> dict:
     """Each config: STEPS clipped AdamW steps; losses and parameters against unsplit training; the
     share of each parameter this rank holds; a checkpoint loaded into the plain model."""
@@ -65,6 +72,9 @@ def job_tp(params: dict) -> dict:
             "split": sorted(tp.shards()) if tp is not None else [],
             "rejected": {k: v for a in tp.analyses.values() for k, v in a.layout.rejected.items()} if tp else {},
         }
+        short = _shorter(case.batches[0])  # eval mode at another length: a graph captured again, split alike
+        args, kwargs, target = short
+        result["eval_short"] = trainer.evaluate(*args, **kwargs, **({"target": target} if target is not None else {}))
         checkpoint = Path(params["checkpoints"]) / f"tp-{label}"
         trainer.save_checkpoint(str(checkpoint))
         # the checkpoint into a trainer of the same plan from the initial weights, and into one
@@ -87,6 +97,10 @@ def job_tp(params: dict) -> dict:
             result.update(ref_losses=ref_losses, param=max_diff(state, ref_state))
             plain = copy.deepcopy(case.reference_model)
             load_into_model(plain, str(checkpoint))
+            trained = copy.deepcopy(case.reference_model)
+            trained.load_state_dict(ref_state)
+            with torch.no_grad():
+                result["ref_eval_short"] = float(case.loss(trained.eval(), short))
             result["loaded_plain"] = max_diff(dict(plain.state_dict()), ref_state)
         results[label] = result
     return results
