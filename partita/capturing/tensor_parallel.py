@@ -35,8 +35,6 @@ planner its ``TensorParallelLayout`` keyed by canonical parameter names.
 
 from __future__ import annotations
 
-import math
-import operator
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +42,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from partita.capturing import tensor_parallel_graph as fx_read
 from partita.errors import InputError
 from partita.types import OpGraph
 from partita.types.tensor_parallel import ParamShard, TensorParallelLayout
@@ -62,7 +61,6 @@ _ELEMENTWISE = frozenset(
     "add_ mul_ div_ sub_ masked_fill_ relu_ gelu_ zeros_like ones_like full_like empty_like "
     "rsub reciprocal square tanh_ sigmoid_ silu_ maximum minimum".split()
 )
-_VIEWS = frozenset({"view", "reshape", "_unsafe_view"})
 _NEUTRAL = frozenset({"_assert_tensor_metadata"})
 WHOLE = object()  # a rule's answer: the output is whole (replicated) again
 
@@ -184,7 +182,7 @@ class _Propagation:
     def propagate(self) -> None:
         for node in self.graph.nodes:
             if node.op == "output":
-                for value in _tensor_args(node):
+                for value in fx_read.tensor_args(node):
                     if self._state(value) is not None and (self.outputs is None or value.name in self.outputs):
                         self._fail(self._origins([value]), f"{value.name} is a graph output")
                 continue
@@ -251,14 +249,16 @@ class _Propagation:
             if len(shards) == 1 and (None in shards or target not in self.replicated):
                 continue
             origins = frozenset().union(*(o for _, o in uses))
-            why = "must stay whole" if target in self.replicated else f"is read both split and whole ({len(shards)} ways)"
+            why = (
+                "must stay whole" if target in self.replicated else f"is read both split and whole ({len(shards)} ways)"
+            )
             self._fail(origins, f"weight {target} {why}")
 
     # -------------------------------------------------------------- rules
 
     def _visit(self, node: torch.fx.Node) -> None:
-        name = _op_name(node)
-        inputs = _tensor_args(node)
+        name = fx_read.op_name(node)
+        inputs = fx_read.tensor_args(node)
         sharded_inputs = [v for v in inputs if self._state(v) is not None]
         if name in ("linear", "addmm", "mm", "matmul") and self._visit_matmul(node, name, sharded_inputs):
             return
@@ -280,7 +280,7 @@ class _Propagation:
         rule = getattr(self, f"_rule_{name}", None)
         if rule is None and name in _ELEMENTWISE:
             rule = self._rule_elementwise
-        if rule is None and name in _VIEWS:
+        if rule is None and name in fx_read.VIEWS:
             rule = self._rule_view
         if rule is None:
             raise _Failure(origins, f"{node.name} ({node.target}) has no tensor-parallel rule")
@@ -292,80 +292,85 @@ class _Propagation:
 
     def _visit_matmul(self, node: torch.fx.Node, name: str, sharded_inputs: list) -> bool:
         """Column- or row-parallel when the weight is a parameter; False to try other rules."""
-        x, weight, bias = _matmul_operands(node, name)
-        if not self._is_param(weight) or len(_shape(weight) or ()) != 2:
+        x, weight, bias = fx_read.matmul_operands(node, name)
+        if not self._is_param(weight) or len(fx_read.shape(weight) or ()) != 2:
             return False
         out_dim = 0 if name == "linear" else 1  # linear: (out, in); addmm/mm/matmul: (in, out)
         xs = self._state(x)
         if any(v is not x for v in sharded_inputs):
             raise _Failure(self._origins(sharded_inputs), f"{node.name}: its weight or bias is split")
         if xs is None:
-            if node.name in self.rejected or not _is_plain_matmul(node, name):
+            if node.name in self.rejected or not fx_read.is_plain_matmul(node, name):
                 self._use_param(weight, None, frozenset())
                 self._use_param(bias, None, frozenset())
                 return True
-            features = _shape(weight)[out_dim]
-            blocks = _fused_blocks(node)
+            features = fx_read.shape(weight)[out_dim]
+            blocks = fx_read.fused_blocks(node)
             if features % (self.t * blocks):
                 self._fail(frozenset({node.name}), f"{features} output features do not divide by {self.t}x{blocks}")
             origins = frozenset({node.name})
             self._use_param(weight, ParamShard(out_dim, blocks), origins)
             self._use_param(bias, ParamShard(0, blocks), origins)
             self.kinds[node.name] = "column"
-            self.widths[node.name] = (features, _shape(weight)[1 - out_dim])
+            self.widths[node.name] = (features, fx_read.shape(weight)[1 - out_dim])
             self.copies.add(x.name)
-            self.backward_reductions[x.name] = _numel(x)
-            self.states[node] = Sharded(len(_shape(node)) - 1, blocks, origins)
+            self.backward_reductions[x.name] = fx_read.numel(x)
+            self.states[node] = Sharded(len(fx_read.shape(node)) - 1, blocks, origins)
             return True
-        if xs.dim != len(_shape(x)) - 1 or not _is_plain_matmul(node, name):
+        if xs.dim != len(fx_read.shape(x)) - 1 or not fx_read.is_plain_matmul(node, name):
             raise _Failure(xs.origins, f"{node.name} contracts a value split on another dim")
         self._use_param(weight, ParamShard(1 - out_dim, xs.blocks), xs.origins)
         self._use_param(bias, None, xs.origins)
         self.kinds[node.name] = "row"
-        self.forward_reductions[node.name] = _numel(node)
+        self.forward_reductions[node.name] = fx_read.numel(node)
         return True
 
     def _visit_embedding(self, node: torch.fx.Node) -> bool:
         weight, ids = node.args[0], node.args[1]
-        shape = _shape(weight) or ()
+        shape = fx_read.shape(weight) or ()
         if not self._is_param(weight) or len(shape) != 2 or self._state(ids) is not None:
             return False
-        if node.name in self.rejected or shape[0] < VOCAB_ROWS_PER_COLUMN * shape[1] or shape[1] < VOCAB_MIN_COLUMNS or shape[0] % self.t:
+        if (
+            node.name in self.rejected
+            or shape[0] < VOCAB_ROWS_PER_COLUMN * shape[1]
+            or shape[1] < VOCAB_MIN_COLUMNS
+            or shape[0] % self.t
+        ):
             self._use_param(weight, None, frozenset())
             return True
         self._use_param(weight, ParamShard(0), frozenset({node.name}))
         self.kinds[node.name] = "vocab_embedding"
-        self.forward_reductions[node.name] = _numel(node)
+        self.forward_reductions[node.name] = fx_read.numel(node)
         return True
 
     def _rule_elementwise(self, node: torch.fx.Node) -> Sharded | None:
-        out = _shape(node) or _broadcast_shape(_tensor_args(node))
+        out = fx_read.shape(node) or fx_read.broadcast_shape(fx_read.tensor_args(node))
         if out is None:
             return None
         placed: Sharded | None = None
-        for v in _tensor_args(node):
+        for v in fx_read.tensor_args(node):
             s = self._state(v)
             if isinstance(s, Sharded):
-                aligned = s.dim + len(out) - len(_shape(v))
+                aligned = s.dim + len(out) - len(fx_read.shape(v))
                 if placed is not None and (placed.dim, placed.blocks) != (aligned, s.blocks):
                     return None
                 placed = Sharded(aligned, s.blocks, (placed.origins if placed else frozenset()) | s.origins)
-        for position, v in _tensor_positions(node):
+        for position, v in fx_read.tensor_positions(node):
             if self._state(v) is not None:
                 continue
-            shape = _shape(v)
+            shape = fx_read.shape(v)
             if shape is None:
                 return None
             aligned = placed.dim - (len(out) - len(shape))
             if aligned >= 0 and shape[aligned] != 1:
                 self.scatters[(node.name, position)] = (aligned, placed.blocks)
-                self.backward_reductions[f"{node.name}.{position}"] = _numel(v)
-        if _op_name(node) in ("zeros_like", "ones_like", "full_like", "empty_like") and node.kwargs.get("size"):
+                self.backward_reductions[f"{node.name}.{position}"] = fx_read.numel(v)
+        if fx_read.op_name(node) in ("zeros_like", "ones_like", "full_like", "empty_like") and node.kwargs.get("size"):
             return None
         return placed
 
     def _rule_softmax(self, node: torch.fx.Node) -> Sharded | None:
-        s, dim = self._state(node.args[0]), _dim(node.args[1], node.args[0])
+        s, dim = self._state(node.args[0]), fx_read.dim(node.args[1], node.args[0])
         return s if dim != s.dim else None
 
     _rule_log_softmax = _rule_softmax
@@ -373,7 +378,7 @@ class _Propagation:
 
     def _rule_mean(self, node: torch.fx.Node) -> Sharded | None:
         x = node.args[0]
-        s, ndim = self._state(x), len(_shape(x))
+        s, ndim = self._state(x), len(fx_read.shape(x))
         if len(node.args) < 2 or node.args[1] is None:
             return None
         dims = [node.args[1]] if isinstance(node.args[1], int) else list(node.args[1])
@@ -389,10 +394,10 @@ class _Propagation:
     def _rule_view(self, node: torch.fx.Node) -> Sharded | None:
         x = node.args[0]
         s = self._state(x)
-        before, after = _shape(x), _shape(node)
+        before, after = fx_read.shape(x), fx_read.shape(node)
         if before is None or after is None:
             return None
-        dim = _mapped_dim(before, after, s.dim)
+        dim = fx_read.mapped_dim(before, after, s.dim)
         if dim is None:
             return None
         if after[dim] != before[s.dim] and (s.blocks != 1 or after[dim] % self.t):
@@ -408,58 +413,60 @@ class _Propagation:
     def _rule_expand(self, node: torch.fx.Node) -> Sharded | None:
         x, sizes = node.args[0], node.args[1]
         s = self._state(x)
-        dim = s.dim + len(sizes) - len(_shape(x))
+        dim = s.dim + len(sizes) - len(fx_read.shape(x))
         self._resize(node, sizes, dim)
         return Sharded(dim, s.blocks, s.origins)
 
     def _rule_transpose(self, node: torch.fx.Node) -> Sharded | None:
         x = node.args[0]
-        s, ndim = self._state(x), len(_shape(x))
+        s, ndim = self._state(x), len(fx_read.shape(x))
         a, b = node.args[1] % ndim, node.args[2] % ndim
         dim = b if s.dim == a else a if s.dim == b else s.dim
         return Sharded(dim, s.blocks, s.origins)
 
     def _rule_t(self, node: torch.fx.Node) -> Sharded | None:
         s = self._state(node.args[0])
-        return Sharded(1 - s.dim, s.blocks, s.origins) if len(_shape(node.args[0])) == 2 else s
+        return Sharded(1 - s.dim, s.blocks, s.origins) if len(fx_read.shape(node.args[0])) == 2 else s
 
     def _rule_permute(self, node: torch.fx.Node) -> Sharded | None:
         s = self._state(node.args[0])
-        ndim = len(_shape(node.args[0]))
+        ndim = len(fx_read.shape(node.args[0]))
         order = [d % ndim for d in node.args[1]]
         return Sharded(order.index(s.dim), s.blocks, s.origins)
 
     def _rule_unsqueeze(self, node: torch.fx.Node) -> Sharded | None:
         s = self._state(node.args[0])
-        dim = node.args[1] % (len(_shape(node.args[0])) + 1)
+        dim = node.args[1] % (len(fx_read.shape(node.args[0])) + 1)
         return Sharded(s.dim + (dim <= s.dim), s.blocks, s.origins)
 
     def _rule_squeeze(self, node: torch.fx.Node) -> Sharded | None:
-        before, after = _shape(node.args[0]), _shape(node)
+        before, after = fx_read.shape(node.args[0]), fx_read.shape(node)
         s = self._state(node.args[0])
-        dim = _mapped_dim(before, after, s.dim)
+        dim = fx_read.mapped_dim(before, after, s.dim)
         return Sharded(dim, s.blocks, s.origins) if dim is not None and after[dim] == before[s.dim] else None
 
     def _rule_slice(self, node: torch.fx.Node) -> Sharded | None:
         s = self._state(node.args[0])
-        dim = _dim(node.args[1] if len(node.args) > 1 else 0, node.args[0])
+        dim = fx_read.dim(node.args[1] if len(node.args) > 1 else 0, node.args[0])
         if dim != s.dim:
             return s
         start = node.args[2] if len(node.args) > 2 else None
         end = node.args[3] if len(node.args) > 3 else None
-        whole = (start in (None, 0)) and (end is None or (isinstance(end, int) and end >= _shape(node.args[0])[dim]))
+        whole = (start in (None, 0)) and (
+            end is None or (isinstance(end, int) and end >= fx_read.shape(node.args[0])[dim])
+        )
         return s if whole and len(node.args) <= 4 else None
 
     def _rule_select(self, node: torch.fx.Node) -> Sharded | None:
         s = self._state(node.args[0])
-        dim = _dim(node.args[1], node.args[0])
+        dim = fx_read.dim(node.args[1], node.args[0])
         return None if dim == s.dim else Sharded(s.dim - (dim < s.dim), s.blocks, s.origins)
 
     def _rule_split(self, node: torch.fx.Node) -> tuple | None:
         x = node.args[0]
-        s, shape = self._state(x), _shape(x)
-        dim = _dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), x)
-        parts = len(_outputs(node))
+        s, shape = self._state(x), fx_read.shape(x)
+        dim = fx_read.dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), x)
+        parts = len(fx_read.outputs(node))
         if dim != s.dim:
             return tuple(s for _ in range(parts))
         sizes = node.args[1]
@@ -478,7 +485,7 @@ class _Propagation:
         if any(s is None for s in states):
             return None
         first = states[0]
-        dim = dim % len(_shape(values[0]))
+        dim = dim % len(fx_read.shape(values[0]))
         if dim == first.dim or any((s.dim, s.blocks) != (first.dim, first.blocks) for s in states):
             return None
         return Sharded(first.dim, first.blocks, frozenset().union(*(s.origins for s in states)))
@@ -486,7 +493,7 @@ class _Propagation:
     def _rule_matmul(self, node: torch.fx.Node) -> Sharded | None:
         """Batched matmul of activations (attention scores, attention x values): sharded batch dims."""
         a, b = node.args[0], node.args[1]
-        out = _shape(node)
+        out = fx_read.shape(node)
         if out is None or len(out) < 3:
             return None
         placed: Sharded | None = None
@@ -494,7 +501,7 @@ class _Propagation:
             s = self._state(v)
             if s is None:
                 continue
-            ndim = len(_shape(v))
+            ndim = len(fx_read.shape(v))
             if s.dim >= ndim - 2:
                 return None
             aligned = s.dim + len(out) - ndim
@@ -503,7 +510,7 @@ class _Propagation:
             placed = Sharded(aligned, s.blocks, (placed.origins if placed else frozenset()) | s.origins)
         for position, v in enumerate((a, b)):
             if self._state(v) is None:
-                shape = _shape(v)
+                shape = fx_read.shape(v)
                 if shape is None:
                     return None
                 aligned = placed.dim - (len(out) - len(shape))
@@ -516,16 +523,16 @@ class _Propagation:
     def _rule_scaled_dot_product_attention(self, node: torch.fx.Node) -> Sharded | None:
         q, k, v = node.args[:3]
         states = [self._state(x) for x in (q, k, v)]
-        if any(s is None or s.dim != len(_shape(x)) - 3 for s, x in zip(states, (q, k, v))):
+        if any(s is None or s.dim != len(fx_read.shape(x)) - 3 for s, x in zip(states, (q, k, v))):
             return None
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         if isinstance(mask, torch.fx.Node):
             if self._state(mask) is not None:
                 return None
-            shape = _shape(mask)
+            shape = fx_read.shape(mask)
             if shape is None:
                 return None
-            aligned = states[0].dim - (len(_shape(q)) - len(shape))
+            aligned = states[0].dim - (len(fx_read.shape(q)) - len(shape))
             if aligned >= 0 and shape[aligned] != 1:
                 self.scatters[(node.name, 3)] = (aligned, 1)
         return Sharded(states[0].dim, 1, frozenset().union(*(s.origins for s in states)))
@@ -536,7 +543,7 @@ class _Propagation:
         weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
         smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
         if (
-            len(_shape(logits)) != 2
+            len(fx_read.shape(logits)) != 2
             or s.dim != 1
             or s.blocks != 1
             or weight is not None
@@ -548,134 +555,9 @@ class _Propagation:
         if narrow:  # a classifier's few classes: nothing worth splitting
             raise _Failure(narrow, f"{node.name}: {self.widths[narrow[0]][0]} classes are too few to split")
         self.kinds[node.name] = "vocab_cross_entropy"
-        self.forward_reductions[node.name] = 3 * _shape(logits)[0]
+        self.forward_reductions[node.name] = 3 * fx_read.shape(logits)[0]
         return WHOLE
 
     def _rule_sym_size(self, node: torch.fx.Node) -> Any:
         s = self._state(node.args[0])
-        return WHOLE if _dim(node.args[1], node.args[0]) != s.dim else None
-
-
-# ----------------------------------------------------------------------------- graph reading
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    if node.target is operator.getitem:
-        return "getitem"
-    packet = getattr(node.target, "overloadpacket", None)
-    return packet.__name__ if packet is not None else getattr(node.target, "__name__", str(node.target))
-
-
-def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    return [v for _, v in _tensor_positions(node)]
-
-
-def _tensor_positions(node: torch.fx.Node) -> list[tuple[int, torch.fx.Node]]:
-    """(position in args, node) of every operand that is (or may be) a tensor: not a symbolic
-    size. Keyword operands get positions after the args. An operand without a recorded value is
-    kept: rules that need its shape then refuse to split (``_shape`` is None)."""
-    found = []
-    for i, a in enumerate(list(node.args) + list(node.kwargs.values())):
-        for v in a if isinstance(a, (list, tuple)) else (a,):
-            if isinstance(v, torch.fx.Node) and not isinstance(v.meta.get("val"), (torch.SymInt, int, float, bool)):
-                found.append((i, v))
-    return found
-
-
-def _concrete(size: Any) -> int:
-    if isinstance(size, int):
-        return size
-    node = getattr(size, "node", None)
-    hint = getattr(node, "hint", None)
-    if hint is not None:
-        return int(hint)
-    return int(node.shape_env.size_hint(node.expr))
-
-
-def _shape(value: Any) -> tuple[int, ...] | None:
-    if not isinstance(value, torch.fx.Node):
-        return None
-    val = value.meta.get("val")
-    return tuple(_concrete(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
-
-
-def _outputs(node: torch.fx.Node) -> tuple:
-    val = node.meta.get("val")
-    return tuple(val) if isinstance(val, (list, tuple)) else (val,)
-
-
-def _numel(node: torch.fx.Node) -> int:
-    shape = _shape(node)
-    return math.prod(shape) if shape is not None else 0
-
-
-def _dim(dim: Any, value: torch.fx.Node) -> int:
-    return dim % len(_shape(value))
-
-
-def _broadcast_shape(values: list[torch.fx.Node]) -> tuple[int, ...] | None:
-    shapes = [_shape(v) for v in values]
-    if any(s is None for s in shapes):
-        return None
-    return tuple(torch.broadcast_shapes(*shapes))
-
-
-def _mapped_dim(before: tuple[int, ...], after: tuple[int, ...], dim: int) -> int | None:
-    """Where dim ``dim`` of a view's input goes: the output dim that starts at the same offset
-    and either equals it, is its outer factor (a split into heads), or merges it with the dims
-    after it; None when the view mixes it with earlier dims."""
-    prefix = math.prod(before[:dim])
-    running = 1
-    for d, size in enumerate(after):
-        if running == prefix and size != 1:
-            whole = before[dim]
-            merges = [math.prod(before[dim : dim + j]) for j in range(1, len(before) - dim + 1)]
-            return d if size in merges or (whole % size == 0 and whole > size) else None
-        running *= size
-        if running > prefix:
-            return None
-    return None
-
-
-def _matmul_operands(node: torch.fx.Node, name: str) -> tuple[Any, Any, Any]:
-    args = node.args
-    if name == "linear":
-        return args[0], args[1], (args[2] if len(args) > 2 else node.kwargs.get("bias"))
-    if name == "addmm":
-        return args[1], args[2], args[0]
-    return args[0], args[1], None
-
-
-def _is_plain_matmul(node: torch.fx.Node, name: str) -> bool:
-    """No beta/alpha scaling (addmm), a 1-d bias, a weight of two dims."""
-    if name == "addmm":
-        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
-        bias = _shape(node.args[0])
-        return beta == 1 and alpha == 1 and bias is not None and len(bias) == 1
-    if name == "linear":
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        return bias is None or len(_shape(bias) or ()) == 1
-    return True
-
-
-def _fused_blocks(node: torch.fx.Node) -> int:
-    """How many equal parts a split of the output's last dim cuts it into (a fused QKV projection),
-    following views that keep the last dim; 1 when it is not split."""
-    features = (_shape(node) or (0,))[-1]
-    value = node
-    while len(value.users) == 1:
-        user = next(iter(value.users))
-        name = _op_name(user)
-        if name in _VIEWS and (_shape(user) or (0,))[-1] == features:
-            value = user
-            continue
-        if name in ("split", "split_with_sizes"):
-            ndim = len(_shape(value))
-            dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
-            parts = len(_outputs(user))
-            sizes = user.args[1]
-            sizes = [sizes] * parts if isinstance(sizes, int) else list(sizes)
-            if dim % ndim == ndim - 1 and parts > 1 and len(set(sizes)) == 1 and sizes[0] * parts == features:
-                return parts
-        return 1
-    return 1
+        return WHOLE if fx_read.dim(node.args[1], node.args[0]) != s.dim else None
