@@ -70,8 +70,9 @@ def config_text(p, *, always_recompute: bool = False) -> str:
     v = p.num_stages // p.num_rank_groups
     rc = sum(s.recompute for s in p.stages)
     recompute = f" rc={rc}/{p.num_stages}" if always_recompute else (f" rc={rc}" if rc else "")
+    tp = f" tp={p.tensor_parallel}" if p.tensor_parallel > 1 else ""
     return (
-        f"{p.num_rank_groups}x{fmt_replicas(p)}{f' v={v}' if v > 1 else ''} {p.schedule.value} "
+        f"{p.num_rank_groups}x{fmt_replicas(p)}{tp}{f' v={v}' if v > 1 else ''} {p.schedule.value} "
         f"m={p.num_microbatches} mb={p.microbatch_size}{recompute}"
     )
 

@@ -55,8 +55,16 @@ PLANNED = ("partita", "partita, no sharding", "partita FSDP")
 PLAIN = ("torch FSDP2", "torch DDP")
 
 
-def plan_model(name: str, args, work: Path) -> dict:
-    """The three partita plans of one model (saved under ``work``), with their predictions."""
+PINS = {
+    "partita": {},
+    "partita, no sharding": {"sharding": "replicate"},
+    "partita FSDP": {"num_stages": 1, "replicas": 2, "sharding": "full_shard"},
+}
+
+
+def plan_model(name: str, args, work: Path, pins: dict[str, dict] = PINS) -> dict:
+    """partita's plans of one model, one per entry of ``pins`` (PlanOptions pinned; saved under
+    ``work``), with their predictions."""
     import partita
     from partita.planning.context import planning_context
     from partita.planning.driver import best_plan
@@ -67,11 +75,6 @@ def plan_model(name: str, args, work: Path) -> dict:
     cluster = partita.Cluster.local(
         num_devices=2, memory_bytes=args.budget_mib * MIB, cache_dir=args.cache_dir, num_threads=1
     )
-    pins = {
-        "partita": {},
-        "partita, no sharding": {"sharding": "replicate"},
-        "partita FSDP": {"num_stages": 1, "replicas": 2, "sharding": "full_shard"},
-    }
     out = {"name": name, "num_parameters": graph.num_parameters, "plans": {}}
     for label, pin in pins.items():
         options = partita.PlanOptions(costs="measured", cache_dir=args.cache_dir, **pin)
@@ -90,6 +93,7 @@ def plan_model(name: str, args, work: Path) -> dict:
             "config": config_text(p),
             "sharding": ",".join(s.sharding.value for s in p.stages),
             "peak_mib": max(s.memory_bytes for s in p.stages) / MIB,
+            "tensor_parallel": p.tensor_parallel,
         }
     return out
 
@@ -129,7 +133,7 @@ def worker(out_dir: Path) -> None:
             model, partita.Plan.load(path, graph=graph), graph=graph, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR)
         )
         steps[label] = lambda batch, t=trainer: t.step(*step_kwargs(ex, batch)[0], **step_kwargs(ex, batch)[1])
-    for kind in PLAIN:
+    for kind in params.get("plain", PLAIN):
         module, opt = _plain(ex, kind)
 
         def plain_step(batch, module=module, opt=opt):

@@ -79,6 +79,7 @@ def _plan_options(args: argparse.Namespace):
         optimizer=OPTIMIZER_KINDS.get(args.optimizer, args.optimizer),
         precision=getattr(args, "precision", None),
         sharding=getattr(args, "sharding", None),
+        tensor_parallel=getattr(args, "tensor_parallel", None),
         costs=getattr(args, "costs", "auto"),
         cache_dir=args.cache_dir,
     )

@@ -33,6 +33,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_precision_sharding(parser: argparse.ArgumentParser) -> None:
+    """--precision, --sharding and --tensor-parallel: how each device computes and what it holds."""
     parser.add_argument(
         "--precision",
         default=None,
@@ -46,6 +47,14 @@ def _add_precision_sharding(parser: argparse.ArgumentParser) -> None:
         choices=[s.value for s in Sharding],
         help="pin how every stage's replicas share parameters, gradients and optimizer state (default: "
         "searched per stage; stages with one replica replicate)",
+    )
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pin the tensor-parallel degree: every replica splits its matmuls over N devices of one node "
+        "(default: searched over 1, 2, 4 and 8 where the devices per node allow; 1: none)",
     )
 
 

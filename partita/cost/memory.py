@@ -35,6 +35,13 @@ parameters are gathered at a time; the runtime wraps each stage module as one un
 parameter memory over shard_grads_and_optimizer only on ranks with several virtual stages.
 Buffers and frozen parameters stay whole, in their own dtype, at every level.
 
+Tensor parallelism: a CostTable of degree ``t > 1`` (``partita.cost.tensor_parallel``) holds one
+device's share of a tensor-parallel group already: its parameter shards (``param_bytes``) and
+its parts of the split values (activation, output and cut bytes). The formulas apply to those
+bytes as they are, with ``r`` the data-parallel replicas (one group of ``t`` devices each): a
+device's split parameters, gradients and optimizer state are 1/t of the whole, and the sharded
+levels divide that by ``r`` again (each tensor-parallel index shards over its own ``r`` replicas).
+
 Glossary
 --------
 in flight   micro-batches whose forward has run on this device and whose backward has not yet

@@ -203,22 +203,33 @@ def tensor_bytes(
     return num_bytes
 
 
-def value_bytes(graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32) -> np.ndarray:
-    """int64[n]: bytes of every tensor output of node n, scaled, in ``precision``; views included."""
+def value_bytes(
+    graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32, shards: np.ndarray | None = None
+) -> np.ndarray:
+    """int64[n]: bytes of every tensor output of node n, scaled, in ``precision``; views included.
+
+    ``shards[n]``: the number of parts node n's values are split into, of which one device holds
+    one (a tensor-parallel group's split nodes; ``partita.cost.tensor_parallel``); None: whole."""
     b = graph.batch_size
-    return np.array(
+    values = np.array(
         [sum(tensor_bytes(t, microbatch_size, b, precision) for t in n.outputs) for n in graph.nodes], dtype=np.int64
     )
+    return values if shards is None else -(-values // np.asarray(shards, dtype=np.int64))
 
 
-def output_bytes(graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32) -> np.ndarray:
-    """int64[n]: bytes of new memory node n's outputs take, scaled (0 for views and in-place ops)."""
-    values = value_bytes(graph, microbatch_size, precision)
+def output_bytes(
+    graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32, shards: np.ndarray | None = None
+) -> np.ndarray:
+    """int64[n]: bytes of new memory node n's outputs take, scaled (0 for views and in-place ops);
+    ``shards`` as ``value_bytes`` takes it."""
+    values = value_bytes(graph, microbatch_size, precision, shards)
     views = np.array([n.is_view for n in graph.nodes], dtype=bool)
     return np.where(views, 0, values)
 
 
-def cut_bytes(graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32) -> np.ndarray:
+def cut_bytes(
+    graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32, shards: np.ndarray | None = None
+) -> np.ndarray:
     """int64[num_nodes + 1]: bytes of every value produced before cut c and read at or after it.
 
     A value is sent across a stage boundary as it is (the runtime clones boundary views to
@@ -226,9 +237,10 @@ def cut_bytes(graph: OpGraph, microbatch_size: int, precision: Precision = Preci
     node i whose last reader is node j crosses cuts i+1 .. j; one sweep over a difference array
     adds it to all of them in O(num_nodes + num_edges). Graph inputs are excluded (every rank
     has the batch); values nobody reads (graph outputs other than through nodes) cross nothing.
+    ``shards`` as ``value_bytes`` takes it (a device sends its own part of a split value).
     """
     num_nodes = graph.num_nodes
-    values = value_bytes(graph, microbatch_size, precision)
+    values = value_bytes(graph, microbatch_size, precision, shards)
     diff = np.zeros(num_nodes + 2, dtype=np.int64)
     for node in graph.nodes:
         if node.consumers and values[node.index]:
@@ -274,15 +286,18 @@ def requires_grad(graph: OpGraph) -> np.ndarray:
     return result
 
 
-def activation_bytes(graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32) -> np.ndarray:
+def activation_bytes(
+    graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32, shards: np.ndarray | None = None
+) -> np.ndarray:
     """int64[n]: bytes node n keeps alive for its backward, scaled.
 
     Which tensors an op keeps follows the tables above. A kept view keeps its whole storage
     root alive, so the root's bytes count, and each root counts once, at the first node that
     keeps it (softmax keeps its output and the next matmul keeps the same memory). Nodes
-    without a backward (no grad, views, in-place ops, integer outputs) keep nothing.
+    without a backward (no grad, views, in-place ops, integer outputs) keep nothing. ``shards``
+    as ``value_bytes`` takes it: a kept root counts the part of it one device holds.
     """
-    values = value_bytes(graph, microbatch_size, precision)
+    values = value_bytes(graph, microbatch_size, precision, shards)
     roots = storage_roots(graph)
     grad = requires_grad(graph)
     trainable = {name for name, p in graph.parameters.items() if p.requires_grad and not p.is_buffer}

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from partita.planning.baselines import baseline_outcomes
-from partita.planning.context import PlanningContext, planning_context
+from partita.planning.context import PlanningContext, plan_key, planning_context
 from partita.planning.driver import best_plan
 from partita.planning.infeasible import infeasible_error
 from partita.planning.options import PlanOptions
+from partita.planning.tensor_parallel import degree_contexts
 from partita.types import OpGraph, Plan
 from partita.types.cluster import Cluster
 
@@ -43,7 +44,9 @@ def plan(
     ``model`` is an ``nn.Module`` called as ``model(*args, **kwargs)`` (returning its loss, or an
     output that ``loss_fn(output, target)`` turns into one), or a graph from ``partita.capture``.
     ``options`` pins any choice (``PlanOptions(schedules="1f1b", num_stages=4)``); the search
-    fills in the rest. Raises InfeasiblePlanError when nothing fits, saying what would.
+    fills in the rest, the tensor-parallel degree included (``partita.planning.tensor_parallel``:
+    each degree's search on its own, the best plan of all). Raises InfeasiblePlanError when
+    nothing fits, saying what would.
     ``batch_dims`` says where the batch is in each input, as ``partita.capture`` takes it
     (``{"src": 1}`` for a sequence-first input). A loss that couples the samples of the batch
     (CLIP, in-batch negatives: ``OpGraph.couples_samples``) is planned with one micro-batch and
@@ -60,13 +63,14 @@ def plan(
         options=options,
         batch_dims=batch_dims,
     )
-    return _best_or_raise(ctx)
+    return _best_or_raise(degree_contexts(ctx, options.tensor_parallel))[0]
 
 
 @dataclass(frozen=True)
 class PlanningResult:
-    """A plan, the baselines' splits under its configuration, and the run that made them
-    (``context.costs_at`` gives the cost tables, e.g. to simulate the plan with a timeline).
+    """A plan, the baselines' splits under its configuration, and the run that made them at the
+    plan's tensor-parallel degree (``context.costs_at`` gives its cost tables, e.g. to simulate
+    the plan with a timeline; ``context.unsharded`` the degree-1 run when the degree is above 1).
     ``baseline_reasons``: for each baseline without a plan (None), why: "cannot split into N
     stages: ..." or "does not fit"."""
 
@@ -88,8 +92,9 @@ def plan_with_baselines(
     options: PlanOptions = PlanOptions(),
     batch_dims: dict | None = None,
 ) -> PlanningResult:
-    """``plan``, and each baseline's split under the plan's configuration (None: it does not fit or
-    cannot make that many stages), from one capture and one set of costs."""
+    """``plan``, and each baseline's split under the plan's configuration, its tensor-parallel
+    degree included (None: it does not fit or cannot make that many stages), from one capture and
+    one set of costs. The ``fsdp`` baseline never splits matmuls: plain FSDP2 over every device."""
     ctx = planning_context(
         model,
         args,
@@ -101,13 +106,15 @@ def plan_with_baselines(
         options=options,
         batch_dims=batch_dims,
     )
-    best = _best_or_raise(ctx)
-    baselines, reasons = baseline_outcomes(ctx, best)
-    return PlanningResult(best, baselines, ctx, reasons)
+    best, chosen = _best_or_raise(degree_contexts(ctx, options.tensor_parallel))
+    baselines, reasons = baseline_outcomes(chosen, best)
+    return PlanningResult(best, baselines, chosen, reasons)
 
 
-def _best_or_raise(ctx: PlanningContext) -> Plan:
-    best = best_plan(ctx)
-    if best is None:
-        raise infeasible_error(ctx)
-    return best
+def _best_or_raise(contexts: list[PlanningContext]) -> tuple[Plan, PlanningContext]:
+    """The best plan over the contexts (one per tensor-parallel degree; ties: the first, the
+    smallest degree) and its context; InfeasiblePlanError from the first when none fits."""
+    found = [(p, ctx) for ctx in contexts if (p := best_plan(ctx)) is not None]
+    if not found:
+        raise infeasible_error(contexts[0])
+    return min(found, key=lambda pair: plan_key(pair[0]))

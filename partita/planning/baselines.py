@@ -12,7 +12,7 @@ switched on for a stage only when it would not fit otherwise. Boundaries snap to
 legal cut positions.
 
 - ``fsdp``: what most users run instead of a pipeline: plain data parallelism over every device
-  with FSDP2's full sharding (one stage, ``full_shard``), the fewest micro-batches (gradient
+  with FSDP2's full sharding (one stage, ``full_shard``, no tensor parallelism), the fewest micro-batches (gradient
   accumulation steps, 1F1B order) that fit, recomputing only if nothing fits without.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from partita.planning.chain import layer_boundaries, legal_cuts
+from partita.planning.chain import layer_boundaries
 from partita.planning.context import PlanningContext, fit_with_recompute
 from partita.planning.options import recompute_allowed
 from partita.planning.search import Config, divisors
@@ -137,7 +137,9 @@ def baseline_outcomes(
 
 
 def fsdp_plan(ctx: PlanningContext) -> tuple[Plan | None, str]:
-    """The ``fsdp`` baseline (module docstring), or None and why there is none."""
+    """The ``fsdp`` baseline (module docstring), or None and why there is none; without tensor
+    parallelism at any degree of ``ctx`` (its degree-1 context)."""
+    ctx = ctx.unsharded or ctx
     n, batch = ctx.options.num_devices, ctx.options.global_batch_size
     if n == 1:
         return None, "needs several devices to shard over"
@@ -160,7 +162,7 @@ def _cannot_split(ctx: PlanningContext, method: str, config: Config) -> str:
         layers = len(layer_boundaries(ctx.graph))
         if layers < n:
             return f"cannot split into {n} stages: the model has {layers} repeated layers"
-    legal = legal_cuts(ctx.graph)
+    legal = ctx.legal_cuts
     if config.stage_replicas:
         legal = legal & ctx.per_sample_cuts
     inner = int(np.count_nonzero(legal[1 : ctx.graph.num_nodes]))
@@ -189,8 +191,9 @@ def same_config(like: Plan | Config) -> Config:
 def baseline_splits(ctx: PlanningContext) -> Callable[[Config], dict[str, list[int] | None]]:
     """``splits(config)``: each baseline's node boundaries for the config's number of stages (None:
     cannot split). Under an uneven config the baselines cut only where every crossing tensor splits
-    by sample (``PlanningContext.per_sample_cuts``), as partita's own uneven plans do."""
-    legal = legal_cuts(ctx.graph)
+    by sample (``PlanningContext.per_sample_cuts``), as partita's own uneven plans do; at a
+    tensor-parallel degree above 1 never inside a split region (``PlanningContext.legal_cuts``)."""
+    legal = ctx.legal_cuts
 
     @functools.cache
     def splits_of(num_stages: int, by_sample: bool) -> dict[str, list[int] | None]:

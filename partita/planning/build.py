@@ -15,17 +15,21 @@ from partita.planning.sharding import levels, step_overhead_s
 from partita.types import Cluster, CostTable, OpGraph, Plan, Sharding, StagePlan
 
 
-def stage_ranks(config: Config) -> list[tuple[int, ...]]:
+def stage_ranks(config: Config, tensor_parallel: int = 1) -> list[tuple[int, ...]]:
     """Ranks of each rank group: consecutive blocks, group g after groups 0 .. g-1 (uniform:
-    [g*r, (g+1)*r)), so a group's replicas and neighbouring groups sit in the same node whenever
-    the node is large enough. Uneven configs have one stage per rank group."""
-    return consecutive_ranks([config.replicas_of(g) for g in range(config.num_rank_groups)])
+    [g*r*t, (g+1)*r*t) with t = ``tensor_parallel``), so a group's replicas and neighbouring
+    groups sit in the same node whenever the node is large enough. Uneven configs have one stage
+    per rank group."""
+    return consecutive_ranks([config.replicas_of(g) for g in range(config.num_rank_groups)], tensor_parallel)
 
 
-def consecutive_ranks(counts: Sequence[int]) -> list[tuple[int, ...]]:
-    """Ranks of rank groups with ``counts[g]`` devices each: consecutive, group g after groups 0 .. g-1."""
+def consecutive_ranks(counts: Sequence[int], tensor_parallel: int = 1) -> list[tuple[int, ...]]:
+    """Ranks of rank groups with ``counts[g]`` replicas of ``tensor_parallel`` devices each:
+    consecutive, group g after groups 0 .. g-1, replica-major (``StagePlan.ranks``: each replica's
+    tensor-parallel group is ``tensor_parallel`` consecutive ranks from a multiple of it)."""
+    t = tensor_parallel
     starts = [sum(counts[:g]) for g in range(len(counts))]
-    return [tuple(range(start, start + r)) for start, r in zip(starts, counts)]
+    return [tuple(range(start * t, (start + r) * t)) for start, r in zip(starts, counts)]
 
 
 def stage_tables(costs: CostTable | Callable[[int], CostTable], config: Config) -> list[CostTable]:
@@ -58,7 +62,7 @@ def rank_group_memory(
     s's CostTable (``stage_tables``); a rank group's stages share one size. Without ``cluster``
     (no comm model) the least sharded level that fits."""
     result = {}
-    groups = stage_ranks(config)
+    groups = stage_ranks(config, options.tensor_parallel)
     shared = _groups_sharing_parameters(tables, ranges_by_group)
     for g, ranges in ranges_by_group.items():
         in_flight = microbatches_in_flight(
@@ -113,7 +117,8 @@ def _groups_sharing_parameters(tables: Sequence[CostTable], ranges_by_group: Map
 def _group_overhead_s(
     level: Sharding, table: CostTable, ranges, config: Config, options: SearchOptions, cluster: Cluster, ranks
 ) -> float:
-    """Seconds per step ``level`` adds to the compute of a rank group's stages (``step_overhead_s``)."""
+    """Seconds per step ``level`` adds to the compute of a rank group's stages (``step_overhead_s``;
+    ``ranks``: the group's devices, ``options.tensor_parallel`` to a replica)."""
     total = 0.0
     trainable = np.asarray(table.param_trainable, dtype=bool)
     for start, stop in ranges:
@@ -126,7 +131,7 @@ def _group_overhead_s(
                 forward_s=float(table.forward_s[start:stop].sum()),
                 backward_s=float(table.backward_s[start:stop].sum()),
                 num_microbatches=config.num_microbatches,
-                num_replicas=len(ranks),
+                num_replicas=len(ranks) // options.tensor_parallel,
                 precision=options.precision,
                 optimizer=options.optimizer,
                 cluster=cluster,
@@ -151,8 +156,9 @@ def build_plan(
 ) -> Plan:
     """A Plan with predicted per-stage times and memory (the step time is filled in by simulation).
 
-    ``costs``: see ``stage_tables``."""
-    groups = stage_ranks(config)
+    ``costs``: see ``stage_tables``; at ``options.tensor_parallel`` t > 1 the costs of one device of
+    a group of t, and ``config`` counts groups (``partita.planning.tensor_parallel``)."""
+    groups = stage_ranks(config, options.tensor_parallel)
     tables = stage_tables(costs, config)
     ranges_by_group: dict[int, list] = {}
     recompute_by_group: dict[int, bool] = {}
@@ -188,6 +194,7 @@ def build_plan(
                 cut_bytes=int(costs.cut_bytes[stop]) if stop < graph.num_nodes else 0,
                 sharding=memory[g][1],
                 memory_breakdown=memory[g][0].breakdown(),
+                tensor_parallel=options.tensor_parallel,
             )
         )
     return Plan(

@@ -9,6 +9,7 @@ lets callers skip simulating splits that cannot beat a known step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -26,19 +27,27 @@ from partita.cost.analytic import analytic_costs
 from partita.cost.profiler import profile
 from partita.cost.table import contended
 from partita.errors import InputError
-from partita.planning.build import block_to_node_boundaries, build_plan, fits
-from partita.planning.chain import coarsen, per_sample_cuts
+from partita.planning.build import block_to_node_boundaries, build_plan, fits, total_compute_s
+from partita.planning.chain import coarsen, legal_cuts, per_sample_cuts
 from partita.planning.options import CostSource, PlanOptions, resolve_precision
 from partita.planning.search import Candidate, SearchOptions
 from partita.planning.simulate import simulate
+from partita.planning.tensor_parallel import check_degree, group_cluster, split_crossings
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
 from partita.types import CostTable, OpGraph, Plan, Precision, Sharding
 from partita.types.cluster import Cluster
+from partita.types.tensor_parallel import TensorParallelLayout
 
 
 @dataclass(frozen=True)
 class PlanningContext:
-    """Everything the search and the baselines share for one planning run."""
+    """Everything the search and the baselines share for one planning run, at one tensor-parallel
+    degree ``options.tensor_parallel`` (``partita.planning.tensor_parallel``).
+
+    ``cluster`` is the real one (plans hold device ranks); ``search_cluster`` is what the search
+    places its units on. ``costs_at(b)``: the CostTable of one device at micro-batch size b, of
+    a tensor-parallel group when the degree is above 1. ``unsharded``: the degree-1 context a
+    tensor-parallel one was made from (None: this is it); ``layout``: what its groups split."""
 
     graph: OpGraph
     cluster: Cluster
@@ -46,11 +55,25 @@ class PlanningContext:
     costs_at: Callable[[int], CostTable]
     chain: Any  # block boundaries in node positions
     resolved: dict
+    unsharded: PlanningContext | None = None
+    layout: TensorParallelLayout | None = None
 
     @functools.cached_property
     def per_sample_cuts(self) -> np.ndarray:
         """``partita.planning.chain.per_sample_cuts`` of the graph: where replica counts may change."""
         return per_sample_cuts(self.graph)
+
+    @functools.cached_property
+    def legal_cuts(self) -> np.ndarray:
+        """``partita.planning.chain.legal_cuts`` of the graph, less the cuts inside a split region of
+        ``layout`` (``partita.planning.tensor_parallel.split_crossings``): where stages may start."""
+        legal = legal_cuts(self.graph)
+        return legal if self.layout is None else legal & ~split_crossings(self.graph, self.layout)
+
+    @functools.cached_property
+    def search_cluster(self) -> Cluster:
+        """The cluster in tensor-parallel groups (``group_cluster``): ``cluster`` at degree 1."""
+        return group_cluster(self.cluster, self.options.tensor_parallel)
 
 
 def planning_context(
@@ -68,7 +91,8 @@ def planning_context(
     """Capture (unless ``model`` is already an OpGraph; ``batch_dims`` as ``partita.capture`` takes
     it), pick the cost source, coarsen the graph into a chain of blocks, and resolve ``options``
     against the cluster: everything one planning run shares. InputError for options the cluster
-    or the graph cannot honour.
+    or the graph cannot honour. The context is degree 1's; ``degree_contexts`` makes those of the
+    tensor-parallel degrees to search (a pinned ``options.tensor_parallel`` is checked here).
 
     A graph whose loss couples samples (``OpGraph.couples_samples``) is planned with one
     micro-batch and one replica per stage (``whole_batch_options``)."""
@@ -79,6 +103,8 @@ def planning_context(
     positive_int(global_batch_size, "global_batch_size")
     check_batch_divisible(global_batch_size, options.num_microbatches, options.replicas)
     uniform_replicas = _resolve_uniform(options.uniform_replicas, options.replicas, cluster)
+    if options.tensor_parallel is not None:
+        check_degree(options.tensor_parallel, cluster, replicas=options.replicas, num_stages=options.num_stages)
     graph = (
         model
         if isinstance(model, OpGraph)
@@ -123,6 +149,7 @@ def planning_context(
         "optimizer": options.optimizer.value,
         "precision": precision.value,
         "sharding": None if options.sharding is None else options.sharding.value,
+        "tensor_parallel": options.tensor_parallel,
         "costs": source.value,
         "max_blocks": options.max_blocks,
         "memory_limit_bytes": search_options.memory_limit_bytes,
@@ -257,8 +284,14 @@ def _check_sharding_pin(options: PlanOptions, cluster: Cluster) -> None:
     """InputError when a pinned sharding level has nothing to shard over: one replica per stage."""
     if options.sharding in (None, Sharding.REPLICATE):
         return
-    if options.replicas == 1 or cluster.num_devices == 1:
-        why = "replicas=1 pins one replica per stage" if options.replicas == 1 else "the cluster has one device"
+    groups = cluster.num_devices // (options.tensor_parallel or 1)
+    if options.replicas == 1 or groups == 1:
+        if options.replicas == 1:
+            why = "replicas=1 pins one replica per stage"
+        elif cluster.num_devices == 1:
+            why = "the cluster has one device"
+        else:
+            why = f"tensor_parallel={options.tensor_parallel} makes all {cluster.num_devices} devices one group"
         raise InputError(
             f"sharding={options.sharding.value!r} shards a stage over its replicas, but {why}: "
             "unpin sharding (or pin 'replicate'), or plan with several replicas per stage"
@@ -334,8 +367,10 @@ def finish_plan(ctx: PlanningContext, config, node_boundaries, recompute, method
 
 
 def draft_plan(ctx: PlanningContext, config, node_boundaries, recompute, method: str) -> Plan:
-    """The Plan with predicted stage times and memory, its step not yet simulated."""
-    return build_plan(
+    """The Plan with predicted stage times and memory, its step not yet simulated. Its
+    ``total_compute_s`` is the unsplit graph's (degree 1), so that the ideal step counts every
+    device once."""
+    p = build_plan(
         ctx.graph,
         ctx.costs_at,
         config,
@@ -347,6 +382,10 @@ def draft_plan(ctx: PlanningContext, config, node_boundaries, recompute, method:
         resolved_options=ctx.resolved,
         versions=(partita.__version__, torch.__version__),
     )
+    if ctx.unsharded is None:
+        return p
+    whole = total_compute_s(ctx.unsharded.costs_at, config, ctx.options.global_batch_size)
+    return dataclasses.replace(p, total_compute_s=whole)
 
 
 def simulated(ctx: PlanningContext, p: Plan) -> Plan:

@@ -37,18 +37,18 @@ def best_plan(ctx: PlanningContext, *, num_simulated: int = NUM_SIMULATED) -> Pl
         not ctx.options.uniform_replicas and ctx.options.num_devices <= UNEVEN_MAX_DEVICES
     ):  # more: infeasible_error's trials
         uneven = search_uneven(
-            blocks_at, ctx.options, ctx.cluster, num_blocks, cuttable=ctx.per_sample_cuts[np.asarray(ctx.chain)]
+            blocks_at, ctx.options, ctx.search_cluster, num_blocks, cuttable=ctx.per_sample_cuts[np.asarray(ctx.chain)]
         )
     if num_blocks <= 16:  # small chains: simulate every candidate, refine every config
-        candidates = _merged(search(blocks_at, ctx.options, ctx.cluster, num_blocks), uneven)
+        candidates = _merged(search(blocks_at, ctx.options, ctx.search_cluster, num_blocks), uneven)
         simulated, candidate_of = _simulate_fitting(ctx, candidates)
         return _refine_best(ctx, simulated, candidate_of, None)
     # The pruned search returns the full list cut after its num_simulated-th candidate with one
     # stage per rank group; if fewer than num_simulated of them fit, the full list is needed.
-    candidates = search(blocks_at, ctx.options, ctx.cluster, num_blocks, num_best=num_simulated)
+    candidates = search(blocks_at, ctx.options, ctx.search_cluster, num_blocks, num_best=num_simulated)
     simulated, candidate_of = _simulate_fitting(ctx, _merged(candidates, uneven), num_simulated)
     if len(simulated) < num_simulated and sum(c.config.virtual_stages == 1 for c in candidates) >= num_simulated:
-        candidates = search(blocks_at, ctx.options, ctx.cluster, num_blocks)
+        candidates = search(blocks_at, ctx.options, ctx.search_cluster, num_blocks)
         simulated, candidate_of = _simulate_fitting(ctx, _merged(candidates, uneven), num_simulated)
     return _refine_best(ctx, simulated, candidate_of, NUM_REFINED)
 

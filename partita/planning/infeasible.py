@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from partita.errors import InfeasiblePlanError
 from partita.planning.context import PlanningContext
 from partita.planning.driver import best_plan
@@ -20,7 +22,8 @@ def infeasible_error(ctx: PlanningContext) -> InfeasiblePlanError:
     ``min_memory_bytes``; None when not found within 128x).
     """
     n = ctx.cluster.num_devices
-    min_devices = _smallest_fitting(lambda d: _fits_with(ctx, devices=d), n, _valid_device_count(ctx.cluster))
+    valid = _valid_device_count(ctx.cluster, ctx.options.tensor_parallel)
+    min_devices = _smallest_fitting(lambda d: _fits_with(ctx, devices=d), n, valid)
     min_usable = _smallest_fitting(lambda b: _fits_with(ctx, memory=b), ctx.options.memory_limit_bytes, None)
     min_memory = None
     if min_usable is not None:
@@ -35,6 +38,8 @@ def infeasible_error(ctx: PlanningContext) -> InfeasiblePlanError:
         fixes.append(f"use devices with at least {fmt_bytes(min_memory)} ({min_memory} bytes) of memory")
     if ctx.options.sharding is Sharding.REPLICATE:
         fixes.append("unpin sharding='replicate' (sharded replicas hold 1/r of the optimizer state)")
+    if ctx.resolved.get("tensor_parallel") == 1:
+        fixes.append("unpin tensor_parallel=1 (tensor-parallel groups hold a part of the largest weights each)")
     if ctx.options.precision is Precision.FP32:
         fixes.append("precision='bf16' (half-size activations)")
     if any(recompute_allowed(s) for s in ctx.options.schedules):
@@ -53,22 +58,25 @@ def infeasible_error(ctx: PlanningContext) -> InfeasiblePlanError:
 
 
 def _fits_with(ctx: PlanningContext, *, devices: int | None = None, memory: int | None = None) -> bool:
+    """Whether ``ctx`` (at its tensor-parallel degree) finds a plan with ``devices`` or ``memory``."""
     cluster, options = ctx.cluster, ctx.options
     if devices is not None:
         cluster = Cluster(**{**_cluster_fields(cluster), "num_devices": devices})
-        options = _with(options, num_devices=devices)
+        options = _with(options, num_devices=devices // options.tensor_parallel)
     if memory is not None:
         options = _with(options, memory_limit_bytes=memory)
-    trial = PlanningContext(ctx.graph, cluster, options, ctx.costs_at, ctx.chain, ctx.resolved)
+    trial = dataclasses.replace(ctx, cluster=cluster, options=options)
     return best_plan(trial, num_simulated=4) is not None
 
 
-def _valid_device_count(cluster: Cluster):
-    """Round a device count up to one the cluster can have (whole nodes beyond one node)."""
+def _valid_device_count(cluster: Cluster, tensor_parallel: int = 1):
+    """Round a device count up to one the cluster can have (whole nodes beyond one node) and
+    that holds whole tensor-parallel groups (a degree that divides a node's devices, as
+    ``check_degree`` has made sure)."""
 
     def valid(count: int) -> int:
-        per_node = cluster.devices_per_node
-        return count if count <= per_node else -(-count // per_node) * per_node
+        per_node, t = cluster.devices_per_node, tensor_parallel
+        return -(-count // t) * t if count <= per_node else -(-count // per_node) * per_node
 
     return valid
 

@@ -10,6 +10,10 @@ Stage ``k`` runs on rank group ``stage_rank_groups(schedule, G, S)[k]`` (the pla
 schedules use: ``k % G``, or the V shape for ZBV); rank group ``g`` holds ranks
 ``[g * replicas, (g + 1) * replicas)`` as in ``partita.planning.build.stage_ranks``.
 
+With ``tensor_parallel=t`` every replica is a tensor-parallel group of ``t`` consecutive ranks
+(``StagePlan.ranks`` replica-major), so rank group ``g`` holds ranks
+``[g * replicas * t, (g + 1) * replicas * t)``; the groups must not span nodes of ``cluster``.
+
 Uneven plans give each rank group its own replica count, ``replicas=(2, 1)``: GPipe or 1F1B only
 (one stage per rank group). Rank group ``g``'s ranks follow those of the groups before it
 (``[r_0 + ... + r_{g-1}, r_0 + ... + r_g)``), and each micro-batch of ``B / m`` samples is split
@@ -30,6 +34,7 @@ from partita.errors import InputError
 from partita.planning.build import consecutive_ranks, module_range
 from partita.planning.context import check_whole_batch
 from partita.planning.schedules import check_schedule, stage_rank_groups
+from partita.planning.tensor_parallel import check_degree
 from partita.planning.uneven import UNEVEN_SCHEDULES
 from partita.types import OpGraph, Plan, Precision, Schedule, Sharding, StagePlan
 from partita.types.cluster import Cluster
@@ -50,6 +55,7 @@ def manual_plan(
     cluster: Cluster | Mapping[str, Any] | None = None,
     precision: Precision | str = Precision.FP32,
     sharding: Sharding | str | Sequence[Sharding | str] = Sharding.REPLICATE,
+    tensor_parallel: int = 1,
 ) -> Plan:
     """A Plan with stages ``[boundaries[k], boundaries[k + 1])`` of ``graph.nodes``.
 
@@ -67,6 +73,8 @@ def manual_plan(
         precision: "fp32" or "bf16" (``Plan.precision``).
         sharding: a ``Sharding`` level for all stages or one per stage; a stage with one replica
             must replicate.
+        tensor_parallel: devices per replica, splitting its matmuls (``Plan.tensor_parallel``);
+            the default cluster then has ``replicas x tensor_parallel`` CPU ranks per rank group.
 
     Raises InputError when the split, the schedule or the batch do not fit together.
     """
@@ -91,20 +99,25 @@ def manual_plan(
     flags = _recompute_flags(recompute, num_stages)
     precision = Precision.parse(precision)
     check_whole_batch(graph, num_microbatches, counts)  # a loss that couples samples needs the whole batch
+    t = positive_int(tensor_parallel, "tensor_parallel")
     groups = stage_rank_groups(schedule, num_rank_groups, num_stages)
-    ranks = consecutive_ranks(counts)
-    levels = _sharding_levels(sharding, [len(ranks[g]) for g in groups])
+    ranks = consecutive_ranks(counts, t)
+    levels = _sharding_levels(sharding, [counts[g] for g in groups])
     stages = tuple(
         dataclasses.replace(
-            _stage(graph, k, cuts[k], cuts[k + 1], groups[k], ranks[groups[k]], flags[k]), sharding=levels[k]
+            _stage(graph, k, cuts[k], cuts[k + 1], groups[k], ranks[groups[k]], flags[k]),
+            sharding=levels[k],
+            tensor_parallel=t,
         )
         for k in range(num_stages)
     )
     if cluster is None:
-        n = sum(counts)
+        n = sum(counts) * t
         cluster = Cluster(device="cpu", num_devices=n, devices_per_node=n)
     elif not isinstance(cluster, Cluster):
         cluster = Cluster.from_dict(cluster)
+    if t > 1:
+        check_degree(t, cluster)
     return Plan(
         graph_fingerprint=graph.fingerprint,
         cluster=cluster,
@@ -120,6 +133,7 @@ def manual_plan(
             "recompute": list(flags),
             "precision": precision.value,
             "sharding": [level.value for level in levels],
+            "tensor_parallel": t,
         },
         method="manual",
         cost_source="none",

@@ -46,7 +46,10 @@ class PlanOptions:
     ``resolve_precision``). ``sharding``: "replicate", "shard_grads_and_optimizer" or "full_shard"
     pins every stage with several replicas (stages with one replica always replicate, and so do
     stages that share a weight with another stage: tied weights across stages are never sharded);
-    None: each stage's level is searched. ``costs``: where costs come from. ``max_blocks``: how finely the graph is coarsened into a chain of blocks.
+    None: each stage's level is searched. ``tensor_parallel``: devices per tensor-parallel group
+    (each replica of a stage splits its matmuls over that many devices of one node; one degree for
+    the whole plan); None: searched over 1, 2, 4 and 8 where the cluster allows
+    (``partita.planning.tensor_parallel``). ``costs``: where costs come from. ``max_blocks``: how finely the graph is coarsened into a chain of blocks.
     ``cache_dir``: where profiles and calibrations are cached (default: the user cache folder).
     """
 
@@ -59,6 +62,7 @@ class PlanOptions:
     optimizer: OptimizerKind = OptimizerKind.ADAM
     precision: Precision | str | None = None
     sharding: Sharding | str | None = None
+    tensor_parallel: int | None = None
     costs: CostSource = CostSource.AUTO
     max_blocks: int = 128
     cache_dir: str | None = None
@@ -66,7 +70,7 @@ class PlanOptions:
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise the given spellings once, here
         set_(self, "schedules", _parse_schedules(self.schedules))
-        for name in ("num_stages", "replicas", "num_microbatches"):
+        for name in ("num_stages", "replicas", "num_microbatches", "tensor_parallel"):
             set_(self, name, optional_positive_int(getattr(self, name), name))
         set_(self, "max_blocks", positive_int(self.max_blocks, "max_blocks"))
         for name in ("recompute", "uniform_replicas"):

@@ -57,7 +57,7 @@ SPLITS_KEPT = 32
 class SearchOptions:
     """What the search may choose; a non-None value pins that choice."""
 
-    num_devices: int
+    num_devices: int  # units to place: devices, or with tensor_parallel t > 1 groups of t devices
     global_batch_size: int
     memory_limit_bytes: int  # usable per device
     schedules: tuple[Schedule, ...] = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B, Schedule.ZBV)
@@ -70,6 +70,9 @@ class SearchOptions:
     optimizer: OptimizerKind = OptimizerKind.ADAM
     precision: Precision = Precision.FP32
     sharding: Sharding | None = None  # None: each stage's level is searched
+    # the tensor-parallel degree of the costs searched (partita.planning.tensor_parallel): the
+    # search places groups of this many devices, as if each were one device
+    tensor_parallel: int = 1
     max_microbatch_choices: int = 6
     candidates_per_config: int = 3
 

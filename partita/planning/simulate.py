@@ -23,7 +23,11 @@ all-gather   a sharded stage's parameters gathered over its replicas (``gather_s
              rank group's stream at the start of the step, before the stage's first F; under
              full_shard again for every F and B, prefetched during the rank group's previous
              action, so F and B take max(compute, all-gather) (``pipeline_inputs``).
-busy         seconds a rank group computes in one step (all-reduces excluded).
+tensor par.  with a tensor-parallel degree t > 1 the cost tables are one device's of a group of t
+             (``partita.cost.tensor_parallel``): F and B include the group's all-reduces of
+             activations and of their gradients, which block the compute that follows them.
+busy         seconds a rank group computes in one step (gradient collectives excluded; a
+             tensor-parallel group's all-reduces count, as part of F and B).
 bubble       1 - mean busy / step time: the share of device time spent idle or only communicating.
 in flight    micro-batches whose activations a rank group keeps: added at F, freed at B. With the
              I/W split (ZBV), freed at W: torch's ``stage_backward_input`` keeps the autograd graph
@@ -297,7 +301,9 @@ def simulate(
 
     ``costs(microbatch_size)`` returns the CostTable at that per-replica micro-batch size (a bare
     CostTable serves when every stage runs at its micro-batch size), in the plan's precision
-    (``analytic_costs(..., precision=plan.precision)``; InputError otherwise).
+    (``analytic_costs(..., precision=plan.precision)``) and for its tensor-parallel degree (one
+    device's costs of a group: its share of the work and the group's all-reduces, which are part
+    of every forward and backward; ``partita.cost.tensor_parallel``); InputError otherwise.
     """
     return simulate_pipeline(**pipeline_inputs(plan, costs, cluster), keep_timeline=keep_timeline)
 
@@ -310,7 +316,8 @@ def pipeline_inputs(
     Per stage: forward/backward seconds are sums over its node range (recompute adds the forward
     to the backward); activations kept per micro-batch are the range's saved tensors, or only the
     stage input (``cut_bytes[start]``) under recompute; the all-reduce (sharded: reduce-scatter)
-    moves the trainable parameter bytes of the range over the stage's replicas, a sharded stage's
+    moves the trainable parameter bytes of the range over the stage's replicas (one ring per
+    tensor-parallel index, side by side, each over a device's shard), a sharded stage's
     all-gather their bytes in the plan's precision (``_collectives``); the send to the next stage moves
     ``cut_bytes[stop]`` between the two stages' first ranks; the optimizer step moves the range's
     trainable parameters (a sharded stage: its shard) and states over the device's memory
@@ -415,6 +422,12 @@ def _tables_per_stage(plan: Plan, costs: Callable[[int], CostTable] | CostTable)
                 by_size[size] = costs
             else:
                 by_size[size] = costs(size)
+        if by_size[size].tensor_parallel != plan.tensor_parallel:
+            raise InputError(
+                f"the cost table is for tensor-parallel degree {by_size[size].tensor_parallel}, but the plan's is "
+                f"{plan.tensor_parallel}: pass one device's costs of a group of {plan.tensor_parallel} "
+                "(partita.cost.tensor_parallel.tensor_parallel_costs; PlanningResult.context.costs_at has them)"
+            )
         if by_size[size].precision != plan.precision.value:
             raise InputError(
                 f"the cost table is for {by_size[size].precision}, but the plan computes in {plan.precision.value}: "

@@ -12,6 +12,7 @@ __all__ = [
     "fmt_flops",
     "fmt_layout",
     "fmt_microbatches",
+    "fmt_ranks",
     "fmt_replicas",
     "fmt_seconds",
     "fmt_sharding",
@@ -48,14 +49,27 @@ def fmt_replicas(plan) -> str:
 
 
 def fmt_layout(plan) -> str:
-    """'4 rank groups x 2 replicas (8 devices)', or with uneven replica counts
-    '3 rank groups with 2+1+4 replicas (7 devices)'."""
+    """'4 rank groups x 2 replicas (8 devices)', with uneven replica counts '3 rank groups with
+    2+1+4 replicas (7 devices)', with tensor parallelism '2 rank groups x 2 replicas x 2-way
+    tensor parallel (8 devices)'."""
     joint = "x" if plan.uniform_replicas else "with"
     replicas = "replica" if plan.uniform_replicas and plan.stages[0].num_replicas == 1 else "replicas"
+    t = plan.stages[0].tensor_parallel
+    tensor_parallel = f" x {t}-way tensor parallel" if t > 1 else ""
     return (
-        f"{counted(plan.num_rank_groups, 'rank group')} {joint} {fmt_replicas(plan)} {replicas} "
+        f"{counted(plan.num_rank_groups, 'rank group')} {joint} {fmt_replicas(plan)} {replicas}{tensor_parallel} "
         f"({counted(plan.num_devices, 'device')})"
     )
+
+
+def fmt_ranks(stage) -> str:
+    """A stage's ranks in a table cell: '0,1,2', '0..7', or with tensor parallelism its
+    replicas' groups '0-1,2-3' ('0-3,4-7..12-15' beyond four)."""
+    t = stage.tensor_parallel
+    if t == 1:
+        return ",".join(map(str, stage.ranks)) if len(stage.ranks) <= 4 else f"{stage.ranks[0]}..{stage.ranks[-1]}"
+    blocks = [f"{stage.ranks[j * t]}-{stage.ranks[j * t + t - 1]}" for j in range(stage.num_replicas)]
+    return ",".join(blocks) if len(blocks) <= 4 else f"{blocks[0]},{blocks[1]}..{blocks[-1]}"
 
 
 def fmt_microbatches(plan) -> str:

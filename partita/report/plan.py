@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from partita.report.format import fmt_bytes, fmt_layout, fmt_microbatches, fmt_seconds, fmt_sharding, table
+from partita.report.format import (
+    fmt_bytes,
+    fmt_layout,
+    fmt_microbatches,
+    fmt_ranks,
+    fmt_seconds,
+    fmt_sharding,
+    table,
+)
 from partita.types import Plan
 from partita.units import counted
 
@@ -13,7 +21,9 @@ def plan_text(
     plan: Plan, *, baselines: Mapping[str, Plan | None] = (), baseline_reasons: Mapping[str, str] = ()
 ) -> str:
     """Stages (modules, ranks, params, sharding, memory vs limit, times, cut bytes), the memory of
-    each rank group's devices by kind, then the step figures, with each plan's layout.
+    each rank group's devices by kind, then the step figures, with each plan's layout. The
+    header names the tensor-parallel degree; a stage's params, memory and cut bytes are then one
+    device's of its group, and its times include the group's all-reduces.
 
     ``baseline_reasons`` (``PlanningResult.baseline_reasons``) tells a baseline that cannot make the
     plan's stage count ("fits: n/a", with the reason below the table) from one that does not fit
@@ -30,7 +40,7 @@ def plan_text(
         (
             s.index,
             s.module_range,
-            ",".join(map(str, s.ranks)) if len(s.ranks) <= 4 else f"{s.ranks[0]}..{s.ranks[-1]}",
+            fmt_ranks(s),
             fmt_bytes(s.param_bytes),
             fmt_sharding(s.sharding) if s.num_replicas > 1 else "-",
             f"{fmt_bytes(s.memory_bytes)} / {fmt_bytes(limit)}",
@@ -107,11 +117,13 @@ def _memory_lines(plan: Plan) -> list[str]:
 
 
 def _layout(p: Plan) -> str:
-    """'2x4 grads+opt': rank groups x replicas, and the sharding levels of replicated stages."""
+    """'2x4 tp2 grads+opt': rank groups x replicas, the tensor-parallel degree (when above 1), and
+    the sharding levels of replicated stages."""
     levels = sorted({fmt_sharding(s.sharding) for s in p.stages if s.num_replicas > 1})
     counts = "+".join(str(s.num_replicas) for s in p.stages[: p.num_rank_groups]) if not p.uniform_replicas else None
     shape = f"{p.num_rank_groups}x{counts or p.stages[0].num_replicas}"
-    return " ".join([shape, "/".join(levels)]) if levels else shape
+    parts = [shape, *([f"tp{p.tensor_parallel}"] if p.tensor_parallel > 1 else []), "/".join(levels)]
+    return " ".join(part for part in parts if part)
 
 
 def _summary_row(

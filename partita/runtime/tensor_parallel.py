@@ -300,9 +300,7 @@ def start_tensor_parallel(
     return tp
 
 
-def program_layouts(
-    tp: TensorParallel, graph: OpGraph, all_stages: Sequence[StageModule]
-) -> TensorParallel:
+def program_layouts(tp: TensorParallel, graph: OpGraph, all_stages: Sequence[StageModule]) -> TensorParallel:
     """The TensorParallel of a program's stages (the planned graph after its loss rewriting, or a
     variant captured at other shapes), which must split the weights as the planned stages do."""
     found = stage_analyses(graph, all_stages, tp.degree)

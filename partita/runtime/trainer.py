@@ -60,6 +60,11 @@ sharded over its replicas runs as an FSDP2 module, ZeRO-2-like or ZeRO-3 (shardi
 exact in the same sense as above: fp32 sharding equals unsplit training up to summation order,
 bf16 equals the unsplit model under the same autocast policy up to bf16 rounding.
 
+Tensor parallelism (``Plan.tensor_parallel = t``): each replica of a stage is a group of ``t``
+ranks that split its matmuls, embedding and LM head + loss (tensor_parallel.py); the ranks of one
+index in their groups run ``local_plan`` (``trainer.plan``; ``trainer.full_plan`` is the whole
+one) and meet only inside the stages. Exact as above: loss and parameters equal unsplit training.
+
 Gradient accumulation (``accumulation_steps=K``): a step takes ``K * plan.global_batch_size``
 samples, runs K pipeline rounds of ``plan.global_batch_size`` each, gradients accumulating, and
 steps the optimizer once: the same update as unsplit training on all the samples (the loss's

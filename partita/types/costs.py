@@ -54,6 +54,10 @@ class CostTable:
     # How measured costs were scaled to whole-graph timings (profiler only; empty when analytic):
     # forward_scale, backward_scale, whole_forward_s, whole_step_s, repeats, warmup, num_threads.
     calibration: Mapping[str, float] = field(default_factory=dict)
+    # The tensor-parallel degree t its costs are for: with t > 1 every array is ONE device's of a
+    # group of t that splits the graph (``partita.cost.tensor_parallel``): its share of the work
+    # and bytes, its parameter shards, and the group's all-reduces in forward_s and backward_s.
+    tensor_parallel: int = 1
 
     @property
     def num_nodes(self) -> int:

@@ -40,10 +40,16 @@ class MemoryBreakdown:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage: a contiguous range of nodes run by ``len(ranks)`` replicas.
+    """One pipeline stage: a contiguous range of nodes run by ``num_replicas`` data-parallel
+    replicas, each a tensor-parallel group of ``tensor_parallel`` devices.
 
-    With interleaved or V schedules there are more stages than rank groups: stage ``k`` runs on
-    the ranks of ``rank_group``, which also run other stages.
+    ``ranks`` holds every device of the stage, replica-major: replica ``j`` runs on
+    ``ranks[j * t:(j + 1) * t]`` (``t = tensor_parallel``), a block of consecutive ranks that
+    starts at a multiple of ``t`` and lies in one node; its ``t`` devices split the parameters
+    of the plan's tensor-parallel layout. Device ``i`` of every replica (its tensor-parallel
+    index) forms the stage's data-parallel group ``ranks[i::t]``. With interleaved or V
+    schedules there are more stages than rank groups: stage ``k`` runs on the ranks of
+    ``rank_group``, which also run other stages.
     """
 
     index: int
@@ -52,22 +58,30 @@ class StagePlan:
     first_node: str  # FX node names, so that a human (and Plan.load) can check the range
     last_node: str
     module_range: str  # "transformer.h.0 .. transformer.h.5": where the stage starts and ends
-    ranks: tuple[int, ...]  # global ranks holding a replica of this stage
+    ranks: tuple[int, ...]  # global ranks running this stage, replica-major (see above)
     rank_group: int  # index of the group of ranks (pipeline position) that runs this stage
     recompute: bool  # activation recomputation for this stage
     forward_s: float  # predicted, per micro-batch per replica
     backward_s: float  # predicted, per micro-batch per replica
     memory_bytes: int  # predicted peak per device of this stage's rank group
-    param_bytes: int
+    param_bytes: int  # parameter bytes one device holds: tensor-parallel shards (manual plans: the whole stage's)
     cut_bytes: int  # bytes sent to the next stage per micro-batch, in the plan's precision (0 for the last stage)
     # how the stage's replicas share parameters, gradients and optimizer state (replicate for one replica)
     sharding: Sharding = Sharding.REPLICATE
     # memory_bytes by kind (None: plans made without costs, and older plan files)
     memory_breakdown: MemoryBreakdown | None = None
+    # devices of one replica, splitting its matmuls (1: none; older plan files)
+    tensor_parallel: int = 1
 
     @property
     def num_replicas(self) -> int:
-        return len(self.ranks)
+        """Data-parallel replicas: tensor-parallel groups of ``tensor_parallel`` ranks."""
+        return len(self.ranks) // self.tensor_parallel
+
+    def replica_ranks(self, replica: int) -> tuple[int, ...]:
+        """The ranks of replica ``replica``: its tensor-parallel group."""
+        t = self.tensor_parallel
+        return self.ranks[replica * t : (replica + 1) * t]
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,11 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The tensor-parallel degree, the same for every stage (1: none)."""
+        return self.stages[0].tensor_parallel
 
     @property
     def num_rank_groups(self) -> int:

@@ -36,8 +36,9 @@ _STAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "param_bytes": int,
     "cut_bytes": int,
 }
-# Absent in files of earlier versions: they load as replicate, without a breakdown.
-_OPTIONAL_STAGE_FIELDS = ("sharding", "memory_breakdown")
+# Absent in files of earlier versions: they load as replicate, without a breakdown, without
+# tensor parallelism.
+_OPTIONAL_STAGE_FIELDS = ("sharding", "memory_breakdown", "tensor_parallel")
 _BREAKDOWN_FIELDS: dict[str, type] = {f.name: int for f in dataclasses.fields(MemoryBreakdown)}
 _PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
     "schema_version": int,
@@ -88,6 +89,7 @@ def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
         **{k: getattr(stage, k) for k in _STAGE_FIELDS if k != "ranks"},
         "ranks": list(stage.ranks),
         "sharding": stage.sharding.value,
+        "tensor_parallel": stage.tensor_parallel,
         "memory_breakdown": None if breakdown is None else {k: getattr(breakdown, k) for k in _BREAKDOWN_FIELDS},
     }
 
@@ -204,6 +206,15 @@ def _stage_from_dict(data: Any, k: int, source: str) -> StagePlan:
     values["forward_s"], values["backward_s"] = float(data["forward_s"]), float(data["backward_s"])
     values["sharding"] = _choice(Sharding, data.get("sharding", Sharding.REPLICATE.value), f"{where}.sharding", source)
     values["memory_breakdown"] = _breakdown(data.get("memory_breakdown"), f"{where}.memory_breakdown", source)
+    degree = data.get("tensor_parallel", 1)
+    if type(degree) is not int or degree < 1:
+        raise PlanFileError(f"{source}: {where}.tensor_parallel is {degree!r}, expected an integer >= 1")
+    if len(ranks) % degree:
+        raise PlanFileError(
+            f"{source}: {where} has {len(ranks)} ranks, which do not split into tensor-parallel groups of "
+            f"{degree}: a stage holds whole groups (replicas x tensor_parallel ranks)"
+        )
+    values["tensor_parallel"] = degree
     return StagePlan(**values)
 
 
@@ -270,6 +281,7 @@ def check_plan_consistency(plan: Plan, source: str = "plan") -> None:
                 "stages must be contiguous, without gaps or overlaps"
             )
     _check_rank_groups(plan, source)
+    _check_tensor_parallel(plan, source)
     _check_sharding(plan, source)
     recomputed = [k for k, s in enumerate(stages) if s.recompute]
     if plan.schedule is Schedule.ZBV and recomputed and plan.method != "manual":
@@ -303,6 +315,29 @@ def _check_rank_groups(plan: Plan, source: str) -> None:
                 )
     if sorted(groups) != list(range(len(groups))):
         raise PlanFileError(f"{source}: rank groups are {sorted(groups)}, expected 0..{len(groups) - 1}")
+
+
+def _check_tensor_parallel(plan: Plan, source: str) -> None:
+    """One degree for the whole plan (the runtime pipelines each tensor-parallel index on its own),
+    and every replica's group a block of consecutive ranks that starts at a multiple of the degree
+    and lies in one node (its all-reduces run on the intra-node link)."""
+    t = plan.stages[0].tensor_parallel
+    for k, s in enumerate(plan.stages):
+        if s.tensor_parallel != t:
+            raise PlanFileError(
+                f"{source}: stages[{k}].tensor_parallel is {s.tensor_parallel} but stages[0]'s is {t}: every stage "
+                "of a plan has the same tensor-parallel degree"
+            )
+        for j in range(s.num_replicas):
+            block = s.replica_ranks(j)
+            aligned = block[0] % t == 0 and block == tuple(range(block[0], block[0] + t))
+            nodes = {r // plan.cluster.devices_per_node for r in block}
+            if not aligned or len(nodes) > 1:
+                raise PlanFileError(
+                    f"{source}: stages[{k}] replica {j} runs on ranks {list(block)}, which is not a tensor-parallel "
+                    f"group of {t}: each replica's ranks are {t} consecutive ranks starting at a multiple of {t}, "
+                    "in one node"
+                )
 
 
 def _check_sharding(plan: Plan, source: str) -> None:

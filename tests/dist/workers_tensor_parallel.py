@@ -41,7 +41,10 @@ def _step(trainer, batch: tuple) -> float:
 def _shorter(batch: tuple) -> tuple:
     """The batch cut to half its sequence length."""
     args, kwargs, target = batch
-    half = {k: v[:, : v.shape[1] // 2].contiguous() if isinstance(v, torch.Tensor) and v.dim() > 1 else v for k, v in kwargs.items()}
+    half = {
+        k: v[:, : v.shape[1] // 2].contiguous() if isinstance(v, torch.Tensor) and v.dim() > 1 else v
+        for k, v in kwargs.items()
+    }
     return args, half, target
 
 
@@ -81,7 +84,14 @@ def job_tp(params: dict) -> dict:
         # without tensor parallelism (its replicas on the same ranks)
         for kind, degree in (("loaded_tp", config["tensor_parallel"]), ("loaded_other", 1)):
             case.reset()
-            other = _plan(case, {**config, "tensor_parallel": degree, "replicas": config["replicas"] * config["tensor_parallel"] // degree})
+            other = _plan(
+                case,
+                {
+                    **config,
+                    "tensor_parallel": degree,
+                    "replicas": config["replicas"] * config["tensor_parallel"] // degree,
+                },
+            )
             fresh = partita.Trainer(case.model, other, optimizer=adamw, graph=case.graph, max_grad_norm=MAX_GRAD_NORM)
             fresh.load_checkpoint(str(checkpoint))
             reloaded = fresh.gather_state_dict()

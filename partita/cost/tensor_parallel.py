@@ -1,0 +1,138 @@
+"""Costs of one device of a tensor-parallel group: a CostTable for degree ``t`` from one for degree 1.
+
+A ``TensorParallelLayout`` (``partita.types.tensor_parallel``, found on the graph by
+``partita.capturing.tensor_parallel``) says which nodes a group of ``t`` devices splits and which
+all-reduces that costs. Each device of the group then runs, per micro-batch:
+
+    time      a node of ``sharded_nodes`` (its work splits): forward_s, backward_s and
+              backward_weight_s / t;
+              plus, after node n's forward, the ring all-reduce of ``forward_reductions[n]``
+              elements over the group (in forward_s[n]), and in its backward the all-reduce of
+              ``backward_reductions[n]`` elements (in backward_s[n], the input-gradient part:
+              backward_weight_s is unchanged). A ring all-reduce of b bytes over t devices of one
+              node takes 2 (t - 1) α + 2 (t - 1)/t · b / β on the intra-node link
+              (``partita.cost.comm``).
+    bytes     the values of sharded nodes are 1/t of their size: a device holds one part of each
+              (``partita.cost.table``'s ``shards``), except the outputs the group all-reduces in the
+              forward, whole again (``split_values``). Output bytes and cut bytes follow (a split
+              value crosses a stage boundary as one part per device: tensor-parallel index i of a
+              stage sends to index i of the next), and so do the activation bytes kept, per
+              storage root: a replicated value a split node keeps (the input of a
+              column-parallel matmul) keeps its whole size.
+    params    a parameter of ``layout.params`` holds 1/t of its bytes on each device; its
+              gradient and optimizer state follow in the memory model (``partita.cost.memory``).
+
+Every device of the group runs the same work, so one table describes each of them. Reduction
+counts are elements at the graph's example batch size; they are activations (the output of a
+row-parallel matmul, the input gradient of column-parallel ones, three values per row of a
+vocab-parallel loss), so they scale with the micro-batch, and move in the compute dtype (2 bytes
+under bf16, 4 under fp32). Measured activation bytes (the profiler's) are scaled node by node by
+the modelled bytes with the split over those without.
+
+The division of times is the roofline's: a node's work, its fixed per-kernel overhead included,
+splits evenly; smaller matmuls reaching a lower share of the peak is not modelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from partita.cost import comm
+from partita.cost.table import activation_bytes, cut_bytes, output_bytes
+from partita.errors import InputError
+from partita.types import Cluster, CostTable, OpGraph, Precision
+from partita.types.tensor_parallel import TensorParallelLayout
+
+__all__ = ["reduction_times_s", "split_values", "tensor_parallel_costs"]
+
+
+def tensor_parallel_costs(
+    costs: CostTable, graph: OpGraph, layout: TensorParallelLayout, cluster: Cluster
+) -> CostTable:
+    """``costs`` (degree 1, of ``graph``) as one device of a group of ``layout.degree`` devices
+    (module docstring); the same table for degree 1 or a trivial layout. The all-reduces run on
+    ``cluster``'s intra-node link: a group never spans nodes. InputError when the layout names
+    nodes or parameters ``graph`` lacks (a layout found on another graph)."""
+    t = layout.degree
+    if t == 1 or layout.is_trivial:
+        return costs
+    if costs.tensor_parallel != 1:
+        raise InputError(
+            f"the cost table is for tensor-parallel degree {costs.tensor_parallel} already: pass degree 1's"
+        )
+    position = _positions(graph, layout, costs.param_names)
+    split = np.zeros(graph.num_nodes, dtype=bool)
+    split[[position[name] for name in layout.sharded_nodes if name in position]] = True
+    shards = np.where(split, t, 1)  # the work
+    parts = np.where(split_values(graph, layout), t, 1)  # the values
+    forward_ar, backward_ar = reduction_times_s(costs, graph, layout, cluster)
+    b, precision = costs.microbatch_size, Precision.parse(costs.precision)
+    held = activation_bytes(graph, b, precision, parts)
+    if costs.source != "analytic":  # measured: scaled by the modelled share, node by node
+        whole = np.asarray(activation_bytes(graph, b, precision), dtype=np.float64)
+        kept = np.asarray(costs.activation_bytes, dtype=np.float64)
+        ratio = np.divide(held, whole, out=1.0 / parts, where=whole > 0)
+        held = np.where(whole > 0, np.round(kept * ratio), np.ceil(kept * ratio)).astype(np.int64)
+    split_params = np.array([name in layout.params for name in costs.param_names], dtype=bool)
+    param_bytes = np.asarray(costs.param_bytes, dtype=np.int64)
+    return dataclasses.replace(
+        costs,
+        forward_s=np.asarray(costs.forward_s) / shards + forward_ar,
+        backward_s=np.asarray(costs.backward_s) / shards + backward_ar,
+        backward_weight_s=np.asarray(costs.backward_weight_s) / shards,
+        activation_bytes=held,
+        output_bytes=output_bytes(graph, b, precision, parts),
+        cut_bytes=cut_bytes(graph, b, precision, parts),
+        param_bytes=np.where(split_params, -(-param_bytes // t), param_bytes),
+        tensor_parallel=t,
+    )
+
+
+def split_values(graph: OpGraph, layout: TensorParallelLayout) -> np.ndarray:
+    """bool[n]: whether each device holds only a part of node n's value: the nodes of
+    ``sharded_nodes`` except those whose output the group all-reduces in the forward
+    (``forward_reductions``: a row-parallel matmul's or a vocab-parallel embedding's output is
+    whole again, though their work is split)."""
+    return np.array(
+        [n.name in layout.sharded_nodes and n.name not in layout.forward_reductions for n in graph.nodes], dtype=bool
+    )
+
+
+def reduction_times_s(
+    costs: CostTable, graph: OpGraph, layout: TensorParallelLayout, cluster: Cluster
+) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds per node of the group's all-reduces at ``costs``' micro-batch
+    size and precision (float64[n] each; 0 where a node reduces nothing)."""
+    position = _positions(graph, layout, costs.param_names)
+    itemsize = 2 if Precision.parse(costs.precision) is Precision.BF16 else 4
+    scale = costs.microbatch_size / graph.batch_size
+    latency_s, per_byte_s = comm.ring_pass_coefficients(layout.degree, cluster, spans_nodes=False)
+    times = []
+    for reductions in (layout.forward_reductions, layout.backward_reductions):
+        seconds = np.zeros(graph.num_nodes)
+        for name, elements in reductions.items():
+            if name in position:
+                seconds[position[name]] += 2 * (latency_s + per_byte_s * elements * scale * itemsize)
+        times.append(seconds)
+    return times[0], times[1]
+
+
+def _positions(graph: OpGraph, layout: TensorParallelLayout, param_names: tuple[str, ...]) -> dict[str, int]:
+    """Node name -> position, for the operations the layout names. It may also name the graph's
+    inputs (the batch: the input gradient of a column-parallel matmul that reads one is never
+    computed, so its all-reduce never runs) and parameters' get_attr nodes, which cost nothing;
+    InputError for any other name."""
+    position = {n.name: n.index for n in graph.nodes}
+    free = {i.name for i in graph.inputs} | set(graph.attr_to_param)
+    nodes = set(layout.sharded_nodes) | set(layout.forward_reductions) | set(layout.backward_reductions)
+    missing = sorted(nodes - set(position) - free)
+    unknown = sorted(set(layout.params) - set(param_names))
+    if missing or unknown:
+        what = f"nodes {missing[:3]}" if missing else f"parameters {unknown[:3]}"
+        raise InputError(
+            f"the tensor-parallel layout names {what} that the graph does not have: it was found on another "
+            "graph; find the layout on this one (partita.capturing.tensor_parallel.find_layout)"
+        )
+    return position
