@@ -66,8 +66,7 @@ def plan_model(name: str, args, work: Path, pins: dict[str, dict] = PINS) -> dic
     """partita's plans of one model, one per entry of ``pins`` (PlanOptions pinned; saved under
     ``work``), with their predictions."""
     import partita
-    from partita.planning.context import planning_context
-    from partita.planning.driver import best_plan
+    from partita.errors import InfeasiblePlanError
 
     torch.set_num_threads(1)  # the profile must see what one rank with one thread sees
     ex = build_example(name, args.global_batch)
@@ -78,11 +77,11 @@ def plan_model(name: str, args, work: Path, pins: dict[str, dict] = PINS) -> dic
     out = {"name": name, "num_parameters": graph.num_parameters, "plans": {}}
     for label, pin in pins.items():
         options = partita.PlanOptions(costs="measured", cache_dir=args.cache_dir, **pin)
-        ctx = planning_context(
-            graph, ex.args, ex.kwargs, cluster=cluster, global_batch_size=args.global_batch, options=options
-        )
-        p = best_plan(ctx)
-        if p is None:
+        try:  # partita.plan: the tensor-parallel degree searched (or pinned) as well
+            p = partita.plan(
+                graph, ex.args, ex.kwargs, cluster=cluster, global_batch_size=args.global_batch, options=options
+            )
+        except InfeasiblePlanError:
             out["plans"][label] = None
             continue
         path = work / f"{name}.{label.replace(' ', '_').replace(',', '')}.json"

@@ -63,7 +63,7 @@ def plan(
         options=options,
         batch_dims=batch_dims,
     )
-    return _best_or_raise(degree_contexts(ctx, options.tensor_parallel))[0]
+    return _best_or_raise(degree_contexts(ctx, options.tensor_parallel, uneven=options.uniform_replicas is False))[0]
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def plan_with_baselines(
         options=options,
         batch_dims=batch_dims,
     )
-    best, chosen = _best_or_raise(degree_contexts(ctx, options.tensor_parallel))
+    best, chosen = _best_or_raise(degree_contexts(ctx, options.tensor_parallel, uneven=options.uniform_replicas is False))
     baselines, reasons = baseline_outcomes(chosen, best)
     return PlanningResult(best, baselines, chosen, reasons)
 

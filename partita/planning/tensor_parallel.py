@@ -115,10 +115,19 @@ def find_layout(graph: OpGraph, degree: int) -> TensorParallelLayout:
     return rules(graph, degree)
 
 
-def degree_contexts(ctx: PlanningContext, pinned: int | None) -> list[PlanningContext]:
+def degree_contexts(ctx: PlanningContext, pinned: int | None, *, uneven: bool | None = None) -> list[PlanningContext]:
     """The contexts to search, one per degree: ``ctx`` (degree 1, from ``planning_context``) and
     one per degree whose layout splits something (``with_layout``), smallest degree first;
-    ``pinned``: only that degree. InputError when the pinned degree splits nothing."""
+    ``pinned``: only that degree. ``uneven``: the user's ``uniform_replicas`` is False (per-stage
+    replica counts asked for, which tensor-parallel meshes cannot give: degree 1 only). InputError
+    when the pinned degree splits nothing, or is above 1 while per-stage counts are asked for."""
+    if uneven and pinned is not None and pinned > 1:
+        raise InputError(
+            f"tensor_parallel={pinned} runs on pp x dp x tp meshes (one replica count for every stage), but "
+            "uniform_replicas=False asks for per-stage replica counts: drop one of the two"
+        )
+    if uneven:
+        pinned = 1
     if pinned is not None:
         degrees = [pinned]
     else:
@@ -139,9 +148,12 @@ def degree_contexts(ctx: PlanningContext, pinned: int | None) -> list[PlanningCo
 def with_layout(ctx: PlanningContext, layout: TensorParallelLayout) -> PlanningContext:
     """``ctx`` (degree 1) searched at ``layout.degree``: per-device costs of a group, the search
     over ``N / t`` groups, the chain without the boundaries inside a split region
-    (``split_crossings``), the degree-1 context kept as ``unsharded``."""
+    (``split_crossings``), uniform replica counts, the degree-1 context kept as ``unsharded``."""
     degree, graph, cluster, costs_at = layout.degree, ctx.graph, ctx.cluster, ctx.costs_at
-    options = dataclasses.replace(ctx.options, num_devices=ctx.options.num_devices // degree, tensor_parallel=degree)
+    # the runtime runs tensor parallelism on pp x dp x tp meshes: one replica count for every stage
+    options = dataclasses.replace(
+        ctx.options, num_devices=ctx.options.num_devices // degree, tensor_parallel=degree, uniform_replicas=True
+    )
     shared = functools.lru_cache(maxsize=None)(lambda b: tensor_parallel_costs(costs_at(b), graph, layout, cluster))
     chain = np.asarray(ctx.chain)
     chain = chain[~split_crossings(graph, layout)[chain]]
