@@ -26,11 +26,16 @@ def restart_count() -> int:
         ) from None
 
 
-def launch_local(module_argv: Sequence[str], *, nproc: int, max_restarts: int = 0) -> None:
+def launch_local(
+    module_argv: Sequence[str], *, nproc: int, max_restarts: int = 0, rendezvous: Sequence[str] | None = None
+) -> None:
     """Run ``python -m partita.cli <module_argv>`` in ``nproc`` processes on this machine
     (``torchrun --standalone``), restarting all of them up to ``max_restarts`` times when one
     fails (torchrun's elastic restart; the restarted processes resume from the latest complete
     checkpoint, see train_loop.py). Raises ChildFailedError with the failing rank's error.
+
+    ``rendezvous``: torchrun's options for one node of a multi-node job (``--nnodes``,
+    ``--rdzv-backend``, ``--rdzv-endpoint``, ...), in place of ``--standalone``.
     """
     from torch.distributed.run import parse_args, run
 
@@ -47,7 +52,7 @@ def launch_local(module_argv: Sequence[str], *, nproc: int, max_restarts: int = 
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = parse_args(
         [
-            "--standalone",
+            *(["--standalone"] if rendezvous is None else rendezvous),
             f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}",
             "--monitor-interval=0.5",

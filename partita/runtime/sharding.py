@@ -40,7 +40,7 @@ from partita.errors import InputError
 from partita.runtime.data_parallel import Topology, new_group
 from partita.runtime.pipeline import StageRunner
 from partita.runtime.precision import Compute
-from partita.runtime.stages import StageModule, state_of
+from partita.runtime.stages import StageModule
 from partita.types import Plan, Schedule, Sharding
 
 __all__ = [
@@ -114,9 +114,8 @@ def gathered_for(
     for runner in runners.values():
         runner.unshard()
     try:
-        whole = state_of(planned)
-        for stage in stages:
-            stage.rebind(whole)
+        for stage, held in zip(stages, planned, strict=True):  # per stage: a tied weight may differ
+            stage.rebind(held.state_tensors())
         yield
     finally:
         for runner in runners.values():

@@ -17,7 +17,7 @@ nothing else); InputError otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 
 from partita.capturing import exported_call_inputs
 from partita.errors import InputError
-from partita.runtime.stages import StageModule, split_graph, state_of
+from partita.runtime.stages import StageModule, split_graph
 from partita.runtime.uneven import check_uneven_boundaries
 from partita.types import OpGraph, Plan
 
@@ -133,10 +133,12 @@ def check_same_tensors(planned: Sequence[StageModule], variant: Sequence[StageMo
             )
 
 
-def rebind(stages: Sequence[StageModule], tensors: Mapping[str, torch.Tensor]) -> None:
-    """Make the stages read ``tensors`` (canonical name -> the planned stages' tensor)."""
-    for stage in stages:
-        stage.rebind(tensors)
+def rebind(stages: Sequence[StageModule], planned_stages: Sequence[StageModule]) -> None:
+    """Make each stage read what the planned stage of its index holds: a weight two stages read
+    (tied embeddings) may be a different tensor in each (a tensor-parallel part in one, whole in
+    the other, on a rank that runs only one of them)."""
+    for stage, planned in zip(stages, planned_stages, strict=True):
+        stage.rebind(planned.state_tensors())
 
 
 def variant_stages(
@@ -156,7 +158,7 @@ def variant_stages(
     if device.type != "cpu":  # what the stages hold besides the planned tensors (lifted constants)
         for stage in stages:
             stage.to(device)
-    rebind(stages, state_of(planned_stages))
+    rebind(stages, planned_stages)
     if not plan.uniform_replicas:
         check_uneven_boundaries(graph, plan, stages)
     return graph, stages

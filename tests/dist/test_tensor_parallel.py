@@ -18,6 +18,7 @@ WORKERS = Path(__file__).with_name("workers_tensor_parallel.py")
 TOLERANCE = 1e-5
 
 TWO_RANKS = [dict(label=m, model=m) for m in ("gpt2", "llama", "bert", "t5")]
+TWO_RANKS.append(dict(label="llama-meta", model="llama", meta=True))  # weights from a seed checkpoint
 FOUR_RANKS = [
     # the tied embedding and LM head on different stages, both split
     dict(label="gpt2-pp2", model="gpt2", num_stages=2, num_microbatches=2, schedule="1f1b"),
@@ -61,7 +62,7 @@ def _check(results: list, label: str) -> None:
     assert abs(mine["eval_short"] - mine["ref_eval_short"]) <= TOLERANCE, (mine["eval_short"], mine["ref_eval_short"])
 
 
-@pytest.mark.parametrize("label", [c["label"] for c in TWO_RANKS])
+@pytest.mark.parametrize("label", [c["label"] for c in TWO_RANKS if not c.get("meta")])
 def test_tensor_parallel_equals_unsplit_training(two, label):
     _check(two, label)
     mine = two[0][label]
@@ -78,3 +79,11 @@ def test_fused_qkv_and_tied_head_are_split(two):
 @pytest.mark.parametrize("label", [c["label"] for c in FOUR_RANKS])
 def test_tensor_parallel_with_pipelines_and_sharded_replicas(four, label):
     _check(four, label)
+
+
+def test_a_model_built_on_meta_takes_its_parts_from_a_seed_checkpoint(two):
+    mine = two[0]["llama-meta"]
+    assert mine["param"][0] <= TOLERANCE, mine["param"]
+    for got, want in zip(mine["losses"], mine["ref_losses"], strict=True):
+        assert abs(got - want) <= TOLERANCE, (mine["losses"], mine["ref_losses"])
+    assert mine["held"] < 0.75 * two[0]["llama"]["whole"]

@@ -48,6 +48,37 @@ def _shorter(batch: tuple) -> tuple:
     return args, half, target
 
 
+def _on_meta(config: dict, directory: Path, rank: int) -> dict:
+    """The model built on meta, each rank taking its parts of the weights from a seed checkpoint:
+    STEPS AdamW steps against unsplit training, and the elements each rank allocated."""
+    import torch.distributed as dist
+
+    import partita
+    from partita import examples
+    from partita.runtime.materialize import meta_copies, save_seed
+
+    case = Case(config["model"])
+    seed = directory / f"seed-{config['label']}"
+    if rank == 0:
+        save_seed(case.model, seed)
+    dist.barrier()
+    meta = examples.build(config["model"], batch_size=case.batch_size, seq_len=16, device="meta")
+    args, kwargs, target = case.batches[0]
+    graph = partita.capture(
+        meta.model, meta_copies(args), meta_copies(kwargs), loss_fn=case.loss_fn, target=meta_copies(target)
+    )
+    trainer = partita.Trainer(
+        meta.model, _plan(case, config), optimizer=adamw, graph=graph, init_from=str(seed), max_grad_norm=MAX_GRAD_NORM
+    )
+    result: dict[str, Any] = {"losses": [_step(trainer, case.batches[k]) for k in range(STEPS)]}
+    state = trainer.gather_state_dict()
+    result["held"] = sum(p.numel() for p in trainer.params.values())
+    if rank == 0:
+        ref_losses, ref_state = reference_run(case, adamw, STEPS, max_grad_norm=MAX_GRAD_NORM)
+        result.update(ref_losses=ref_losses, param=max_diff(state, ref_state))
+    return result
+
+
 def job_tp(params: dict) -> dict:
     """Each config: STEPS clipped AdamW steps; losses and parameters against unsplit training; the
     share of each parameter this rank holds; a checkpoint loaded into the plain model."""
@@ -59,6 +90,9 @@ def job_tp(params: dict) -> dict:
     for config in params["configs"]:
         label = config["label"]
         print(label, flush=True)
+        if config.get("meta"):
+            results[label] = _on_meta(config, Path(params["checkpoints"]), rank)
+            continue
         case = Case(config["model"])
         plan = _plan(case, config)
         trainer = partita.Trainer(case.model, plan, optimizer=adamw, graph=case.graph, max_grad_norm=MAX_GRAD_NORM)
