@@ -35,6 +35,7 @@ planner its ``TensorParallelLayout`` keyed by canonical parameter names.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,9 @@ _ELEMENTWISE = frozenset(
     "rsub reciprocal square tanh_ sigmoid_ silu_ maximum minimum".split()
 )
 _NEUTRAL = frozenset({"_assert_tensor_metadata"})
+_PADDED_OK = frozenset(
+    {"to", "_to_copy", "contiguous", "clone", "view", "reshape", "_unsafe_view", "cross_entropy_loss"}
+)
 WHOLE = object()  # a rule's answer: the output is whole (replicated) again
 
 
@@ -73,6 +77,10 @@ class Sharded:
     dim: int
     blocks: int
     origins: frozenset[str]
+    # the dim does not divide by the degree: each part is rounded up, the last one padded (an LM
+    # head over GPT-2's 50,257 tokens); only conversions, views that keep the dim and the
+    # vocab-parallel cross-entropy take such a value
+    padded: bool = False
 
 
 @dataclass
@@ -84,8 +92,9 @@ class TensorParallelAnalysis:
     ``kinds``: node -> "column", "row", "vocab_embedding" or "vocab_cross_entropy";
     ``copies``: replicated values read by column-parallel matmuls (their gradient is all-reduced);
     ``scatters``: (node, argument position) -> (dim, blocks): a replicated operand to slice;
-    ``resized``: node -> (argument position, element): the size argument to divide by the degree
-    (element None: the argument itself, e.g. a split size).
+    ``resized``: node -> (argument position, element): the size argument to divide by the degree,
+    rounded up (element None: the argument itself, e.g. a split size); ``vocab``: the classes of
+    each vocab-parallel cross-entropy (a padded last part ignores the columns past them).
     """
 
     degree: int
@@ -95,6 +104,7 @@ class TensorParallelAnalysis:
     copies: set[str] = field(default_factory=set)
     scatters: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     resized: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    vocab: dict[str, int] = field(default_factory=dict)  # vocab-parallel cross-entropy -> classes
 
 
 def find_layout(graph: OpGraph, degree: int) -> TensorParallelLayout:
@@ -174,6 +184,7 @@ class _Propagation:
         self.param_uses: dict[str, list[tuple[ParamShard | None, frozenset[str]]]] = {}
         self.errors: dict[str, str] = {}
         self.widths: dict[str, tuple[int, int]] = {}  # column matmul -> (output, input) features
+        self.vocab: dict[str, int] = {}  # vocab-parallel cross-entropy -> classes
         self.forward_reductions: dict[str, int] = {}
         self.backward_reductions: dict[str, int] = {}
 
@@ -215,7 +226,14 @@ class _Propagation:
         )
         states = {n.name: s for n, s in self.states.items()}
         return TensorParallelAnalysis(
-            self.t, layout, states, dict(self.kinds), set(self.copies), dict(self.scatters), dict(self.resized)
+            self.t,
+            layout,
+            states,
+            dict(self.kinds),
+            set(self.copies),
+            dict(self.scatters),
+            dict(self.resized),
+            dict(self.vocab),
         )
 
     def _fail(self, origins: frozenset[str], reason: str) -> None:
@@ -271,6 +289,8 @@ class _Propagation:
         origins = self._origins(sharded_inputs)
         if name in _NEUTRAL:
             return
+        if name not in _PADDED_OK and any(getattr(self._state(v), "padded", False) for v in sharded_inputs):
+            raise _Failure(origins, f"{node.name} ({node.target}) cannot take a padded split value")
         if name == "getitem":
             parts = self._state(node.args[0])
             self.states[node] = parts[node.args[1]] if isinstance(parts, tuple) else None
@@ -306,18 +326,20 @@ class _Propagation:
                 return True
             features = fx_read.shape(weight)[out_dim]
             blocks = fx_read.fused_blocks(node)
-            if features % (self.t * blocks):
+            padded = blocks == 1 and features % self.t != 0
+            if features % (self.t * blocks) and not padded:
                 self._fail(frozenset({node.name}), f"{features} output features do not divide by {self.t}x{blocks}")
             origins = frozenset({node.name})
-            self._use_param(weight, ParamShard(out_dim, blocks), origins)
-            self._use_param(bias, ParamShard(0, blocks), origins)
+            whole = features if padded else 0
+            self._use_param(weight, ParamShard(out_dim, blocks, whole), origins)
+            self._use_param(bias, ParamShard(0, blocks, whole), origins)
             self.kinds[node.name] = "column"
             self.widths[node.name] = (features, fx_read.shape(weight)[1 - out_dim])
             self.copies.add(x.name)
             self.backward_reductions[x.name] = fx_read.numel(x)
-            self.states[node] = Sharded(len(fx_read.shape(node)) - 1, blocks, origins)
+            self.states[node] = Sharded(len(fx_read.shape(node)) - 1, blocks, origins, padded)
             return True
-        if xs.dim != len(fx_read.shape(x)) - 1 or not fx_read.is_plain_matmul(node, name):
+        if xs.dim != len(fx_read.shape(x)) - 1 or xs.padded or not fx_read.is_plain_matmul(node, name):
             raise _Failure(xs.origins, f"{node.name} contracts a value split on another dim")
         self._use_param(weight, ParamShard(1 - out_dim, xs.blocks), xs.origins)
         self._use_param(bias, None, xs.origins)
@@ -330,15 +352,11 @@ class _Propagation:
         shape = fx_read.shape(weight) or ()
         if not self._is_param(weight) or len(shape) != 2 or self._state(ids) is not None:
             return False
-        if (
-            node.name in self.rejected
-            or shape[0] < VOCAB_ROWS_PER_COLUMN * shape[1]
-            or shape[1] < VOCAB_MIN_COLUMNS
-            or shape[0] % self.t
-        ):
+        if node.name in self.rejected or shape[0] < VOCAB_ROWS_PER_COLUMN * shape[1] or shape[1] < VOCAB_MIN_COLUMNS:
             self._use_param(weight, None, frozenset())
             return True
-        self._use_param(weight, ParamShard(0), frozenset({node.name}))
+        whole = shape[0] if shape[0] % self.t else 0  # rows rounded up per part, the last one padded
+        self._use_param(weight, ParamShard(0, 1, whole), frozenset({node.name}))
         self.kinds[node.name] = "vocab_embedding"
         self.forward_reductions[node.name] = fx_read.numel(node)
         return True
@@ -354,7 +372,7 @@ class _Propagation:
                 aligned = s.dim + len(out) - len(fx_read.shape(v))
                 if placed is not None and (placed.dim, placed.blocks) != (aligned, s.blocks):
                     return None
-                placed = Sharded(aligned, s.blocks, (placed.origins if placed else frozenset()) | s.origins)
+                placed = Sharded(aligned, s.blocks, (placed.origins if placed else frozenset()) | s.origins, s.padded)
         for position, v in fx_read.tensor_positions(node):
             if self._state(v) is not None:
                 continue
@@ -400,10 +418,10 @@ class _Propagation:
         dim = fx_read.mapped_dim(before, after, s.dim)
         if dim is None:
             return None
-        if after[dim] != before[s.dim] and (s.blocks != 1 or after[dim] % self.t):
+        if after[dim] != before[s.dim] and (s.blocks != 1 or after[dim] % self.t or s.padded):
             return None
         self._resize(node, node.args[1], dim)
-        return Sharded(dim, s.blocks, s.origins)
+        return dataclasses.replace(s, dim=dim)
 
     def _resize(self, node: torch.fx.Node, sizes: Any, dim: int) -> None:
         """The size argument names the whole dim: the rewrite divides it (-1 and symbols are left)."""
@@ -555,6 +573,7 @@ class _Propagation:
         if narrow:  # a classifier's few classes: nothing worth splitting
             raise _Failure(narrow, f"{node.name}: {self.widths[narrow[0]][0]} classes are too few to split")
         self.kinds[node.name] = "vocab_cross_entropy"
+        self.vocab[node.name] = fx_read.shape(logits)[1]
         self.forward_reductions[node.name] = 3 * fx_read.shape(logits)[0]
         return WHOLE
 

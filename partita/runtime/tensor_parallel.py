@@ -125,6 +125,14 @@ def _analyze_stage(graph: OpGraph, stage: StageModule, degree: int, whole: set[s
 def local_part(tensor: torch.Tensor, shard: ParamShard, index: int, degree: int) -> torch.Tensor:
     """Part ``index`` of ``degree`` of ``tensor`` as ``shard`` splits it (a new contiguous tensor)."""
     d, k = shard.dim, shard.blocks
+    if shard.whole:  # does not divide: parts rounded up, the last one padded with zeros
+        size = -(-shard.whole // degree)
+        pad = [0, 0] * (tensor.dim() - 1 - d) + [0, size * degree - shard.whole]
+        return (
+            torch.nn.functional.pad(tensor, pad)
+            .narrow(d, index * size, size)
+            .clone(memory_format=torch.contiguous_format)
+        )
     per_block = tensor.shape[d] // k
     size = per_block // degree
     blocks = tensor.unflatten(d, (k, per_block))
@@ -134,6 +142,8 @@ def local_part(tensor: torch.Tensor, shard: ParamShard, index: int, degree: int)
 def whole_from_parts(parts: Sequence[torch.Tensor], shard: ParamShard) -> torch.Tensor:
     """The inverse of ``local_part`` over all the group's parts, in index order."""
     d, k = shard.dim, shard.blocks
+    if shard.whole:
+        return torch.cat(list(parts), dim=d).narrow(d, 0, shard.whole)
     split = [p.unflatten(d, (k, p.shape[d] // k)) for p in parts]
     return torch.cat(split, dim=d + 1).flatten(d, d + 1)
 
@@ -188,9 +198,14 @@ def embedding(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int, key: in
     return ops.vocab_parallel_embedding(weight, ids, start, padding_idx, group)
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int, key: int) -> Any:
+def cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int, classes: int, key: int
+) -> Any:
     group = _GROUPS[key]
     start = dist.get_rank(group) * logits.shape[-1] if logits.device.type != "meta" else 0
+    held = min(logits.shape[-1], max(classes - start, 0))  # a padded last part: the real columns only
+    if held < logits.shape[-1]:
+        logits = logits.narrow(-1, 0, held)
     return ops.vocab_parallel_cross_entropy(logits, target, start, reduction, ignore_index, group)
 
 
@@ -231,7 +246,8 @@ def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
             args = list(node.args) + [None] * (6 - len(node.args))
             reduction = args[3] if args[3] is not None else node.kwargs.get("reduction", 1)
             ignore = args[4] if args[4] is not None else node.kwargs.get("ignore_index", -100)
-            node.target, node.args, node.kwargs = cross_entropy, (args[0], args[1], reduction, ignore, key), {}
+            classes = analysis.vocab[name]
+            node.target, node.args, node.kwargs = cross_entropy, (args[0], args[1], reduction, ignore, classes, key), {}
     sharded = set(analysis.states)
     for node in list(g.nodes):  # shape assertions of split values would name the whole sizes
         if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_tensor_metadata.default":
@@ -274,10 +290,11 @@ def _set_operand(node: torch.fx.Node, position: int, value: Any) -> None:
 
 
 def _divided(value: Any, element: int | None, degree: int) -> Any:
+    """A size argument over the group: divided, rounded up (a padded last part)."""
     if element is None:
-        return value // degree if isinstance(value, int) else [v // degree for v in value]
+        return -(-value // degree) if isinstance(value, int) else [-(-v // degree) for v in value]
     sizes = list(value)
-    sizes[element] = sizes[element] // degree
+    sizes[element] = -(-sizes[element] // degree)
     return sizes
 
 

@@ -17,10 +17,13 @@ class ParamShard:
 
     ``dim`` is split; with ``blocks > 1`` it is ``blocks`` equal blocks (a fused QKV projection's
     query, key and value columns) and device ``r`` holds part ``r`` of every block, side by side.
+    ``whole``: the size of ``dim`` when it does not divide by the degree (a vocabulary of 50,257):
+    each part is rounded up and the last one padded with zeros (0: it divides).
     """
 
     dim: int
     blocks: int = 1
+    whole: int = 0
 
 
 @dataclass(frozen=True)

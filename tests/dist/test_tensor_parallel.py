@@ -19,6 +19,7 @@ TOLERANCE = 1e-5
 
 TWO_RANKS = [dict(label=m, model=m) for m in ("gpt2", "llama", "bert", "t5")]
 TWO_RANKS.append(dict(label="llama-meta", model="llama", meta=True))  # weights from a seed checkpoint
+TWO_RANKS.append(dict(label="gpt2-vocab-1023", model="gpt2", vocab=1023))  # the last part padded
 FOUR_RANKS = [
     # the tied embedding and LM head on different stages, both split
     dict(label="gpt2-pp2", model="gpt2", num_stages=2, num_microbatches=2, schedule="1f1b"),
@@ -62,7 +63,7 @@ def _check(results: list, label: str) -> None:
     assert abs(mine["eval_short"] - mine["ref_eval_short"]) <= TOLERANCE, (mine["eval_short"], mine["ref_eval_short"])
 
 
-@pytest.mark.parametrize("label", [c["label"] for c in TWO_RANKS if not c.get("meta")])
+@pytest.mark.parametrize("label", [c["label"] for c in TWO_RANKS if not c.get("meta") and not c.get("vocab")])
 def test_tensor_parallel_equals_unsplit_training(two, label):
     _check(two, label)
     mine = two[0][label]
@@ -87,3 +88,10 @@ def test_a_model_built_on_meta_takes_its_parts_from_a_seed_checkpoint(two):
     for got, want in zip(mine["losses"], mine["ref_losses"], strict=True):
         assert abs(got - want) <= TOLERANCE, (mine["losses"], mine["ref_losses"])
     assert mine["held"] < 0.75 * two[0]["llama"]["whole"]
+
+
+def test_a_vocabulary_that_does_not_divide_is_split_with_a_padded_last_part(two):
+    mine = two[0]["gpt2-vocab-1023"]
+    assert mine["padded"] == ["transformer.wte.weight"], mine["padded"]  # the tied embedding and LM head
+    got, want = mine["loss"]
+    assert abs(got - want) <= TOLERANCE and mine["grad"] <= TOLERANCE, mine

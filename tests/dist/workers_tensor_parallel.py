@@ -48,6 +48,56 @@ def _shorter(batch: tuple) -> tuple:
     return args, half, target
 
 
+def _odd_vocabulary(vocab: int, rank: int) -> dict:
+    """A tied GPT-2 whose vocabulary does not divide by the degree: one forward and backward of the
+    rewritten graph against the unsplit model (loss, the whole embedding's gradient)."""
+    import transformers
+
+    import partita
+    from partita.runtime import tensor_parallel as T
+    from partita.runtime.stages import flatten_inputs, split_graph
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=vocab,
+        n_positions=64,
+        use_cache=False,
+        loss_type="ForCausalLM",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, vocab, (4, 16), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    reference = copy.deepcopy(model)
+    ref_loss = reference(**batch).loss
+    ref_loss.backward()
+    graph = partita.capture(model, (), batch)
+    (stage,) = split_graph(graph, [0, graph.num_nodes])
+    import torch.distributed as dist
+
+    analyses = T.stage_analyses(graph, [stage], 2)
+    tp = T.TensorParallel(2, rank, dist.group.WORLD, analyses)
+    T.shard_parameters([stage], tp)
+    T.rewrite_stage(stage, tp)
+    loss = stage(*stage.graph_inputs(flatten_inputs(graph, (), batch, None)))
+    loss.backward()
+    shards = tp.shards()
+    padded = [name for name, shard in shards.items() if shard.whole]
+    held = stage.state_tensors()
+    grads = {name: T.gather_full(held[name].grad, shards[name], tp) for name in sorted(shards)}
+    reference_grads = dict(reference.named_parameters())
+    return {
+        "padded": padded,
+        "loss": (float(loss), float(ref_loss)),
+        "grad": max((grads[n] - reference_grads[n].grad).abs().max().item() for n in grads),
+    }
+
+
 def _on_meta(config: dict, directory: Path, rank: int) -> dict:
     """The model built on meta, each rank taking its parts of the weights from a seed checkpoint:
     STEPS AdamW steps against unsplit training, and the elements each rank allocated."""
@@ -92,6 +142,9 @@ def job_tp(params: dict) -> dict:
         print(label, flush=True)
         if config.get("meta"):
             results[label] = _on_meta(config, Path(params["checkpoints"]), rank)
+            continue
+        if config.get("vocab"):
+            results[label] = _odd_vocabulary(config["vocab"], rank)
             continue
         case = Case(config["model"])
         plan = _plan(case, config)
