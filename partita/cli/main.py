@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -86,10 +87,12 @@ def _plan_options(args: argparse.Namespace):
 
 
 def _cluster(args: argparse.Namespace, *, num_devices: int, device_type: str = "cpu", num_nodes: int = 1):
-    """This machine's CPU ranks (measured), or ``num_devices`` catalog devices over ``num_nodes`` nodes."""
+    """``num_devices`` CPU ranks on ``num_nodes`` machines like this one (measured here), or catalog devices."""
+    from partita.cli.multinode import local_nodes_cluster
+
     memory = _parse_bytes(args.memory)
     if device_type == "cpu":
-        return Cluster.local(num_devices=num_devices, memory_bytes=memory, cache_dir=args.cache_dir)
+        return local_nodes_cluster(num_devices, num_nodes=num_nodes, memory_bytes=memory, cache_dir=args.cache_dir)
     return Cluster(
         device=device_type,
         num_devices=num_devices,
@@ -142,6 +145,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from partita.cli.model_spec import is_factory_spec
+    from partita.cli.multinode import Nodes, launch_nodes
     from partita.cli.train_loop import TrainConfig, check_train_config
     from partita.errors import InputError
     from partita.runtime.launch import launch_local, under_torchrun
@@ -180,8 +184,20 @@ def _train(args: argparse.Namespace) -> int:
             "then builds the whole model), or --eval-every"
         )
     _check_train_flags(args)
+    nodes = Nodes.from_args(args)
     if under_torchrun():
         return _train_rank(args, config)
+    if nodes.num_nodes > 1:
+        plan_nproc = functools.partial(
+            _processes_for_plan_file,
+            args.plan,
+            args.nproc,
+            args.global_batch,
+            args.accumulate,
+            num_nodes=nodes.num_nodes,
+        )
+        launch_nodes(args, nodes, plan_nproc)
+        return 0
     argv = list(args.argv)
     if args.plan:
         plan_path = args.plan
@@ -307,51 +323,46 @@ def _check_example_values(graph, example) -> None:
     check_batch_values(graph, flat, f"the example inputs of {example.name}")
 
 
-def _processes_for_plan_file(path: str, nproc: int | None, global_batch: int | None = None, accumulate: int = 1) -> int:
-    """The plan's device count: one process per device. InputError when --nproc says otherwise,
-    or --global-batch differs from the plan's (times --accumulate)."""
+def _processes_for_plan_file(
+    path: str, nproc: int | None, global_batch: int | None = None, accumulate: int = 1, *, num_nodes: int = 1
+) -> int:
+    """The plan's devices per node: one process per device. InputError when --nproc says otherwise,
+    the devices do not split over the nodes, or --global-batch differs from the plan's (x --accumulate)."""
     import partita
     from partita.errors import InputError
 
     plan = partita.Plan.load(path)
     _check_plan_global_batch(path, plan, global_batch, accumulate)
-    needed = plan.num_devices
-    if nproc is not None and nproc != needed:
+    needed, per_node = plan.num_devices, plan.num_devices // num_nodes
+    if needed % num_nodes:
         raise InputError(
-            f"{path} is a plan for {needed} devices, but --nproc is {nproc}: drop --nproc (one process "
-            f"per device of the plan) or re-plan for {nproc} processes (without --plan)"
+            f"{path} is a plan for {needed} devices, which do not split evenly over --nnodes {num_nodes}: "
+            f"every node starts the same number of processes; use an --nnodes that divides {needed}, or re-plan"
         )
-    return needed
+    if nproc is not None and nproc != per_node:
+        node = f" x --nnodes {num_nodes}" if num_nodes > 1 else ""
+        raise InputError(
+            f"{path} is a plan for {needed} devices, but --nproc is {nproc}{node}: drop --nproc (one process "
+            f"per device of the plan) or re-plan for {nproc}{node} processes (without --plan)"
+        )
+    if num_nodes > 1 and plan.cluster.devices_per_node != per_node:
+        print(
+            f"note: {path} was planned for nodes of {plan.cluster.devices_per_node} devices, this job has "
+            f"{num_nodes} nodes of {per_node}: its predicted times assume the plan's nodes"
+        )
+    return per_node
 
 
 def _plan_for_training(args: argparse.Namespace):
     """Plan on this machine's CPU for ``--nproc`` processes, print it, and write it to a file.
     Returns the file's path, the example the plan was made for and the number of processes to
     start: the plan's devices, which can be fewer than ``--nproc`` (no faster plan used them all)."""
-    import os
     import tempfile
-
-    import partita
-    from partita.cli.data_source import check_first_batch, check_held_out
 
     example = _load(args)
     graph = _capture(example)
-    _check_example_values(graph, example)
-    check_first_batch(example, graph)  # a wrong data source fails here, not in every process
-    if args.eval_every:
-        check_held_out(example)
     nproc = 2 if args.nproc is None else args.nproc
-    global_batch = _train_global_batch(args) // args.accumulate  # one pipeline round's samples
-    plan = partita.plan(
-        graph,
-        example.args,
-        example.kwargs,
-        loss_fn=example.loss_fn,
-        target=example.target,
-        cluster=_cluster(args, num_devices=nproc),
-        global_batch_size=global_batch,
-        options=_plan_options(args),
-    )
+    plan = _plan_now(args, example, graph, _cluster(args, num_devices=nproc))
     path = _with_parent(args.plan_out) or os.path.join(tempfile.mkdtemp(prefix="partita-"), "plan.json")
     plan.save(path)
     rounds = f", {args.accumulate} rounds per optimizer step" if args.accumulate > 1 else ""
@@ -360,6 +371,27 @@ def _plan_for_training(args: argparse.Namespace):
     if plan.num_devices < nproc:
         print(f"starting {plan.num_devices} processes, one per device of the plan")
     return path, example, plan.num_devices
+
+
+def _plan_now(args: argparse.Namespace, example, graph, cluster):
+    """Check the example's data, then plan one pipeline round (--global-batch / --accumulate samples)."""
+    import partita
+    from partita.cli.data_source import check_first_batch, check_held_out
+
+    _check_example_values(graph, example)
+    check_first_batch(example, graph)  # a wrong data source fails here, not in every process
+    if args.eval_every:
+        check_held_out(example)
+    return partita.plan(
+        graph,
+        example.args,
+        example.kwargs,
+        loss_fn=example.loss_fn,
+        target=example.target,
+        cluster=cluster,
+        global_batch_size=_train_global_batch(args) // args.accumulate,
+        options=_plan_options(args),
+    )
 
 
 def _train_rank(args: argparse.Namespace, config) -> int:
@@ -394,8 +426,19 @@ def _train_rank(args: argparse.Namespace, config) -> int:
     else:
         example = _load(args)
         graph = _capture(example)
-    plan = partita.Plan.load(args.plan, graph=graph)
-    _check_plan_global_batch(args.plan, plan, args.global_batch, args.accumulate)
+    if args.plan:
+        plan = partita.Plan.load(args.plan, graph=graph)
+        _check_plan_global_batch(args.plan, plan, args.global_batch, args.accumulate)
+    else:  # a multi-node job (or torchrun run by hand): rank 0 plans for the ranks started
+        from partita.cli.multinode import job_plan
+
+        plan = job_plan(
+            args,
+            graph,
+            lambda num_devices, num_nodes: _plan_now(
+                args, example, graph, _cluster(args, num_devices=num_devices, num_nodes=num_nodes)
+            ),
+        )
     summary = train(example, plan, graph, config)
     if dist.get_rank() == 0:
         if summary.resumed_from is not None:

@@ -58,6 +58,41 @@ def _add_precision_sharding(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """--nnodes, --node-rank and --rdzv-*: one node's share of a multi-node job (torchrun's flags)."""
+    parser.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="machines of the job (default 1): run the same command on each, with its --node-rank; rank 0 "
+        "of the job plans for N x --nproc devices in nodes of --nproc, like the machine it runs on, and "
+        "shares the plan (or every node reads --plan)",
+    )
+    parser.add_argument(
+        "--node-rank", type=int, default=0, metavar="K", help="this machine's index in 0..N-1 (default 0)"
+    )
+    parser.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the nodes meet (torchrun's rendezvous), the same on every node; needed with --nnodes > 1",
+    )
+    parser.add_argument(
+        "--rdzv-backend",
+        default=None,
+        choices=["c10d", "static"],
+        help="c10d (default: the endpoint's machine hosts the rendezvous; node ranks are assigned as the "
+        "nodes meet) or static (node K gets ranks K x --nproc on; the endpoint is node 0's)",
+    )
+    parser.add_argument(
+        "--rdzv-id",
+        default=None,
+        metavar="ID",
+        help="the job's id, the same on every node (default: made from --rdzv-endpoint)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="partita", description="Plan and train PyTorch models too large for one device."
@@ -129,8 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="processes (devices) on this machine to plan for (default 2); the job starts as many "
-        "as the plan uses. With --plan: the plan's device count (default), or an error if different",
+        "as the plan uses. With --plan: the plan's device count (default), or an error if different. "
+        "With --nnodes: per node",
     )
+    _add_node_arguments(train)
     train.add_argument("--plan", default=None, help="a plan file from `partita plan`; otherwise plan now")
     train.add_argument("--plan-out", default=None, help="where to write the plan made now")
     train.add_argument(
