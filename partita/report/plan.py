@@ -131,6 +131,8 @@ def _summary_row(
 ) -> tuple:
     if p is None:
         return (name, "n/a" if unsplittable else "no", "-", "-", "-", "-", "-", "-")
+    if not p.predicted_step_s or not reference.predicted_step_s:  # a manual plan: nothing predicted
+        return (name, "yes", "-", "-", "-", "-", "-", _layout(p))
     efficiency = (
         "-" if total_compute_s is None else f"{total_compute_s / max(1, p.num_devices) / p.predicted_step_s:.1%}"
     )
