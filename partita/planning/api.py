@@ -106,7 +106,9 @@ def plan_with_baselines(
         options=options,
         batch_dims=batch_dims,
     )
-    best, chosen = _best_or_raise(degree_contexts(ctx, options.tensor_parallel, uneven=options.uniform_replicas is False))
+    best, chosen = _best_or_raise(
+        degree_contexts(ctx, options.tensor_parallel, uneven=options.uniform_replicas is False)
+    )
     baselines, reasons = baseline_outcomes(chosen, best)
     return PlanningResult(best, baselines, chosen, reasons)
 
