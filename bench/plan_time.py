@@ -1,18 +1,25 @@
-"""How long does planning take? Capture on meta, analytic costs and the search, timed separately.
+"""How long does planning take at cluster scale? Capture, cost tables and search, timed separately.
 
-Cases (from the "Planner" issue): GPT-2 XL on 8 H100s, a 13 B GPT on 64, and the 175 B GPT-3
-shape (96 layers, hidden 12288, sequence 2048) on 1024 H100s in nodes of 8. The target is under
-60 s per case on this machine.
+Cases (issue "Planning at cluster scale in seconds"): the GPT-3 175B shape (96 layers, hidden 12288,
+sequence 2048) on 1,024 H100s, and Megatron-LM's GPT configurations of 39B to 1T parameters on 512 to
+3,072 A100-80GB (``bench/_megatron.py``: Narayanan et al. 2021, Table 1), all in nodes of 8, bf16,
+AdamW, analytic costs, every tensor-parallel degree (1, 2, 4, 8), sharding level, schedule,
+micro-batch count and recomputation searched (``partita.plan`` with ``PlanOptions(costs="analytic")``).
+Goals: under 10 s of search for 175B, under 30 s for the others.
 
-  capture   examples.build(..., device="meta") + partita.capture (torch.export on meta)
-  costs     every analytic CostTable the planner asks for (one per micro-batch size it tries),
-            plus coarsening the graph into the block chain
-  search    planning.driver.best_plan less the cost tables it asked for: config enumeration, stage DPs,
+  capture   transformers' GPT-2 class at the shape, built on meta and captured (torch.export)
+  layouts   the tensor-parallel rules on the graph, once per degree (``find_layout``)
+  tables    every CostTable the search asks for: analytic costs per micro-batch size, and the
+            tensor-parallel degrees' per-device tables made from them (their number in brackets)
+  search    the rest of ``partita.plan``: coarsening, the memory bound, configs, stage DPs,
             simulating the best candidates and refining them
 
-Usage:  python bench/plan_time.py [--out bench/results/plan_time.md] [--cases gpt2-xl ...] [--profile N]
-``--profile N`` adds the N most expensive functions of each search (cProfile, cumulative time), from a
-second run of the search, so that profiling does not slow the timed one.
+Each plan's predicted model TFLOP/s per GPU (Megatron's FLOP count without recomputation, over all
+GPUs of the cluster) is set beside the paper's achieved figure converted to the same count.
+
+Usage:  python bench/plan_time.py [--out bench/results/plan_time.md] [--cases 175B 39.1B ...] [--profile N]
+``--profile N`` adds the N most expensive functions of each planning run (cProfile, cumulative),
+from a second run, so that profiling does not slow the timed one.
 """
 
 from __future__ import annotations
@@ -27,110 +34,123 @@ import pstats
 import shlex
 import sys
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import partita
-from partita import examples
-from partita.cost.analytic import analytic_costs
-from partita.planning.context import planning_context
-from partita.planning.driver import best_plan
-from partita.report.format import fmt_replicas
+import _megatron  # noqa: E402
+import torch  # noqa: E402
 
-TARGET_S = 60.0
+import partita  # noqa: E402
+import partita.planning.context as context_module  # noqa: E402
+import partita.planning.tensor_parallel as tensor_parallel_module  # noqa: E402
+from partita.errors import InfeasiblePlanError  # noqa: E402
+from partita.report.format import fmt_replicas  # noqa: E402
 
-# What the search cost before the speed-ups of 2026-11-30 (same machine, same cases), and what changed;
-# the table above this note is measured on every run, this note is not.
+GPT3_175B = _megatron.Row("175B", 96, 12288, 96, 1024, 1536, 0.0, 0, 0)  # GPT-3's shape; no published row
+CASES = {
+    "175B": (GPT3_175B, "h100", 10.0),
+    **{
+        name: (_megatron.BY_NAME[name], "a100-80gb", 30.0) for name in ("39.1B", "76.1B", "310.1B", "529.6B", "1008.0B")
+    },
+}
+
 HISTORY = """\
-## Before the speed-ups (2026-11-30, same machine and cases)
+## Before (2026-12-01, same machine)
 
-- gpt2-13b on 64: search 80 s; gpt2-gpt3-175b on 1024: killed after 30 min without a plan.
-- The profile of the 175 B search: `CostTable.params_in_range` (a Python loop with one
-  `np.searchsorted` per parameter, called for every stage of every plan built) took 3/4 of the time;
-  then the refinement's hill-climb (about 13 000 splits, each built three times and simulated).
-- Changes, each keeping the plan byte for byte (checked against the old code on 8 cases from 4 to 64
-  devices, and by tests/unit/test_plan_bounds.py):
-  1. `types.CostTable.params_in_range`: one vectorised test over a flat (parameter, use) array.
-  2. `planner.finish_plan`: simulate without keeping the timeline (only the step and bubble are used).
-  3. `search.search`: skip configs whose parameters and optimizer state, spread over all rank groups,
-     exceed the memory limit; with `num_best`, branch and bound over configs sorted by a lower bound
-     on the estimate, cut at the `num_best`-th one-stage-per-group candidate (best_plan falls back to
-     the full search when fewer than `num_best` plans fit).
-  4. `planner.refine`: neighbours ranked by a lower bound on their simulated step (busiest rank group,
-     plus pipeline fill and drain for GPipe/1F1B, with the stages that must recompute), skipped once
-     the bound cannot beat the best neighbour so far; splits remembered across rounds; a split that
-     needs recompute is built twice instead of three times.
+- Before the search and refinement speed-ups of this table (issue 17), with tensor parallelism not yet
+  searched: 6-8 min for 18B-76B on 256-1,024 GPUs (`bench/results/scale_prediction.md`, 13:28 UTC);
+  once every tensor-parallel degree was searched, 39B on 512 A100s took over 20 min (killed).
+- 2026-11-30: gpt2-13b on 64 H100s: 80 s; the 175B shape on 1,024 H100s (fp32, no tensor
+  parallelism): killed after 30 min, then 26.5 s of search after the first speed-ups.
 """
 
 
-@dataclass(frozen=True)
-class Case:
-    model: str
-    devices: int
-    global_batch: int
-    seq_len: int
-    # Example batch of the capture: at least 2, so that export keeps the batch dimension symbolic and
-    # costs scale to any micro-batch size (at 1 it specializes, and analytic costs silently stop scaling).
-    batch_size: int = 2
+class Timers:
+    """Seconds spent in the cost tables and the tensor-parallel rules, by wrapping the functions
+    that ``partita.planning`` calls for them."""
 
+    def __init__(self) -> None:
+        self.tables_s, self.num_tables, self.layouts_s = 0.0, 0, 0.0
+        self._saved = []
 
-CASES = {
-    "gpt2-xl": Case("gpt2-xl", 8, 64, 1024),
-    "gpt2-13b": Case("gpt2-13b", 64, 512, 2048),
-    "gpt2-gpt3-175b": Case("gpt2-gpt3-175b", 1024, 1536, 2048),
-}
+    def __enter__(self) -> Timers:
+        self._wrap(context_module, "analytic_costs", "tables")
+        self._wrap(tensor_parallel_module, "tensor_parallel_costs", "tables")
+        self._wrap(tensor_parallel_module, "find_layout", "layouts")
+        return self
 
+    def __exit__(self, *exc) -> None:
+        for module, name, original in self._saved:
+            setattr(module, name, original)
 
-def run_case(case: Case, profile_top: int) -> dict:
-    t0 = time.perf_counter()
-    ex = examples.build(case.model, batch_size=case.batch_size, seq_len=case.seq_len, device="meta")
-    graph = partita.capture(ex.model, ex.args, ex.kwargs)
-    capture_s = time.perf_counter() - t0
+    def _wrap(self, module, name: str, kind: str) -> None:
+        original = getattr(module, name)
+        self._saved.append((module, name, original))
 
-    cluster = partita.Cluster(device="h100", num_devices=case.devices, devices_per_node=8)
-    t0 = time.perf_counter()
-    ctx = planning_context(
-        graph, cluster=cluster, global_batch_size=case.global_batch, options=partita.PlanOptions(costs="analytic")
-    )
-    context_s = time.perf_counter() - t0
-    # Time every cost table the search asks for separately from the search itself.
-    tables: dict[int, object] = {}
-    cost_s = [0.0]
-
-    def costs_at(b: int):
-        if b not in tables:
+        def timed(*args, **kwargs):
             start = time.perf_counter()
-            tables[b] = analytic_costs(graph, cluster.device, b, precision=ctx.options.precision)
-            cost_s[0] += time.perf_counter() - start
-        return tables[b]
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                if kind == "tables":
+                    self.tables_s += spent
+                    self.num_tables += 1
+                else:
+                    self.layouts_s += spent
 
-    ctx = replace(ctx, costs_at=costs_at)
-    t0 = time.perf_counter()
-    plan = best_plan(ctx)
-    search_s = time.perf_counter() - t0 - cost_s[0]
-    row = dict(
-        case=case,
-        nodes=graph.num_nodes,
+        setattr(module, name, timed)
+
+
+def plan_case(row, graph, device: str):
+    cluster = partita.Cluster(device=device, num_devices=row.gpus, devices_per_node=8)
+    return partita.plan(
+        graph, cluster=cluster, global_batch_size=row.global_batch, options=partita.PlanOptions(costs="analytic")
+    )
+
+
+def run_case(name: str, profile_top: int) -> dict:
+    row, device, goal_s = CASES[name]
+    start = time.perf_counter()
+    graph = _megatron.capture(row)
+    capture_s = time.perf_counter() - start
+    plan, error = None, None
+    with Timers() as timers:
+        start = time.perf_counter()
+        try:
+            plan = plan_case(row, graph, device)
+        except InfeasiblePlanError as e:
+            error = str(e)
+        planning_s = time.perf_counter() - start
+    result = dict(
+        name=name,
+        row=row,
+        device=device,
+        goal_s=goal_s,
         params=graph.num_parameters,
-        blocks=len(ctx.chain) - 1,
+        nodes=graph.num_nodes,
         capture_s=capture_s,
-        costs_s=context_s + cost_s[0],
-        tables=len(tables),
-        search_s=search_s,
+        layouts_s=timers.layouts_s,
+        tables_s=timers.tables_s,
+        num_tables=timers.num_tables,
+        search_s=planning_s - timers.layouts_s - timers.tables_s,
         plan=plan,
+        error=error,
         profile="",
     )
-    if profile_top:  # a second, profiled run (cost tables cached), so that the timings above stay clean
+    if profile_top:
         profiler = cProfile.Profile()
         profiler.enable()
-        best_plan(ctx)
+        try:
+            plan_case(row, graph, device)
+        except InfeasiblePlanError:
+            pass
         profiler.disable()
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(profile_top)
-        row["profile"] = _trim_profile(out.getvalue())
-    return row
+        result["profile"] = _trim_profile(out.getvalue())
+    return result
 
 
 def _trim_profile(text: str) -> str:
@@ -140,85 +160,87 @@ def _trim_profile(text: str) -> str:
     return "\n".join(line.replace(root, "") for line in lines[start:] if line.strip())
 
 
-def config_text(plan) -> str:
+def layout(plan) -> str:
     if plan is None:
         return "no plan fits"
     recompute = sum(s.recompute for s in plan.stages)
+    levels = "/".join(sorted({s.sharding.value for s in plan.stages}))
     return (
-        f"{plan.num_rank_groups} x {fmt_replicas(plan)} ({plan.num_devices} dev), {plan.schedule.value}, "
-        f"m={plan.num_microbatches}, {plan.num_stages} stages, recompute {recompute}/{plan.num_stages}, "
-        f"step {plan.predicted_step_s:.3f} s"
+        f"TP {plan.tensor_parallel} x {plan.num_rank_groups} x {fmt_replicas(plan)} ({plan.num_devices} dev), "
+        f"{plan.schedule.value}, m={plan.num_microbatches}, {plan.num_stages} stages, "
+        f"recompute {recompute}/{plan.num_stages}, {levels}"
     )
+
+
+def tflops_cells(r: dict) -> str:
+    row, plan = r["row"], r["plan"]
+    if plan is None:
+        return "- | - | -"
+    predicted = _megatron.model_tflops(row, plan.predicted_step_s, row.gpus)
+    if not row.published_tflops:
+        return f"{predicted:.0f} | - | -"
+    published = _megatron.published_model_tflops(row)
+    return f"{predicted:.0f} | {published:.0f} ({row.tp} x {row.pp}) | {predicted / published:.2f}"
 
 
 def markdown(rows: list[dict], command: str) -> str:
     lines = [
-        "# Planning time",
+        "# Planning time at cluster scale",
         "",
         f"- machine: {platform.node() or 'unknown'}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs (shared), Python {platform.python_version()}",
         f"- torch {torch.__version__}, partita {partita.__version__}",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
         f"- command: `{command}`",
-        "- capture on meta (example batch 2); costs: analytic (H100 catalog entry), the reference table and chain "
-        "coarsening, plus one table per micro-batch size the search tries (their number in brackets); search: "
-        "`planning.driver.best_plan` less those tables",
+        "- GPT shapes on meta (vocabulary 51,200, sequence 2048), nodes of 8, bf16, AdamW, analytic costs, "
+        "every tensor-parallel degree searched. Columns as in the script's docstring; TFLOP/s: predicted model "
+        "TFLOP/s per GPU vs Megatron-LM's published figure at the model count (its TP x PP in brackets)",
         "",
-        "| model | devices | global batch | seq | nodes | blocks | capture | costs (tables) | search | total "
-        f"| < {TARGET_S:.0f} s | plan |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|---|",
+        "| model | params | GPUs | batch | capture | layouts | tables | search | goal | plan | predicted step "
+        "| TFLOP/s/GPU | Megatron-LM | ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|:-:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        c = r["case"]
-        total = r["capture_s"] + r["costs_s"] + r["search_s"]
+        row, plan = r["row"], r["plan"]
+        met = "yes" if r["search_s"] < r["goal_s"] else "no"
+        step = f"{plan.predicted_step_s:.2f} s" if plan is not None else "-"
         lines.append(
-            f"| {c.model} | {c.devices} | {c.global_batch} | {c.seq_len} | {r['nodes']:,} | {r['blocks']} "
-            f"| {r['capture_s']:.1f} s | {r['costs_s']:.1f} s ({r['tables']}) | {r['search_s']:.1f} s "
-            f"| {total:.1f} s | {'yes' if total < TARGET_S else 'no'} | {config_text(r['plan'])} |"
+            f"| {r['name']} | {r['params'] / 1e9:.0f} B | {row.gpus:,} {r['device']} | {row.global_batch} "
+            f"| {r['capture_s']:.1f} s | {r['layouts_s']:.1f} s | {r['tables_s']:.1f} s ({r['num_tables']}) "
+            f"| {r['search_s']:.1f} s | {met} (< {r['goal_s']:.0f} s) | {layout(plan)} | {step} | {tflops_cells(r)} |"
         )
+    for r in rows:
+        if r["error"]:
+            lines += ["", f"{r['name']}: {r['error']}"]
     lines += ["", HISTORY.rstrip()]
     for r in rows:
         if r["profile"]:
-            lines += [
-                "",
-                f"## Profile of the search: {r['case'].model} on {r['case'].devices}",
-                "",
-                "```",
-                r["profile"],
-                "```",
-            ]
+            lines += ["", f"## Profile: {r['name']} on {r['row'].gpus}", "", "```", r["profile"], "```"]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument(
-        "--profile",
-        type=int,
-        default=0,
-        metavar="N",
-        help="top N functions of each search, from a second (profiled) run",
-    )
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="top N functions, from a second run")
     parser.add_argument("--out", help="write the markdown table here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    command = "python " + " ".join(shlex.quote(a) for a in ["bench/plan_time.py", *(argv or sys.argv[1:])])
     rows = []
     for name in args.cases:
-        row = run_case(CASES[name], args.profile)
+        rows.append(run_case(name, args.profile))
+        r = rows[-1]
         print(
-            f"{name}: capture {row['capture_s']:.1f} s, costs {row['costs_s']:.1f} s, "
-            f"search {row['search_s']:.1f} s; {config_text(row['plan'])}",
+            f"{name}: capture {r['capture_s']:.1f} s, layouts {r['layouts_s']:.1f} s, tables {r['tables_s']:.1f} s, "
+            f"search {r['search_s']:.1f} s; {layout(r['plan'])}",
             file=sys.stderr,
             flush=True,
         )
-        rows.append(row)
-    command = "python " + " ".join(shlex.quote(a) for a in ["bench/plan_time.py", *(argv or sys.argv[1:])])
-    text = markdown(rows, command)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+        if args.out:  # written after every case: a long run keeps what it measured
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(markdown(rows, command))
+    print(markdown(rows, command))
     return 0
 
 

@@ -24,72 +24,17 @@ import argparse
 import datetime
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from _megatron import ROWS as ALL_ROWS  # noqa: E402
+from _megatron import Row, capture, model_tflops, published_model_tflops  # noqa: E402
 
 import partita  # noqa: E402
 
-VOCAB, SEQ = 51200, 2048
-
-
-@dataclass(frozen=True)
-class Row:
-    """One row of Megatron-LM's Table 1: shape, GPUs, global batch, achieved TFLOP/s per GPU (with
-    recomputation counted) and their tensor/pipeline parallel sizes."""
-
-    name: str
-    heads: int
-    hidden: int
-    layers: int
-    gpus: int
-    global_batch: int
-    published_tflops: float
-    tp: int
-    pp: int
-
-
-ROWS = [
-    Row("1.7B", 24, 2304, 24, 32, 512, 137, 1, 1),
-    Row("3.6B", 32, 3072, 30, 64, 512, 138, 2, 1),
-    Row("7.5B", 32, 4096, 36, 128, 512, 142, 4, 1),
-    Row("18.4B", 48, 6144, 40, 256, 1024, 135, 8, 1),
-    Row("39.1B", 64, 8192, 48, 512, 1536, 138, 8, 2),
-    Row("76.1B", 80, 10240, 60, 1024, 1792, 140, 8, 4),
-    Row("145.6B", 96, 12288, 80, 1536, 2304, 148, 8, 8),
-]
-
-
-def step_flops(row: Row, *, recompute: bool) -> float:
-    """Megatron's FLOPs of one step (forward + backward, + a second forward when recomputing)."""
-    b, s, layers, h, v = row.global_batch, SEQ, row.layers, row.hidden, VOCAB
-    passes = 96 if recompute else 72
-    return passes * b * s * layers * h * h * (1 + s / (6 * h)) + 6 * b * s * h * v
-
-
-def capture(row: Row):
-    import transformers
-
-    config = transformers.GPT2Config(
-        n_layer=row.layers,
-        n_embd=row.hidden,
-        n_head=row.heads,
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        attn_implementation="eager",
-        use_cache=False,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    with torch.device("meta"):
-        model = transformers.GPT2LMHeadModel(config)
-    model.loss_type = "ForCausalLM"
-    ids = torch.zeros(2, SEQ, dtype=torch.long, device="meta")
-    return partita.capture(model, (), {"input_ids": ids, "labels": ids})
+ROWS = ALL_ROWS[:7]  # up to 145.6B; the larger rows are bench/plan_time.py's
 
 
 def plan_row(row: Row) -> dict:
@@ -101,14 +46,12 @@ def plan_row(row: Row) -> dict:
         graph, cluster=cluster, global_batch_size=row.global_batch, options=partita.PlanOptions(costs="analytic")
     )
     planned = time.perf_counter() - started - captured
-    model_tflops = step_flops(row, recompute=False) / (plan.predicted_step_s * row.gpus) / 1e12
-    published_model = row.published_tflops * step_flops(row, recompute=False) / step_flops(row, recompute=True)
     return {
         "row": row,
         "params": graph.num_parameters,
         "plan": plan,
-        "model_tflops": model_tflops,
-        "published_model": published_model,
+        "model_tflops": model_tflops(row, plan.predicted_step_s, row.gpus),
+        "published_model": published_model_tflops(row),
         "capture_s": captured,
         "plan_s": planned,
     }

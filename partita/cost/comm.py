@@ -62,8 +62,10 @@ def all_gather_time_s(num_bytes: float, num_ranks: int, cluster: Cluster, *, spa
 
 
 def spans_nodes(ranks: Iterable[int], cluster: Cluster) -> bool:
-    """Whether the ranks of a group sit in more than one node."""
-    return len({cluster.rank_to_node(r) for r in ranks}) > 1
+    """Whether the ranks of a group sit in more than one node. Ranks fill nodes in order, so
+    the lowest and the highest rank tell (a group of a stage holds hundreds of ranks)."""
+    ranks = tuple(ranks)
+    return bool(ranks) and cluster.rank_to_node(min(ranks)) != cluster.rank_to_node(max(ranks))
 
 
 def ring_pass_coefficients(num_ranks: int, cluster: Cluster, *, spans_nodes: bool) -> tuple[float, float]:

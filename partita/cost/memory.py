@@ -176,21 +176,21 @@ def device_memory(
     two stages on two devices counts on each. ``costs`` must be in ``precision`` (its bytes).
     Under full_shard the largest range's trainable parameters are what is gathered at a time.
     """
-    held = sorted({p for start, stop in ranges for p in costs.params_in_range(start, stop)})
+    param_bytes = np.asarray(costs.param_bytes, dtype=np.int64)
     trainable = np.asarray(costs.param_trainable, dtype=bool)
-    largest_unit = max(
-        (int(sum(costs.param_bytes[p] for p in costs.params_in_range(a, b) if trainable[p])) for a, b in ranges),
-        default=0,
-    )
+    per_range = [np.asarray(costs.params_in_range(start, stop), dtype=np.int64) for start, stop in ranges]
+    held = np.unique(np.concatenate(per_range)) if per_range else np.zeros(0, dtype=np.int64)
+    held_trainable = held[trainable[held]]
+    largest_unit = max((int(param_bytes[p[trainable[p]]].sum()) for p in per_range), default=0)
     return memory_from_totals(
         first_grad_bytes=first_gradient_bytes(costs, ranges),
-        param_bytes=int(sum(costs.param_bytes[p] for p in held)),
-        trainable_bytes=int(sum(costs.param_bytes[p] for p in held if costs.param_trainable[p])),
+        param_bytes=int(param_bytes[held].sum()),
+        trainable_bytes=int(param_bytes[held_trainable].sum()),
         activation_bytes=int(sum(costs.activation_bytes[start:stop].sum() for start, stop in ranges)),
         stage_input_bytes=int(sum(costs.cut_bytes[start] for start, _ in ranges)),
         boundary_bytes=sum(int(costs.cut_bytes[start]) + int(costs.cut_bytes[stop]) for start, stop in ranges),
         largest_output_bytes=max((int(costs.output_bytes[a:b].max()) for a, b in ranges if b > a), default=0),
-        largest_param_bytes=max((int(costs.param_bytes[p]) for p in held if costs.param_trainable[p]), default=0),
+        largest_param_bytes=int(param_bytes[held_trainable].max()) if len(held_trainable) else 0,
         in_flight=in_flight,
         optimizer=optimizer,
         recompute=recompute,

@@ -17,8 +17,8 @@ import torch
 
 from partita.planning.baselines import baseline_outcomes
 from partita.planning.context import PlanningContext, plan_key, planning_context
-from partita.planning.driver import best_plan
-from partita.planning.infeasible import infeasible_error
+from partita.planning.driver import best_of_contexts
+from partita.planning.infeasible import infeasible_error, memory_bound
 from partita.planning.options import PlanOptions
 from partita.planning.tensor_parallel import degree_contexts
 from partita.types import OpGraph, Plan
@@ -115,8 +115,11 @@ def plan_with_baselines(
 
 def _best_or_raise(contexts: list[PlanningContext]) -> tuple[Plan, PlanningContext]:
     """The best plan over the contexts (one per tensor-parallel degree; ties: the first, the
-    smallest degree) and its context; InfeasiblePlanError from the first when none fits."""
-    found = [(p, ctx) for ctx in contexts if (p := best_plan(ctx)) is not None]
+    smallest degree) and its context; InfeasiblePlanError when none fits. Degrees that the memory
+    bound refuses are not searched (``partita.planning.memory_bound``: nothing of theirs fits)."""
+    bounds = [memory_bound(ctx) for ctx in contexts]
+    fitting = [c for c, b in zip(contexts, bounds) if b.may_fit()]
+    found = best_of_contexts(fitting) if fitting else []  # the degrees refine what can win
     if not found:
-        raise infeasible_error(contexts[0])
+        raise infeasible_error(contexts, bounds)
     return min(found, key=lambda pair: plan_key(pair[0]))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -48,6 +48,51 @@ def stage_tables(costs: CostTable | Callable[[int], CostTable], config: Config) 
     return [by_size[config.microbatch_size_of(s)] for s in range(config.num_stages)]
 
 
+class BuildMemo:
+    """Per-range results that the plans of one planning run share: the refinement builds
+    thousands of splits that differ from each other in a stage or two, and each build asks for
+    the parameters of every stage range and the memory of every rank group. A table is known by
+    its identity (the run's ``costs_at`` keeps its tables alive); each entry keeps its table, so a
+    table made anew is never taken for another one that happened to have its id. One memo serves
+    one cluster and options object (``PlanningContext.build_memo``: one per context, which keeps
+    both alive)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[CostTable, Any]] = {}
+        self._layouts: dict[tuple, tuple] = {}
+
+    def get(self, table: CostTable, key: tuple, make: Callable[..., Any], *args: Any) -> Any:
+        """``make(*args)``, remembered under ``table`` and ``key``."""
+        full = (id(table), *key)
+        entry = self._entries.get(full)
+        if entry is None or entry[0] is not table:
+            entry = self._entries[full] = (table, make(*args))
+        return entry[1]
+
+    def held(self, table: CostTable, start: int, stop: int) -> list[int]:
+        """``table.params_in_range(start, stop)``, remembered."""
+        return self.get(table, ("held", start, stop), table.params_in_range, start, stop)
+
+    def layout(self, config: Config, options: SearchOptions, cluster: Cluster | None) -> tuple:
+        """(ranks per rank group, and per rank group (micro-batches in flight, replicas, whether it
+        spans nodes)) of ``config``, remembered."""
+        key = (config, id(options), cluster is None)
+        if key not in self._layouts:
+            groups = stage_ranks(config, options.tensor_parallel)
+            per_group = tuple(
+                (
+                    microbatches_in_flight(
+                        config.schedule, config.num_microbatches, config.num_rank_groups, g, config.virtual_stages
+                    ),
+                    config.replicas_of(g),
+                    cluster is not None and spans_nodes(groups[g], cluster),
+                )
+                for g in range(config.num_rank_groups)
+            )
+            self._layouts[key] = (groups, per_group)
+        return self._layouts[key]
+
+
 def rank_group_memory(
     tables: Sequence[CostTable],
     config: Config,
@@ -55,63 +100,117 @@ def rank_group_memory(
     ranges_by_group: Mapping[int, list],
     recompute_by_group: Mapping[int, bool],
     cluster: Cluster | None = None,
-) -> dict[int, tuple[DeviceMemory, Sharding]]:
+    memo: BuildMemo | None = None,
+) -> dict[int, GroupMemory]:
     """Exact predicted memory per rank group (all of the group's virtual stages together) and the
     group's sharding level: the fastest level that fits (``partita.planning.sharding``; ties: the
     least sharded), or, when none fits, the one that needs the least memory. ``tables[s]``: stage
     s's CostTable (``stage_tables``); a rank group's stages share one size. Without ``cluster``
-    (no comm model) the least sharded level that fits."""
+    (no comm model) the least sharded level that fits. ``memo``: results shared with other plans
+    of the same run (``BuildMemo``)."""
+    memo = BuildMemo() if memo is None else memo
     result = {}
-    groups = stage_ranks(config, options.tensor_parallel)
-    shared = _groups_sharing_parameters(tables, ranges_by_group)
+    groups, per_group = memo.layout(config, options, cluster)
+    shared = _groups_sharing_parameters(tables, ranges_by_group, memo)
+    m = config.num_microbatches
     for g, ranges in ranges_by_group.items():
-        in_flight = microbatches_in_flight(
-            config.schedule, config.num_microbatches, config.num_rank_groups, g, config.virtual_stages
+        in_flight, replicas, spans = per_group[g]
+        ranges, recompute = tuple(ranges), bool(recompute_by_group[g])
+        allowed = levels(options.sharding, replicas) if g not in shared else (Sharding.REPLICATE,)
+        key = ("group", ranges, in_flight, recompute, replicas, m, allowed, spans, len(groups[g]), id(options))
+        result[g] = memo.get(
+            tables[g],
+            key + (cluster is None,),
+            _group_level,
+            _Group(tables[g], ranges, in_flight, recompute, replicas),
+            config,
+            options,
+            allowed,
+            cluster,
+            groups[g],
         )
-        r = config.replicas_of(g)
-        memory = {
-            level: device_memory(
-                tables[g],
-                ranges,
-                in_flight=in_flight,
-                optimizer=options.optimizer,
-                recompute=recompute_by_group[g],
-                precision=options.precision,
-                sharding=level,
-                num_replicas=r,
-                num_microbatches=config.num_microbatches,
-            )
-            for level in (levels(options.sharding, r) if g not in shared else (Sharding.REPLICATE,))
-        }
-        fitting = [level for level, mem in memory.items() if mem.total_bytes <= options.memory_limit_bytes]
-        if not fitting:
-            level = min(memory, key=lambda lv: memory[lv].total_bytes)  # dict order: least sharded first on ties
-        elif cluster is None or len(fitting) == 1:
-            level = fitting[0]
-        else:
-            cost = {lv: _group_overhead_s(lv, tables[g], ranges, config, options, cluster, groups[g]) for lv in fitting}
-            level = min(fitting, key=lambda lv: cost[lv])  # min keeps the first (least sharded) of equals
-        result[g] = (memory[level], level)
     return result
 
 
-def _groups_sharing_parameters(tables: Sequence[CostTable], ranges_by_group: Mapping[int, list]) -> set[int]:
+class GroupMemory(NamedTuple):
+    """``rank_group_memory``'s answer for one rank group: its memory, its sharding level, and the
+    memory's total and breakdown (computed once: every stage of the group shows them)."""
+
+    memory: DeviceMemory
+    level: Sharding
+    total_bytes: int
+    breakdown: Any
+
+
+class _Group(NamedTuple):
+    """One rank group of a plan, as its memory sees it."""
+
+    table: CostTable
+    ranges: tuple[tuple[int, int], ...]
+    in_flight: float
+    recompute: bool
+    replicas: int
+
+
+def _group_level(group: _Group, config: Config, options: SearchOptions, allowed, cluster, ranks):
+    """``rank_group_memory`` of one rank group (``GroupMemory``), its level among the ``allowed`` ones."""
+    memory = {
+        level: device_memory(
+            group.table,
+            group.ranges,
+            in_flight=group.in_flight,
+            optimizer=options.optimizer,
+            recompute=group.recompute,
+            precision=options.precision,
+            sharding=level,
+            num_replicas=group.replicas,
+            num_microbatches=config.num_microbatches,
+        )
+        for level in allowed
+    }
+    fitting = [level for level, mem in memory.items() if mem.total_bytes <= options.memory_limit_bytes]
+    if not fitting:
+        level = min(memory, key=lambda lv: memory[lv].total_bytes)  # dict order: least sharded first on ties
+    elif cluster is None or len(fitting) == 1:
+        level = fitting[0]
+    else:
+        cost = {lv: _group_overhead_s(lv, group.table, group.ranges, config, options, cluster, ranks) for lv in fitting}
+        level = min(fitting, key=lambda lv: cost[lv])  # min keeps the first (least sharded) of equals
+    return GroupMemory(memory[level], level, int(memory[level].total_bytes), memory[level].breakdown())
+
+
+def _groups_sharing_parameters(
+    tables: Sequence[CostTable], ranges_by_group: Mapping[int, list], memo: BuildMemo
+) -> set[int]:
     """Rank groups with a stage that reads a trainable parameter another stage reads too (tied
     weights across stages): they replicate, as the runtime shards no parameter two stages share
-    (partita/runtime/sharding.py)."""
+    (partita/runtime/sharding.py). Only a parameter that several nodes read can be tied."""
     readers: dict[int, set[tuple[int, int]]] = {}
+    held_by: dict[int, list[int]] = {}  # rank group -> the parameters of its stages that several nodes read
     for g, ranges in ranges_by_group.items():
-        trainable = np.asarray(tables[g].param_trainable, dtype=bool)
         for start, stop in ranges:
-            for p in tables[g].params_in_range(start, stop):
-                if trainable[p]:
-                    readers.setdefault(int(p), set()).add((start, stop))
+            shared = memo.get(tables[g], ("read twice", start, stop), _read_twice, tables[g], start, stop, memo)
+            held_by.setdefault(g, []).extend(shared)
+            for p in shared:
+                readers.setdefault(p, set()).add((start, stop))
     tied = {p for p, stages in readers.items() if len(stages) > 1}
-    return {
-        g
-        for g, ranges in ranges_by_group.items()
-        if any(int(p) in tied for start, stop in ranges for p in tables[g].params_in_range(start, stop))
-    }
+    return {g for g, held in held_by.items() if any(p in tied for p in held)}
+
+
+def _read_twice(table: CostTable, start: int, stop: int, memo: BuildMemo) -> list[int]:
+    """The trainable parameters that nodes [start, stop) read and that nodes at two or more
+    positions read."""
+    candidates = memo.get(table, ("read twice",), _parameters_read_twice, table)
+    if not candidates:
+        return []
+    owners, uses = table._flat_param_uses
+    inside = (uses >= start) & (uses < stop)
+    return [p for p in candidates if inside[owners == p].any()]
+
+
+def _parameters_read_twice(table: CostTable) -> list[int]:
+    trainable = np.asarray(table.param_trainable, dtype=bool)
+    return [p for p, uses in enumerate(table.param_uses) if trainable[p] and len(np.unique(np.asarray(uses))) > 1]
 
 
 def _group_overhead_s(
@@ -153,12 +252,15 @@ def build_plan(
     method: str,
     resolved_options: Mapping[str, Any],
     versions: tuple[str, str],
+    memo: BuildMemo | None = None,
 ) -> Plan:
     """A Plan with predicted per-stage times and memory (the step time is filled in by simulation).
 
     ``costs``: see ``stage_tables``; at ``options.tensor_parallel`` t > 1 the costs of one device of
-    a group of t, and ``config`` counts groups (``partita.planning.tensor_parallel``)."""
-    groups = stage_ranks(config, options.tensor_parallel)
+    a group of t, and ``config`` counts groups (``partita.planning.tensor_parallel``).
+    ``memo``: per-range results shared with the other plans of the run (``BuildMemo``)."""
+    memo = BuildMemo() if memo is None else memo
+    groups = memo.layout(config, options, cluster)[0]
     tables = stage_tables(costs, config)
     ranges_by_group: dict[int, list] = {}
     recompute_by_group: dict[int, bool] = {}
@@ -166,13 +268,15 @@ def build_plan(
         g = config.rank_group_of(s)
         ranges_by_group.setdefault(g, []).append((node_boundaries[s], node_boundaries[s + 1]))
         recompute_by_group[g] = recompute_by_group.get(g, False) or bool(recompute[s])
-    memory = rank_group_memory(tables, config, options, ranges_by_group, recompute_by_group, cluster)
+    memory = rank_group_memory(tables, config, options, ranges_by_group, recompute_by_group, cluster, memo)
     stages = []
     for s in range(config.num_stages):
         start, stop = int(node_boundaries[s]), int(node_boundaries[s + 1])
         g = config.rank_group_of(s)
         costs = tables[s]
-        held = costs.params_in_range(start, stop)
+        forward, backward, param_bytes, modules = memo.get(
+            costs, ("stage", start, stop), _stage_sums, graph, costs, start, stop, memo
+        )
         stages.append(
             StagePlan(
                 index=s,
@@ -180,20 +284,17 @@ def build_plan(
                 stop=stop,
                 first_node=graph.nodes[start].name,
                 last_node=graph.nodes[stop - 1].name,
-                module_range=module_range(graph, start, stop),
+                module_range=modules,
                 ranks=groups[g],
                 rank_group=g,
                 recompute=recompute_by_group[g],
-                forward_s=float(costs.forward_s[start:stop].sum()),
-                backward_s=float(
-                    costs.backward_s[start:stop].sum()
-                    + (costs.forward_s[start:stop].sum() if recompute_by_group[g] else 0.0)
-                ),
-                memory_bytes=int(memory[g][0].total_bytes),
-                param_bytes=int(sum(costs.param_bytes[p] for p in held)),
+                forward_s=float(forward),
+                backward_s=float(backward + (forward if recompute_by_group[g] else 0.0)),
+                memory_bytes=memory[g].total_bytes,
+                param_bytes=param_bytes,
                 cut_bytes=int(costs.cut_bytes[stop]) if stop < graph.num_nodes else 0,
                 sharding=memory[g][1],
-                memory_breakdown=memory[g][0].breakdown(),
+                memory_breakdown=memory[g].breakdown,
                 tensor_parallel=options.tensor_parallel,
             )
         )
@@ -212,6 +313,17 @@ def build_plan(
         precision=options.precision,
         partita_version=versions[0],
         torch_version=versions[1],
+    )
+
+
+def _stage_sums(graph: OpGraph, table: CostTable, start: int, stop: int, memo: BuildMemo) -> tuple:
+    """(forward and backward seconds as numpy sums, parameter bytes, module range) of nodes [start, stop)."""
+    held = memo.held(table, start, stop)
+    return (
+        table.forward_s[start:stop].sum(),
+        table.backward_s[start:stop].sum(),
+        int(sum(table.param_bytes[p] for p in held)),
+        module_range(graph, start, stop),
     )
 
 

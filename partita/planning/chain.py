@@ -29,7 +29,9 @@ A cut is legal when the stage builder can ship exactly what crosses it, once:
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +41,16 @@ from partita.cost.memory import first_gradient_bytes
 from partita.errors import InputError
 from partita.types import CostTable, OpGraph
 
-__all__ = ["BlockCosts", "block_costs", "coarsen", "layer_boundaries", "legal_cuts"]
+__all__ = [
+    "BlockCosts",
+    "block_costs",
+    "coarsen",
+    "layer_boundaries",
+    "legal_cuts",
+    "range_last",
+    "range_max",
+    "range_sums",
+]
 
 _GETITEM = "operator.getitem"
 # Relative weight of a boundary's cut bytes against a block's imbalance in coarsen():
@@ -301,6 +312,9 @@ class BlockCosts:
         param_bytes_matrix[j, i]   bytes of every parameter and buffer that a stage of blocks
                                    [j, i) holds: those read by any of its nodes, tied ones once.
         trainable_bytes_matrix[j, i]  the part of those that gets gradients and optimizer state.
+        tied_matrix[j, i]          whether a stage of blocks [j, i) reads a trainable parameter
+                                   that a block outside it reads too (tied weights split over
+                                   stages): such a stage replicates (``build.rank_group_memory``).
     """
 
     boundaries: np.ndarray
@@ -314,6 +328,7 @@ class BlockCosts:
     last_grad_bytes: np.ndarray
     param_bytes_matrix: np.ndarray
     trainable_bytes_matrix: np.ndarray
+    tied_matrix: np.ndarray
 
     @property
     def num_blocks(self) -> int:
@@ -323,6 +338,60 @@ class BlockCosts:
         """Parameter bytes held by a stage of blocks [start, stop) (only trainable ones if asked)."""
         matrix = self.trainable_bytes_matrix if trainable else self.param_bytes_matrix
         return int(matrix[start, stop])
+
+    @functools.cached_property
+    def stage_totals(self) -> dict[str, np.ndarray]:
+        """(K+1, K+1) matrices [j, i] over the stages of blocks [j, i): the time sums ``forward_s``,
+        ``backward_s``, ``compute_s`` (their sum) and ``valid`` (j < i), the totals that
+        ``partita.cost.memory.memory_from_totals`` takes, and ``work_prefix_s`` (K+1,): the prefix sums
+        of the blocks' compute (``partition``'s banded DPs). They depend on the blocks alone, so every
+        config searched at this micro-batch size shares them (computed once, on first use)."""
+        cut = np.asarray(self.cut_bytes, dtype=np.float64)
+        j, i = np.meshgrid(np.arange(self.num_blocks + 1), np.arange(self.num_blocks + 1), indexing="ij")
+        forward, backward = range_sums(self.forward_s), range_sums(self.backward_s)
+        return dict(
+            forward_s=forward,
+            backward_s=backward,
+            compute_s=forward + backward,
+            work_prefix_s=np.concatenate([[0.0], np.cumsum(self.forward_s + self.backward_s)]),
+            valid=j < i,
+            param_bytes=self.param_bytes_matrix,
+            trainable_bytes=self.trainable_bytes_matrix,
+            activation_bytes=range_sums(self.activation_bytes),
+            stage_input_bytes=cut[j],
+            boundary_bytes=cut[j] + cut[i],
+            largest_output_bytes=range_max(self.max_output_bytes),
+            largest_param_bytes=range_max(self.max_param_bytes),
+            first_grad_bytes=range_last(self.last_grad_bytes),
+        )
+
+
+def range_sums(values: Sequence[float]) -> np.ndarray:
+    """out[j, i]: the sum of values[j:i] (negative below the diagonal: callers mask j >= i)."""
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
+    return prefix[None, :] - prefix[:, None]
+
+
+def range_last(values: Sequence[float]) -> np.ndarray:
+    """out[j, i]: the last non-zero value among values[j:i] (0 if none, and where i <= j)."""
+    v = np.asarray(values, dtype=np.float64)
+    k = len(v)
+    # last[i]: position of the last non-zero value before i (-1: none); the range [j, i) has one iff last >= j
+    positions = np.where(v != 0, np.arange(k), -1)
+    last = np.concatenate([[-1], np.maximum.accumulate(positions)]) if k else np.array([-1])
+    j = np.arange(k + 1)[:, None]
+    inside = (last[None, :] >= j) & (j < np.arange(k + 1)[None, :])
+    return np.where(inside, v[np.maximum(last, 0)][None, :] if k else 0.0, 0.0)
+
+
+def range_max(values: Sequence[float]) -> np.ndarray:
+    """out[j, i]: the largest of values[j:i] (0 where i <= j)."""
+    v = np.asarray(values, dtype=np.float64)
+    k = len(v)
+    out = np.zeros((k + 1, k + 1))
+    for j in range(k):
+        out[j, j + 1 :] = np.maximum.accumulate(v[j:])
+    return out
 
 
 def block_costs(costs: CostTable, boundaries) -> BlockCosts:
@@ -353,6 +422,7 @@ def block_costs(costs: CostTable, boundaries) -> BlockCosts:
             [first_gradient_bytes(costs, [(int(b[k]), int(b[k + 1]))]) for k in range(len(b) - 1)], dtype=np.int64
         ),
         param_bytes_matrix=param_matrix,
+        tied_matrix=_tied_matrix(costs, b),
         trainable_bytes_matrix=trainable_matrix,
     )
 
@@ -366,6 +436,32 @@ def _largest_trainable_param(costs: CostTable, boundaries: np.ndarray) -> np.nda
         blocks = np.searchsorted(boundaries, np.asarray(uses), side="right") - 1
         np.maximum.at(largest, blocks, int(costs.param_bytes[p]))
     return largest
+
+
+def _tied_matrix(costs: CostTable, boundaries: np.ndarray) -> np.ndarray:
+    """bool (K+1, K+1) [j, i]: whether blocks [j, i) read some trainable parameter that a block
+    outside them reads too. With u_1 < ... < u_m the blocks that read a parameter (m >= 2), [j, i)
+    splits it unless it reads none of them (it lies in a gap, as in ``_held_param_matrices``) or
+    all of them (j <= u_1 and i > u_m); both are rectangles of (j, i), counted with a 2-D
+    difference array."""
+    k = len(boundaries) - 1
+    diff = np.zeros((k + 2, k + 2), dtype=np.int64)
+    num_split = 0  # parameters that some range may split
+    for p, uses in enumerate(costs.param_uses):
+        if not costs.param_trainable[p]:
+            continue
+        blocks = np.unique(np.searchsorted(boundaries, np.asarray(uses, dtype=np.int64), side="right") - 1)
+        if len(blocks) < 2:
+            continue
+        num_split += 1
+        for a, c in zip([-1, *blocks.tolist()], [*blocks.tolist(), k]):  # gaps: j >= a + 1 and i <= c
+            diff[a + 1, 0] += 1
+            diff[a + 1, c + 1] -= 1
+        first, last = int(blocks[0]), int(blocks[-1])  # all inside: j <= first and i >= last + 1
+        diff[0, last + 1] += 1
+        diff[first + 1, last + 1] -= 1
+    whole_or_none = np.cumsum(np.cumsum(diff, axis=0), axis=1)[: k + 1, : k + 1]
+    return np.triu(whole_or_none < num_split, 1)
 
 
 def _held_param_matrices(costs: CostTable, boundaries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -27,11 +27,12 @@ from partita.cost.analytic import analytic_costs
 from partita.cost.profiler import profile
 from partita.cost.table import contended
 from partita.errors import InputError
-from partita.planning.build import block_to_node_boundaries, build_plan, fits, total_compute_s
+from partita.planning.build import BuildMemo, block_to_node_boundaries, build_plan, fits, total_compute_s
 from partita.planning.chain import coarsen, legal_cuts, per_sample_cuts
 from partita.planning.options import CostSource, PlanOptions, resolve_precision
 from partita.planning.search import Candidate, SearchOptions
 from partita.planning.simulate import simulate
+from partita.planning.simulate_batch import simulate_many
 from partita.planning.tensor_parallel import check_degree, group_cluster, split_crossings
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
 from partita.types import CostTable, OpGraph, Plan, Precision, Sharding
@@ -69,6 +70,12 @@ class PlanningContext:
         ``layout`` (``partita.planning.tensor_parallel.split_crossings``): where stages may start."""
         legal = legal_cuts(self.graph)
         return legal if self.layout is None else legal & ~split_crossings(self.graph, self.layout)
+
+    @functools.cached_property
+    def build_memo(self) -> BuildMemo:
+        """Per-range results that this run's plans share (``partita.planning.build.BuildMemo``);
+        a context made with ``dataclasses.replace`` (other options or cluster) starts its own."""
+        return BuildMemo()
 
     @functools.cached_property
     def search_cluster(self) -> Cluster:
@@ -381,6 +388,7 @@ def draft_plan(ctx: PlanningContext, config, node_boundaries, recompute, method:
         method=method,
         resolved_options=ctx.resolved,
         versions=(partita.__version__, torch.__version__),
+        memo=ctx.build_memo,
     )
     if ctx.unsharded is None:
         return p
@@ -388,11 +396,26 @@ def draft_plan(ctx: PlanningContext, config, node_boundaries, recompute, method:
     return dataclasses.replace(p, total_compute_s=whole)
 
 
-def simulated(ctx: PlanningContext, p: Plan) -> Plan:
-    result = simulate(p, ctx.costs_at, ctx.cluster, keep_timeline=False)  # only the step and bubble are kept
+def simulated_drafts(ctx: PlanningContext, drafts: Sequence[Plan]) -> list[Plan]:
+    """``simulated(ctx, p)`` of each draft, the drafts of one schedule shape side by side
+    (``partita.planning.simulate_batch``: the same steps, bit for bit)."""
+    results = simulate_many(drafts, ctx.costs_at, ctx.cluster, memo=ctx.build_memo)
+    return [_with_result(p, result) for p, result in zip(drafts, results)]
+
+
+def _with_result(p: Plan, result) -> Plan:
     return p.__class__(
         **{**p.__dict__, "predicted_step_s": result.step_s, "predicted_bubble_fraction": result.bubble_fraction}
     )
+
+
+def simulated(ctx: PlanningContext, p: Plan, step_to_beat: float | None = None) -> Plan | None:
+    """``p`` with its simulated step and bubble; None when ``step_to_beat`` is given and the step
+    surely exceeds it (``cannot_beat``), which the simulator may tell before the end."""
+    result = simulate(
+        p, ctx.costs_at, ctx.cluster, keep_timeline=False, memo=ctx.build_memo, step_to_beat=step_to_beat
+    )  # only the step and bubble are kept
+    return None if result is None else _with_result(p, result)
 
 
 def fit_with_recompute(
@@ -406,9 +429,25 @@ def fit_with_recompute(
 ) -> Plan | None:
     """Recompute only the stages that do not fit without it (a pinned or config-wide mode is kept).
 
-    With ``step_to_beat``, also None (without simulating) when ``step_lower_bound_s`` shows that
-    the plan cannot be faster than that.
+    With ``step_to_beat``, also None when the plan cannot be faster than that: without simulating
+    when ``step_lower_bound_s`` shows it, else as soon as the simulation does (``simulated``).
     """
+    draft = fitting_draft(ctx, config, boundaries, method, mode, step_to_beat=step_to_beat)
+    return None if draft is None else simulated(ctx, draft, step_to_beat)
+
+
+def fitting_draft(
+    ctx: PlanningContext,
+    config,
+    boundaries: list[int],
+    method: str,
+    mode: bool | None = None,
+    *,
+    step_to_beat: float | None = None,
+) -> Plan | None:
+    """``fit_with_recompute`` but for the simulation: the draft plan that fits (its step not yet
+    simulated), or None (it does not fit, or ``step_lower_bound_s`` shows it cannot beat
+    ``step_to_beat``)."""
     if not routable(ctx, config, boundaries):
         return None
     pinned = ctx.options.recompute if mode is None else mode
@@ -427,16 +466,20 @@ def fit_with_recompute(
     final = [s.recompute for s in draft.stages]
     if step_to_beat is not None and cannot_beat(draft_lower_bound_s(config, draft, final), step_to_beat):
         return None
-    return simulated(ctx, draft)
+    return draft
 
 
-def step_lower_bound_s(config, compute_s: Sequence[float]) -> float:
-    """A bound below the simulated step, from each stage's F + B seconds per micro-batch.
+def step_lower_bound_s(config, compute_s: Sequence[float], forward_s: Sequence[float] | None = None) -> float:
+    """A bound below the simulated step, from each stage's F + B seconds per micro-batch (and,
+    with several stages per rank group, each stage's F seconds, ``forward_s``).
 
     Every rank group runs its actions one at a time, so the step is at least the busiest group's
     m (F + B). With one stage per group (GPipe, 1F1B) group g's first action is a forward, which
     waits for that micro-batch's forwards on groups 0 .. g-1, and its last a backward, after which
     that micro-batch's backwards on groups g-1 .. 0 still run: step >= sum_{k<g} (F_k + B_k) + m (F_g + B_g).
+    With v stages per group (interleaved 1F1B, ZBV) group g's first action is stage g's forward of
+    micro-batch 0, after the forwards of stages 0 .. g-1 (on groups 0 .. g-1), and then the group
+    computes m L_g (L_g: its stages' F + B): step >= sum_{k<g} F_k + m L_g.
     """
     m = config.num_microbatches
     if config.virtual_stages == 1:
@@ -448,7 +491,13 @@ def step_lower_bound_s(config, compute_s: Sequence[float]) -> float:
     loads = [0.0] * config.num_rank_groups
     for s, load in enumerate(compute_s):
         loads[config.rank_group_of(s)] += load
-    return m * max(loads)
+    if forward_s is None:
+        return m * max(loads)
+    before, bound = 0.0, 0.0
+    for g, load in enumerate(loads):
+        bound = max(bound, before + m * load)
+        before += forward_s[g]  # stage g is group g's first
+    return bound
 
 
 def draft_lower_bound_s(config, draft: Plan, recompute: Sequence[bool]) -> float:
@@ -464,6 +513,7 @@ def draft_lower_bound_s(config, draft: Plan, recompute: Sequence[bool]) -> float
             + (s.forward_s if s.rank_group in recomputes else 0.0)
             for s in draft.stages
         ],
+        [s.forward_s for s in draft.stages],
     )
 
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from partita.planning.chain import block_costs
-from partita.planning.context import PlanningContext, plan_from_candidate, plan_key
+from partita.planning.baselines import same_config
+from partita.planning.chain import BlockCosts, block_costs
+from partita.planning.context import PlanningContext, cannot_beat, plan_from_candidate, plan_key
 from partita.planning.refine import BaselineSeeds, refine
-from partita.planning.search import Candidate, search, sort_key
+from partita.planning.search import Candidate, SearchCache, config_step_floor, search, sort_key
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
 from partita.planning.uneven import search_uneven
 from partita.types import Plan
@@ -22,6 +24,13 @@ NUM_SIMULATED = 24
 
 NUM_REFINED = 6
 
+# Above this many devices the NUM_REFINED configs are the best of all tensor-parallel degrees
+# together, not of each degree: the refinement (a hill-climb of stage boundaries, built and
+# simulated plan by plan) is most of a large plan's search, and it gains a few per cent on the
+# configs it starts from, so configs whose simulated plan is slower than the best few of any
+# degree rarely end best. Up to this size (every case of bench/plan_quality.py and the oracle
+# tests) each degree refines its own NUM_REFINED.
+REFINE_ACROSS_DEGREES_ABOVE = 64
 
 # On short chains every config is refined whose best simulated plan is within this factor of the
 # best plan (refinement moves boundaries by a block or two; the oracle tests in
@@ -29,7 +38,34 @@ NUM_REFINED = 6
 REFINE_WITHIN = 1.2
 
 
-def best_plan(ctx: PlanningContext, *, num_simulated: int = NUM_SIMULATED) -> Plan | None:
+def best_plan(
+    ctx: PlanningContext, *, num_simulated: int = NUM_SIMULATED, step_to_beat: float | None = None
+) -> Plan | None:
+    """The best plan of one context: its candidates simulated (``simulated_candidates``), the
+    best of them refined (``refined_best``). ``step_to_beat``: a step that a plan found elsewhere
+    (another tensor-parallel degree) has; configs that cannot beat it are not refined."""
+    return refined_best(ctx, simulated_candidates(ctx, num_simulated=num_simulated), step_to_beat=step_to_beat)
+
+
+@dataclass
+class Simulated:
+    """A context's simulated candidates (``simulated_candidates``), for ``refined_best``."""
+
+    plans: list[Plan]
+    candidate_of: dict  # id(plan) -> its Candidate
+    num_refined: int | None  # configs to refine (None: every one within REFINE_WITHIN)
+    blocks_at: Callable[[int], BlockCosts]
+
+    @property
+    def best_step_s(self) -> float:
+        return min((p.predicted_step_s for p in self.plans), default=float("inf"))
+
+
+def simulated_candidates(
+    ctx: PlanningContext, *, num_simulated: int = NUM_SIMULATED, step_to_beat: float = float("inf")
+) -> Simulated:
+    """Search the configs and simulate the best candidates (the first ``num_simulated`` that fit).
+    ``step_to_beat``: a step found elsewhere; the long-chain search skips configs that cannot beat it."""
     blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
     num_blocks = len(ctx.chain) - 1
     uneven = []
@@ -42,15 +78,29 @@ def best_plan(ctx: PlanningContext, *, num_simulated: int = NUM_SIMULATED) -> Pl
     if num_blocks <= 16:  # small chains: simulate every candidate, refine every config
         candidates = _merged(search(blocks_at, ctx.options, ctx.search_cluster, num_blocks), uneven)
         simulated, candidate_of = _simulate_fitting(ctx, candidates)
-        return _refine_best(ctx, simulated, candidate_of, None)
+        return Simulated(simulated, candidate_of, None, blocks_at)
     # The pruned search returns the full list cut after its num_simulated-th candidate with one
     # stage per rank group; if fewer than num_simulated of them fit, the full list is needed.
-    candidates = search(blocks_at, ctx.options, ctx.search_cluster, num_blocks, num_best=num_simulated)
+    cache = SearchCache()  # the full search below reuses the pruned one's configs
+    candidates = search(
+        blocks_at,
+        ctx.options,
+        ctx.search_cluster,
+        num_blocks,
+        num_best=num_simulated,
+        cache=cache,
+        step_to_beat=step_to_beat,
+    )
     simulated, candidate_of = _simulate_fitting(ctx, _merged(candidates, uneven), num_simulated)
     if len(simulated) < num_simulated and sum(c.config.virtual_stages == 1 for c in candidates) >= num_simulated:
-        candidates = search(blocks_at, ctx.options, ctx.search_cluster, num_blocks)
+        candidates = search(blocks_at, ctx.options, ctx.search_cluster, num_blocks, cache=cache)
         simulated, candidate_of = _simulate_fitting(ctx, _merged(candidates, uneven), num_simulated)
-    return _refine_best(ctx, simulated, candidate_of, NUM_REFINED)
+    return Simulated(simulated, candidate_of, NUM_REFINED, blocks_at)
+
+
+def refined_best(ctx: PlanningContext, found: Simulated, *, step_to_beat: float | None = None) -> Plan | None:
+    """The best of ``found``'s plans after refining those of its best configs (``_refine_best``)."""
+    return _refine_best(ctx, found.plans, found.candidate_of, found.num_refined, found.blocks_at, step_to_beat)
 
 
 def _merged(uniform: list[Candidate], uneven: list[Candidate]) -> list[Candidate]:
@@ -74,9 +124,21 @@ def _simulate_fitting(ctx: PlanningContext, candidates: Sequence[Candidate], lim
     return simulated, candidate_of
 
 
-def _refine_best(ctx: PlanningContext, simulated: list[Plan], candidate_of: dict, num_refined: int | None):
+def _refine_best(
+    ctx: PlanningContext,
+    simulated: list[Plan],
+    candidate_of: dict,
+    num_refined: int | None,
+    blocks_at: Callable[[int], BlockCosts],
+    step_to_beat: float | None,
+):
     """Refine the best simulated plan of each of the best ``num_refined`` configs (None: all within
-    REFINE_WITHIN of the best plan's step); the best result."""
+    REFINE_WITHIN of the best plan's step); the best result.
+
+    A config is not started from the baselines' splits when no split of the nodes under it can beat
+    the best step known (``step_to_beat`` or the best simulated plan's), nor refined when besides
+    no split of its blocks can: ``config_step_floor`` bounds those splits' simulated steps, so
+    the result is the same."""
     if not simulated:
         return None
     simulated.sort(key=plan_key)
@@ -84,11 +146,73 @@ def _refine_best(ctx: PlanningContext, simulated: list[Plan], candidate_of: dict
     for p in simulated:  # the best simulated plan of each config, best configs first
         best_per_config.setdefault(candidate_of[id(p)].config, p)
     to_refine = list(best_per_config.values())[:num_refined]
+    if not to_refine:
+        return simulated[0]
     if num_refined is None:
         to_refine = [p for p in to_refine if p.predicted_step_s <= simulated[0].predicted_step_s * REFINE_WITHIN]
     seeds = BaselineSeeds(ctx)
+    to_beat = min(simulated[0].predicted_step_s, float("inf") if step_to_beat is None else step_to_beat)
+    options, cluster = ctx.options, ctx.search_cluster
+
+    def hopeless(config, block_splits: bool) -> bool:  # whether no such split of config can beat to_beat
+        blocks = blocks_at(config.microbatch_size)
+        return cannot_beat(config_step_floor(blocks, config, options, cluster, block_splits=block_splits), to_beat)
+
     refined = []
     for p in to_refine:
+        config = candidate_of[id(p)].config
+        # the baselines' splits are node splits, not block splits: a weaker bound
+        seeds_hopeless = hopeless(same_config(config), False)
+        if seeds_hopeless and hopeless(config, True):
+            refined.append(p)
+            continue
         best = refine(ctx, candidate_of[id(p)], p)
-        refined.append(min([best, *seeds.refined(candidate_of[id(p)].config, best)], key=plan_key))
+        refined.append(min([best, *([] if seeds_hopeless else seeds.refined(config, best))], key=plan_key))
     return min(refined, key=plan_key)
+
+
+def best_of_contexts(contexts: Sequence[PlanningContext]) -> list[tuple[Plan, PlanningContext]]:
+    """(best plan, context) of each context that has a plan, in the order given; one context per
+    tensor-parallel degree, say. Every context first simulates its candidates
+    (``simulated_candidates``); then they refine, the one with the fastest simulated plan first,
+    each only what could beat the best step found so far (``refined_best``'s ``step_to_beat``).
+    A context's plan thus differs from its ``best_plan`` only where another context's is faster.
+    On clusters of more than REFINE_ACROSS_DEGREES_ABOVE devices the contexts search from the
+    largest degree down (the fewest units, the fastest search, and at that size most often the
+    best), each skipping the configs that cannot beat the best simulated step of those before
+    (``search``'s ``step_to_beat``), and share one budget of NUM_REFINED configs
+    (``_shared_refinement``)."""
+    at_scale = bool(contexts) and contexts[0].cluster.num_devices > REFINE_ACROSS_DEGREES_ABOVE
+    if at_scale:
+        found: list[Simulated | None] = [None] * len(contexts)
+        step = float("inf")
+        for i in sorted(range(len(contexts)), key=lambda i: -contexts[i].options.tensor_parallel):
+            found[i] = simulated_candidates(contexts[i], step_to_beat=step)
+            step = min(step, found[i].best_step_s)
+        _shared_refinement(found)
+    else:
+        found = [simulated_candidates(ctx) for ctx in contexts]
+    best_step = min((f.best_step_s for f in found), default=float("inf"))
+    plans: list[Plan | None] = [None] * len(contexts)
+    for i in sorted(range(len(contexts)), key=lambda i: (found[i].best_step_s, i)):
+        plans[i] = refined_best(contexts[i], found[i], step_to_beat=best_step)
+        if plans[i] is not None:
+            best_step = min(best_step, plans[i].predicted_step_s)
+    return [(p, ctx) for p, ctx in zip(plans, contexts) if p is not None]
+
+
+def _shared_refinement(found: Sequence[Simulated]) -> None:
+    """Give each context's ``num_refined`` its share of the NUM_REFINED best configs of all of
+    them (by their best simulated plan; 0: its best simulated plan is taken unrefined)."""
+    best = []  # (plan key, context index, config) of each context's configs
+    for i, f in enumerate(found):
+        seen = set()
+        for p in sorted(f.plans, key=plan_key):
+            config = f.candidate_of[id(p)].config
+            if config not in seen:
+                seen.add(config)
+                best.append((plan_key(p), i, config))
+    best.sort(key=lambda item: (item[0], item[1]))
+    for i, f in enumerate(found):
+        if f.num_refined is not None:
+            f.num_refined = sum(1 for _, j, _ in best[:NUM_REFINED] if j == i)

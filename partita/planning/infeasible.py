@@ -1,72 +1,500 @@
-"""What would fit when nothing does: the ``InfeasiblePlanError`` and the numbers it names."""
+"""What would fit when nothing does: the ``InfeasiblePlanError``, its binding constraint, verified fixes.
+
+``partita.plan`` asks the memory bound (``partita.planning.memory_bound``) of every tensor-parallel
+degree's context first and searches only the degrees it lets through, so a request that cannot
+fit is answered in seconds, whatever the model's size. ``infeasible_error`` then says why
+nothing fits and what would: each change it names (more devices, finer blocks, another
+tensor-parallel degree or sharding level, unpinned recomputation or pipeline shape, a smaller
+global batch, more memory per device, bf16, a lighter optimizer) is checked before it is named:
+
+    the bound      re-run with the change applied lets the request through (the bound is below
+                   every plan's memory, so what it refuses can never fit);
+    the search     where searching is cheap (``_SEARCH_CHECKED_UNITS``, ``_SEARCH_CHECKED_WORK``),
+                   or where the bound does not apply (measured costs) or already let the request
+                   through: planning with the change finds a plan.
+
+Options the search already tried (recomputation when not pinned, every sharding level, every
+tensor-parallel degree) are never offered as fixes.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from partita.errors import InfeasiblePlanError
+import numpy as np
+
+from partita.errors import InfeasiblePlanError, InputError
+from partita.planning.build import module_range
+from partita.planning.chain import coarsen
 from partita.planning.context import PlanningContext
 from partita.planning.driver import best_plan
+from partita.planning.memory_bound import BlockNeed, MemoryBound
 from partita.planning.options import recompute_allowed
-from partita.planning.search import SearchOptions
-from partita.types import Precision, Sharding
+from partita.planning.tensor_parallel import DEGREES, check_degree, find_layout, split_crossings, with_layout
+from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
+from partita.types import OptimizerKind, Precision, Schedule, Sharding
 from partita.types.cluster import Cluster
 from partita.units import fmt_bytes
 
+__all__ = ["Fix", "infeasible_error", "memory_bound"]
 
-def infeasible_error(ctx: PlanningContext) -> InfeasiblePlanError:
-    """Say the smallest device count (same device) and the smallest memory per device that fit.
+# Fixes are also checked by planning with them when the search is cheap: at most this many devices
+# (tensor-parallel groups), and this many devices times blocks of the chain.
+_SEARCH_CHECKED_UNITS = 64
+_SEARCH_CHECKED_WORK = 1024
+# The most devices (a multiple of today's) and memory a fix may ask for.
+_MOST_DEVICES_FACTOR = 1024
 
-    Both are found by planning again (doubling, then bisection), so the numbers are ones with
-    which ``partita.plan`` succeeds; they are also attributes of the error (``min_devices``,
-    ``min_memory_bytes``; None when not found within 128x).
-    """
-    n = ctx.cluster.num_devices
-    valid = _valid_device_count(ctx.cluster, ctx.options.tensor_parallel)
-    min_devices = _smallest_fitting(lambda d: _fits_with(ctx, devices=d), n, valid)
-    min_usable = _smallest_fitting(lambda b: _fits_with(ctx, memory=b), ctx.options.memory_limit_bytes, None)
-    min_memory = None
-    if min_usable is not None:
-        reserved = ctx.cluster.reserved_memory_fraction
-        min_memory = int(min_usable / (1 - reserved)) + 1
-        while Cluster(**{**_cluster_fields(ctx.cluster), "memory_bytes": min_memory}).usable_memory_bytes < min_usable:
-            min_memory += 1
-    fixes = []
-    if min_devices is not None:
-        fixes.append(f"use at least {min_devices} devices")
-    if min_memory is not None:
-        fixes.append(f"use devices with at least {fmt_bytes(min_memory)} ({min_memory} bytes) of memory")
-    if ctx.options.sharding is Sharding.REPLICATE:
-        fixes.append("unpin sharding='replicate' (sharded replicas hold 1/r of the optimizer state)")
-    if ctx.resolved.get("tensor_parallel") == 1:
-        fixes.append("unpin tensor_parallel=1 (tensor-parallel groups hold a part of the largest weights each)")
-    if ctx.options.precision is Precision.FP32:
-        fixes.append("precision='bf16' (half-size activations)")
-    if any(recompute_allowed(s) for s in ctx.options.schedules):
-        fixes.append("or a smaller global batch, recompute=True, or a lighter optimizer")
-    else:  # ZBV never recomputes
-        fixes.append(
-            "or a smaller global batch, a lighter optimizer, or schedule '1f1b' or "
-            "'interleaved1f1b' with recompute=True"
-        )
-    err = InfeasiblePlanError(
-        f"no plan fits {n} device(s) with {fmt_bytes(ctx.options.memory_limit_bytes)} usable each "
-        f"({ctx.graph.num_parameters:,} parameters, optimizer {ctx.options.optimizer.value}): " + ", ".join(fixes)
+
+@dataclass(frozen=True)
+class Fix:
+    """One change that lets a plan fit. ``changes`` maps what to change to its new value: a
+    ``PlanOptions`` field (None: leave it unpinned, searched), ``num_devices`` or ``memory_bytes``
+    (Cluster fields) or ``global_batch_size``; ``option`` and ``value`` are the first of them.
+    ``checked_by``: "search" (planning with it found a plan) or "bound" (the memory bound, re-run
+    with it, lets the request through; planning was too costly to try)."""
+
+    changes: dict
+    text: str
+    checked_by: str
+
+    @property
+    def option(self) -> str:
+        return next(iter(self.changes))
+
+    @property
+    def value(self) -> Any:
+        return next(iter(self.changes.values()))
+
+
+def memory_bound(ctx: PlanningContext) -> MemoryBound:
+    """The memory bound of one planning context (``partita.planning.memory_bound``)."""
+    return MemoryBound(ctx.graph, ctx.chain, ctx.costs_at, ctx.options)
+
+
+def infeasible_error(
+    contexts: Sequence[PlanningContext], bounds: Sequence[MemoryBound] | None = None
+) -> InfeasiblePlanError:
+    """Why no context (one per tensor-parallel degree) has a plan, and what would fit, checked.
+
+    Attributes of the error: ``refused_by_bound`` (True: answered without searching),
+    ``binding`` ("block", "pipeline" or "search": which constraint binds), ``fixes`` (``Fix``),
+    ``min_devices`` and ``min_memory_bytes`` (the fewest devices and the least memory per device
+    found to fit, None when not found)."""
+    bounds = list(bounds) if bounds is not None else [memory_bound(c) for c in contexts]
+    refused = all(b.applies and not b.may_fit() for b in bounds)
+    checker = _Checker(list(contexts), bounds, refused)
+    # describe the degree with the most savings (the largest): the one closest to fitting
+    ctx, bound = contexts[-1], bounds[-1]
+    binding, cause = _cause(ctx, bound, refused, checker)
+    fixes = _fixes(checker)
+    base = contexts[0]
+    units = ", ".join(str(c.options.tensor_parallel) for c in contexts)
+    degree_text = f"tensor-parallel degree {units}" if len(contexts) == 1 else f"tensor-parallel degrees {units}"
+    head = (
+        f"no plan fits {base.cluster.num_devices:,} device(s) with {fmt_bytes(base.options.memory_limit_bytes)} "
+        f"usable each ({base.cluster.device.name}; {base.graph.num_parameters:,} parameters, optimizer "
+        f"{base.options.optimizer.value}, {base.options.precision.value}, {degree_text}, global batch "
+        f"{base.options.global_batch_size})"
     )
-    err.min_devices, err.min_memory_bytes = min_devices, min_memory
+    how = "the memory bound refuses it without searching" if refused else "the search found no split that fits"
+    if fixes:
+        advice = "would fit, each checked" + (
+            " (by planning with it)"
+            if all(f.checked_by == "search" for f in fixes)
+            else " (by the memory bound re-run with it, as planning would take long here)"
+            if all(f.checked_by == "bound" for f in fixes)
+            else " (by planning with it, or by the bound: marked)"
+        )
+        mixed = len({f.checked_by for f in fixes}) > 1
+        advice += ": " + "; ".join(f.text + (" [bound]" if mixed and f.checked_by == "bound" else "") for f in fixes)
+    else:
+        advice = "no single change checked here makes it fit (a smaller model, or several changes together)"
+    err = InfeasiblePlanError(f"{head}: {how}. {cause[:1].upper()}{cause[1:]}. What {advice}")
+    err.refused_by_bound, err.binding, err.fixes = refused, binding, tuple(fixes)
+    err.min_devices = next((f.value for f in fixes if f.option == "num_devices"), None)
+    err.min_memory_bytes = next((f.value for f in fixes if f.option == "memory_bytes"), None)
     return err
 
 
-def _fits_with(ctx: PlanningContext, *, devices: int | None = None, memory: int | None = None) -> bool:
-    """Whether ``ctx`` (at its tensor-parallel degree) finds a plan with ``devices`` or ``memory``."""
-    cluster, options = ctx.cluster, ctx.options
-    if devices is not None:
-        cluster = Cluster(**{**_cluster_fields(cluster), "num_devices": devices})
-        options = _with(options, num_devices=devices // options.tensor_parallel)
-    if memory is not None:
-        options = _with(options, memory_limit_bytes=memory)
-    trial = dataclasses.replace(ctx, cluster=cluster, options=options)
-    return best_plan(trial, num_simulated=4) is not None
+# ----------------------------------------------------------------------------- the cause
+
+
+def _cause(ctx: PlanningContext, bound: MemoryBound, refused: bool, checker: _Checker) -> tuple[str, str]:
+    """(binding constraint, its sentence) for ``ctx``."""
+    limit, units = ctx.options.memory_limit_bytes, ctx.options.num_devices
+    need = bound.largest_block_need(units) if bound.applies else None
+    if need is not None and need.needed_bytes > limit:
+        return "block", _block_sentence(ctx, need)
+    if refused:
+        return "pipeline", _pipeline_sentence(ctx, bound, need, checker.fewest_devices_by_bound)
+    largest = f"; the largest block needs at least {fmt_bytes(need.needed_bytes)}" if need else ""
+    return "search", (
+        f"every split the search tried exceeds {fmt_bytes(limit)} on some device (the memory bound lets the "
+        f"request through{largest}: what it cannot see, such as micro-batches in flight in deep pipelines, "
+        "binds)"
+    )
+
+
+def _pipeline_sentence(ctx: PlanningContext, bound: MemoryBound, need: BlockNeed | None, fewest: int | None) -> str:
+    """Every block fits somewhere, yet no pipeline does: at its deepest (one block per stage) the
+    replicas per stage are fewest, so each replica runs the most samples and shards the least."""
+    limit, units, t, k = (
+        ctx.options.memory_limit_bytes,
+        ctx.options.num_devices,
+        ctx.options.tensor_parallel,
+        bound.num_blocks,
+    )
+    largest = (
+        f" (the neediest in its cheapest stage: {fmt_bytes(need.needed_bytes)} of {fmt_bytes(limit)})" if need else ""
+    )
+    text = f"every block fits a device in some stage{largest}, but no pipeline of stages that fit covers the model"
+    deep = [r for r in bound.replica_counts(units, uniform=True) if r * k <= units]
+    if deep:
+        r = max(deep)
+        needs = bound.needs_at(r)
+        block = int(np.argmax(needs))
+        chain = np.asarray(ctx.chain)
+        name = module_range(ctx.graph, int(chain[block]), int(chain[block + 1]))
+        text += (
+            f": its most stages ({k}, one block each) leave {r} replica(s) per stage "
+            f"({'groups of ' + str(t) + ' devices, ' if t > 1 else ''}{ctx.options.global_batch_size // r} samples "
+            f"per replica per step), and then one block ({name}) needs at least {fmt_bytes(needs[block])}; fewer "
+            "stages hold several blocks each"
+        )
+    devices = f"at least {fewest:,} devices" if fewest else f"over {_MOST_DEVICES_FACTOR}x the devices"
+    return text + f". By the bound a plan needs {devices} here (interleaved 1F1B and ZB-V included)"
+
+
+def _block_sentence(ctx: PlanningContext, need: BlockNeed) -> str:
+    graph, chain, t = ctx.graph, np.asarray(ctx.chain), ctx.options.tensor_parallel
+    start, stop = int(chain[need.block]), int(chain[need.block + 1])
+    table = ctx.costs_at(1)
+    held = table.params_in_range(start, stop)
+    params = sum(int(table.param_bytes[p]) for p in held)
+    trainable = sum(int(table.param_bytes[p]) for p in held if table.param_trainable[p])
+    state = params + trainable * (1 + ctx.options.optimizer.states_per_parameter)
+    split = f", on each device of a group of {t}: split {t} ways" if t > 1 else ""
+    where = "as a stage of its own" if (need.start, need.stop) == (need.block, need.block + 1) else "in any stage"
+    b = need.breakdown
+    return (
+        f"one block ({module_range(graph, start, stop)}, {fmt_bytes(state)} of parameters + gradients + optimizer "
+        f"state{split}) needs at least {fmt_bytes(need.needed_bytes)} on a device, more than the "
+        f"{fmt_bytes(ctx.options.memory_limit_bytes)} usable, even {where} with every saving the search has: "
+        f"{need.replicas} replica(s) ({need.sharding.value}), {'recomputation' if need.recompute else 'no recomputation'}, "
+        f"micro-batch 1 (parameters {fmt_bytes(b.params_bytes)}, gradients {fmt_bytes(b.grads_bytes)}, optimizer "
+        f"{fmt_bytes(b.optimizer_bytes)}, activations {fmt_bytes(b.activations_bytes)}, buffers "
+        f"{fmt_bytes(b.buffers_bytes)})"
+    )
+
+
+# ----------------------------------------------------------------------------- the fixes
+
+
+def _fixes(checker: _Checker) -> list[Fix]:
+    base = checker.contexts[0]
+    o, cluster = base.options, base.cluster
+    fixes: list[Fix] = []
+    pinned_degree = base.resolved.get("tensor_parallel")
+    if pinned_degree is not None:
+        fixes += checker.other_degree(pinned_degree)
+    if o.sharding in (Sharding.REPLICATE, Sharding.SHARD_GRADS_AND_OPTIMIZER):
+        fixes += checker.option("sharding", None, f"unpin sharding={o.sharding.value!r} (the search tries every level)")
+    if o.recompute is False:
+        fixes += checker.option("recompute", None, "unpin recompute=False (recomputation where a stage needs it)")
+    if not any(recompute_allowed(s) for s in o.schedules):
+        fixes += checker.option(
+            "schedules",
+            (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B),
+            "schedule '1f1b' or 'interleaved1f1b' with recompute=True (ZBV never recomputes)",
+            extra={"recompute": None},
+        )
+    elif set(o.schedules) != set(Schedule):
+        fixes += checker.option("schedules", tuple(Schedule), "unpin schedules (every schedule searched)")
+    for name in ("num_stages", "replicas", "num_microbatches"):
+        if getattr(o, name) is not None and not base.graph.couples_samples:
+            fixes += checker.option(name, None, f"unpin {name}={getattr(o, name)}")
+    fixes += checker.finer_blocks()
+    fixes += checker.more_devices()
+    fixes += checker.more_memory()
+    fixes += checker.smaller_batch()
+    if o.precision is Precision.FP32 and cluster.device.name != "cpu":
+        fixes += checker.precision_bf16()
+    if o.optimizer is OptimizerKind.ADAM:
+        fixes += checker.option(
+            "optimizer", OptimizerKind.SGD_MOMENTUM, "optimizer='sgd-momentum' (one state per parameter)"
+        )
+    return fixes
+
+
+class _Checker:
+    """Variants of the contexts with one change, and whether they fit (module docstring). Bounds
+    of variants that keep a context's chain and costs reuse its tables."""
+
+    def __init__(self, contexts: list[PlanningContext], bounds: list[MemoryBound], refused: bool):
+        self.contexts, self.bounds, self.refused = contexts, bounds, refused
+        self._known = list(bounds)
+
+    def bound(self, ctx: PlanningContext) -> MemoryBound:
+        like = next((b for b in self._known if b.costs_at is ctx.costs_at and np.array_equal(b.chain, ctx.chain)), None)
+        found = MemoryBound(ctx.graph, ctx.chain, ctx.costs_at, ctx.options, like=like)
+        self._known.append(found)
+        return found
+
+    # -- checking
+
+    def _verdict(self, bound_lets_through: bool, applies: bool, make: Callable[[], PlanningContext | None]):
+        if applies and not bound_lets_through:
+            return None
+        variant = make()
+        if variant is None:
+            return None
+        if applies and self.refused and not _cheap(variant):
+            return "bound"
+        return "search" if best_plan(variant, num_simulated=4) is not None else None
+
+    def fits(self, variants: Sequence[PlanningContext | None]) -> str | None:
+        """ "search" or "bound" when some variant fits (checked as the module docstring says), else None."""
+        for variant in (v for v in variants if v is not None):
+            bound = self.bound(variant)
+            how = self._verdict(not bound.applies or bound.may_fit(), bound.applies, lambda v=variant: v)
+            if how:
+                return how
+        return None
+
+    def fits_scaled(self, *, devices: int | None = None, usable: int | None = None) -> str | None:
+        """``fits`` for more devices or memory: the contexts' own bounds answer at the new sizes."""
+        for ctx, bound in zip(self.contexts, self.bounds):
+            if devices is not None:
+                make = lambda c=ctx: _with_devices(c, devices)  # noqa: E731
+                if make() is None:
+                    continue
+                units = devices // ctx.options.tensor_parallel
+            else:
+                make, units = (lambda c=ctx: _with_memory(c, usable)), None  # noqa: E731
+            how = self._verdict(not bound.applies or bound.may_fit(units, usable), bound.applies, make)
+            if how:
+                return how
+        return None
+
+    def option(self, name: str, value: Any, text: str, *, extra: dict | None = None) -> list[Fix]:
+        changes = {name: value, **(extra or {})}
+        how = self.fits([_with_options(c, **changes) for c in self.contexts])
+        return [Fix(changes, text, how)] if how else []
+
+    # -- fixes with a number
+
+    def other_degree(self, pinned: int) -> list[Fix]:
+        """The largest other degree that fits (the most saving: the likeliest to fit in full)."""
+        base = self.contexts[0].unsharded or self.contexts[0]
+        for degree in sorted((d for d in DEGREES if d != pinned), reverse=True):
+            how = self.fits([_with_degree(base, degree)])
+            if how:
+                text = f"tensor_parallel={degree} (or leave it unpinned: the search tries every degree)"
+                return [Fix({"tensor_parallel": degree}, text, how)]
+        return []
+
+    def finer_blocks(self) -> list[Fix]:
+        base = self.contexts[0]
+        finest = int(np.count_nonzero(base.legal_cuts)) - 1
+        current = int(base.resolved.get("max_blocks") or len(base.chain) - 1)
+        candidates = [b for b in (current * 2, current * 4, current * 8) if b < finest] + [finest]
+        for blocks in candidates:
+            if blocks <= current:
+                continue
+            how = self.fits([_with_blocks(c, blocks) for c in self.contexts])
+            if how:
+                return [Fix({"max_blocks": blocks}, f"max_blocks={blocks} (finer blocks; today {current})", how)]
+        return []
+
+    @functools.cached_property
+    def fewest_devices_by_bound(self) -> int | None:
+        found = [_fewest_devices(c, b) for c, b in zip(self.contexts, self.bounds)]
+        found = [f for f in found if f is not None]
+        return min(found) if found else None
+
+    def more_devices(self) -> list[Fix]:
+        base = self.contexts[0]
+        start = self.fewest_devices_by_bound if self.refused else None
+        valid = _valid_device_count(base.cluster, max(c.options.tensor_parallel for c in self.contexts))
+        start = start or valid(base.cluster.num_devices + 1)
+        most = base.cluster.num_devices * _MOST_DEVICES_FACTOR
+        fits = lambda n: self.fits_scaled(devices=n)  # noqa: E731
+        found = _smallest_fitting(fits, start, most, valid)
+        if found is None:
+            return []
+        count, how = found
+        nodes = -(-count // base.cluster.devices_per_node)
+        return [Fix({"num_devices": count}, f"use at least {count:,} devices ({nodes:,} node(s))", how)]
+
+    def more_memory(self) -> list[Fix]:
+        base = self.contexts[0]
+        limits = [b.least_limit() for b in self.bounds] if self.refused else []
+        start = min((x for x in limits if x), default=base.options.memory_limit_bytes + 1)
+        fits = lambda b: self.fits_scaled(usable=b)  # noqa: E731
+        found = _smallest_fitting(fits, start, base.options.memory_limit_bytes * _MOST_DEVICES_FACTOR, None)
+        if found is None:
+            return []
+        usable, how = found
+        memory = _memory_for_usable(base.cluster, usable)
+        text = f"use devices with at least {fmt_bytes(memory)} ({memory} bytes) of memory"
+        return [Fix({"memory_bytes": memory}, text, how)]
+
+    def smaller_batch(self) -> list[Fix]:
+        base = self.contexts[0]
+        batch, o = base.options.global_batch_size, base.options
+        unit = (o.num_microbatches or 1) * (o.replicas or 1)
+        candidate = batch // 2 // unit * unit
+        while candidate >= unit and candidate > 0:
+            how = self.fits([_with_batch(c, candidate) for c in self.contexts])
+            if how:
+                return [Fix({"global_batch_size": candidate}, f"a global batch of {candidate} (today {batch})", how)]
+            candidate = candidate // 2 // unit * unit
+        return []
+
+    def precision_bf16(self) -> list[Fix]:
+        how = self.fits([_with_precision(c) for c in self.contexts])
+        return [Fix({"precision": Precision.BF16}, "precision='bf16' (half-size activations)", how)] if how else []
+
+
+def _cheap(ctx: PlanningContext) -> bool:
+    units = ctx.options.num_devices
+    return units <= _SEARCH_CHECKED_UNITS and units * (len(ctx.chain) - 1) <= _SEARCH_CHECKED_WORK
+
+
+def _smallest_fitting(fits: Callable[[int], str | None], start: int, most: int, valid) -> tuple[int, str] | None:
+    """Smallest value from ``start`` (below which nothing fits) up to ``most`` for which ``fits``
+    answers, and its answer: ``start`` itself, else doubling, then bisection to 1/256."""
+    valid = valid or (lambda x: x)
+    low, high = start - 1, valid(start)
+    how = fits(high) if high <= most else None
+    while how is None:
+        low, high = high, valid(high * 2)
+        if high > most:
+            return None
+        how = fits(high)
+    while high - low > max(1, high // 256):
+        mid = valid((low + high) // 2)
+        if mid <= low or mid >= high:
+            break
+        answer = fits(mid)
+        low, high, how = (low, mid, answer) if answer else (mid, high, how)
+    return high, how
+
+
+def _fewest_devices(ctx: PlanningContext, bound: MemoryBound) -> int | None:
+    """The fewest devices (more than today's) with which ``bound`` lets ``ctx`` through."""
+    t, cluster = ctx.options.tensor_parallel, ctx.cluster
+    valid = _valid_device_count(cluster, t)
+
+    def valid_units(units: int, r: int) -> int | None:
+        count = -(-units // r) * r
+        for _ in range(cluster.devices_per_node + 1):
+            devices = count * t
+            if count > ctx.options.num_devices and valid(devices) == devices:
+                return count
+            count += r
+        return None
+
+    most = ctx.options.num_devices * _MOST_DEVICES_FACTOR
+    units = bound.fewest_units(ctx.options.memory_limit_bytes, valid_units, most)
+    return None if units is None else units * t
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def _with_options(ctx: PlanningContext, **changes) -> PlanningContext:
+    return dataclasses.replace(ctx, options=dataclasses.replace(ctx.options, **changes))
+
+
+def _with_devices(ctx: PlanningContext, devices: int) -> PlanningContext | None:
+    t = ctx.options.tensor_parallel
+    cluster = dataclasses.replace(ctx.cluster, num_devices=devices)
+    try:
+        check_degree(t, cluster, replicas=ctx.options.replicas, num_stages=ctx.options.num_stages)
+    except InputError:
+        return None
+    uniform = ctx.options.uniform_replicas or devices > UNEVEN_MAX_DEVICES
+    options = dataclasses.replace(ctx.options, num_devices=devices // t, uniform_replicas=uniform)
+    return dataclasses.replace(ctx, cluster=cluster, options=options)
+
+
+def _with_memory(ctx: PlanningContext, usable: int) -> PlanningContext:
+    return _with_options(ctx, memory_limit_bytes=usable)
+
+
+def _with_degree(base: PlanningContext, degree: int) -> PlanningContext | None:
+    """The context of ``degree`` made from the degree-1 ``base`` (None: the cluster or the model
+    cannot split that way)."""
+    try:
+        check_degree(degree, base.cluster, replicas=base.options.replicas, num_stages=base.options.num_stages)
+    except InputError:
+        return None
+    if degree == 1:
+        return base
+    layout = find_layout(base.graph, degree)
+    return None if layout.is_trivial else with_layout(base, layout)
+
+
+def _reference_microbatch(ctx: PlanningContext, batch: int) -> int:
+    """The micro-batch size whose costs ``planning_context`` coarsens the graph with."""
+    return max(1, min(ctx.graph.batch_size, batch // ctx.cluster.num_devices or 1))
+
+
+def _rechained(ctx: PlanningContext, max_blocks: int, batch: int) -> np.ndarray:
+    """The chain a run with ``max_blocks`` and global batch ``batch`` coarsens (as ``planning_context``)."""
+    base = ctx.unsharded or ctx
+    reference = _reference_microbatch(ctx, batch)
+    chain = coarsen(ctx.graph, base.costs_at(reference), max_blocks=max_blocks)
+    return chain if ctx.layout is None else chain[~split_crossings(ctx.graph, ctx.layout)[chain]]
+
+
+def _with_blocks(ctx: PlanningContext, max_blocks: int) -> PlanningContext:
+    chain = _rechained(ctx, max_blocks, ctx.options.global_batch_size)
+    return dataclasses.replace(ctx, chain=chain, resolved={**ctx.resolved, "max_blocks": max_blocks})
+
+
+def _with_batch(ctx: PlanningContext, batch: int) -> PlanningContext:
+    chain = ctx.chain
+    if _reference_microbatch(ctx, batch) != _reference_microbatch(ctx, ctx.options.global_batch_size):
+        chain = _rechained(ctx, int(ctx.resolved.get("max_blocks") or 128), batch)
+    return dataclasses.replace(ctx, chain=chain, options=dataclasses.replace(ctx.options, global_batch_size=batch))
+
+
+def _with_precision(ctx: PlanningContext) -> PlanningContext | None:
+    """``ctx`` in bf16 (analytic costs only: the profiler measures fp32)."""
+    from partita.planning.context import planning_context
+    from partita.planning.options import PlanOptions
+
+    if ctx.resolved.get("costs") != "analytic":
+        return None
+    r = ctx.resolved
+    base = ctx.unsharded or ctx
+    options = PlanOptions(
+        schedules=tuple(base.options.schedules),
+        num_stages=r.get("num_stages"),
+        replicas=r.get("replicas"),
+        num_microbatches=r.get("num_microbatches"),
+        recompute=r.get("recompute"),
+        uniform_replicas=base.options.uniform_replicas,
+        optimizer=base.options.optimizer,
+        precision="bf16",
+        sharding=r.get("sharding"),
+        costs="analytic",
+        max_blocks=int(r.get("max_blocks") or 128),
+    )
+    try:
+        again = planning_context(
+            ctx.graph, cluster=base.cluster, global_batch_size=base.options.global_batch_size, options=options
+        )
+    except InputError:
+        return None
+    return again if ctx.layout is None else with_layout(again, ctx.layout)
 
 
 def _valid_device_count(cluster: Cluster, tensor_parallel: int = 1):
@@ -81,27 +509,9 @@ def _valid_device_count(cluster: Cluster, tensor_parallel: int = 1):
     return valid
 
 
-def _smallest_fitting(fits, current: int, valid) -> int | None:
-    """Smallest value above ``current`` for which ``fits`` holds: doubling, then bisection."""
-    valid = valid or (lambda x: x)
-    low, high = current, valid(current * 2)
-    for _ in range(7):
-        if fits(high):
-            break
-        low, high = high, valid(high * 2)
-    else:
-        return None
-    while high - low > max(1, high // 256):
-        mid = valid((low + high) // 2)
-        if mid <= low or mid >= high:
-            break
-        low, high = (low, mid) if fits(mid) else (mid, high)
-    return high
-
-
-def _with(options: SearchOptions, **changes) -> SearchOptions:
-    return SearchOptions(**{**options.__dict__, **changes})
-
-
-def _cluster_fields(cluster: Cluster) -> dict:
-    return dict(cluster.__dict__)
+def _memory_for_usable(cluster: Cluster, usable: int) -> int:
+    """The least device memory whose usable part (less the reserved fraction) is ``usable``."""
+    memory = int(usable / (1 - cluster.reserved_memory_fraction)) + 1
+    while dataclasses.replace(cluster, memory_bytes=memory).usable_memory_bytes < usable:
+        memory += 1
+    return memory

@@ -12,17 +12,37 @@ device-mesh axis; RaNNC's stage DP has the same shape):
 
 The pipeline step of GPipe/1F1B is about ``(m - 1) * max_s t_s + sum_s t_s``: the bottleneck DP
 finds the smallest achievable ``max``, and the bounded-sum DP, run for each candidate ``t_max``
-(the "enumerate the bottleneck" trick of Alpa), the smallest ``sum`` under it. Each (kernel,
-driver, backtrack) is written out separately.
+(the "enumerate the bottleneck" trick of Alpa), the smallest ``sum`` under it; the bounds of one
+chain run side by side (one array operation per stage for all of them). Each (kernel, driver,
+backtrack) is written out separately.
+
+Banded DPs. Given ``work`` (prefix sums P with ``cost[k][j, i] >= P[i] - P[j]``: a stage costs at
+least its compute), a stage under a bound ``t`` spans at most ``w(t) = max_j (#blocks i - j with
+P[i] - P[j] <= t)`` blocks, so the minimum over j runs over ``i - w .. i - 1`` only: ``S K w``
+work instead of ``S K^2`` (w is about K / S for a balanced split, one or two blocks on deep
+pipelines). The candidates are the same values in the same order of j, so the results (ties:
+the smallest j) equal the full DP's. The bottleneck DP has no bound to start from: it runs under
+a guess ``U`` (stages costing more are left out), which is exact when its answer is finite (the
+optimum is then at most U, and no stage of the optimal split costs more), and doubles U until
+then (the full DP once the band spans the chain).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 StageCost = Callable[[int], np.ndarray]  # stage index k -> (K+1, K+1) cost matrix
+
+# Bounds per pass of min_sums_under: a (bounds, w, K+1) array per stage stays small.
+_BOUNDS_PER_PASS = 64
+# Relative slack on the band widths: P's differences and the cost matrices' sums round apart.
+_BAND_SLACK = 1e-6
+# The band pays for its gathering when it is at most this share of the chain.
+_BAND_SHARE = 0.25
+RELAXATIONS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35)  # of the smallest bottleneck, on long chains
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -35,19 +55,74 @@ def _bottleneck_step(previous: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray
     return candidates[best, np.arange(cost.shape[1])], best
 
 
-def _sum_step(previous: np.ndarray, cost: np.ndarray, t_max: float) -> tuple[np.ndarray, np.ndarray]:
-    """One layer of the bounded-sum DP: (F[k][i], argmin j) from F[k-1] and cost[k-1]."""
-    bounded = np.where(cost <= t_max, cost, np.inf)
-    candidates = previous[:, None] + bounded
-    best = np.argmin(candidates, axis=0)
-    return candidates[best, np.arange(cost.shape[1])], best
+def _sum_step(previous: np.ndarray, cost: np.ndarray, t_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One layer of the bounded-sum DP for several bounds: (F[k][i], argmin j) per bound, each
+    (T, K+1), from F[k-1] (T, K+1), cost[k-1] (K+1, K+1) and the bounds t_max (T,)."""
+    value, best = np.empty_like(previous), np.empty(previous.shape, dtype=np.int64)
+    columns = np.arange(cost.shape[1])
+    for t, bound in enumerate(t_max):
+        candidates = previous[t][:, None] + np.where(cost <= bound, cost, np.inf)  # (j, i)
+        best[t] = np.argmin(candidates, axis=0)
+        value[t] = candidates[best[t], columns]
+    return value, best
+
+
+class _Band:
+    """The entries ``cost[i - d, i]`` of a cost matrix for d = w .. 1 (rows: j ascending), inf
+    where i - d < 0; ``rows[d_row, i]`` is that j (0 where negative)."""
+
+    def __init__(self, cost: np.ndarray, width: int):
+        self.rows, flat, outside, self.first_start = _band_indices(cost.shape[0], width)
+        self.values = cost.ravel().take(flat)
+        self.values[outside] = np.inf
+
+
+@functools.lru_cache(maxsize=1024)
+def _band_indices(size: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(rows j, flat indices j * size + i, where i - d < 0, j of row 0) of ``_Band`` for (size, size) matrices."""
+    columns = np.arange(size)
+    starts = columns[None, :] - np.arange(width, 0, -1)[:, None]  # (w, K+1): j = i - d
+    rows = np.maximum(starts, 0)
+    return rows, rows * size + columns[None, :], starts < 0, columns - width
+
+
+def _band_sum_step(previous: np.ndarray, band: _Band, t_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``_sum_step`` on the band: the same candidates in the same order of j."""
+    bounded = np.where(band.values[None] <= t_max[:, None, None], band.values[None], np.inf)  # (T, w, i)
+    candidates = previous[:, band.rows] + bounded
+    row = np.argmin(candidates, axis=1)  # (T, i): the first minimum, the smallest j
+    return candidates.min(axis=1), band.first_start[None, :] + row
+
+
+def _band_bottleneck_step(previous: np.ndarray, band: _Band, limit: float) -> np.ndarray:
+    """One layer of the bottleneck DP on the band, stages costing more than ``limit`` left out."""
+    values = np.where(band.values <= limit, band.values, np.inf)
+    return np.maximum(previous[band.rows], values).min(axis=0)
 
 
 # ----------------------------------------------------------------------------- drivers
 
 
-def min_bottleneck(stage_cost: StageCost, num_blocks: int, num_stages: int) -> float:
+def band_width(work: np.ndarray, t_max: float) -> int:
+    """Blocks a stage under ``t_max`` spans at most, from the non-decreasing prefix sums ``work``
+    (module docstring), with a little slack for rounding: a wider band gives the same answer."""
+    k = len(work) - 1
+    if not np.isfinite(t_max):
+        return k
+    limit = t_max * (1 + _BAND_SLACK) + _BAND_SLACK * abs(float(work[-1]))
+    reach = np.searchsorted(work, work + limit, side="right") - 1  # the last i with P[i] - P[j] <= limit
+    return int(min(k, max(1, int((reach - np.arange(k + 1)).max()))))
+
+
+def min_bottleneck(stage_cost: StageCost, num_blocks: int, num_stages: int, work: np.ndarray | None = None) -> float:
     """Smallest possible max stage time over all splits into ``num_stages`` stages (inf: none fits)."""
+    guess = 2 * (float(work[-1]) / num_stages + float(np.diff(work).max())) if work is not None else 0.0
+    if guess > 0:
+        while (width := band_width(work, guess)) <= _BAND_SHARE * num_blocks:
+            value = _banded_bottleneck(stage_cost, num_blocks, num_stages, width, guess)
+            if np.isfinite(value):
+                return value
+            guess *= 2
     value = np.full(num_blocks + 1, np.inf)
     value[0] = 0.0
     for k in range(num_stages):
@@ -55,18 +130,53 @@ def min_bottleneck(stage_cost: StageCost, num_blocks: int, num_stages: int) -> f
     return float(value[num_blocks])
 
 
+def _banded_bottleneck(stage_cost: StageCost, num_blocks: int, num_stages: int, width: int, limit: float) -> float:
+    value = np.full(num_blocks + 1, np.inf)
+    value[0] = 0.0
+    bands: dict[int, _Band] = {}  # stages that share a cost matrix share its band
+    for k in range(num_stages):
+        cost = stage_cost(k)
+        band = bands.setdefault(id(cost), _Band(cost, width))
+        value = _band_bottleneck_step(value, band, limit)
+    return float(value[num_blocks])
+
+
 def min_sum_under(stage_cost: StageCost, num_blocks: int, num_stages: int, t_max: float) -> list[int] | None:
     """Boundaries (block positions, first 0, last K) minimising the sum of stage times with
     every stage at most ``t_max``; None when no split satisfies the bound."""
-    value = np.full(num_blocks + 1, np.inf)
-    value[0] = 0.0
-    choices = []
-    for k in range(num_stages):
-        value, best = _sum_step(value, stage_cost(k), t_max)
-        choices.append(best)
-    if not np.isfinite(value[num_blocks]):
-        return None
-    return _backtrack(choices, num_blocks)
+    return min_sums_under(stage_cost, num_blocks, num_stages, [t_max])[0]
+
+
+def min_sums_under(
+    stage_cost: StageCost,
+    num_blocks: int,
+    num_stages: int,
+    t_maxes: Sequence[float],
+    work: np.ndarray | None = None,
+) -> list[list[int] | None]:
+    """``min_sum_under`` for each bound of ``t_maxes``, the bounds of one pass side by side, on
+    the band of the largest bound when ``work`` is given (module docstring)."""
+    result: list[list[int] | None] = []
+    costs = [stage_cost(k) for k in range(num_stages)]
+    for first in range(0, len(t_maxes), _BOUNDS_PER_PASS):
+        bounds = np.asarray(t_maxes[first : first + _BOUNDS_PER_PASS], dtype=np.float64)
+        width = band_width(work, float(bounds.max())) if work is not None else num_blocks
+        bands: dict[int, _Band] = {}
+        value = np.full((len(bounds), num_blocks + 1), np.inf)
+        value[:, 0] = 0.0
+        choices = []
+        for cost in costs:
+            if width <= _BAND_SHARE * num_blocks:
+                value, best = _band_sum_step(value, bands.setdefault(id(cost), _Band(cost, width)), bounds)
+            else:
+                value, best = _sum_step(value, cost, bounds)
+            choices.append(best)
+        for t in range(len(bounds)):
+            if np.isfinite(value[t, num_blocks]):
+                result.append(_backtrack([best[t] for best in choices], num_blocks))
+            else:
+                result.append(None)
+    return result
 
 
 def _backtrack(choices: Sequence[np.ndarray], num_blocks: int) -> list[int]:
@@ -78,14 +188,16 @@ def _backtrack(choices: Sequence[np.ndarray], num_blocks: int) -> list[int]:
     return boundaries
 
 
-def bottleneck_candidates(stage_cost: StageCost, num_blocks: int, num_stages: int, *, exhaustive: bool) -> list[float]:
+def bottleneck_candidates(
+    stage_cost: StageCost, num_blocks: int, num_stages: int, *, exhaustive: bool, work: np.ndarray | None = None
+) -> list[float]:
     """The t_max values to try: every distinct feasible stage time at or above the optimal
     bottleneck when ``exhaustive`` (small chains), else the bottleneck and a few relaxations."""
-    floor = min_bottleneck(stage_cost, num_blocks, num_stages)
+    floor = min_bottleneck(stage_cost, num_blocks, num_stages, work)
     if not np.isfinite(floor):
         return []
     if not exhaustive:
-        return [floor * (1 + eps) for eps in (0.0, 0.02, 0.05, 0.1, 0.2, 0.35)]
+        return [floor * (1 + eps) for eps in RELAXATIONS]
     values = set()
     for k in range(num_stages):
         c = stage_cost(k)
@@ -94,13 +206,15 @@ def bottleneck_candidates(stage_cost: StageCost, num_blocks: int, num_stages: in
 
 
 def candidate_partitions(
-    stage_cost: StageCost, num_blocks: int, num_stages: int, *, exhaustive: bool
+    stage_cost: StageCost, num_blocks: int, num_stages: int, *, exhaustive: bool, work: np.ndarray | None = None
 ) -> list[list[int]]:
-    """Distinct optimal-sum splits, one per candidate bottleneck, in order of increasing bound."""
+    """Distinct optimal-sum splits, one per candidate bottleneck, in order of increasing bound.
+    ``work``: prefix sums below every stage's cost (module docstring: the banded DPs)."""
     seen: set[tuple[int, ...]] = set()
     result = []
-    for t_max in bottleneck_candidates(stage_cost, num_blocks, num_stages, exhaustive=exhaustive):
-        boundaries = min_sum_under(stage_cost, num_blocks, num_stages, t_max * (1 + 1e-12))
+    floors = bottleneck_candidates(stage_cost, num_blocks, num_stages, exhaustive=exhaustive, work=work)
+    bounds = [t * (1 + 1e-12) for t in floors]
+    for boundaries in min_sums_under(stage_cost, num_blocks, num_stages, bounds, work):
         if boundaries is not None and tuple(boundaries) not in seen:
             seen.add(tuple(boundaries))
             result.append(boundaries)

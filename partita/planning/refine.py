@@ -21,7 +21,9 @@ from partita.planning.context import (
     PlanningContext,
     cannot_beat,
     fit_with_recompute,
+    fitting_draft,
     plan_key,
+    simulated_drafts,
     step_lower_bound_s,
 )
 from partita.planning.search import Candidate, Config
@@ -89,7 +91,12 @@ def neighbours(boundaries: list[int]) -> list[list[int]]:
 def refine(ctx: PlanningContext, candidate: Candidate, start: Plan, *, max_rounds: int = 20) -> Plan:
     """Hill-climb on the simulated step: move a stage boundary by one or two blocks (or shift a
     whole stage) while that makes the step shorter. The DP optimises a closed-form estimate; this fixes what the
-    estimate misses (transfers, all-reduce tails, the schedule's real order)."""
+    estimate misses (transfers, all-reduce tails, the schedule's real order).
+
+    Each round takes the best neighbour (steepest descent), trying them from the lowest bound on
+    their step up, in chunks simulated side by side (``partita.planning.simulate_batch``), until a
+    bound shows that no neighbour left can beat the best found: neighbours not tried cannot be
+    the best, so the chunks change how fast, not which neighbour wins."""
     config, best = candidate.config, start
     boundaries = list(candidate.boundaries)
     quick_bound = split_bound(ctx, config)
@@ -97,31 +104,57 @@ def refine(ctx: PlanningContext, candidate: Candidate, start: Plan, *, max_round
     # which is never shorter than any later step to beat (steps only improve).
     tried: dict[tuple[int, ...], Plan | None] = {}
     for _ in range(max_rounds):
-        step = None  # the best neighbour of this round (steepest descent: the order of trying them is free)
         ranked = []
         for moved in neighbours(boundaries):
             nodes = block_to_node_boundaries(ctx.chain, moved)
             ranked.append((quick_bound(nodes), moved, nodes))
         ranked.sort(key=lambda item: (item[0], item[1]))  # most promising first: the step to beat drops fast
-        for bound, moved, nodes in ranked:
-            if cannot_beat(bound, (step[0] if step else best).predicted_step_s):
-                break  # does not fit or cannot be faster, nor can any later one
-            if tuple(moved) not in tried:
-                tried[tuple(moved)] = fit_with_recompute(
-                    ctx,
-                    config,
-                    nodes,
-                    "partita",
-                    mode=config.recompute_mode,
-                    step_to_beat=(step[0] if step else best).predicted_step_s,
-                )
-            trial = tried[tuple(moved)]
-            if trial is not None and plan_key(trial) < plan_key(step[0] if step else best):
-                step = (trial, moved)
+        step = _best_neighbour(ctx, config, ranked, best, tried)
         if step is None:
             return best
         best, boundaries = step
     return best
+
+
+# Neighbours tried side by side: the first chunk, and how much each next chunk grows.
+_FIRST_CHUNK, _CHUNK_GROWTH = 8, 2
+
+
+def _best_neighbour(ctx: PlanningContext, config, ranked: list, best: Plan, tried: dict):
+    """(plan, block boundaries) of the best neighbour of ``ranked`` ((bound, block boundaries,
+    node boundaries), by bound) that beats ``best``; None when none does."""
+    step = None  # (plan, moved): the best neighbour so far
+    chunk, position = _FIRST_CHUNK, 0
+    while position < len(ranked):
+        to_beat = (step[0] if step else best).predicted_step_s
+        batch = []
+        for bound, moved, nodes in ranked[position : position + chunk]:
+            if cannot_beat(bound, to_beat):
+                position = len(ranked)  # does not fit or cannot be faster, nor can any later one
+                break
+            batch.append((moved, nodes))
+        else:
+            position += chunk
+        _try_all(ctx, config, [(m, n) for m, n in batch if tuple(m) not in tried], to_beat, tried)
+        for moved, _ in batch:
+            trial = tried[tuple(moved)]
+            if trial is not None and plan_key(trial) < plan_key(step[0] if step else best):
+                step = (trial, moved)
+        chunk *= _CHUNK_GROWTH
+    return step
+
+
+def _try_all(ctx: PlanningContext, config, splits: list, step_to_beat: float, tried: dict) -> None:
+    """Build, check and simulate each split (``fit_with_recompute`` with ``step_to_beat``), the
+    ones that fit side by side; into ``tried``."""
+    drafts = {}
+    for moved, nodes in splits:
+        draft = fitting_draft(ctx, config, nodes, "partita", mode=config.recompute_mode, step_to_beat=step_to_beat)
+        tried[tuple(moved)] = None
+        if draft is not None:
+            drafts[tuple(moved)] = draft
+    for moved, plan in zip(drafts, simulated_drafts(ctx, list(drafts.values()))):
+        tried[moved] = plan
 
 
 def split_bound(ctx: PlanningContext, config) -> Callable[[Sequence[int]], float]:
@@ -184,6 +217,7 @@ def split_bound(ctx: PlanningContext, config) -> Callable[[Sequence[int]], float
                 compute[s][b] - compute[s][a] + (forward[s][b] - forward[s][a] if r else 0.0)
                 for s, ((a, b), r) in enumerate(zip(stages, recompute))
             ],
+            [forward[s][b] - forward[s][a] for s, (a, b) in enumerate(stages)],
         )
 
     return bound

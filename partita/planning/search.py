@@ -36,7 +36,7 @@ from partita.cost.memory import memory_from_totals, microbatches_in_flight
 from partita.errors import InputError
 from partita.planning.chain import BlockCosts
 from partita.planning.options import recompute_allowed
-from partita.planning.partition import candidate_partitions
+from partita.planning.partition import candidate_partitions, min_bottleneck
 from partita.planning.schedules import check_schedule
 from partita.planning.sharding import levels, step_overhead_s
 from partita.types import OptimizerKind, Precision, Schedule, Sharding
@@ -206,27 +206,14 @@ class StageCosts:
     micro-batches (never less than its compute, which the search's lower bounds rely on)."""
 
     def __init__(self, blocks: BlockCosts, config: Config, options: SearchOptions, cluster):
-        k = blocks.num_blocks
         self.config, self.options = config, options
-        forward = _range_sums(blocks.forward_s)
-        self.forward = forward
-        backward = _range_sums(blocks.backward_s)
-        self.compute = forward + backward
-        j, i = np.meshgrid(np.arange(k + 1), np.arange(k + 1), indexing="ij")
-        self.valid = j < i
-        cut = np.asarray(blocks.cut_bytes, dtype=np.float64)
-        self.totals = dict(
-            param_bytes=blocks.param_bytes_matrix,
-            trainable_bytes=blocks.trainable_bytes_matrix,
-            activation_bytes=_range_sums(blocks.activation_bytes),
-            stage_input_bytes=cut[j],
-            boundary_bytes=cut[j] + cut[i],
-            largest_output_bytes=_range_max(blocks.max_output_bytes),
-            largest_param_bytes=_range_max(blocks.max_param_bytes),
-            first_grad_bytes=_range_last(blocks.last_grad_bytes),
-        )
+        ranges = blocks.stage_totals  # config-independent: shared by every config at this size
+        forward, backward = ranges["forward_s"], ranges["backward_s"]
+        self.forward, self.compute, self.valid = forward, ranges["compute_s"], ranges["valid"]
+        self.unshared = ranges["valid"] & ~blocks.tied_matrix  # stages that may shard
+        self.totals = {name: ranges[name] for name in _TOTALS}
         # Activation and gradient of the stage's output cross to the next stage once each.
-        self.send = np.array([2 * p2p_time_s(float(c), cluster, same_node=True) for c in cut])
+        self.send = np.array([2 * p2p_time_s(float(c), cluster, same_node=True) for c in blocks.cut_bytes])
         self.levels = levels(options.sharding, config.replicas)
         self.penalty = self._level_penalties(forward, backward, cluster)
         self._cache: dict[tuple[float, bool, Sharding], np.ndarray] = {}
@@ -305,47 +292,88 @@ class StageCosts:
         return self._costs[in_flight]
 
     def _fastest(self, in_flight: float, recompute: bool) -> np.ndarray:
-        """Compute + the smallest penalty over the levels that fit (inf where none does)."""
+        """Compute + the smallest penalty over the levels that fit (inf where none does). A stage
+        that shares a tied weight with another stage only replicates (``BlockCosts.tied_matrix``)."""
         best = np.full(self.valid.shape, np.inf)
         for level in self.levels:
-            ok = self.fits(in_flight, recompute, level) & self.valid
+            ok = self.fits(in_flight, recompute, level) & (self.valid if level is Sharding.REPLICATE else self.unshared)
             best = np.where(ok, np.minimum(best, self.compute + self.penalty[level]), best)
         return best
 
 
-def _range_sums(values: Sequence[float]) -> np.ndarray:
-    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
-    return prefix[None, :] - prefix[:, None]  # [j, i] = sum of values[j:i]
-
-
-def _range_last(values: Sequence[float]) -> np.ndarray:
-    """out[j, i]: the last non-zero value among values[j:i] (0 if none)."""
-    v = np.asarray(values, dtype=np.float64)
-    k = len(v)
-    out = np.zeros((k + 1, k + 1))
-    for j in range(k):
-        row = v[j:]
-        last = np.maximum.accumulate(np.where(row != 0, np.arange(len(row)), -1))
-        out[j, j + 1 :] = np.where(last >= 0, row[np.maximum(last, 0)], 0.0)
-    return out
-
-
-def _range_max(values: Sequence[float]) -> np.ndarray:
-    v = np.asarray(values, dtype=np.float64)
-    k = len(v)
-    out = np.zeros((k + 1, k + 1))
-    for j in range(k):
-        out[j, j + 1 :] = np.maximum.accumulate(v[j:])
-    return out
-
+# The memory totals of ``BlockCosts.stage_totals`` that ``memory_from_totals`` takes.
+_TOTALS = (
+    "param_bytes",
+    "trainable_bytes",
+    "activation_bytes",
+    "stage_input_bytes",
+    "boundary_bytes",
+    "largest_output_bytes",
+    "largest_param_bytes",
+    "first_grad_bytes",
+)
 
 # ----------------------------------------------------------------------------- driver
 
 
-def search_config(blocks: BlockCosts, config: Config, options: SearchOptions, cluster) -> list[Candidate]:
-    """The best few candidates of one config by the closed-form estimate."""
-    costs = StageCosts(blocks, config, options, cluster)
-    per_stage = [costs.stage_cost(s) for s in range(config.num_stages)]
+class SearchCache:
+    """What the searches of one planning run share (one ``blocks_at``, options and cluster):
+    ``StageCosts`` by what they depend on (``stage_costs``), and each config's candidates
+    (``best_plan`` may search twice: pruned, then in full)."""
+
+    def __init__(self) -> None:
+        self._stage_costs: dict[tuple, tuple[BlockCosts, StageCosts]] = {}
+        self.candidates: dict[Config, list[Candidate]] = {}
+
+    def stage_costs(self, blocks: BlockCosts, config: Config, options: SearchOptions, cluster) -> StageCosts:
+        """The StageCosts of ``config``, shared with every config of the same micro-batch size,
+        replicas, micro-batches, recompute mode and whether a rank group spans nodes: all that
+        ``StageCosts`` depends on, since ``cost_at`` takes the stage's position from the caller."""
+        per_node, r = cluster.devices_per_node, config.replicas  # rank group g: units [g r, (g + 1) r)
+        spans = any(g * r // per_node != ((g + 1) * r - 1) // per_node for g in range(config.num_rank_groups))
+        key = (config.microbatch_size, r, config.num_microbatches, config.recompute_mode, spans)
+        made = self._stage_costs.get(key)
+        if made is None or made[0] is not blocks:
+            made = self._stage_costs[key] = (blocks, StageCosts(blocks, config, options, cluster))
+        return made[1]
+
+    def may_fit(self, blocks: BlockCosts, config: Config, options: SearchOptions) -> bool:
+        """``_may_fit``, remembered by what it depends on (configs differ mostly in schedule and m)."""
+        sharded = config.replicas > 1 and options.sharding is not Sharding.REPLICATE
+        key = ("may fit", config.microbatch_size, config.num_rank_groups, config.replicas if sharded else 1)
+        made = self._stage_costs.get(key)
+        if made is None or made[0] is not blocks:
+            made = self._stage_costs[key] = (blocks, _may_fit(blocks, config, options))
+        return made[1]
+
+
+def search_config(
+    blocks: BlockCosts, config: Config, options: SearchOptions, cluster, cache: SearchCache | None = None
+) -> list[Candidate]:
+    """The best few candidates of one config by the closed-form estimate (``cache``: StageCosts
+    shared with other configs, and the result remembered)."""
+    if cache is None:
+        cache = SearchCache()
+    elif config in cache.candidates:
+        return cache.candidates[config]
+    costs = cache.stage_costs(blocks, config, options, cluster)
+    in_flight = [
+        microbatches_in_flight(
+            config.schedule,
+            config.num_microbatches,
+            config.num_rank_groups,
+            config.rank_group_of(s),
+            config.virtual_stages,
+        )
+        for s in range(config.num_stages)
+    ]
+    per_stage = [costs.cost_at(f) for f in in_flight]
+    cache.candidates[config] = _best_splits(blocks, config, options, costs, per_stage)
+    return cache.candidates[config]
+
+
+def _best_splits(blocks: BlockCosts, config: Config, options: SearchOptions, costs: StageCosts, per_stage):
+    """``search_config``'s candidates from each stage's (time, recompute) matrices."""
     stage_time = lambda s: per_stage[s][0]  # noqa: E731 - the DP's StageCost
     k, num_stages = blocks.num_blocks, config.num_stages
     exhaustive = k <= EXHAUSTIVE_BLOCKS
@@ -353,7 +381,8 @@ def search_config(blocks: BlockCosts, config: Config, options: SearchOptions, cl
     if every_split:
         splits = ([0, *inner, k] for inner in itertools.combinations(range(1, k), num_stages - 1))
     else:
-        splits = candidate_partitions(stage_time, k, num_stages, exhaustive=exhaustive)
+        work = blocks.stage_totals["work_prefix_s"]  # every stage costs at least its compute: the banded DPs
+        splits = candidate_partitions(stage_time, k, num_stages, exhaustive=exhaustive, work=work)
     found = []
     for boundaries in splits:
         times = [float(per_stage[s][0][boundaries[s], boundaries[s + 1]]) for s in range(num_stages)]
@@ -390,6 +419,8 @@ def search(
     num_blocks: int,
     *,
     num_best: int | None = None,
+    cache: SearchCache | None = None,
+    step_to_beat: float = float("inf"),
 ) -> list[Candidate]:
     """All configs' best candidates, sorted by estimate (ties broken by a fixed key).
 
@@ -400,17 +431,23 @@ def search(
     normally agrees with the search's), or all when there are fewer such candidates: configs are visited
     from the smallest lower bound on their estimate, and once the bound is known a config whose
     lower bound exceeds it is skipped. The result equals the full list cut at ``bound``.
+    ``cache`` (``SearchCache``): what an earlier search of the same run found, reused.
+    ``step_to_beat``: the step of a plan found elsewhere (another tensor-parallel degree), the
+    bound to start from: configs whose lower bound exceeds it cannot beat that plan.
     """
-    configs = [c for c in enumerate_configs(options, num_blocks) if _may_fit(blocks_at(c.microbatch_size), c, options)]
+    cache = SearchCache() if cache is None else cache
+    configs = [
+        c for c in enumerate_configs(options, num_blocks) if cache.may_fit(blocks_at(c.microbatch_size), c, options)
+    ]
     if num_best is not None:
         configs.sort(key=lambda c: _estimate_lower_bound(blocks_at(c.microbatch_size), c))
     found: list[Candidate] = []
     best_v1: list[float] = []  # max-heap (negated) of the num_best smallest v = 1 estimates
-    bound = float("inf")
+    bound = step_to_beat
     for config in configs:
         if _estimate_lower_bound(blocks_at(config.microbatch_size), config) > bound:
             break  # configs are sorted by this lower bound: every later one is pruned too
-        candidates = search_config(blocks_at(config.microbatch_size), config, options, cluster)
+        candidates = search_config(blocks_at(config.microbatch_size), config, options, cluster, cache)
         found.extend(candidates)
         if num_best is not None and config.virtual_stages == 1:
             for c in candidates:
@@ -418,7 +455,7 @@ def search(
                 if len(best_v1) > num_best:
                     heapq.heappop(best_v1)
             if len(best_v1) == num_best:
-                bound = -best_v1[0]
+                bound = min(bound, -best_v1[0])
     found = [c for c in found if c.estimate_s <= bound]
     found.sort(key=sort_key)
     return found
@@ -472,3 +509,30 @@ def sort_key(c: Candidate) -> tuple:
         str(cfg.recompute_mode),
         c.boundaries,
     )
+
+
+def config_step_floor(
+    blocks: BlockCosts, config: Config, options: SearchOptions, cluster, *, block_splits: bool = True
+) -> float:
+    """A step that no plan of ``config`` simulates below, refined ones included: every rank group
+    computes m L_g (``partita.planning.context.step_lower_bound_s``), so the step is at least m
+    times the busiest group's load. With one stage per group and ``block_splits`` (splits at
+    block boundaries, as the search and the refinement make them) that is at least m times the
+    smallest bottleneck of any split, each stage recomputing where nothing fits without (the
+    bottleneck DP on those loads); otherwise (several stages per group, or any split of the
+    nodes) at least m times the whole chain's load over the groups, with every stage's forward
+    again when all stages recompute. A hair lower, for rounding. 0 for uneven configs."""
+    if config.stage_replicas:
+        return 0.0
+    m, g, v = config.num_microbatches, config.num_rank_groups, config.virtual_stages
+    mode = options.recompute if config.recompute_mode is None else config.recompute_mode
+    total = float(blocks.forward_s.sum() + blocks.backward_s.sum())
+    if v > 1 or not block_splits or g > blocks.num_blocks:
+        return m * (total + (float(blocks.forward_s.sum()) if mode is True else 0.0)) / g * (1 - 1e-9)
+    costs = StageCosts(blocks, config, options, cluster)
+    work = []
+    for stage in range(g):
+        time, recompute = costs.cost_at(microbatches_in_flight(config.schedule, m, g, stage, 1))
+        work.append(np.where(np.isfinite(time), costs.compute + np.where(recompute, costs.forward, 0.0), np.inf))
+    floor = min_bottleneck(lambda s: work[s], blocks.num_blocks, g, blocks.stage_totals["work_prefix_s"])
+    return m * max(floor, total / g) * (1 - 1e-9)

@@ -41,8 +41,11 @@ B(1,0) 2.5-4.5, B(0,0) 5-7: step 7 s = (f + b)·(m + S - 1) + 2·send.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
+
+import numpy as np
 
 from partita.cost import comm
 from partita.cost.analytic import optimizer_step_s
@@ -85,7 +88,8 @@ def simulate_pipeline(
     optimizer_s: Sequence[float] | None = None,
     allreduce_tail_s: Sequence[float] | None = None,
     gather_s: Sequence[float] | None = None,
-) -> SimResult:
+    step_to_beat: float | None = None,
+) -> SimResult | None:
     """Simulate one step of ``schedule``; all per-stage arrays are indexed by stage (length S).
 
     forward_s, backward_s    seconds per micro-batch; backward_s is the whole backward (I + W).
@@ -100,34 +104,121 @@ def simulate_pipeline(
     allreduce_tail_s         what of allreduce_s[k] cannot overlap stage k's last backward (DDP's last
                              bucket); None, or allreduce_s[k]: the collective starts after that backward.
     gather_s                 seconds of stage k's all-gather before its first forward (None: 0).
+    step_to_beat             None: simulate to the end. A step: return None as soon as the step
+                             surely exceeds it (``partita.planning.context.cannot_beat``): a rank
+                             group that has run until t and has r seconds of actions and s of
+                             optimizer step left ends its step after t + r + s.
     Raises InputError (a ValueError) for a schedule torch cannot run with these counts.
     """
+    prep = prepared_pipeline(
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        num_rank_groups=num_rank_groups,
+        forward_s=forward_s,
+        backward_s=backward_s,
+        backward_weight_s=backward_weight_s,
+        send_s=send_s,
+        allreduce_s=allreduce_s,
+        activation_bytes=activation_bytes,
+        optimizer_s=optimizer_s,
+        allreduce_tail_s=allreduce_tail_s,
+        gather_s=gather_s,
+    )
+    limit = None if step_to_beat is None else (step_to_beat * (1 + 1e-9) + 2e-12, prep.stepping_s)
+    events: list[TimelineEvent] = list(prep.gather_events)
+    ran = _run(
+        prep.schedule, prep.orders, prep.dur, prep.send, prep.s, prep.m, keep_timeline, prep.gathered, events, limit
+    )
+    if ran is None:
+        return None
+    return finished_pipeline(prep, *ran, keep_timeline=keep_timeline)
+
+
+@dataclass(frozen=True)
+class PreparedPipeline:
+    """``simulate_pipeline``'s inputs checked and laid out for the event loop (``prepared_pipeline``).
+    ``dur``: durations per kind code (F, B, I, W), each per stage."""
+
+    schedule: Schedule
+    s: int
+    m: int
+    g: int
+    orders: tuple
+    groups: tuple
+    dur: tuple
+    send: list
+    ar: list
+    tail: list
+    gathered: list
+    gather_events: tuple
+    stepping_s: list
+    activation_bytes: Any
+
+
+def prepared_pipeline(
+    *,
+    schedule,
+    num_microbatches,
+    num_rank_groups,
+    forward_s,
+    backward_s,
+    backward_weight_s,
+    send_s,
+    allreduce_s,
+    activation_bytes=None,
+    optimizer_s=None,
+    allreduce_tail_s=None,
+    gather_s=None,
+) -> PreparedPipeline:
+    """Check ``simulate_pipeline``'s inputs (InputError) and lay them out for the event loop."""
     schedule = Schedule.parse(schedule)
     s, m, g = len(forward_s), num_microbatches, num_rank_groups
     fwd, bwd, wgt, send, ar = _check_arrays(s, forward_s, backward_s, backward_weight_s, send_s, allreduce_s)
     tail = ar if allreduce_tail_s is None else _per_stage(allreduce_tail_s, s, "allreduce_tail_s")
     gather = [0.0] * s if gather_s is None else _per_stage(gather_s, s, "gather_s")
     orders = compiled_orders(schedule, m, g, s)
-    split = schedule is Schedule.ZBV
     groups = stage_rank_groups(schedule, g, s)
     events: list[TimelineEvent] = []
     gathered = _gathers(groups, gather, events)
-    # Durations per kind code: F, B (whole backward), I (backward less W), W.
-    dur = (fwd, bwd, [max(0.0, b - w) for b, w in zip(bwd, wgt)], wgt)
-    clock, busy, grads_done, events = _run(orders, dur, send, s, m, keep_timeline, gathered, events)
-    comm_end = _allreduces(groups, grads_done, ar, tail, gathered, events if keep_timeline else None)
     opt = [0.0] * s if optimizer_s is None else [float(x) for x in optimizer_s]
     if len(opt) != s or any(not x >= 0 for x in opt):
         raise InputError(f"optimizer_s needs {s} values >= 0 (one per stage), got {opt}")
+    stepping_s = [sum(opt[k] for k in range(s) if groups[k] == r) for r in range(g)]
+    # Durations per kind code: F, B (whole backward), I (backward less W), W.
+    dur = (fwd, bwd, [max(0.0, b - w) for b, w in zip(bwd, wgt)], wgt)
+    return PreparedPipeline(
+        schedule,
+        s,
+        m,
+        g,
+        orders,
+        tuple(groups),
+        dur,
+        send,
+        ar,
+        tail,
+        gathered,
+        tuple(events),
+        stepping_s,
+        activation_bytes,
+    )
+
+
+def finished_pipeline(prep: PreparedPipeline, clock, busy, grads_done, events, *, keep_timeline: bool) -> SimResult:
+    """The SimResult of a run of the event loop (``_run``, or ``simulate_batch``'s): the gradient
+    collectives after it, the optimizer steps, the step, bubble and activation peaks."""
+    g, s, groups = prep.g, prep.s, prep.groups
+    comm_end = _allreduces(groups, grads_done, prep.ar, prep.tail, prep.gathered, events if keep_timeline else None)
     step = 0.0
     for r in range(g):
         done = max(clock[r], comm_end.get(r, 0.0))
-        stepping = sum(opt[k] for k in range(s) if groups[k] == r)
+        stepping = prep.stepping_s[r]
         if stepping > 0 and keep_timeline:
             events.append(TimelineEvent(r, -1, -1, OPTIMIZER, done, done + stepping))
         step = max(step, done + stepping)
     bubble = 1.0 - sum(busy) / (g * step) if step > 0 else 0.0
-    peaks = peak_activations(orders, activation_bytes, s, free_kind=_W if split else _B)
+    split = prep.schedule is Schedule.ZBV
+    peaks = peak_activations(prep.orders, prep.activation_bytes, s, free_kind=_W if split else _B)
     timeline = tuple(sorted(events, key=lambda e: (e.start_s, e.rank_group, e.end_s))) if keep_timeline else ()
     return SimResult(
         step_s=step,
@@ -177,67 +268,97 @@ def _check_arrays(s: int, *arrays: Sequence[float]) -> tuple[list[float], ...]:
     return tuple(out)
 
 
-def _run(orders, dur, send, s, m, keep_timeline, gathered, events):
+@lru_cache(maxsize=256)
+def _slotted_orders(schedule: Schedule, m: int, g: int, s: int) -> tuple:
+    """``compiled_orders`` for ``_run``: per rank group, its actions as (end slot, duration index,
+    first dependency's slot, its latency index, second dependency's slot, its latency index), per
+    stage the slot of its last B or W (its gradients are done then; -1: none), and per rank group
+    how many actions it runs of each duration index.
+
+    Slots of ``_run``'s end-time list: F(k, i) at k m + i, B or I at S m + k m + i, W at
+    2 S m + k m + i, stage k's all-gather end at 3 S m + k, and a constant 0 at 3 S m + S.
+    Durations: kind * S + k in the flat (F, B, I, W) list. Latencies: 0 (none) or 1 + k (the send
+    between stages k and k + 1)."""
+    orders = compiled_orders(schedule, m, g, s)
+    zero, gather = 3 * s * m + s, 3 * s * m
+    slotted, last_grads, counts = [], [-1] * s, []
+    for order in orders:
+        actions, count = [], {}
+        for k, i, kind in order:
+            if kind == _F:
+                out = k * m + i
+                first, first_latency = (out - m, k) if k else (zero, 0)  # the previous stage's forward
+                second, second_latency = gather + k, 0
+            elif kind == _W:
+                out = 2 * s * m + k * m + i
+                first, first_latency, second, second_latency = s * m + k * m + i, 0, zero, 0
+            else:  # B or I: after the own forward and the next stage's B/I (its gradient comes back)
+                out = s * m + k * m + i
+                first, first_latency = k * m + i, 0
+                second, second_latency = (out + m, k + 1) if k < s - 1 else (zero, 0)
+            actions.append((out, kind * s + k, first, first_latency, second, second_latency))
+            count[kind * s + k] = count.get(kind * s + k, 0) + 1
+            if kind in (_B, _W):
+                last_grads[k] = out
+        slotted.append(tuple(actions))
+        counts.append(tuple(sorted(count.items())))
+    return tuple(slotted), tuple(last_grads), tuple(counts)
+
+
+def _run(schedule, orders, dur, send, s, m, keep_timeline, gathered, events, limit=None):
     """Event loop: advance every rank group through its order while the next action's inputs are ready.
 
     ``gathered[k]``: when stage k's parameters are gathered (its first F waits). Returns (clock per
-    rank group, busy per rank group, (start, end) of the last B/W per stage, events).
+    rank group, busy per rank group, (start, end) of the last B/W per stage, events). Each action
+    starts at max(its rank group free, first input + latency, second input + latency), on the
+    slots of ``_slotted_orders``. ``limit``: (a step, each rank group's optimizer seconds): None
+    once a rank group's clock plus its actions left and its optimizer step exceed that step.
     """
     g = len(orders)
-    f_end: list[Any] = [None] * (s * m)  # index stage * m + microbatch
-    b_end: list[Any] = [None] * (s * m)  # B or I
+    slotted, last_grads, counts = _slotted_orders(schedule, m, g, s)
+    durations = [x for per_kind in dur for x in per_kind]
+    if limit is not None:  # each rank group's busy seconds plus its optimizer step, less the limit
+        ahead = [
+            sum(n * durations[d] for d, n in per_rank) + limit[1][r] - limit[0] for r, per_rank in enumerate(counts)
+        ]
+    latency = [0.0, *send]
+    end: list[Any] = [None] * (3 * s * m) + [float(x) for x in gathered] + [0.0]
+    begin = [0.0] * (3 * s * m)
     pos, clock, busy = [0] * g, [0.0] * g, [0.0] * g
-    grads_done = [(0.0, 0.0)] * s
-    if not keep_timeline:
-        events = []
-    remaining = sum(len(o) for o in orders)
+    remaining = sum(len(o) for o in slotted)
     while remaining:
         progressed = False
         for r in range(g):
-            order, p, t = orders[r], pos[r], clock[r]
-            while p < len(order):
-                k, i, kind = order[p]
-                idx = k * m + i
-                if kind == _F:
-                    ready = gathered[k]
-                    if k:
-                        dep = f_end[idx - m]
-                        if dep is None:
-                            break
-                        ready = max(ready, dep + send[k - 1])
-                elif kind == _W:
-                    ready = b_end[idx]
-                    if ready is None:
-                        break
-                else:  # B or I
-                    ready = f_end[idx]
-                    if ready is None:
-                        break
-                    if k < s - 1:
-                        dep = b_end[idx + m]
-                        if dep is None:
-                            break
-                        ready = max(ready, dep + send[k])
+            order, p, t, spent = slotted[r], pos[r], clock[r], busy[r]
+            n = len(order)
+            while p < n:
+                out, d, first, first_latency, second, second_latency = order[p]
+                a, b = end[first], end[second]
+                if a is None or b is None:
+                    break
+                ready = a + latency[first_latency]
+                other = b + latency[second_latency]
+                if other > ready:
+                    ready = other
                 start = t if t > ready else ready
-                t = start + dur[kind][k]
-                if kind == _F:
-                    f_end[idx] = t
-                elif kind == _W:
-                    grads_done[k] = (start, t)
-                else:
-                    b_end[idx] = t
-                    if kind == _B:
-                        grads_done[k] = (start, t)
-                busy[r] += dur[kind][k]
-                if keep_timeline:
-                    events.append(TimelineEvent(r, k, i, _KIND_NAMES[kind], start, t))
+                spent += durations[d]  # in order, as the step ran: the busy seconds
+                t = start + durations[d]
+                end[out], begin[out] = t, start
                 p += 1
             if p != pos[r]:
                 remaining -= p - pos[r]
-                pos[r], clock[r], progressed = p, t, True
+                pos[r], clock[r], busy[r], progressed = p, t, spent, True
+                if limit is not None and t + ahead[r] - spent > 0:  # t + seconds left + optimizer > limit
+                    return None
         if not progressed:
             stuck = {r: str(orders[r][pos[r]]) for r in range(g) if pos[r] < len(orders[r])}
             raise AssertionError(f"schedule order deadlocks: next (stage, microbatch, kind) per rank group {stuck}")
+    grads_done = [(begin[slot], end[slot]) if slot >= 0 else (0.0, 0.0) for slot in last_grads]
+    if not keep_timeline:
+        return clock, busy, grads_done, []
+    for r in range(g):
+        for (k, i, kind), (out, *_) in zip(orders[r], slotted[r]):
+            events.append(TimelineEvent(r, k, i, _KIND_NAMES[kind], begin[out], end[out]))
     return clock, busy, grads_done, events
 
 
@@ -254,9 +375,12 @@ def _allreduces(
     tail shorter than itself (DDP's buckets) may start with the last backward, and ends no earlier
     than that backward's end plus the tail."""
     last: dict[int, float] = {}
-    for r in sorted(set(groups)):
-        stages = sorted((grads_done[k][1], k) for k in range(len(groups)) if groups[k] == r and ar[k] > 0)
-        free = max((gathered[k] for k in range(len(groups)) if groups[k] == r), default=0.0)
+    stages_of: dict[int, list[int]] = {}
+    for k, r in enumerate(groups):
+        stages_of.setdefault(r, []).append(k)
+    for r in sorted(stages_of):
+        stages = sorted((grads_done[k][1], k) for k in stages_of[r] if ar[k] > 0)
+        free = max((gathered[k] for k in stages_of[r]), default=0.0)
         for done, k in stages:
             overlapped = tail[k] < ar[k]
             start = max(grads_done[k][0] if overlapped else done, free)
@@ -274,17 +398,34 @@ def peak_activations(orders, activation_bytes, s, *, free_kind) -> tuple[int, ..
     act = [int(x) for x in activation_bytes]
     if len(act) != s or any(x < 0 for x in act):
         raise InputError(f"activation_bytes needs {s} values >= 0 (one per stage), got {act}")
-    peaks = []
+    counts, starts, has_forward = _held_counts(orders, s, free_kind)
+    if not len(counts):
+        return (0,) * len(orders)
+    # Whole numbers below 2**53 throughout, so the float product is exact in any summation order.
+    held = counts @ np.asarray(act, dtype=np.float64)
+    peaks = np.maximum.reduceat(held, starts) if len(starts) else held[:0]
+    found = iter(peaks.tolist())
+    return tuple(max(0, int(next(found))) if ok else 0 for ok in has_forward)
+
+
+@lru_cache(maxsize=256)
+def _held_counts(orders, s: int, free_kind: int) -> tuple[np.ndarray, np.ndarray, tuple[bool, ...]]:
+    """(F actions of all rank groups, S) float: the micro-batches of each stage a rank group holds
+    just after each of its F actions (the peaks come right after one), so the held bytes there are
+    ``counts @ act``; the first row of each rank group that has an F; whether it has one."""
+    rows, starts, has_forward = [], [], []
     for order in orders:
-        held = peak = 0
+        held, first = [0] * s, len(rows)
         for k, _, kind in order:
             if kind == _F:
-                held += act[k]
-                peak = max(peak, held)
+                held[k] += 1
+                rows.append(list(held))
             elif kind == free_kind:
-                held -= act[k]
-        peaks.append(peak)
-    return tuple(peaks)
+                held[k] -= 1
+        has_forward.append(len(rows) > first)
+        if len(rows) > first:
+            starts.append(first)
+    return np.array(rows, dtype=np.float64).reshape(len(rows), s), np.array(starts, dtype=np.int64), tuple(has_forward)
 
 
 # ----------------------------------------------------------------------------- plans
@@ -296,7 +437,9 @@ def simulate(
     cluster: Cluster | Mapping[str, Any] | None = None,
     *,
     keep_timeline: bool = True,
-) -> SimResult:
+    memo: Any = None,
+    step_to_beat: float | None = None,
+) -> SimResult | None:
     """Simulate one training step of ``plan``; ``cluster`` defaults to the plan's own.
 
     ``costs(microbatch_size)`` returns the CostTable at that per-replica micro-batch size (a bare
@@ -304,12 +447,20 @@ def simulate(
     (``analytic_costs(..., precision=plan.precision)``) and for its tensor-parallel degree (one
     device's costs of a group: its share of the work and the group's all-reduces, which are part
     of every forward and backward; ``partita.cost.tensor_parallel``); InputError otherwise.
+    ``memo`` (``partita.planning.build.BuildMemo``): per-range sums shared with other plans.
+    ``step_to_beat``: None as soon as the step surely exceeds it (``simulate_pipeline``).
     """
-    return simulate_pipeline(**pipeline_inputs(plan, costs, cluster), keep_timeline=keep_timeline)
+    return simulate_pipeline(
+        **pipeline_inputs(plan, costs, cluster, memo=memo), keep_timeline=keep_timeline, step_to_beat=step_to_beat
+    )
 
 
 def pipeline_inputs(
-    plan: Plan, costs: Callable[[int], CostTable] | CostTable, cluster: Cluster | Mapping[str, Any] | None = None
+    plan: Plan,
+    costs: Callable[[int], CostTable] | CostTable,
+    cluster: Cluster | Mapping[str, Any] | None = None,
+    *,
+    memo: Any = None,
 ) -> dict[str, Any]:
     """The keyword arguments of simulate_pipeline for ``plan``.
 
@@ -335,25 +486,14 @@ def pipeline_inputs(
     optimizer = plan.options.get("optimizer", "adam")
     fwd, bwd, wgt, act, allreduce, tail, gather, opt = [], [], [], [], [], [], [], []
     for stage, table in zip(plan.stages, tables):
-        a, b = stage.start, stage.stop
-        forward = float(table.forward_s[a:b].sum())
-        backward = float(table.backward_s[a:b].sum()) + (forward if stage.recompute else 0.0)
-        act.append(int(table.cut_bytes[a]) if stage.recompute else int(table.activation_bytes[a:b].sum()))
-        wgt.append(float(table.backward_weight_s[a:b].sum()))
-        trainable = sum(int(table.param_bytes[p]) for p in table.params_in_range(a, b) if table.param_trainable[p])
-        collectives = _collectives(stage, trainable, plan.precision, cluster)
-        allreduce.append(collectives[0])
-        tail.append(collectives[1])
-        gather.append(collectives[2])
-        if stage.sharding is Sharding.FULL_SHARD and stage.num_replicas > 1:
-            forward, backward = max(forward, collectives[2]), max(backward, collectives[2])
-        fwd.append(forward)
-        bwd.append(backward)
-        shards = stage.num_replicas if stage.sharding is not Sharding.REPLICATE else 1
-        opt.append(
-            cluster.compute_slowdown
-            * optimizer_step_s(trainable / shards, optimizer, cluster.device, precision=plan.precision)
-        )
+        if memo is None:
+            inputs = _stage_inputs(stage, table, plan, optimizer, cluster, None)
+        else:  # the plans of one run share most stages: the same seconds again (memo: one per cluster)
+            key = ("stage inputs", stage.start, stage.stop, stage.recompute, stage.sharding, stage.ranks, id(cluster))
+            key += (stage.tensor_parallel, plan.precision, optimizer)
+            inputs = memo.get(table, key, _stage_inputs, stage, table, plan, optimizer, cluster, memo)
+        for values, value in zip((fwd, bwd, wgt, act, allreduce, tail, gather, opt), inputs):
+            values.append(value)
     send = []
     for k in range(plan.num_stages - 1):
         here, after = plan.stages[k], plan.stages[k + 1]
@@ -375,6 +515,40 @@ def pipeline_inputs(
         optimizer_s=opt,
         allreduce_tail_s=tail,
         gather_s=gather,
+    )
+
+
+def _stage_inputs(stage: StagePlan, table: CostTable, plan: Plan, optimizer, cluster: Cluster, memo) -> tuple:
+    """(forward, backward, backward-weight, activation bytes, gradient collective, its tail,
+    all-gather, optimizer step) of one stage, as ``pipeline_inputs`` describes them."""
+    a, b = stage.start, stage.stop
+    if memo is None:
+        forward, backward, weight, kept, trainable = _range_sums(table, a, b)
+    else:
+        forward, backward, weight, kept, trainable = memo.get(table, ("sums", a, b), _range_sums, table, a, b)
+    backward = backward + (forward if stage.recompute else 0.0)
+    collectives = _collectives(stage, trainable, plan.precision, cluster)
+    if stage.sharding is Sharding.FULL_SHARD and stage.num_replicas > 1:
+        forward, backward = max(forward, collectives[2]), max(backward, collectives[2])
+    shards = stage.num_replicas if stage.sharding is not Sharding.REPLICATE else 1
+    step_s = cluster.compute_slowdown * optimizer_step_s(
+        trainable / shards, optimizer, cluster.device, precision=plan.precision
+    )
+    kept = int(table.cut_bytes[a]) if stage.recompute else kept
+    return (forward, backward, weight, kept, *collectives, step_s)
+
+
+def _range_sums(table: CostTable, start: int, stop: int) -> tuple[float, float, float, int, int]:
+    """(forward, backward, backward_weight seconds, activation bytes kept, trainable parameter
+    bytes) of nodes [start, stop)."""
+    held = np.asarray(table.params_in_range(start, stop), dtype=np.int64)
+    held = held[np.asarray(table.param_trainable, dtype=bool)[held]]
+    return (
+        float(table.forward_s[start:stop].sum()),
+        float(table.backward_s[start:stop].sum()),
+        float(table.backward_weight_s[start:stop].sum()),
+        int(table.activation_bytes[start:stop].sum()),
+        int(np.asarray(table.param_bytes, dtype=np.int64)[held].sum()),
     )
 
 

@@ -125,6 +125,8 @@ class Cluster:
 
     def rank_to_node(self, rank: int) -> int:
         """The node index of ``rank`` (ranks fill nodes in order)."""
+        if type(rank) is int and 0 <= rank < self.num_devices:  # the common case, without the ABC checks below
+            return rank // self.devices_per_node
         if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < self.num_devices:
             raise InputError(f"rank must be an int in [0, {self.num_devices}), got {rank!r}")
         return int(rank) // self.devices_per_node

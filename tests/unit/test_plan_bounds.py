@@ -77,3 +77,35 @@ def test_pruned_refinement_keeps_the_plan(monkeypatch):
         assert (a is None) == (b is None), seed
         if a is not None:
             assert a.to_json() == b.to_json(), seed
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_config_floors_never_exceed_a_plan_of_the_config(seed):
+    """``config_step_floor`` (with which best_plan skips refining configs that cannot win) is below
+    the simulated step of every split of the blocks, and without ``block_splits`` of the nodes too."""
+    import functools
+
+    from partita.planning.baselines import same_config
+    from partita.planning.chain import block_costs
+    from partita.planning.search import config_step_floor
+
+    ctx = random_instance(seed)
+    k = len(ctx.chain) - 1
+    blocks_at = functools.cache(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
+    checked = 0
+    for config in configs(k, ctx.cluster.num_devices):
+        blocks = blocks_at(config.microbatch_size)
+        floor = config_step_floor(blocks, config, ctx.options, ctx.search_cluster)
+        node_floor = config_step_floor(blocks, same_config(config), ctx.options, ctx.search_cluster, block_splits=False)
+        for inner in itertools.combinations(range(1, k), config.num_stages - 1):
+            nodes = block_to_node_boundaries(ctx.chain, (0, *inner, k))
+            fitted = fit_with_recompute(ctx, config, nodes, "partita", mode=config.recompute_mode)
+            if fitted is not None:
+                assert floor <= fitted.predicted_step_s, (config, nodes)
+                checked += 1
+            seeded = fit_with_recompute(
+                ctx, same_config(config), nodes, "partita", mode=same_config(config).recompute_mode
+            )
+            if seeded is not None:
+                assert node_floor <= seeded.predicted_step_s, (config, nodes)
+    assert checked > 0

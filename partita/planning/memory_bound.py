@@ -1,0 +1,494 @@
+"""A lower bound on every plan's memory per device: "nothing fits" answered without searching.
+
+The search (``partita.planning.search``, ``uneven``) tries every split of the chain of blocks, replica
+count, micro-batch count, schedule, recomputation and sharding level, and the exact memory model
+(``partita.cost.memory``) rejects what does not fit. This module evaluates the same memory formula
+with every saving the search has at once, so that its answer is below what any plan needs:
+
+    micro-batch 1         activations, cut and output bytes of the tables at micro-batch 1; a replica
+                          that runs n = B / r samples per step keeps at least the bytes of n samples
+                          at its peak when no backward runs before it (m <= in flight, the only way
+                          to keep the first gradients alone: GPipe, 1F1B drained), else one
+                          micro-batch's (``_Scaled``);
+    in flight             at least one micro-batch (every schedule's ``microbatches_in_flight``);
+    recomputation         where the options and schedules allow it (ZBV never recomputes);
+    sharding              every level the options allow at r replicas (one replica: replicate);
+    replicas              every r that divides the global batch, up to the devices (groups);
+    stages                any split into ranges of blocks: the smallest stage is one block.
+
+Three tests, on ``units`` (devices, or tensor-parallel groups of ``t`` devices; ``PlanningContext``):
+
+    block      every block fits a device as part of its cheapest stage: ``min_r min_{[j,i) ∋ k}
+               M_r[j, i] <= L`` for each block k, with the first gradients at their smallest (any
+               stage containing k, on any schedule, needs at least this);
+    one stage per rank group (GPipe, 1F1B; uniform and uneven replicas): a cover of the chain by
+               ranges that fit. Uniform: for an r dividing units and batch, the fewest ranges with
+               ``M_r <= L`` times r is at most the units. Uneven (up to ``uneven.MAX_DEVICES``): the
+               fewest devices, each range taking the smallest r with which it fits
+               (``D[i] = min_j D[j] + r_min[j, i] <= units``);
+    two stages per rank group (interleaved 1F1B, ZB-V; uniform): G rank groups hold 2G ranges, one
+               from each half of the chain (interleaved: g and G + g; ZB-V: g and 2G - 1 - g), so
+               the groups' memories sum to at least the additive parts of all ranges (state of the
+               parameters each range reads first, activations, boundaries, all gradients) plus the
+               per-range maxima (gathered parameters, working memory, first gradients, optimizer
+               temporaries) of the ranges of either half; the backward and the optimizer-step peak
+               are bounded apart (their larger one is at least either). With ``g`` those sums per
+               range, any plan of G groups needs ``min over splits of g-sums <= G L``
+               (``half_sums``: a DP over the first half from the start and the second from the end,
+               ``two_stage_least``).
+
+``M_r[j, i]`` is ``memory_from_totals`` on the exact totals of range [j, i) at the settings above,
+minimised over them. The bound never refuses what the search can find (tests/unit/test_memory_bound.py
+checks it against the search); it may let through what the search then rejects (pipelines whose
+depth leaves too many micro-batches in flight, tied weights that must replicate, ...).
+
+Only analytic tables are bounded: measured activation bytes need not grow with the micro-batch
+as the analytic ones do (``MemoryBound.applies``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from partita.cost.memory import ALLREDUCE_BUCKET_BYTES, memory_from_totals
+from partita.planning.chain import block_costs, range_last, range_max, range_sums
+from partita.planning.options import recompute_allowed
+from partita.planning.sharding import levels
+from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
+from partita.types import MemoryBreakdown, Precision, Schedule, Sharding
+
+__all__ = ["BlockNeed", "MemoryBound", "divisors"]
+
+ONE_STAGE = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+TWO_STAGES = (Schedule.INTERLEAVED_1F1B, Schedule.ZBV)
+# Per tensor, the bytes of b samples may round below b times one sample's by a few bytes (floor
+# and ceil divisions in partita.cost.table): this many bytes per node and sample are given up.
+_ROUNDING_BYTES = 8
+# Weights of the backward peak against the optimizer step's in the two-stage test.
+PEAK_WEIGHTS = (1.0, 0.0)
+# What a bound computes from the cost tables alone (shared by bounds that differ in options only).
+_TABLE_FIELDS = (
+    "applies",
+    "num_blocks",
+    "valid",
+    "per_sample_cut",
+    "nodes",
+    "totals",
+    "per_sample_activation",
+    "first_grad",
+    "least_first_grad",
+    "own_trainable",
+    "own_frozen",
+)
+
+
+@dataclass(frozen=True)
+class BlockNeed:
+    """The least memory a device holding ``block`` needs, and at which settings (the cheapest stage
+    containing it: blocks ``[start, stop)`` of the chain with ``replicas`` replicas)."""
+
+    block: int
+    needed_bytes: int
+    start: int
+    stop: int
+    replicas: int
+    sharding: Sharding
+    recompute: bool
+    breakdown: MemoryBreakdown
+
+
+def _memoized(method):
+    """Remember a method's results on its instance (a bound lives as long as one planning run)."""
+
+    @functools.wraps(method)
+    def remembered(self, *args, **kwargs):
+        memo = self.__dict__.setdefault("_memo", {})
+        key = (method.__name__, args, tuple(sorted(kwargs.items())))
+        if key not in memo:
+            memo[key] = method(self, *args, **kwargs)
+        return memo[key]
+
+    return remembered
+
+
+class MemoryBound:
+    """The bound of one planning context (one tensor-parallel degree): see the module docstring.
+
+    ``graph``, ``chain`` (block boundaries in node positions), ``costs_at`` and ``options`` (a
+    ``SearchOptions``: units, batch, limit, pins) are the context's. Per replica count the range
+    matrices are computed once; ``may_fit`` then answers for any unit count and limit."""
+
+    def __init__(self, graph, chain, costs_at, options, *, like: MemoryBound | None = None):
+        """``like``: a bound of the same graph, chain and costs (other options), whose tables are reused."""
+        self.graph, self.options, self.costs_at = graph, options, costs_at
+        self.chain = np.asarray(chain, dtype=np.int64)
+        if like is not None and like.costs_at is costs_at and np.array_equal(like.chain, self.chain):
+            self.__dict__.update({name: like.__dict__[name] for name in _TABLE_FIELDS if name in like.__dict__})
+            return
+        self.applies = costs_at(1).source == "analytic"
+        if not self.applies:
+            return
+        one, two = block_costs(costs_at(1), self.chain), costs_at(2)
+        two_activation = np.add.reduceat(np.asarray(two.activation_bytes, dtype=np.int64), self.chain[:-1])
+        two_cut = np.asarray(two.cut_bytes, dtype=np.float64)[self.chain]
+        k = one.num_blocks
+        self.num_blocks = k
+        j, i = np.meshgrid(np.arange(k + 1), np.arange(k + 1), indexing="ij")
+        self.valid = j < i
+        cut1 = one.cut_bytes.astype(np.float64)
+        self.per_sample_cut = np.maximum(0.0, two_cut - cut1)[j]
+        self.nodes = (self.chain[i] - self.chain[j]).astype(np.float64)
+        self.totals = dict(
+            param_bytes=one.param_bytes_matrix,
+            trainable_bytes=one.trainable_bytes_matrix,
+            activation_bytes=range_sums(one.activation_bytes),
+            stage_input_bytes=cut1[j],
+            boundary_bytes=cut1[j] + cut1[i],
+            largest_output_bytes=range_max(one.max_output_bytes),
+            largest_param_bytes=range_max(one.max_param_bytes),
+        )
+        self.per_sample_activation = range_sums(np.maximum(0, two_activation - one.activation_bytes))
+        self.first_grad = range_last(one.last_grad_bytes)
+        nonzero = one.last_grad_bytes[one.last_grad_bytes > 0]
+        self.least_first_grad = float(nonzero.min()) if len(nonzero) else 0.0
+        self.own_trainable, self.own_frozen = _own_param_matrices(costs_at(1), self.chain)
+
+    # ------------------------------------------------------------------ the choices searched
+
+    @functools.cached_property
+    def recompute_modes(self) -> dict[bool, tuple[bool, ...]]:
+        """Recomputation modes of one-stage (False) and two-stage (True) schedules."""
+        pinned = self.options.recompute
+        modes = {}
+        for two, family in ((False, ONE_STAGE), (True, TWO_STAGES)):
+            allowed = [s for s in self.options.schedules if s in family]
+            can = any(recompute_allowed(s) for s in allowed)
+            modes[two] = () if not allowed else (pinned,) if pinned is not None else (False, True) if can else (False,)
+            if pinned and not can:
+                modes[two] = ()
+        return modes
+
+    def replica_counts(self, num_units: int, *, uniform: bool) -> list[int]:
+        """Replica counts the search may give a stage: dividing the batch (and, uniform, the units)."""
+        batch, pinned = self.options.global_batch_size, self.options.replicas
+        if pinned is not None:
+            return [pinned] if pinned <= num_units and batch % pinned == 0 else []  # as enumerate_configs
+        return [r for r in divisors(batch) if r <= num_units and (not uniform or num_units % r == 0)]
+
+    # ------------------------------------------------------------------ per replica count
+
+    @_memoized
+    def stage_memory(self, replicas: int, *, least_first_grad: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(M_r: the least bytes of a device holding range [j, i) as one stage of ``replicas``
+        replicas, inf where j >= i; the index of the settings that give it, ``settings``).
+        ``least_first_grad``: the first gradients at the chain's smallest (a bound for any stage
+        containing the range)."""
+        best = np.full(self.valid.shape, np.inf)
+        which = np.zeros(self.valid.shape, dtype=np.int64)
+        for index, setting in enumerate(self.settings(replicas)):
+            total = self._memory(replicas, *setting, least_first_grad=least_first_grad).total_bytes
+            better = total < best
+            best, which = np.where(better, total, best), np.where(better, index, which)
+        return np.where(self.valid, best, np.inf), which
+
+    def settings(self, replicas: int) -> list[tuple[Sharding, bool, bool]]:
+        """(level, recompute, drained) of every setting a stage of ``replicas`` replicas may take
+        on a one-stage schedule; drained: no backward before the activation peak."""
+        modes = self.recompute_modes[False] or self.recompute_modes[True]
+        return [
+            (level, rc, drained)
+            for level in levels(self.options.sharding, replicas)
+            for rc in modes
+            for drained in (True, False)
+        ]
+
+    def _memory(self, r: int, level: Sharding, recompute: bool, drained: bool, *, least_first_grad: bool):
+        n = self.options.global_batch_size // r
+        samples = _Scaled(self, n)
+        if drained:  # m <= in flight: m micro-batches of n / m samples are all in flight at the peak
+            activation = self.totals["activation_bytes"] if recompute else samples.activation
+            stage_input = samples.stage_input if recompute else self.totals["stage_input_bytes"]
+        else:
+            activation, stage_input = self.totals["activation_bytes"], self.totals["stage_input_bytes"]
+        first = np.full(self.valid.shape, self.least_first_grad) if least_first_grad else self.first_grad
+        trainable = self.totals["trainable_bytes"]
+        return memory_from_totals(
+            **{**self.totals, "activation_bytes": activation, "stage_input_bytes": stage_input},
+            in_flight=1,
+            optimizer=self.options.optimizer,
+            recompute=recompute,
+            precision=self.options.precision,
+            sharding=level,
+            num_replicas=r,
+            num_microbatches=1 if drained else 2,
+            first_grad_bytes=first,
+            gathered_trainable_bytes=trainable if level is Sharding.FULL_SHARD else None,
+        )
+
+    @_memoized
+    def two_stage_share(self, replicas: int, weight: float, maxima: bool) -> np.ndarray:
+        """g[j, i]: range [j, i)'s least share of a two-stage rank group's memory (module docstring):
+        its additive parts, with its per-range maxima when ``maxima``; the backward peak weighted
+        ``weight`` and the optimizer step's ``1 - weight`` (the larger of the two peaks is at least
+        any such mean, which, unlike the larger, adds up over ranges)."""
+        o, r = self.options, replicas
+        k = o.optimizer.states_per_parameter
+        own, frozen, held = self.own_trainable, self.own_frozen, self.totals["trainable_bytes"].astype(np.float64)
+        samples = _Scaled(self, o.global_batch_size // r)
+        half = 0.5 if o.precision is Precision.BF16 else 0.0
+        use = 1.0 if maxima else 0.0
+        best = np.full(self.valid.shape, np.inf)
+        for level in levels(o.sharding, r):
+            sharded = level is not Sharding.REPLICATE and r > 1
+            full = sharded and level is Sharding.FULL_SHARD
+            s = r if sharded else 1
+            state = frozen + (0 if sharded else own) + k * own / s + (own / s if sharded else 0)
+            gathered_add = own if sharded and not full else 0 * own
+            copies_add, copies_max = (0 * own, half * held) if full else (half * own, 0 * own)
+            bucket = np.minimum(held, ALLREDUCE_BUCKET_BYTES) if r > 1 and not sharded else 0 * own
+            fixed_max = (held if full else 0) + copies_max + bucket + 2 * self.totals["largest_output_bytes"]
+            temporaries = 2 * self.totals["largest_param_bytes"] / s if k else 0 * own
+            step = own / s + use * temporaries
+            for rc in self.recompute_modes[True]:
+                for drained in (True, False):
+                    if rc:
+                        first_input = samples.stage_input if drained else self.totals["stage_input_bytes"]
+                        kept = first_input + self.totals["activation_bytes"]
+                    else:
+                        kept = samples.activation if drained else self.totals["activation_bytes"]
+                    grads_add = 0 * own if drained else own
+                    grads_max = np.where(held > 0, self.least_first_grad, 0.0) if drained else 0 * own
+                    backward = gathered_add + copies_add + kept + self.totals["boundary_bytes"] + grads_add
+                    backward = backward + use * (fixed_max + grads_max)
+                    best = np.minimum(best, state + weight * backward + (1 - weight) * step)
+        return np.where(self.valid, best, np.inf)
+
+    @_memoized
+    def half_sums(self, replicas: int, weight: float, maxima: bool, from_end: bool, pieces: int) -> np.ndarray:
+        """[c, i]: the least sum of ``two_stage_share`` over c ranges covering blocks [0, i) (or, from the
+        end, [i, K)), c = 0 .. pieces; inf where impossible. E_c[i] = min_j E_{c-1}[j] + g[j, i]."""
+        g = self.two_stage_share(replicas, weight, maxima)
+        k = self.num_blocks
+        rows = np.full((pieces + 1, k + 1), np.inf)
+        rows[0, k if from_end else 0] = 0.0
+        for c in range(1, pieces + 1):
+            rows[c] = np.min(g + rows[c - 1][None, :], axis=1) if from_end else np.min(rows[c - 1][:, None] + g, axis=0)
+        return rows
+
+    @_memoized
+    def two_stage_least(self, replicas: int, most_groups: int) -> np.ndarray:
+        """[G]: the least total memory of G two-stage rank groups of ``replicas`` replicas, G = 0 ..
+        ``most_groups``. The chain splits into a first half of G ranges and a second of as many, and
+        each rank group holds one range of each (interleaved: g and G + g; ZB-V: g and 2G - 1 - g),
+        so the groups' maxima sum to at least those of either half (the other half counted by its
+        additive parts alone)."""
+        least = np.zeros(most_groups + 1)
+        for weight in PEAK_WEIGHTS:
+            for first_has_maxima in (True, False):
+                head = self.half_sums(replicas, weight, first_has_maxima, False, most_groups)
+                tail = self.half_sums(replicas, weight, not first_has_maxima, True, most_groups)
+                least = np.maximum(least, np.min(head + tail, axis=1))
+        return least
+
+    @_memoized
+    def needs_at(self, replicas: int) -> np.ndarray:
+        """Per block, the least bytes a device holding it needs in a stage of ``replicas`` replicas,
+        on any schedule (the first gradients at their smallest)."""
+        return _containing_min(self.stage_memory(replicas, least_first_grad=True)[0])
+
+    def blocks_fit_at(self, replicas: int, limit: int) -> bool:
+        """Whether every block can fit ``limit`` in a stage of ``replicas`` replicas (else no plan
+        with that replica count fits: the stage holding the neediest block cannot)."""
+        return float(self.needs_at(replicas).max(initial=0.0)) <= limit
+
+    @_memoized
+    def block_needs(self, num_units: int) -> tuple[float, ...]:
+        """Per block, the least bytes a device holding it needs (over replica counts up to ``num_units``)."""
+        needs = np.full(self.num_blocks, np.inf)
+        for r in self.replica_counts(num_units, uniform=False):
+            needs = np.minimum(needs, self.needs_at(r))
+        return tuple(float(v) for v in needs)
+
+    def largest_block_need(self, num_units: int) -> BlockNeed | None:
+        """The block that needs the most (``block_needs``), with the settings of its least need."""
+        needs = self.block_needs(num_units)
+        if not needs or not np.isfinite(min(needs)):
+            return None
+        block = int(np.argmax(needs))
+        for r in sorted(self.replica_counts(num_units, uniform=False), reverse=True):
+            if self.needs_at(r)[block] <= needs[block]:
+                return self._block_need(block, r, needs[block])
+        raise AssertionError("the least need comes from some replica count")
+
+    def _block_need(self, block: int, r: int, needed: float) -> BlockNeed:
+        memory, which = self.stage_memory(r, least_first_grad=True)
+        rows, cols = np.meshgrid(np.arange(block + 1), np.arange(block + 1, self.num_blocks + 1), indexing="ij")
+        flat = np.argmin(memory[rows, cols])
+        start, stop = int(rows.flat[flat]), int(cols.flat[flat])
+        level, rc, drained = self.settings(r)[int(which[start, stop])]
+        exact = self._memory(r, level, rc, drained, least_first_grad=True)
+        pick = {name: getattr(exact, name) for name in exact.__dataclass_fields__}
+        scalar = {
+            name: (v if v is None or np.ndim(v) == 0 else int(np.asarray(v)[start, stop])) for name, v in pick.items()
+        }
+        breakdown = type(exact)(**scalar).breakdown()
+        return BlockNeed(block, int(needed), start, stop, r, level if r > 1 else Sharding.REPLICATE, rc, breakdown)
+
+    # ------------------------------------------------------------------ the tests
+
+    def may_fit(self, num_units: int | None = None, limit_bytes: int | None = None) -> bool:
+        """False only when no plan of the search fits ``num_units`` (default: the context's) devices
+        or groups of ``limit_bytes`` (default: the context's limit) each."""
+        if not self.applies:
+            return True
+        units = self.options.num_devices if num_units is None else num_units
+        limit = self.options.memory_limit_bytes if limit_bytes is None else limit_bytes
+        if max(self.block_needs(units), default=0.0) > limit:
+            return False
+        return self.fits_one_stage(units, limit) or self.fits_two_stages(units, limit)
+
+    def fewest_units(self, limit: int, valid, most: int) -> int | None:
+        """A count of units (at most ``most``) below which ``may_fit`` never holds at ``limit``: the
+        least any of its tests asks for (None: none up to ``most``). ``valid(count, r)``: the smallest
+        count >= ``count`` that the cluster can have and ``r`` divides (None: none)."""
+        if not self.applies:
+            return None
+        wanted = []
+        k = self.num_blocks
+        for r in self.replica_counts(most, uniform=False):
+            if self.recompute_modes[False] and self.blocks_fit_at(r, limit):
+                ranges = self.fewest_ranges(r, limit)
+                if np.isfinite(ranges):
+                    wanted.append((int(ranges) * r, r))
+            if self.recompute_modes[True] and k >= 4:
+                top = min(k // 2, most // r)
+                least = self.two_stage_least(r, top) if top >= 2 and self.blocks_fit_at(r, limit) else np.zeros(0)
+                groups = [g for g in range(2, len(least)) if least[g] <= g * limit]
+                if groups:
+                    wanted.append((min(groups) * r, r))
+        if not self.options.uniform_replicas and self.options.replicas is None:
+            devices = self.fewest_uneven_units(min(most, UNEVEN_MAX_DEVICES), limit)
+            if devices <= UNEVEN_MAX_DEVICES:
+                wanted.append((int(devices), 1))
+        step = (lambda r: 1) if self.options.replicas is not None else (lambda r: r)  # pinned: r need not divide
+        counts = [c for want, r in wanted if (c := valid(want, step(r))) is not None and c <= most]
+        return min(counts, default=None)
+
+    def least_limit(self, num_units: int | None = None) -> int | None:
+        """The least memory limit (to 0.1%) with which ``may_fit`` holds on ``num_units``."""
+        if not self.applies:
+            return None
+        low = high = self.options.memory_limit_bytes
+        for _ in range(64):
+            if self.may_fit(num_units, high):
+                break
+            low, high = high, high * 2
+        else:
+            return None
+        while high - low > max(1, high // 1000):
+            mid = (low + high) // 2
+            low, high = (low, mid) if self.may_fit(num_units, mid) else (mid, high)
+        return high
+
+    def fits_one_stage(self, units: int, limit: int) -> bool:
+        if not self.recompute_modes[False]:
+            return False
+        pinned = self.options.num_stages
+        for r in self.replica_counts(units, uniform=True):
+            if not self.blocks_fit_at(r, limit):
+                continue
+            ranges = self.fewest_ranges(r, limit)
+            if ranges * r <= units and (pinned is None or ranges <= pinned <= min(units // r, self.num_blocks)):
+                return True
+        if not self.options.uniform_replicas and units <= UNEVEN_MAX_DEVICES and self.options.replicas is None:
+            return self.fewest_uneven_units(units, limit) <= units
+        return False
+
+    @_memoized
+    def fewest_ranges(self, replicas: int, limit: int) -> float:
+        """The fewest ranges of blocks that cover the chain, each fitting ``limit`` at ``replicas``."""
+        fits = self.stage_memory(replicas)[0] <= limit
+        count = np.full(self.num_blocks + 1, np.inf)
+        count[0] = 0
+        for i in range(1, self.num_blocks + 1):
+            count[i] = np.min(np.where(fits[:i, i], count[:i], np.inf)) + 1
+        return float(count[-1])
+
+    def fewest_uneven_units(self, units: int, limit: int) -> float:
+        """The fewest devices of a one-stage-per-group plan whose stages take their own replica counts."""
+        least = np.full(self.valid.shape, np.inf)
+        for r in sorted(self.replica_counts(units, uniform=False), reverse=True):
+            least = np.where(self.stage_memory(r)[0] <= limit, r, least)
+        devices = np.full(self.num_blocks + 1, np.inf)
+        devices[0] = 0
+        for i in range(1, self.num_blocks + 1):
+            devices[i] = np.min(devices[:i] + least[:i, i])
+        return float(devices[-1])
+
+    def fits_two_stages(self, units: int, limit: int) -> bool:
+        if not self.recompute_modes[True]:
+            return False
+        if Schedule.INTERLEAVED_1F1B in self.options.schedules and set(self.options.interleaved_virtual_stages) != {2}:
+            return True  # rank groups of more than two stages: not bounded here
+        pinned = self.options.num_stages
+        for r in self.replica_counts(units, uniform=True):
+            most = min(units // r, self.num_blocks // 2)
+            groups = range(2, most + 1) if pinned is None else [pinned] if 2 <= pinned <= most else []
+            if not groups:
+                continue
+            if not self.blocks_fit_at(r, limit):
+                continue
+            least = self.two_stage_least(r, most)
+            if any(least[g] <= g * limit for g in groups):
+                return True
+        return False
+
+
+class _Scaled:
+    """Lower bounds of a replica's bytes over n samples in m micro-batches (m b = n), all in flight:
+    each tensor's bytes at b samples are at least b times one sample's (less rounding), and those
+    that do not grow with the batch count once. From the tables at micro-batch 1 and 2."""
+
+    def __init__(self, bound: MemoryBound, n: int):
+        slack = _ROUNDING_BYTES * n * (bound.nodes + len(bound.graph.inputs) + 1)
+        self.activation = np.maximum(
+            bound.totals["activation_bytes"],
+            bound.totals["activation_bytes"] + (n - 1) * bound.per_sample_activation - slack,
+        )
+        slack_cut = _ROUNDING_BYTES * n * (bound.graph.num_nodes + 1)
+        self.stage_input = np.maximum(
+            bound.totals["stage_input_bytes"],
+            bound.totals["stage_input_bytes"] + (n - 1) * bound.per_sample_cut - slack_cut,
+        )
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def _containing_min(matrix: np.ndarray) -> np.ndarray:
+    """Per block k, the minimum of matrix[j, i] over ranges with j <= k < i."""
+    down = np.minimum.accumulate(matrix, axis=0)  # [k, i] = min over j <= k
+    k = matrix.shape[0] - 1
+    right = np.minimum.accumulate(down[:, ::-1], axis=1)[:, ::-1]  # [k, i] = min over i' >= i
+    return np.array([right[b, b + 1] for b in range(k)])
+
+
+def _own_param_matrices(costs, chain: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(trainable, frozen) bytes of the parameters and buffers first read in range [j, i): a range
+    holds them, and disjoint ranges have disjoint such sets, so the bytes a rank group holds are at
+    least the sum of its ranges' (a tied weight counts once, in the range of its first use)."""
+    k = len(chain) - 1
+    matrices = [np.zeros(k), np.zeros(k)]
+    trainable = np.asarray(costs.param_trainable, dtype=bool)
+    for p, uses in enumerate(costs.param_uses):
+        if len(uses) == 0:
+            continue
+        first = int(np.searchsorted(chain, int(np.min(uses)), side="right")) - 1
+        matrices[0 if trainable[p] else 1][first] += float(costs.param_bytes[p])
+    return range_sums(matrices[0]), range_sums(matrices[1])

@@ -1,0 +1,151 @@
+"""The memory bound: "nothing fits" without searching, the binding constraint named, each fix checked,
+and never a refusal of what the search can plan (partita.planning.memory_bound, infeasible)."""
+
+import dataclasses
+
+import pytest
+
+import partita
+from partita import examples
+from partita.errors import InfeasiblePlanError
+from partita.planning import api, infeasible
+from partita.planning.context import planning_context
+from partita.planning.driver import best_plan
+from partita.planning.infeasible import memory_bound
+from partita.planning.options import PlanOptions
+from partita.planning.tensor_parallel import degree_contexts
+
+
+def _capture(name):
+    ex = examples.build(name, batch_size=8)
+    return partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return _capture("gpt2")
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return _capture("mlp")
+
+
+def h100s(n, memory=None):
+    return partita.Cluster(device="h100", num_devices=n, devices_per_node=8, memory_bytes=memory)
+
+
+def _error(graph, cluster, batch=8, **pins) -> InfeasiblePlanError:
+    with pytest.raises(InfeasiblePlanError) as info:
+        partita.plan(graph, cluster=cluster, global_batch_size=batch, options=PlanOptions(**pins))
+    return info.value
+
+
+def _applied(fix, cluster, batch, pins):
+    changes = dict(fix.changes)
+    cluster = dataclasses.replace(
+        cluster,
+        num_devices=changes.pop("num_devices", cluster.num_devices),
+        memory_bytes=changes.pop("memory_bytes", cluster.memory_bytes),
+    )
+    return cluster, changes.pop("global_batch_size", batch), {**pins, **changes}
+
+
+def _no_search(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("searched")
+
+    monkeypatch.setattr(api, "best_of_contexts", refuse)
+    monkeypatch.setattr(infeasible, "best_plan", refuse)
+
+
+def test_refused_without_any_search(gpt2, monkeypatch):
+    """16 devices of 128 KiB, with planning taken as costly (as for a large model on many devices):
+    the bound answers and checks the fixes itself, without one call to the search."""
+    _no_search(monkeypatch)
+    monkeypatch.setattr(infeasible, "_cheap", lambda ctx: False)
+    err = _error(gpt2, h100s(16, memory=2**17))
+    assert err.refused_by_bound and "refuses it without searching" in str(err)
+    assert err.fixes and all(f.checked_by == "bound" for f in err.fixes)
+    # each fix, re-run through the bound of a fresh planning run, lets the request through
+    for fix in err.fixes:
+        cluster, batch, pins = _applied(fix, h100s(16, memory=2**17), 8, {})
+        ctx = planning_context(gpt2, cluster=cluster, global_batch_size=batch, options=PlanOptions(**pins))
+        assert any(memory_bound(c).may_fit() for c in degree_contexts(ctx, pins.get("tensor_parallel"))), fix
+
+
+def test_the_binding_block_is_named(gpt2, monkeypatch):
+    """A block that fits no device even alone, sharded over every replica, at micro-batch 1: the
+    error names it and its bytes without searching the request, and each fix it names plans."""
+    calls = []
+    monkeypatch.setattr(api, "best_of_contexts", lambda contexts: calls.extend(contexts) or [])
+    pins, cluster = dict(tensor_parallel=1, max_blocks=4), h100s(4, memory=2**19)
+    err = _error(gpt2, cluster, **pins)
+    assert not calls and err.refused_by_bound and err.binding == "block"
+    text = str(err)
+    assert "one block (" in text.lower() and "of parameters + gradients + optimizer state" in text
+    assert "needs at least" in text and "micro-batch 1" in text
+    assert err.fixes
+    monkeypatch.undo()
+    for fix in err.fixes:
+        assert fix.checked_by == "search"
+        fixed_cluster, batch, fixed_pins = _applied(fix, cluster, 8, pins)
+        partita.plan(gpt2, cluster=fixed_cluster, global_batch_size=batch, options=PlanOptions(**fixed_pins))
+
+
+@pytest.mark.parametrize(
+    "pins, memory, wanted",
+    [  # GPT-2 tiny in 16 blocks on 4 devices plans with 921 KiB usable, 1,001 KiB without recomputation, 1,089 KiB on ZBV
+        (dict(recompute=False), 1_031_000, "recompute"),
+        (dict(schedules="zbv"), 1_100_000, "schedules"),
+    ],
+)
+def test_each_fix_plans_when_applied(gpt2, pins, memory, wanted):
+    """A pinned choice that makes the request infeasible is offered unpinned, next to more devices
+    and more memory; every fix, applied, plans (the search checked each)."""
+    cluster, pins = h100s(4, memory=memory), {"max_blocks": 16, **pins}
+    err = _error(gpt2, cluster, **pins)
+    options = {f.option for f in err.fixes}
+    assert {wanted, "num_devices", "memory_bytes"} <= options
+    assert all(f.checked_by == "search" for f in err.fixes) and "by planning with it" in str(err)
+    for fix in err.fixes:
+        fixed_cluster, batch, fixed_pins = _applied(fix, cluster, 8, pins)
+        p = partita.plan(gpt2, cluster=fixed_cluster, global_batch_size=batch, options=PlanOptions(**fixed_pins))
+        assert all(s.memory_bytes <= fixed_cluster.usable_memory_bytes for s in p.stages), fix
+    assert err.min_devices > 4 and err.min_memory_bytes > memory
+
+
+def test_what_the_search_tried_is_never_advised(mlp):
+    """Recomputation, sharding levels and tensor-parallel degrees left unpinned were searched: the
+    error does not offer them (it used to say recompute=True whatever was searched)."""
+    err = _error(mlp, h100s(4, memory=2**16))
+    assert not {"recompute", "sharding", "tensor_parallel"} & {f.option for f in err.fixes}
+    assert "recompute" not in " ".join(f.text for f in err.fixes)
+
+
+@pytest.mark.parametrize(
+    "name, devices, pins",
+    [
+        ("mlp", 1, {}),
+        ("gpt2", 2, dict(schedules="1f1b")),
+        ("mlp", 3, dict(uniform_replicas=False)),
+        ("gpt2", 4, dict(schedules=("interleaved1f1b", "zbv"), max_blocks=16)),
+        ("mlp", 4, dict(sharding="full_shard", precision="fp32")),
+        ("gpt2", 2, dict(recompute=True, optimizer="sgd-momentum", max_blocks=16)),
+    ],
+)
+def test_the_bound_never_refuses_a_plan_the_search_finds(name, devices, pins, mlp, gpt2):
+    """Soundness: a plan the search finds still fits with the memory limit set to its fullest
+    device, so the bound must let that limit through (on each degree the plan could use)."""
+    graph = mlp if name == "mlp" else gpt2
+    ctx = planning_context(graph, cluster=h100s(devices), global_batch_size=12, options=PlanOptions(**pins))
+    for c in degree_contexts(ctx, None, uneven=pins.get("uniform_replicas") is False):
+        p = best_plan(c)
+        if p is None:  # e.g. interleaved schedules on a chain too short for them at this degree
+            continue
+        fullest = max(s.memory_bytes for s in p.stages)
+        tight = dataclasses.replace(c, options=dataclasses.replace(c.options, memory_limit_bytes=fullest))
+        assert memory_bound(tight).may_fit(), (name, devices, pins, c.options.tensor_parallel)
+        small = dataclasses.replace(c, options=dataclasses.replace(c.options, memory_limit_bytes=fullest // 4))
+        if not memory_bound(small).may_fit():  # what the bound refuses, the search cannot plan
+            assert best_plan(small) is None
