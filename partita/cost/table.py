@@ -23,6 +23,7 @@ precision       the dtype values are computed in (``Precision``): under bf16 eve
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -209,12 +210,32 @@ def value_bytes(
     """int64[n]: bytes of every tensor output of node n, scaled, in ``precision``; views included.
 
     ``shards[n]``: the number of parts node n's values are split into, of which one device holds
-    one (a tensor-parallel group's split nodes; ``partita.cost.tensor_parallel``); None: whole."""
-    b = graph.batch_size
-    values = np.array(
-        [sum(tensor_bytes(t, microbatch_size, b, precision) for t in n.outputs) for n in graph.nodes], dtype=np.int64
-    )
+    one (a tensor-parallel group's split nodes; ``partita.cost.tensor_parallel``); None: whole.
+    The same sums as ``tensor_bytes`` over each node's outputs, over arrays of every output."""
+    node, num_bytes, batched, halved = _output_tensors(graph, precision)
+    scaled = np.where(batched, num_bytes * microbatch_size // graph.batch_size, num_bytes)
+    scaled = np.where(halved, scaled // 2, scaled)
+    values = np.zeros(graph.num_nodes, dtype=np.int64)
+    np.add.at(values, node, scaled)
     return values if shards is None else -(-values // np.asarray(shards, dtype=np.int64))
+
+
+@functools.lru_cache(maxsize=8)
+def _output_tensors(graph: OpGraph, precision: Precision) -> tuple[np.ndarray, ...]:
+    """(node, bytes at the example batch, has a batch dim, halved in ``precision``) of every
+    tensor output of the graph, one entry per tensor (a graph is immutable: computed once)."""
+    rows = [
+        (n.index, t.num_bytes, t.batch_dim is not None, compute_dtype(t.dtype, precision) != t.dtype)
+        for n in graph.nodes
+        for t in n.outputs
+    ]
+    node, num_bytes, batched, halved = (np.array(column) for column in zip(*rows)) if rows else ([],) * 4
+    return (
+        np.asarray(node, dtype=np.int64),
+        np.asarray(num_bytes, dtype=np.int64),
+        np.asarray(batched, dtype=bool),
+        np.asarray(halved, dtype=bool),
+    )
 
 
 def output_bytes(
@@ -250,9 +271,11 @@ def cut_bytes(
     return np.cumsum(diff)[: num_nodes + 1]
 
 
-def storage_roots(graph: OpGraph) -> list[int | None]:
+@functools.lru_cache(maxsize=8)
+def storage_roots(graph: OpGraph) -> tuple[int | None, ...]:
     """Per node, the root whose memory its value lives in: a node index, ``-(j + 1)`` for graph
-    input j, or None for a view of a parameter or constant (nobody's activation)."""
+    input j, or None for a view of a parameter or constant (nobody's activation). Remembered per
+    graph (graphs are immutable), as ``requires_grad`` is."""
     roots: list[int | None] = []
     for node in graph.nodes:
         if not node.is_view:
@@ -265,12 +288,13 @@ def storage_roots(graph: OpGraph) -> list[int | None]:
             roots.append(-(node.graph_inputs[0] + 1))
         else:
             roots.append(None)
-    return roots
+    return tuple(roots)
 
 
 # ----------------------------------------------------------------------------- gradients
 
 
+@functools.lru_cache(maxsize=8)
 def requires_grad(graph: OpGraph) -> np.ndarray:
     """bool[n]: whether node n's value gets a gradient (so node n has a backward).
 
@@ -283,6 +307,7 @@ def requires_grad(graph: OpGraph) -> np.ndarray:
         if not _is_float(node) or op_name(node.target) in _NO_GRAD_OPS:
             continue
         result[node.index] = any(p in trainable for p in node.params) or any(result[i] for i in node.inputs)
+    result.flags.writeable = False  # remembered per graph: shared by every caller
     return result
 
 
