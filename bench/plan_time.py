@@ -190,7 +190,7 @@ def markdown(rows: list[dict], command: str) -> str:
         f"- machine: {platform.node() or 'unknown'}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs (shared), Python {platform.python_version()}",
         f"- torch {torch.__version__}, partita {partita.__version__}",
-        f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- command: `{command}`",
         "- GPT shapes on meta (vocabulary 51,200, sequence 2048), nodes of 8, bf16, AdamW, analytic costs, "
         "every tensor-parallel degree searched. Columns as in the script's docstring; TFLOP/s: predicted model "
