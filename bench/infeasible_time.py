@@ -119,7 +119,7 @@ def markdown(rows: list[dict], command: str) -> str:
         "",
         f"- machine: {platform.node() or 'unknown'}, {os.cpu_count()} CPUs (shared), Python {platform.python_version()}, "
         f"torch {torch.__version__}, partita {partita.__version__}",
-        f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- command: `{command}`",
         "- GPT shapes of Megatron-LM's Table 1 (vocabulary 51,200, sequence 2048) captured on meta; A100-80GB in "
         "nodes of 8, bf16, AdamW, analytic costs. *answer*: `partita.plan` from the captured graph until "

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partita.cost.memory import ALLREDUCE_BUCKET_BYTES, memory_from_totals
-from partita.planning.chain import block_costs, range_last, range_max, range_sums
+from partita.planning.chain import block_costs, range_sums
 from partita.planning.options import recompute_allowed
 from partita.planning.sharding import levels
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
@@ -70,6 +70,17 @@ TWO_STAGES = (Schedule.INTERLEAVED_1F1B, Schedule.ZBV)
 _ROUNDING_BYTES = 8
 # Weights of the backward peak against the optimizer step's in the two-stage test.
 PEAK_WEIGHTS = (1.0, 0.0)
+# The range totals of ``BlockCosts.stage_totals`` that the bound's memory formula takes as they are
+# (the first gradients are set apart: the bound also takes their smallest).
+_RANGE_TOTALS = (
+    "param_bytes",
+    "trainable_bytes",
+    "activation_bytes",
+    "stage_input_bytes",
+    "boundary_bytes",
+    "largest_output_bytes",
+    "largest_param_bytes",
+)
 # What a bound computes from the cost tables alone (shared by bounds that differ in options only).
 _TABLE_FIELDS = (
     "applies",
@@ -138,21 +149,14 @@ class MemoryBound:
         k = one.num_blocks
         self.num_blocks = k
         j, i = np.meshgrid(np.arange(k + 1), np.arange(k + 1), indexing="ij")
-        self.valid = j < i
+        ranges = one.stage_totals  # the search's own range totals at micro-batch 1
+        self.valid = ranges["valid"]
         cut1 = one.cut_bytes.astype(np.float64)
         self.per_sample_cut = np.maximum(0.0, two_cut - cut1)[j]
         self.nodes = (self.chain[i] - self.chain[j]).astype(np.float64)
-        self.totals = dict(
-            param_bytes=one.param_bytes_matrix,
-            trainable_bytes=one.trainable_bytes_matrix,
-            activation_bytes=range_sums(one.activation_bytes),
-            stage_input_bytes=cut1[j],
-            boundary_bytes=cut1[j] + cut1[i],
-            largest_output_bytes=range_max(one.max_output_bytes),
-            largest_param_bytes=range_max(one.max_param_bytes),
-        )
+        self.totals = {name: ranges[name] for name in _RANGE_TOTALS}
         self.per_sample_activation = range_sums(np.maximum(0, two_activation - one.activation_bytes))
-        self.first_grad = range_last(one.last_grad_bytes)
+        self.first_grad = ranges["first_grad_bytes"]
         nonzero = one.last_grad_bytes[one.last_grad_bytes > 0]
         self.least_first_grad = float(nonzero.min()) if len(nonzero) else 0.0
         self.own_trainable, self.own_frozen = _own_param_matrices(costs_at(1), self.chain)
