@@ -1,16 +1,19 @@
 """The refinement skips splits by lower bounds on the simulated step: check that the bounds hold."""
 
+import functools
 import itertools
+from types import SimpleNamespace
 
 import pytest
 from planning_instances import random_instance
 
-from partita.planning import context, refine
+from partita.planning import context, driver, refine
 from partita.planning.build import block_to_node_boundaries
+from partita.planning.chain import block_costs
 from partita.planning.context import draft_lower_bound_s, draft_plan, fit_with_recompute, simulated
 from partita.planning.driver import best_plan
 from partita.planning.refine import split_bound
-from partita.planning.search import Config
+from partita.planning.search import Config, search
 from partita.types import Schedule
 
 
@@ -83,8 +86,6 @@ def test_pruned_refinement_keeps_the_plan(monkeypatch):
 def test_config_floors_never_exceed_a_plan_of_the_config(seed):
     """``config_step_floor`` (with which best_plan skips refining configs that cannot win) is below
     the simulated step of every split of the blocks, and without ``block_splits`` of the nodes too."""
-    import functools
-
     from partita.planning.baselines import same_config
     from partita.planning.chain import block_costs
     from partita.planning.search import config_step_floor
@@ -109,3 +110,41 @@ def test_config_floors_never_exceed_a_plan_of_the_config(seed):
             if seeded is not None:
                 assert node_floor <= seeded.predicted_step_s, (config, nodes)
     assert checked > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_search_from_a_step_to_beat_cuts_the_same_list(seed):
+    """``search(step_to_beat=s)`` (the bound another tensor-parallel degree hands on) returns the
+    pruned search's list cut at s: no config it skips has a candidate at or below s."""
+    import functools
+
+    ctx = random_instance(seed)
+    blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
+    k = len(ctx.chain) - 1
+    full = search(blocks_at, ctx.options, ctx.search_cluster, k, num_best=4)
+    assert full
+    estimates = sorted(c.estimate_s for c in full)
+    for step in (estimates[0] * 0.5, estimates[0], estimates[len(estimates) // 2], estimates[-1], float("inf")):
+        pruned = search(blocks_at, ctx.options, ctx.search_cluster, k, num_best=4, step_to_beat=step)
+        assert pruned == [c for c in full if c.estimate_s <= step], step
+
+
+def test_shared_refinement_budget_goes_to_the_best_configs_of_all_degrees():
+    """Above REFINE_ACROSS_DEGREES_ABOVE devices the degrees share NUM_REFINED configs: each degree
+    refines as many of its configs as are among the best NUM_REFINED of all (by simulated step)."""
+
+    def simulated_of(steps_by_config):
+        plans, candidate_of = [], {}
+        for config, steps in steps_by_config.items():
+            for step in steps:
+                p = SimpleNamespace(predicted_step_s=step, num_devices=8, boundaries=(0, len(plans) + 1))
+                plans.append(p)
+                candidate_of[id(p)] = SimpleNamespace(config=config)
+        return driver.Simulated(plans, candidate_of, driver.NUM_REFINED, None)
+
+    fast = simulated_of({f"a{i}": [1.0 + i, 9.0] for i in range(4)})  # best steps 1, 2, 3, 4
+    slow = simulated_of({f"b{i}": [2.5 + i] for i in range(5)})  # 2.5, 3.5, 4.5, 5.5, 6.5
+    none = simulated_of({"c": [50.0]})
+    driver._shared_refinement([fast, slow, none])
+    # the best six: 1 (a0), 2 (a1), 2.5 (b0), 3 (a2), 3.5 (b1), 4 (a3)
+    assert (fast.num_refined, slow.num_refined, none.num_refined) == (4, 2, 0)
