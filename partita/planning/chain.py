@@ -408,7 +408,7 @@ def block_costs(costs: CostTable, boundaries) -> BlockCosts:
     def per_block(values, dtype) -> np.ndarray:
         return np.add.reduceat(np.asarray(values, dtype=dtype), starts)
 
-    param_matrix, trainable_matrix = _held_param_matrices(costs, b)
+    params = _parameter_parts(costs, b)
     return BlockCosts(
         boundaries=b,
         forward_s=per_block(costs.forward_s, np.float64),
@@ -416,15 +416,49 @@ def block_costs(costs: CostTable, boundaries) -> BlockCosts:
         backward_weight_s=per_block(costs.backward_weight_s, np.float64),
         activation_bytes=per_block(costs.activation_bytes, np.int64),
         max_output_bytes=np.maximum.reduceat(np.asarray(costs.output_bytes, dtype=np.int64), starts),
-        max_param_bytes=_largest_trainable_param(costs, b),
         cut_bytes=np.asarray(costs.cut_bytes, dtype=np.int64)[b],
-        last_grad_bytes=np.array(
-            [first_gradient_bytes(costs, [(int(b[k]), int(b[k + 1]))]) for k in range(len(b) - 1)], dtype=np.int64
-        ),
-        param_bytes_matrix=param_matrix,
-        tied_matrix=_tied_matrix(costs, b),
-        trainable_bytes_matrix=trainable_matrix,
+        **params,
     )
+
+
+# The parameter-derived fields of recent block_costs calls, by what they depend on: the tables of
+# one planning run at different micro-batch sizes hold the same parameters (the search asks for
+# dozens of sizes, and these fields are most of a table's blocking). A few chains at a time.
+_PARAMETER_PARTS: dict[bytes, dict[str, np.ndarray]] = {}
+_PARAMETER_PARTS_KEPT = 8
+
+
+def _parameter_parts(costs: CostTable, boundaries: np.ndarray) -> dict[str, np.ndarray]:
+    """The BlockCosts fields that depend on the parameters and the boundaries alone (read-only
+    arrays, shared by every table with the same parameters, bytes and uses)."""
+    uses = [np.asarray(u, dtype=np.int64) for u in costs.param_uses]
+    key = b"|".join(
+        [
+            boundaries.tobytes(),
+            np.asarray(costs.param_bytes, dtype=np.int64).tobytes(),
+            np.asarray(costs.param_trainable, dtype=bool).tobytes(),
+            np.array([len(u) for u in uses], dtype=np.int64).tobytes(),
+            np.concatenate(uses).tobytes() if uses else b"",
+        ]
+    )
+    if key not in _PARAMETER_PARTS:
+        b = boundaries
+        param_matrix, trainable_matrix = _held_param_matrices(costs, b)
+        parts = dict(
+            max_param_bytes=_largest_trainable_param(costs, b),
+            last_grad_bytes=np.array(
+                [first_gradient_bytes(costs, [(int(b[k]), int(b[k + 1]))]) for k in range(len(b) - 1)], dtype=np.int64
+            ),
+            param_bytes_matrix=param_matrix,
+            tied_matrix=_tied_matrix(costs, b),
+            trainable_bytes_matrix=trainable_matrix,
+        )
+        for array in parts.values():
+            array.flags.writeable = False
+        while len(_PARAMETER_PARTS) >= _PARAMETER_PARTS_KEPT:
+            del _PARAMETER_PARTS[next(iter(_PARAMETER_PARTS))]
+        _PARAMETER_PARTS[key] = parts
+    return _PARAMETER_PARTS[key]
 
 
 def _largest_trainable_param(costs: CostTable, boundaries: np.ndarray) -> np.ndarray:
