@@ -5,8 +5,9 @@ Model Training on GPU Clusters Using Megatron-LM", SC21, arXiv:2104.04473, Table
 vocabulary 51,200, sequence 2048, the paper's hidden size, heads, layers, GPU count and global batch,
 on A100-80GB in nodes of 8 (the catalog's A100: 312 TFLOP/s dense bf16, NVLink in a node,
 InfiniBand between nodes). Each model is captured on ``meta`` (transformers' GPT-2 class at those
-shapes) and planned with analytic costs in bf16 (``partita.plan``; no tensor parallelism: partita
-has none yet, so every layer runs whole on one GPU, and its activations must fit there).
+shapes) and planned with analytic costs in bf16 (``partita.plan``: every tensor-parallel degree,
+sharding level, schedule, micro-batch count and recomputation searched). The larger rows (310B to
+1T) are bench/plan_time.py's, with its planning times.
 
 Reported: the predicted step, and the model FLOP/s per GPU it implies over ALL GPUs of the cluster
 (idle ones included), with Megatron's count of a step's FLOPs *without* recomputation,
@@ -63,7 +64,8 @@ def layout(plan) -> str:
     levels = sorted({s.sharding.value for s in plan.stages})
     rc = sum(s.recompute for s in plan.stages)
     return (
-        f"{plan.num_rank_groups} x {fmt_replicas(plan)} ({plan.num_devices} dev), {plan.schedule.value}, "
+        f"TP {plan.tensor_parallel} x {plan.num_rank_groups} x {fmt_replicas(plan)} ({plan.num_devices} dev), "
+        f"{plan.schedule.value}, "
         f"m={plan.num_microbatches}, {plan.num_stages} stages, recompute {rc}/{plan.num_stages}, "
         f"{'/'.join(levels)}, {plan.precision.value}"
     )
