@@ -337,6 +337,19 @@ class SearchCache:
             made = self._stage_costs[key] = (blocks, StageCosts(blocks, config, options, cluster))
         return made[1]
 
+    def bottleneck_floor(self, blocks: BlockCosts, num_stages: int) -> float:
+        """The smallest max compute (F + B per micro-batch) over the splits of the chain into
+        ``num_stages`` stages: no stage of any config costs less than its compute, so no split of
+        any config at this micro-batch size has a smaller bottleneck (remembered per size and depth)."""
+        key = ("bottleneck floor", id(blocks), num_stages)
+        made = self._stage_costs.get(key)
+        if made is None or made[0] is not blocks:
+            ranges = blocks.stage_totals
+            compute = np.where(ranges["valid"], ranges["compute_s"], np.inf)
+            value = min_bottleneck(lambda s: compute, blocks.num_blocks, num_stages, ranges["work_prefix_s"])
+            made = self._stage_costs[key] = (blocks, value)
+        return made[1]
+
     def may_fit(self, blocks: BlockCosts, config: Config, options: SearchOptions) -> bool:
         """``_may_fit``, remembered by what it depends on (configs differ mostly in schedule and m)."""
         sharded = config.replicas > 1 and options.sharding is not Sharding.REPLICATE
@@ -445,8 +458,11 @@ def search(
     best_v1: list[float] = []  # max-heap (negated) of the num_best smallest v = 1 estimates
     bound = step_to_beat
     for config in configs:
-        if _estimate_lower_bound(blocks_at(config.microbatch_size), config) > bound:
+        blocks = blocks_at(config.microbatch_size)
+        if _estimate_lower_bound(blocks, config) > bound:
             break  # configs are sorted by this lower bound: every later one is pruned too
+        if config.virtual_stages == 1 and _split_lower_bound(blocks, config, cache) > bound:
+            continue  # none of its candidates would be kept: each estimate exceeds the bound
         candidates = search_config(blocks_at(config.microbatch_size), config, options, cluster, cache)
         found.extend(candidates)
         if num_best is not None and config.virtual_stages == 1:
@@ -494,6 +510,15 @@ def _estimate_lower_bound(blocks: BlockCosts, config: Config) -> float:
     total = float(blocks.forward_s.sum() + blocks.backward_s.sum())
     m, g, v = config.num_microbatches, config.num_rank_groups, config.virtual_stages
     return ((m - 1) * total / g + total / v) * (1 - 1e-9)
+
+
+def _split_lower_bound(blocks: BlockCosts, config: Config, cache: SearchCache) -> float:
+    """``_estimate_lower_bound`` of a config with one stage per rank group, with the chain's
+    granularity: its busiest stage costs at least the smallest compute bottleneck of a split into
+    G stages (``SearchCache.bottleneck_floor``), so its estimate is at least (m - 1) B_G + T."""
+    total = float(blocks.forward_s.sum() + blocks.backward_s.sum())
+    floor = cache.bottleneck_floor(blocks, config.num_rank_groups)
+    return ((config.num_microbatches - 1) * floor + total) * (1 - 1e-9)
 
 
 def sort_key(c: Candidate) -> tuple:

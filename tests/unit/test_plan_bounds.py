@@ -13,7 +13,7 @@ from partita.planning.chain import block_costs
 from partita.planning.context import draft_lower_bound_s, draft_plan, fit_with_recompute, simulated
 from partita.planning.driver import best_plan
 from partita.planning.refine import split_bound
-from partita.planning.search import Config, search
+from partita.planning.search import Config, SearchCache, _split_lower_bound, enumerate_configs, search, search_config
 from partita.types import Schedule
 
 
@@ -148,3 +148,21 @@ def test_shared_refinement_budget_goes_to_the_best_configs_of_all_degrees():
     driver._shared_refinement([fast, slow, none])
     # the best six: 1 (a0), 2 (a1), 2.5 (b0), 3 (a2), 3.5 (b1), 4 (a3)
     assert (fast.num_refined, slow.num_refined, none.num_refined) == (4, 2, 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_lower_bound_never_exceeds_an_estimate(seed):
+    """The pruned search skips a one-stage-per-group config whose (m - 1) B_G + T exceeds its bound:
+    check that no candidate of any such config estimates below it."""
+    ctx = random_instance(seed)
+    blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
+    k, cache, checked = len(ctx.chain) - 1, SearchCache(), 0
+    for config in enumerate_configs(ctx.options, k):
+        if config.virtual_stages != 1:
+            continue
+        blocks = blocks_at(config.microbatch_size)
+        bound = _split_lower_bound(blocks, config, cache)
+        for candidate in search_config(blocks, config, ctx.options, ctx.search_cluster):
+            assert bound <= candidate.estimate_s, (config, bound, candidate.estimate_s)
+            checked += 1
+    assert checked > 0
