@@ -382,7 +382,9 @@ class _Propagation:
             aligned = placed.dim - (len(out) - len(shape))
             if aligned >= 0 and shape[aligned] != 1:
                 self.scatters[(node.name, position)] = (aligned, placed.blocks)
-                self.backward_reductions[f"{node.name}.{position}"] = fx_read.numel(v)
+                # each device's gradient of the whole operand sums only its part: keyed by the node
+                # (the cost model reads node names), one all-reduce per such operand
+                self.backward_reductions[node.name] = self.backward_reductions.get(node.name, 0) + fx_read.numel(v)
         if fx_read.op_name(node) in ("zeros_like", "ones_like", "full_like", "empty_like") and node.kwargs.get("size"):
             return None
         return placed

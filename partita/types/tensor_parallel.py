@@ -35,8 +35,9 @@ class TensorParallelLayout:
     ``sharded_nodes``: nodes whose work and output memory divide by ``degree``.
     ``forward_reductions`` / ``backward_reductions``: node name -> elements all-reduced over the
     group after that node in the forward (the output of a row-parallel matmul or of a
-    vocab-parallel embedding), or for its input in the backward (the input of column-parallel
-    matmuls). The vocab-parallel cross-entropy all-reduces three values per row (max, sum of
+    vocab-parallel embedding), or for its inputs in the backward (the input of column-parallel
+    matmuls; the whole operands, e.g. T5's position bias, of an elementwise operation on split
+    values, summed per node). The vocab-parallel cross-entropy all-reduces three values per row (max, sum of
     exponentials, target logit): counted in ``forward_reductions`` at the loss node.
     ``rejected``: pattern candidates left replicated, node name -> why (for ``partita inspect``).
     """

@@ -12,7 +12,10 @@ from torch import nn
 import partita
 from partita import examples
 from partita.capturing.tensor_parallel import analyze, find_layout
+from partita.cost.analytic import analytic_costs
+from partita.cost.tensor_parallel import reduction_times_s
 from partita.errors import InputError
+from partita.types import Cluster
 from partita.types.tensor_parallel import ParamShard
 
 pytest.importorskip("transformers")
@@ -58,6 +61,19 @@ def test_encoder_models_split_attention_and_mlp(name):
     attention = [n for n in layout.params if ("attention" in n.lower() or "SelfAttention" in n)]
     assert len(attention) >= 8
     assert all(s.blocks == 1 for s in layout.params.values())
+
+
+def test_the_reductions_of_a_whole_operand_are_costed_on_its_node():
+    """T5 adds its whole position bias to the split attention scores: the bias's gradient is
+    all-reduced in the backward of that add, which the cost model finds by the node's name."""
+    graph = _graph("t5")
+    layout = find_layout(graph, 2)
+    names = {n.name for n in graph.nodes} | {i.name for i in graph.inputs}
+    assert set(layout.backward_reductions) <= names
+    costs = analytic_costs(graph, "h100", 2)
+    forward, backward = reduction_times_s(costs, graph, layout, Cluster(device="h100", num_devices=2))
+    bias_adds = [n.index for n in graph.nodes if n.name in layout.backward_reductions and n.target == "aten.add.Tensor"]
+    assert bias_adds and all(backward[i] > 0 for i in bias_adds)
 
 
 def test_a_cnn_has_nothing_to_split():
