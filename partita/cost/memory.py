@@ -263,21 +263,14 @@ def memory_from_totals(
     else:
         persistent_params = 1 * param_bytes
         gathered_bytes = 0 * trainable_bytes
-    # bf16: autocast's bf16 copies of the weights a forward reads, saved for its backward, one set
-    # per micro-batch in flight (one at a time when the stage recomputes)
-    copies = 0.5 * (gathered if sharded else trainable_bytes) if precision is Precision.BF16 else 0 * trainable_bytes
-    if recompute:
-        # Keep only each in-flight micro-batch's stage inputs; backward rebuilds one micro-batch.
-        kept = np.ceil(in_flight * stage_input_bytes) + activation_bytes + np.ceil(copies)
-    else:
-        kept = np.ceil(in_flight * (activation_bytes + copies))
+    copies = _weight_copies(precision, sharding, num_replicas, trainable_bytes, gathered_trainable_bytes)
+    kept = _kept_bytes(in_flight, recompute, activation_bytes, stage_input_bytes, copies)
     comm_buffer_bytes = 1 * boundary_bytes  # the received input and the output gradient of the micro-batch
     if num_microbatches is None:
         backward_grad_bytes = None
     else:
-        no_steady_state = np.asarray(num_microbatches) <= np.asarray(in_flight)
         first = largest_param_bytes if first_grad_bytes is None else first_grad_bytes
-        backward_grad_bytes = _as_int(np.where(no_steady_state, np.minimum(first, trainable_bytes), trainable_bytes))
+        backward_grad_bytes = _backward_grad_bytes(in_flight, num_microbatches, first, trainable_bytes)
     if num_replicas > 1 and not sharded:  # DDP's gradient bucket (FSDP2 reduce-scatters from the gradients counted)
         comm_buffer_bytes = comm_buffer_bytes + np.minimum(trainable_bytes, ALLREDUCE_BUCKET_BYTES)
     return DeviceMemory(
@@ -293,6 +286,71 @@ def memory_from_totals(
         gathered_param_bytes=_as_int(gathered_bytes),
         step_grad_bytes=_as_int(np.ceil(trainable_bytes / shards)) if sharded else None,
     )
+
+
+def _weight_copies(
+    precision: Precision, sharding: Sharding, num_replicas: int, trainable_bytes: Any, gathered_trainable_bytes: Any
+) -> Any:
+    """bf16: autocast's bf16 copies of the weights a forward reads, saved for its backward, one set
+    per micro-batch in flight (one at a time when the stage recomputes); 0 in fp32."""
+    if precision is not Precision.BF16:
+        return 0 * trainable_bytes
+    sharded = sharding is not Sharding.REPLICATE and num_replicas > 1
+    gathered = trainable_bytes if gathered_trainable_bytes is None else gathered_trainable_bytes
+    return 0.5 * (gathered if sharded else trainable_bytes)
+
+
+def _kept_bytes(in_flight: Any, recompute: bool, activation_bytes: Any, stage_input_bytes: Any, copies: Any) -> Any:
+    """Activations (and bf16 weight copies) kept for backward with ``in_flight`` micro-batches."""
+    if recompute:
+        # Keep only each in-flight micro-batch's stage inputs; backward rebuilds one micro-batch.
+        return np.ceil(in_flight * stage_input_bytes) + activation_bytes + np.ceil(copies)
+    return np.ceil(in_flight * (activation_bytes + copies))
+
+
+def _backward_grad_bytes(in_flight: Any, num_microbatches: Any, first: Any, trainable_bytes: Any) -> Any:
+    """Gradients alive at the backward peak: only the first ones when every forward runs before
+    the first backward (no more micro-batches than in flight), else all of them."""
+    no_steady_state = np.asarray(num_microbatches) <= np.asarray(in_flight)
+    return _as_int(np.where(no_steady_state, np.minimum(first, trainable_bytes), trainable_bytes))
+
+
+class MemoryByInFlight:
+    """``memory_from_totals(in_flight=f, **totals).total_bytes`` as a function of ``f`` alone: the
+    search asks one stage table for many in-flight counts (one per pipeline position and
+    schedule), so what does not depend on ``f`` is evaluated once. Takes ``memory_from_totals``'s
+    arguments but ``in_flight``; equal to it byte for byte (tests/unit/test_memory.py)."""
+
+    def __init__(self, **totals: Any):
+        at_zero = memory_from_totals(in_flight=0, **totals)
+        self._copies = _weight_copies(
+            totals.get("precision", Precision.FP32),
+            totals.get("sharding", Sharding.REPLICATE),
+            totals.get("num_replicas", 1),
+            totals["trainable_bytes"],
+            totals.get("gathered_trainable_bytes"),
+        )
+        self._persistent = at_zero.param_bytes + at_zero.optimizer_bytes
+        self._step_peak = at_zero._during_step
+        self._fixed = at_zero.gathered_param_bytes + at_zero.comm_buffer_bytes + at_zero.working_bytes
+        self._grads = at_zero.grad_bytes
+        if totals.get("num_microbatches") is not None:  # the first gradients, for every forward before a backward
+            first = totals.get("first_grad_bytes")
+            first = totals.get("largest_param_bytes", 0) if first is None else first
+            self._first_grads = _backward_grad_bytes(
+                np.inf, totals["num_microbatches"], first, totals["trainable_bytes"]
+            )
+        self._totals = totals
+
+    def total_bytes(self, in_flight: float) -> Any:
+        t = self._totals
+        kept = _as_int(
+            _kept_bytes(in_flight, t["recompute"], t["activation_bytes"], t["stage_input_bytes"], self._copies)
+        )
+        grads = self._grads
+        if t.get("num_microbatches") is not None:
+            grads = np.where(np.asarray(t["num_microbatches"]) <= in_flight, self._first_grads, self._grads)
+        return self._persistent + np.maximum(self._fixed + kept + grads, self._step_peak)
 
 
 def _step_temporaries(optimizer: OptimizerKind, largest_param_bytes: Any, shards: int) -> Any:

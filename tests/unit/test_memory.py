@@ -3,8 +3,14 @@
 import numpy as np
 import pytest
 
-from partita.cost.memory import ALLREDUCE_BUCKET_BYTES, device_memory, microbatches_in_flight
-from partita.types import CostTable, OptimizerKind, Precision, Schedule
+from partita.cost.memory import (
+    ALLREDUCE_BUCKET_BYTES,
+    MemoryByInFlight,
+    device_memory,
+    memory_from_totals,
+    microbatches_in_flight,
+)
+from partita.types import CostTable, OptimizerKind, Precision, Schedule, Sharding
 
 MiB = 2**20
 
@@ -145,3 +151,32 @@ def test_a_tied_parameter_counts_once_per_device_that_holds_it():
 )
 def test_microbatches_in_flight(schedule, m, ranks, v, expected):
     assert [microbatches_in_flight(schedule, m, ranks, r, v) for r in range(ranks)] == expected
+
+
+@pytest.mark.parametrize("precision", list(Precision))
+@pytest.mark.parametrize("sharding", list(Sharding))
+@pytest.mark.parametrize("recompute", [False, True])
+def test_memory_by_in_flight_equals_the_formula_byte_for_byte(precision, sharding, recompute):
+    rng = np.random.default_rng(7)
+    shape = (9, 9)
+    trainable = rng.integers(0, 2**33, shape)
+    totals = dict(
+        param_bytes=trainable + rng.integers(0, 2**20, shape),
+        trainable_bytes=trainable,
+        activation_bytes=rng.integers(0, 2**31, shape) + 0.5,  # odd halves: the ceilings matter
+        stage_input_bytes=rng.integers(0, 2**25, shape),
+        boundary_bytes=rng.integers(0, 2**26, shape),
+        largest_output_bytes=rng.integers(0, 2**27, shape),
+        largest_param_bytes=rng.integers(0, 2**28, shape),
+        first_grad_bytes=rng.integers(0, 2**28, shape),
+        optimizer=OptimizerKind.ADAM,
+        recompute=recompute,
+        precision=precision,
+        sharding=sharding,
+        num_replicas=3,
+        num_microbatches=6,
+    )
+    by_in_flight = MemoryByInFlight(**totals)
+    for in_flight in (0, 1, 2.5, 5, 6, 7.25, 12):  # below, at and above the micro-batch count
+        expected = memory_from_totals(in_flight=in_flight, **totals).total_bytes
+        np.testing.assert_array_equal(by_in_flight.total_bytes(in_flight), expected)
