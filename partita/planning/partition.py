@@ -25,6 +25,12 @@ the smallest j) equal the full DP's. The bottleneck DP has no bound to start fro
 a guess ``U`` (stages costing more are left out), which is exact when its answer is finite (the
 optimum is then at most U, and no stage of the optimal split costs more), and doubles U until
 then (the full DP once the band spans the chain).
+
+Reach. Memory bounds a stage too: ``reach[k]``, the most blocks a finite entry of ``cost[k]``
+spans (``stage_reach``), caps every band at ``max_k reach[k]`` with the same results, since the
+entries outside are inf. A split needs ``sum_k reach[k] >= K`` (each stage covers at most its
+reach): a config whose stages cannot cover the chain is answered without a DP. The bottleneck DP
+with the band of the widest reach and no limit is exact in one pass.
 """
 
 from __future__ import annotations
@@ -114,15 +120,38 @@ def band_width(work: np.ndarray, t_max: float) -> int:
     return int(min(k, max(1, int((reach - np.arange(k + 1)).max()))))
 
 
-def min_bottleneck(stage_cost: StageCost, num_blocks: int, num_stages: int, work: np.ndarray | None = None) -> float:
-    """Smallest possible max stage time over all splits into ``num_stages`` stages (inf: none fits)."""
+def stage_reach(cost: np.ndarray) -> int:
+    """The most blocks a finite entry ``cost[j, i]`` spans (``i - j``; 0: none is finite)."""
+    starts, stops = np.nonzero(np.isfinite(cost))
+    return int((stops - starts).max()) if len(starts) else 0
+
+
+def covers(reach: Sequence[int] | None, num_blocks: int) -> bool:
+    """Whether stages of these reaches can split the chain at all (module docstring: Reach)."""
+    return reach is None or (min(reach) > 0 and sum(reach) >= num_blocks)
+
+
+def min_bottleneck(
+    stage_cost: StageCost,
+    num_blocks: int,
+    num_stages: int,
+    work: np.ndarray | None = None,
+    reach: Sequence[int] | None = None,
+) -> float:
+    """Smallest possible max stage time over all splits into ``num_stages`` stages (inf: none fits).
+    ``reach``: per stage, ``stage_reach`` of its cost matrix (module docstring)."""
+    if not covers(reach, num_blocks):
+        return float("inf")
+    widest = num_blocks if reach is None else min(num_blocks, max(reach))
     guess = 2 * (float(work[-1]) / num_stages + float(np.diff(work).max())) if work is not None else 0.0
     if guess > 0:
-        while (width := band_width(work, guess)) <= _BAND_SHARE * num_blocks:
+        while (width := band_width(work, guess)) < widest and width <= _BAND_SHARE * num_blocks:
             value = _banded_bottleneck(stage_cost, num_blocks, num_stages, width, guess)
             if np.isfinite(value):
                 return value
             guess *= 2
+    if widest <= _BAND_SHARE * num_blocks:  # every finite stage lies in this band: exact without a limit
+        return _banded_bottleneck(stage_cost, num_blocks, num_stages, widest, float("inf"))
     value = np.full(num_blocks + 1, np.inf)
     value[0] = 0.0
     for k in range(num_stages):
@@ -153,14 +182,19 @@ def min_sums_under(
     num_stages: int,
     t_maxes: Sequence[float],
     work: np.ndarray | None = None,
+    reach: Sequence[int] | None = None,
 ) -> list[list[int] | None]:
     """``min_sum_under`` for each bound of ``t_maxes``, the bounds of one pass side by side, on
-    the band of the largest bound when ``work`` is given (module docstring)."""
+    the band of the largest bound when ``work`` is given, and at most the widest ``reach``
+    (module docstring)."""
+    if not covers(reach, num_blocks):
+        return [None] * len(t_maxes)
     result: list[list[int] | None] = []
     costs = [stage_cost(k) for k in range(num_stages)]
+    widest = num_blocks if reach is None else min(num_blocks, max(reach))
     for first in range(0, len(t_maxes), _BOUNDS_PER_PASS):
         bounds = np.asarray(t_maxes[first : first + _BOUNDS_PER_PASS], dtype=np.float64)
-        width = band_width(work, float(bounds.max())) if work is not None else num_blocks
+        width = min(widest, band_width(work, float(bounds.max()))) if work is not None else widest
         bands: dict[int, _Band] = {}
         value = np.full((len(bounds), num_blocks + 1), np.inf)
         value[:, 0] = 0.0
@@ -189,11 +223,17 @@ def _backtrack(choices: Sequence[np.ndarray], num_blocks: int) -> list[int]:
 
 
 def bottleneck_candidates(
-    stage_cost: StageCost, num_blocks: int, num_stages: int, *, exhaustive: bool, work: np.ndarray | None = None
+    stage_cost: StageCost,
+    num_blocks: int,
+    num_stages: int,
+    *,
+    exhaustive: bool,
+    work: np.ndarray | None = None,
+    reach: Sequence[int] | None = None,
 ) -> list[float]:
     """The t_max values to try: every distinct feasible stage time at or above the optimal
     bottleneck when ``exhaustive`` (small chains), else the bottleneck and a few relaxations."""
-    floor = min_bottleneck(stage_cost, num_blocks, num_stages, work)
+    floor = min_bottleneck(stage_cost, num_blocks, num_stages, work, reach)
     if not np.isfinite(floor):
         return []
     if not exhaustive:
@@ -206,15 +246,22 @@ def bottleneck_candidates(
 
 
 def candidate_partitions(
-    stage_cost: StageCost, num_blocks: int, num_stages: int, *, exhaustive: bool, work: np.ndarray | None = None
+    stage_cost: StageCost,
+    num_blocks: int,
+    num_stages: int,
+    *,
+    exhaustive: bool,
+    work: np.ndarray | None = None,
+    reach: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Distinct optimal-sum splits, one per candidate bottleneck, in order of increasing bound.
-    ``work``: prefix sums below every stage's cost (module docstring: the banded DPs)."""
+    ``work``: prefix sums below every stage's cost; ``reach``: per stage, the most blocks a finite
+    entry of its cost spans (module docstring: the banded DPs, Reach)."""
     seen: set[tuple[int, ...]] = set()
     result = []
-    floors = bottleneck_candidates(stage_cost, num_blocks, num_stages, exhaustive=exhaustive, work=work)
+    floors = bottleneck_candidates(stage_cost, num_blocks, num_stages, exhaustive=exhaustive, work=work, reach=reach)
     bounds = [t * (1 + 1e-12) for t in floors]
-    for boundaries in min_sums_under(stage_cost, num_blocks, num_stages, bounds, work):
+    for boundaries in min_sums_under(stage_cost, num_blocks, num_stages, bounds, work, reach):
         if boundaries is not None and tuple(boundaries) not in seen:
             seen.add(tuple(boundaries))
             result.append(boundaries)
