@@ -410,21 +410,23 @@ def peak_activations(orders, activation_bytes, s, *, free_kind) -> tuple[int, ..
 
 @lru_cache(maxsize=256)
 def _held_counts(orders, s: int, free_kind: int) -> tuple[np.ndarray, np.ndarray, tuple[bool, ...]]:
-    """(F actions of all rank groups, S) float: the micro-batches of each stage a rank group holds
-    just after each of its F actions (the peaks come right after one), so the held bytes there are
-    ``counts @ act``; the first row of each rank group that has an F; whether it has one."""
+    """(rows, S) float: the distinct counts of micro-batches of each stage that a rank group holds
+    just after one of its F actions (the peaks come right after one), so the held bytes there are
+    ``counts @ act``; the first row of each rank group that has an F; whether it has one. Only
+    distinct rows are kept: a deep 1F1B pipeline repeats the same few counts m times."""
     rows, starts, has_forward = [], [], []
     for order in orders:
-        held, first = [0] * s, len(rows)
+        held, mine = [0] * s, set()
         for k, _, kind in order:
             if kind == _F:
                 held[k] += 1
-                rows.append(list(held))
+                mine.add(tuple(held))
             elif kind == free_kind:
                 held[k] -= 1
-        has_forward.append(len(rows) > first)
-        if len(rows) > first:
-            starts.append(first)
+        has_forward.append(bool(mine))
+        if mine:
+            starts.append(len(rows))
+            rows.extend(sorted(mine))
     return np.array(rows, dtype=np.float64).reshape(len(rows), s), np.array(starts, dtype=np.int64), tuple(has_forward)
 
 
