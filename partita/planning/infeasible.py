@@ -153,7 +153,7 @@ def _pipeline_sentence(ctx: PlanningContext, bound: MemoryBound, need: BlockNeed
         f" (the neediest in its cheapest stage: {fmt_bytes(need.needed_bytes)} of {fmt_bytes(limit)})" if need else ""
     )
     text = f"every block fits a device in some stage{largest}, but no pipeline of stages that fit covers the model"
-    deep = [r for r in bound.replica_counts(units, uniform=True) if r * k <= units]
+    deep = [r for r in bound.replica_counts(units) if r * k <= units]
     if deep:
         r = max(deep)
         needs = bound.needs_at(r)

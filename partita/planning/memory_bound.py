@@ -22,7 +22,7 @@ Three tests, on ``units`` (devices, or tensor-parallel groups of ``t`` devices; 
                M_r[j, i] <= L`` for each block k, with the first gradients at their smallest (any
                stage containing k, on any schedule, needs at least this);
     one stage per rank group (GPipe, 1F1B; uniform and uneven replicas): a cover of the chain by
-               ranges that fit. Uniform: for an r dividing units and batch, the fewest ranges with
+               ranges that fit. Uniform: for an r dividing the batch, the fewest ranges with
                ``M_r <= L`` times r is at most the units. Uneven (up to ``uneven.MAX_DEVICES``): the
                fewest devices, each range taking the smallest r with which it fits
                (``D[i] = min_j D[j] + r_min[j, i] <= units``);
@@ -176,12 +176,12 @@ class MemoryBound:
                 modes[two] = ()
         return modes
 
-    def replica_counts(self, num_units: int, *, uniform: bool) -> list[int]:
-        """Replica counts the search may give a stage: dividing the batch (and, uniform, the units)."""
+    def replica_counts(self, num_units: int) -> list[int]:
+        """Replica counts the search may give a stage: dividing the batch (``enumerate_configs``)."""
         batch, pinned = self.options.global_batch_size, self.options.replicas
         if pinned is not None:
-            return [pinned] if pinned <= num_units and batch % pinned == 0 else []  # as enumerate_configs
-        return [r for r in divisors(batch) if r <= num_units and (not uniform or num_units % r == 0)]
+            return [pinned] if pinned <= num_units and batch % pinned == 0 else []
+        return [r for r in divisors(batch) if r <= num_units]
 
     # ------------------------------------------------------------------ per replica count
 
@@ -313,7 +313,7 @@ class MemoryBound:
     def block_needs(self, num_units: int) -> tuple[float, ...]:
         """Per block, the least bytes a device holding it needs (over replica counts up to ``num_units``)."""
         needs = np.full(self.num_blocks, np.inf)
-        for r in self.replica_counts(num_units, uniform=False):
+        for r in self.replica_counts(num_units):
             needs = np.minimum(needs, self.needs_at(r))
         return tuple(float(v) for v in needs)
 
@@ -323,7 +323,7 @@ class MemoryBound:
         if not needs or not np.isfinite(min(needs)):
             return None
         block = int(np.argmax(needs))
-        for r in sorted(self.replica_counts(num_units, uniform=False), reverse=True):
+        for r in sorted(self.replica_counts(num_units), reverse=True):
             if self.needs_at(r)[block] <= needs[block]:
                 return self._block_need(block, r, needs[block])
         raise AssertionError("the least need comes from some replica count")
@@ -363,7 +363,7 @@ class MemoryBound:
             return None
         wanted = []
         k = self.num_blocks
-        for r in self.replica_counts(most, uniform=False):
+        for r in self.replica_counts(most):
             if self.recompute_modes[False] and self.blocks_fit_at(r, limit):
                 ranges = self.fewest_ranges(r, limit)
                 if np.isfinite(ranges):
@@ -402,7 +402,7 @@ class MemoryBound:
         if not self.recompute_modes[False]:
             return False
         pinned = self.options.num_stages
-        for r in self.replica_counts(units, uniform=True):
+        for r in self.replica_counts(units):
             if not self.blocks_fit_at(r, limit):
                 continue
             ranges = self.fewest_ranges(r, limit)
@@ -425,7 +425,7 @@ class MemoryBound:
     def fewest_uneven_units(self, units: int, limit: int) -> float:
         """The fewest devices of a one-stage-per-group plan whose stages take their own replica counts."""
         least = np.full(self.valid.shape, np.inf)
-        for r in sorted(self.replica_counts(units, uniform=False), reverse=True):
+        for r in sorted(self.replica_counts(units), reverse=True):
             least = np.where(self.stage_memory(r)[0] <= limit, r, least)
         devices = np.full(self.num_blocks + 1, np.inf)
         devices[0] = 0
@@ -439,7 +439,7 @@ class MemoryBound:
         if Schedule.INTERLEAVED_1F1B in self.options.schedules and set(self.options.interleaved_virtual_stages) != {2}:
             return True  # rank groups of more than two stages: not bounded here
         pinned = self.options.num_stages
-        for r in self.replica_counts(units, uniform=True):
+        for r in self.replica_counts(units):
             most = min(units // r, self.num_blocks // 2)
             groups = range(2, most + 1) if pinned is None else [pinned] if 2 <= pinned <= most else []
             if not groups:

@@ -23,6 +23,7 @@ searches stages with their own counts (``Config.stage_replicas``) and reuses ``S
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -32,11 +33,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from partita.cost.comm import p2p_time_s
-from partita.cost.memory import memory_from_totals, microbatches_in_flight
+from partita.cost.memory import MemoryByInFlight, memory_from_totals, microbatches_in_flight
 from partita.errors import InputError
 from partita.planning.chain import BlockCosts
 from partita.planning.options import recompute_allowed
-from partita.planning.partition import candidate_partitions, min_bottleneck
+from partita.planning.partition import candidate_partitions, covers, min_bottleneck, stage_reach
 from partita.planning.schedules import check_schedule
 from partita.planning.sharding import levels, step_overhead_s
 from partita.types import OptimizerKind, Precision, Schedule, Sharding
@@ -124,9 +125,11 @@ class Candidate:
 
 
 def enumerate_configs(options: SearchOptions, num_blocks: int) -> Iterator[Config]:
-    """Every config the options allow, in a fixed order (deterministic results)."""
+    """Every config the options allow, in a fixed order (deterministic results). A replica count
+    divides the global batch, not the devices: ``G`` rank groups of ``r`` use ``G r <= N`` devices,
+    so a batch of 1,536 on 1,000 devices runs 41 groups of 24 (984 devices), not 31 of 8."""
     n, batch = options.num_devices, options.global_batch_size
-    for r in divisors(n) if options.replicas is None else [options.replicas]:
+    for r in divisors(batch) if options.replicas is None else [options.replicas]:
         if batch % r or r > n:
             continue
         groups = range(1, n // r + 1) if options.num_stages is None else [options.num_stages]
@@ -173,8 +176,10 @@ def _microbatch_counts(options: SearchOptions, samples: int, num_groups: int, sc
     return counts
 
 
+@functools.lru_cache(maxsize=4096)
 def schedule_accepts(schedule: Schedule, m: int, num_groups: int, num_stages: int) -> bool:
-    """Whether torch's schedule runs this (e.g. 1F1B needs m >= stages)."""
+    """Whether torch's schedule runs this (e.g. 1F1B needs m >= stages); remembered, since the
+    search asks for the same shapes at every replica count."""
     try:
         check_schedule(schedule, m, num_groups, num_stages)
     except InputError:
@@ -190,8 +195,9 @@ def _recompute_modes(options: SearchOptions, schedule: Schedule, virtual_stages:
     return [None] if virtual_stages == 1 else [False, True]
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=1024)
+def divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 # ----------------------------------------------------------------------------- stage costs
@@ -217,7 +223,9 @@ class StageCosts:
         self.levels = levels(options.sharding, config.replicas)
         self.penalty = self._level_penalties(forward, backward, cluster)
         self._cache: dict[tuple[float, bool, Sharding], np.ndarray] = {}
+        self._memory: dict[tuple[bool, Sharding], MemoryByInFlight] = {}
         self._costs: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+        self._reach: dict[float, int] = {}
 
     def _level_penalties(self, forward: np.ndarray, backward: np.ndarray, cluster) -> dict[Sharding, np.ndarray]:
         """Per level, seconds per micro-batch its step overhead exceeds replicate's (>= 0)."""
@@ -247,17 +255,18 @@ class StageCosts:
     def fits(self, in_flight: float, recompute: bool, level: Sharding = Sharding.REPLICATE) -> np.ndarray:
         key = (in_flight, recompute, level)
         if key not in self._cache:
-            memory = memory_from_totals(
-                **self.totals,
-                in_flight=in_flight,
-                optimizer=self.options.optimizer,
-                recompute=recompute,
-                precision=self.options.precision,
-                sharding=level,
-                num_replicas=self.config.replicas,
-                num_microbatches=self.config.num_microbatches,
-            )
-            self._cache[key] = memory.total_bytes <= self.options.memory_limit_bytes
+            memory = self._memory.get((recompute, level))
+            if memory is None:
+                memory = self._memory[recompute, level] = MemoryByInFlight(
+                    **self.totals,
+                    optimizer=self.options.optimizer,
+                    recompute=recompute,
+                    precision=self.options.precision,
+                    sharding=level,
+                    num_replicas=self.config.replicas,
+                    num_microbatches=self.config.num_microbatches,
+                )
+            self._cache[key] = memory.total_bytes(in_flight) <= self.options.memory_limit_bytes
         return self._cache[key]
 
     def stage_cost(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
@@ -289,7 +298,13 @@ class StageCosts:
                 use_recompute = ~np.isfinite(plain) & np.isfinite(again)
                 time = np.where(use_recompute, again + self.forward, plain)
             self._costs[in_flight] = (time, use_recompute & np.isfinite(time))
+            self._reach[in_flight] = stage_reach(time)
         return self._costs[in_flight]
+
+    def reach_at(self, in_flight: float) -> int:
+        """The most blocks a stage that fits with ``in_flight`` micro-batches spans (``stage_reach``)."""
+        self.cost_at(in_flight)
+        return self._reach[in_flight]
 
     def _fastest(self, in_flight: float, recompute: bool) -> np.ndarray:
         """Compute + the smallest penalty over the levels that fit (inf where none does). A stage
@@ -381,21 +396,26 @@ def search_config(
         for s in range(config.num_stages)
     ]
     per_stage = [costs.cost_at(f) for f in in_flight]
-    cache.candidates[config] = _best_splits(blocks, config, options, costs, per_stage)
+    reach = [costs.reach_at(f) for f in in_flight]
+    cache.candidates[config] = _best_splits(blocks, config, options, costs, per_stage, reach)
     return cache.candidates[config]
 
 
-def _best_splits(blocks: BlockCosts, config: Config, options: SearchOptions, costs: StageCosts, per_stage):
-    """``search_config``'s candidates from each stage's (time, recompute) matrices."""
+def _best_splits(
+    blocks: BlockCosts, config: Config, options: SearchOptions, costs: StageCosts, per_stage, reach: list[int]
+):
+    """``search_config``'s candidates from each stage's (time, recompute) matrices and reaches."""
     stage_time = lambda s: per_stage[s][0]  # noqa: E731 - the DP's StageCost
     k, num_stages = blocks.num_blocks, config.num_stages
+    if not covers(reach, k):
+        return []  # some stage fits nowhere, or the stages together cannot span the chain
     exhaustive = k <= EXHAUSTIVE_BLOCKS
     every_split = exhaustive and config.virtual_stages > 1 and math.comb(k - 1, num_stages - 1) <= EXHAUSTIVE_SPLITS
     if every_split:
         splits = ([0, *inner, k] for inner in itertools.combinations(range(1, k), num_stages - 1))
     else:
         work = blocks.stage_totals["work_prefix_s"]  # every stage costs at least its compute: the banded DPs
-        splits = candidate_partitions(stage_time, k, num_stages, exhaustive=exhaustive, work=work)
+        splits = candidate_partitions(stage_time, k, num_stages, exhaustive=exhaustive, work=work, reach=reach)
     found = []
     for boundaries in splits:
         times = [float(per_stage[s][0][boundaries[s], boundaries[s + 1]]) for s in range(num_stages)]
