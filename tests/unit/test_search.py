@@ -7,7 +7,7 @@ from planning_instances import oracle, random_instance
 from partita.planning.baselines import baseline_plans
 from partita.planning.context import PlanningContext
 from partita.planning.driver import best_plan
-from partita.planning.search import SearchOptions
+from partita.planning.search import SearchOptions, enumerate_configs
 from partita.types import Schedule
 from partita.types.plan_file import plan_to_json
 
@@ -87,3 +87,13 @@ def test_pinned_choices_are_respected():
     assert p is not None
     assert p.schedule is Schedule.GPIPE and p.num_microbatches == 4 and p.num_stages == 2
     assert all(s.recompute for s in p.stages)
+
+
+def test_replica_counts_divide_the_batch_not_the_devices():
+    """10 devices, a batch of 12: 3 groups of 3 (9 devices) or 2 of 4 are searched, which no
+    count dividing 10 gives; no config uses more devices than there are."""
+    options = SearchOptions(num_devices=10, global_batch_size=12, memory_limit_bytes=2**30)
+    configs = list(enumerate_configs(options, num_blocks=6))
+    assert {c.replicas for c in configs} == {1, 2, 3, 4, 6}
+    assert all(c.replicas * c.num_rank_groups <= 10 for c in configs)
+    assert {(3, 3), (4, 2)} <= {(c.replicas, c.num_rank_groups) for c in configs}
