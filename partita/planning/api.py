@@ -9,6 +9,7 @@ seeds) and ``infeasible`` (what would fit when nothing does).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from partita.planning.context import PlanningContext, plan_key, planning_context
 from partita.planning.driver import best_of_contexts
 from partita.planning.infeasible import infeasible_error, memory_bound
 from partita.planning.options import PlanOptions
+from partita.planning.search import divisors
 from partita.planning.tensor_parallel import degree_contexts
 from partita.types import OpGraph, Plan
 from partita.types.cluster import Cluster
@@ -115,11 +117,31 @@ def plan_with_baselines(
 
 def _best_or_raise(contexts: list[PlanningContext]) -> tuple[Plan, PlanningContext]:
     """The best plan over the contexts (one per tensor-parallel degree; ties: the first, the
-    smallest degree) and its context; InfeasiblePlanError when none fits. Degrees that the memory
-    bound refuses are not searched (``partita.planning.memory_bound``: nothing of theirs fits)."""
+    smallest degree) and their idle-unit variants (``idle_unit_contexts``), and its context;
+    InfeasiblePlanError when none fits. Degrees that the memory bound refuses are not searched
+    (``partita.planning.memory_bound``: nothing of theirs fits, at any replica count)."""
     bounds = [memory_bound(ctx) for ctx in contexts]
     fitting = [c for c, b in zip(contexts, bounds) if b.may_fit()]
-    found = best_of_contexts(fitting) if fitting else []  # the degrees refine what can win
+    variants = idle_unit_contexts(fitting)
+    base_of = {id(variant): ctx for variant, ctx in variants}
+    searched = [*fitting, *(variant for variant, _ in variants)]
+    found = best_of_contexts(searched) if searched else []  # the degrees refine what can win
     if not found:
         raise infeasible_error(contexts, bounds)
-    return min(found, key=lambda pair: plan_key(pair[0]))
+    best, chosen = min(found, key=lambda pair: plan_key(pair[0]))
+    return best, base_of.get(id(chosen), chosen)
+
+
+def idle_unit_contexts(contexts: list[PlanningContext]) -> list[tuple[PlanningContext, PlanningContext]]:
+    """(variant, context): each context again with the replica counts that divide the batch but
+    not its units (``SearchOptions.idle_units``: plans that leave some devices idle, with counts
+    no plan over all of them can have), searched as a context of its own, so that the first kind
+    searches as without them and the best of both wins (ties: the first kind). None where the
+    replicas are pinned or every count that divides the batch divides the units."""
+    found = []
+    for ctx in contexts:
+        o = ctx.options
+        if o.replicas is None and any(o.num_devices % r for r in divisors(o.global_batch_size) if r <= o.num_devices):
+            options = dataclasses.replace(o, idle_units=True, uniform_replicas=True)  # uneven: searched once
+            found.append((dataclasses.replace(ctx, options=options), ctx))
+    return found

@@ -189,7 +189,7 @@ def best_of_contexts(contexts: Sequence[PlanningContext]) -> list[tuple[Plan, Pl
         for i in sorted(range(len(contexts)), key=lambda i: -contexts[i].options.tensor_parallel):
             found[i] = simulated_candidates(contexts[i], step_to_beat=step)
             step = min(step, found[i].best_step_s)
-        _shared_refinement(found)
+        _shared_refinement(contexts, found)
     else:
         found = [simulated_candidates(ctx) for ctx in contexts]
     best_step = min((f.best_step_s for f in found), default=float("inf"))
@@ -201,11 +201,16 @@ def best_of_contexts(contexts: Sequence[PlanningContext]) -> list[tuple[Plan, Pl
     return [(p, ctx) for p, ctx in zip(plans, contexts) if p is not None]
 
 
-def _shared_refinement(found: Sequence[Simulated]) -> None:
+def _shared_refinement(contexts: Sequence[PlanningContext], found: Sequence[Simulated]) -> None:
     """Give each context's ``num_refined`` its share of the NUM_REFINED best configs of all of
-    them (by their best simulated plan; 0: its best simulated plan is taken unrefined)."""
+    them (by their best simulated plan; 0: its best simulated plan is taken unrefined). Contexts
+    of idle-unit counts (``SearchOptions.idle_units``) refine their best config outside that
+    budget, so they never take a refinement from the others."""
     best = []  # (plan key, context index, config) of each context's configs
     for i, f in enumerate(found):
+        if contexts[i].options.idle_units:
+            f.num_refined = None if f.num_refined is None else 1
+            continue
         seen = set()
         for p in sorted(f.plans, key=plan_key):
             config = f.candidate_of[id(p)].config
@@ -214,5 +219,5 @@ def _shared_refinement(found: Sequence[Simulated]) -> None:
                 best.append((plan_key(p), i, config))
     best.sort(key=lambda item: (item[0], item[1]))
     for i, f in enumerate(found):
-        if f.num_refined is not None:
+        if f.num_refined is not None and not contexts[i].options.idle_units:
             f.num_refined = sum(1 for _, j, _ in best[:NUM_REFINED] if j == i)

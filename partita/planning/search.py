@@ -74,6 +74,10 @@ class SearchOptions:
     # the tensor-parallel degree of the costs searched (partita.planning.tensor_parallel): the
     # search places groups of this many devices, as if each were one device
     tensor_parallel: int = 1
+    # False: replica counts that divide the units (every unit used when the depth allows); True:
+    # only those that divide the batch but not the units (G r < N, some units idle), searched as
+    # a context of their own (``partita.planning.api``), so they never displace the first kind
+    idle_units: bool = False
     max_microbatch_choices: int = 6
     candidates_per_config: int = 3
 
@@ -126,10 +130,15 @@ class Candidate:
 
 def enumerate_configs(options: SearchOptions, num_blocks: int) -> Iterator[Config]:
     """Every config the options allow, in a fixed order (deterministic results). A replica count
-    divides the global batch, not the devices: ``G`` rank groups of ``r`` use ``G r <= N`` devices,
-    so a batch of 1,536 on 1,000 devices runs 41 groups of 24 (984 devices), not 31 of 8."""
+    divides the global batch, and the units unless ``options.idle_units``: then ``G`` rank groups
+    of ``r`` use ``G r < N`` units, e.g. a batch of 1,536 on 1,000 devices in groups of 24 or 12,
+    which no count dividing 1,000 and 1,536 (at most 8) gives."""
     n, batch = options.num_devices, options.global_batch_size
-    for r in divisors(batch) if options.replicas is None else [options.replicas]:
+    if options.replicas is not None:
+        counts = [] if options.idle_units else [options.replicas]  # pinned: any count, searched once
+    else:
+        counts = [r for r in divisors(batch) if (n % r != 0) == options.idle_units]
+    for r in counts:
         if batch % r or r > n:
             continue
         groups = range(1, n // r + 1) if options.num_stages is None else [options.num_stages]
@@ -303,7 +312,8 @@ class StageCosts:
 
     def reach_at(self, in_flight: float) -> int:
         """The most blocks a stage that fits with ``in_flight`` micro-batches spans (``stage_reach``)."""
-        self.cost_at(in_flight)
+        if in_flight not in self._reach:
+            self.cost_at(in_flight)
         return self._reach[in_flight]
 
     def _fastest(self, in_flight: float, recompute: bool) -> np.ndarray:

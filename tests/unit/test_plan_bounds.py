@@ -145,9 +145,12 @@ def test_shared_refinement_budget_goes_to_the_best_configs_of_all_degrees():
     fast = simulated_of({f"a{i}": [1.0 + i, 9.0] for i in range(4)})  # best steps 1, 2, 3, 4
     slow = simulated_of({f"b{i}": [2.5 + i] for i in range(5)})  # 2.5, 3.5, 4.5, 5.5, 6.5
     none = simulated_of({"c": [50.0]})
-    driver._shared_refinement([fast, slow, none])
+    idle = simulated_of({"d": [0.5]})  # a context of idle-unit counts: its best config, outside the budget
+    degree = SimpleNamespace(options=SimpleNamespace(idle_units=False))
+    contexts = [degree, degree, degree, SimpleNamespace(options=SimpleNamespace(idle_units=True))]
+    driver._shared_refinement(contexts, [fast, slow, none, idle])
     # the best six: 1 (a0), 2 (a1), 2.5 (b0), 3 (a2), 3.5 (b1), 4 (a3)
-    assert (fast.num_refined, slow.num_refined, none.num_refined) == (4, 2, 0)
+    assert (fast.num_refined, slow.num_refined, none.num_refined, idle.num_refined) == (4, 2, 0, 1)
 
 
 @pytest.mark.parametrize("seed", range(6))

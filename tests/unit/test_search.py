@@ -1,14 +1,18 @@
 """The search against brute force on random small instances, memory safety and determinism."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from planning_instances import oracle, random_instance
 
+from partita.planning.api import _best_or_raise, idle_unit_contexts
 from partita.planning.baselines import baseline_plans
 from partita.planning.context import PlanningContext
 from partita.planning.driver import best_plan
 from partita.planning.search import SearchOptions, enumerate_configs
 from partita.types import Schedule
+from partita.types.cluster import Cluster
 from partita.types.plan_file import plan_to_json
 
 
@@ -89,11 +93,32 @@ def test_pinned_choices_are_respected():
     assert all(s.recompute for s in p.stages)
 
 
-def test_replica_counts_divide_the_batch_not_the_devices():
-    """10 devices, a batch of 12: 3 groups of 3 (9 devices) or 2 of 4 are searched, which no
-    count dividing 10 gives; no config uses more devices than there are."""
+def test_idle_unit_configs_take_the_counts_that_divide_the_batch_but_not_the_devices():
+    """10 devices, a batch of 12: counts 1 and 2 divide both; the idle-unit configs are 3 groups
+    of 3 (9 devices), 2 of 4 and so on, which no count dividing 10 gives, never more than 10."""
     options = SearchOptions(num_devices=10, global_batch_size=12, memory_limit_bytes=2**30)
-    configs = list(enumerate_configs(options, num_blocks=6))
-    assert {c.replicas for c in configs} == {1, 2, 3, 4, 6}
-    assert all(c.replicas * c.num_rank_groups <= 10 for c in configs)
-    assert {(3, 3), (4, 2)} <= {(c.replicas, c.num_rank_groups) for c in configs}
+    assert {c.replicas for c in enumerate_configs(options, num_blocks=6)} == {1, 2}
+    idle = list(enumerate_configs(dataclasses.replace(options, idle_units=True), num_blocks=6))
+    assert {c.replicas for c in idle} == {3, 4, 6}
+    assert all(c.replicas * c.num_rank_groups < 10 for c in idle)
+    assert {(3, 3), (4, 2)} <= {(c.replicas, c.num_rank_groups) for c in idle}
+    pinned = dataclasses.replace(options, replicas=3)  # a pinned count is searched once, among the first kind
+    assert {c.replicas for c in enumerate_configs(pinned, num_blocks=6)} == {3}
+    assert not list(enumerate_configs(dataclasses.replace(pinned, idle_units=True), num_blocks=6))
+
+
+def test_a_plan_may_leave_devices_idle_for_replica_counts_that_divide_the_batch():
+    """6 devices and a batch of 4 with uniform replicas: counts dividing 6 and 4 (1, 2) use at most
+    2 x 3 devices in a 3-stage pipeline; data parallelism over 4 devices (2 idle) is searched too,
+    and the plan is never slower than the best of the first kind."""
+    ctx = random_instance(3)
+    cluster = Cluster(device="h100", num_devices=6, devices_per_node=8, memory_bytes=ctx.cluster.memory_bytes)
+    options = dataclasses.replace(ctx.options, num_devices=6, global_batch_size=4)
+    ctx = PlanningContext(ctx.graph, cluster, options, ctx.costs_at, ctx.chain, {})
+    plan, _ = _best_or_raise([ctx])
+    first_kind = best_plan(ctx)
+    assert plan.predicted_step_s <= first_kind.predicted_step_s
+    variant = idle_unit_contexts([ctx])[0][0]
+    idle = best_plan(variant)
+    assert idle is not None and idle.num_devices < 6 and idle.num_devices % 2 == 0
+    assert plan.predicted_step_s == min(first_kind.predicted_step_s, idle.predicted_step_s)
