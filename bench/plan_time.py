@@ -61,6 +61,9 @@ HISTORY = """\
 - Before the search and refinement speed-ups of this table (issue 17), with tensor parallelism not yet
   searched: 6-8 min for 18B-76B on 256-1,024 GPUs (`bench/results/scale_prediction.md`, 13:28 UTC);
   once every tensor-parallel degree was searched, 39B on 512 A100s took over 20 min (killed).
+- 2026-12-01 20:01 UTC, before the in-flight memory, stage reach and activation-peak speed-ups
+  and the idle-unit replica counts: 16.2 s (175B, TP 8 x 16 x 8 on 1,024), 9.8 s, 18.4 s, 32.8 s,
+  42.7 s and 84.2 s of search (39B-1T), the same plans as in the table but 175B's.
 - 2026-11-30: gpt2-13b on 64 H100s: 80 s; the 175B shape on 1,024 H100s (fp32, no tensor
   parallelism): killed after 30 min, then 26.5 s of search after the first speed-ups.
 """
