@@ -399,7 +399,7 @@ def draft_plan(ctx: PlanningContext, config, node_boundaries, recompute, method:
 def simulated_drafts(ctx: PlanningContext, drafts: Sequence[Plan]) -> list[Plan]:
     """``simulated(ctx, p)`` of each draft, the drafts of one schedule shape side by side
     (``partita.planning.simulate_batch``: the same steps, bit for bit)."""
-    results = simulate_many(drafts, ctx.costs_at, ctx.cluster, memo=ctx.build_memo)
+    results = simulate_many(drafts, ctx.costs_at, ctx.cluster, memo=ctx.build_memo, activation_peaks=False)
     return [_with_result(p, result) for p, result in zip(drafts, results)]
 
 

@@ -29,11 +29,12 @@ import numpy as np
 
 from partita.errors import InfeasiblePlanError, InputError
 from partita.planning.build import module_range
-from partita.planning.chain import coarsen
+from partita.planning.chain import block_costs, coarsen
 from partita.planning.context import PlanningContext
 from partita.planning.driver import best_plan
 from partita.planning.memory_bound import BlockNeed, MemoryBound
 from partita.planning.options import recompute_allowed
+from partita.planning.search import spread_state_bytes
 from partita.planning.tensor_parallel import DEGREES, check_degree, find_layout, split_crossings, with_layout
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
 from partita.types import OptimizerKind, Precision, Schedule, Sharding
@@ -218,10 +219,12 @@ def _fixes(checker: _Checker) -> list[Fix]:
     for name in ("num_stages", "replicas", "num_microbatches"):
         if getattr(o, name) is not None and not base.graph.couples_samples:
             fixes += checker.option(name, None, f"unpin {name}={getattr(o, name)}")
-    fixes += checker.finer_blocks()
+    if checker.state_spreads:  # else neither finer blocks nor a smaller batch can make it fit
+        fixes += checker.finer_blocks()
     fixes += checker.more_devices()
     fixes += checker.more_memory()
-    fixes += checker.smaller_batch()
+    if checker.state_spreads:
+        fixes += checker.smaller_batch()
     if o.precision is Precision.FP32 and cluster.device.name != "cpu":
         fixes += checker.precision_bf16()
     if o.optimizer is OptimizerKind.ADAM:
@@ -285,6 +288,24 @@ class _Checker:
         changes = {name: value, **(extra or {})}
         how = self.fits([_with_options(c, **changes) for c in self.contexts])
         return [Fix(changes, text, how)] if how else []
+
+    @functools.cached_property
+    def state_spreads(self) -> bool:
+        """Whether in some context the whole model's parameters, gradients and optimizer state,
+        spread over all its units at some replica count and sharded wherever that saves memory,
+        fit a device (``search.spread_state_bytes``, the search's first check of every config).
+        When not, nothing that keeps the model, units, memory, degree, precision and optimizer
+        fits: the blocks and the batch change neither these totals nor that check."""
+        for ctx in self.contexts:
+            blocks = block_costs(ctx.costs_at(1), ctx.chain)
+            k, units, o = blocks.num_blocks, ctx.options.num_devices, ctx.options
+            params, trainable = int(blocks.param_bytes_matrix[0, k]), int(blocks.trainable_bytes_matrix[0, k])
+            if any(
+                spread_state_bytes(params, trainable, units // r, r, r > 1, o) <= o.memory_limit_bytes
+                for r in range(1, units + 1)
+            ):
+                return True
+        return False
 
     # -- fixes with a number
 

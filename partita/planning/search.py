@@ -512,11 +512,23 @@ def _may_fit(blocks: BlockCosts, config: Config, options: SearchOptions) -> bool
     over the rank groups (and sharded as far as the options allow, nothing gathered), exceed the
     memory limit: the fullest rank group holds at least that."""
     k = blocks.num_blocks
-    g = config.num_rank_groups
     sharded = config.replicas > 1 and options.sharding is not Sharding.REPLICATE
+    params, trainable = int(blocks.param_bytes_matrix[0, k]), int(blocks.trainable_bytes_matrix[0, k])
+    return spread_state_bytes(params, trainable, config.num_rank_groups, config.replicas, sharded, options) <= (
+        options.memory_limit_bytes
+    )
+
+
+def spread_state_bytes(
+    param_bytes: int, trainable_bytes: int, num_rank_groups: int, replicas: int, sharded: bool, options: SearchOptions
+) -> int:
+    """``_may_fit``'s memory: the whole model's parameters, gradients and optimizer state spread
+    evenly over ``num_rank_groups`` groups of ``replicas`` (``sharded``: state sharded over them,
+    nothing gathered), with no activations."""
+    g = num_rank_groups
     memory = memory_from_totals(
-        param_bytes=int(blocks.param_bytes_matrix[0, k]) // g,
-        trainable_bytes=int(blocks.trainable_bytes_matrix[0, k]) // g,
+        param_bytes=param_bytes // g,
+        trainable_bytes=trainable_bytes // g,
         activation_bytes=0,
         stage_input_bytes=0,
         boundary_bytes=0,
@@ -527,10 +539,10 @@ def _may_fit(blocks: BlockCosts, config: Config, options: SearchOptions) -> bool
         precision=options.precision,
         # the least memory any allowed level needs: nothing gathered, state sharded where allowed
         sharding=Sharding.FULL_SHARD if sharded else Sharding.REPLICATE,
-        num_replicas=config.replicas if sharded else 1,
+        num_replicas=replicas if sharded else 1,
         gathered_trainable_bytes=0,
     )
-    return memory.total_bytes <= options.memory_limit_bytes
+    return int(memory.total_bytes)
 
 
 def _estimate_lower_bound(blocks: BlockCosts, config: Config) -> float:

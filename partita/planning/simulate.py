@@ -183,7 +183,9 @@ def prepared_pipeline(
     opt = [0.0] * s if optimizer_s is None else [float(x) for x in optimizer_s]
     if len(opt) != s or any(not x >= 0 for x in opt):
         raise InputError(f"optimizer_s needs {s} values >= 0 (one per stage), got {opt}")
-    stepping_s = [sum(opt[k] for k in range(s) if groups[k] == r) for r in range(g)]
+    stepping_s = [0.0] * g  # each rank group's stages' steps, added in stage order
+    for k, r in enumerate(groups):
+        stepping_s[r] += opt[k]
     # Durations per kind code: F, B (whole backward), I (backward less W), W.
     dur = (fwd, bwd, [max(0.0, b - w) for b, w in zip(bwd, wgt)], wgt)
     return PreparedPipeline(
@@ -204,9 +206,12 @@ def prepared_pipeline(
     )
 
 
-def finished_pipeline(prep: PreparedPipeline, clock, busy, grads_done, events, *, keep_timeline: bool) -> SimResult:
+def finished_pipeline(
+    prep: PreparedPipeline, clock, busy, grads_done, events, *, keep_timeline: bool, activation_peaks: bool = True
+) -> SimResult:
     """The SimResult of a run of the event loop (``_run``, or ``simulate_batch``'s): the gradient
-    collectives after it, the optimizer steps, the step, bubble and activation peaks."""
+    collectives after it, the optimizer steps, the step, bubble and activation peaks (with
+    ``activation_peaks`` False: none, an empty tuple; the step does not depend on them)."""
     g, s, groups = prep.g, prep.s, prep.groups
     comm_end = _allreduces(groups, grads_done, prep.ar, prep.tail, prep.gathered, events if keep_timeline else None)
     step = 0.0
@@ -218,7 +223,11 @@ def finished_pipeline(prep: PreparedPipeline, clock, busy, grads_done, events, *
         step = max(step, done + stepping)
     bubble = 1.0 - sum(busy) / (g * step) if step > 0 else 0.0
     split = prep.schedule is Schedule.ZBV
-    peaks = peak_activations(prep.orders, prep.activation_bytes, s, free_kind=_W if split else _B)
+    peaks = (
+        peak_activations(prep.orders, prep.activation_bytes, s, free_kind=_W if split else _B)
+        if activation_peaks
+        else ()
+    )
     timeline = tuple(sorted(events, key=lambda e: (e.start_s, e.rank_group, e.end_s))) if keep_timeline else ()
     return SimResult(
         step_s=step,

@@ -125,7 +125,7 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        return len({r for s in self.stages for r in s.ranks})
+        return len(set().union(*(s.ranks for s in self.stages)))
 
     @property
     def uniform_replicas(self) -> bool:

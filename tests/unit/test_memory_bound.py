@@ -149,3 +149,38 @@ def test_the_bound_never_refuses_a_plan_the_search_finds(name, devices, pins, ml
         small = dataclasses.replace(c, options=dataclasses.replace(c.options, memory_limit_bytes=fullest // 4))
         if not memory_bound(small).may_fit():  # what the bound refuses, the search cannot plan
             assert best_plan(small) is None
+
+
+def test_when_the_state_cannot_spread_neither_blocks_nor_batch_are_tried(gpt2, monkeypatch):
+    """Memory below what the whole model's parameters, gradients and optimizer state need spread
+    over every device (sharded): the error offers more devices and more memory only, without
+    rebuilding the chain at finer blocks or costing a smaller batch (at 530B on 64 GPUs that took
+    over 30 min); and indeed neither the finest blocks nor the smallest batch plans."""
+    ctx = planning_context(gpt2, cluster=h100s(4), global_batch_size=8, options=PlanOptions(tensor_parallel=1))
+    blocks = infeasible.block_costs(ctx.costs_at(1), ctx.chain)
+    k = blocks.num_blocks
+    least = min(
+        infeasible.spread_state_bytes(
+            int(blocks.param_bytes_matrix[0, k]),
+            int(blocks.trainable_bytes_matrix[0, k]),
+            4 // r,
+            r,
+            r > 1,
+            ctx.options,
+        )
+        for r in range(1, 5)
+    )
+    cluster = h100s(4, memory=int((least - 1) / (1 - h100s(4).reserved_memory_fraction)))
+    assert cluster.usable_memory_bytes < least
+
+    def never(*args, **kwargs):
+        raise AssertionError("tried")
+
+    monkeypatch.setattr(infeasible, "_with_blocks", never)
+    monkeypatch.setattr(infeasible, "_with_batch", never)
+    err = _error(gpt2, cluster, tensor_parallel=1)
+    assert {f.option for f in err.fixes} == {"num_devices", "memory_bytes"}
+    monkeypatch.undo()
+    finest = int(ctx.legal_cuts.sum()) - 1
+    for batch, pins in ((8, dict(max_blocks=finest)), (4, {})):
+        _error(gpt2, cluster, batch=batch, tensor_parallel=1, **pins)
