@@ -69,6 +69,28 @@ class BuildMemo:
             entry = self._entries[full] = (table, make(*args))
         return entry[1]
 
+    def device_memory(
+        self, table: CostTable, ranges, *, in_flight, recompute: bool, level: Sharding, replicas: int, options, config
+    ) -> DeviceMemory:
+        """``device_memory`` of a rank group's node ``ranges`` (a tuple of (start, stop)) at
+        ``level``, remembered: the refinement's bounds and the plans it builds ask for the same ranges."""
+        key = ("memory", ranges, in_flight, recompute, level, replicas, config.num_microbatches, id(options))
+        return self.get(
+            table,
+            key,
+            lambda: device_memory(
+                table,
+                ranges,
+                in_flight=in_flight,
+                optimizer=options.optimizer,
+                recompute=recompute,
+                precision=options.precision,
+                sharding=level,
+                num_replicas=replicas,
+                num_microbatches=config.num_microbatches,
+            ),
+        )
+
     def held(self, table: CostTable, start: int, stop: int) -> list[int]:
         """``table.params_in_range(start, stop)``, remembered."""
         return self.get(table, ("held", start, stop), table.params_in_range, start, stop)
@@ -128,6 +150,7 @@ def rank_group_memory(
             allowed,
             cluster,
             groups[g],
+            memo,
         )
     return result
 
@@ -152,19 +175,18 @@ class _Group(NamedTuple):
     replicas: int
 
 
-def _group_level(group: _Group, config: Config, options: SearchOptions, allowed, cluster, ranks):
+def _group_level(group: _Group, config: Config, options: SearchOptions, allowed, cluster, ranks, memo: BuildMemo):
     """``rank_group_memory`` of one rank group (``GroupMemory``), its level among the ``allowed`` ones."""
     memory = {
-        level: device_memory(
+        level: memo.device_memory(
             group.table,
             group.ranges,
             in_flight=group.in_flight,
-            optimizer=options.optimizer,
             recompute=group.recompute,
-            precision=options.precision,
-            sharding=level,
-            num_replicas=group.replicas,
-            num_microbatches=config.num_microbatches,
+            level=level,
+            replicas=group.replicas,
+            options=options,
+            config=config,
         )
         for level in allowed
     }

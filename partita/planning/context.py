@@ -32,7 +32,6 @@ from partita.planning.chain import coarsen, legal_cuts, per_sample_cuts
 from partita.planning.options import CostSource, PlanOptions, resolve_precision
 from partita.planning.search import Candidate, SearchOptions
 from partita.planning.simulate import simulate
-from partita.planning.simulate_batch import simulate_many
 from partita.planning.tensor_parallel import check_degree, group_cluster, split_crossings
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
 from partita.types import CostTable, OpGraph, Plan, Precision, Sharding
@@ -396,14 +395,8 @@ def draft_plan(ctx: PlanningContext, config, node_boundaries, recompute, method:
     return dataclasses.replace(p, total_compute_s=whole)
 
 
-def simulated_drafts(ctx: PlanningContext, drafts: Sequence[Plan]) -> list[Plan]:
-    """``simulated(ctx, p)`` of each draft, the drafts of one schedule shape side by side
-    (``partita.planning.simulate_batch``: the same steps, bit for bit)."""
-    results = simulate_many(drafts, ctx.costs_at, ctx.cluster, memo=ctx.build_memo, activation_peaks=False)
-    return [_with_result(p, result) for p, result in zip(drafts, results)]
-
-
-def _with_result(p: Plan, result) -> Plan:
+def with_result(p: Plan, result) -> Plan:
+    """``p`` with the step and bubble of its simulation ``result``."""
     return p.__class__(
         **{**p.__dict__, "predicted_step_s": result.step_s, "predicted_bubble_fraction": result.bubble_fraction}
     )
@@ -415,7 +408,7 @@ def simulated(ctx: PlanningContext, p: Plan, step_to_beat: float | None = None) 
     result = simulate(
         p, ctx.costs_at, ctx.cluster, keep_timeline=False, memo=ctx.build_memo, step_to_beat=step_to_beat
     )  # only the step and bubble are kept
-    return None if result is None else _with_result(p, result)
+    return None if result is None else with_result(p, result)
 
 
 def fit_with_recompute(

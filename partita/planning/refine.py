@@ -9,25 +9,17 @@ neighbours are rejected without building or simulating a Plan.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from partita.cost.memory import device_memory, microbatches_in_flight
+from partita.cost.memory import microbatches_in_flight
 from partita.planning.baselines import baseline_splits, same_config
 from partita.planning.build import block_to_node_boundaries, stage_tables
-from partita.planning.context import (
-    PlanningContext,
-    cannot_beat,
-    fit_with_recompute,
-    fitting_draft,
-    plan_key,
-    simulated_drafts,
-    step_lower_bound_s,
-)
+from partita.planning.context import PlanningContext, cannot_beat, fit_with_recompute, plan_key, step_lower_bound_s
 from partita.planning.search import Candidate, Config
 from partita.planning.sharding import levels
+from partita.planning.split_steps import SplitSteps
 from partita.types import Plan
 
 
@@ -94,22 +86,24 @@ def refine(ctx: PlanningContext, candidate: Candidate, start: Plan, *, max_round
     estimate misses (transfers, all-reduce tails, the schedule's real order).
 
     Each round takes the best neighbour (steepest descent), trying them from the lowest bound on
-    their step up, in chunks simulated side by side (``partita.planning.simulate_batch``), until a
-    bound shows that no neighbour left can beat the best found: neighbours not tried cannot be
-    the best, so the chunks change how fast, not which neighbour wins."""
+    their step up, in chunks simulated side by side (``partita.planning.split_steps``, without
+    building a Plan for each), until a bound shows that no neighbour left can beat the best
+    found: neighbours not tried cannot be the best, so the chunks change how fast, not which
+    neighbour wins."""
     config, best = candidate.config, start
     boundaries = list(candidate.boundaries)
     quick_bound = split_bound(ctx, config)
-    # Splits tried in earlier rounds: None when they did not fit or could not beat the step of then,
-    # which is never shorter than any later step to beat (steps only improve).
-    tried: dict[tuple[int, ...], Plan | None] = {}
+    steps = SplitSteps(ctx, config)
+    # Splits tried in earlier rounds: (plan key, Fitted), or None when they do not fit. Steps only
+    # improve, so a split that could not beat the step of then cannot beat a later one either.
+    tried: dict[tuple[int, ...], tuple | None] = {}
     for _ in range(max_rounds):
-        ranked = []
-        for moved in neighbours(boundaries):
-            nodes = block_to_node_boundaries(ctx.chain, moved)
-            ranked.append((quick_bound(nodes), moved, nodes))
+        moves = neighbours(boundaries)
+        splits = [block_to_node_boundaries(ctx.chain, moved) for moved in moves]
+        bounds = quick_bound.neighbours(block_to_node_boundaries(ctx.chain, boundaries), splits)
+        ranked = list(zip(bounds, moves, splits))
         ranked.sort(key=lambda item: (item[0], item[1]))  # most promising first: the step to beat drops fast
-        step = _best_neighbour(ctx, config, ranked, best, tried)
+        step = _best_neighbour(steps, ranked, best, tried)
         if step is None:
             return best
         best, boundaries = step
@@ -117,16 +111,16 @@ def refine(ctx: PlanningContext, candidate: Candidate, start: Plan, *, max_round
 
 
 # Neighbours tried side by side: the first chunk, and how much each next chunk grows.
-_FIRST_CHUNK, _CHUNK_GROWTH = 8, 2
+_FIRST_CHUNK, _CHUNK_GROWTH = 128, 2
 
 
-def _best_neighbour(ctx: PlanningContext, config, ranked: list, best: Plan, tried: dict):
+def _best_neighbour(steps: SplitSteps, ranked: list, best: Plan, tried: dict):
     """(plan, block boundaries) of the best neighbour of ``ranked`` ((bound, block boundaries,
     node boundaries), by bound) that beats ``best``; None when none does."""
-    step = None  # (plan, moved): the best neighbour so far
+    found = None  # (plan key, block boundaries, node boundaries, Fitted): the best neighbour so far
     chunk, position = _FIRST_CHUNK, 0
     while position < len(ranked):
-        to_beat = (step[0] if step else best).predicted_step_s
+        to_beat = found[3].result.step_s if found else best.predicted_step_s
         batch = []
         for bound, moved, nodes in ranked[position : position + chunk]:
             if cannot_beat(bound, to_beat):
@@ -135,81 +129,89 @@ def _best_neighbour(ctx: PlanningContext, config, ranked: list, best: Plan, trie
             batch.append((moved, nodes))
         else:
             position += chunk
-        _try_all(ctx, config, [(m, n) for m, n in batch if tuple(m) not in tried], to_beat, tried)
-        for moved, _ in batch:
+        _try_all(steps, [(m, n) for m, n in batch if tuple(m) not in tried], tried)
+        for moved, nodes in batch:
             trial = tried[tuple(moved)]
-            if trial is not None and plan_key(trial) < plan_key(step[0] if step else best):
-                step = (trial, moved)
+            if trial is not None and trial[0] < (found[0] if found else plan_key(best)):
+                found = (trial[0], moved, nodes, trial[1])
         chunk *= _CHUNK_GROWTH
-    return step
+    return None if found is None else (steps.plan(found[2], found[3]), found[1])
 
 
-def _try_all(ctx: PlanningContext, config, splits: list, step_to_beat: float, tried: dict) -> None:
-    """Build, check and simulate each split (``fit_with_recompute`` with ``step_to_beat``), the
-    ones that fit side by side; into ``tried``."""
-    drafts = {}
-    for moved, nodes in splits:
-        draft = fitting_draft(ctx, config, nodes, "partita", mode=config.recompute_mode, step_to_beat=step_to_beat)
-        tried[tuple(moved)] = None
-        if draft is not None:
-            drafts[tuple(moved)] = draft
-    for moved, plan in zip(drafts, simulated_drafts(ctx, list(drafts.values()))):
-        tried[moved] = plan
+def _try_all(steps: SplitSteps, splits: list, tried: dict) -> None:
+    """Simulate each split (block boundaries, node boundaries) that fits, side by side; into
+    ``tried`` (its plan key and ``Fitted``, or None)."""
+    for (moved, nodes), fitted in zip(splits, steps.fitted([nodes for _, nodes in splits])):
+        tried[tuple(moved)] = None if fitted is None else (steps.key(nodes, fitted), fitted)
 
 
-def split_bound(ctx: PlanningContext, config) -> Callable[[Sequence[int]], float]:
+def split_bound(ctx: PlanningContext, config) -> SplitBound:
+    """``bound(node_boundaries)``: a step no plan of ``config`` with that split beats (``SplitBound``)."""
+    return SplitBound(ctx, config)
+
+
+class SplitBound:
     """``bound(node_boundaries)``: a step no plan of ``config`` with that split beats (inf: it does not fit).
 
     Cheap next to building the plan: prefix sums for the stage times, and with one stage per rank
     group the memory of each stage range (remembered: neighbouring splits share most stages),
     which decides, as ``fit_with_recompute`` does, the stages that recompute and whether it fits.
     Otherwise stages recompute only when the config or the options say so (never fewer than the plan).
+    ``neighbours`` bounds many splits near one at once.
     """
-    tables = stage_tables(ctx.costs_at, config)
-    prefix = {}  # id(table) -> (forward, forward + backward) prefix sums
-    for t in tables:
-        if id(t) not in prefix:
-            prefix[id(t)] = (
-                np.concatenate([[0.0], np.cumsum(np.asarray(t.forward_s, dtype=np.float64))]),
-                np.concatenate([[0.0], np.cumsum(np.asarray(t.forward_s) + np.asarray(t.backward_s))]),
+
+    def __init__(self, ctx: PlanningContext, config):
+        self.config, self.options, self.memo = config, ctx.options, ctx.build_memo
+        self.tables = tables = stage_tables(ctx.costs_at, config)
+        prefix = {}  # id(table) -> (forward, forward + backward) prefix sums
+        for t in tables:
+            if id(t) not in prefix:
+                prefix[id(t)] = (
+                    np.concatenate([[0.0], np.cumsum(np.asarray(t.forward_s, dtype=np.float64))]),
+                    np.concatenate([[0.0], np.cumsum(np.asarray(t.forward_s) + np.asarray(t.backward_s))]),
+                )
+        self.forward = [prefix[id(t)][0] for t in tables]
+        self.compute = [prefix[id(t)][1] for t in tables]
+        self.mode = ctx.options.recompute if config.recompute_mode is None else config.recompute_mode
+        self.in_flight = [
+            microbatches_in_flight(
+                config.schedule, config.num_microbatches, config.num_rank_groups, g, config.virtual_stages
             )
-    forward = [prefix[id(t)][0] for t in tables]
-    compute = [prefix[id(t)][1] for t in tables]
-    mode = ctx.options.recompute if config.recompute_mode is None else config.recompute_mode
-    limit, options = ctx.options.memory_limit_bytes, ctx.options
-    in_flight = [
-        microbatches_in_flight(
-            config.schedule, config.num_microbatches, config.num_rank_groups, g, config.virtual_stages
-        )
-        for g in range(config.num_rank_groups)
-    ]
+            for g in range(config.num_rank_groups)
+        ]
+        self._fits: dict[tuple, bool] = {}
+        self._terms: dict[tuple, float] = {}
 
-    @functools.cache
-    def fits(start: int, stop: int, stage: int, recompute: bool) -> bool:
-        """Whether some sharding level the stage may take fits (``rank_group_memory`` picks it)."""
-        return any(
-            device_memory(
-                tables[stage],
-                [(start, stop)],
-                in_flight=in_flight[stage],
-                optimizer=options.optimizer,
-                recompute=recompute,
-                precision=options.precision,
-                sharding=level,
-                num_replicas=config.replicas_of(stage),
-                num_microbatches=config.num_microbatches,
-            ).total_bytes
-            <= limit
-            for level in levels(options.sharding, config.replicas_of(stage))
-        )
+    def fits(self, start: int, stop: int, stage: int, recompute: bool) -> bool:
+        """Whether some sharding level the stage may take fits (``rank_group_memory`` picks it;
+        the memories are the plans' own, ``BuildMemo.device_memory``)."""
+        key = (start, stop, stage, recompute)
+        if key not in self._fits:
+            config, options = self.config, self.options
+            self._fits[key] = any(
+                self.memo.device_memory(
+                    self.tables[stage],
+                    ((start, stop),),
+                    in_flight=self.in_flight[stage],
+                    recompute=recompute,
+                    level=level,
+                    replicas=config.replicas_of(stage),
+                    options=options,
+                    config=config,
+                ).total_bytes
+                <= options.memory_limit_bytes
+                for level in levels(options.sharding, config.replicas_of(stage))
+            )
+        return self._fits[key]
 
-    def bound(nodes: Sequence[int]) -> float:
+    def __call__(self, nodes: Sequence[int]) -> float:
+        config, mode, compute, forward = self.config, self.mode, self.compute, self.forward
         stages = [(nodes[s], nodes[s + 1]) for s in range(config.num_stages)]
         if mode is not None or config.virtual_stages != 1:
             recompute = [bool(mode)] * config.num_stages
         else:
-            recompute = [not fits(a, b, s, False) for s, (a, b) in enumerate(stages)]
-            if any(r and not fits(a, b, s, True) for s, ((a, b), r) in enumerate(zip(stages, recompute))):
+            recompute = [not self.fits(a, b, s, False) for s, (a, b) in enumerate(stages)]
+            if any(r and not self.fits(a, b, s, True) for s, ((a, b), r) in enumerate(zip(stages, recompute))):
                 return float("inf")
         return step_lower_bound_s(
             config,
@@ -220,4 +222,32 @@ def split_bound(ctx: PlanningContext, config) -> Callable[[Sequence[int]], float
             [forward[s][b] - forward[s][a] for s, (a, b) in enumerate(stages)],
         )
 
-    return bound
+    def neighbours(self, nodes: Sequence[int], splits: Sequence[Sequence[int]]) -> list[float]:
+        """``[self(split) for split in splits]`` for splits that differ from ``nodes`` in a few
+        stages: with one stage per rank group, only the changed stages' loads are looked up, and
+        ``step_lower_bound_s``'s running sums run over all splits at once (the same sums)."""
+        if self.config.virtual_stages != 1 or not splits:
+            return [self(split) for split in splits]
+        num_stages = self.config.num_stages
+        loads = np.tile([self._load(s, nodes[s], nodes[s + 1]) for s in range(num_stages)], (len(splits), 1))
+        moved, here = np.asarray(splits), np.asarray(nodes)
+        changed = (moved[:, :-1] != here[:-1]) | (moved[:, 1:] != here[1:])
+        for i, s in zip(*np.nonzero(changed)):
+            loads[i, s] = self._load(int(s), int(moved[i, s]), int(moved[i, s + 1]))
+        before = np.zeros_like(loads)  # the loads of the stages before, added in stage order
+        before[:, 1:] = np.cumsum(loads[:, :-1], axis=1)
+        return np.maximum(0.0, (before + self.config.num_microbatches * loads).max(axis=1)).tolist()
+
+    def _load(self, stage: int, start: int, stop: int) -> float:
+        """F + B of one stage (with its recomputed forward), inf when it fits in no way (one stage per group)."""
+        key = (stage, start, stop)
+        if key not in self._terms:
+            recompute = bool(self.mode)
+            if self.mode is None:
+                recompute = not self.fits(start, stop, stage, False)
+                if recompute and not self.fits(start, stop, stage, True):
+                    self._terms[key] = float("inf")
+                    return self._terms[key]
+            compute, forward = self.compute[stage], self.forward[stage]
+            self._terms[key] = compute[stop] - compute[start] + (forward[stop] - forward[start] if recompute else 0.0)
+        return self._terms[key]

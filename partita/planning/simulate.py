@@ -495,28 +495,49 @@ def pipeline_inputs(
             )
     tables = _tables_per_stage(plan, costs)
     optimizer = plan.options.get("optimizer", "adam")
+    return stages_pipeline_inputs(
+        plan.stages, tables, groups, plan.schedule, plan.num_microbatches, plan.precision, optimizer, cluster, memo
+    )
+
+
+def stages_pipeline_inputs(
+    stages: Sequence[Any],
+    tables: Sequence[CostTable],
+    groups: Sequence[int],
+    schedule: Schedule,
+    num_microbatches: int,
+    precision: Precision,
+    optimizer,
+    cluster: Cluster,
+    memo: Any = None,
+) -> dict[str, Any]:
+    """``pipeline_inputs`` from the stages alone: anything with a StagePlan's ``start``, ``stop``,
+    ``recompute``, ``sharding``, ``ranks``, ``num_replicas`` and ``tensor_parallel`` (the
+    refinement simulates splits without building their Plans: ``partita.planning.split_steps``),
+    each stage's CostTable, its rank group, and the plan's schedule, micro-batches, precision and
+    optimizer."""
     fwd, bwd, wgt, act, allreduce, tail, gather, opt = [], [], [], [], [], [], [], []
-    for stage, table in zip(plan.stages, tables):
+    for stage, table in zip(stages, tables):
         if memo is None:
-            inputs = _stage_inputs(stage, table, plan, optimizer, cluster, None)
+            inputs = _stage_inputs(stage, table, precision, optimizer, cluster, None)
         else:  # the plans of one run share most stages: the same seconds again (memo: one per cluster)
             key = ("stage inputs", stage.start, stage.stop, stage.recompute, stage.sharding, stage.ranks, id(cluster))
-            key += (stage.tensor_parallel, plan.precision, optimizer)
-            inputs = memo.get(table, key, _stage_inputs, stage, table, plan, optimizer, cluster, memo)
+            key += (stage.tensor_parallel, precision, optimizer)
+            inputs = memo.get(table, key, _stage_inputs, stage, table, precision, optimizer, cluster, memo)
         for values, value in zip((fwd, bwd, wgt, act, allreduce, tail, gather, opt), inputs):
             values.append(value)
     send = []
-    for k in range(plan.num_stages - 1):
-        here, after = plan.stages[k], plan.stages[k + 1]
+    for k in range(len(stages) - 1):
+        here, after = stages[k], stages[k + 1]
         if groups[k] == groups[k + 1]:
             send.append(0.0)
             continue
         same_node = cluster.rank_to_node(here.ranks[0]) == cluster.rank_to_node(after.ranks[0])
         send.append(comm.p2p_time_s(float(tables[k].cut_bytes[here.stop]), cluster, same_node=same_node))
     return dict(
-        schedule=plan.schedule,
-        num_microbatches=plan.num_microbatches,
-        num_rank_groups=plan.num_rank_groups,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        num_rank_groups=len(set(groups)),
         forward_s=fwd,
         backward_s=bwd,
         backward_weight_s=wgt,
@@ -529,7 +550,7 @@ def pipeline_inputs(
     )
 
 
-def _stage_inputs(stage: StagePlan, table: CostTable, plan: Plan, optimizer, cluster: Cluster, memo) -> tuple:
+def _stage_inputs(stage: StagePlan, table: CostTable, precision: Precision, optimizer, cluster: Cluster, memo) -> tuple:
     """(forward, backward, backward-weight, activation bytes, gradient collective, its tail,
     all-gather, optimizer step) of one stage, as ``pipeline_inputs`` describes them."""
     a, b = stage.start, stage.stop
@@ -538,12 +559,12 @@ def _stage_inputs(stage: StagePlan, table: CostTable, plan: Plan, optimizer, clu
     else:
         forward, backward, weight, kept, trainable = memo.get(table, ("sums", a, b), _range_sums, table, a, b)
     backward = backward + (forward if stage.recompute else 0.0)
-    collectives = _collectives(stage, trainable, plan.precision, cluster)
+    collectives = _collectives(stage, trainable, precision, cluster)
     if stage.sharding is Sharding.FULL_SHARD and stage.num_replicas > 1:
         forward, backward = max(forward, collectives[2]), max(backward, collectives[2])
     shards = stage.num_replicas if stage.sharding is not Sharding.REPLICATE else 1
     step_s = cluster.compute_slowdown * optimizer_step_s(
-        trainable / shards, optimizer, cluster.device, precision=plan.precision
+        trainable / shards, optimizer, cluster.device, precision=precision
     )
     kept = int(table.cut_bytes[a]) if stage.recompute else kept
     return (forward, backward, weight, kept, *collectives, step_s)

@@ -44,19 +44,16 @@ def simulate_many(
     cluster: Cluster | Mapping[str, Any] | None = None,
     *,
     memo: Any = None,
-    activation_peaks: bool = True,
 ) -> list[SimResult]:
     """``simulate(plan, costs, cluster, keep_timeline=False, memo=memo)`` of each plan (the plans of
-    one schedule, rank groups, stages and micro-batches run as one batch). ``activation_peaks``
-    False: the results hold no activation peaks (``finished_pipeline``), which the step does not need."""
-    return simulate_pipelines(
-        [pipeline_inputs(p, costs, cluster, memo=memo) for p in plans], activation_peaks=activation_peaks
-    )
+    one schedule, rank groups, stages and micro-batches run as one batch)."""
+    return simulate_pipelines([pipeline_inputs(p, costs, cluster, memo=memo) for p in plans])
 
 
 def simulate_pipelines(inputs: Sequence[dict], *, activation_peaks: bool = True) -> list[SimResult]:
-    """``simulate_pipeline(**kwargs, keep_timeline=False)`` of each set of keyword arguments
-    (``activation_peaks``: as ``simulate_many``'s)."""
+    """``simulate_pipeline(**kwargs, keep_timeline=False)`` of each set of keyword arguments.
+    ``activation_peaks`` False: the results hold no activation peaks (an empty tuple), which the
+    step does not depend on (``finished_pipeline``)."""
     prepared = [prepared_pipeline(**kwargs) for kwargs in inputs]
     results: list[SimResult | None] = [None] * len(prepared)
     shapes: dict[tuple, list[int]] = {}

@@ -169,3 +169,22 @@ def test_split_lower_bound_never_exceeds_an_estimate(seed):
             assert bound <= candidate.estimate_s, (config, bound, candidate.estimate_s)
             checked += 1
     assert checked > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_neighbour_bounds_equal_the_bounds_one_by_one(seed):
+    """``SplitBound.neighbours`` (the changed stages only, the running sums of all splits at once)
+    gives each neighbour the very bound of ``bound(split)``."""
+    ctx = random_instance(seed, num_nodes=(6, 10))
+    k = len(ctx.chain) - 1
+    compared = 0
+    for config in configs(k, ctx.cluster.num_devices):
+        bound = split_bound(ctx, config)
+        for inner in itertools.islice(itertools.combinations(range(1, k), config.num_stages - 1), 6):
+            here = (0, *inner, k)
+            moves = refine.neighbours(list(here))
+            splits = [block_to_node_boundaries(ctx.chain, m) for m in moves]
+            fresh = split_bound(ctx, config)  # nothing remembered from the neighbours first
+            assert fresh.neighbours(block_to_node_boundaries(ctx.chain, here), splits) == [bound(s) for s in splits]
+            compared += len(splits)
+    assert compared > 0

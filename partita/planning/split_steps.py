@@ -1,0 +1,141 @@
+"""Simulated steps of many splits of one config, without building a Plan for each.
+
+The refinement (``partita.planning.refine``) tries thousands of splits that differ from the one it
+stands on by a stage boundary or two, and keeps one per round. Building each as a Plan (names,
+module ranges, memory breakdowns of every stage) cost more than simulating it. ``SplitSteps``
+takes what the simulation needs from the same functions the Plan would: the memory and sharding
+level of each rank group (``build.rank_group_memory``), recomputation where a rank group does not
+fit without it (as ``context.fitting_draft`` decides it) and the simulator's inputs of each stage
+(``simulate.stages_pipeline_inputs``), so the step it gives a split is the step of that split's
+Plan, bit for bit (tests/unit/test_split_steps.py); ``plan`` builds the Plan of the split kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from partita.planning.build import rank_group_memory, stage_tables
+from partita.planning.context import PlanningContext, draft_plan, routable, with_result
+from partita.planning.schedules import stage_rank_groups
+from partita.planning.simulate import stages_pipeline_inputs
+from partita.planning.simulate_batch import simulate_pipelines
+from partita.types import Plan, Sharding, SimResult
+
+
+class _Stage(NamedTuple):
+    """What the simulator's inputs read of a StagePlan."""
+
+    start: int
+    stop: int
+    recompute: bool
+    sharding: Sharding
+    ranks: tuple[int, ...]
+    num_replicas: int
+    tensor_parallel: int
+
+
+class Fitted(NamedTuple):
+    """A split that fits: its recomputation per stage and its simulated step."""
+
+    recompute: tuple[bool, ...]
+    result: SimResult
+
+
+class SplitSteps:
+    """The simulated steps of splits (node boundaries) of ``config`` in ``ctx`` (see the module docstring)."""
+
+    def __init__(self, ctx: PlanningContext, config):
+        self.ctx, self.config = ctx, config
+        self.tables = stage_tables(ctx.costs_at, config)
+        self.ranks = ctx.build_memo.layout(config, ctx.options, ctx.cluster)[0]
+        self.groups = stage_rank_groups(config.schedule, config.num_rank_groups, config.num_stages)
+        self.num_devices = len(set().union(*self.ranks))
+        self.optimizer = ctx.resolved.get("optimizer", "adam")
+
+    def fitted(self, splits: Sequence[Sequence[int]]) -> list[Fitted | None]:
+        """Each split's recomputation and simulated step (the splits of one config run side by
+        side, ``simulate_batch``); None where it does not fit (or cannot be routed)."""
+        layouts = [self._fitting(nodes) for nodes in splits]
+        inputs = [
+            stages_pipeline_inputs(
+                stages,
+                self.tables,
+                self.groups,
+                self.config.schedule,
+                self.config.num_microbatches,
+                self.ctx.options.precision,
+                self.optimizer,
+                self.ctx.cluster,
+                self.ctx.build_memo,
+            )
+            for _, stages in filter(None, layouts)
+        ]
+        results = iter(simulate_pipelines(inputs, activation_peaks=False))
+        return [None if layout is None else Fitted(layout[0], next(results)) for layout in layouts]
+
+    def key(self, nodes: Sequence[int], fitted: Fitted) -> tuple:
+        """``context.plan_key`` of the split's Plan."""
+        return (round(fitted.result.step_s, 12), self.num_devices, tuple(int(x) for x in nodes))
+
+    def plan(self, nodes: Sequence[int], fitted: Fitted) -> Plan:
+        """The split's Plan, with its simulated step."""
+        return with_result(
+            draft_plan(self.ctx, self.config, list(nodes), list(fitted.recompute), "partita"), fitted.result
+        )
+
+    def _fitting(self, nodes: Sequence[int]) -> tuple[tuple[bool, ...], list[_Stage]] | None:
+        """(recompute per stage, the stages) of the split as ``fitting_draft`` builds it: every
+        stage recomputes as pinned, or else those of rank groups that do not fit without; None
+        when it does not fit."""
+        ctx, config = self.ctx, self.config
+        if not routable(ctx, config, nodes):
+            return None
+        pinned = ctx.options.recompute if config.recompute_mode is None else config.recompute_mode
+        limit = ctx.options.memory_limit_bytes
+        recompute = [bool(pinned)] * config.num_stages
+        memory = self._memory(nodes, recompute)
+        if any(m.total_bytes > limit for m in memory.values()):
+            if pinned is not None:
+                return None
+            recompute = [memory[g].total_bytes > limit or r for g, r in zip(self.groups, recompute)]
+            memory = self._memory(nodes, recompute)
+            if any(m.total_bytes > limit for m in memory.values()):
+                return None
+        by_group = self._recompute_by_group(recompute)
+        t = ctx.options.tensor_parallel
+        stages = [
+            _Stage(
+                int(nodes[s]),
+                int(nodes[s + 1]),
+                by_group[g],
+                memory[g].level,
+                self.ranks[g],
+                len(self.ranks[g]) // t,
+                t,
+            )
+            for s, g in enumerate(self.groups)
+        ]
+        return tuple(by_group[g] for g in self.groups), stages
+
+    def _recompute_by_group(self, recompute: Sequence[bool]) -> dict[int, bool]:
+        by_group: dict[int, bool] = {}
+        for g, r in zip(self.groups, recompute):
+            by_group[g] = by_group.get(g, False) or bool(r)
+        return by_group
+
+    def _memory(self, nodes: Sequence[int], recompute: Sequence[bool]) -> dict:
+        """``rank_group_memory`` of the split, as ``build_plan`` asks for it."""
+        ranges: dict[int, list] = {}
+        for s, g in enumerate(self.groups):
+            ranges.setdefault(g, []).append((nodes[s], nodes[s + 1]))
+        ctx = self.ctx
+        return rank_group_memory(
+            self.tables,
+            self.config,
+            ctx.options,
+            ranges,
+            self._recompute_by_group(recompute),
+            ctx.cluster,
+            ctx.build_memo,
+        )
