@@ -14,6 +14,7 @@ Goals: under 10 s of search for 175B, under 30 s for the others.
   search    the rest of ``partita.plan``: coarsening, the memory bound, configs, stage DPs,
             simulating the best candidates and refining them
 
+Each case is captured and planned in a process of its own (as a user plans one model per run).
 Each plan's predicted model TFLOP/s per GPU (Megatron's FLOP count without recomputation, over all
 GPUs of the cluster) is set beside the paper's achieved figure converted to the same count.
 
@@ -25,9 +26,11 @@ from a second run, so that profiling does not slow the timed one.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import cProfile
 import datetime
 import io
+import multiprocessing
 import os
 import platform
 import pstats
@@ -56,7 +59,14 @@ CASES = {
 }
 
 HISTORY = """\
-## Before (2026-12-01, same machine)
+## Before (same machine)
+
+- 2026-12-01 22:43 UTC, before the refinement simulated its neighbours without building their
+  Plans (``partita/planning/split_steps.py``), with all cases in one process: 10.4 s (175B), 10.1 s,
+  12.9 s, 28.4 s, 29.8 s and 45.5 s of search (39B-1T), the same plans as in the table. That code,
+  re-run on 2026-12-02 for 175B alone, took 12.2 s: this VM ran slower that day. The same day the
+  code of then gave 28.3 s (530B) and 48.8 s (1T), each case alone; today's code re-run for 530B
+  alone gave 28.2 s (31.1 s in the table's run: about +-10% between runs).
 
 - Before the search and refinement speed-ups of this table (issue 17), with tensor parallelism not yet
   searched: 6-8 min for 18B-76B on 256-1,024 GPUs (`bench/results/scale_prediction.md`, 13:28 UTC);
@@ -222,6 +232,19 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _in_own_process(name: str, profile_top: int) -> dict:
+    """``run_case`` in a fresh process, as a user plans one model per run: what an earlier case left
+    behind (module-level caches, a heap of hundreds of thousands of objects) slowed the next case's
+    search by up to a fifth."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=_one_thread) as pool:
+        return pool.submit(run_case, name, profile_top).result()
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -232,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python " + " ".join(shlex.quote(a) for a in ["bench/plan_time.py", *(argv or sys.argv[1:])])
     rows = []
     for name in args.cases:
-        rows.append(run_case(name, args.profile))
+        rows.append(_in_own_process(name, args.profile))
         r = rows[-1]
         print(
             f"{name}: capture {r['capture_s']:.1f} s, layouts {r['layouts_s']:.1f} s, tables {r['tables_s']:.1f} s, "

@@ -4,7 +4,8 @@ The DP (``partita.planning.search``) optimises a closed-form estimate of the ste
 moves stage boundaries by a block or two while the simulated step gets shorter, and
 ``BaselineSeeds`` also starts it from the baselines' splits, so that no baseline split beats the
 refined plan under its config. ``split_bound`` bounds a split's step from prefix sums, so most
-neighbours are rejected without building or simulating a Plan.
+neighbours are rejected without simulating them; the rest are simulated without building their
+Plans (``partita.planning.split_steps``), and only the neighbour each round keeps is built.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def refine(ctx: PlanningContext, candidate: Candidate, start: Plan, *, max_round
 
 
 # Neighbours tried side by side: the first chunk, and how much each next chunk grows.
-_FIRST_CHUNK, _CHUNK_GROWTH = 128, 2
+_FIRST_CHUNK, _CHUNK_GROWTH = 64, 2
 
 
 def _best_neighbour(steps: SplitSteps, ranked: list, best: Plan, tried: dict):
