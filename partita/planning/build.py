@@ -70,11 +70,20 @@ class BuildMemo:
         return entry[1]
 
     def device_memory(
-        self, table: CostTable, ranges, *, in_flight, recompute: bool, level: Sharding, replicas: int, options, config
+        self,
+        table: CostTable,
+        ranges,
+        *,
+        in_flight,
+        recompute: bool,
+        level: Sharding,
+        replicas: int,
+        num_microbatches: int,
+        options,
     ) -> DeviceMemory:
         """``device_memory`` of a rank group's node ``ranges`` (a tuple of (start, stop)) at
         ``level``, remembered: the refinement's bounds and the plans it builds ask for the same ranges."""
-        key = ("memory", ranges, in_flight, recompute, level, replicas, config.num_microbatches, id(options))
+        key = ("memory", ranges, in_flight, recompute, level, replicas, num_microbatches, id(options))
         return self.get(
             table,
             key,
@@ -87,7 +96,7 @@ class BuildMemo:
                 precision=options.precision,
                 sharding=level,
                 num_replicas=replicas,
-                num_microbatches=config.num_microbatches,
+                num_microbatches=num_microbatches,
             ),
         )
 
@@ -185,8 +194,8 @@ def _group_level(group: _Group, config: Config, options: SearchOptions, allowed,
             recompute=group.recompute,
             level=level,
             replicas=group.replicas,
+            num_microbatches=config.num_microbatches,
             options=options,
-            config=config,
         )
         for level in allowed
     }
@@ -262,6 +271,20 @@ def _group_overhead_s(
     return total
 
 
+def group_ranges(
+    config: Config, node_boundaries: Sequence[int], recompute: Sequence[bool]
+) -> tuple[dict[int, list], dict[int, bool]]:
+    """Per rank group, its stages' node ranges (in stage order) and whether it recomputes (any of
+    its stages does): what ``rank_group_memory`` takes."""
+    ranges_by_group: dict[int, list] = {}
+    recompute_by_group: dict[int, bool] = {}
+    for s in range(config.num_stages):
+        g = config.rank_group_of(s)
+        ranges_by_group.setdefault(g, []).append((node_boundaries[s], node_boundaries[s + 1]))
+        recompute_by_group[g] = recompute_by_group.get(g, False) or bool(recompute[s])
+    return ranges_by_group, recompute_by_group
+
+
 def build_plan(
     graph: OpGraph,
     costs: CostTable | Callable[[int], CostTable],
@@ -284,12 +307,7 @@ def build_plan(
     memo = BuildMemo() if memo is None else memo
     groups = memo.layout(config, options, cluster)[0]
     tables = stage_tables(costs, config)
-    ranges_by_group: dict[int, list] = {}
-    recompute_by_group: dict[int, bool] = {}
-    for s in range(config.num_stages):
-        g = config.rank_group_of(s)
-        ranges_by_group.setdefault(g, []).append((node_boundaries[s], node_boundaries[s + 1]))
-        recompute_by_group[g] = recompute_by_group.get(g, False) or bool(recompute[s])
+    ranges_by_group, recompute_by_group = group_ranges(config, node_boundaries, recompute)
     memory = rank_group_memory(tables, config, options, ranges_by_group, recompute_by_group, cluster, memo)
     stages = []
     for s in range(config.num_stages):

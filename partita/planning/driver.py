@@ -25,8 +25,8 @@ NUM_SIMULATED = 24
 NUM_REFINED = 6
 
 # Above this many devices the NUM_REFINED configs are the best of all tensor-parallel degrees
-# together, not of each degree: the refinement (a hill-climb of stage boundaries, built and
-# simulated plan by plan) is most of a large plan's search, and it gains a few per cent on the
+# together, not of each degree: the refinement (a hill-climb of stage boundaries, simulated
+# split by split) is much of a large plan's search, and it gains a few per cent on the
 # configs it starts from, so configs whose simulated plan is slower than the best few of any
 # degree rarely end best. Up to this size (every case of bench/plan_quality.py and the oracle
 # tests) each degree refines its own NUM_REFINED.

@@ -197,8 +197,8 @@ class SplitBound:
                     recompute=recompute,
                     level=level,
                     replicas=config.replicas_of(stage),
+                    num_microbatches=config.num_microbatches,
                     options=options,
-                    config=config,
                 ).total_bytes
                 <= options.memory_limit_bytes
                 for level in levels(options.sharding, config.replicas_of(stage))

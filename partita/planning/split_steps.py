@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from partita.planning.build import rank_group_memory, stage_tables
+from partita.planning.build import group_ranges, rank_group_memory, stage_tables
 from partita.planning.context import PlanningContext, draft_plan, routable, with_result
 from partita.planning.schedules import stage_rank_groups
 from partita.planning.simulate import stages_pipeline_inputs
@@ -102,7 +102,7 @@ class SplitSteps:
             memory = self._memory(nodes, recompute)
             if any(m.total_bytes > limit for m in memory.values()):
                 return None
-        by_group = self._recompute_by_group(recompute)
+        by_group = group_ranges(config, nodes, recompute)[1]
         t = ctx.options.tensor_parallel
         stages = [
             _Stage(
@@ -118,24 +118,8 @@ class SplitSteps:
         ]
         return tuple(by_group[g] for g in self.groups), stages
 
-    def _recompute_by_group(self, recompute: Sequence[bool]) -> dict[int, bool]:
-        by_group: dict[int, bool] = {}
-        for g, r in zip(self.groups, recompute):
-            by_group[g] = by_group.get(g, False) or bool(r)
-        return by_group
-
     def _memory(self, nodes: Sequence[int], recompute: Sequence[bool]) -> dict:
         """``rank_group_memory`` of the split, as ``build_plan`` asks for it."""
-        ranges: dict[int, list] = {}
-        for s, g in enumerate(self.groups):
-            ranges.setdefault(g, []).append((nodes[s], nodes[s + 1]))
         ctx = self.ctx
-        return rank_group_memory(
-            self.tables,
-            self.config,
-            ctx.options,
-            ranges,
-            self._recompute_by_group(recompute),
-            ctx.cluster,
-            ctx.build_memo,
-        )
+        ranges, by_group = group_ranges(self.config, nodes, recompute)
+        return rank_group_memory(self.tables, self.config, ctx.options, ranges, by_group, ctx.cluster, ctx.build_memo)
