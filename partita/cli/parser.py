@@ -18,6 +18,11 @@ MODEL_HELP = (
 
 DEFAULT_TRAIN_GLOBAL_BATCH = 16
 
+_UNIFORM_REPLICAS_HELP = (
+    "search only pp x dp meshes (by default stages may also get different replica counts, GPipe/1F1B, "
+    "without tensor parallelism: every shape up to 64 devices, the best uniform plans' shapes beyond)"
+)
+
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
@@ -134,8 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--uniform-replicas",
         action="store_true",
-        help="search only pp x dp meshes (by default stages may also get different replica counts, "
-        "GPipe/1F1B, up to 64 devices)",
+        help=_UNIFORM_REPLICAS_HELP,
     )
     plan.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
     plan.add_argument("--recompute", default=None, choices=["yes", "no"], help="pin activation recomputation")
@@ -212,8 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--uniform-replicas",
         action="store_true",
-        help="search only pp x dp meshes (by default stages may also get different replica counts, "
-        "GPipe/1F1B, up to 64 devices)",
+        help=_UNIFORM_REPLICAS_HELP,
     )
     train.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
     _add_precision_sharding(train)

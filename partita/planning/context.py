@@ -33,7 +33,6 @@ from partita.planning.options import CostSource, PlanOptions, resolve_precision
 from partita.planning.search import Candidate, SearchOptions
 from partita.planning.simulate import simulate
 from partita.planning.tensor_parallel import check_degree, group_cluster, split_crossings
-from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
 from partita.types import CostTable, OpGraph, Plan, Precision, Sharding
 from partita.types.cluster import Cluster
 from partita.types.tensor_parallel import TensorParallelLayout
@@ -108,7 +107,7 @@ def planning_context(
         raise InputError(f"options must be a partita.PlanOptions, got {type(options).__name__}")
     positive_int(global_batch_size, "global_batch_size")
     check_batch_divisible(global_batch_size, options.num_microbatches, options.replicas)
-    uniform_replicas = _resolve_uniform(options.uniform_replicas, options.replicas, cluster)
+    uniform_replicas = _resolve_uniform(options.uniform_replicas, options.replicas)
     if options.tensor_parallel is not None:
         check_degree(options.tensor_parallel, cluster, replicas=options.replicas, num_stages=options.num_stages)
     graph = (
@@ -267,21 +266,17 @@ def _coupling_words(graph: OpGraph) -> tuple[str, str]:
     return why, rewrite
 
 
-def _resolve_uniform(uniform_replicas: bool | None, replicas: int | None, cluster: Cluster) -> bool:
-    """Whether the search is restricted to uniform replica counts (see ``PlanOptions``)."""
+def _resolve_uniform(uniform_replicas: bool | None, replicas: int | None) -> bool:
+    """Whether the search is restricted to uniform replica counts (see ``PlanOptions``): when asked,
+    or when the replicas are pinned; InputError when both pinned replicas and uneven counts are."""
     if uniform_replicas is None:
-        return replicas is not None or cluster.num_devices > UNEVEN_MAX_DEVICES
+        return replicas is not None
     if uniform_replicas:
         return True
     if replicas is not None:
         raise InputError(
             f"replicas={replicas} pins the same replica count for every stage, but uniform_replicas=False "
             "asks for different counts: drop one of the two"
-        )
-    if cluster.num_devices > UNEVEN_MAX_DEVICES:
-        raise InputError(
-            f"uniform_replicas=False searches every device count per stage, up to {UNEVEN_MAX_DEVICES} "
-            f"devices; the cluster has {cluster.num_devices}: plan with uniform_replicas=True"
         )
     return False
 

@@ -14,7 +14,7 @@ from partita.planning.context import PlanningContext, cannot_beat, plan_from_can
 from partita.planning.refine import BaselineSeeds, refine
 from partita.planning.search import Candidate, SearchCache, config_step_floor, search, sort_key
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
-from partita.planning.uneven import search_uneven
+from partita.planning.uneven import search_uneven, seed_shapes
 from partita.types import Plan
 
 # How many of the best-estimated candidates are simulated on the real schedule, and of how many
@@ -68,16 +68,10 @@ def simulated_candidates(
     ``step_to_beat``: a step found elsewhere; the long-chain search skips configs that cannot beat it."""
     blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
     num_blocks = len(ctx.chain) - 1
-    uneven = []
-    if (
-        not ctx.options.uniform_replicas and ctx.options.num_devices <= UNEVEN_MAX_DEVICES
-    ):  # more: infeasible_error's trials
-        uneven = search_uneven(
-            blocks_at, ctx.options, ctx.search_cluster, num_blocks, cuttable=ctx.per_sample_cuts[np.asarray(ctx.chain)]
-        )
+    uneven = _UnevenCandidates(ctx, blocks_at, num_blocks)
     if num_blocks <= 16:  # small chains: simulate every candidate, refine every config
-        candidates = _merged(search(blocks_at, ctx.options, ctx.search_cluster, num_blocks), uneven)
-        simulated, candidate_of = _simulate_fitting(ctx, candidates)
+        uniform = search(blocks_at, ctx.options, ctx.search_cluster, num_blocks)
+        simulated, candidate_of = _simulate_fitting(ctx, _merged(uniform, uneven.of(uniform)))
         return Simulated(simulated, candidate_of, None, blocks_at)
     # The pruned search returns the full list cut after its num_simulated-th candidate with one
     # stage per rank group; if fewer than num_simulated of them fit, the full list is needed.
@@ -91,16 +85,38 @@ def simulated_candidates(
         cache=cache,
         step_to_beat=step_to_beat,
     )
-    simulated, candidate_of = _simulate_fitting(ctx, _merged(candidates, uneven), num_simulated)
+    simulated, candidate_of = _simulate_fitting(ctx, _merged(candidates, uneven.of(candidates)), num_simulated)
     if len(simulated) < num_simulated and sum(c.config.virtual_stages == 1 for c in candidates) >= num_simulated:
         candidates = search(blocks_at, ctx.options, ctx.search_cluster, num_blocks, cache=cache)
-        simulated, candidate_of = _simulate_fitting(ctx, _merged(candidates, uneven), num_simulated)
+        simulated, candidate_of = _simulate_fitting(ctx, _merged(candidates, uneven.of(candidates)), num_simulated)
     return Simulated(simulated, candidate_of, NUM_REFINED, blocks_at)
 
 
 def refined_best(ctx: PlanningContext, found: Simulated, *, step_to_beat: float | None = None) -> Plan | None:
     """The best of ``found``'s plans after refining those of its best configs (``_refine_best``)."""
     return _refine_best(ctx, found.plans, found.candidate_of, found.num_refined, found.blocks_at, step_to_beat)
+
+
+class _UnevenCandidates:
+    """A context's uneven candidates (``partita.planning.uneven``), next to given uniform ones:
+    every shape's up to UNEVEN_MAX_DEVICES units, the shapes of the uniform ones' best configs
+    beyond (``seed_shapes``); none where the replicas are uniform. Each search runs once."""
+
+    def __init__(self, ctx: PlanningContext, blocks_at: Callable[[int], BlockCosts], num_blocks: int):
+        self.ctx, self.blocks_at, self.num_blocks = ctx, blocks_at, num_blocks
+        self.found: dict = {}
+
+    def of(self, uniform: Sequence[Candidate]) -> list[Candidate]:
+        o = self.ctx.options
+        if o.uniform_replicas:
+            return []
+        seeds = None if o.num_devices <= UNEVEN_MAX_DEVICES else tuple(seed_shapes(uniform))
+        if seeds not in self.found:
+            cuttable = self.ctx.per_sample_cuts[np.asarray(self.ctx.chain)]
+            self.found[seeds] = search_uneven(
+                self.blocks_at, o, self.ctx.search_cluster, self.num_blocks, cuttable=cuttable, seeds=seeds
+            )
+        return self.found[seeds]
 
 
 def _merged(uniform: list[Candidate], uneven: list[Candidate]) -> list[Candidate]:

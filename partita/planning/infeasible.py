@@ -440,6 +440,7 @@ def _with_devices(ctx: PlanningContext, devices: int) -> PlanningContext | None:
         check_degree(t, cluster, replicas=ctx.options.replicas, num_stages=ctx.options.num_stages)
     except InputError:
         return None
+    # beyond UNEVEN_MAX_DEVICES the uneven search starts from uniform plans: a uniform trial decides
     uniform = ctx.options.uniform_replicas or devices > UNEVEN_MAX_DEVICES
     options = dataclasses.replace(ctx.options, num_devices=devices // t, uniform_replicas=uniform)
     return dataclasses.replace(ctx, cluster=cluster, options=options)

@@ -25,7 +25,9 @@ Three tests, on ``units`` (devices, or tensor-parallel groups of ``t`` devices; 
                ranges that fit. Uniform: for an r dividing the batch, the fewest ranges with
                ``M_r <= L`` times r is at most the units. Uneven (up to ``uneven.MAX_DEVICES``): the
                fewest devices, each range taking the smallest r with which it fits
-               (``D[i] = min_j D[j] + r_min[j, i] <= units``);
+               (``D[i] = min_j D[j] + r_min[j, i] <= units``); beyond, the uneven search
+               starts from the uniform search's plans (``uneven.seed_shapes``), so the uniform
+               cover decides;
     two stages per rank group (interleaved 1F1B, ZB-V; uniform): G rank groups hold 2G ranges, one
                from each half of the chain (interleaved: g and G + g; ZB-V: g and 2G - 1 - g), so
                the groups' memories sum to at least the additive parts of all ranges (state of the

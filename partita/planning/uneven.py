@@ -23,13 +23,17 @@ for each candidate ``t_max`` the sum pass gives the best split and replica count
 
 Cost: ``S (K+1)^2 (N+1) |R|`` per pass. Long chains are searched on at most
 ``MAX_DP_BLOCKS`` of their block boundaries (the refinement then moves boundaries on the whole
-chain), with at most ``MAX_STAGES`` stages, on at most ``MAX_DEVICES`` devices.
+chain). Up to ``MAX_DEVICES`` devices every shape with at most ``MAX_STAGES`` stages is searched.
+Beyond, enumerating the shapes costs too much, so the DP searches the shapes of the uniform
+search's best candidates (``seed_shapes``: their schedule, depth, micro-batch count and
+recompute mode), each with the replica counts within a factor ``NEAR_SEED`` of the seed's, and
+only where one pass's work ``S (K'+1)^2 (N+1) |R|`` stays under ``MAX_SEEDED_WORK``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -58,6 +62,16 @@ BOTTLENECK_RELAXATIONS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35)
 
 UNEVEN_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
 
+# Beyond MAX_DEVICES: how many of the uniform search's best shapes are searched again with uneven
+# counts, the replica counts kept (a factor of the seed's count either way), and the most work
+# (array elements of one DP pass) a seeded shape may take.
+NUM_SEED_SHAPES = 4
+NEAR_SEED = 4
+MAX_SEEDED_WORK = 60_000_000
+
+# (schedule, stages, micro-batches, recompute mode) of an uneven search.
+ShapeKey = tuple[Schedule, int, int, bool | None]
+
 
 class _Shape:
     """One (schedule, S stages, m micro-batches, recompute mode): the replica choices and the
@@ -72,11 +86,12 @@ class _Shape:
         num_microbatches: int,
         recompute_mode: bool | None,
         positions: np.ndarray,
+        replica_counts: list[int],
     ):
         b = options.global_batch_size // num_microbatches
         self.num_stages, self.num_microbatches, self.schedule = num_stages, num_microbatches, schedule
         self.recompute_mode, self.samples, self.positions = recompute_mode, b, positions
-        self.replica_counts = [r for r in divisors(b) if r <= options.num_devices]
+        self.replica_counts = replica_counts
         self.time: dict[int, list[np.ndarray]] = {}  # r -> per stage p: (K'+1, K'+1) seconds (inf: no fit)
         self.recompute: dict[int, list[np.ndarray]] = {}
         self.send: dict[int, np.ndarray] = {}  # r -> seconds to send each boundary's tensors (and gradients)
@@ -141,11 +156,14 @@ def search_uneven(
     num_blocks: int,
     *,
     cuttable: np.ndarray | None = None,
+    seeds: Sequence[tuple[ShapeKey, int]] | None = None,
 ) -> list[Candidate]:
     """Candidates of every uneven shape whose replica counts are not all equal (the uniform
     search covers those), best estimates first within each shape. ``cuttable[b]``: whether block
     boundary ``b`` may separate different replica counts (``chain.per_sample_cuts``; None: all);
-    the DP cuts only there."""
+    the DP cuts only there. ``seeds`` (``seed_shapes``): search only those shapes, each at the
+    replica counts near its seed's count, and only those whose DP work stays under
+    MAX_SEEDED_WORK; None: every shape ``enumerate_shapes`` gives, at every count."""
     allowed = np.flatnonzero(np.ones(num_blocks + 1, bool) if cuttable is None else np.asarray(cuttable, bool))
     allowed = np.union1d(allowed, [0, num_blocks])
     positions = _dp_positions(allowed)
@@ -162,10 +180,17 @@ def search_uneven(
             shared[r, m, mode] = StageCosts(blocks_at(samples), config, options, cluster)
         return shared[r, m, mode]
 
-    for schedule, s, m, mode in enumerate_shapes(options, num_blocks):
-        shape = _Shape(stage_costs, options, schedule, s, m, mode, positions)
-        if len(shape.replica_counts) < 2:
+    if seeds is None:
+        shapes = [(key, None) for key in enumerate_shapes(options, num_blocks)]
+    else:
+        shapes = [(key, near) for key, near in seeds if key[1] < len(positions)]
+    for (schedule, s, m, mode), near in shapes:
+        counts = _replica_counts(options, m, near)
+        if len(counts) < 2:
             continue  # one replica count only: every split is uniform
+        if near is not None and s * len(positions) ** 2 * (options.num_devices + 1) * len(counts) > MAX_SEEDED_WORK:
+            continue
+        shape = _Shape(stage_costs, options, schedule, s, m, mode, positions, counts)
         for boundaries, replicas in _splits(shape, options.num_devices, exhaustive=exhaustive):
             if len(set(replicas)) == 1:
                 continue
@@ -176,6 +201,31 @@ def search_uneven(
             seen.add(key)
             found.append(_candidate(shape, boundaries, full, replicas))
     return found
+
+
+def seed_shapes(candidates: Sequence[Candidate], limit: int = NUM_SEED_SHAPES) -> list[tuple[ShapeKey, int]]:
+    """The shapes of the first ``limit`` distinct uniform configs among ``candidates`` (best first)
+    that an uneven config can have (one stage per rank group, GPipe or 1F1B), each with its
+    replica count: ``search_uneven``'s seeds beyond MAX_DEVICES."""
+    found: dict[ShapeKey, int] = {}
+    for c in candidates:
+        config = c.config
+        if config.stage_replicas or config.virtual_stages != 1 or config.schedule not in UNEVEN_SCHEDULES:
+            continue
+        key = (config.schedule, config.num_stages, config.num_microbatches, config.recompute_mode)
+        found.setdefault(key, config.replicas)
+        if len(found) >= limit:
+            break
+    return list(found.items())
+
+
+def _replica_counts(options: SearchOptions, num_microbatches: int, near: int | None) -> list[int]:
+    """The replica counts a stage may have: those that divide the micro-batch and fit the devices;
+    with a seed's count ``near``, only those within a factor NEAR_SEED of it."""
+    counts = [r for r in divisors(options.global_batch_size // num_microbatches) if r <= options.num_devices]
+    if near is None:
+        return counts
+    return [r for r in counts if near <= r * NEAR_SEED and r <= near * NEAR_SEED]
 
 
 def _dp_positions(allowed: np.ndarray) -> np.ndarray:

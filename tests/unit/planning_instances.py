@@ -18,6 +18,30 @@ def random_instance(seed: int, num_nodes: tuple[int, int] = (2, 8)) -> PlanningC
     """A chain of K nodes (K drawn from ``num_nodes``, high excluded) with random costs; node k reads parameter p{k}."""
     rng = np.random.default_rng(seed)
     k = int(rng.integers(*num_nodes))
+    param_bytes = rng.integers(1, 200, size=k) * 2**20
+    forward = rng.uniform(1e-3, 2e-2, size=k)
+    activation = rng.integers(1, 300, size=k) * 2**20
+    cut = np.concatenate([[0], rng.integers(1, 50, size=k - 1) * 2**20, [0]])
+    overhead = rng.uniform(0, 2e-3)
+    num_devices = int(rng.integers(1, 5))
+    memory = int(rng.uniform(2, 12) * max(1.0, k / 8) * GiB)  # longer chains need more
+    return chain_instance(forward, param_bytes, activation, cut, overhead, num_devices, memory, f"random{seed}")
+
+
+def chain_instance(
+    forward: np.ndarray,
+    param_bytes: np.ndarray,
+    activation: np.ndarray,
+    cut: np.ndarray,
+    overhead: float,
+    num_devices: int,
+    memory: int,
+    name: str,
+    global_batch_size: int = 8,
+) -> PlanningContext:
+    """A chain of len(forward) nodes with these costs at 8 samples (node k reads parameter p{k},
+    ``cut``: bytes crossing each cut, first and last 0), on ``num_devices`` H100s of ``memory`` bytes."""
+    k = len(forward)
     nodes = tuple(
         OpNode(
             index=i,
@@ -33,7 +57,6 @@ def random_instance(seed: int, num_nodes: tuple[int, int] = (2, 8)) -> PlanningC
         )
         for i in range(k)
     )
-    param_bytes = rng.integers(1, 200, size=k) * 2**20
     params = {
         f"p{i}": ParamInfo(f"p{i}", (int(param_bytes[i]) // 4,), "float32", int(param_bytes[i])) for i in range(k)
     }
@@ -44,14 +67,10 @@ def random_instance(seed: int, num_nodes: tuple[int, int] = (2, 8)) -> PlanningC
         loss_node=k - 1,
         batch_size=8,
         dynamic_batch=True,
-        fingerprint=f"random{seed}",
+        fingerprint=name,
         graph_module=None,
         exported_program=None,
     )
-    forward = rng.uniform(1e-3, 2e-2, size=k)
-    activation = rng.integers(1, 300, size=k) * 2**20
-    cut = np.concatenate([[0], rng.integers(1, 50, size=k - 1) * 2**20, [0]])
-    overhead = rng.uniform(0, 2e-3)
 
     def costs_at(b: int) -> CostTable:
         scale = b / 8
@@ -71,12 +90,10 @@ def random_instance(seed: int, num_nodes: tuple[int, int] = (2, 8)) -> PlanningC
             param_uses=tuple(np.array([i]) for i in range(k)),
         )
 
-    num_devices = int(rng.integers(1, 5))
-    memory = int(rng.uniform(2, 12) * max(1.0, k / 8) * GiB)  # longer chains need more
     cluster = Cluster(device="h100", num_devices=num_devices, devices_per_node=8, memory_bytes=memory)
     options = SearchOptions(
         num_devices=num_devices,
-        global_batch_size=8,
+        global_batch_size=global_batch_size,
         memory_limit_bytes=cluster.usable_memory_bytes,
         optimizer=OptimizerKind.ADAM,
         max_microbatch_choices=16,

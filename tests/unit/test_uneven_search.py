@@ -4,7 +4,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from planning_instances import oracle, random_instance
+from planning_instances import chain_instance, oracle, random_instance
 
 import partita
 from partita.errors import InputError
@@ -104,7 +104,7 @@ def test_pinned_replicas_conflict_with_uneven_replicas(gpt2_context):
     assert pinned.uniform_replicas and pinned.stages[0].num_replicas == 1
 
 
-def test_by_default_uneven_counts_are_searched_up_to_64_devices(gpt2_context):
+def test_by_default_uneven_counts_are_searched(gpt2_context):
     graph, cluster = gpt2_context.graph, gpt2_context.cluster
     options = PlanOptions(schedules="1f1b", num_stages=2)
     flat = plan(graph, cluster=cluster, global_batch_size=24, options=options.replace(uniform_replicas=True))
@@ -114,14 +114,86 @@ def test_by_default_uneven_counts_are_searched_up_to_64_devices(gpt2_context):
     assert default.predicted_step_s == explicit.predicted_step_s < flat.predicted_step_s
     assert default.options["uniform_replicas"] is False and flat.options["uniform_replicas"] is True
     big = Cluster(device="h100", num_devices=128, devices_per_node=8)
-    assert plan(graph, cluster=big, global_batch_size=256).options["uniform_replicas"] is True
+    assert plan(graph, cluster=big, global_batch_size=256).options["uniform_replicas"] is False
 
 
-def test_uneven_search_refuses_clusters_beyond_its_device_axis():
-    ctx = uneven_instance(3)
-    big = Cluster(device="h100", num_devices=128, devices_per_node=8, memory_bytes=80 * 2**30)
-    with pytest.raises(InputError, match="up to 64 devices; the cluster has 128: plan with uniform_replicas=True"):
-        plan(ctx.graph, cluster=big, global_batch_size=8, options=PlanOptions(uniform_replicas=False))
+def heavy_tail(num_devices: int, uniform_replicas: bool | None) -> PlanningContext:
+    """Four layers, the last three times as slow as each of the others, 1F1B over 2 stages and
+    2 micro-batches of 216 samples (pinned, so that the brute force stays small)."""
+    ctx = chain_instance(
+        np.array([1e-2, 1e-2, 1e-2, 3e-2]),
+        np.full(4, 50 * 2**20),
+        np.full(4, 20 * 2**20),
+        np.array([0, 2**20, 2**20, 2**20, 0]),
+        1e-4,
+        num_devices,
+        80 * 2**30,
+        "heavy-tail",
+        global_batch_size=432,
+    )
+    options = dataclasses.replace(
+        ctx.options,
+        uniform_replicas=uniform_replicas,
+        schedules=(Schedule.ONE_F_ONE_B,),
+        num_stages=2,
+        num_microbatches=2,
+    )
+    return dataclasses.replace(ctx, options=options)
+
+
+def test_beyond_64_devices_uneven_counts_are_searched_at_the_best_uniform_shapes():
+    """On 72 devices the uniform search's best shape is searched again with per-stage counts: the
+    slow last layer gets 54 of the 72 devices, the brute force's optimum, faster than 36 + 36."""
+    found = best_plan(heavy_tail(72, False))
+    best = oracle(heavy_tail(72, False))
+    flat = best_plan(heavy_tail(72, True))
+    assert [s.num_replicas for s in flat.stages] == [36, 36]
+    assert [s.num_replicas for s in found.stages] == [18, 54] == [s.num_replicas for s in best.stages]
+    assert found.predicted_step_s == pytest.approx(best.predicted_step_s, rel=1e-12)
+    assert found.predicted_step_s < flat.predicted_step_s * 0.99
+
+
+@pytest.mark.parametrize("seed", range(0, 200, 7))
+def test_seeded_uneven_search_equals_the_full_one_on_the_seed_shapes(seed, monkeypatch):
+    """``seeds`` restricts the uneven search to some shapes (and, near a seed's count, to some
+    replica counts): with every count kept, its candidates are the full search's on those shapes."""
+    from partita.planning import uneven
+    from partita.planning.chain import block_costs
+
+    ctx = uneven_instance(seed)
+    blocks_at = lambda b: block_costs(ctx.costs_at(b), ctx.chain)  # noqa: E731
+    num_blocks = len(ctx.chain) - 1
+    full = uneven.search_uneven(blocks_at, ctx.options, ctx.search_cluster, num_blocks)
+    shapes = list(uneven.enumerate_shapes(ctx.options, num_blocks))[::2]
+    monkeypatch.setattr(uneven, "NEAR_SEED", 10**9)
+    seeded = uneven.search_uneven(
+        blocks_at, ctx.options, ctx.search_cluster, num_blocks, seeds=[(shape, 1) for shape in shapes]
+    )
+
+    def shape_of(c):
+        return (c.config.schedule, c.config.num_stages, c.config.num_microbatches, c.config.recompute_mode)
+
+    assert seeded == [c for c in full if shape_of(c) in set(shapes)]
+
+
+def test_seed_shapes_are_the_best_uniform_configs_an_uneven_config_can_have():
+    from partita.planning.search import Candidate, Config
+    from partita.planning.uneven import seed_shapes
+
+    def candidate(schedule, stages, m, replicas, virtual=1):
+        return Candidate(Config(replicas, stages, schedule, virtual, m, 1, None), (), (), 0.0)
+
+    candidates = [
+        candidate(Schedule.ZBV, 4, 8, 2, virtual=2),  # two stages per rank group: no uneven config
+        candidate(Schedule.ONE_F_ONE_B, 4, 8, 16),
+        candidate(Schedule.ONE_F_ONE_B, 4, 8, 16),  # the same shape again
+        candidate(Schedule.GPIPE, 2, 4, 32),
+        candidate(Schedule.ONE_F_ONE_B, 8, 16, 8),
+    ]
+    assert seed_shapes(candidates, limit=2) == [
+        ((Schedule.ONE_F_ONE_B, 4, 8, None), 16),
+        ((Schedule.GPIPE, 2, 4, None), 32),
+    ]
 
 
 def test_uneven_search_respects_pinned_choices():
