@@ -68,10 +68,13 @@ def simulated_candidates(
     ``step_to_beat``: a step found elsewhere; the long-chain search skips configs that cannot beat it."""
     blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
     num_blocks = len(ctx.chain) - 1
-    uneven = _UnevenCandidates(ctx, blocks_at, num_blocks)
+    uneven = []
+    if not ctx.options.uniform_replicas and ctx.options.num_devices <= UNEVEN_MAX_DEVICES:  # every shape
+        uneven = _uneven_candidates(ctx, blocks_at, None)
     if num_blocks <= 16:  # small chains: simulate every candidate, refine every config
-        uniform = search(blocks_at, ctx.options, ctx.search_cluster, num_blocks)
-        simulated, candidate_of = _simulate_fitting(ctx, _merged(uniform, uneven.of(uniform)))
+        candidates = _merged(search(blocks_at, ctx.options, ctx.search_cluster, num_blocks), uneven)
+        simulated, candidate_of = _simulate_fitting(ctx, candidates)
+        _add_seeded_uneven(ctx, blocks_at, simulated, candidate_of)
         return Simulated(simulated, candidate_of, None, blocks_at)
     # The pruned search returns the full list cut after its num_simulated-th candidate with one
     # stage per rank group; if fewer than num_simulated of them fit, the full list is needed.
@@ -85,10 +88,11 @@ def simulated_candidates(
         cache=cache,
         step_to_beat=step_to_beat,
     )
-    simulated, candidate_of = _simulate_fitting(ctx, _merged(candidates, uneven.of(candidates)), num_simulated)
+    simulated, candidate_of = _simulate_fitting(ctx, _merged(candidates, uneven), num_simulated)
     if len(simulated) < num_simulated and sum(c.config.virtual_stages == 1 for c in candidates) >= num_simulated:
         candidates = search(blocks_at, ctx.options, ctx.search_cluster, num_blocks, cache=cache)
-        simulated, candidate_of = _simulate_fitting(ctx, _merged(candidates, uneven.of(candidates)), num_simulated)
+        simulated, candidate_of = _simulate_fitting(ctx, _merged(candidates, uneven), num_simulated)
+    _add_seeded_uneven(ctx, blocks_at, simulated, candidate_of)
     return Simulated(simulated, candidate_of, NUM_REFINED, blocks_at)
 
 
@@ -97,26 +101,22 @@ def refined_best(ctx: PlanningContext, found: Simulated, *, step_to_beat: float 
     return _refine_best(ctx, found.plans, found.candidate_of, found.num_refined, found.blocks_at, step_to_beat)
 
 
-class _UnevenCandidates:
-    """A context's uneven candidates (``partita.planning.uneven``), next to given uniform ones:
-    every shape's up to UNEVEN_MAX_DEVICES units, the shapes of the uniform ones' best configs
-    beyond (``seed_shapes``); none where the replicas are uniform. Each search runs once."""
+def _uneven_candidates(ctx: PlanningContext, blocks_at: Callable[[int], BlockCosts], seeds) -> list[Candidate]:
+    """``search_uneven``'s candidates for the context (``seeds``: as it takes them)."""
+    cuttable = ctx.per_sample_cuts[np.asarray(ctx.chain)]
+    num_blocks = len(ctx.chain) - 1
+    return search_uneven(blocks_at, ctx.options, ctx.search_cluster, num_blocks, cuttable=cuttable, seeds=seeds)
 
-    def __init__(self, ctx: PlanningContext, blocks_at: Callable[[int], BlockCosts], num_blocks: int):
-        self.ctx, self.blocks_at, self.num_blocks = ctx, blocks_at, num_blocks
-        self.found: dict = {}
 
-    def of(self, uniform: Sequence[Candidate]) -> list[Candidate]:
-        o = self.ctx.options
-        if o.uniform_replicas:
-            return []
-        seeds = None if o.num_devices <= UNEVEN_MAX_DEVICES else tuple(seed_shapes(uniform))
-        if seeds not in self.found:
-            cuttable = self.ctx.per_sample_cuts[np.asarray(self.ctx.chain)]
-            self.found[seeds] = search_uneven(
-                self.blocks_at, o, self.ctx.search_cluster, self.num_blocks, cuttable=cuttable, seeds=seeds
-            )
-        return self.found[seeds]
+def _add_seeded_uneven(ctx: PlanningContext, blocks_at, simulated: list[Plan], candidate_of: dict) -> None:
+    """Beyond UNEVEN_MAX_DEVICES units (where the replicas may differ): the uneven candidates of
+    the shapes of the best simulated plans (``uneven.seed_shapes``), simulated and added."""
+    if ctx.options.uniform_replicas or ctx.options.num_devices <= UNEVEN_MAX_DEVICES or not simulated:
+        return
+    seeds = seed_shapes([candidate_of[id(p)] for p in sorted(simulated, key=plan_key)])
+    plans, of = _simulate_fitting(ctx, _uneven_candidates(ctx, blocks_at, seeds))
+    simulated.extend(plans)
+    candidate_of.update(of)
 
 
 def _merged(uniform: list[Candidate], uneven: list[Candidate]) -> list[Candidate]:
