@@ -61,6 +61,10 @@ CASES = {
 HISTORY = """\
 ## Before (same machine)
 
+- This VM's speed varies from hour to hour: the same code (49820db, before uneven replica counts
+  beyond 64 devices, which the table's cases never reach: their degree-1 searches find no plan)
+  gave 11.0 s (175B), 8.4, 11.9, 22.2, 31.1 and 29.5 s at 2026-12-02 01:40 UTC, and 5.6 s, 3.9,
+  6.5, 14.0, 16.1 and 18.6 s at 05:29 UTC, minutes after the table's run, with the same plans.
 - 2026-12-01 22:43 UTC, before the refinement simulated its neighbours without building their
   Plans (``partita/planning/split_steps.py``), with all cases in one process: 10.4 s (175B), 10.1 s,
   12.9 s, 28.4 s, 29.8 s and 45.5 s of search (39B-1T), the same plans as in the table. That code,
