@@ -122,11 +122,14 @@ def test_transfers_of_a_worked_example():
         transfers(6, 2, 4)
 
 
-@pytest.mark.parametrize("num_senders, num_receivers", list(itertools.product([1, 2, 3, 6], repeat=2)))
-def test_routing_rebuilds_every_slice_and_returns_every_gradient(num_senders, num_receivers):
+@pytest.mark.parametrize(
+    "num_senders, num_receivers, b",
+    [(s, r, 6) for s, r in itertools.product([1, 2, 3, 6], repeat=2)]
+    + [(18, 54, 216), (54, 18, 216), (36, 72, 216)],  # counts of plans beyond 64 devices
+)
+def test_routing_rebuilds_every_slice_and_returns_every_gradient(num_senders, num_receivers, b):
     """Route a (b, 5) activation and its gradient as the executor does (narrow on one side, cat on
     the other); a tensor without batch dim reaches every receiver once, from its owner."""
-    b = 6
     activation, gradient = torch.randn(b, 5), torch.randn(b, 5)
     routes = transfers(b, num_senders, num_receivers)
 

@@ -141,9 +141,10 @@ def heavy_tail(num_devices: int, uniform_replicas: bool | None) -> PlanningConte
     return dataclasses.replace(ctx, options=options)
 
 
-def test_beyond_64_devices_uneven_counts_are_searched_at_the_best_uniform_shapes():
+def test_beyond_64_devices_uneven_counts_are_searched_at_the_best_uniform_shapes(tmp_path):
     """On 72 devices the uniform search's best shape is searched again with per-stage counts: the
-    slow last layer gets 54 of the 72 devices, the brute force's optimum, faster than 36 + 36."""
+    slow last layer gets 54 of the 72 devices, the brute force's optimum, faster than 36 + 36;
+    its ranks are consecutive and the plan file round-trips."""
     found = best_plan(heavy_tail(72, False))
     best = oracle(heavy_tail(72, False))
     flat = best_plan(heavy_tail(72, True))
@@ -151,6 +152,9 @@ def test_beyond_64_devices_uneven_counts_are_searched_at_the_best_uniform_shapes
     assert [s.num_replicas for s in found.stages] == [18, 54] == [s.num_replicas for s in best.stages]
     assert found.predicted_step_s == pytest.approx(best.predicted_step_s, rel=1e-12)
     assert found.predicted_step_s < flat.predicted_step_s * 0.99
+    assert [r for s in found.stages for r in s.ranks] == list(range(72))
+    found.save(str(tmp_path / "plan.json"))
+    assert load_plan(str(tmp_path / "plan.json")) == found
 
 
 @pytest.mark.parametrize("seed", range(0, 200, 7))
