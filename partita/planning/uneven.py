@@ -24,8 +24,8 @@ for each candidate ``t_max`` the sum pass gives the best split and replica count
 Cost: ``S (K+1)^2 (N+1) |R|`` per pass. Long chains are searched on at most
 ``MAX_DP_BLOCKS`` of their block boundaries (the refinement then moves boundaries on the whole
 chain). Up to ``MAX_DEVICES`` devices every shape with at most ``MAX_STAGES`` stages is searched.
-Beyond, enumerating the shapes costs too much, so the DP searches the shapes of the uniform
-search's best candidates (``seed_shapes``: their schedule, depth, micro-batch count and
+Beyond, enumerating the shapes costs too much, so the DP searches the shapes of the best
+simulated uniform plans (``seed_shapes``: their schedule, depth, micro-batch count and
 recompute mode), each with the replica counts within a factor ``NEAR_SEED`` of the seed's, and
 only where one pass's work ``S (K'+1)^2 (N+1) |R|`` stays under ``MAX_SEEDED_WORK``.
 """
@@ -62,8 +62,8 @@ BOTTLENECK_RELAXATIONS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35)
 
 UNEVEN_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
 
-# Beyond MAX_DEVICES: how many of the uniform search's best shapes are searched again with uneven
-# counts, the replica counts kept (a factor of the seed's count either way), and the most work
+# Beyond MAX_DEVICES: how many of the best simulated uniform plans' shapes are searched again with
+# uneven counts, the replica counts kept (a factor of the seed's count either way), and the most work
 # (array elements of one DP pass) a seeded shape may take.
 NUM_SEED_SHAPES = 4
 NEAR_SEED = 4
@@ -205,13 +205,15 @@ def search_uneven(
 
 def seed_shapes(candidates: Sequence[Candidate], limit: int = NUM_SEED_SHAPES) -> list[tuple[ShapeKey, int]]:
     """The shapes of the first ``limit`` distinct uniform configs among ``candidates`` (best first)
-    that an uneven config can have (one stage per rank group, GPipe or 1F1B), each with its
-    replica count: ``search_uneven``'s seeds beyond MAX_DEVICES."""
+    that an uneven config can have (two or more stages, one per rank group, GPipe or 1F1B), each
+    with its replica count: ``search_uneven``'s seeds beyond MAX_DEVICES."""
     found: dict[ShapeKey, int] = {}
     for c in candidates:
         config = c.config
         if config.stage_replicas or config.virtual_stages != 1 or config.schedule not in UNEVEN_SCHEDULES:
             continue
+        if config.num_stages < 2:
+            continue  # one stage has one count
         key = (config.schedule, config.num_stages, config.num_microbatches, config.recompute_mode)
         found.setdefault(key, config.replicas)
         if len(found) >= limit:

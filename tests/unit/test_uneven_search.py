@@ -189,6 +189,7 @@ def test_seed_shapes_are_the_best_uniform_configs_an_uneven_config_can_have():
 
     candidates = [
         candidate(Schedule.ZBV, 4, 8, 2, virtual=2),  # two stages per rank group: no uneven config
+        candidate(Schedule.GPIPE, 1, 8, 64),  # one stage: one count
         candidate(Schedule.ONE_F_ONE_B, 4, 8, 16),
         candidate(Schedule.ONE_F_ONE_B, 4, 8, 16),  # the same shape again
         candidate(Schedule.GPIPE, 2, 4, 32),
