@@ -94,15 +94,14 @@ class SplitSteps:
         pinned = ctx.options.recompute if config.recompute_mode is None else config.recompute_mode
         limit = ctx.options.memory_limit_bytes
         recompute = [bool(pinned)] * config.num_stages
-        memory = self._memory(nodes, recompute)
+        memory, by_group = self._memory(nodes, recompute)
         if any(m.total_bytes > limit for m in memory.values()):
             if pinned is not None:
                 return None
             recompute = [memory[g].total_bytes > limit or r for g, r in zip(self.groups, recompute)]
-            memory = self._memory(nodes, recompute)
+            memory, by_group = self._memory(nodes, recompute)
             if any(m.total_bytes > limit for m in memory.values()):
                 return None
-        by_group = group_ranges(config, nodes, recompute)[1]
         t = ctx.options.tensor_parallel
         stages = [
             _Stage(
@@ -118,8 +117,10 @@ class SplitSteps:
         ]
         return tuple(by_group[g] for g in self.groups), stages
 
-    def _memory(self, nodes: Sequence[int], recompute: Sequence[bool]) -> dict:
-        """``rank_group_memory`` of the split, as ``build_plan`` asks for it."""
+    def _memory(self, nodes: Sequence[int], recompute: Sequence[bool]) -> tuple[dict, dict[int, bool]]:
+        """``rank_group_memory`` of the split, as ``build_plan`` asks for it, and whether each rank
+        group recomputes."""
         ctx = self.ctx
         ranges, by_group = group_ranges(self.config, nodes, recompute)
-        return rank_group_memory(self.tables, self.config, ctx.options, ranges, by_group, ctx.cluster, ctx.build_memo)
+        memory = rank_group_memory(self.tables, self.config, ctx.options, ranges, by_group, ctx.cluster, ctx.build_memo)
+        return memory, by_group
