@@ -240,7 +240,7 @@ def _maybe_resume(trainer, config: TrainConfig, summary: TrainSummary) -> None:
         if restarts and dist.get_rank() == 0:
             print(f"restart {restarts}: no --checkpoint-dir, so training starts again from step 0", flush=True)
         return
-    from partita.runtime.checkpoint import latest_intact_checkpoint, load_checkpoint
+    from partita.runtime.checkpoint import latest_intact_checkpoint
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -251,7 +251,7 @@ def _maybe_resume(trainer, config: TrainConfig, summary: TrainSummary) -> None:
         if dist.get_rank() == 0:
             print(f"no complete checkpoint in {config.checkpoint_dir}: training starts from step 0", flush=True)
         return
-    load_checkpoint(trainer, latest, verify=False)  # just verified
+    trainer.load_checkpoint(latest, verify=False)  # just verified
     summary.resumed_from = trainer.num_steps
     if dist.get_rank() == 0:
         why = f"restart {restarts}" if restarts else "--resume"

@@ -22,6 +22,8 @@ this one's gloo probe do.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import os
@@ -32,12 +34,13 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from partita.checks import positive_int
 from partita.cost.cache import measure_once
+from partita.errors import PartitaError
 from partita.types import DeviceSpec
 from partita.types.cluster import Cluster
 from partita.types.devices import get_device, machine_memory_bytes
@@ -101,26 +104,98 @@ def local_cluster(
     ``reserved_memory_fraction`` defaults to LOCAL_RESERVED_MEMORY_FRACTION: glibc keeps freed
     memory, so a rank's resident memory exceeds its tensors' bytes; trimming it back costs a
     large share of the step time instead (bench/results/e2e_memory.md, bench/results/probes.md).
+
+    In a job of several processes (torch.distributed initialised with a world of more than one,
+    or torchrun's ``WORLD_SIZE`` above 1), rank 0 measures while the other ranks wait, and every
+    rank returns rank 0's Cluster (``measured_on_rank_zero``): ranks measuring at once would slow
+    each other down and disagree.
     """
     import torch
 
     num_devices = positive_int(num_devices, "num_devices")
     threads = num_threads or max(1, torch.get_num_threads() // num_devices)
     memory = memory_bytes if memory_bytes is not None else machine_memory_bytes() // num_devices
-    device = local_cpu_spec(cache_dir, memory_bytes=memory, num_threads=threads)
-    gloo = measure_gloo(cache_dir)
-    if compute_slowdown is None:
-        compute_slowdown = measure_contention(num_devices, threads, cache_dir=cache_dir)
-    return Cluster(
-        device=device,
-        num_devices=num_devices,
-        devices_per_node=num_devices,
-        intra_node_bandwidth_bytes_per_s=gloo["bandwidth_bytes_per_s"],
-        intra_node_latency_s=gloo["latency_s"],
-        collective_efficiency=gloo["collective_efficiency"],
-        compute_slowdown=compute_slowdown,
-        reserved_memory_fraction=reserved_memory_fraction,
-    )
+
+    def measure() -> Cluster:
+        device = local_cpu_spec(cache_dir, memory_bytes=memory, num_threads=threads)
+        gloo = measure_gloo(cache_dir)
+        slowdown = compute_slowdown
+        if slowdown is None:
+            slowdown = measure_contention(num_devices, threads, cache_dir=cache_dir)
+        return Cluster(
+            device=device,
+            num_devices=num_devices,
+            devices_per_node=num_devices,
+            intra_node_bandwidth_bytes_per_s=gloo["bandwidth_bytes_per_s"],
+            intra_node_latency_s=gloo["latency_s"],
+            collective_efficiency=gloo["collective_efficiency"],
+            compute_slowdown=slowdown,
+            reserved_memory_fraction=reserved_memory_fraction,
+        )
+
+    return measured_on_rank_zero(measure)
+
+
+# True inside ``alone_on_this_rank``: the body runs on one rank only (rank 0 making the job's plan
+# while the others wait in a broadcast), so partita's collective helpers must act for this process.
+_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("partita_alone_on_this_rank", default=False)
+
+
+@contextlib.contextmanager
+def alone_on_this_rank() -> Iterator[None]:
+    """Run the body as a process of its own: ``Cluster.local`` and ``partita.plan`` inside it
+    measure and plan here instead of meeting the other ranks (``shared_plan`` runs the user's
+    planning function so, on rank 0, while the other ranks wait for its plan)."""
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
+
+
+def job_world_size() -> int:
+    """How many processes a collective call of partita's spans from here: torch.distributed's world
+    when it is initialised, else torchrun's ``WORLD_SIZE``, else 1; 1 inside ``alone_on_this_rank``."""
+    if _ALONE.get():
+        return 1
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return distributed.get_world_size()
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def measured_on_rank_zero(measure: Callable[[], Cluster]) -> Cluster:
+    """``measure()`` in a process of its own; in a job of several processes, on rank 0 only, its
+    Cluster given to every rank (one broadcast). The process group is initialised from torchrun's
+    environment when it is not yet (torch's default backends: gloo for CPU tensors, NCCL for CUDA
+    ones), as the Trainer would. Collective in a job: call it on every rank. A failure on rank 0
+    is re-raised there and named on the other ranks."""
+    if job_world_size() <= 1:
+        return measure()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group()
+    box: list[Any] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            with alone_on_this_rank():
+                box = [("cluster", measure().to_dict())]
+        except Exception as e:  # noqa: BLE001 - told to every rank, then re-raised here
+            failure, box = e, [("error", f"{type(e).__name__}: {e}")]
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if failure is not None:
+        raise failure
+    if kind == "error":
+        raise PartitaError(
+            f"rank 0 failed to measure this machine, so no rank has its Cluster: {value}. The cause is in rank 0's log"
+        )
+    return Cluster.from_dict(value)
 
 
 # ----------------------------------------------------------------------------- the CPU

@@ -39,7 +39,8 @@ import re
 import shutil
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,84 +66,156 @@ from partita.runtime.checkpoint_dir import (
     warn_unverified,
     write_manifest,
 )
-from partita.runtime.data_parallel import local_tensor
+from partita.runtime.gradient_sync import local_tensor
 from partita.runtime.materialize import single_process
+from partita.runtime.stage_set import StageSet
 from partita.runtime.tensor_parallel import gather_full, local_part
+from partita.types import Plan
 from partita.types.plan_file import plan_to_dict
 
-if TYPE_CHECKING:
-    from partita.runtime.trainer import Trainer
-
-__all__ = ["latest_intact_checkpoint", "load_checkpoint", "load_into_model", "save_checkpoint"]
+__all__ = ["Checkpointer", "StepCount", "latest_intact_checkpoint", "load_into_model"]
 
 
-def save_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
-    """Write ``trainer``'s model, optimizer, scheduler, step count and RNG states to ``path``.
+@dataclass
+class StepCount:
+    """Optimizer steps a trainer has taken (skipped ones included) and skipped: what a checkpoint
+    restores besides tensors."""
 
-    Collective: call on every rank with the same path (a filesystem all ranks share).
+    num_steps: int = 0
+    num_skipped_steps: int = 0
+
+
+class Checkpointer:
+    """Saves and restores a trainer's state -- the model's tensors this rank holds (``StageSet``),
+    the optimizer, the LR scheduler, the step count and the RNG -- under plan-independent keys
+    (see the module docstring). It talks to the trainer only through what it was given here.
+
+    ``job_plan`` is the plan of the whole job (recorded in ``trainer.meta``), not this rank's
+    tensor-parallel part of it.
     """
-    path = os.fspath(path)
-    partial = path + PARTIAL_SUFFIX
-    rank = dist.get_rank()
-    if rank == 0 and os.path.exists(partial):
-        shutil.rmtree(partial)  # left by an interrupted write
-    dist.barrier()
-    dcp.save(
-        _trainer_state(trainer),
-        storage_writer=FileSystemWriter(partial),
-        planner=DefaultSavePlanner(flatten_state_dict=False, dedup_save_to_lowest_rank=True),
-    )
-    dist.barrier()  # every rank's files are complete
-    own = _own_file_digests(partial, rank)  # each rank hashes what it wrote
-    gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(own, gathered, dst=0)
-    if rank == 0:
-        write_manifest(partial, {name: d for part in gathered for name, d in part.items()})  # the last file
-        old = path + ".old"
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(partial, path)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
 
+    def __init__(
+        self,
+        stages: StageSet,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        count: StepCount,
+        *,
+        job_plan: Plan,
+        graph_fingerprint: str,
+    ):
+        self.stages, self.optimizer, self.lr_scheduler, self.count = stages, optimizer, lr_scheduler, count
+        self.job_plan, self.graph_fingerprint = job_plan, graph_fingerprint
 
-def load_checkpoint(trainer: Trainer, path: str | os.PathLike, *, verify: bool = True) -> None:
-    """Load a checkpoint written under any plan into ``trainer`` (model, optimizer, scheduler,
-    step count, RNG). Collective: call on every rank. With ``verify`` the files are first checked
-    against the checkpoint's manifest (InputError naming a damaged one); pass False for a
-    checkpoint that ``latest_intact_checkpoint`` has just verified."""
-    if verify:
-        _require_intact(os.fspath(path), _collective_damage(os.fspath(path)))
-    stored = _stored_keys(path)
-    state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _model_tensors(trainer).items()}
-    names = _optimizer_names(trainer)
-    for name in names:
-        prefix = f"optim.state.{name}."
-        for key, meta in stored.items():
-            if key.startswith(prefix):
-                state[key] = (
-                    None
-                    if isinstance(meta, BytesStorageMetadata)
-                    else torch.empty(meta.size, dtype=meta.properties.dtype, device=trainer.topology.device)
-                )
-    rng_keys = _rng_keys(trainer, stored)
-    for key in rng_keys.values():
-        state[key] = torch.empty(stored[key].size, dtype=torch.uint8)
-    state["trainer.num_steps"] = torch.zeros((), dtype=torch.int64)
-    state["optim.param_groups"] = None
-    if trainer.lr_scheduler is not None:
-        state["trainer.lr_scheduler"] = None
-    _require(stored, state, path)
-    with _readable(path):
-        dcp.load(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_load_planner())
-    _keep_local_parts(trainer, state)
-    _load_optimizer(trainer, names, state)
-    if trainer.lr_scheduler is not None:
-        trainer.lr_scheduler.load_state_dict(state["trainer.lr_scheduler"])
-    trainer.num_steps = int(state["trainer.num_steps"])
-    torch.set_rng_state(state[rng_keys["cpu"]])
-    if "cuda" in rng_keys:
-        torch.cuda.set_rng_state(state[rng_keys["cuda"]], trainer.topology.device)
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the state to ``path``. Collective: call on every rank with the same path (a
+        filesystem all ranks share)."""
+        path = os.fspath(path)
+        partial = path + PARTIAL_SUFFIX
+        rank = dist.get_rank()
+        if rank == 0 and os.path.exists(partial):
+            shutil.rmtree(partial)  # left by an interrupted write
+        dist.barrier()
+        dcp.save(
+            self._state_to_save(),
+            storage_writer=FileSystemWriter(partial),
+            planner=DefaultSavePlanner(flatten_state_dict=False, dedup_save_to_lowest_rank=True),
+        )
+        dist.barrier()  # every rank's files are complete
+        own = _own_file_digests(partial, rank)  # each rank hashes what it wrote
+        gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(own, gathered, dst=0)
+        if rank == 0:
+            write_manifest(partial, {name: d for part in gathered for name, d in part.items()})  # the last file
+            old = path + ".old"
+            if os.path.exists(path):
+                os.replace(path, old)
+            os.replace(partial, path)
+            shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+
+    def load(self, path: str | os.PathLike, *, verify: bool = True) -> None:
+        """Load a checkpoint written under any plan (model, optimizer, scheduler, step count, RNG).
+        Collective: call on every rank. With ``verify`` the files are first checked against the
+        checkpoint's manifest (InputError naming a damaged one); pass False for a checkpoint that
+        ``latest_intact_checkpoint`` has just verified."""
+        if verify:
+            _require_intact(os.fspath(path), _collective_damage(os.fspath(path)))
+        stored = _stored_keys(path)
+        device = self.stages.topology.device
+        state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in self.stages.model_tensors().items()}
+        names = self._optimizer_names()
+        for name in names:
+            prefix = f"optim.state.{name}."
+            for key, meta in stored.items():
+                if key.startswith(prefix):
+                    state[key] = (
+                        None
+                        if isinstance(meta, BytesStorageMetadata)
+                        else torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
+                    )
+        rng_keys = _rng_keys(self.stages.topology.rank, device, stored)
+        for key in rng_keys.values():
+            state[key] = torch.empty(stored[key].size, dtype=torch.uint8)
+        state["trainer.num_steps"] = torch.zeros((), dtype=torch.int64)
+        state["optim.param_groups"] = None
+        if self.lr_scheduler is not None:
+            state["trainer.lr_scheduler"] = None
+        _require(stored, state, path)
+        with _readable(path):
+            dcp.load(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_load_planner())
+        _keep_local_parts(self.stages, state)
+        _load_optimizer(self.optimizer, self.stages.params, names, state)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["trainer.lr_scheduler"])
+        self.count.num_steps = int(state["trainer.num_steps"])
+        torch.set_rng_state(state[rng_keys["cpu"]])
+        if "cuda" in rng_keys:
+            torch.cuda.set_rng_state(state[rng_keys["cuda"]], device)
+
+    def _state_to_save(self) -> dict[str, Any]:
+        """The flat state dict this rank writes (see the module docstring for the keys)."""
+        stages = self.stages
+        state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in stages.model_tensors().items()}
+        optimizer_state = self.optimizer.state_dict()
+        tp = stages.tensor_parallel
+        shards = tp.shards() if tp is not None else {}
+        for index, name in enumerate(self._optimizer_names()):
+            for key, value in optimizer_state["state"].get(index, {}).items():
+                if isinstance(value, torch.Tensor) and name in shards and value.dim() > 0:
+                    value = gather_full(value, shards[name], tp)  # whole, as the model's tensors are
+                state[f"optim.state.{name}.{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
+        state["optim.param_groups"] = [
+            {k: v for k, v in g.items() if k != "params"} for g in optimizer_state["param_groups"]
+        ]
+        state["trainer.num_steps"] = torch.tensor(self.count.num_steps, dtype=torch.int64)
+        if self.lr_scheduler is not None:
+            state["trainer.lr_scheduler"] = self.lr_scheduler.state_dict()
+        state["trainer.meta"] = {
+            "partita_version": __version__,
+            "torch_version": torch.__version__,
+            "graph_fingerprint": self.graph_fingerprint,
+            "plan": plan_to_dict(self.job_plan),
+        }
+        rank, device = stages.topology.rank, stages.topology.device
+        state[f"rng.cpu.{rank}"] = torch.get_rng_state()
+        if device.type == "cuda":
+            state[f"rng.cuda.{rank}"] = torch.cuda.get_rng_state(device)
+        return state
+
+    def _optimizer_names(self) -> list[str]:
+        """Canonical names of the optimizer's parameters, in its state_dict's index order."""
+        name_of = {id(p): name for name, p in self.stages.params.items()}
+        names = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in name_of:
+                    raise InputError(
+                        "the optimizer holds a parameter that is not one of the trainer's stages': build it "
+                        "from the parameters the trainer passes to the optimizer factory"
+                    )
+                names.append(name_of[id(p)])
+        return names
 
 
 def load_into_model(model: nn.Module, path: str | os.PathLike) -> None:
@@ -179,55 +252,14 @@ def latest_intact_checkpoint(directory: str) -> str | None:
 # ----------------------------------------------------------------------------- saving
 
 
-def _trainer_state(trainer: Trainer) -> dict[str, Any]:
-    """The flat state dict this rank writes (see the module docstring for the keys)."""
-    state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _model_tensors(trainer).items()}
-    optimizer_state = trainer.optimizer.state_dict()
-    tp = trainer.tensor_parallel
-    shards = tp.shards() if tp is not None else {}
-    for index, name in enumerate(_optimizer_names(trainer)):
-        for key, value in optimizer_state["state"].get(index, {}).items():
-            if isinstance(value, torch.Tensor) and name in shards and value.dim() > 0:
-                value = gather_full(value, shards[name], tp)  # whole, as the model's tensors are
-            state[f"optim.state.{name}.{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
-    state["optim.param_groups"] = [
-        {k: v for k, v in g.items() if k != "params"} for g in optimizer_state["param_groups"]
-    ]
-    state["trainer.num_steps"] = torch.tensor(trainer.num_steps, dtype=torch.int64)
-    if trainer.lr_scheduler is not None:
-        state["trainer.lr_scheduler"] = trainer.lr_scheduler.state_dict()
-    state["trainer.meta"] = {
-        "partita_version": __version__,
-        "torch_version": torch.__version__,
-        "graph_fingerprint": trainer.graph.fingerprint,
-        "plan": plan_to_dict(trainer.plan),
-    }
-    rank = trainer.topology.rank
-    state[f"rng.cpu.{rank}"] = torch.get_rng_state()
-    if trainer.topology.device.type == "cuda":
-        state[f"rng.cuda.{rank}"] = torch.cuda.get_rng_state(trainer.topology.device)
-    return state
-
-
-def _model_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Canonical name -> tensor this rank saves and loads: what its stages hold (parameters and
-    persistent buffers), and on every rank what no stage holds (it stays as the model has it)."""
-    names = canonical_names(trainer.model)
-    held_anywhere = {name for stage in trainer._all_stages for name in stage.spec.param_names}
-    unheld = {
-        names[id(t)]: t for t in trainer.model.state_dict(keep_vars=True).values() if names[id(t)] not in held_anywhere
-    }
-    return {**trainer.held_state(), **unheld}
-
-
-def _keep_local_parts(trainer: Trainer, state: dict[str, Any]) -> None:
+def _keep_local_parts(stages: StageSet, state: dict[str, Any]) -> None:
     """With tensor parallelism: copy this rank's part of each whole tensor loaded into its own
     (``held_state`` gave whole copies to load into), and cut the optimizer state likewise."""
-    tp = trainer.tensor_parallel
+    tp = stages.tensor_parallel
     if tp is None:
         return
     shards = tp.shards()
-    for stage in trainer.stages:
+    for stage in stages.stages:
         for name, t in stage.state_tensors().items():
             if name in shards and f"model.{name}" in state:
                 part = local_part(state[f"model.{name}"], shards[name], tp.index, tp.degree)
@@ -241,21 +273,6 @@ def _keep_local_parts(trainer: Trainer, state: dict[str, Any]) -> None:
         name = next((n for n in shards if key.startswith(f"optim.state.{n}.")), None)
         if name is not None and key[len(f"optim.state.{name}.") :].count(".") == 0:
             state[key] = local_part(value, shards[name], tp.index, tp.degree)
-
-
-def _optimizer_names(trainer: Trainer) -> list[str]:
-    """Canonical names of the optimizer's parameters, in its state_dict's index order."""
-    name_of = {id(p): name for name, p in trainer.params.items()}
-    names = []
-    for group in trainer.optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in name_of:
-                raise InputError(
-                    "the optimizer holds a parameter that is not one of the trainer's stages': build it "
-                    "from the parameters the trainer passes to the optimizer factory"
-                )
-            names.append(name_of[id(p)])
-    return names
 
 
 def _own_file_digests(partial: str, rank: int) -> dict[str, dict]:
@@ -357,14 +374,16 @@ def _require(stored: dict[str, Any], state: dict[str, Any], path: str | os.PathL
         )
 
 
-def _load_optimizer(trainer: Trainer, names: list[str], state: dict[str, Any]) -> None:
+def _load_optimizer(
+    optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter], names: list[str], state: dict[str, Any]
+) -> None:
     """Rebuild the optimizer's state_dict from per-name entries and load it."""
-    current = trainer.optimizer.state_dict()
+    current = optimizer.state_dict()
     per_param: dict[int, dict[str, Any]] = {}
     for index, name in enumerate(names):
         prefix = f"optim.state.{name}."
         entries = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
-        param = trainer.params[name]
+        param = params[name]
         if isinstance(param, DTensor):  # a sharded stage's parameter: its state is sharded alike
             entries = {
                 k: distribute_tensor(v, param.device_mesh, param.placements, src_data_rank=None)
@@ -378,13 +397,13 @@ def _load_optimizer(trainer: Trainer, names: list[str], state: dict[str, Any]) -
     saved_groups = state["optim.param_groups"]
     if len(saved_groups) == len(groups):  # same grouping: restore hyper-parameters (the scheduler's lr too)
         groups = [{**saved, "params": group["params"]} for saved, group in zip(saved_groups, groups)]
-    trainer.optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+    optimizer.load_state_dict({"state": per_param, "param_groups": groups})
 
 
-def _rng_keys(trainer: Trainer, stored: dict[str, Any]) -> dict[str, str]:
+def _rng_keys(rank: int, device: torch.device, stored: dict[str, Any]) -> dict[str, str]:
     """The RNG entries this rank restores: its own, or rank 0's when the writing run had fewer ranks."""
-    rank, keys = trainer.topology.rank, {}
-    kinds = ["cpu", "cuda"] if trainer.topology.device.type == "cuda" else ["cpu"]
+    keys: dict[str, str] = {}
+    kinds = ["cpu", "cuda"] if device.type == "cuda" else ["cpu"]
     for kind in kinds:
         for key in (f"rng.{kind}.{rank}", f"rng.{kind}.0"):
             if key in stored:

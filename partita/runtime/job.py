@@ -1,19 +1,69 @@
-"""One plan per job: make it on rank 0 and share it (``shared_plan``), and start the job's process
-groups after every rank has shown it holds the same plan (``start_topology``)."""
+"""One plan per job, by construction: ``plan`` (``partita.plan``) searches on rank 0 and gives every
+rank the same Plan; ``shared_plan`` does the same for any planning function of the user's."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from partita.errors import InputError, PartitaError, PlanFileError
-from partita.runtime.data_parallel import Topology, init_process_group, init_topology, timeout_of
-from partita.runtime.progress import Progress, is_timeout
-from partita.types import Plan
+from partita.cost.local_machine import alone_on_this_rank, job_world_size
+from partita.errors import InputError, PlanFileError
+from partita.planning import api as planning_api
+from partita.planning.options import PlanOptions
+from partita.runtime.process_groups import init_process_group, timeout_of
+from partita.types import OpGraph, Plan
+from partita.types.cluster import Cluster
 from partita.types.plan_file import plan_from_json, plan_to_json
 
-__all__ = ["shared_plan", "start_topology"]
+__all__ = ["plan", "shared_plan"]
+
+
+def plan(
+    model: torch.nn.Module | OpGraph,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    cluster: Cluster,
+    global_batch_size: int,
+    loss_fn: Callable | None = None,
+    target: Any = None,
+    options: PlanOptions = PlanOptions(),
+    batch_dims: dict | None = None,
+) -> Plan:
+    """The plan with the shortest simulated step that fits every device's memory: ``partita.plan``.
+
+    ``model`` is an ``nn.Module`` called as ``model(*args, **kwargs)`` (returning its loss, or an
+    output that ``loss_fn(output, target)`` turns into one), or a graph from ``partita.capture``.
+    ``options`` pins any choice (``PlanOptions(schedules="1f1b", num_stages=4)``); the search
+    fills in the rest, the tensor-parallel degree included. ``batch_dims`` says where the batch is
+    in each input, as ``partita.capture`` takes it. Raises InfeasiblePlanError when nothing fits,
+    saying what would.
+
+    One plan per job, by construction: in a job of several processes (torch.distributed
+    initialised with a world of more than one, or torchrun's ``WORLD_SIZE`` above 1; the process
+    group is then initialised from torchrun's environment if needed), rank 0 captures, measures
+    and searches while the other ranks wait, and every rank returns rank 0's Plan
+    (``shared_plan``), so the natural torchrun script -- every rank calls ``partita.plan`` then
+    builds its ``partita.Trainer`` -- holds one plan even with measured costs. Collective then:
+    call it on every rank. In a single process it plans here (``partita.planning.api.plan``).
+    """
+    make = functools.partial(
+        planning_api.plan,
+        model,
+        args,
+        kwargs,
+        cluster=cluster,
+        global_batch_size=global_batch_size,
+        loss_fn=loss_fn,
+        target=target,
+        options=options,
+        batch_dims=batch_dims,
+    )
+    return shared_plan(make) if job_world_size() > 1 else make()
 
 
 def shared_plan(make_plan: Callable[[], Plan], *, collective_timeout_s: float | None = None) -> Plan:
@@ -37,7 +87,8 @@ def shared_plan(make_plan: Callable[[], Plan], *, collective_timeout_s: float | 
     failure: BaseException | None = None
     if rank == 0:
         try:
-            plan = make_plan()
+            with alone_on_this_rank():  # partita.plan or Cluster.local inside: this rank's alone
+                plan = make_plan()
             if not isinstance(plan, Plan):
                 raise InputError(
                     f"make_plan returned {type(plan).__name__}, not a partita.Plan: return the plan "
@@ -57,21 +108,3 @@ def shared_plan(make_plan: Callable[[], Plan], *, collective_timeout_s: float | 
             "error is in rank 0's log); the plan is made on rank 0 only"
         )
     return plan_from_json(text, source="the plan shared by rank 0")
-
-
-def start_topology(plan: Plan, collective_timeout_s: float | None) -> Topology:
-    """init_topology, with a timed-out wait (a rank that never starts its trainer) as CollectiveTimeoutError."""
-    try:
-        return init_topology(plan, collective_timeout_s=collective_timeout_s)
-    except (RuntimeError, TimeoutError) as e:
-        if isinstance(e, PartitaError) or not is_timeout(e) or not dist.is_initialized():
-            raise
-        progress = Progress(dist.get_rank(), dist.get_world_size(), enabled=False)
-        raise progress.timeout_error(
-            e,
-            step=0,
-            doing="checking that every rank holds the same plan and creating "
-            "the process groups (a rank has not started its trainer)",
-            stages="starting",
-            timeout_s=collective_timeout_s,
-        ) from e

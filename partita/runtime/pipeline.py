@@ -17,9 +17,10 @@ metadata      ``PipelineStage`` gets static ``input_args``/``output_args`` (torc
               mode runs stages on ``torch.empty`` inputs and breaks on relayed integer labels).
               ``stage_metadata`` finds them by running all stages once on one micro-batch.
 split backward  ZBV runs each backward as an input-gradient pass, then a weight pass that
-              torch restricts to parameters whose path meets a received input; a stage with
-              other parameters (T5's decoder embedding reads only labels) runs its whole
-              backward in the first pass instead (``_split_backward_complete``).
+              torch restricts to parameters whose path meets a received input, each at one node;
+              a stage with other parameters (T5's decoder embedding reads only labels) or with a
+              weight used at several depths (a layer applied twice) runs its whole backward in
+              the first pass instead (``_split_backward_complete``).
 """
 
 from __future__ import annotations
@@ -150,8 +151,10 @@ def _split_backward_complete(
     gradients at the nodes where a parameter's path meets a path from a received input. A
     parameter with a path to the outputs that meets no such node (T5's decoder embedding reads
     only the labels; its relative position bias, sent on to the next stage, only positions)
-    would silently lose that part of its gradient: such a stage runs its whole backward at once.
-    The walk uses torch's own graph helpers, so the answer is torch's.
+    would silently lose that part of its gradient; a parameter whose path meets the inputs' at
+    several nodes (weights reused at several depths) makes torch's weight pass walk a freed graph.
+    Such a stage runs its whole backward at once. The walk uses torch's own graph helpers, so the
+    answer is torch's.
     """
     from torch.distributed.pipelining import _backward as tb
 
@@ -164,8 +167,13 @@ def _split_backward_complete(
     for p in stage.parameters():
         if p.requires_grad:
             # Nodes downstream of p, stopping where a path from the inputs joins (those are covered).
-            downstream, _ = tb.reverse_closure([tb._get_grad_fn_or_grad_acc(p)], from_inputs, reverse)
+            downstream, joins = tb.reverse_closure([tb._get_grad_fn_or_grad_acc(p)], from_inputs, reverse)
             if downstream & out_fns:
+                return False
+            # A weight that joins the inputs' path at several nodes (one layer's weights applied at
+            # several depths of the stage): torch's weight pass walks from every join with the
+            # graph freed after the first walk, and fails ("backward through the graph a second time").
+            if len(joins) > 1:
                 return False
     return True
 

@@ -37,9 +37,9 @@ from typing import Any
 from torch import nn
 
 from partita.errors import InputError
-from partita.runtime.data_parallel import Topology, new_group
 from partita.runtime.pipeline import StageRunner
 from partita.runtime.precision import Compute
+from partita.runtime.process_groups import Topology, new_group
 from partita.runtime.stages import StageModule
 from partita.types import Plan, Schedule, Sharding
 

@@ -53,8 +53,10 @@ from partita.types import OpGraph
 __all__ = [
     "StageModule",
     "StageSpec",
+    "batch_of",
     "check_boundaries",
     "flatten_inputs",
+    "meta_microbatch",
     "narrow_batch",
     "run_sequential",
     "split_graph",
@@ -200,6 +202,36 @@ def narrow_batch(graph: OpGraph, flat: Sequence[Any], start: int, length: int) -
         dim = info.tensor.batch_dim if info.tensor is not None else None
         out.append(x.narrow(dim, start, length) if dim is not None and isinstance(x, torch.Tensor) else x)
     return out
+
+
+def batch_of(graph: OpGraph, flat: Sequence[Any]) -> int:
+    """The batch size of flat graph inputs (their sizes along their batch dims); InputError when
+    they disagree or none has a batch dim."""
+    sizes = {
+        x.shape[info.tensor.batch_dim]
+        for info, x in zip(graph.inputs, flat)
+        if info.tensor is not None and info.tensor.batch_dim is not None and isinstance(x, torch.Tensor)
+    }
+    if len(sizes) != 1:
+        raise InputError(
+            f"the inputs disagree on the batch size (sizes along their batch dims: {sorted(sizes)})"
+            if sizes
+            else "no input has a batch dimension: the trainer cannot split the batch"
+        )
+    return sizes.pop()
+
+
+def meta_microbatch(graph: OpGraph, microbatch_size: int) -> list:
+    """Flat graph inputs of one micro-batch as meta tensors, from the captured shapes."""
+    flat = []
+    for info in graph.inputs:
+        t = info.tensor
+        if t is None:  # a constant of the captured graph (int, bool, None): no stage reads it
+            flat.append(None)
+            continue
+        shape = [microbatch_size if d == t.batch_dim else s for d, s in enumerate(t.shape)]
+        flat.append(torch.empty(shape, dtype=getattr(torch, t.dtype), device="meta"))
+    return flat
 
 
 # ----------------------------------------------------------------------------- building

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.runtime.batch_values import index_uses
-from partita.runtime.data_parallel import Topology
 from partita.runtime.loss_scaling import LossScaling
 from partita.runtime.pipeline import (
     StageMetadata,
@@ -27,6 +26,7 @@ from partita.runtime.pipeline import (
     stage_metadata,
 )
 from partita.runtime.precision import FP32, Compute, drop_dtype_assertions
+from partita.runtime.process_groups import Topology
 from partita.runtime.stages import StageModule, narrow_batch
 from partita.runtime.tensor_parallel import TensorParallel, program_layouts, rewrite_stage
 from partita.runtime.uneven import UnevenExecutor

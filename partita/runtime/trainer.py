@@ -1,21 +1,27 @@
 """partita.Trainer: train an unmodified model as a Plan says, on torch.distributed.
 
-Run one process per device under torchrun; every process builds the same model, plan and
-trainer, and feeds every step the SAME global batch::
+Run one process per device under torchrun (a plan for one device also runs in a plain
+``python script.py``); every process builds the same model, plan and trainer, and feeds every
+step the SAME global batch::
 
     model = build_model()                                # same weights on every rank (seeded)
-    plan = partita.Plan.load("plan.json")
-    trainer = partita.Trainer(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-4),
-                              example_inputs=(args, kwargs, target))
-    for args, kwargs, target in batches:
-        loss = trainer.step(*args, target=target, **kwargs)    # target= only with loss_fn
+    plan = partita.plan(model, kwargs=batch, cluster=cluster, global_batch_size=64)   # one plan per job
+    trainer = partita.Trainer(model, plan, kwargs=batch, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-4))
+    for batch in batches:
+        loss = trainer.step(**batch)                     # target= too, when captured with loss_fn
 
-Layouts (data_parallel.py): a uniform plan (every stage on ``dp`` replicas) runs on a pp x dp
+The constructor reads as its set-up steps: the graph (``graph_for_plan``), the process groups
+(``process_groups``), this rank's stages, placed, split and sharded (``stage_set``), the optimizer
+and scheduler (``optimizer_setup``), the step programs (``programs``), the gradient sync
+(``gradient_sync``) and the checkpointer (``checkpoint``). ``trainer.plan`` is the job's plan;
+``trainer.local_plan`` the part this rank runs (with tensor parallelism: its index's).
+
+Layouts (process_groups.py): a uniform plan (every stage on ``dp`` replicas) runs on a pp x dp
 DeviceMesh with torch.distributed.pipelining; an uneven plan (stage ``k`` on its own ``r_k``
 replicas, GPipe or 1F1B) runs on partita's executor (uneven.py), which routes slices of each
 micro-batch between replicas many-to-many.
 
-What happens in a step (see pipeline.py, uneven.py and data_parallel.py for why each part is exact):
+What happens in a step (see pipeline.py, uneven.py and gradient_sync.py for why each part is exact):
 1. the batch is flattened into graph inputs. Uniform: this rank keeps its replica's slice along
    each input's batch dim (replica ``rank % dp`` takes samples ``[replica * B/dp, (replica+1) * B/dp)``)
    and the schedule cuts it into micro-batches. Uneven: micro-batch ``i`` is samples
@@ -62,7 +68,7 @@ bf16 equals the unsplit model under the same autocast policy up to bf16 rounding
 
 Tensor parallelism (``Plan.tensor_parallel = t``): each replica of a stage is a group of ``t``
 ranks that split its matmuls, embedding and LM head + loss (tensor_parallel.py); the ranks of one
-index in their groups run ``local_plan`` (``trainer.plan``; ``trainer.full_plan`` is the whole
+index in their groups run ``local_plan`` (``trainer.local_plan``; ``trainer.plan`` is the whole
 one) and meet only inside the stages. Exact as above: loss and parameters equal unsplit training.
 
 Gradient accumulation (``accumulation_steps=K``): a step takes ``K * plan.global_batch_size``
@@ -70,8 +76,9 @@ samples, runs K pipeline rounds of ``plan.global_batch_size`` each, gradients ac
 steps the optimizer once: the same update as unsplit training on all the samples (the loss's
 global counts are taken over all of them).
 
-One plan per job: at start, every rank compares a digest of its plan with the others' and all
-raise PlanFileError if they differ (``shared_plan`` makes the plan on rank 0 only and shares it).
+One plan per job: at start, every rank compares a digest of what it will execute of its plan with
+the others' and all raise PlanFileError if they differ (``partita.plan`` in a torchrun job, and
+``shared_plan``, make the plan on rank 0 only and share it).
 With ``collective_timeout_s``, a wait on a hung rank ends in CollectiveTimeoutError naming the
 step, the waiting rank and the ranks that have not reached the step (progress.py).
 """
@@ -81,27 +88,21 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from partita.capturing import canonical_names
 from partita.checks import positive_int
 from partita.errors import InputError, NumericsError, PartitaError
 from partita.planning.context import check_whole_batch
 from partita.runtime.batch_values import check_batch_values
-from partita.runtime.checkpoint import load_checkpoint, save_checkpoint
-from partita.runtime.data_parallel import (
-    GradientSync,
-    Topology,
-    local_tensor,
-    unique_parameters,
-)
-from partita.runtime.job import shared_plan, start_topology
-from partita.runtime.materialize import materialize, on_meta, retarget_device
+from partita.runtime.checkpoint import Checkpointer, StepCount
+from partita.runtime.gradient_sync import GradientSync, local_tensor
+from partita.runtime.graph_for_plan import CaptureInputs, graph_for_plan
+from partita.runtime.materialize import on_meta
 from partita.runtime.numerics import (
     NonFinitePolicy,
     count_nonfinite,
@@ -110,56 +111,49 @@ from partita.runtime.numerics import (
     gradient_findings,
     loss_findings,
 )
-from partita.runtime.pipeline import rng_and_buffers_restored, stage_metadata
+from partita.runtime.optimizer_setup import OptimizerFactory, SchedulerFactory, make_optimizer, make_scheduler
+from partita.runtime.pipeline import rng_and_buffers_restored
 from partita.runtime.precision import Compute
+from partita.runtime.process_groups import Topology, start_topology, timeout_of
+from partita.runtime.programs import StepPrograms
 from partita.runtime.progress import Progress, is_timeout
-from partita.runtime.sharding import check_sharding, gathered_for, sharded_names, sharded_runners, sharded_stages
-from partita.runtime.stages import StageModule, flatten_inputs, narrow_batch, split_graph
+from partita.runtime.sharding import gathered_for, sharded_names
+from partita.runtime.stage_set import StageSet, place_stages
+from partita.runtime.stage_set import holders as holders_of
+from partita.runtime.stages import StageModule, batch_of, flatten_inputs, narrow_batch
 from partita.runtime.state_dict import gather_state_dict
 from partita.runtime.step_program import StepProgram
-from partita.runtime.tensor_parallel import local_plan, start_tensor_parallel, tensor_parallel_sync, whole_tensors
-from partita.runtime.trainer_setup import (
-    batch_of,
-    check_scheduler,
-    example_triple,
-    holders,
-    meta_microbatch,
-    resolve_graph,
-    state_names,
-)
-from partita.runtime.uneven import check_uneven_boundaries
-from partita.runtime.variants import captured_shapes, check_within_plan, input_shapes, variant_stages
+from partita.runtime.tensor_parallel import local_plan, tensor_parallel_sync
 from partita.types import OpGraph, Plan
 
-__all__ = ["Trainer", "shared_plan"]
-
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+__all__ = ["Trainer"]
 
 
 class Trainer:
-    """Pipelined, replicated training of ``model`` as ``plan`` says (one process per device).
+    """Pipelined, replicated, sharded, tensor-parallel training of ``model`` as ``plan`` says
+    (one process per device).
 
     Args:
         model: the unmodified model, with the same weights on every rank. Its parameters are
             trained in place (stage modules hold the model's own Parameter objects), except those
-            of stages the plan shards: FSDP2 replaces them by DTensor shards (``gather_state_dict``
-            and checkpoints give the trained weights).
-        plan: a Plan made for this model's graph: uniform (same replica count for every stage), or
-            uneven (GPipe/1F1B, one stage per rank group, any replica count per stage).
+            of stages the plan shards or splits: FSDP2 and tensor parallelism replace them
+            (``gather_state_dict`` and checkpoints give the trained weights).
+        plan: a Plan made for this model's graph (``partita.plan``, ``partita.manual_plan``,
+            ``partita.Plan.load``): uniform, or uneven (GPipe/1F1B, any replica count per stage).
         optimizer: ``params -> Optimizer``; each rank builds one over the parameters of its stages.
+        args, kwargs, loss_fn, target, batch_dims: example inputs, exactly as ``partita.capture``
+            and ``partita.plan`` take them: the trainer captures the graph the plan was made for
+            from them. Or ``graph=``: the graph itself (then none of these).
         lr_scheduler: ``optimizer -> LRScheduler``, stepped after every optimizer step.
         max_grad_norm: clip gradients by their global 2-norm over all stages and ranks.
         on_nonfinite: when a micro-batch's loss or a gradient holds NaN or inf, ``"raise"``
             NumericsError on every rank (naming the stage and micro-batch or the parameters), or
             ``"skip"`` the update with a RuntimeWarning and return the non-finite loss. Either
             way the weights, optimizer state and LR scheduler are left as they were.
-        graph: the OpGraph the plan was made for; or ``example_inputs=(args, kwargs, target)``
-            (and ``loss_fn``) to capture it here, as ``partita.capture`` did for the plan.
-        init_from: a seed checkpoint (``partita.runtime.materialize.save_seed``) to take the
-            initial weights from. Required for a model built on the ``meta`` device: each rank
-            then allocates only what its stages read (see materialize.py), so no rank needs
-            memory for the whole model. With a real model, the held tensors are overwritten.
+        init_from: a seed checkpoint (``partita.save_seed``) to take the initial weights from.
+            Required for a model built on the ``meta`` device: each rank then allocates only what
+            its stages read (see materialize.py), so no rank needs memory for the whole model.
+            With a real model, the held tensors are overwritten.
         seed: the seed of the randomness inside the model (dropout): each rank's generator is
             seeded per step from (seed, pipeline position, replica, step), so replicas draw
             different masks and runs with the same seed are identical. None: ``torch.initial_seed()``
@@ -170,14 +164,16 @@ class Trainer:
             CollectiveTimeoutError (naming the step, this rank and the ranks that have not reached
             the step); also the timeout of the process group when the trainer initialises it.
             None: torch's default (30 min on gloo, 10 min on NCCL).
+        example_inputs: deprecated: ``(args, kwargs, target)``; use the keywords above.
 
     A rank whose stages hold no trainable parameter (a frozen or parameter-free stage) builds its
     optimizer over one empty parameter group (``optimizer([{"params": []}])``), so that schedulers
     and checkpoints work alike on every rank; its optimizer steps change nothing.
 
-    Attributes: ``graph``, ``plan``, ``topology`` (rank, replica, mesh, groups), ``stages`` (this rank's
-    StageModules), ``optimizer``, ``lr_scheduler``, ``loss_scaling`` (how the loss is normalised over
-    the global batch), ``seed``, ``num_steps`` (steps taken, skipped ones included),
+    Attributes: ``graph``, ``plan`` (the job's), ``local_plan`` (what this rank's index runs),
+    ``topology`` (rank, replica, mesh, groups), ``stages`` (this rank's StageModules), ``params``,
+    ``optimizer``, ``lr_scheduler``, ``loss_scaling`` (how the loss is normalised over the global
+    batch), ``tensor_parallel``, ``seed``, ``num_steps`` (steps taken, skipped ones included),
     ``num_skipped_steps``, ``last_grad_norm``, ``accumulation_steps``.
     """
 
@@ -187,127 +183,85 @@ class Trainer:
         plan: Plan,
         *,
         optimizer: OptimizerFactory,
+        args: tuple = (),
+        kwargs: Mapping[str, Any] | None = None,
+        loss_fn: Callable | None = None,
+        target: Any = None,
+        batch_dims: Mapping[Any, int | None] | None = None,
+        graph: OpGraph | None = None,
         lr_scheduler: SchedulerFactory | None = None,
         max_grad_norm: float | None = None,
-        graph: OpGraph | None = None,
-        example_inputs: tuple | None = None,
-        loss_fn: Callable | None = None,
         on_nonfinite: NonFinitePolicy | str = NonFinitePolicy.RAISE,
         init_from: str | None = None,
         seed: int | None = None,
         collective_timeout_s: float | None = None,
         accumulation_steps: int = 1,
+        example_inputs: tuple | None = None,
     ):
-        if not isinstance(plan, Plan):
-            raise InputError(f"plan must be a partita.Plan, got {type(plan).__name__}: load one with partita.Plan.load")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise InputError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise InputError(f"seed must be a non-negative int or None, got {seed!r}")
+        self._check_arguments(model, plan, max_grad_norm, seed, init_from, collective_timeout_s)
         self.model, self.plan, self.max_grad_norm = model, plan, max_grad_norm
         self.accumulation_steps = positive_int(accumulation_steps, "accumulation_steps")
         self.seed = seed if seed is not None else torch.initial_seed()
         self.collective_timeout_s = collective_timeout_s
         self.on_nonfinite = NonFinitePolicy.parse(on_nonfinite)
-        if init_from is None and on_meta(model):
-            raise InputError(
-                "the model is on the meta device (no weights): pass init_from=<seed checkpoint>, "
-                "written by partita.runtime.materialize.save_seed(model) from the model built with "
-                "real weights"
-            )
-        self.graph = resolve_graph(model, plan, graph, example_inputs, loss_fn)
+        inputs = CaptureInputs.of(args, kwargs, loss_fn, target, batch_dims, example_inputs)
+        self.graph = graph_for_plan(model, plan, graph, inputs)
         check_whole_batch(self.graph, plan.num_microbatches, [s.num_replicas for s in plan.stages])
-        self._state_names = state_names(model)
         self.topology: Topology = start_topology(plan, collective_timeout_s)
-        self.full_plan = plan
-        if plan.tensor_parallel > 1:  # the ranks of this tensor-parallel index run a plan of their own
-            self.plan = plan = local_plan(plan, self.topology.tp_index)
+        self.local_plan = local_plan(plan, self.topology.tp_index) if plan.tensor_parallel > 1 else plan
         self.compute = Compute(plan.precision, self.topology.device.type)  # fp32, or bf16 autocast (precision.py)
+        self._stages: StageSet = place_stages(
+            model, self.graph, self.local_plan, self.topology, self.compute, init_from
+        )
+        self.optimizer = make_optimizer(optimizer, self._stages)
+        self.lr_scheduler = make_scheduler(lr_scheduler, self.optimizer)
+        self._programs = StepPrograms(
+            self.graph, self._stages, self.topology, accumulation_steps=self.accumulation_steps, compute=self.compute
+        )
+        self.loss_scaling = self._programs.planned.loss_scaling
+        self.grad_sync = self._gradient_sync()
+        self._count = StepCount()
+        self._checkpointer = Checkpointer(
+            self._stages,
+            self.optimizer,
+            self.lr_scheduler,
+            self._count,
+            job_plan=plan,
+            graph_fingerprint=self.graph.fingerprint,
+        )
         self._progress = Progress(
             self.topology.rank, self.topology.world_size, enabled=collective_timeout_s is not None
         )
-        self._all_stages = split_graph(self.graph, plan.boundaries)
-        if not plan.uniform_replicas:
-            check_uneven_boundaries(self.graph, plan, self._all_stages)
-        self._captured_shapes = captured_shapes(self.graph)
-        # Samples per micro-batch that this rank's stages run (uniform: plan.microbatch_size).
-        self._samples = plan.global_batch_size // (plan.num_microbatches * self.topology.replicas)
-        group = self.topology.rank_group
-        self.stages: list[StageModule] = [s for s in self._all_stages if plan.stages[s.spec.index].rank_group == group]
-        self._metadata: list | None = None
-        if on_meta(model):
-            # Static pipeline metadata from shapes alone, while every stage is still on meta.
-            self._metadata = stage_metadata(
-                self._all_stages, meta_microbatch(self.graph, self._samples), torch.device("cpu"), self.compute
-            )
-            materialize(
-                model,
-                [*self._all_stages, self.graph.graph_module],
-                self._local_names(),
-                self.topology.device,
-                init_from,
-            )
-            for stage in self._all_stages:  # ops captured on meta create their tensors on meta
-                retarget_device(stage.graph_module, self.topology.device)
-        else:
-            if self.topology.device.type != "cpu":
-                model.to(self.topology.device)
-                for stage in self._all_stages:
-                    stage.to(self.topology.device)
-            if init_from is not None:
-                materialize(
-                    model,
-                    [*self._all_stages, self.graph.graph_module],
-                    self._local_names(),
-                    self.topology.device,
-                    init_from,
-                )
-        check_sharding(plan, self._all_stages)
-        # before the optimizer and FSDP2: this rank's parts of the weights tensor parallelism splits
-        self.tensor_parallel = start_tensor_parallel(self.graph, self.topology, self._all_stages, self.stages)
-        # before the optimizer: FSDP2 makes new (DTensor) parameters
-        self._runners = sharded_runners(plan, self.stages, self.topology, self.compute)
-        self._holders = holders(plan, self._all_stages)
-        self.params = unique_parameters(self.stages)
-        self._stages_of = {
-            name: tuple(s.spec.index for s in self.stages if name in s.spec.param_names) for name in self.params
-        }
-        self.optimizer = self._make_optimizer(optimizer)
-        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        check_scheduler(self.lr_scheduler)
-        # Rewrites the stages that compute a loss normalised by a data-dependent count (loss_scaling.py).
-        planned = StepProgram(
-            self.graph,
-            plan,
-            self.topology,
-            self._all_stages,
-            accumulation_steps=self.accumulation_steps,
-            runners=self._runners,
-            compute=self.compute,
-            tensor_parallel=self.tensor_parallel,
-        )
-        self._programs: dict[tuple, StepProgram] = {(True, self._captured_shapes): planned}
-        self.loss_scaling = planned.loss_scaling
-        trainable = {name: h for name, h in self._holders.items() if name in self._trainable_names()}
-        top = self.topology
-        self.grad_sync = GradientSync(
-            self.params,
-            trainable,
-            top.rank,
-            self.loss_scaling.grad_scale,
-            timeout=top.timeout,
-            world_group=top.world_group,
-            sharded=sharded_names(plan, self._all_stages) & set(trainable),
-            **tensor_parallel_sync(self.full_plan, self.tensor_parallel, self._all_stages, holders),
-        )
-        self.num_steps = 0
-        self.num_skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._warned_loss = False
-        if example_inputs is not None:
-            flat = flatten_inputs(self.graph, *example_triple(example_inputs))
-            if batch_of(self.graph, flat) >= self._samples:
-                planned.build(narrow_batch(self.graph, flat, 0, self._samples), self._metadata)
+        if inputs.given:
+            self._programs.prebuild(flatten_inputs(self.graph, inputs.args, dict(inputs.kwargs), inputs.target))
+
+    # ------------------------------------------------------------------ what the trainer holds
+
+    @property
+    def stages(self) -> list[StageModule]:
+        """This rank's stage modules."""
+        return self._stages.stages
+
+    @property
+    def params(self) -> dict[str, nn.Parameter]:
+        """This rank's trainable parameters by canonical name, each once."""
+        return self._stages.params
+
+    @property
+    def tensor_parallel(self):
+        """This rank's tensor-parallel group and layouts (``runtime.tensor_parallel.TensorParallel``), or None."""
+        return self._stages.tensor_parallel
+
+    @property
+    def num_steps(self) -> int:
+        """Optimizer steps taken, skipped ones (``on_nonfinite="skip"``) included; restored by ``load_checkpoint``."""
+        return self._count.num_steps
+
+    @property
+    def num_skipped_steps(self) -> int:
+        return self._count.num_skipped_steps
 
     # ------------------------------------------------------------------ training
 
@@ -347,12 +301,12 @@ class Trainer:
             if isinstance(e, PartitaError) or not is_timeout(e):
                 raise
             raise self._progress.timeout_error(
-                e, step=step, doing=doing, stages=self._stages_text(), timeout_s=self.collective_timeout_s
+                e, step=step, doing=doing, stages=self._stages.describe(), timeout_s=self.collective_timeout_s
             ) from e
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self.num_steps += 1
+        self._count.num_steps += 1
         return loss
 
     def evaluate(self, *args: Any, **kwargs: Any) -> float:
@@ -364,7 +318,7 @@ class Trainer:
         eval mode (per input shape) and run forward through the plan's pipeline (variants.py).
         """
         program, flat = self._prepare(args, kwargs, "evaluate", training=False)
-        gathered = gathered_for(program.all_stages, self._runners, self._all_stages)
+        gathered = gathered_for(program.all_stages, self._stages.runners, self._stages.all_stages)
         with torch.no_grad(), rng_and_buffers_restored(program.stages, self.topology.device), gathered:
             losses = self._run_rounds(program, flat, forward_only=True)
         local = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
@@ -373,31 +327,67 @@ class Trainer:
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.topology.world_group)
         return float(local.item())
 
+    # ------------------------------------------------------------------ state
+
     def gather_state_dict(self) -> dict[str, torch.Tensor] | None:
         """On rank 0: the full state dict (parameters and persistent buffers, CPU tensors) with
         the keys of ``model.state_dict()`` (tied names included), so that the unsplit model
         loads it directly. Other ranks return None. Collective: call it on every rank."""
-        return gather_state_dict(self)
+        return gather_state_dict(self._stages)
 
     def held_state(self) -> dict[str, torch.Tensor]:
         """This rank's stages' parameters and persistent buffers, by canonical name: the tensors
         training updates (on GPUs, ``.to()`` gave the stages their own buffer objects)."""
-        held: dict[str, torch.Tensor] = {}
-        for stage in self.stages:
-            for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
-                if name in self._state_names:  # leaves out export's lifted constants, non-persistent buffers
-                    held.setdefault(name, t)
-        return whole_tensors(held, self.tensor_parallel)
+        return self._stages.held_state()
 
     def save_checkpoint(self, path: str) -> None:
-        """Write a DCP checkpoint keyed by the model's parameter names (see checkpoint.py)."""
-        save_checkpoint(self, path)
+        """Write a DCP checkpoint keyed by the model's parameter names (see checkpoint.py).
+        Collective: every rank, the same path on a filesystem they share."""
+        self._checkpointer.save(path)
 
-    def load_checkpoint(self, path: str) -> None:
-        """Load a checkpoint written under any plan into this trainer (model, optimizer, scheduler, step, RNG)."""
-        load_checkpoint(self, path)
+    def load_checkpoint(self, path: str, *, verify: bool = True) -> None:
+        """Load a checkpoint written under any plan into this trainer (model, optimizer, scheduler,
+        step, RNG). ``verify``: check the files against the checkpoint's manifest first."""
+        self._checkpointer.load(path, verify=verify)
 
     # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _check_arguments(
+        model: nn.Module,
+        plan: Plan,
+        max_grad_norm: float | None,
+        seed: int | None,
+        init_from: str | None,
+        collective_timeout_s: float | None,
+    ) -> None:
+        """InputError for arguments the constructor cannot take, before any process group or capture."""
+        if not isinstance(plan, Plan):
+            raise InputError(f"plan must be a partita.Plan, got {type(plan).__name__}: load one with partita.Plan.load")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise InputError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise InputError(f"seed must be a non-negative int or None, got {seed!r}")
+        timeout_of(collective_timeout_s)
+        if init_from is None and on_meta(model):
+            raise InputError(
+                "the model is on the meta device (no weights): pass init_from=<seed checkpoint>, written by "
+                "partita.save_seed(model, path) from the model built with real weights"
+            )
+
+    def _gradient_sync(self) -> GradientSync:
+        stages, top = self._stages, self.topology
+        trainable = {name: h for name, h in stages.holders.items() if name in stages.trainable_names()}
+        return GradientSync(
+            stages.params,
+            trainable,
+            top.rank,
+            self.loss_scaling.grad_scale,
+            timeout=top.timeout,
+            world_group=top.world_group,
+            sharded=sharded_names(self.local_plan, stages.all_stages) & set(trainable),
+            **tensor_parallel_sync(self.plan, stages.tensor_parallel, stages.all_stages, holders_of),
+        )
 
     def _prepare(self, args: tuple, kwargs: dict, where: str, *, training: bool) -> tuple[StepProgram, list]:
         """The batch's flat inputs, checked (size, ids and labels), the program for its shapes, and
@@ -406,50 +396,10 @@ class Trainer:
         target = kwargs.pop("target", None) if self.graph.has_loss_fn else None
         flat = flatten_inputs(self.graph, args, kwargs, target)
         self._check_batch(flat)
-        program = self._program_for(flat, args, kwargs, target, training=training)
+        program = self._programs.for_batch(flat, args, kwargs, target, training=training)
         check_batch_values(program.graph, flat, where, program.index_uses)  # before any stage fails on them
         program.loss_scaling.update(flat)  # global counts of the step, from the whole batch
         return program, flat
-
-    def _program_for(self, flat: list, args: tuple, kwargs: dict, target: Any, *, training: bool) -> StepProgram:
-        """The program for this batch's shapes and mode: the planned graph's, or a variant captured
-        now (once per shape and mode, variants.py)."""
-        shapes = input_shapes(self.graph, flat)
-        key = (training, shapes)
-        if key not in self._programs:
-            self._programs[key] = self._variant(shapes, args, kwargs, target, training=training)
-        return self._programs[key]
-
-    def _variant(self, shapes: tuple, args: tuple, kwargs: dict, target: Any, *, training: bool) -> StepProgram:
-        check_within_plan(self.graph, shapes)
-        if training and sharded_stages(self.plan):  # FSDP2 reduces the gradients of its own forwards only
-            raise InputError(
-                f"stages {sorted(sharded_stages(self.plan))} are sharded (FSDP2), and sharded stages train at the "
-                f"planned shapes {[list(s) for s in self._captured_shapes if s is not None]} (batch dim left out) "
-                f"only; got {[list(s) for s in shapes if s is not None]}: pad the batches to the planned shapes, or "
-                "plan with sharding='replicate'"
-            )
-        if self._metadata is not None:  # the model is on meta: nothing to capture again from
-            planned = [list(s) for s in self._captured_shapes if s is not None]
-            raise InputError(
-                "evaluate() is not available for a model built on the meta device (init_from=): it captures the "
-                "model again in eval mode, which needs its weights; build the model with weights to evaluate"
-                if not training
-                else f"the model was built on the meta device (init_from=), so every batch must have the planned "
-                f"shapes {planned} (batch dim left out), got {[list(s) for s in shapes if s is not None]}: pad the "
-                "batches to the planned shapes, or build the model with weights"
-            )
-        call, device = (args, kwargs, target), self.topology.device
-        graph, stages = variant_stages(self.graph, self.plan, self._all_stages, call, training, device)
-        return StepProgram(
-            graph,
-            self.plan,
-            self.topology,
-            stages,
-            accumulation_steps=self.accumulation_steps,
-            compute=self.compute,
-            tensor_parallel=self.tensor_parallel,
-        )
 
     def _run_rounds(self, program: StepProgram, flat: list, *, forward_only: bool = False) -> list[torch.Tensor]:
         """``accumulation_steps`` pipeline rounds over consecutive ``plan.global_batch_size`` samples
@@ -460,17 +410,9 @@ class Trainer:
             local = self._local_batch(
                 flat if self.accumulation_steps == 1 else narrow_batch(self.graph, flat, k * size, size)
             )
-            self._build(program, local)
+            self._programs.build(program, local)
             losses += program.run(local, forward_only=forward_only)
         return losses
-
-    def _build(self, program: StepProgram, local: list) -> None:
-        """The program's pipeline, at its first use, from one micro-batch of ``local`` (autograd on)."""
-        if program.built:
-            return
-        planned = program is self._programs[(True, self._captured_shapes)]
-        with torch.enable_grad():
-            program.build(narrow_batch(self.graph, local, 0, self._samples), self._metadata if planned else None)
 
     def _local_batch(self, flat: list) -> list:
         """What this rank runs of one round's ``plan.global_batch_size`` samples, on its device: its
@@ -480,26 +422,6 @@ class Trainer:
             per_replica = self.plan.global_batch_size // top.replicas
             flat = narrow_batch(self.graph, flat, top.replica * per_replica, per_replica)
         return [x.to(top.device) if isinstance(x, torch.Tensor) else x for x in flat]
-
-    def _make_optimizer(self, factory: OptimizerFactory) -> torch.optim.Optimizer:
-        """The user's optimizer over this rank's parameters; one empty parameter group when its
-        stages hold none (torch refuses an empty parameter list)."""
-        if self.params:
-            return factory(list(self.params.values()))
-        try:
-            return factory([{"params": []}])
-        except Exception as e:  # noqa: BLE001 - the factory is user code; say what was asked of it
-            raise InputError(
-                f"rank {self.topology.rank} runs {self._stages_text()}, which hold no trainable parameter (frozen "
-                "or parameter-free), so the trainer built its optimizer over one empty parameter group, "
-                f"optimizer([{{'params': []}}]), and the optimizer factory failed on it ({type(e).__name__}: {e}): "
-                "let the factory accept a list of parameter groups (e.g. lambda params: torch.optim.AdamW(params, "
-                "lr=3e-4)), or re-plan so that every stage holds a trainable parameter"
-            ) from e
-
-    def _stages_text(self) -> str:
-        indices = [s.spec.index for s in self.stages]
-        return f"stage{'s' if len(indices) != 1 else ''} {', '.join(map(str, indices))}"
 
     @contextlib.contextmanager
     def _step_rng(self) -> Iterator[None]:
@@ -553,47 +475,35 @@ class Trainer:
         """On every rank: gather what was non-finite, then raise NumericsError, or warn and count the
         step as taken without an update (``on_nonfinite="skip"``). The optimizer never steps here."""
         top, step = self.topology, self.num_steps + 1
-        local = gradient_findings(self.params, self._stages_of, top.rank)
+        local = gradient_findings(self.params, self._stages.stages_of(), top.rank)
         if losses:
-            last = self.plan.num_stages - 1
+            last = self.local_plan.num_stages - 1
             samples = [self._loss_samples(i) for i in range(len(losses))]
             local = loss_findings(losses, stage_index=last, replica=top.replica, rank=top.rank, samples=samples) + local
         findings = gather_findings(local, group=top.world_group)
         message = describe(
             findings,
             step=step,
-            replicas=self.plan.stages[-1].num_replicas,  # the same on every rank
+            replicas=self.local_plan.stages[-1].num_replicas,  # the same on every rank
             policy=self.on_nonfinite,
         )
         if self.on_nonfinite is NonFinitePolicy.RAISE:
             raise NumericsError(message, step=step, findings=tuple(findings))
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         self.optimizer.zero_grad(set_to_none=True)
-        self.num_steps += 1
-        self.num_skipped_steps += 1
+        self._count.num_steps += 1
+        self._count.num_skipped_steps += 1
         return loss
 
     def _loss_samples(self, index: int) -> tuple[int, int]:
         """(first sample in the batch, number of samples) of this last-stage rank's ``index``-th
         micro-batch loss (micro-batches of every accumulation round, in order)."""
-        top, plan = self.topology, self.plan
+        top, plan = self.topology, self.local_plan
+        samples = self._programs.microbatch_samples
         rounds, microbatch = divmod(index, plan.num_microbatches)
         first = rounds * plan.global_batch_size
         if top.uniform:
             per_replica = plan.global_batch_size // top.replicas
-            return first + top.replica * per_replica + microbatch * self._samples, self._samples
+            return first + top.replica * per_replica + microbatch * samples, samples
         microbatch_samples = plan.global_batch_size // plan.num_microbatches
-        return first + microbatch * microbatch_samples + top.replica * self._samples, self._samples
-
-    def _local_names(self) -> set[str]:
-        """Canonical names of what this rank must hold: its stages' tensors, and the model's
-        parameters and buffers that no stage reads (checkpoints and state dicts include them)."""
-        read_anywhere = {name for s in self._all_stages for name in s.spec.param_names}
-        model_names = set(canonical_names(self.model).values())
-        return {name for s in self.stages for name in s.spec.param_names} | (model_names - read_anywhere)
-
-    def _trainable_names(self) -> set[str]:
-        return {name for s in self._all_stages for name, p in s.named_parameters() if p.requires_grad}
-
-    def _owner(self, name: str) -> int:
-        return min(self._holders[name])
+        return first + microbatch * microbatch_samples + top.replica * samples, samples

@@ -94,6 +94,28 @@ def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
     }
 
 
+# What the runtime executes of a plan: the graph it splits, the cuts, the ranks and counts, the
+# schedule and what each stage does to its memory. Every other field is a record of how the plan
+# was made (versions, method, cost source, the options, the cluster, predicted times and bytes):
+# ranks whose plans differ only there run the same job.
+_EXECUTED_PLAN_FIELDS = ("graph_fingerprint", "schedule", "global_batch_size", "num_microbatches", "microbatch_size")
+_EXECUTED_STAGE_FIELDS = ("index", "start", "stop", "first_node", "last_node", "ranks", "rank_group", "recompute")
+
+
+def executed_part(plan: Plan) -> dict[str, Any]:
+    """The fields of ``plan`` that the runtime executes, JSON-safe, in a stable order (see above)."""
+    whole = plan_to_dict(plan)
+    stages = [
+        {
+            **{k: stage[k] for k in _EXECUTED_STAGE_FIELDS},
+            "sharding": stage["sharding"],
+            "tensor_parallel": stage["tensor_parallel"],
+        }
+        for stage in whole["stages"]
+    ]
+    return {**{k: whole[k] for k in _EXECUTED_PLAN_FIELDS}, "precision": whole["precision"], "stages": stages}
+
+
 def plan_to_json(plan: Plan) -> str:
     """Deterministic text: the same plan gives the same bytes."""
     return json.dumps(plan_to_dict(plan), indent=2, sort_keys=False, allow_nan=False) + "\n"

@@ -64,4 +64,6 @@ def test_skip_mode_warns_keeps_weights_and_then_trains_as_if_the_step_never_was(
 
 def test_a_batch_other_than_the_plans_global_batch_is_refused(results):
     message = results[0]["wrong_batch"]
-    assert message is not None and "the trainer takes 8 (the plan's global batch 8)" in message and "6 samples" in message, message
+    assert (
+        message is not None and "the trainer takes 8 (the plan's global batch 8)" in message and "6 samples" in message
+    ), message

@@ -146,9 +146,9 @@ def job_levels(params: dict) -> dict:
 def job_bf16(params: dict) -> dict:
     """bf16 plans (autocast, fp32 master weights): 5 steps against unsplit training under the same
     autocast policy; the dtypes of what the pipeline sends and of the checkpoint's weights."""
-    import partita
     from torch.distributed.checkpoint import FileSystemReader
 
+    import partita
     from partita.types import Precision
 
     rank = int(os.environ["RANK"])
@@ -170,9 +170,12 @@ def job_bf16(params: dict) -> dict:
         plan = dataclasses.replace(plan, precision=Precision.BF16)
         trainer = partita.Trainer(model, plan, optimizer=adamw, graph=graph, max_grad_norm=MAX_GRAD_NORM)
         losses = [trainer.step(**kwargs) for kwargs in batches]
-        (program,) = trainer._programs.values()
+        program = trainer._programs.planned
+        assert len(trainer._programs) == 1
         sent = {
-            k: [(str(t.dtype), t.requires_grad) for t in m.output_args] for k, m in enumerate(program._metadata) if k < plan.num_stages - 1
+            k: [(str(t.dtype), t.requires_grad) for t in m.output_args]
+            for k, m in enumerate(program._metadata)
+            if k < plan.num_stages - 1
         }
         checkpoint = Path(params["checkpoints"]) / f"bf16-{label}"
         trainer.save_checkpoint(str(checkpoint))

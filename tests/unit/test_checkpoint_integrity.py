@@ -22,7 +22,7 @@ import torch.distributed as dist
 import partita
 from partita import examples
 from partita.errors import InputError
-from partita.runtime.checkpoint import load_checkpoint, load_into_model
+from partita.runtime.checkpoint import load_into_model
 from partita.runtime.checkpoint_dir import (
     MANIFEST_FILE,
     checkpoint_path,
@@ -192,7 +192,7 @@ def test_trainer_load_checkpoint_refuses_a_damaged_one(one_rank, tmp_path):
     trainer = Trainer(ex.model, plan, graph=graph, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     path = str(tmp_path / "step-000001")
     trainer.save_checkpoint(path)
-    load_checkpoint(trainer, path)
+    trainer.load_checkpoint(path)
     bad = _truncate(path)
     with pytest.raises(InputError, match=rf"checkpoint '{path}' is damaged \({bad.name} has .*cut short"):
         trainer.load_checkpoint(path)

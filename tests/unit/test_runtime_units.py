@@ -14,8 +14,9 @@ import partita
 from partita import examples
 from partita.errors import InputError
 from partita.planning.manual import manual_plan
-from partita.runtime.data_parallel import check_layout, init_topology
+from partita.runtime.layout import check_layout
 from partita.runtime.pipeline import StageRunner, root_chunk_spec, root_key, stage_metadata
+from partita.runtime.process_groups import init_topology
 from partita.runtime.stages import flatten_inputs, run_sequential, split_graph
 from partita.types.plan_file import plan_from_json
 

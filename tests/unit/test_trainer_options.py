@@ -12,7 +12,8 @@ import partita
 from partita import examples
 from partita.errors import CollectiveTimeoutError, InputError
 from partita.planning.manual import manual_plan
-from partita.runtime.data_parallel import plan_digest, timeout_of
+from partita.runtime.plan_digest import plan_digest
+from partita.runtime.process_groups import timeout_of
 from partita.runtime.progress import Progress, is_timeout
 
 

@@ -14,7 +14,7 @@ import partita
 from partita import examples
 from partita.errors import InputError
 from partita.planning.manual import manual_plan
-from partita.runtime.data_parallel import check_layout
+from partita.runtime.layout import check_layout
 from partita.runtime.numerics import NonFinitePolicy, describe, loss_findings
 from partita.runtime.stages import split_graph
 from partita.runtime.uneven import Layout, Transfer, boundary_layouts, check_uneven_boundaries, replica_slice, transfers

@@ -1,0 +1,153 @@
+"""The gradient arithmetic that makes pipelined, replicated training equal unsplit full-batch
+training: each parameter's gradient summed over its holders, scaled once, clipped by the global norm.
+
+Glossary
+--------
+holders      of a parameter: every rank whose stages read it. Usually one rank group; a tied
+             parameter (GPT-2's ``wte`` in the first and the last stage) is held by several rank
+             groups, and all their ranks sum its gradient.
+
+Why the gradient is exact (fp32 up to summation order): the unsplit loss is the mean over the
+global batch, ``L = 1/(m * r) * sum_{replica, microbatch} L_mb`` when every micro-batch's loss
+is a mean over equally many elements, ``r`` being the LAST stage's replica count (``dp`` when
+uniform): its replicas compute the losses. Each stage accumulates ``sum_mb dL_mb/dp`` over its
+micro-batches (schedules built with ``scale_grads=False``), every sample's contribution reaching
+exactly one replica of each stage; the holders all-reduce (SUM) that, and each unique parameter
+is divided exactly once by ``m * r``. When the loss divides by a data-dependent count
+(``partita.runtime.loss_scaling``), the last stage's slices compute parts that already SUM to the
+full-batch loss, and the scale is 1 instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Collection, Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partita.runtime.process_groups import new_group
+
+__all__ = ["GradientSync", "local_tensor", "unique_parameters"]
+
+
+class GradientSync:
+    """Sums each parameter's gradient over its holders, scales it once, clips by the global norm.
+
+    ``holders`` maps every trainable parameter read by some stage (canonical name) to the sorted
+    ranks holding it, for the WHOLE plan: every rank creates the same process groups in the
+    same order, as torch.distributed requires.
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, nn.Parameter],
+        holders: Mapping[str, Sequence[int]],
+        rank: int,
+        scale: float,
+        *,
+        timeout: datetime.timedelta | None = None,
+        world_group: dist.ProcessGroup | None = None,
+        sharded: Collection[str] = (),
+        group_sets: Sequence[tuple[int, ...]] | None = None,
+        tp_split: Collection[str] = (),
+        tp_group: dist.ProcessGroup | None = None,
+    ):
+        self.params = dict(params)  # this rank's trainable parameters, canonical name -> Parameter
+        # Read by sharded stages (sharding.py): FSDP2 reduce-scatters them over the replicas, and
+        # each replica's shard is its own part of the norm.
+        self.sharded = frozenset(sharded)
+        self.scale = scale  # 1 / (num_microbatches * replicas of the last stage), or 1 (loss_scaling.py)
+        self.world_group = world_group  # the norm's all-reduce (None: the default group)
+        self.owned = [
+            name for name in self.params if name in self.sharded or min(holders[name]) == rank
+        ]  # once in the norm
+        # Split by tensor parallelism (tensor_parallel.py): every rank of the group holds its own
+        # part, so their squares are summed over `tp_group` too. `group_sets`: the holder sets of
+        # every tensor-parallel index, which all ranks create (default: those of `holders`).
+        self.tp_split, self.tp_group = frozenset(tp_split), tp_group
+        self.buckets: list[tuple[dist.ProcessGroup, list[str]]] = []
+        if group_sets is None:
+            group_sets = sorted({tuple(h) for h in holders.values() if len(h) > 1})
+        for ranks in group_sets:
+            group = new_group(list(ranks), timeout)  # collective: every rank creates every group, in this order
+            names = [name for name in self.params if tuple(holders[name]) == ranks and name not in self.sharded]
+            if rank in ranks and names:
+                self.buckets.append((group, names))
+
+    def reduce_and_scale(self) -> None:
+        """Gradient of the global mean loss: all-reduce (SUM) over the holders, then multiply by ``scale``."""
+        reduced: set[str] = set()
+        for group, names in self.buckets:
+            grads = [self._grad(name) for name in names]
+            flat = torch.cat([g.reshape(-1) for g in grads])  # one collective per holder set
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            flat.mul_(self.scale)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            reduced.update(names)
+        for name, p in self.params.items():
+            if name not in reduced and p.grad is not None:
+                p.grad.mul_(self.scale)
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so that their global 2-norm (each parameter once) is at most ``max_norm``.
+
+        Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` over the unsplit model. Returns the
+        norm before clipping (on every rank).
+        """
+        device = next(iter(self.params.values())).device if self.params else _group_device(self.world_group)
+        squares = torch.zeros(2, dtype=torch.float64, device=device)  # (whole in the group, split by it)
+        for name in self.owned:
+            grad = self.params[name].grad
+            if grad is not None:
+                norm = torch.linalg.vector_norm(local_tensor(grad).detach(), dtype=torch.float32).double()
+                squares[int(name in self.tp_split)] += norm**2
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.world_group)
+        if self.tp_group is not None:
+            split = squares[1:].clone()
+            dist.all_reduce(split, op=dist.ReduceOp.SUM, group=self.tp_group)
+            squares[1:] = split
+        total = squares.sum().sqrt().float()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.params.values():
+            if p.grad is not None:
+                grad = local_tensor(p.grad)  # a shard's local tensor: scaled in place
+                grad.mul_(coef.to(grad.device, grad.dtype))
+        return total
+
+    def _grad(self, name: str) -> torch.Tensor:
+        """The parameter's gradient; zeros when this holder's stages did not reach it this step."""
+        p = self.params[name]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (FSDP2's parameters and gradients), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a rank without parameters puts its part of a collective (NCCL needs a CUDA tensor)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def unique_parameters(modules: Iterable[nn.Module]) -> dict[str, nn.Parameter]:
+    """Trainable parameters of ``modules`` by canonical name, each Parameter object once."""
+    found: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for module in modules:
+        for name, p in module.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                found[name] = p
+    return found

@@ -1,0 +1,105 @@
+"""The StepPrograms of one trainer: the planned graph's, and one per variant it has run since (a
+batch padded to other shapes, evaluation in eval mode: partita.runtime.variants), each built at its
+first use and kept."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from partita.errors import InputError
+from partita.runtime.precision import Compute
+from partita.runtime.process_groups import Topology
+from partita.runtime.sharding import sharded_stages
+from partita.runtime.stage_set import StageSet
+from partita.runtime.stages import batch_of, narrow_batch
+from partita.runtime.step_program import StepProgram
+from partita.runtime.variants import Shapes, captured_shapes, check_within_plan, input_shapes, variant_stages
+from partita.types import OpGraph
+
+__all__ = ["StepPrograms"]
+
+
+class StepPrograms:
+    """Programs by (training, input shapes). ``planned`` is the plan's own graph's, in training
+    mode; its ``loss_scaling`` is what the trainer reports."""
+
+    def __init__(
+        self, graph: OpGraph, stages: StageSet, topology: Topology, *, accumulation_steps: int, compute: Compute
+    ):
+        self.graph, self.stages, self.topology = graph, stages, topology
+        self.accumulation_steps, self.compute = accumulation_steps, compute
+        self.captured_shapes = captured_shapes(graph)
+        # Rewrites the stages that compute a loss normalised by a data-dependent count (loss_scaling.py).
+        self.planned = StepProgram(
+            graph,
+            stages.plan,
+            topology,
+            stages.all_stages,
+            accumulation_steps=accumulation_steps,
+            runners=stages.runners,
+            compute=compute,
+            tensor_parallel=stages.tensor_parallel,
+        )
+        self._programs: dict[tuple[bool, Shapes], StepProgram] = {(True, self.captured_shapes): self.planned}
+        # Samples per micro-batch that this rank's stages run (uniform: plan.microbatch_size).
+        plan = stages.plan
+        self.microbatch_samples = plan.global_batch_size // (plan.num_microbatches * topology.replicas)
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def for_batch(self, flat: list, args: tuple, kwargs: dict, target: Any, *, training: bool) -> StepProgram:
+        """The program for this batch's shapes and mode: the planned graph's, or a variant captured
+        now (once per shape and mode)."""
+        key = (training, input_shapes(self.graph, flat))
+        if key not in self._programs:
+            self._programs[key] = self._variant(key[1], args, kwargs, target, training=training)
+        return self._programs[key]
+
+    def build(self, program: StepProgram, local: list) -> None:
+        """The program's pipeline, at its first use, from one micro-batch of ``local`` (autograd on);
+        the planned program of a model built on meta from the static shapes found there."""
+        if program.built:
+            return
+        metadata = self.stages.metadata if program is self.planned else None
+        with torch.enable_grad():
+            program.build(narrow_batch(self.graph, local, 0, self.microbatch_samples), metadata)
+
+    def prebuild(self, flat: list) -> None:
+        """Build the planned pipeline from the example inputs now, when they hold a micro-batch."""
+        if batch_of(self.graph, flat) >= self.microbatch_samples:
+            self.planned.build(narrow_batch(self.graph, flat, 0, self.microbatch_samples), self.stages.metadata)
+
+    def _variant(self, shapes: Shapes, args: tuple, kwargs: dict, target: Any, *, training: bool) -> StepProgram:
+        check_within_plan(self.graph, shapes)
+        plan = self.stages.plan
+        planned = [list(s) for s in self.captured_shapes if s is not None]
+        got = [list(s) for s in shapes if s is not None]
+        if training and sharded_stages(plan):  # FSDP2 reduces the gradients of its own forwards only
+            raise InputError(
+                f"stages {sorted(sharded_stages(plan))} are sharded (FSDP2), and sharded stages train at the "
+                f"planned shapes {planned} (batch dim left out) only; got {got}: pad the batches to the planned "
+                "shapes, or plan with sharding='replicate'"
+            )
+        if self.stages.metadata is not None:  # the model is on meta: nothing to capture again from
+            raise InputError(
+                "evaluate() is not available for a model built on the meta device (init_from=): it captures the "
+                "model again in eval mode, which needs its weights; build the model with weights to evaluate"
+                if not training
+                else f"the model was built on the meta device (init_from=), so every batch must have the planned "
+                f"shapes {planned} (batch dim left out), got {got}: pad the batches to the planned shapes, or "
+                "build the model with weights"
+            )
+        call, device = (args, kwargs, target), self.topology.device
+        graph, stages = variant_stages(self.graph, plan, self.stages.all_stages, call, training, device)
+        return StepProgram(
+            graph,
+            plan,
+            self.topology,
+            stages,
+            accumulation_steps=self.accumulation_steps,
+            compute=self.compute,
+            tensor_parallel=self.stages.tensor_parallel,
+        )
