@@ -12,7 +12,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.6'
 # releases; the tests and benchmarks are checked against this one.
 TRANSFORMERS_SPEC ?= transformers==5.23.0
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test docs clean
 
 setup: $(VENV)/.installed
 
@@ -38,6 +38,10 @@ test: setup
 	$(VENV)/bin/ruff check partita tests bench
 	$(VENV)/bin/ruff format --check partita tests bench
 	$(PY) -m pytest -q tests
+
+# The API reference, docs/api.md, generated from the public names' docstrings (the suite checks it is current).
+docs: setup
+	$(PY) docs/api_reference.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
