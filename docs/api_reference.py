@@ -30,6 +30,7 @@ TOP_LEVEL_ORDER = [
     "PlanOptions",
     "Plan",
     "Trainer",
+    "fit",
     "OpGraph",
     "manual_plan",
     "plan_with_baselines",

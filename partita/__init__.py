@@ -37,6 +37,7 @@ _EXPORTS = {
     "OpGraph": "partita.types",
     # train
     "Trainer": "partita.runtime.trainer",
+    "fit": "partita.training.fit",
     "save_seed": "partita.runtime.materialize",
     "load_into_model": "partita.runtime.checkpoint",
     # errors

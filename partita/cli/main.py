@@ -376,7 +376,7 @@ def _plan_for_training(args: argparse.Namespace):
 def _plan_now(args: argparse.Namespace, example, graph, cluster):
     """Check the example's data, then plan one pipeline round (--global-batch / --accumulate samples)."""
     import partita
-    from partita.cli.data_source import check_first_batch, check_held_out
+    from partita.training.data_source import check_first_batch, check_held_out
 
     _check_example_values(graph, example)
     check_first_batch(example, graph)  # a wrong data source fails here, not in every process

@@ -19,7 +19,7 @@ Hugging Face ``datasets.Dataset``) that ``collate_fn`` (default torch's ``defaul
 into batches. A batch is shaped like ``inputs``: a dict of the same keywords, or a tuple of the
 same positional arguments; with a ``loss_fn`` it also holds the target, as the key ``"target"``
 of a dict or the last item of a tuple (what a DataLoader over ``TensorDataset(x, y)`` yields).
-How `partita train` reads sources (re-batching, epochs, resumes): partita.cli.data_source.
+How `partita train` reads sources (re-batching, epochs, resumes): partita.training.data_source.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from partita.cli.data_source import check_source
 from partita.errors import ModelSpecError
 from partita.examples import Example, build
+from partita.training.data_source import check_source
 
 
 def load_model(

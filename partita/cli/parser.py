@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from partita.cli.lr_schedule import LR_SCHEDULES
 from partita.cli.optimizers import OPTIMIZERS
 from partita.planning.options import CostSource
+from partita.training.lr_schedule import LR_SCHEDULES
 from partita.types import Precision, Sharding
 
 MODEL_HELP = (

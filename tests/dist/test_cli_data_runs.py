@@ -9,6 +9,10 @@ at once (their start-up, imports and capture, overlaps):
 - ``rows``: ``build_rows``, a dataset of rows of different lengths padded per batch by its
   collate_fn, ``--accumulate 2`` (a plan for 8 samples, steps of 16).
 
+Beside them, the Python user's way: ``partita.fit`` on ``build`` with the ``loader`` job's plan
+file and settings (workers_python_api.job_fit_like_cli) must record the CLI's losses; and the
+complete script examples/train.py trains under ``torchrun --nproc-per-node 2``.
+
 That a resumed run reads the batches of an uninterrupted one (and epochs, reshuffles) is
 tests/unit/test_cli_data.py's: train() on one rank, and the skipping of batches and rows.
 """
@@ -23,11 +27,14 @@ import sys
 import time
 from pathlib import Path
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
-from dist_launch import REPO
+from dist_launch import REPO, run_ranks
 
 STEPS, LR, WARMUP = 6, 1e-2, 2
+EXAMPLE_STEPS = 24
 ROWS_STEPS, ROWS_BATCH = 4, 16
 TOLERANCE = 1e-5
 TIMEOUT_S = 300
@@ -86,14 +93,35 @@ def runs(tmp_path_factory):
     deadline = time.monotonic() + TIMEOUT_S
     loader = _start(out, "loader", "build", loader_plan, *loader_options)
     rows = _start(out, "rows", "build_rows", rows_plan, *rows_options)
-    try:
-        _wait(out, "rows", rows, deadline)
-        _wait(out, "loader", loader, deadline)
-    finally:
-        for proc in (loader, rows):
-            if proc.poll() is None:
-                proc.kill()
+    script = _start_example_script(out)
+    with ThreadPoolExecutor(1) as pool:
+        fit = pool.submit(
+            run_ranks, "fit_like_cli", 2, out / "fit", timeout_s=TIMEOUT_S, workers=REPO / "tests" / "dist" /
+            "workers_python_api.py", plan=str(loader_plan), lr=LR, steps=STEPS, warmup=WARMUP,
+        )  # fmt: skip
+        try:
+            _wait(out, "rows", rows, deadline)
+            _wait(out, "loader", loader, deadline)
+            _wait(out, "example", script, deadline)
+        finally:
+            for proc in (loader, rows, script):
+                if proc.poll() is None:
+                    proc.kill()
+        (out / "fit.json").write_text(json.dumps(fit.result()))
     return out
+
+
+def _start_example_script(out: Path) -> subprocess.Popen:
+    """examples/train.py under torchrun, as its docstring says to run it."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    argv += ["examples/train.py", "--steps", str(EXAMPLE_STEPS), "--out", str(out / "example")]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    log = open(out / "example.log", "w")
+    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _record(out: Path, name: str) -> dict:
@@ -195,3 +223,22 @@ def test_rows_of_different_lengths_collated_with_accumulation_equal_unsplit_trai
     """--accumulate 2 (two pipeline rounds of 8 per optimizer step) equals one unsplit step on the 16 samples."""
     assert _record(runs, "rows")["losses"] == pytest.approx(_rows_reference(), abs=TOLERANCE)
     assert "rows make no whole step of 16: dropped every epoch" in (runs / "rows.log").read_text()
+
+
+def test_partita_fit_records_the_losses_of_partita_train_on_the_same_factory_and_settings(runs):
+    cli, (fit_rank0, fit_rank1) = _record(runs, "loader"), json.loads((runs / "fit.json").read_text())
+    assert fit_rank0["first_step"] == cli["first_step"] == 1
+    assert fit_rank0["losses"] == pytest.approx(cli["losses"], abs=1e-6)
+    assert fit_rank1["losses"] == fit_rank0["losses"]
+    assert [list(e) for e in fit_rank0["eval_losses"]] == [
+        [e["step"], pytest.approx(e["loss"], abs=1e-6)] for e in cli["eval_losses"]
+    ]
+
+
+def test_the_example_script_trains_under_torchrun(runs):
+    """examples/train.py: planned on rank 0 for 2 processes, trained by partita.fit, the loss falls."""
+    record = json.loads((runs / "example" / "losses.json").read_text())
+    assert record["first_step"] == 1 and len(record["losses"]) == EXAMPLE_STEPS
+    first, last = sum(record["losses"][:4]) / 4, sum(record["losses"][-4:]) / 4
+    assert last < 0.7 * first, record["losses"]
+    assert (runs / "example" / "plan.json").exists() and list((runs / "example" / "checkpoints").iterdir())

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from dist_launch import run_ranks
@@ -20,12 +21,13 @@ pytest.importorskip("transformers")
 
 TOLERANCE = 1e-5
 STEPS = 3
+WORKERS = Path(__file__).with_name("workers_python_api.py")
 
 
 @pytest.fixture(scope="module")
 def natural(tmp_path_factory):
     out = tmp_path_factory.mktemp("natural")
-    return run_ranks("natural_script", 2, out, timeout_s=600, cache=str(out / "cache"), steps=STEPS)
+    return run_ranks("natural_script", 2, out, timeout_s=600, workers=WORKERS, cache=str(out / "cache"), steps=STEPS)
 
 
 def test_the_natural_script_initialises_the_job_itself(natural):
@@ -54,7 +56,7 @@ SHAPES = ["reused", "tied", "gated"]
 @pytest.fixture(scope="module")
 def by_shape(tmp_path_factory):
     out = tmp_path_factory.mktemp("by_shape")
-    return run_ranks("schedules_by_shape", 2, out, timeout_s=600, schedules=SCHEDULES, steps=STEPS)
+    return run_ranks("schedules_by_shape", 2, out, timeout_s=600, workers=WORKERS, schedules=SCHEDULES, steps=STEPS)
 
 
 @pytest.mark.parametrize(

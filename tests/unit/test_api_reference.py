@@ -33,7 +33,9 @@ def test_the_top_level_is_the_verbs_objects_and_errors():
     names = set(partita.__all__)
     assert {"capture", "plan", "PlanOptions", "Cluster", "Plan", "Trainer", "fit", "manual_plan"} <= names
     assert {"plan_with_baselines", "shared_plan", "save_seed", "load_into_model"} <= names
-    assert not names & {"StagePlan", "Schedule", "CostTable", "OpNode", "ModelSpecError"}, "records live in partita.types"
+    assert not names & {"StagePlan", "Schedule", "CostTable", "OpNode", "ModelSpecError"}, (
+        "records live in partita.types"
+    )
     for name in names:
         assert getattr(partita, name) is not None
 

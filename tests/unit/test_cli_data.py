@@ -1,7 +1,7 @@
 """`partita train` on the user's data (issue 15): data sources, --lr-schedule, --accumulate,
 --eval-every and --log-dir, checked in this process.
 
-The data-source tests read batches through partita.cli.data_source against small captured
+The data-source tests read batches through partita.training.data_source against small captured
 graphs; the training tests run ``train_loop.train`` on a 1-rank process group (the multi-rank
 runs through the command line are tests/dist/test_cli_data.py).
 """
@@ -23,14 +23,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import partita
-from partita.cli.data_source import EVAL_FIRST_STEP, check_first_batch, eval_batches, training_batches
-from partita.cli.lr_schedule import check_lr_schedule, lr_at, lr_scheduler_factory
 from partita.cli.main import main
-from partita.cli.metrics import MetricsWriter
 from partita.cli.model_spec import FactoryExample, _as_example
 from partita.cli.train_loop import TrainConfig, check_train_config, train
 from partita.errors import InputError, ModelSpecError
 from partita.planning.manual import manual_plan
+from partita.training.data_source import EVAL_FIRST_STEP, check_first_batch, eval_batches, training_batches
+from partita.training.lr_schedule import check_lr_schedule, lr_at, lr_scheduler_factory
+from partita.training.metrics import MetricsWriter
 
 CLI = importlib.import_module("partita.cli.main")
 LAUNCH = importlib.import_module("partita.runtime.launch")

@@ -5,6 +5,7 @@
     level 2   partita.cost
     level 3   partita.planning
     level 4   partita.runtime
+    level 5   partita.training   (the loop of partita.fit and `partita train`)
     side      partita.report     level 0 only
     side      partita.examples   levels 0-1 only (never planning, runtime or report)
     top       partita.cli        anything
@@ -56,12 +57,13 @@ GROUP_OF_PREFIX = {
     "partita.cost": "cost",
     "partita.planning": "planning",
     "partita.runtime": "runtime",
+    "partita.training": "training",
     "partita.report": "report",
     "partita.examples": "examples",
     "partita.cli": CLI,
 }
 
-_CHAIN = [BASE, "capture", "cost", "planning", "runtime"]
+_CHAIN = [BASE, "capture", "cost", "planning", "runtime", "training"]
 # group -> the groups its modules may import (everyone may import the lazy root)
 ALLOWED_GROUPS: dict[str, frozenset[str]] = {
     ROOT: frozenset({ROOT, BASE}),

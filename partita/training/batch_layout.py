@@ -1,5 +1,5 @@
 """How a data source's batches map to the graph's flat inputs, and how they are joined and cut
-into step batches (partita.cli.data_source reads the sources; this module shapes their batches).
+into step batches (partita.training.data_source reads the sources; this module shapes their batches).
 
 A batch is shaped like the factory's inputs (partita.cli.model_spec): a dict of the inputs'
 keywords, plus ``"target"`` with a loss_fn; or a tuple of the positional inputs, plus the target

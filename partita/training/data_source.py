@@ -41,8 +41,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from partita.capturing import exported_call_inputs
-from partita.cli.batch_layout import Batch, Layout, Rebatcher, batch_dims, unflatten_batch
 from partita.errors import InputError, ModelSpecError
+from partita.training.batch_layout import Batch, Layout, Rebatcher, batch_dims, unflatten_batch
 from partita.types import OpGraph
 
 Note = Callable[[str], None]
