@@ -39,7 +39,8 @@ from torch.profiler import ProfilerActivity
 import partita
 from partita import examples
 from partita.cost.analytic import analytic_costs
-from partita.cost.local_machine import cpu_model, local_cpu_spec
+from partita.cost.hardware import cpu_model
+from partita.cost.local_machine import local_cpu_spec
 from partita.cost.memory import device_memory
 from partita.cost.profiler import flat_module, profile
 from partita.runtime.stages import flatten_inputs, run_sequential, split_graph

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from partita.cost.hardware import hardware_model
 from partita.types import CostTable, OpGraph
 
 if TYPE_CHECKING:
@@ -75,15 +76,6 @@ def cache_key(
     }
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
     return digest, parts
-
-
-def hardware_model(device: torch.device) -> str:
-    """The GPU's name or the CPU's model name: timings from other hardware must not be reused."""
-    import torch
-
-    from partita.cost.local_machine import cpu_model  # here: local_machine imports this module
-
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
 
 
 def load(cache_dir: str | os.PathLike, key: str) -> CostTable | None:

@@ -9,7 +9,7 @@ A plan for this machine's CPU needs what no catalog knows:
 ``local_cluster``       the Cluster of ``num_devices`` CPU ranks made of the three
                         (``Cluster.local`` calls it)
 
-``cpu_model`` and ``machine_memory_bytes`` say what this machine is. Every measurement goes
+``partita.cost.hardware.cpu_model`` and ``machine_memory_bytes`` say what this machine is. Every measurement goes
 through ``partita.cost.cache.measure_once``: with a ``cache_dir`` it runs once per key, in the
 same folder as the profiler's cost tables. The profiler's per-node kernel timings stay in
 ``partita.cost.profiler``.
@@ -40,6 +40,7 @@ from typing import Any
 
 from partita.checks import positive_int
 from partita.cost.cache import measure_once
+from partita.cost.hardware import cpu_model
 from partita.errors import PartitaError
 from partita.types import DeviceSpec
 from partita.types.cluster import Cluster
@@ -47,7 +48,6 @@ from partita.types.devices import get_device, machine_memory_bytes
 
 __all__ = [
     "LOCAL_RESERVED_MEMORY_FRACTION",
-    "cpu_model",
     "local_cluster",
     "local_cpu_spec",
     "machine_memory_bytes",
@@ -64,19 +64,6 @@ _MIB = 2**20
 
 
 # ----------------------------------------------------------------------------- what this machine is
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (a cache key for measurements)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 # ----------------------------------------------------------------------------- the Cluster
