@@ -81,13 +81,17 @@ class StageRunner(nn.Module):
         self.recompute = recompute
         self.fresh_outputs = fresh_outputs and not stage.spec.is_last
         self.compute = compute
-        self.keys = tuple(root_key(j) for j in stage.graph_input_indices)
+        # A variant of ``stage`` (the graph captured at other shapes, holding its tensors) to run in
+        # its place: set by ``runtime.sharding.standing_in`` while a variant's step runs through the
+        # FSDP2 module that wraps this runner. Kept out of the module tree, which FSDP2 manages.
+        self.__dict__["stand_in"] = None
 
     def forward(self, *received: torch.Tensor, **root_inputs: Any) -> Any:
-        inputs = (*received, *(root_inputs[key] for key in self.keys))
+        stage = self.stand_in or self.stage
+        inputs = (*received, *(root_inputs[root_key(j)] for j in stage.graph_input_indices))
         with self.compute.context():  # checkpoint's recomputation restores it too
-            out = checkpoint(self.stage, *inputs, use_reentrant=False) if self.recompute else self.stage(*inputs)
-        if self.stage.spec.is_last:
+            out = checkpoint(stage, *inputs, use_reentrant=False) if self.recompute else stage(*inputs)
+        if stage.spec.is_last:
             return out
         out = tuple(self.compute.boundary(t) for t in out)
         return tuple(t.clone() for t in out) if self.fresh_outputs else out

@@ -134,11 +134,13 @@ def check_same_tensors(planned: Sequence[StageModule], variant: Sequence[StageMo
 
 
 def rebind(stages: Sequence[StageModule], planned_stages: Sequence[StageModule]) -> None:
-    """Make each stage read what the planned stage of its index holds: a weight two stages read
-    (tied embeddings) may be a different tensor in each (a tensor-parallel part in one, whole in
-    the other, on a rank that runs only one of them)."""
+    """Make each stage hold what the planned stage of its index holds, in the same containers
+    (``StageModule.hold_tensors_of``): a weight two stages read (tied embeddings) may be a different
+    tensor in each (a tensor-parallel part in one, whole in the other, on a rank that runs only one
+    of them), and a sharded stage's parameters are FSDP2's, gathered for each forward and resharded
+    after it, which the variant then reads as the planned stage does."""
     for stage, planned in zip(stages, planned_stages, strict=True):
-        stage.rebind(planned.state_tensors())
+        stage.hold_tensors_of(planned)
 
 
 def variant_stages(
