@@ -7,11 +7,11 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import sys
 import warnings
 from collections.abc import Sequence
 
-from partita.cli.optimizers import OPTIMIZER_KINDS
 from partita.cli.parser import DEFAULT_TRAIN_GLOBAL_BATCH, build_parser
 from partita.errors import PartitaError
 from partita.planning.options import PlanOptions
@@ -77,7 +77,7 @@ def _plan_options(args: argparse.Namespace):
         num_microbatches=args.microbatches,
         recompute=None if recompute is None else recompute == "yes",
         uniform_replicas=True if args.uniform_replicas else None,
-        optimizer=OPTIMIZER_KINDS.get(args.optimizer, args.optimizer),
+        optimizer=args.optimizer,  # train: a torch optimizer's name, which OptimizerKind.parse reads too
         precision=getattr(args, "precision", None),
         sharding=getattr(args, "sharding", None),
         tensor_parallel=getattr(args, "tensor_parallel", None),
@@ -144,6 +144,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import partita
     from partita.cli.model_spec import is_factory_spec
     from partita.cli.multinode import Nodes, launch_nodes
     from partita.cli.train_loop import TrainConfig, check_train_config
@@ -187,6 +188,11 @@ def _train(args: argparse.Namespace) -> int:
     nodes = Nodes.from_args(args)
     if under_torchrun():
         return _train_rank(args, config)
+    if args.plan:
+        from partita.cli.plan_flags import check_planning_only_flags
+
+        check_planning_only_flags(args)
+        _check_flags_against_plan(args, partita.Plan.load(args.plan))
     if nodes.num_nodes > 1:
         plan_nproc = functools.partial(
             _processes_for_plan_file,
@@ -231,6 +237,10 @@ def _check_train_flags(args: argparse.Namespace) -> None:
         _check_accumulation(args)
     if args.checkpoint_dir:
         check_writable(args.checkpoint_dir, "--checkpoint-dir")
+        if args.resume:
+            from partita.cli.train_loop import check_resume_steps
+
+            check_resume_steps(args.checkpoint_dir, args.steps)
     if args.losses_out:
         check_writable(os.path.dirname(os.path.abspath(args.losses_out)), "the folder of --losses-out")
     if args.log_dir:
@@ -312,6 +322,13 @@ def _check_plan_global_batch(path: str, plan, global_batch: int | None, accumula
             f"the plan {path}: drop --global-batch to train with the plan's, or re-plan for {global_batch} "
             "(without --plan)"
         )
+
+
+def _check_flags_against_plan(args: argparse.Namespace, plan) -> None:
+    """The planner's flags given with --plan must agree with the plan (partita.cli.plan_flags)."""
+    from partita.cli.plan_flags import check_plan_flags
+
+    check_plan_flags(args, plan, args.plan, memory_bytes=_parse_bytes(args.memory))
 
 
 def _check_example_values(graph, example) -> None:
@@ -429,6 +446,7 @@ def _train_rank(args: argparse.Namespace, config) -> int:
     if args.plan:
         plan = partita.Plan.load(args.plan, graph=graph)
         _check_plan_global_batch(args.plan, plan, args.global_batch, args.accumulate)
+        _check_flags_against_plan(args, plan)
     else:  # a multi-node job (or torchrun run by hand): rank 0 plans for the ranks started
         from partita.cli.multinode import job_plan
 
@@ -453,12 +471,13 @@ def _train_rank(args: argparse.Namespace, config) -> int:
         if summary.eval_losses:
             ends = dict([summary.eval_losses[0], summary.eval_losses[-1]])  # step -> loss, once if one
             print("eval loss: " + " -> ".join(f"{loss:.4f} (step {step})" for step, loss in ends.items()))
-        print(
-            table(
-                ["", "predicted", "measured"],
-                [(name, fmt_seconds(p), fmt_seconds(m)) for name, p, m in timing_rows(plan, summary)],
+        if summary.losses:  # none when a restart found every step done
+            print(
+                table(
+                    ["", "predicted", "measured"],
+                    [(name, fmt_seconds(p), fmt_seconds(m)) for name, p, m in timing_rows(plan, summary)],
+                )
             )
-        )
         if args.losses_out:
             write_losses(args.losses_out, summary)
     dist.destroy_process_group()
@@ -499,10 +518,26 @@ def _parse_bytes(text: str | None) -> int | None:
     return int(value)
 
 
+_NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _joined_negative_numbers(argv: list[str]) -> list[str]:
+    """``--flag -1e-3`` as ``--flag=-1e-3``: argparse takes a negative number in scientific notation
+    for an option and fails with "expected one argument" (plain ``-0.001`` it reads as a value)."""
+    joined: list[str] = []
+    for token in argv:
+        previous = joined[-1] if joined else ""
+        if _NEGATIVE_NUMBER.fullmatch(token) and previous.startswith("--") and "=" not in previous:
+            joined[-1] = f"{previous}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # torch's own pytree code trips its LeafSpec deprecation in every process; nothing a user can act on.
     warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _joined_negative_numbers(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from partita.cli.data_source import eval_batches, training_batches
+from partita.cli.data_source import DataPosition, StepBatches, eval_batches, training_batches
 from partita.cli.lr_schedule import check_lr_schedule, lr_scheduler_factory
 from partita.cli.metrics import MetricsWriter
 from partita.cli.optimizers import OPTIMIZERS
@@ -113,8 +113,16 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSumm
         **({"accumulation_steps": config.accumulate} if config.accumulate > 1 else {}),
     )
     summary = TrainSummary()
-    _maybe_resume(trainer, config, summary)
-    batches = training_batches(example, graph, step_samples, start_step=trainer.num_steps, seed=config.seed, note=_note)
+    resumed = _maybe_resume(trainer, config, summary)
+    batches = training_batches(
+        example,
+        graph,
+        step_samples,
+        start_step=trainer.num_steps,
+        position=DataPosition.from_dict(resumed.get("data_position")),
+        seed=config.seed,
+        note=_note,
+    )
     log = _RunLog(trainer, config, summary, step_samples)
     while trainer.num_steps < config.steps:  # Trainer.step checks each batch's ids and labels
         log.before_step()
@@ -126,12 +134,19 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> TrainSumm
         if config.eval_every and trainer.num_steps % config.eval_every == 0:
             log.evaluation(_evaluate(trainer, graph, held_out), len(held_out))
         if config.checkpoint_dir and config.checkpoint_every and trainer.num_steps % config.checkpoint_every == 0:
-            trainer.save_checkpoint(checkpoint_path(config.checkpoint_dir, trainer.num_steps))
+            _save(trainer, config, batches)
     log.close()
     if config.checkpoint_dir and (not config.checkpoint_every or trainer.num_steps % config.checkpoint_every):
-        trainer.save_checkpoint(checkpoint_path(config.checkpoint_dir, trainer.num_steps))
+        _save(trainer, config, batches)
     summary.stage_forward_s = _gather_stage_times(summary.stage_forward_s)
     return summary
+
+
+def _save(trainer, config: TrainConfig, batches: StepBatches) -> None:
+    """A checkpoint of this step, with where the data stands (a resume continues there, whatever
+    its global batch: partita.cli.data_source)."""
+    extra = {"data_position": batches.position.as_dict()} if batches.position is not None else None
+    trainer.save_checkpoint(checkpoint_path(config.checkpoint_dir, trainer.num_steps), extra_state=extra)
 
 
 def _with_target(graph: OpGraph, kwargs: dict, target: Any) -> dict:
@@ -233,13 +248,15 @@ class _StepTracer:
         self.profiler = None
 
 
-def _maybe_resume(trainer, config: TrainConfig, summary: TrainSummary) -> None:
-    """Load the latest complete checkpoint when asked to (``resume``) or after a torchrun restart."""
+def _maybe_resume(trainer, config: TrainConfig, summary: TrainSummary) -> dict:
+    """Load the latest complete checkpoint when asked to (``resume``) or after a torchrun restart;
+    its extra state ({} when none was loaded). InputError when ``--resume`` finds a checkpoint at
+    or beyond ``config.steps`` (nothing would be trained)."""
     restarts = restart_count()
     if not (config.resume or restarts) or not config.checkpoint_dir:
         if restarts and dist.get_rank() == 0:
             print(f"restart {restarts}: no --checkpoint-dir, so training starts again from step 0", flush=True)
-        return
+        return {}
     from partita.runtime.checkpoint import latest_intact_checkpoint, load_checkpoint
 
     with warnings.catch_warnings(record=True) as caught:
@@ -250,12 +267,35 @@ def _maybe_resume(trainer, config: TrainConfig, summary: TrainSummary) -> None:
     if latest is None:
         if dist.get_rank() == 0:
             print(f"no complete checkpoint in {config.checkpoint_dir}: training starts from step 0", flush=True)
-        return
-    load_checkpoint(trainer, latest, verify=False)  # just verified
+        return {}
+    extra = load_checkpoint(trainer, latest, verify=False)  # just verified
     summary.resumed_from = trainer.num_steps
+    if trainer.num_steps >= config.steps and not restarts:  # a restart after the last step has nothing left
+        raise InputError(resume_past_steps_message(latest, trainer.num_steps, config.steps))
     if dist.get_rank() == 0:
         why = f"restart {restarts}" if restarts else "--resume"
         print(f"{why}: resuming from {latest} (step {trainer.num_steps})", flush=True)
+    return extra
+
+
+def check_resume_steps(checkpoint_dir: str, steps: int) -> None:
+    """Before launch: InputError when the latest complete checkpoint that ``--resume`` would load is
+    already at ``steps`` or beyond (by its name; the processes check the one they load again)."""
+    from partita.runtime.checkpoint_dir import CHECKPOINT_PATTERN, complete_checkpoints
+
+    found = complete_checkpoints(checkpoint_dir)
+    if found:
+        step = int(CHECKPOINT_PATTERN.match(os.path.basename(found[0])).group(1))
+        if step >= steps:
+            raise InputError(resume_past_steps_message(found[0], step, steps))
+
+
+def resume_past_steps_message(checkpoint: str, step: int, steps: int) -> str:
+    return (
+        f"--resume: the latest checkpoint, {checkpoint}, is at step {step}, and --steps {steps} would train "
+        f"nothing more (--steps counts the steps before the resume too): give --steps above {step}, or drop "
+        "--resume to train from step 0"
+    )
 
 
 def write_losses(path: str, summary: TrainSummary) -> None:

@@ -113,7 +113,7 @@ from partita.runtime.numerics import (
 from partita.runtime.pipeline import rng_and_buffers_restored, stage_metadata
 from partita.runtime.precision import Compute
 from partita.runtime.progress import Progress, is_timeout
-from partita.runtime.sharding import check_sharding, gathered_for, sharded_names, sharded_runners, sharded_stages
+from partita.runtime.sharding import check_sharding, gathered, sharded_names, sharded_runners
 from partita.runtime.stages import StageModule, flatten_inputs, narrow_batch, split_graph
 from partita.runtime.state_dict import gather_state_dict
 from partita.runtime.step_program import StepProgram
@@ -364,8 +364,7 @@ class Trainer:
         eval mode (per input shape) and run forward through the plan's pipeline (variants.py).
         """
         program, flat = self._prepare(args, kwargs, "evaluate", training=False)
-        gathered = gathered_for(program.all_stages, self._runners, self._all_stages)
-        with torch.no_grad(), rng_and_buffers_restored(program.stages, self.topology.device), gathered:
+        with torch.no_grad(), rng_and_buffers_restored(program.stages, self.topology.device), gathered(self._runners):
             losses = self._run_rounds(program, flat, forward_only=True)
         local = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
         if losses:  # this rank runs the last stage
@@ -389,13 +388,15 @@ class Trainer:
                     held.setdefault(name, t)
         return whole_tensors(held, self.tensor_parallel)
 
-    def save_checkpoint(self, path: str) -> None:
-        """Write a DCP checkpoint keyed by the model's parameter names (see checkpoint.py)."""
-        save_checkpoint(self, path)
+    def save_checkpoint(self, path: str, *, extra_state: dict | None = None) -> None:
+        """Write a DCP checkpoint keyed by the model's parameter names (see checkpoint.py), with the
+        caller's ``extra_state`` (a small picklable dict, the same on every rank) when given."""
+        save_checkpoint(self, path, extra_state=extra_state)
 
-    def load_checkpoint(self, path: str) -> None:
-        """Load a checkpoint written under any plan into this trainer (model, optimizer, scheduler, step, RNG)."""
-        load_checkpoint(self, path)
+    def load_checkpoint(self, path: str) -> dict:
+        """Load a checkpoint written under any plan into this trainer (model, optimizer, scheduler,
+        step, RNG); returns its ``extra_state`` ({} when it has none)."""
+        return load_checkpoint(self, path)
 
     # ------------------------------------------------------------------ internals
 
@@ -422,13 +423,6 @@ class Trainer:
 
     def _variant(self, shapes: tuple, args: tuple, kwargs: dict, target: Any, *, training: bool) -> StepProgram:
         check_within_plan(self.graph, shapes)
-        if training and sharded_stages(self.plan):  # FSDP2 reduces the gradients of its own forwards only
-            raise InputError(
-                f"stages {sorted(sharded_stages(self.plan))} are sharded (FSDP2), and sharded stages train at the "
-                f"planned shapes {[list(s) for s in self._captured_shapes if s is not None]} (batch dim left out) "
-                f"only; got {[list(s) for s in shapes if s is not None]}: pad the batches to the planned shapes, or "
-                "plan with sharding='replicate'"
-            )
         if self._metadata is not None:  # the model is on meta: nothing to capture again from
             planned = [list(s) for s in self._captured_shapes if s is not None]
             raise InputError(
@@ -447,6 +441,7 @@ class Trainer:
             self.topology,
             stages,
             accumulation_steps=self.accumulation_steps,
+            runners=self._runners if training else None,  # sharded stages: FSDP2 runs the variant's too
             compute=self.compute,
             tensor_parallel=self.tensor_parallel,
         )
