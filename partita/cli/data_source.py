@@ -48,8 +48,16 @@ import torch.utils._pytree as pytree
 
 from partita.capturing import exported_call_inputs
 from partita.cli.batch_layout import Batch, Layout, Rebatcher, batch_dims, unflatten_batch
-from partita.errors import InputError, ModelSpecError
+from partita.errors import CaptureError, InputError, ModelSpecError
+from partita.runtime.batch_values import check_batch_dtypes, check_batch_values
 from partita.runtime.stages import narrow_batch
+from partita.runtime.variants import (
+    captured_shapes,
+    check_within_plan,
+    input_shapes,
+    recaptured,
+    unsupported_shapes_message,
+)
 from partita.types import OpGraph
 
 Note = Callable[[str], None]
@@ -65,6 +73,12 @@ def check_source(source: Any, what: str, collate_fn: Callable | None = None) -> 
         raise ModelSpecError(
             f"{what} is a {type(source).__name__}, which yields batches, and a collate_fn was given: collate_fn is "
             "for datasets of rows (a DataLoader takes its own collate_fn=); drop one of them"
+        )
+    if _is_iterable(source) and not _is_rows(source) and iter(source) is source:
+        raise ModelSpecError(
+            f"{what} is a one-shot iterator ({type(source).__name__}: iterating it again yields nothing), but "
+            "partita reads the data once per epoch: give a list, a DataLoader, or a function that returns a new "
+            "iterator each time (data=make_batches, with def make_batches(): yield ...)"
         )
     if _is_rows(source) or callable(source) or _is_iterable(source):
         return
@@ -174,25 +188,70 @@ def check_held_out(example) -> None:
         )
 
 
-def check_first_batch(example, graph: OpGraph) -> None:
-    """Read the first batch of each of the factory's sources and check its structure against the
-    graph (InputError naming the batch), so that a wrong one fails before any process starts."""
+def check_first_batch(example, graph: OpGraph, *, batch_size: int | None = None, held_out: bool = False) -> None:
+    """Before launch, in one process: the first batch of each of the factory's sources, checked
+    against the graph -- structure (keys), dtypes, shapes (the model is captured again at the
+    batch's shapes when they differ from the example's, as the training processes will), ids and
+    labels -- and, given the step's ``batch_size``, that ``data`` (and ``eval_data`` when
+    ``held_out``: evaluations read it) holds one step. One InputError naming the batch, the input
+    and the fix, before any process starts."""
     for key in ("data", "eval_data"):
         source = getattr(example, key, None)
         if source is None:
             continue
         layout = Layout(example, graph)
-        rng = _OwnRng(0, key)
-        if _is_rows(source):
-            if len(source):
-                with rng.active():
-                    batch = _collate(example)([source[0]])
-                layout.flat(batch, f"row 0 of {key}, collated")
-            continue
+        size = batch_size if key == "data" or held_out else None
+        first, where = _first_batch(example, layout, source, key, size)
+        flat = layout.flat(first, where)
+        check_batch_dtypes(graph, flat, where)
+        check_batch_values(graph, flat, where)
+        _check_batch_shapes(graph, layout, flat, where, training=key == "data")
+
+
+def _first_batch(example, layout: Layout, source: Any, key: str, batch_size: int | None) -> tuple[Any, str]:
+    """The first batch of ``source`` (a dataset's first row collated) and its name; InputError when
+    it holds fewer than ``batch_size`` samples (an iterable's batches are read up to that many)."""
+    rng = _OwnRng(0, key)
+    if _is_rows(source):
+        if batch_size is not None and len(source) < batch_size or not len(source):
+            raise InputError(
+                f"{key} holds {len(source)} rows, fewer than the {batch_size or 1} samples of one step: give more "
+                "rows or a smaller --global-batch"
+            )
         with rng.active():
-            first = next(iter(_fresh(source)), None)
-        if first is not None:
-            layout.flat(first, f"batch 0 of {key}")
+            return _collate(example)([source[0]]), f"row 0 of {key}, collated"
+    first, num_samples = None, 0
+    with rng.active():
+        for index, batch in enumerate(_fresh(source)):
+            first = batch if first is None else first
+            where = f"batch {index} of {key}"
+            num_samples += layout.size(layout.flat(batch, where), where)
+            if batch_size is None or num_samples >= batch_size:
+                break
+    if first is None or (batch_size is not None and num_samples < batch_size):
+        raise InputError(
+            f"{key} holds {num_samples} samples, fewer than the {batch_size or 1} samples of one step: give more "
+            "data or a smaller --global-batch"
+        )
+    return first, f"batch 0 of {key}"
+
+
+def _check_batch_shapes(graph: OpGraph, layout: Layout, flat: list, where: str, *, training: bool) -> None:
+    """A batch whose shapes differ from the example's: no dim longer, and the model captured again
+    at its shapes (in eval mode for held-out data), as the training processes will."""
+    shapes = input_shapes(graph, flat)
+    if shapes == captured_shapes(graph):
+        return
+    try:
+        check_within_plan(graph, shapes)
+    except InputError as e:
+        raise InputError(f"{where}: {e}") from None
+    args, kwargs, target = layout.unflatten(flat)
+    samples = min(layout.size(flat, where), graph.batch_size)
+    try:
+        recaptured(graph, args, kwargs, target, samples=samples, training=training)
+    except CaptureError as e:
+        raise InputError(unsupported_shapes_message(graph, shapes, where, e)) from None
 
 
 def repeating_batches(example, graph: OpGraph) -> Callable[[int, int], Batch]:

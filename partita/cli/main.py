@@ -192,7 +192,9 @@ def _train(args: argparse.Namespace) -> int:
         from partita.cli.plan_flags import check_planning_only_flags
 
         check_planning_only_flags(args)
-        _check_flags_against_plan(args, partita.Plan.load(args.plan))
+        plan = partita.Plan.load(args.plan)
+        _check_flags_against_plan(args, plan)
+        _check_data_for_plan(args, plan)
     if nodes.num_nodes > 1:
         plan_nproc = functools.partial(
             _processes_for_plan_file,
@@ -331,6 +333,24 @@ def _check_flags_against_plan(args: argparse.Namespace, plan) -> None:
     check_plan_flags(args, plan, args.plan, memory_bytes=_parse_bytes(args.memory))
 
 
+def _check_data_for_plan(args: argparse.Namespace, plan) -> None:
+    """With --plan the launcher plans nothing, but a factory's data is still checked before any
+    process starts (its first batches, as planning checks them): the model is loaded and captured here."""
+    from partita.cli.data_source import check_first_batch, check_held_out
+    from partita.cli.model_spec import is_factory_spec
+
+    if not is_factory_spec(args.model):
+        return  # zoo models' batches are made to fit
+    example = _load(args)
+    if args.eval_every:
+        check_held_out(example)
+    if getattr(example, "data", None) is None and getattr(example, "eval_data", None) is None:
+        return
+    graph = _capture(example)
+    step_samples = plan.global_batch_size * args.accumulate
+    check_first_batch(example, graph, batch_size=step_samples, held_out=bool(args.eval_every))
+
+
 def _check_example_values(graph, example) -> None:
     """The example's own inputs against the graph's embeddings and loss (before planning profiles them)."""
     from partita.runtime.batch_values import check_batch_values
@@ -396,9 +416,10 @@ def _plan_now(args: argparse.Namespace, example, graph, cluster):
     from partita.cli.data_source import check_first_batch, check_held_out
 
     _check_example_values(graph, example)
-    check_first_batch(example, graph)  # a wrong data source fails here, not in every process
     if args.eval_every:
         check_held_out(example)
+    # a wrong data source fails here, not in every process
+    check_first_batch(example, graph, batch_size=_train_global_batch(args), held_out=bool(args.eval_every))
     return partita.plan(
         graph,
         example.args,

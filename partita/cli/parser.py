@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from partita.cli.lr_schedule import LR_SCHEDULES
+from partita.cli.multinode import DEFAULT_RDZV_TIMEOUT_S
 from partita.cli.optimizers import OPTIMIZERS
 from partita.errors import InputError
 from partita.planning.options import CostSource
@@ -118,6 +119,14 @@ def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ID",
         help="the job's id, the same on every node (default: made from --rdzv-endpoint)",
+    )
+    parser.add_argument(
+        "--rdzv-timeout",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help=f"how long each node waits for all --nnodes nodes to join the rendezvous before it gives up with "
+        f"an error (default {DEFAULT_RDZV_TIMEOUT_S})",
     )
 
 

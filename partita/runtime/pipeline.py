@@ -25,7 +25,7 @@ split backward  ZBV runs each backward as an input-gradient pass, then a weight 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,9 +183,12 @@ def make_pipeline_stages(
     pp_group: Any,
     runners: Mapping[int, nn.Module] | None = None,
     compute: Compute = FP32,
+    whole_backward: Collection[int] = (),
 ) -> list[PipelineStage]:
     """One PipelineStage per local stage (``stages``), with static metadata; ``runners`` by stage
-    index are used as they are (sharded ones, sharding.py), the other stages get a StageRunner."""
+    index are used as they are (sharded ones, sharding.py), the other stages get a StageRunner.
+    The stages of ``whole_backward`` (indices) run their whole backward in the input-gradient pass
+    of a split-backward schedule (sharding.whole_backward_stages says why)."""
     result = []
     for stage, flag in zip(stages, recompute):
         meta = metadata[stage.spec.index]
@@ -193,7 +196,8 @@ def make_pipeline_stages(
             stage, flag, fresh_outputs=schedule is Schedule.ZBV, compute=compute
         )
         # A dw_builder makes the input-gradient pass a full backward, and the weight pass a no-op.
-        whole = None if meta.split_backward_complete else _no_weight_pass
+        split = meta.split_backward_complete and stage.spec.index not in whole_backward
+        whole = None if split else _no_weight_pass
         result.append(
             PipelineStage(
                 runner,

@@ -54,12 +54,24 @@ __all__ = [
     "sharded_runners",
     "sharded_stages",
     "standing_in",
+    "whole_backward_stages",
 ]
 
 
 def sharded_stages(plan: Plan) -> set[int]:
     """Indices of the stages that FSDP2 shards (a sharding level other than replicate)."""
     return {s.index for s in plan.stages if s.sharding is not Sharding.REPLICATE}
+
+
+def whole_backward_stages(plan: Plan) -> set[int]:
+    """Stages that run their whole backward at once under a split-backward schedule (ZBV): the
+    fully sharded ones. FSDP2 with ``reshard_after_forward`` frees a stage's gathered parameters
+    after every forward, and ZBV runs a micro-batch's weight-gradient pass after later forwards of
+    the stage: those gradients came out wrong (tests/dist/test_batch_shapes.py's sweep). Computed in
+    the input-gradient pass with the rest, they are exact; the stage gives up ZBV's split."""
+    if plan.schedule is not Schedule.ZBV:
+        return set()
+    return {s.index for s in plan.stages if s.sharding is Sharding.FULL_SHARD and s.num_replicas > 1}
 
 
 def check_sharding(plan: Plan, stages: Sequence[StageModule]) -> None:

@@ -27,7 +27,7 @@ from partita.runtime.pipeline import (
     stage_metadata,
 )
 from partita.runtime.precision import FP32, Compute, drop_dtype_assertions
-from partita.runtime.sharding import standing_in
+from partita.runtime.sharding import standing_in, whole_backward_stages
 from partita.runtime.stages import StageModule, narrow_batch
 from partita.runtime.tensor_parallel import TensorParallel, program_layouts, rewrite_stage
 from partita.runtime.uneven import UnevenExecutor
@@ -107,7 +107,15 @@ class StepProgram:
             return
         recompute = [plan.stages[s.spec.index].recompute for s in self.stages]
         pipeline_stages = make_pipeline_stages(
-            self.stages, recompute, metadata, plan.schedule, top.device, top.pp_group, self.runners, self.compute
+            self.stages,
+            recompute,
+            metadata,
+            plan.schedule,
+            top.device,
+            top.pp_group,
+            self.runners,
+            self.compute,
+            whole_backward=whole_backward_stages(plan),
         )
         chunks = root_chunk_spec(self.graph, self.root_indices)
         self._schedule = build_schedule(plan.schedule, pipeline_stages, plan.num_microbatches, chunks)

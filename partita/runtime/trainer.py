@@ -90,9 +90,9 @@ from torch import nn
 
 from partita.capturing import canonical_names
 from partita.checks import positive_int
-from partita.errors import InputError, NumericsError, PartitaError
+from partita.errors import CaptureError, InputError, NumericsError, PartitaError
 from partita.planning.context import check_whole_batch
-from partita.runtime.batch_values import check_batch_values
+from partita.runtime.batch_values import check_batch_dtypes, check_batch_values
 from partita.runtime.checkpoint import load_checkpoint, save_checkpoint
 from partita.runtime.data_parallel import (
     GradientSync,
@@ -128,7 +128,13 @@ from partita.runtime.trainer_setup import (
     state_names,
 )
 from partita.runtime.uneven import check_uneven_boundaries
-from partita.runtime.variants import captured_shapes, check_within_plan, input_shapes, variant_stages
+from partita.runtime.variants import (
+    captured_shapes,
+    check_within_plan,
+    input_shapes,
+    unsupported_shapes_message,
+    variant_stages,
+)
 from partita.types import OpGraph, Plan
 
 __all__ = ["Trainer", "shared_plan"]
@@ -407,18 +413,25 @@ class Trainer:
         target = kwargs.pop("target", None) if self.graph.has_loss_fn else None
         flat = flatten_inputs(self.graph, args, kwargs, target)
         self._check_batch(flat)
-        program = self._program_for(flat, args, kwargs, target, training=training)
+        check_batch_dtypes(self.graph, flat, where)
+        program = self._program_for(flat, args, kwargs, target, where, training=training)
         check_batch_values(program.graph, flat, where, program.index_uses)  # before any stage fails on them
         program.loss_scaling.update(flat)  # global counts of the step, from the whole batch
         return program, flat
 
-    def _program_for(self, flat: list, args: tuple, kwargs: dict, target: Any, *, training: bool) -> StepProgram:
+    def _program_for(
+        self, flat: list, args: tuple, kwargs: dict, target: Any, where: str, *, training: bool
+    ) -> StepProgram:
         """The program for this batch's shapes and mode: the planned graph's, or a variant captured
-        now (once per shape and mode, variants.py)."""
+        now (once per shape and mode, variants.py); InputError naming the batch's inputs when the
+        model cannot be captured at its shapes."""
         shapes = input_shapes(self.graph, flat)
         key = (training, shapes)
         if key not in self._programs:
-            self._programs[key] = self._variant(shapes, args, kwargs, target, training=training)
+            try:
+                self._programs[key] = self._variant(shapes, args, kwargs, target, training=training)
+            except CaptureError as e:
+                raise InputError(unsupported_shapes_message(self.graph, shapes, where, e)) from e
         return self._programs[key]
 
     def _variant(self, shapes: tuple, args: tuple, kwargs: dict, target: Any, *, training: bool) -> StepProgram:
