@@ -187,7 +187,11 @@ def _train(args: argparse.Namespace) -> int:
     _check_train_flags(args)
     nodes = Nodes.from_args(args)
     if under_torchrun():
-        return _train_rank(args, config)
+        return _train_rank(args, config)  # a restarted rank may find every step done: it stops quietly
+    if args.resume and args.checkpoint_dir:
+        from partita.cli.train_loop import check_resume_steps
+
+        check_resume_steps(args.checkpoint_dir, args.steps)
     if args.plan:
         from partita.cli.plan_flags import check_planning_only_flags
 
@@ -239,10 +243,6 @@ def _check_train_flags(args: argparse.Namespace) -> None:
         _check_accumulation(args)
     if args.checkpoint_dir:
         check_writable(args.checkpoint_dir, "--checkpoint-dir")
-        if args.resume:
-            from partita.cli.train_loop import check_resume_steps
-
-            check_resume_steps(args.checkpoint_dir, args.steps)
     if args.losses_out:
         check_writable(os.path.dirname(os.path.abspath(args.losses_out)), "the folder of --losses-out")
     if args.log_dir:
@@ -399,7 +399,7 @@ def _plan_for_training(args: argparse.Namespace):
     example = _load(args)
     graph = _capture(example)
     nproc = 2 if args.nproc is None else args.nproc
-    plan = _plan_now(args, example, graph, _cluster(args, num_devices=nproc))
+    plan = _plan_now(args, example, graph, lambda: _cluster(args, num_devices=nproc))
     path = _with_parent(args.plan_out) or os.path.join(tempfile.mkdtemp(prefix="partita-"), "plan.json")
     plan.save(path)
     rounds = f", {args.accumulate} rounds per optimizer step" if args.accumulate > 1 else ""
@@ -410,8 +410,9 @@ def _plan_for_training(args: argparse.Namespace):
     return path, example, plan.num_devices
 
 
-def _plan_now(args: argparse.Namespace, example, graph, cluster):
-    """Check the example's data, then plan one pipeline round (--global-batch / --accumulate samples)."""
+def _plan_now(args: argparse.Namespace, example, graph, make_cluster):
+    """Check the example's data, then plan one pipeline round (--global-batch / --accumulate samples)
+    for ``make_cluster()`` (made after the checks: measuring this machine takes a while)."""
     import partita
     from partita.cli.data_source import check_first_batch, check_held_out
 
@@ -426,7 +427,7 @@ def _plan_now(args: argparse.Namespace, example, graph, cluster):
         example.kwargs,
         loss_fn=example.loss_fn,
         target=example.target,
-        cluster=cluster,
+        cluster=make_cluster(),
         global_batch_size=_train_global_batch(args) // args.accumulate,
         options=_plan_options(args),
     )
@@ -475,7 +476,7 @@ def _train_rank(args: argparse.Namespace, config) -> int:
             args,
             graph,
             lambda num_devices, num_nodes: _plan_now(
-                args, example, graph, _cluster(args, num_devices=num_devices, num_nodes=num_nodes)
+                args, example, graph, lambda: _cluster(args, num_devices=num_devices, num_nodes=num_nodes)
             ),
         )
     summary = train(example, plan, graph, config)

@@ -9,6 +9,11 @@ at once (their start-up, imports and capture, overlaps):
 - ``rows``: ``build_rows``, a dataset of rows of different lengths padded per batch by its
   collate_fn, ``--accumulate 2`` (a plan for 8 samples, steps of 16).
 
+and, beside them, the example's own command as its docstring gives it (``shipped``: `partita train
+examples/own_data.py:build_rows --nproc 2 --global-batch 32 --steps 40`, planned here: the planner
+may shard the stage, and the batches come padded to their own lengths, 30 to 32) trains to the end,
+every step equal to unsplit training.
+
 That a resumed run reads the batches of an uninterrupted one (and epochs, reshuffles) is
 tests/unit/test_cli_data.py's: train() on one rank, and the skipping of batches and rows.
 """
@@ -30,7 +35,9 @@ from dist_launch import REPO
 STEPS, LR, WARMUP = 6, 1e-2, 2
 ROWS_STEPS, ROWS_BATCH = 4, 16
 TOLERANCE = 1e-5
-TIMEOUT_S = 300
+TIMEOUT_S = 480  # three jobs at once on a 2-core machine
+SHIPPED = ["examples/own_data.py:build_rows", "--nproc", "2", "--global-batch", "32", "--steps", "40"]
+SHIPPED_LR, SHIPPED_STEPS, SHIPPED_BATCH = 3e-3, 40, 32  # `partita train`'s default --lr
 
 
 def _load(factory: str):
@@ -54,8 +61,13 @@ def _plan(factory: str, global_batch: int, path: Path) -> Path:
 
 
 def _start(out: Path, name: str, factory: str, plan: Path, *options: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "partita.cli", "train", f"examples/own_data.py:{factory}", "--plan", str(plan)]
-    argv += ["--lr", str(LR), "--losses-out", str(out / f"{name}.json"), *options]
+    argv = [f"examples/own_data.py:{factory}", "--plan", str(plan), "--lr", str(LR), *options]
+    return _launch(out, name, argv)
+
+
+def _launch(out: Path, name: str, train_argv: list[str]) -> subprocess.Popen:
+    """``partita train TRAIN_ARGV --losses-out OUT/NAME.json``, logging to OUT/NAME.log."""
+    argv = [sys.executable, "-m", "partita.cli", "train", *train_argv, "--losses-out", str(out / f"{name}.json")]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -84,13 +96,15 @@ def runs(tmp_path_factory):
     loader_options += ["--eval-every", "3", "--eval-batches", "2", "--log-dir", str(out / "logs")]
     rows_options = ["--steps", str(ROWS_STEPS), "--global-batch", str(ROWS_BATCH), "--accumulate", "2"]
     deadline = time.monotonic() + TIMEOUT_S
+    shipped = _launch(out, "shipped", [*SHIPPED, "--plan-out", str(out / "shipped-plan.json")])
     loader = _start(out, "loader", "build", loader_plan, *loader_options)
     rows = _start(out, "rows", "build_rows", rows_plan, *rows_options)
     try:
         _wait(out, "rows", rows, deadline)
         _wait(out, "loader", loader, deadline)
+        _wait(out, "shipped", shipped, deadline)
     finally:
-        for proc in (loader, rows):
+        for proc in (loader, rows, shipped):
             if proc.poll() is None:
                 proc.kill()
     return out
@@ -195,3 +209,26 @@ def test_rows_of_different_lengths_collated_with_accumulation_equal_unsplit_trai
     """--accumulate 2 (two pipeline rounds of 8 per optimizer step) equals one unsplit step on the 16 samples."""
     assert _record(runs, "rows")["losses"] == pytest.approx(_rows_reference(), abs=TOLERANCE)
     assert "rows make no whole step of 16: dropped every epoch" in (runs / "rows.log").read_text()
+
+
+def test_the_shipped_example_trains_to_the_end_like_unsplit_training(runs):
+    """The run of examples/own_data.py's docstring, planned on this machine (its stage may be
+    sharded: batches padded to another length then run through the same FSDP2 modules): all 40
+    steps, each loss equal to unsplit training's on the same rows, 32 per step, epoch after epoch."""
+    record = _record(runs, "shipped")
+    assert record["first_step"] == 1 and len(record["losses"]) == SHIPPED_STEPS
+    ex = _load("build_rows")
+    per_epoch = len(ex.data) // SHIPPED_BATCH
+    steps = [
+        ex.collate_fn([ex.data[i] for i in range(s % per_epoch * SHIPPED_BATCH, (s % per_epoch + 1) * SHIPPED_BATCH)])
+        for s in range(SHIPPED_STEPS)
+    ]
+    assert len({b["tokens"].shape[1] for b in steps}) > 1, "the steps should have different lengths"
+
+    def loss_of(model, batch):
+        return torch.nn.functional.cross_entropy(model(tokens=batch["tokens"], mask=batch["mask"]), batch["target"])
+
+    expected = _unsplit(ex.model, steps, loss_of, [SHIPPED_LR] * SHIPPED_STEPS)  # each step's lr is set
+    assert record["losses"] == pytest.approx(expected, abs=TOLERANCE)
+    log = (runs / "shipped.log").read_text()
+    assert f"train: step {SHIPPED_STEPS}/{SHIPPED_STEPS}" in log, log[-3000:]
