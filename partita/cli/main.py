@@ -144,7 +144,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import partita
     from partita.cli.model_spec import is_factory_spec
     from partita.cli.multinode import Nodes, launch_nodes
     from partita.cli.train_loop import TrainConfig, check_train_config
@@ -188,17 +187,7 @@ def _train(args: argparse.Namespace) -> int:
     nodes = Nodes.from_args(args)
     if under_torchrun():
         return _train_rank(args, config)  # a restarted rank may find every step done: it stops quietly
-    if args.resume and args.checkpoint_dir:
-        from partita.cli.train_loop import check_resume_steps
-
-        check_resume_steps(args.checkpoint_dir, args.steps)
-    if args.plan:
-        from partita.cli.plan_flags import check_planning_only_flags
-
-        check_planning_only_flags(args)
-        plan = partita.Plan.load(args.plan)
-        _check_flags_against_plan(args, plan)
-        _check_data_for_plan(args, plan)
+    _check_before_launch(args)
     if nodes.num_nodes > 1:
         plan_nproc = functools.partial(
             _processes_for_plan_file,
@@ -324,6 +313,22 @@ def _check_plan_global_batch(path: str, plan, global_batch: int | None, accumula
             f"the plan {path}: drop --global-batch to train with the plan's, or re-plan for {global_batch} "
             "(without --plan)"
         )
+
+
+def _check_before_launch(args: argparse.Namespace) -> None:
+    """The launcher's own checks: --resume that would train nothing, and with --plan the planning
+    flags, the planner flags against the plan and a factory's data (InputError before any process)."""
+    import partita
+    from partita.cli.plan_flags import check_planning_only_flags
+    from partita.cli.train_loop import check_resume_steps
+
+    if args.resume and args.checkpoint_dir:
+        check_resume_steps(args.checkpoint_dir, args.steps)
+    if args.plan:
+        check_planning_only_flags(args)
+        plan = partita.Plan.load(args.plan)
+        _check_flags_against_plan(args, plan)
+        _check_data_for_plan(args, plan)
 
 
 def _check_flags_against_plan(args: argparse.Namespace, plan) -> None:
