@@ -74,7 +74,7 @@ def check_source(source: Any, what: str, collate_fn: Callable | None = None) -> 
             f"{what} is a {type(source).__name__}, which yields batches, and a collate_fn was given: collate_fn is "
             "for datasets of rows (a DataLoader takes its own collate_fn=); drop one of them"
         )
-    if _is_iterable(source) and not _is_rows(source) and iter(source) is source:
+    if isinstance(source, Iterator):  # has __next__: iterating it again continues (or ends), never restarts
         raise ModelSpecError(
             f"{what} is a one-shot iterator ({type(source).__name__}: iterating it again yields nothing), but "
             "partita reads the data once per epoch: give a list, a DataLoader, or a function that returns a new "

@@ -415,17 +415,14 @@ def _plan_for_training(args: argparse.Namespace):
     return path, example, plan.num_devices
 
 
-def _plan_now(args: argparse.Namespace, example, graph, make_cluster):
-    """Check the example's data, then plan one pipeline round (--global-batch / --accumulate samples)
-    for ``make_cluster()`` (made after the checks: measuring this machine takes a while)."""
+def _plan_now(args: argparse.Namespace, example, graph, make_cluster, *, check_data: bool = True):
+    """Check the example's data (``_check_job_data``, unless the caller did), then plan one pipeline
+    round (--global-batch / --accumulate samples) for ``make_cluster()`` (made after the checks:
+    measuring this machine takes a while)."""
     import partita
-    from partita.cli.data_source import check_first_batch, check_held_out
 
-    _check_example_values(graph, example)
-    if args.eval_every:
-        check_held_out(example)
-    # a wrong data source fails here, not in every process
-    check_first_batch(example, graph, batch_size=_train_global_batch(args), held_out=bool(args.eval_every))
+    if check_data:
+        _check_job_data(args, example, graph)
     return partita.plan(
         graph,
         example.args,
@@ -436,6 +433,18 @@ def _plan_now(args: argparse.Namespace, example, graph, make_cluster):
         global_batch_size=_train_global_batch(args) // args.accumulate,
         options=_plan_options(args),
     )
+
+
+def _check_job_data(args: argparse.Namespace, example, graph) -> None:
+    """The example's values and the factory's data sources (their first batches), before planning.
+    Reading a source advances its state (a DataLoader draws from its generator for every new
+    iterator), so in a job's processes every rank runs this, and then all read the same batches."""
+    from partita.cli.data_source import check_first_batch, check_held_out
+
+    _check_example_values(graph, example)
+    if args.eval_every:
+        check_held_out(example)
+    check_first_batch(example, graph, batch_size=_train_global_batch(args), held_out=bool(args.eval_every))
 
 
 def _train_rank(args: argparse.Namespace, config) -> int:
@@ -477,11 +486,16 @@ def _train_rank(args: argparse.Namespace, config) -> int:
     else:  # a multi-node job (or torchrun run by hand): rank 0 plans for the ranks started
         from partita.cli.multinode import job_plan
 
+        _check_job_data(args, example, graph)  # on every rank: see there
         plan = job_plan(
             args,
             graph,
             lambda num_devices, num_nodes: _plan_now(
-                args, example, graph, lambda: _cluster(args, num_devices=num_devices, num_nodes=num_nodes)
+                args,
+                example,
+                graph,
+                lambda: _cluster(args, num_devices=num_devices, num_nodes=num_nodes),
+                check_data=False,
             ),
         )
     summary = train(example, plan, graph, config)

@@ -15,6 +15,7 @@ from typing import Any
 
 from partita.errors import InputError
 from partita.types import OptimizerKind, Plan
+from partita.units import fmt_bytes
 
 __all__ = ["check_plan_flags", "check_planning_only_flags"]
 
@@ -24,10 +25,11 @@ def check_plan_flags(args: argparse.Namespace, plan: Plan, path: str, *, memory_
     ``memory_bytes`` is ``--memory`` parsed (None when not given)."""
     for flag, given, planned in _flags_and_plan(args, plan, memory_bytes):
         if given is not None and given != planned:
+            show = fmt_bytes if flag == "memory" else _text
             raise InputError(
-                f"--{flag} {_text(given)} disagrees with the plan {path}, which has {flag.replace('-', ' ')} "
-                f"{_text(planned)}: with --plan nothing is planned, so the flag would change nothing; drop "
-                f"--{flag} to train as the plan says, or re-plan with --{flag} {_text(given)} (without --plan)"
+                f"--{flag} {show(given)} disagrees with the plan {path}, which has {flag.replace('-', ' ')} "
+                f"{show(planned)}: with --plan nothing is planned, so the flag would change nothing; drop "
+                f"--{flag} to train as the plan says, or re-plan with --{flag} {show(given)} (without --plan)"
             )
     _check_optimizer(args.optimizer, plan, path)
 

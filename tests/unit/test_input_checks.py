@@ -34,6 +34,7 @@ from partita.planning.manual import manual_plan
 from partita.planning.options import PlanOptions
 from partita.types import OptimizerKind, Precision, Schedule, Sharding
 from partita.types.choices import ALIASES
+from partita.units import fmt_bytes
 
 CLI = importlib.import_module("partita.cli.main")
 LAUNCH = importlib.import_module("partita.runtime.launch")
@@ -87,7 +88,10 @@ def test_planner_flags_that_disagree_with_the_plan_file_are_refused(plan_file, m
         (["--schedule", "zbv"], "--schedule zbv disagrees .* which has schedule 1f1b"),
         (["--replicas", "2"], "--replicas 2 disagrees .* which has replicas 1"),
         (["--microbatches", str(2 * m)], f"--microbatches {2 * m} disagrees .* which has microbatches {m}"),
-        (["--memory", "1GiB"], f"--memory {2**30} disagrees .* which has memory {plan.cluster.memory_bytes}"),
+        (
+            ["--memory", "1GiB"],
+            f"--memory {fmt_bytes(2**30)} disagrees .* which has memory {fmt_bytes(plan.cluster.memory_bytes)}",
+        ),
         (["--cache-dir", str(tmp_path)], "--cache-dir .* with --plan .*: --cache-dir is where planning writes"),
         (["--plan-out", str(tmp_path / "p.json")], "--plan-out .* with --plan"),
     ]
