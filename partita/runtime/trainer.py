@@ -51,8 +51,10 @@ with the same seed repeats itself; the global RNG state the user sees is left un
 Batches of other shapes: a plan is made at the example's shapes, the longest the job will see. A
 batch padded to a shorter length (or bucketed) runs the model captured again at its shapes, split
 at the matching nodes into the same stages and reading the same tensors (variants.py): once per
-distinct shape, without re-planning. A longer batch is refused (the memory fit holds up to the
-captured sizes). ``evaluate`` runs the model captured in eval mode the same way, forwards only.
+distinct shape, without re-planning; a sharded stage's variant runs through the same FSDP2
+module (sharding.py). A longer batch is refused (the memory fit holds up to the captured sizes),
+and so is one of another dtype or of shapes the model cannot be captured at, naming its inputs.
+``evaluate`` runs the model captured in eval mode the same way, forwards only.
 
 Precision and sharding (``Plan.precision``, ``StagePlan.sharding``): bf16 plans run every stage
 under autocast with fp32 master weights and send activations in bf16 (precision.py); a stage
