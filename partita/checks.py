@@ -31,19 +31,20 @@ def optional_positive_int(value: Any, name: str) -> int | None:
 def parse_choice(cls: type[E], value: Any, name: str, aliases: Mapping[str, str] | None = None) -> E:
     """The member of the string enum ``cls`` that ``value`` names.
 
-    Case, ``-`` and ``_`` are ignored (``"1F1B"``, ``"interleaved-1f1b"``); ``aliases`` maps other
-    spellings to a member's value. InputError lists the accepted values.
+    Case, ``-`` and ``_`` are ignored (``"1F1B"``, ``"interleaved-1f1b"``), in ``aliases`` too, which
+    maps other spellings to a member's value. InputError lists the accepted values and aliases.
     """
     if isinstance(value, cls):
         return value
     aliases = aliases or {}
 
-    def key(text: str) -> str:
+    def key(text: Any) -> str:
         return str(text).lower().replace("-", "").replace("_", "")
 
-    wanted = key(aliases.get(str(value).lower(), value))
+    wanted = key({key(a): v for a, v in aliases.items()}.get(key(value), value))
     for member in cls:
         if key(member.value) == wanted:
             return member
     choices = ", ".join(repr(m.value) for m in cls)
-    raise InputError(f"{name}={value!r} is not one of {choices}")
+    also = f" (or {', '.join(repr(a) for a in aliases)})" if aliases else ""
+    raise InputError(f"{name}={value!r} is not one of {choices}{also}")

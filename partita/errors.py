@@ -69,3 +69,8 @@ class CollectiveTimeoutError(PartitaError, TimeoutError):
 
 def _collective_timeout_error(message: str, step: int, rank: int, behind: tuple) -> CollectiveTimeoutError:
     return CollectiveTimeoutError(message, step=step, rank=rank, behind=behind)
+
+
+class RendezvousTimeoutError(PartitaError, TimeoutError):
+    """The nodes of a multi-node job did not all join the rendezvous within the rendezvous timeout
+    (``partita train --rdzv-timeout``): another node was not started, or cannot reach the endpoint."""

@@ -53,7 +53,9 @@ a, k = step_kwargs(ex, batch)
 trainer.step(*a, **k)  # builds torch's schedule
 
 flat = flatten_inputs(graph, a, k)
-metadata = stage_metadata(trainer._stages.all_stages, narrow_batch(graph, flat, 0, plan.microbatch_size), torch.device("cpu"))
+metadata = stage_metadata(
+    trainer._stages.all_stages, narrow_batch(graph, flat, 0, plan.microbatch_size), torch.device("cpu")
+)
 stage = trainer.stages[0]
 executor = UnevenExecutor(graph, plan, stage, 0, metadata[stage.spec.index], torch.device("cpu"))
 

@@ -357,11 +357,47 @@ def flatten_call_inputs(graph: OpGraph, args: tuple = (), kwargs: dict | None = 
     flat, spec = pytree.tree_flatten(call)
     if spec != in_spec:
         raise InputError(
-            f"the inputs do not have the captured structure: expected {in_spec}, got {spec}. Pass the same "
-            "positional arguments and keyword names as at capture"
+            f"the inputs do not have the structure the model was captured with: {_differences(graph, args, kwargs, target)}. "
+            "Pass the same positional inputs and keyword names as at capture, each a tensor where the example "
+            "had one" + (", and the loss target as target=" if graph.has_loss_fn else "")
         )
     check_flat_inputs(graph, flat)
     return flat
+
+
+def _differences(graph: OpGraph, args: tuple, kwargs: Any, target: Any) -> str:
+    """How ``(args, kwargs, target)`` differ from the example the graph was captured with, in words
+    (a TreeSpec dump says it only to those who read pytree's internals)."""
+    if graph.example_inputs is None:
+        return "its structure differs"
+    example_args, example_kwargs, _ = graph.example_inputs
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
+    found = []
+    if len(args) != len(example_args):
+        found.append(f"{len(args)} positional input(s) given, the example had {len(example_args)}")
+    missing, unknown = sorted(set(example_kwargs) - set(kwargs)), sorted(set(kwargs) - set(example_kwargs))
+    if missing:
+        found.append(f"keyword input(s) {missing} missing")
+    if unknown:
+        found.append(f"keyword input(s) {unknown} not in the example")
+    pairs = [(f"args[{i}]", a, e) for i, (a, e) in enumerate(zip(args, example_args))]
+    pairs += [(f"kwargs[{k!r}]", kwargs[k], example_kwargs[k]) for k in example_kwargs if k in kwargs]
+    for where, given, example in pairs:
+        if pytree.tree_structure(given) != pytree.tree_structure(example):
+            found.append(f"{where} is {_kind(given)}, the example's was {_kind(example)}")
+    if graph.has_loss_fn and target is None:
+        found.append("no target= given (the model was captured with a loss_fn)")
+    elif graph.has_loss_fn and pytree.tree_structure(target) != pytree.tree_structure(graph.example_inputs[2]):
+        found.append(f"target is {_kind(target)}, the example's was {_kind(graph.example_inputs[2])}")
+    return "; ".join(found) or "its structure differs"
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)} item(s)"
+    return f"a {type(value).__name__}"
 
 
 def _reorder_like(kwargs: Any, spec: Any) -> Any:

@@ -7,11 +7,11 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import sys
 import warnings
 from collections.abc import Sequence
 
-from partita.cli.optimizers import OPTIMIZER_KINDS
 from partita.cli.parser import DEFAULT_TRAIN_GLOBAL_BATCH, build_parser
 from partita.errors import PartitaError
 from partita.planning.options import PlanOptions
@@ -77,7 +77,7 @@ def _plan_options(args: argparse.Namespace):
         num_microbatches=args.microbatches,
         recompute=None if recompute is None else recompute == "yes",
         uniform_replicas=True if args.uniform_replicas else None,
-        optimizer=OPTIMIZER_KINDS.get(args.optimizer, args.optimizer),
+        optimizer=args.optimizer,  # train: a torch optimizer's name, which OptimizerKind.parse reads too
         precision=getattr(args, "precision", None),
         sharding=getattr(args, "sharding", None),
         tensor_parallel=getattr(args, "tensor_parallel", None),
@@ -186,7 +186,8 @@ def _train(args: argparse.Namespace) -> int:
     _check_train_flags(args)
     nodes = Nodes.from_args(args)
     if under_torchrun():
-        return _train_rank(args, config)
+        return _train_rank(args, config)  # a restarted rank may find every step done: it stops quietly
+    _check_before_launch(args)
     if nodes.num_nodes > 1:
         plan_nproc = functools.partial(
             _processes_for_plan_file,
@@ -314,6 +315,47 @@ def _check_plan_global_batch(path: str, plan, global_batch: int | None, accumula
         )
 
 
+def _check_before_launch(args: argparse.Namespace) -> None:
+    """The launcher's own checks: --resume that would train nothing, and with --plan the planning
+    flags, the planner flags against the plan and a factory's data (InputError before any process)."""
+    import partita
+    from partita.cli.plan_flags import check_planning_only_flags
+    from partita.cli.train_loop import check_resume_steps
+
+    if args.resume and args.checkpoint_dir:
+        check_resume_steps(args.checkpoint_dir, args.steps)
+    if args.plan:
+        check_planning_only_flags(args)
+        plan = partita.Plan.load(args.plan)
+        _check_flags_against_plan(args, plan)
+        _check_data_for_plan(args, plan)
+
+
+def _check_flags_against_plan(args: argparse.Namespace, plan) -> None:
+    """The planner's flags given with --plan must agree with the plan (partita.cli.plan_flags)."""
+    from partita.cli.plan_flags import check_plan_flags
+
+    check_plan_flags(args, plan, args.plan, memory_bytes=_parse_bytes(args.memory))
+
+
+def _check_data_for_plan(args: argparse.Namespace, plan) -> None:
+    """With --plan the launcher plans nothing, but a factory's data is still checked before any
+    process starts (its first batches, as planning checks them): the model is loaded and captured here."""
+    from partita.cli.model_spec import is_factory_spec
+    from partita.training.data_source import check_first_batch, check_held_out
+
+    if not is_factory_spec(args.model):
+        return  # zoo models' batches are made to fit
+    example = _load(args)
+    if args.eval_every:
+        check_held_out(example)
+    if getattr(example, "data", None) is None and getattr(example, "eval_data", None) is None:
+        return
+    graph = _capture(example)
+    step_samples = plan.global_batch_size * args.accumulate
+    check_first_batch(example, graph, batch_size=step_samples, held_out=bool(args.eval_every))
+
+
 def _check_example_values(graph, example) -> None:
     """The example's own inputs against the graph's embeddings and loss (before planning profiles them)."""
     from partita.runtime.batch_values import check_batch_values
@@ -362,7 +404,7 @@ def _plan_for_training(args: argparse.Namespace):
     example = _load(args)
     graph = _capture(example)
     nproc = 2 if args.nproc is None else args.nproc
-    plan = _plan_now(args, example, graph, _cluster(args, num_devices=nproc))
+    plan = _plan_now(args, example, graph, lambda: _cluster(args, num_devices=nproc))
     path = _with_parent(args.plan_out) or os.path.join(tempfile.mkdtemp(prefix="partita-"), "plan.json")
     plan.save(path)
     rounds = f", {args.accumulate} rounds per optimizer step" if args.accumulate > 1 else ""
@@ -373,25 +415,36 @@ def _plan_for_training(args: argparse.Namespace):
     return path, example, plan.num_devices
 
 
-def _plan_now(args: argparse.Namespace, example, graph, cluster):
-    """Check the example's data, then plan one pipeline round (--global-batch / --accumulate samples)."""
+def _plan_now(args: argparse.Namespace, example, graph, make_cluster, *, check_data: bool = True):
+    """Check the example's data (``_check_job_data``, unless the caller did), then plan one pipeline
+    round (--global-batch / --accumulate samples) for ``make_cluster()`` (made after the checks:
+    measuring this machine takes a while)."""
     import partita
-    from partita.training.data_source import check_first_batch, check_held_out
 
-    _check_example_values(graph, example)
-    check_first_batch(example, graph)  # a wrong data source fails here, not in every process
-    if args.eval_every:
-        check_held_out(example)
+    if check_data:
+        _check_job_data(args, example, graph)
     return partita.plan(
         graph,
         example.args,
         example.kwargs,
         loss_fn=example.loss_fn,
         target=example.target,
-        cluster=cluster,
+        cluster=make_cluster(),
         global_batch_size=_train_global_batch(args) // args.accumulate,
         options=_plan_options(args),
     )
+
+
+def _check_job_data(args: argparse.Namespace, example, graph) -> None:
+    """The example's values and the factory's data sources (their first batches), before planning.
+    Reading a source advances its state (a DataLoader draws from its generator for every new
+    iterator), so in a job's processes every rank runs this, and then all read the same batches."""
+    from partita.training.data_source import check_first_batch, check_held_out
+
+    _check_example_values(graph, example)
+    if args.eval_every:
+        check_held_out(example)
+    check_first_batch(example, graph, batch_size=_train_global_batch(args), held_out=bool(args.eval_every))
 
 
 def _train_rank(args: argparse.Namespace, config) -> int:
@@ -429,14 +482,20 @@ def _train_rank(args: argparse.Namespace, config) -> int:
     if args.plan:
         plan = partita.Plan.load(args.plan, graph=graph)
         _check_plan_global_batch(args.plan, plan, args.global_batch, args.accumulate)
+        _check_flags_against_plan(args, plan)
     else:  # a multi-node job (or torchrun run by hand): rank 0 plans for the ranks started
         from partita.cli.multinode import job_plan
 
+        _check_job_data(args, example, graph)  # on every rank: see there
         plan = job_plan(
             args,
             graph,
             lambda num_devices, num_nodes: _plan_now(
-                args, example, graph, _cluster(args, num_devices=num_devices, num_nodes=num_nodes)
+                args,
+                example,
+                graph,
+                lambda: _cluster(args, num_devices=num_devices, num_nodes=num_nodes),
+                check_data=False,
             ),
         )
     summary = train(example, plan, graph, config)
@@ -453,12 +512,13 @@ def _train_rank(args: argparse.Namespace, config) -> int:
         if summary.eval_losses:
             ends = dict([summary.eval_losses[0], summary.eval_losses[-1]])  # step -> loss, once if one
             print("eval loss: " + " -> ".join(f"{loss:.4f} (step {step})" for step, loss in ends.items()))
-        print(
-            table(
-                ["", "predicted", "measured"],
-                [(name, fmt_seconds(p), fmt_seconds(m)) for name, p, m in timing_rows(plan, summary)],
+        if summary.losses:  # none when a restart found every step done
+            print(
+                table(
+                    ["", "predicted", "measured"],
+                    [(name, fmt_seconds(p), fmt_seconds(m)) for name, p, m in timing_rows(plan, summary)],
+                )
             )
-        )
         if args.losses_out:
             write_losses(args.losses_out, summary)
     dist.destroy_process_group()
@@ -499,10 +559,26 @@ def _parse_bytes(text: str | None) -> int | None:
     return int(value)
 
 
+_NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _joined_negative_numbers(argv: list[str]) -> list[str]:
+    """``--flag -1e-3`` as ``--flag=-1e-3``: argparse takes a negative number in scientific notation
+    for an option and fails with "expected one argument" (plain ``-0.001`` it reads as a value)."""
+    joined: list[str] = []
+    for token in argv:
+        previous = joined[-1] if joined else ""
+        if _NEGATIVE_NUMBER.fullmatch(token) and previous.startswith("--") and "=" not in previous:
+            joined[-1] = f"{previous}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # torch's own pytree code trips its LeafSpec deprecation in every process; nothing a user can act on.
     warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _joined_negative_numbers(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:

@@ -1,6 +1,7 @@
 """Resolve a MODEL argument of the command line: a zoo name or ``path/to/file.py:factory``.
 
-A factory is called with no arguments (torch's RNG seeded with ``--seed``) and returns one of:
+A factory is called with no arguments (torch's RNG seeded with ``--seed``; its file's folder on
+``sys.path``, so that it may import modules beside it) and returns one of:
 
 - ``(model, inputs)``: the model returns its own loss, as HF models do with ``labels=``;
 - ``(model, inputs, loss_fn, target)``: the loss is ``loss_fn(model(*inputs), target)``;
@@ -81,6 +82,7 @@ def _load_factory(spec: str, seed: int = 0) -> Example:
         raise ModelSpecError(
             f"model file {path!r} (from MODEL {spec!r}) does not exist: give an existing path/to/file.py:factory"
         )
+    _put_folder_on_path(path)
     module_name = f"_partita_user_{abs(hash(os.path.abspath(path)))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -95,6 +97,14 @@ def _load_factory(spec: str, seed: int = 0) -> Example:
         torch.manual_seed(seed)
         result = factory()
     return _as_example(spec, result)
+
+
+def _put_folder_on_path(path: str) -> None:
+    """The factory file's folder first on ``sys.path``, as ``python file.py`` puts it: the file may
+    import its sibling modules (``from tiny import Model``)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
 
 
 @dataclass(frozen=True)

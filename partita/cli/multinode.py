@@ -18,13 +18,14 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from partita.errors import InputError
+from partita.errors import InputError, RendezvousTimeoutError
 from partita.types import Plan
 from partita.types.cluster import Cluster
 
 __all__ = ["Nodes", "job_plan", "launch_nodes", "local_nodes_cluster", "plan_on_rank0"]
 
 RDZV_BACKENDS = ("c10d", "static")
+DEFAULT_RDZV_TIMEOUT_S = 600  # torchrun's own default for both backends
 _ENDPOINT_EXAMPLE = "node0.example.com:29400"
 
 
@@ -36,6 +37,8 @@ class Nodes:
     are assigned when the nodes meet) or static (node ``node_rank`` gets ranks ``node_rank x
     --nproc`` on; node 0 must be the endpoint). ``run_id`` is the same on every node; by default
     it is made from the endpoint, which every node shares and no two running jobs do.
+    ``timeout_s``: how long a node waits for all nodes to join before it gives up
+    (RendezvousTimeoutError); torchrun's ``join_timeout`` (c10d) or ``timeout`` (static).
     """
 
     num_nodes: int = 1
@@ -43,6 +46,7 @@ class Nodes:
     endpoint: str | None = None
     backend: str = "c10d"
     run_id: str | None = None
+    timeout_s: int = DEFAULT_RDZV_TIMEOUT_S
 
     def __post_init__(self) -> None:
         n, k = self.num_nodes, self.node_rank
@@ -55,6 +59,11 @@ class Nodes:
             )
         if self.backend not in RDZV_BACKENDS:
             raise InputError(f"--rdzv-backend {self.backend!r} is not one of {', '.join(RDZV_BACKENDS)}")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise InputError(
+                f"--rdzv-timeout must be a whole number of seconds >= 1 (how long a node waits for the others), got {t!r}"
+            )
         if n == 1:
             return
         if self.endpoint is None:
@@ -81,6 +90,7 @@ class Nodes:
                 ("--rdzv-endpoint", args.rdzv_endpoint),
                 ("--rdzv-backend", args.rdzv_backend),
                 ("--rdzv-id", args.rdzv_id),
+                ("--rdzv-timeout", args.rdzv_timeout),
             )
             if value is not None
         ]
@@ -95,6 +105,7 @@ class Nodes:
             endpoint=args.rdzv_endpoint,
             backend=args.rdzv_backend or "c10d",
             run_id=args.rdzv_id,
+            timeout_s=DEFAULT_RDZV_TIMEOUT_S if args.rdzv_timeout is None else args.rdzv_timeout,
         )
 
     def torchrun_args(self) -> list[str]:
@@ -104,6 +115,7 @@ class Nodes:
             f"--rdzv-backend={self.backend}",
             f"--rdzv-endpoint={self.endpoint}",
             f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf={'join_timeout' if self.backend == 'c10d' else 'timeout'}={self.timeout_s}",
         ]
         if self.backend == "static":  # c10d assigns node ranks itself (torchrun warns that it ignores one)
             argv.append(f"--node-rank={self.node_rank}")
@@ -148,7 +160,43 @@ def launch_nodes(args: argparse.Namespace, nodes: Nodes, plan_nproc: Callable[[]
             f"node {nodes.node_rank}: starting {nproc} of {world} processes; rank 0 of the job plans for "
             f"{nodes.num_nodes} nodes x {nproc} and shares the plan"
         )
-    launch_local(args.argv, nproc=nproc, max_restarts=args.max_restarts, rendezvous=nodes.torchrun_args())
+    print(
+        f"node {nodes.node_rank}: waiting up to {nodes.timeout_s} s (--rdzv-timeout) for all {nodes.num_nodes} nodes "
+        f"to join the rendezvous at {nodes.endpoint} (run id {nodes.run_id}, backend {nodes.backend})",
+        flush=True,
+    )
+    try:
+        launch_local(args.argv, nproc=nproc, max_restarts=args.max_restarts, rendezvous=nodes.torchrun_args())
+    except Exception as e:
+        if not _is_rendezvous_timeout(e):
+            raise
+        raise RendezvousTimeoutError(
+            f"node {nodes.node_rank}: not all {nodes.num_nodes} nodes joined the rendezvous at {nodes.endpoint} within "
+            f"{nodes.timeout_s} s (--rdzv-timeout): start the same command on every node, each with its own "
+            f"--node-rank (0 to {nodes.num_nodes - 1}) and the same --rdzv-endpoint {nodes.endpoint} and --rdzv-id; "
+            f"check that every node reaches {nodes.endpoint} (host name, firewall); or give the nodes longer to "
+            f"start with a larger --rdzv-timeout (torchrun: {_first_line(e)})"
+        ) from e
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _is_rendezvous_timeout(error: BaseException) -> bool:
+    """torchrun's rendezvous gave up waiting: c10d raises RendezvousTimeoutError; static, a store
+    that timed out waiting for the other nodes (DistStoreError) or connecting to node 0's (DistNetworkError)."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError as TorchRendezvousTimeout
+
+    for e in (error, error.__cause__, error.__context__):
+        text = str(e).lower()
+        if isinstance(e, TorchRendezvousTimeout) or (
+            isinstance(e, DistError) and ("timeout" in text or "timed out" in text)
+        ):
+            return True
+    return False
 
 
 def job_plan(args: argparse.Namespace, graph, plan_for: Callable[[int, int], Plan]) -> Plan:

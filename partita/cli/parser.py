@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
+from partita.cli.multinode import DEFAULT_RDZV_TIMEOUT_S
 from partita.cli.optimizers import OPTIMIZERS
+from partita.errors import InputError
 from partita.planning.options import CostSource
 from partita.training.lr_schedule import LR_SCHEDULES
-from partita.types import Precision, Sharding
+from partita.types import OptimizerKind, Precision, Schedule, Sharding
+from partita.types.choices import spellings
 
 MODEL_HELP = (
     "a built-in example (gpt2, bert, llama, mixtral, t5, vit, mlp, cnn; with a size: gpt2-xl, llama-7b, mixtral-8x7b) "
@@ -22,6 +26,26 @@ _UNIFORM_REPLICAS_HELP = (
     "search only pp x dp meshes (by default stages may also get different replica counts, GPipe/1F1B, "
     "without tensor parallelism: every shape up to 64 devices, the best uniform plans' shapes beyond)"
 )
+
+
+def _choice(cls: type) -> Callable[[str], str]:
+    """argparse ``type=`` for a choice of partita.types.choices: the one vocabulary PlanOptions
+    parses too (values and aliases), kept as the member's value; argparse's error lists them."""
+
+    def parse(text: str) -> str:
+        try:
+            return cls.parse(text).value
+        except InputError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = cls.__name__.lower()
+    return parse
+
+
+def _add_schedule(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--schedule", default=None, type=_choice(Schedule), help=f"pin the schedule: {spellings(Schedule)}"
+    )
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,16 +66,16 @@ def _add_precision_sharding(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--precision",
         default=None,
-        choices=[p.value for p in Precision],
-        help="compute dtype: bf16 (fp32 master weights, optimizer state and gradient reduction) or fp32 "
-        "(default: bf16 on GPU device types, fp32 on the CPU)",
+        type=_choice(Precision),
+        help=f"compute dtype, {spellings(Precision)}: bf16 (fp32 master weights, optimizer state and gradient "
+        "reduction) or fp32 (default: bf16 on GPU device types, fp32 on the CPU)",
     )
     parser.add_argument(
         "--sharding",
         default=None,
-        choices=[s.value for s in Sharding],
-        help="pin how every stage's replicas share parameters, gradients and optimizer state (default: "
-        "searched per stage; stages with one replica replicate)",
+        type=_choice(Sharding),
+        help=f"pin how every stage's replicas share parameters, gradients and optimizer state, {spellings(Sharding)} "
+        "(default: searched per stage; stages with one replica replicate)",
     )
     parser.add_argument(
         "--tensor-parallel",
@@ -96,6 +120,14 @@ def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ID",
         help="the job's id, the same on every node (default: made from --rdzv-endpoint)",
     )
+    parser.add_argument(
+        "--rdzv-timeout",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help=f"how long each node waits for all --nnodes nodes to join the rendezvous before it gives up with "
+        f"an error (default {DEFAULT_RDZV_TIMEOUT_S})",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="number of nodes the devices are spread over (must divide --devices; 1 for cpu)",
     )
     plan.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
-    plan.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
+    _add_schedule(plan)
     plan.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
     plan.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
     plan.add_argument(
@@ -143,7 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
     plan.add_argument("--recompute", default=None, choices=["yes", "no"], help="pin activation recomputation")
-    plan.add_argument("--optimizer", default="adam", help="adam, sgd-momentum or sgd (sets optimizer-state memory)")
+    plan.add_argument(
+        "--optimizer",
+        default="adam",
+        type=_choice(OptimizerKind),
+        help=f"what the optimizer keeps per parameter (sets optimizer-state memory): {spellings(OptimizerKind)}",
+    )
     _add_precision_sharding(plan)
     plan.add_argument(
         "--costs",
@@ -210,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         "optimizer once per K rounds (the whole --global-batch); K must divide --global-batch",
     )
     train.add_argument("--memory", default=None, help="memory per process for planning, e.g. 512MiB")
-    train.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, zbv")
+    _add_schedule(train)
     train.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
     train.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
     train.add_argument(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ import torch
 from partita.cli.optimizers import OPTIMIZERS
 from partita.errors import InputError
 from partita.runtime.numerics import NonFinitePolicy
-from partita.training.fit import FitConfig, FitResult, run_loop
+from partita.training.fit import FitConfig, FitResult, resume_past_steps_message, run_loop
 from partita.training.lr_schedule import check_lr_schedule, lr_scheduler_factory
 from partita.types import OpGraph, Plan
 
@@ -67,6 +68,7 @@ def train(example, plan: Plan, graph: OpGraph, config: TrainConfig) -> FitResult
         progress=config.progress,
         trace_dir=config.trace_dir,
         seed=config.seed,
+        cli=True,
     )
     torch.manual_seed(config.seed)
     trainer = Trainer(
@@ -144,3 +146,15 @@ def timing_rows(plan: Plan, summary: FitResult) -> list[tuple]:
     steps = summary.step_s[skip:]
     rows.append(("step", plan.predicted_step_s, statistics.median(steps) if steps else float("nan")))
     return rows
+
+
+def check_resume_steps(checkpoint_dir: str, steps: int) -> None:
+    """Before launch: InputError when the latest complete checkpoint that ``--resume`` would load is
+    already at ``steps`` or beyond (by its name; the processes check the one they load again)."""
+    from partita.runtime.checkpoint_dir import CHECKPOINT_PATTERN, complete_checkpoints
+
+    found = complete_checkpoints(checkpoint_dir)
+    if found:
+        step = int(CHECKPOINT_PATTERN.match(os.path.basename(found[0])).group(1))
+        if step >= steps:
+            raise InputError(resume_past_steps_message(found[0], step, steps, cli=True))

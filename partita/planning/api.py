@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from partita.errors import InputError
 from partita.planning.baselines import baseline_outcomes
 from partita.planning.context import PlanningContext, plan_key, planning_context
 from partita.planning.driver import best_of_contexts
@@ -23,10 +24,10 @@ from partita.planning.infeasible import infeasible_error, memory_bound
 from partita.planning.options import PlanOptions
 from partita.planning.search import divisors
 from partita.planning.tensor_parallel import degree_contexts
-from partita.types import OpGraph, Plan
+from partita.types import OpGraph, Plan, Sharding
 from partita.types.cluster import Cluster
 
-__all__ = ["PlanningResult", "plan", "plan_with_baselines"]
+__all__ = ["PlanningResult", "check_sharding_applied", "plan", "plan_with_baselines"]
 
 
 def plan(
@@ -65,7 +66,9 @@ def plan(
         options=options,
         batch_dims=batch_dims,
     )
-    return _best_or_raise(degree_contexts(ctx, options.tensor_parallel, uneven=options.uniform_replicas is False))[0]
+    best = _best_or_raise(degree_contexts(ctx, options.tensor_parallel, uneven=options.uniform_replicas is False))[0]
+    check_sharding_applied(best, options)
+    return best
 
 
 @dataclass(frozen=True)
@@ -111,8 +114,24 @@ def plan_with_baselines(
     best, chosen = _best_or_raise(
         degree_contexts(ctx, options.tensor_parallel, uneven=options.uniform_replicas is False)
     )
+    check_sharding_applied(best, options)
     baselines, reasons = baseline_outcomes(chosen, best)
     return PlanningResult(best, baselines, chosen, reasons)
+
+
+def check_sharding_applied(plan: Plan, options: PlanOptions) -> None:
+    """InputError when a pinned sharding level other than replicate shards no stage of the best plan
+    (the search leaves out one replica per rank group, but stages that share a weight with another
+    stage always replicate): a pin is never dropped without a word."""
+    pinned = options.sharding
+    if pinned is None or pinned is Sharding.REPLICATE or any(s.sharding is pinned for s in plan.stages):
+        return
+    shape = ", ".join(f"stage {s.index}: {s.num_replicas} replica(s)" for s in plan.stages)
+    raise InputError(
+        f"sharding={pinned.value!r} is pinned, but the best plan that fits shards no stage ({shape}): stages "
+        "that share a weight with another stage (tied embeddings) always replicate; pin replicas and num_stages "
+        "so that a stage without tied weights has several replicas, or unpin sharding"
+    )
 
 
 def _best_or_raise(contexts: list[PlanningContext]) -> tuple[Plan, PlanningContext]:

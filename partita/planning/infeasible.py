@@ -37,7 +37,7 @@ from partita.planning.options import recompute_allowed
 from partita.planning.search import spread_state_bytes
 from partita.planning.tensor_parallel import DEGREES, check_degree, find_layout, split_crossings, with_layout
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
-from partita.types import OptimizerKind, Precision, Schedule, Sharding
+from partita.types import OptimizerKind, Precision, Schedule
 from partita.types.cluster import Cluster
 from partita.units import fmt_bytes
 
@@ -203,7 +203,7 @@ def _fixes(checker: _Checker) -> list[Fix]:
     pinned_degree = base.resolved.get("tensor_parallel")
     if pinned_degree is not None:
         fixes += checker.other_degree(pinned_degree)
-    if o.sharding in (Sharding.REPLICATE, Sharding.SHARD_GRADS_AND_OPTIMIZER):
+    if o.sharding is not None:  # full_shard too: a pinned level needs several replicas per rank group
         fixes += checker.option("sharding", None, f"unpin sharding={o.sharding.value!r} (the search tries every level)")
     if o.recompute is False:
         fixes += checker.option("recompute", None, "unpin recompute=False (recomputation where a stage needs it)")

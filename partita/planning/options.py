@@ -83,6 +83,11 @@ class PlanOptions:
         set_(self, "optimizer", OptimizerKind.parse(self.optimizer))
         set_(self, "costs", parse_choice(CostSource, self.costs, "costs"))
         if self.cache_dir is not None:
+            if not isinstance(self.cache_dir, (str, os.PathLike)):
+                raise InputError(
+                    f"cache_dir must be a folder path (str or os.PathLike) or None (the user cache folder), got "
+                    f"{self.cache_dir!r} of type {type(self.cache_dir).__name__}"
+                )
             set_(self, "cache_dir", os.fspath(self.cache_dir))
         if self.recompute and not any(recompute_allowed(s) for s in self.schedules):
             names = ", ".join(repr(s.value) for s in self.schedules)

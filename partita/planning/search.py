@@ -132,12 +132,15 @@ def enumerate_configs(options: SearchOptions, num_blocks: int) -> Iterator[Confi
     """Every config the options allow, in a fixed order (deterministic results). A replica count
     divides the global batch, and the units unless ``options.idle_units``: then ``G`` rank groups
     of ``r`` use ``G r < N`` units, e.g. a batch of 1,536 on 1,000 devices in groups of 24 or 12,
-    which no count dividing 1,000 and 1,536 (at most 8) gives."""
+    which no count dividing 1,000 and 1,536 (at most 8) gives. A pinned sharding level other than
+    replicate leaves out one replica per rank group (nothing to shard: the pin would be dropped)."""
     n, batch = options.num_devices, options.global_batch_size
     if options.replicas is not None:
         counts = [] if options.idle_units else [options.replicas]  # pinned: any count, searched once
     else:
         counts = [r for r in divisors(batch) if (n % r != 0) == options.idle_units]
+        if options.sharding not in (None, Sharding.REPLICATE):  # a pinned level needs replicas to shard over
+            counts = [r for r in counts if r > 1]
     for r in counts:
         if batch % r or r > n:
             continue

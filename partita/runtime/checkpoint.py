@@ -13,6 +13,8 @@ Keys (flat; ``<name>`` is a canonical parameter or buffer name, e.g. ``transform
     trainer.num_steps          optimizer steps taken (int64)
     trainer.lr_scheduler       the LR scheduler's state_dict (absent without a scheduler)
     trainer.meta               partita and torch versions, the graph fingerprint, the plan (as JSON data)
+    extra                      the caller's own small state (``extra_state``: e.g. where the training
+                               loop stands in its data), the same on every rank; absent if none given
     rng.cpu.<rank>             RNG states of each rank (``rng.cuda.<rank>`` on GPUs); a rank that the
                                writing run did not have takes rank 0's
 
@@ -107,17 +109,21 @@ class Checkpointer:
         self.stages, self.optimizer, self.lr_scheduler, self.count = stages, optimizer, lr_scheduler, count
         self.job_plan, self.graph_fingerprint = job_plan, graph_fingerprint
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the state to ``path``. Collective: call on every rank with the same path (a
-        filesystem all ranks share)."""
+    def save(self, path: str | os.PathLike, *, extra_state: dict | None = None) -> None:
+        """Write the state to ``path``, and ``extra_state`` (a small picklable dict, the same on every
+        rank) when given. Collective: call on every rank with the same path (a filesystem all ranks
+        share)."""
         path = os.fspath(path)
         partial = path + PARTIAL_SUFFIX
         rank = dist.get_rank()
         if rank == 0 and os.path.exists(partial):
             shutil.rmtree(partial)  # left by an interrupted write
         dist.barrier()
+        state = self._state_to_save()
+        if extra_state is not None:
+            state["extra"] = dict(extra_state)
         dcp.save(
-            self._state_to_save(),
+            state,
             storage_writer=FileSystemWriter(partial),
             planner=DefaultSavePlanner(flatten_state_dict=False, dedup_save_to_lowest_rank=True),
         )
@@ -134,11 +140,13 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
 
-    def load(self, path: str | os.PathLike, *, verify: bool = True) -> None:
-        """Load a checkpoint written under any plan (model, optimizer, scheduler, step count, RNG).
-        Collective: call on every rank. With ``verify`` the files are first checked against the
-        checkpoint's manifest (InputError naming a damaged one); pass False for a checkpoint that
-        ``latest_intact_checkpoint`` has just verified."""
+    def load(self, path: str | os.PathLike, *, verify: bool = True) -> dict:
+        """Load a checkpoint written under any plan (model, optimizer, scheduler, step count, RNG) and
+        return its ``extra_state`` ({} when it has none). Collective: call on every rank. With
+        ``verify`` the files are first checked against the checkpoint's manifest (InputError naming a
+        damaged one); pass False for a checkpoint that ``latest_intact_checkpoint`` has just
+        verified. InputError when a parameter's shape differs from the checkpoint's (another model
+        under the same names), naming it, before anything is read."""
         if verify:
             _require_intact(os.fspath(path), _collective_damage(os.fspath(path)))
         stored = _stored_keys(path)
@@ -162,6 +170,9 @@ class Checkpointer:
         if self.lr_scheduler is not None:
             state["trainer.lr_scheduler"] = None
         _require(stored, state, path)
+        _require_shapes(stored, state, path)
+        if "extra" in stored:
+            state["extra"] = None
         with _readable(path):
             dcp.load(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_load_planner())
         _keep_local_parts(self.stages, state)
@@ -172,6 +183,7 @@ class Checkpointer:
         torch.set_rng_state(state[rng_keys["cpu"]])
         if "cuda" in rng_keys:
             torch.cuda.set_rng_state(state[rng_keys["cuda"]], device)
+        return dict(state.get("extra") or {})
 
     def _state_to_save(self) -> dict[str, Any]:
         """The flat state dict this rank writes (see the module docstring for the keys)."""
@@ -227,6 +239,7 @@ def load_into_model(model: nn.Module, path: str | os.PathLike) -> None:
     names = canonical_names(model)
     state = {f"model.{names[id(t)]}": t.detach() for t in model.state_dict(keep_vars=True).values()}
     _require(stored, state, path)
+    _require_shapes(stored, state, path)
     with single_process(), _readable(path):
         dcp.load(state, storage_reader=FileSystemReader(os.fspath(path)), planner=_load_planner(), no_dist=True)
 
@@ -372,6 +385,22 @@ def _require(stored: dict[str, Any], state: dict[str, Any], path: str | os.PathL
             f"checkpoint {os.fspath(path)!r} lacks {len(missing)} entries this model needs, e.g. "
             f"{missing[:4]}: was it written for another model?"
         )
+
+
+def _require_shapes(stored: dict[str, Any], state: dict[str, Any], path: str | os.PathLike) -> None:
+    """InputError when a model tensor's shape differs from the one stored under its name (a model of
+    other sizes: DCP would fail reading it, in words that blame the files)."""
+    for key, value in state.items():
+        meta = stored.get(key)
+        if not key.startswith("model.") or not isinstance(value, torch.Tensor) or not hasattr(meta, "size"):
+            continue
+        whole = tuple(value.shape)  # a sharded stage's DTensor: its global shape
+        if tuple(meta.size) != whole:
+            raise InputError(
+                f"checkpoint {os.fspath(path)!r} holds {key[len('model.') :]} with shape {list(meta.size)}, but this "
+                f"model's has shape {list(whole)}: the checkpoint was written for a model of other sizes (a different "
+                "config under the same parameter names); build the model it was trained with, or start without it"
+            )
 
 
 def _load_optimizer(

@@ -26,7 +26,7 @@ split backward  ZBV runs each backward as an input-gradient pass, then a weight 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,13 +82,17 @@ class StageRunner(nn.Module):
         self.recompute = recompute
         self.fresh_outputs = fresh_outputs and not stage.spec.is_last
         self.compute = compute
-        self.keys = tuple(root_key(j) for j in stage.graph_input_indices)
+        # A variant of ``stage`` (the graph captured at other shapes, holding its tensors) to run in
+        # its place: set by ``runtime.sharding.standing_in`` while a variant's step runs through the
+        # FSDP2 module that wraps this runner. Kept out of the module tree, which FSDP2 manages.
+        self.__dict__["stand_in"] = None
 
     def forward(self, *received: torch.Tensor, **root_inputs: Any) -> Any:
-        inputs = (*received, *(root_inputs[key] for key in self.keys))
+        stage = self.stand_in or self.stage
+        inputs = (*received, *(root_inputs[root_key(j)] for j in stage.graph_input_indices))
         with self.compute.context():  # checkpoint's recomputation restores it too
-            out = checkpoint(self.stage, *inputs, use_reentrant=False) if self.recompute else self.stage(*inputs)
-        if self.stage.spec.is_last:
+            out = checkpoint(stage, *inputs, use_reentrant=False) if self.recompute else stage(*inputs)
+        if stage.spec.is_last:
             return out
         out = tuple(self.compute.boundary(t) for t in out)
         return tuple(t.clone() for t in out) if self.fresh_outputs else out
@@ -187,9 +191,12 @@ def make_pipeline_stages(
     pp_group: Any,
     runners: Mapping[int, nn.Module] | None = None,
     compute: Compute = FP32,
+    whole_backward: Collection[int] = (),
 ) -> list[PipelineStage]:
     """One PipelineStage per local stage (``stages``), with static metadata; ``runners`` by stage
-    index are used as they are (sharded ones, sharding.py), the other stages get a StageRunner."""
+    index are used as they are (sharded ones, sharding.py), the other stages get a StageRunner.
+    The stages of ``whole_backward`` (indices) run their whole backward in the input-gradient pass
+    of a split-backward schedule (sharding.whole_backward_stages says why)."""
     result = []
     for stage, flag in zip(stages, recompute):
         meta = metadata[stage.spec.index]
@@ -197,7 +204,8 @@ def make_pipeline_stages(
             stage, flag, fresh_outputs=schedule is Schedule.ZBV, compute=compute
         )
         # A dw_builder makes the input-gradient pass a full backward, and the weight pass a no-op.
-        whole = None if meta.split_backward_complete else _no_weight_pass
+        split = meta.split_backward_complete and stage.spec.index not in whole_backward
+        whole = None if split else _no_weight_pass
         result.append(
             PipelineStage(
                 runner,

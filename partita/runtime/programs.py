@@ -8,14 +8,20 @@ from typing import Any
 
 import torch
 
-from partita.errors import InputError
+from partita.errors import CaptureError, InputError
 from partita.runtime.precision import Compute
 from partita.runtime.process_groups import Topology
-from partita.runtime.sharding import sharded_stages
 from partita.runtime.stage_set import StageSet
 from partita.runtime.stages import batch_of, narrow_batch
 from partita.runtime.step_program import StepProgram
-from partita.runtime.variants import Shapes, captured_shapes, check_within_plan, input_shapes, variant_stages
+from partita.runtime.variants import (
+    Shapes,
+    captured_shapes,
+    check_within_plan,
+    input_shapes,
+    unsupported_shapes_message,
+    variant_stages,
+)
 from partita.types import OpGraph
 
 __all__ = ["StepPrograms"]
@@ -50,12 +56,22 @@ class StepPrograms:
     def __len__(self) -> int:
         return len(self._programs)
 
-    def for_batch(self, flat: list, args: tuple, kwargs: dict, target: Any, *, training: bool) -> StepProgram:
+    def __iter__(self):
+        """The (training, input shapes) keys of the programs built so far."""
+        return iter(self._programs)
+
+    def for_batch(
+        self, flat: list, args: tuple, kwargs: dict, target: Any, where: str, *, training: bool
+    ) -> StepProgram:
         """The program for this batch's shapes and mode: the planned graph's, or a variant captured
-        now (once per shape and mode)."""
+        now (once per shape and mode); InputError naming the batch's inputs when the model cannot be
+        captured at its shapes."""
         key = (training, input_shapes(self.graph, flat))
         if key not in self._programs:
-            self._programs[key] = self._variant(key[1], args, kwargs, target, training=training)
+            try:
+                self._programs[key] = self._variant(key[1], args, kwargs, target, training=training)
+            except CaptureError as e:
+                raise InputError(unsupported_shapes_message(self.graph, key[1], where, e)) from e
         return self._programs[key]
 
     def build(self, program: StepProgram, local: list) -> None:
@@ -77,12 +93,6 @@ class StepPrograms:
         plan = self.stages.plan
         planned = [list(s) for s in self.captured_shapes if s is not None]
         got = [list(s) for s in shapes if s is not None]
-        if training and sharded_stages(plan):  # FSDP2 reduces the gradients of its own forwards only
-            raise InputError(
-                f"stages {sorted(sharded_stages(plan))} are sharded (FSDP2), and sharded stages train at the "
-                f"planned shapes {planned} (batch dim left out) only; got {got}: pad the batches to the planned "
-                "shapes, or plan with sharding='replicate'"
-            )
         if self.stages.metadata is not None:  # the model is on meta: nothing to capture again from
             raise InputError(
                 "evaluate() is not available for a model built on the meta device (init_from=): it captures the "
@@ -100,6 +110,7 @@ class StepPrograms:
             self.topology,
             stages,
             accumulation_steps=self.accumulation_steps,
+            runners=self.stages.runners if training else None,  # sharded stages: FSDP2 runs the variant's too
             compute=self.compute,
             tensor_parallel=self.stages.tensor_parallel,
         )

@@ -18,10 +18,12 @@ rank's optimizer is built over them. Gradients are reduce-scattered as SUMS (div
 so that ``GradientSync`` scales every gradient once, sharded or not, and clips by the norm over
 all shards. Exactness is that of replicated training (fp32, up to summation order).
 
-Graphs captured at other shapes (runtime/variants.py) train on replicated stages only: FSDP2
-reduces the gradients of its own module's forwards. ``evaluate`` works on sharded stages too: the
-parameters are gathered whole (``unshard``) and bound into the eval graph's stages for its
-forwards, then resharded.
+Graphs captured at other shapes (runtime/variants.py: batches padded to a shorter length) train
+on sharded stages too, exactly: their stages hold the planned stages' containers, and a variant's
+step runs them through the same FSDP2 modules (``standing_in``), so FSDP2 gathers the parameters
+for their forwards and reduce-scatters the gradients of their backwards as for the planned graph.
+``evaluate`` gathers the parameters whole (``unshard``) for the eval graph's forwards, then
+reshards them.
 
 Refused with InputError, before training: a parameter read by a sharded stage and by another
 stage (tied weights across stages: their gradients would have to be summed shard by shard
@@ -45,18 +47,31 @@ from partita.types import Plan, Schedule, Sharding
 
 __all__ = [
     "check_sharding",
-    "gathered_for",
+    "gathered",
     "replica_mesh",
     "shard_runner",
     "sharded_names",
     "sharded_runners",
     "sharded_stages",
+    "standing_in",
+    "whole_backward_stages",
 ]
 
 
 def sharded_stages(plan: Plan) -> set[int]:
     """Indices of the stages that FSDP2 shards (a sharding level other than replicate)."""
     return {s.index for s in plan.stages if s.sharding is not Sharding.REPLICATE}
+
+
+def whole_backward_stages(plan: Plan) -> set[int]:
+    """Stages that run their whole backward at once under a split-backward schedule (ZBV): the
+    fully sharded ones. FSDP2 with ``reshard_after_forward`` frees a stage's gathered parameters
+    after every forward, and ZBV runs a micro-batch's weight-gradient pass after later forwards of
+    the stage: those gradients came out wrong (tests/dist/test_batch_shapes.py's sweep). Computed in
+    the input-gradient pass with the rest, they are exact; the stage gives up ZBV's split."""
+    if plan.schedule is not Schedule.ZBV:
+        return set()
+    return {s.index for s in plan.stages if s.sharding is Sharding.FULL_SHARD and s.num_replicas > 1}
 
 
 def check_sharding(plan: Plan, stages: Sequence[StageModule]) -> None:
@@ -103,23 +118,32 @@ def sharded_runners(
 
 
 @contextlib.contextmanager
-def gathered_for(
-    stages: Sequence[StageModule], runners: Mapping[int, nn.Module], planned: Sequence[StageModule]
-) -> Iterator[None]:
-    """For an evaluation: the sharded parameters gathered whole (FSDP2's ``unshard``) and bound into
-    ``stages`` (an eval-mode graph's) from the ``planned`` stages, resharded afterwards."""
-    if not runners:
-        yield
-        return
+def gathered(runners: Mapping[int, nn.Module]) -> Iterator[None]:
+    """For an evaluation: the sharded parameters gathered whole (FSDP2's ``unshard``, registered in
+    the containers that the eval graph's stages hold too), resharded afterwards."""
     for runner in runners.values():
         runner.unshard()
     try:
-        for stage, held in zip(stages, planned, strict=True):  # per stage: a tied weight may differ
-            stage.rebind(held.state_tensors())
         yield
     finally:
         for runner in runners.values():
             runner.reshard()
+
+
+@contextlib.contextmanager
+def standing_in(runners: Mapping[int, nn.Module], stages: Sequence[StageModule]) -> Iterator[None]:
+    """The FSDP2 ``runners`` run ``stages`` (of the same indices) in place of their own stages:
+    a variant's stages, which hold the planned stages' containers (``StageModule.hold_tensors_of``),
+    so FSDP2 gathers their parameters and reduce-scatters their gradients as for the planned ones."""
+    by_index = {stage.spec.index: stage for stage in stages}
+    for index, runner in runners.items():
+        stage = by_index[index]
+        runner.__dict__["stand_in"] = None if stage is runner.stage else stage  # not a submodule: see StageRunner
+    try:
+        yield
+    finally:
+        for runner in runners.values():
+            runner.__dict__["stand_in"] = None
 
 
 def replica_mesh(plan: Plan, topology: Topology) -> Any:

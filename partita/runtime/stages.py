@@ -144,11 +144,30 @@ class StageModule(nn.Module):
         return {name: slots[key] for (slots, key), name in zip(self._slots, self.spec.param_names)}
 
     def rebind(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Read ``tensors[name]`` for the parameters and buffers named there (another stage set's
-        objects: one set of weights for graphs captured at several shapes, partita.runtime.variants)."""
+        """Read ``tensors[name]`` for the parameters and buffers named there (registered in their
+        place: tensor parallelism gives a stage this rank's part of a weight)."""
         for (slots, key), name in zip(self._slots, self.spec.param_names):
             if name in tensors:
                 slots[key] = tensors[name]
+
+    def hold_tensors_of(self, planned: StageModule) -> None:
+        """Hold ``planned``'s parameters and buffers in place of this stage's own: the very
+        containers they are registered in, so that whatever replaces them there later -- FSDP2
+        registering the gathered parameters for a forward and the shards after it, a
+        tensor-parallel part -- is what this stage reads and ``parameters()`` yields too. For a
+        graph captured again at other shapes or in eval mode (partita.runtime.variants), which
+        reads only tensors ``planned`` holds."""
+        extra = set(self.spec.param_names) - set(planned.spec.param_names)
+        assert not extra, f"stage {self.spec.index} reads {sorted(extra)[:3]}, which the planned stage does not hold"
+        for name in [n for n in self._modules if n != _GRAPH_ATTR]:
+            del self._modules[name]
+        for name, module in planned._modules.items():
+            if name != _GRAPH_ATTR:
+                self._modules[name] = module
+        self.__dict__["_parameters"] = planned._parameters
+        self.__dict__["_buffers"] = planned._buffers
+        self.__dict__["_non_persistent_buffers_set"] = planned._non_persistent_buffers_set
+        self._slots = [_registered_slot(self, name) for name in self.spec.param_names]
 
     def extra_repr(self) -> str:
         s = self.spec
@@ -332,6 +351,15 @@ def _register_tensor(root: nn.Module, name: str, tensor: torch.Tensor, non_persi
     if non_persistent:
         module._non_persistent_buffers_set.add(leaf)
     return module._buffers, leaf
+
+
+def _registered_slot(root: nn.Module, name: str) -> tuple[dict, str]:
+    """The (dict, key) under which the tensor at the dotted ``name`` is registered below ``root``."""
+    *path, leaf = name.split(".")
+    module = root
+    for atom in path:
+        module = module._modules[atom]
+    return (module._parameters if leaf in module._parameters else module._buffers), leaf
 
 
 def _canonical_targets(graph: OpGraph) -> dict[str, str]:

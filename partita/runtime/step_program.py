@@ -27,6 +27,7 @@ from partita.runtime.pipeline import (
 )
 from partita.runtime.precision import FP32, Compute, drop_dtype_assertions
 from partita.runtime.process_groups import Topology
+from partita.runtime.sharding import standing_in, whole_backward_stages
 from partita.runtime.stages import StageModule, narrow_batch
 from partita.runtime.tensor_parallel import TensorParallel, program_layouts, rewrite_stage
 from partita.runtime.uneven import UnevenExecutor
@@ -106,7 +107,15 @@ class StepProgram:
             return
         recompute = [plan.stages[s.spec.index].recompute for s in self.stages]
         pipeline_stages = make_pipeline_stages(
-            self.stages, recompute, metadata, plan.schedule, top.device, top.pp_group, self.runners, self.compute
+            self.stages,
+            recompute,
+            metadata,
+            plan.schedule,
+            top.device,
+            top.pp_group,
+            self.runners,
+            self.compute,
+            whole_backward=whole_backward_stages(plan),
         )
         chunks = root_chunk_spec(self.graph, self.root_indices)
         self._schedule = build_schedule(plan.schedule, pipeline_stages, plan.num_microbatches, chunks)
@@ -117,14 +126,15 @@ class StepProgram:
     def run(self, local: list, *, forward_only: bool = False) -> list[torch.Tensor]:
         """Forward and backward of every micro-batch of one pipeline round (``forward_only``: the
         forwards, under no_grad); the last stage's micro-batch losses ([] elsewhere)."""
-        if self._executor is not None:
-            return self._executor.step(local, forward_only=forward_only)
-        if forward_only:
-            return self._forward_chain(local)
-        losses: list[torch.Tensor] = []
-        roots = {root_key(j): local[j] for j in self.root_indices}
-        self._schedule.step(target=self._dummy_target, losses=losses, return_outputs=False, **roots)
-        return losses
+        with standing_in(self.runners, self.stages):  # a variant's stages run through the FSDP2 modules
+            if self._executor is not None:
+                return self._executor.step(local, forward_only=forward_only)
+            if forward_only:
+                return self._forward_chain(local)
+            losses: list[torch.Tensor] = []
+            roots = {root_key(j): local[j] for j in self.root_indices}
+            self._schedule.step(target=self._dummy_target, losses=losses, return_outputs=False, **roots)
+            return losses
 
     def _forward_chain(self, local: list) -> list[torch.Tensor]:
         """Forwards of a uniform plan without a schedule: micro-batch by micro-batch, stage by stage

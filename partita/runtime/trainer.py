@@ -57,8 +57,10 @@ with the same seed repeats itself; the global RNG state the user sees is left un
 Batches of other shapes: a plan is made at the example's shapes, the longest the job will see. A
 batch padded to a shorter length (or bucketed) runs the model captured again at its shapes, split
 at the matching nodes into the same stages and reading the same tensors (variants.py): once per
-distinct shape, without re-planning. A longer batch is refused (the memory fit holds up to the
-captured sizes). ``evaluate`` runs the model captured in eval mode the same way, forwards only.
+distinct shape, without re-planning; a sharded stage's variant runs through the same FSDP2
+module (sharding.py). A longer batch is refused (the memory fit holds up to the captured sizes),
+and so is one of another dtype or of shapes the model cannot be captured at, naming its inputs.
+``evaluate`` runs the model captured in eval mode the same way, forwards only.
 
 Precision and sharding (``Plan.precision``, ``StagePlan.sharding``): bf16 plans run every stage
 under autocast with fp32 master weights and send activations in bf16 (precision.py); a stage
@@ -98,7 +100,7 @@ from torch import nn
 from partita.checks import positive_int
 from partita.errors import InputError, NumericsError, PartitaError
 from partita.planning.context import check_whole_batch
-from partita.runtime.batch_values import check_batch_values
+from partita.runtime.batch_values import check_batch_dtypes, check_batch_values
 from partita.runtime.checkpoint import Checkpointer, StepCount
 from partita.runtime.gradient_sync import GradientSync, local_tensor
 from partita.runtime.graph_for_plan import CaptureInputs, graph_for_plan
@@ -117,7 +119,7 @@ from partita.runtime.precision import Compute
 from partita.runtime.process_groups import Topology, start_topology, timeout_of
 from partita.runtime.programs import StepPrograms
 from partita.runtime.progress import Progress, is_timeout
-from partita.runtime.sharding import gathered_for, sharded_names
+from partita.runtime.sharding import gathered, sharded_names
 from partita.runtime.stage_set import StageSet, place_stages
 from partita.runtime.stage_set import holders as holders_of
 from partita.runtime.stages import StageModule, batch_of, flatten_inputs, narrow_batch
@@ -318,8 +320,8 @@ class Trainer:
         eval mode (per input shape) and run forward through the plan's pipeline (variants.py).
         """
         program, flat = self._prepare(args, kwargs, "evaluate", training=False)
-        gathered = gathered_for(program.all_stages, self._stages.runners, self._stages.all_stages)
-        with torch.no_grad(), rng_and_buffers_restored(program.stages, self.topology.device), gathered:
+        runners = self._stages.runners
+        with torch.no_grad(), rng_and_buffers_restored(program.stages, self.topology.device), gathered(runners):
             losses = self._run_rounds(program, flat, forward_only=True)
         local = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
         if losses:  # this rank runs the last stage
@@ -340,15 +342,17 @@ class Trainer:
         training updates (on GPUs, ``.to()`` gave the stages their own buffer objects)."""
         return self._stages.held_state()
 
-    def save_checkpoint(self, path: str) -> None:
-        """Write a DCP checkpoint keyed by the model's parameter names (see checkpoint.py).
+    def save_checkpoint(self, path: str, *, extra_state: dict | None = None) -> None:
+        """Write a DCP checkpoint keyed by the model's parameter names (see checkpoint.py), with the
+        caller's ``extra_state`` (a small picklable dict, the same on every rank) when given.
         Collective: every rank, the same path on a filesystem they share."""
-        self._checkpointer.save(path)
+        self._checkpointer.save(path, extra_state=extra_state)
 
-    def load_checkpoint(self, path: str, *, verify: bool = True) -> None:
+    def load_checkpoint(self, path: str, *, verify: bool = True) -> dict:
         """Load a checkpoint written under any plan into this trainer (model, optimizer, scheduler,
-        step, RNG). ``verify``: check the files against the checkpoint's manifest first."""
-        self._checkpointer.load(path, verify=verify)
+        step, RNG); returns its ``extra_state`` ({} when it has none). ``verify``: check the files
+        against the checkpoint's manifest first."""
+        return self._checkpointer.load(path, verify=verify)
 
     # ------------------------------------------------------------------ internals
 
@@ -396,7 +400,8 @@ class Trainer:
         target = kwargs.pop("target", None) if self.graph.has_loss_fn else None
         flat = flatten_inputs(self.graph, args, kwargs, target)
         self._check_batch(flat)
-        program = self._programs.for_batch(flat, args, kwargs, target, training=training)
+        check_batch_dtypes(self.graph, flat, where)
+        program = self._programs.for_batch(flat, args, kwargs, target, where, training=training)
         check_batch_values(program.graph, flat, where, program.index_uses)  # before any stage fails on them
         program.loss_scaling.update(flat)  # global counts of the step, from the whole batch
         return program, flat

@@ -17,6 +17,7 @@ nothing else); InputError otherwise.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from partita.capturing import exported_call_inputs
-from partita.errors import InputError
+from partita.errors import CaptureError, InputError
 from partita.runtime.stages import StageModule, split_graph
 from partita.runtime.uneven import check_uneven_boundaries
 from partita.types import OpGraph, Plan
@@ -36,6 +37,7 @@ __all__ = [
     "mapped_boundaries",
     "recaptured",
     "rebind",
+    "unsupported_shapes_message",
     "variant_stages",
 ]
 
@@ -77,10 +79,28 @@ def check_within_plan(graph: OpGraph, shapes: Shapes) -> None:
             )
 
 
+def unsupported_shapes_message(graph: OpGraph, shapes: Shapes, where: str, error: Exception) -> str:
+    """Why a batch whose shapes differ from the captured ones cannot run: the inputs that differ,
+    the capture's own words, and the fix."""
+    differing = [
+        f"{info.path or info.name} {list(got)} (the example: {list(planned)})"
+        for info, planned, got in zip(graph.inputs, captured_shapes(graph), shapes)
+        if planned is not None and got is not None and tuple(got) != tuple(planned)
+    ]
+    said = str(error).strip().splitlines()[-1].strip().rstrip(".") if str(error).strip() else type(error).__name__
+    return (
+        f"{where}: the model cannot run on this batch, whose shapes differ from the example it was captured with "
+        f"(batch dim left out): {'; '.join(differing) or 'none differs'}. Capturing it at these shapes failed "
+        f"({said[:300]}). Only dims the model takes at any size, such as a sequence length, may differ from the "
+        "example's (and only be shorter): give batches shaped like the example inputs"
+    )
+
+
 def recaptured(
     graph: OpGraph, args: tuple, kwargs: dict, target: Any, *, samples: int, training: bool = True
 ) -> OpGraph:
-    """The model of ``graph`` captured again on the first ``samples`` samples of this batch."""
+    """The model of ``graph`` captured again on the first ``samples`` samples of this batch
+    (CaptureError when it cannot be: the caller names the batch)."""
     if graph.recapture is None:
         raise InputError(
             "this batch's shapes differ from those the graph was captured at (or an evaluation asks for eval "
@@ -98,7 +118,15 @@ def recaptured(
         (args, kwargs, target), _ = call
     else:
         (args, kwargs), target = call, None
-    return graph.recapture(args, kwargs, target, training=training)
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_tensor_log.level
+    fake_tensor_log.setLevel(logging.CRITICAL)  # its traceback of a failed op: the caller names the batch
+    try:
+        return graph.recapture(args, kwargs, target, training=training)
+    except InputError as e:  # capture's words are about "the example inputs": this is a batch
+        raise CaptureError(str(e)) from e
+    finally:
+        fake_tensor_log.setLevel(level)
 
 
 def mapped_boundaries(planned: OpGraph, variant: OpGraph, boundaries: Sequence[int]) -> tuple[int, ...]:
@@ -134,11 +162,13 @@ def check_same_tensors(planned: Sequence[StageModule], variant: Sequence[StageMo
 
 
 def rebind(stages: Sequence[StageModule], planned_stages: Sequence[StageModule]) -> None:
-    """Make each stage read what the planned stage of its index holds: a weight two stages read
-    (tied embeddings) may be a different tensor in each (a tensor-parallel part in one, whole in
-    the other, on a rank that runs only one of them)."""
+    """Make each stage hold what the planned stage of its index holds, in the same containers
+    (``StageModule.hold_tensors_of``): a weight two stages read (tied embeddings) may be a different
+    tensor in each (a tensor-parallel part in one, whole in the other, on a rank that runs only one
+    of them), and a sharded stage's parameters are FSDP2's, gathered for each forward and resharded
+    after it, which the variant then reads as the planned stage does."""
     for stage, planned in zip(stages, planned_stages, strict=True):
-        stage.rebind(planned.state_tensors())
+        stage.hold_tensors_of(planned)
 
 
 def variant_stages(

@@ -25,7 +25,6 @@ resumes happened between (a checkpoint holds the optimizer, LR schedule and RNG 
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 import warnings
@@ -41,7 +40,7 @@ from partita.runtime.checkpoint import latest_intact_checkpoint
 from partita.runtime.checkpoint_dir import checkpoint_path
 from partita.runtime.launch import restart_count
 from partita.runtime.trainer import Trainer
-from partita.training.data_source import check_source, eval_batches, training_batches
+from partita.training.data_source import DataPosition, StepBatches, check_source, eval_batches, training_batches
 from partita.training.run_log import RunLog, gather_stage_times
 
 __all__ = ["FitConfig", "FitResult", "Sources", "fit", "run_loop"]
@@ -81,6 +80,7 @@ class FitConfig:
     progress: bool = True
     trace_dir: str | None = None  # torch's profiler over a few steps: a Chrome trace per rank
     seed: int = 0  # of the data sources' own RNG streams (a DataLoader shuffling without a generator)
+    cli: bool = False  # messages name `partita train`'s flags, not fit's keywords
 
     def __post_init__(self) -> None:
         positive_int(self.num_steps, "num_steps")
@@ -182,10 +182,16 @@ def run_loop(trainer: Trainer, sources: Sources, config: FitConfig) -> FitResult
         else []
     )
     result = FitResult()
-    _maybe_resume(trainer, config, result)
-    if trainer.num_steps >= config.num_steps:
-        return result  # nothing left to train
-    batches = training_batches(sources, graph, step_samples, start_step=trainer.num_steps, seed=config.seed, note=note)
+    resumed = _maybe_resume(trainer, config, result)
+    batches = training_batches(
+        sources,
+        graph,
+        step_samples,
+        start_step=trainer.num_steps,
+        position=DataPosition.from_dict(resumed.get("data_position")),
+        seed=config.seed,
+        note=note,
+    )
     log = RunLog(trainer, config, result, step_samples, note=note)
     while trainer.num_steps < config.num_steps:  # Trainer.step checks each batch's ids and labels
         log.before_step()
@@ -197,12 +203,19 @@ def run_loop(trainer: Trainer, sources: Sources, config: FitConfig) -> FitResult
         if config.eval_every and trainer.num_steps % config.eval_every == 0:
             log.evaluation(_evaluate(trainer, held_out), len(held_out))
         if config.checkpoint_dir and config.checkpoint_every and trainer.num_steps % config.checkpoint_every == 0:
-            trainer.save_checkpoint(checkpoint_path(config.checkpoint_dir, trainer.num_steps))
+            _save(trainer, config, batches)
     log.close()
     if config.checkpoint_dir and (not config.checkpoint_every or trainer.num_steps % config.checkpoint_every):
-        trainer.save_checkpoint(checkpoint_path(config.checkpoint_dir, trainer.num_steps))
+        _save(trainer, config, batches)
     result.stage_forward_s = gather_stage_times(result.stage_forward_s)
     return result
+
+
+def _save(trainer: Trainer, config: FitConfig, batches: StepBatches) -> None:
+    """A checkpoint of this step, with where the data stands (a resume continues there, whatever
+    its global batch: partita.training.data_source)."""
+    extra = {"data_position": batches.position.as_dict()} if batches.position is not None else None
+    trainer.save_checkpoint(checkpoint_path(config.checkpoint_dir, trainer.num_steps), extra_state=extra)
 
 
 def note(text: str) -> None:
@@ -221,13 +234,15 @@ def _evaluate(trainer: Trainer, batches: list) -> float:
     return sum(losses) / len(losses)
 
 
-def _maybe_resume(trainer: Trainer, config: FitConfig, result: FitResult) -> None:
-    """Load the latest intact checkpoint when asked to (``resume``) or after a torchrun restart."""
+def _maybe_resume(trainer: Trainer, config: FitConfig, result: FitResult) -> dict:
+    """Load the latest intact checkpoint when asked to (``resume``) or after a torchrun restart; its
+    extra state ({} when none was loaded). InputError when ``resume`` finds a checkpoint at or
+    beyond ``config.num_steps`` (nothing would be trained)."""
     restarts = restart_count()
     if not (config.resume or restarts) or not config.checkpoint_dir:
         if restarts and dist.get_rank() == 0:
             print(f"restart {restarts}: no checkpoint folder, so training starts again from step 0", flush=True)
-        return
+        return {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         latest = latest_intact_checkpoint(config.checkpoint_dir)  # collective: the same on every rank
@@ -236,13 +251,23 @@ def _maybe_resume(trainer: Trainer, config: FitConfig, result: FitResult) -> Non
     if latest is None:
         if dist.get_rank() == 0:
             print(f"no complete checkpoint in {config.checkpoint_dir}: training starts from step 0", flush=True)
-        return
-    trainer.load_checkpoint(latest, verify=False)  # just verified
+        return {}
+    extra = trainer.load_checkpoint(latest, verify=False)  # just verified
     result.resumed_from = trainer.num_steps
+    if trainer.num_steps >= config.num_steps and not restarts:  # a restart after the last step has nothing left
+        raise InputError(resume_past_steps_message(latest, trainer.num_steps, config.num_steps, cli=config.cli))
     if dist.get_rank() == 0:
         why = f"restart {restarts}" if restarts else "--resume"
         print(f"{why}: resuming from {latest} (step {trainer.num_steps})", flush=True)
+    return extra
 
 
-def finite_or_none(loss: float) -> float | None:
-    return loss if math.isfinite(loss) else None
+def resume_past_steps_message(checkpoint: str, step: int, steps: int, *, cli: bool = False) -> str:
+    """Why a resume at ``step`` would train nothing with ``steps``, in the command line's words or ``fit``'s."""
+    flag, resume = ("--steps", "--resume") if cli else ("num_steps", "resume=True")
+    given = f"--steps {steps}" if cli else f"num_steps={steps}"
+    return (
+        f"{resume}: the latest checkpoint, {checkpoint}, is at step {step}, and {given} would train nothing more "
+        f"({flag} counts the steps before the resume too): give {flag} above {step}, or drop {resume} to train "
+        "from step 0"
+    )

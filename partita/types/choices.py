@@ -1,4 +1,10 @@
-"""The fixed choices a plan is made of: pipeline schedules, optimizer kinds, precision and sharding."""
+"""The fixed choices a plan is made of: pipeline schedules, optimizer kinds, precision and sharding.
+
+One vocabulary: ``PlanOptions``, the plan-file codec and the command line's flags all parse a
+choice with its enum's ``parse``, which accepts the member's value and the aliases in ``ALIASES``
+(case, ``-`` and ``_`` ignored: ``"1F1B"``, ``"interleaved-1f1b"``, ``"ZeRO-3"``). ``spellings``
+lists them for help texts and errors.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ class Schedule(str, enum.Enum):
     @classmethod
     def parse(cls, value: Schedule | str) -> Schedule:
         """``"1F1B"``, ``"interleaved-1f1b"``, ``Schedule.ZBV`` -> the member; InputError otherwise."""
-        return parse_choice(cls, value, "schedule")
+        return parse_choice(cls, value, "schedule", aliases=ALIASES[cls])
 
 
 class OptimizerKind(str, enum.Enum):
@@ -40,10 +46,7 @@ class OptimizerKind(str, enum.Enum):
     @classmethod
     def parse(cls, value: OptimizerKind | str) -> OptimizerKind:
         """Also ``"sgd"`` (no state), ``"adamw"``, ``"momentum"``."""
-        return parse_choice(cls, value, "optimizer", aliases=_OPTIMIZER_ALIASES)
-
-
-_OPTIMIZER_ALIASES = {"sgd": "none", "adamw": "adam", "momentum": "sgd-momentum"}
+        return parse_choice(cls, value, "optimizer", aliases=ALIASES[cls])
 
 
 class Precision(str, enum.Enum):
@@ -65,7 +68,7 @@ class Precision(str, enum.Enum):
     @classmethod
     def parse(cls, value: Precision | str) -> Precision:
         """Also ``"float32"``, ``"bfloat16"``."""
-        return parse_choice(cls, value, "precision", aliases=_PRECISION_ALIASES)
+        return parse_choice(cls, value, "precision", aliases=ALIASES[cls])
 
 
 class Sharding(str, enum.Enum):
@@ -85,13 +88,29 @@ class Sharding(str, enum.Enum):
     @classmethod
     def parse(cls, value: Sharding | str) -> Sharding:
         """Also ``"ddp"``, ``"zero2"``, ``"zero3"``, ``"fsdp"`` (full shard)."""
-        return parse_choice(cls, value, "sharding", aliases=_SHARDING_ALIASES)
+        return parse_choice(cls, value, "sharding", aliases=ALIASES[cls])
 
 
-_PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
-_SHARDING_ALIASES = {
-    "ddp": "replicate",
-    "zero2": "shard_grads_and_optimizer",
-    "zero3": "full_shard",
-    "fsdp": "full_shard",
+# Every other spelling each choice accepts (alias -> the member's value). The whole vocabulary:
+# what is not here (or a member's value) is refused everywhere, with the list of spellings.
+ALIASES: dict[type[enum.Enum], dict[str, str]] = {
+    Schedule: {},
+    OptimizerKind: {"sgd": "none", "adamw": "adam", "momentum": "sgd-momentum"},
+    Precision: {"float32": "fp32", "bfloat16": "bf16"},
+    Sharding: {
+        "ddp": "replicate",
+        "zero2": "shard_grads_and_optimizer",
+        "zero3": "full_shard",
+        "fsdp": "full_shard",
+    },
 }
+
+
+def spellings(cls: type[enum.Enum]) -> str:
+    """The values of ``cls`` with their aliases: ``"replicate (ddp), ..., full_shard (zero3, fsdp)"``."""
+    aliases = ALIASES[cls]
+    parts = []
+    for member in cls:
+        mine = [alias for alias, value in aliases.items() if value == member.value]
+        parts.append(member.value + (f" ({', '.join(mine)})" if mine else ""))
+    return ", ".join(parts)

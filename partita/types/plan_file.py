@@ -3,6 +3,24 @@
 ``load_plan`` rejects anything that is not a valid plan with a PlanFileError that names the
 field, the value and the cause; with ``graph`` / ``cluster`` it also rejects a plan made for
 another model or cluster.
+
+Executed fields and records. The runtime runs what these fields say, and nothing else:
+
+- ``stages[k]``: ``start``, ``stop`` (the nodes of the stage), ``ranks``, ``rank_group``,
+  ``recompute``, ``sharding`` and ``tensor_parallel``;
+- ``schedule``, ``global_batch_size``, ``num_microbatches``, ``microbatch_size`` and ``precision``;
+- ``cluster``: its device count and ``devices_per_node`` (where tensor-parallel groups may lie).
+
+Records say how the plan was made and what it predicts; the runtime never reads them to decide
+anything: ``options`` (what was pinned and what the search was allowed), ``method``,
+``cost_source``, ``predicted_step_s``, ``predicted_bubble_fraction``, ``total_compute_s``,
+``partita_version``, ``torch_version``, and per stage ``forward_s``, ``backward_s``,
+``memory_bytes``, ``param_bytes``, ``cut_bytes`` and ``memory_breakdown``. Checked against the
+model on load: ``graph_fingerprint`` and each stage's ``first_node``, ``last_node`` (and
+``module_range``, a record). Editing a record changes nothing that runs, so the choices that
+``options`` records must agree with the executed fields (``check_options_agree``: e.g.
+``options.tensor_parallel`` 4 with stages of ``tensor_parallel`` 2 is refused, naming both):
+to change a plan, edit the executed fields, or re-plan.
 """
 
 from __future__ import annotations
@@ -94,16 +112,14 @@ def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
     }
 
 
-# What the runtime executes of a plan: the graph it splits, the cuts, the ranks and counts, the
-# schedule and what each stage does to its memory. Every other field is a record of how the plan
-# was made (versions, method, cost source, the options, the cluster, predicted times and bytes):
-# ranks whose plans differ only there run the same job.
+# The executed fields (see the module docstring); every other field is a record.
 _EXECUTED_PLAN_FIELDS = ("graph_fingerprint", "schedule", "global_batch_size", "num_microbatches", "microbatch_size")
 _EXECUTED_STAGE_FIELDS = ("index", "start", "stop", "first_node", "last_node", "ranks", "rank_group", "recompute")
 
 
 def executed_part(plan: Plan) -> dict[str, Any]:
-    """The fields of ``plan`` that the runtime executes, JSON-safe, in a stable order (see above)."""
+    """The fields of ``plan`` that the runtime executes (the module docstring lists them), JSON-safe,
+    in a stable order: ranks whose plans differ only in records run the same job."""
     whole = plan_to_dict(plan)
     stages = [
         {
@@ -113,7 +129,13 @@ def executed_part(plan: Plan) -> dict[str, Any]:
         }
         for stage in whole["stages"]
     ]
-    return {**{k: whole[k] for k in _EXECUTED_PLAN_FIELDS}, "precision": whole["precision"], "stages": stages}
+    cluster = {k: whole["cluster"][k] for k in ("num_devices", "devices_per_node")}
+    return {
+        **{k: whole[k] for k in _EXECUTED_PLAN_FIELDS},
+        "precision": whole["precision"],
+        "cluster": cluster,
+        "stages": stages,
+    }
 
 
 def plan_to_json(plan: Plan) -> str:
@@ -314,6 +336,7 @@ def check_plan_consistency(plan: Plan, source: str = "plan") -> None:
             "recomputes (the memory of a recomputed stage cannot be predicted): set it to false, or re-plan with "
             "another schedule"
         )
+    check_options_agree(plan, source)
     num_devices = plan.cluster.num_devices
     used = sorted({r for s in stages for r in s.ranks})
     if used[-1] >= num_devices:
@@ -371,6 +394,77 @@ def _check_sharding(plan: Plan, source: str) -> None:
                 f"{source}: stages[{k}].sharding is {s.sharding.value!r}, but the stage has one replica, so there "
                 "is nothing to shard over: set it to 'replicate', or give the stage several replicas"
             )
+
+
+def check_options_agree(plan: Plan, source: str = "plan") -> None:
+    """PlanFileError when a choice that ``options`` records differs from what the executed fields
+    say (see the module docstring): the options of a searched plan (``partita.plan``: what was
+    pinned) and of a manual one (``manual_plan``: what was given) alike; None means searched."""
+    for field, recorded, executed in _recorded_and_executed(plan):
+        if recorded is not None and recorded != executed:
+            raise PlanFileError(
+                f"{source}: options.{field} is {recorded!r}, but the plan's stages run {executed!r}: options only "
+                "record how the plan was made (editing them changes nothing that runs), so they must agree with "
+                "the executed fields (stages, schedule, num_microbatches, precision); edit those instead, or "
+                f"re-plan with {field} pinned"
+            )
+
+
+def _recorded_and_executed(plan: Plan) -> list[tuple[str, Any, Any]]:
+    """(options field, its recorded value or None when not recorded or searched, the executed one)."""
+    options, stages = plan.options, plan.stages
+    found: list[tuple[str, Any, Any]] = []
+
+    def add(field: str, recorded: Any, executed: Any) -> None:
+        found.append((field, recorded, executed))
+
+    add("tensor_parallel", options.get("tensor_parallel"), plan.tensor_parallel)
+    add("precision", options.get("precision"), plan.precision.value)
+    add("num_microbatches", options.get("num_microbatches"), plan.num_microbatches)
+    add("num_stages", options.get("num_stages"), plan.num_rank_groups)
+    add("num_rank_groups", options.get("num_rank_groups"), plan.num_rank_groups)
+    if "boundaries" in options:
+        add("boundaries", options["boundaries"], list(plan.boundaries))
+    schedules = options.get("schedules")
+    if isinstance(schedules, list) and plan.schedule.value not in schedules:
+        add("schedules", schedules, plan.schedule.value)
+    if options.get("uniform_replicas") is True:
+        add("uniform_replicas", True, plan.uniform_replicas)
+    replicas, counts = options.get("replicas"), [s.num_replicas for s in stages]
+    if isinstance(replicas, int):
+        add("replicas", replicas, counts[0] if len(set(counts)) == 1 else counts)
+    elif isinstance(replicas, list):  # manual: one count per rank group
+        add(
+            "replicas",
+            replicas,
+            [next(s.num_replicas for s in stages if s.rank_group == g) for g in range(len(replicas))],
+        )
+    flags = [s.recompute for s in stages]
+    recompute = options.get("recompute")
+    if isinstance(recompute, bool) and all(isinstance(f, bool) for f in flags):
+        add("recompute", recompute, flags[0] if len(set(flags)) == 1 else flags)
+    elif isinstance(recompute, list):
+        add("recompute", recompute, flags)
+    add("sharding", *_sharding_agreement(options.get("sharding"), stages))
+    return found
+
+
+def _sharding_agreement(recorded: Any, stages: tuple[StagePlan, ...]) -> tuple[Any, Any]:
+    """(recorded, executed) sharding, equal when they agree. A pinned level applies to the stages with
+    several replicas that share no weight with another stage (those replicate), so the plan agrees
+    when every stage has the pinned level or replicate and at least one the pinned level -- or when
+    no stage has several replicas (nothing to shard: earlier planners dropped such a pin without a
+    word, and their plan files still load)."""
+    executed = [s.sharding.value for s in stages]
+    if isinstance(recorded, list):  # manual: one level per stage
+        return recorded, executed
+    if not isinstance(recorded, str):
+        return None, executed
+    levels = set(executed)
+    applied = levels <= {recorded, Sharding.REPLICATE.value} and recorded in levels
+    if applied or all(s.num_replicas == 1 for s in stages):
+        return recorded, recorded
+    return recorded, executed
 
 
 def _check_batch(plan: Plan, source: str) -> None:

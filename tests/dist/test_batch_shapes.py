@@ -3,11 +3,16 @@
 - a plan made at the longest length trains batches padded to their own shorter lengths (32, 17,
   25) without re-planning, pipelined and data parallel, HF GPT-2 included; a longer batch is refused;
 - gradient accumulation: 2 pipeline rounds per optimizer step equal one step on the whole batch;
-- evaluate(): the eval-mode loss (dropout off, batch norm from running statistics), changing nothing.
+- evaluate(): the eval-mode loss (dropout off, batch norm from running statistics), changing nothing;
+- the planner's choices are runnable for the job's own data: the shipped example (examples/own_data.py,
+  rows of several lengths) planned with each sharding level x schedule x tensor-parallel degree
+  pinned, and every plan the planner returns trained on batches of three lengths, exactly.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from pathlib import Path
 
 import pytest
@@ -80,3 +85,71 @@ def test_evaluate_between_steps_at_another_length(evaluated, schedule):
     assert abs(lm["eval_after"] - lm["ref_eval_after"]) <= TOLERANCE, lm
     assert lm["eval_after"] != lm["eval"], "the step changed the weights evaluate() reads"
     assert evaluated[1][f"lm/{schedule}"] == {k: v for k, v in lm.items() if k != "ref_eval_after"}
+
+
+# ----------------------------------------------------------------------------- the planner's choices, runnable
+
+SWEEP_SHARDING = [None, "shard_grads_and_optimizer", "full_shard"]
+SWEEP_SCHEDULES = [None, "1f1b", "interleaved1f1b", "zbv"]
+SWEEP_DEGREES = [None, 2]
+SWEEP = [
+    "/".join(str(v) for v in pins)
+    for pins in itertools.product(SWEEP_SHARDING, SWEEP_SCHEDULES, SWEEP_DEGREES)
+]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """Plan the shipped example for 4 h100s (analytic costs: the same plans on every run) with each
+    pin of SWEEP; run every distinct plan, on as many ranks as it uses."""
+    import partita
+    from partita.errors import PartitaError
+    from partita.types.plan_file import plan_to_json
+    from workers_batches import sweep_case
+
+    _, graph, _ = sweep_case()
+    cluster = partita.Cluster(device="h100", num_devices=4, devices_per_node=4)
+    outcome, by_devices = {}, {}
+    for label in SWEEP:
+        sharding, schedule, degree = (None if v == "None" else v for v in label.split("/"))
+        options = dict(precision="fp32", sharding=sharding, tensor_parallel=int(degree) if degree else None)
+        options.update({"schedules": schedule} if schedule else {})
+        try:
+            plan = partita.plan(graph, cluster=cluster, global_batch_size=8, options=partita.PlanOptions(**options))
+        except PartitaError as e:  # a typed refusal is an answer; an untyped one fails the test
+            outcome[label] = ("refused", f"{type(e).__name__}: {e}")
+            continue
+        text = plan_to_json(plan)
+        key = hashlib.sha1(text.split('"options"')[0].encode() + text.split('"cluster"')[1].encode()).hexdigest()[:12]
+        outcome[label] = ("planned", key, plan)
+        by_devices.setdefault(plan.num_devices, {})[key] = text
+    results = {}
+    for devices, plans in sorted(by_devices.items()):
+        out = tmp_path_factory.mktemp(f"sweep{devices}")
+        ranks = run_ranks("sweep", devices, out, timeout_s=600, workers=WORKERS, plans=plans)
+        results.update({key: [r[key] for r in ranks] for key in plans})
+    return outcome, results
+
+
+@pytest.mark.parametrize("label", SWEEP)
+def test_every_plan_the_planner_returns_trains_the_jobs_own_data(sweep, label):
+    """sharding/schedule/tensor-parallel pinned (None: searched): the planner returns a plan the
+    runtime trains exactly on the data's lengths (30, 32, 28 of a plan made at 32), or refuses with
+    a typed error saying what would fit."""
+    outcome, results = sweep
+    if outcome[label][0] == "refused":
+        assert "What would fit" in outcome[label][1], outcome[label][1]
+        return
+    _, key, plan = outcome[label]
+    sharding, _, degree = label.split("/")
+    if sharding != "None":
+        assert any(s.sharding.value == sharding for s in plan.stages), "the pinned level was dropped"
+    if degree != "None":
+        assert plan.tensor_parallel == int(degree)
+    ranks = results[key]
+    mine = ranks[0]
+    diff, where = mine["param"]
+    assert diff <= TOLERANCE, f"{label}: parameter {where} differs from unsplit training's by {diff:.3g}"
+    assert mine["losses"] == pytest.approx(mine["ref_losses"], abs=TOLERANCE)
+    assert all(r["losses"] == mine["losses"] for r in ranks)
+    assert mine["programs"] == 3, "one graph per length"

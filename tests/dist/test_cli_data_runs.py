@@ -9,6 +9,11 @@ at once (their start-up, imports and capture, overlaps):
 - ``rows``: ``build_rows``, a dataset of rows of different lengths padded per batch by its
   collate_fn, ``--accumulate 2`` (a plan for 8 samples, steps of 16).
 
+and, beside them, the example's own command as its docstring gives it (``shipped``: `partita train
+examples/own_data.py:build_rows --nproc 2 --global-batch 32 --steps 40`, planned here: the planner
+may shard the stage, and the batches come padded to their own lengths, 30 to 32) trains to the end,
+every step equal to unsplit training.
+
 Beside them, the Python user's way: ``partita.fit`` on ``build`` with the ``loader`` job's plan
 file and settings (workers_python_api.job_fit_like_cli) must record the CLI's losses; and the
 complete script examples/train.py trains under ``torchrun --nproc-per-node 2``.
@@ -37,7 +42,9 @@ STEPS, LR, WARMUP = 6, 1e-2, 2
 EXAMPLE_STEPS = 24
 ROWS_STEPS, ROWS_BATCH = 4, 16
 TOLERANCE = 1e-5
-TIMEOUT_S = 300
+TIMEOUT_S = 480  # three jobs at once on a 2-core machine
+SHIPPED = ["examples/own_data.py:build_rows", "--nproc", "2", "--global-batch", "32", "--steps", "40"]
+SHIPPED_LR, SHIPPED_STEPS, SHIPPED_BATCH = 3e-3, 40, 32  # `partita train`'s default --lr
 
 
 def _load(factory: str):
@@ -61,8 +68,13 @@ def _plan(factory: str, global_batch: int, path: Path) -> Path:
 
 
 def _start(out: Path, name: str, factory: str, plan: Path, *options: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "partita.cli", "train", f"examples/own_data.py:{factory}", "--plan", str(plan)]
-    argv += ["--lr", str(LR), "--losses-out", str(out / f"{name}.json"), *options]
+    argv = [f"examples/own_data.py:{factory}", "--plan", str(plan), "--lr", str(LR), *options]
+    return _launch(out, name, argv)
+
+
+def _launch(out: Path, name: str, train_argv: list[str]) -> subprocess.Popen:
+    """``partita train TRAIN_ARGV --losses-out OUT/NAME.json``, logging to OUT/NAME.log."""
+    argv = [sys.executable, "-m", "partita.cli", "train", *train_argv, "--losses-out", str(out / f"{name}.json")]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -91,6 +103,7 @@ def runs(tmp_path_factory):
     loader_options += ["--eval-every", "3", "--eval-batches", "2", "--log-dir", str(out / "logs")]
     rows_options = ["--steps", str(ROWS_STEPS), "--global-batch", str(ROWS_BATCH), "--accumulate", "2"]
     deadline = time.monotonic() + TIMEOUT_S
+    shipped = _launch(out, "shipped", [*SHIPPED, "--plan-out", str(out / "shipped-plan.json")])
     loader = _start(out, "loader", "build", loader_plan, *loader_options)
     rows = _start(out, "rows", "build_rows", rows_plan, *rows_options)
     script = _start_example_script(out)
@@ -102,9 +115,10 @@ def runs(tmp_path_factory):
         try:
             _wait(out, "rows", rows, deadline)
             _wait(out, "loader", loader, deadline)
+            _wait(out, "shipped", shipped, deadline)
             _wait(out, "example", script, deadline)
         finally:
-            for proc in (loader, rows, script):
+            for proc in (loader, rows, shipped, script):
                 if proc.poll() is None:
                     proc.kill()
         (out / "fit.json").write_text(json.dumps(fit.result()))
@@ -242,3 +256,26 @@ def test_the_example_script_trains_under_torchrun(runs):
     first, last = sum(record["losses"][:4]) / 4, sum(record["losses"][-4:]) / 4
     assert last < 0.7 * first, record["losses"]
     assert (runs / "example" / "plan.json").exists() and list((runs / "example" / "checkpoints").iterdir())
+
+
+def test_the_shipped_example_trains_to_the_end_like_unsplit_training(runs):
+    """The run of examples/own_data.py's docstring, planned on this machine (its stage may be
+    sharded: batches padded to another length then run through the same FSDP2 modules): all 40
+    steps, each loss equal to unsplit training's on the same rows, 32 per step, epoch after epoch."""
+    record = _record(runs, "shipped")
+    assert record["first_step"] == 1 and len(record["losses"]) == SHIPPED_STEPS
+    ex = _load("build_rows")
+    per_epoch = len(ex.data) // SHIPPED_BATCH
+    steps = [
+        ex.collate_fn([ex.data[i] for i in range(s % per_epoch * SHIPPED_BATCH, (s % per_epoch + 1) * SHIPPED_BATCH)])
+        for s in range(SHIPPED_STEPS)
+    ]
+    assert len({b["tokens"].shape[1] for b in steps}) > 1, "the steps should have different lengths"
+
+    def loss_of(model, batch):
+        return torch.nn.functional.cross_entropy(model(tokens=batch["tokens"], mask=batch["mask"]), batch["target"])
+
+    expected = _unsplit(ex.model, steps, loss_of, [SHIPPED_LR] * SHIPPED_STEPS)  # each step's lr is set
+    assert record["losses"] == pytest.approx(expected, abs=TOLERANCE)
+    log = (runs / "shipped.log").read_text()
+    assert f"train: step {SHIPPED_STEPS}/{SHIPPED_STEPS}" in log, log[-3000:]

@@ -111,3 +111,27 @@ def test_two_nodes_plan_once_and_train_as_one_node(tmp_path):
     expected = json.loads((tmp_path / "one.json").read_text())["losses"]
     assert len(expected) == STEPS and expected[-1] < expected[0]
     assert json.loads((tmp_path / "two.json").read_text())["losses"] == expected
+
+
+def test_a_node_whose_partner_never_starts_gives_up_after_the_rendezvous_timeout(tmp_path):
+    """Node 0 (c10d: it hosts the rendezvous) and node 1 (static: it connects to node 0's store) of
+    two 2-node jobs whose other node never starts: each says what it waits for, and ends after
+    --rdzv-timeout with an error naming the endpoint and the fix, not a silent wait."""
+    logs = [tmp_path / "c10d.log", tmp_path / "static.log"]
+    procs = [
+        _start(
+            log,
+            *("--nnodes", "2", "--nproc", "1", "--node-rank", rank, "--rdzv-backend", backend),
+            *("--rdzv-endpoint", f"127.0.0.1:{_rendezvous_port()}", "--rdzv-timeout", "5"),
+        )
+        for log, rank, backend in zip(logs, ("0", "1"), ("c10d", "static"))
+    ]
+    started = time.monotonic()
+    outputs = _finish(procs, logs)
+    assert time.monotonic() - started < 120, "a node waited far beyond --rdzv-timeout 5"
+    for proc, out, rank in zip(procs, outputs, ("0", "1")):
+        assert proc.returncode == 2, out[-3000:]
+        assert f"node {rank}: waiting up to 5 s (--rdzv-timeout) for all 2 nodes to join the rendezvous at" in out
+        assert f"partita train: error: node {rank}: not all 2 nodes joined the rendezvous at 127.0.0.1:" in out, out
+        assert "within 5 s (--rdzv-timeout): start the same command on every node" in out
+        assert "Traceback" not in out, out[-3000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -259,7 +260,55 @@ def job_evaluate(params: dict) -> dict:
     return runs
 
 
-JOBS.update({"lengths": job_lengths, "accumulation": job_accumulation, "evaluate": job_evaluate})
+SWEEP_ROWS = ((0, 8), (8, 16), (24, 32))  # examples/own_data.py's rows per step: lengths 30, 32 (the plan's), 28
+
+
+def sweep_case():
+    """The shipped example's model (seeded as `partita train` builds it), its graph at the longest
+    length, and the steps' batches: its rows collated, each padded to its own longest row."""
+    import partita
+    from partita.cli.model_spec import load_model
+
+    ex = load_model(f"{Path(__file__).resolve().parents[2] / 'examples' / 'own_data.py'}:build_rows")
+    graph = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    batches = [ex.collate_fn([ex.data[i] for i in range(a, b)]) for a, b in SWEEP_ROWS]
+    return ex, graph, batches
+
+
+def job_sweep(params: dict) -> dict:
+    """Every plan the planner returned for the shipped example (test_batch_shapes.py plans them),
+    trained on its batches of several lengths; rank 0 compares with unsplit training."""
+    import partita
+    from partita.types.plan_file import plan_from_json
+
+    rank = int(os.environ["RANK"])
+    ex, _, batches = sweep_case()
+    initial = copy.deepcopy(ex.model)
+    results: dict[str, Any] = {}
+    for key, text in params["plans"].items():
+        model = copy.deepcopy(initial)
+        graph = partita.capture(model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+        plan = plan_from_json(text, graph=graph)
+        trainer = partita.Trainer(model, plan, optimizer=adamw, graph=graph)
+        losses = [trainer.step(tokens=b["tokens"], mask=b["mask"], target=b["target"]) for b in batches]
+        state = trainer.gather_state_dict()
+        result: dict[str, Any] = {"losses": losses, "programs": sum(1 for t, _ in trainer._programs if t)}
+        if rank == 0:
+            reference = copy.deepcopy(initial)
+            opt = adamw(reference.parameters())
+            result["ref_losses"] = []
+            for b in batches:
+                opt.zero_grad(set_to_none=True)
+                loss = ex.loss_fn(reference(tokens=b["tokens"], mask=b["mask"]), b["target"])
+                loss.backward()
+                opt.step()
+                result["ref_losses"].append(float(loss))
+            result["param"] = max_diff(state, reference.state_dict())
+        results[key] = result
+    return results
+
+
+JOBS.update({"lengths": job_lengths, "accumulation": job_accumulation, "evaluate": job_evaluate, "sweep": job_sweep})
 
 if __name__ == "__main__":
     sys.modules.setdefault("workers_batches", sys.modules[__name__])

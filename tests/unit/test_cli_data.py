@@ -456,6 +456,55 @@ def test_a_resumed_run_trains_on_the_batches_of_an_uninterrupted_one(one_rank, t
     assert resumed.losses == pytest.approx(full.losses[3:], abs=1e-6)
 
 
+def test_a_run_resumed_with_another_global_batch_trains_every_sample_once(one_rank, tmp_path):
+    """examples/own_data.py's shuffled DataLoader: 3 steps of 16 samples checkpointed, then resumed
+    with steps of 8 up to step 7 (issue 32): the resumed steps read samples 48-79 of the epoch, as an
+    unsplit loop reading the data in order does -- not samples 24-55 again (3 steps x 8) -- and the
+    parameters equal that loop's."""
+    from partita.cli.model_spec import load_model
+    from partita.runtime.checkpoint import load_into_model
+    from partita.runtime.checkpoint_dir import checkpoint_path
+
+    ckpt = str(tmp_path / "ckpt")
+    # SGD: Adam's 1/(sqrt(v) + 1e-8) would turn summation-order noise of near-zero gradients into
+    # parameter differences above the tolerance; the losses say the same with either
+    config = TrainConfig(steps=3, progress=False, lr=0.1, optimizer="sgd", checkpoint_dir=ckpt)
+    ex, graph, plan = _own_data()
+    train(ex, plan, graph, config)
+    ex, graph, _ = _own_data()
+    small = manual_plan(
+        graph, [0, graph.num_nodes], schedule="1f1b", num_rank_groups=1, num_microbatches=2, global_batch_size=8
+    )
+    resumed = train(ex, small, graph, dataclasses.replace(config, steps=7, resume=True))
+    assert resumed.resumed_from == 3 and len(resumed.losses) == 4
+
+    reference = load_model(f"{OWN_DATA}:build")  # the same seeded weights and loader
+    tokens, labels = (torch.cat(parts) for parts in zip(*[batch for batch, _ in zip(reference.data, range(5))]))
+    optimizer = torch.optim.SGD(reference.model.parameters(), lr=0.1)
+    expected = []
+    for first, size in [(0, 16), (16, 16), (32, 16), (48, 8), (56, 8), (64, 8), (72, 8)]:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(reference.model(tokens[first : first + size]), labels[first : first + size])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.model.parameters(), 1.0)
+        optimizer.step()
+        expected.append(loss.item())
+    assert resumed.losses == pytest.approx(expected[3:], abs=1e-5)
+    trained = load_model(f"{OWN_DATA}:build").model
+    load_into_model(trained, checkpoint_path(ckpt, 7))
+    for (name, got), want in zip(trained.state_dict().items(), reference.model.state_dict().values()):
+        assert (got - want).abs().max() <= 1e-5, (name, float((got - want).abs().max()))
+
+
+def test_a_resume_with_nothing_left_to_train_is_refused(one_rank, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    ex, graph, plan = _own_data()
+    train(ex, plan, graph, TrainConfig(steps=2, progress=False, checkpoint_dir=ckpt))
+    ex, graph, plan = _own_data()
+    with pytest.raises(InputError, match=r"is at step 2, and --steps 2 would train nothing more"):
+        train(ex, plan, graph, TrainConfig(steps=2, progress=False, checkpoint_dir=ckpt, resume=True))
+
+
 def test_eval_every_averages_the_held_out_losses_and_changes_nothing(one_rank, tmp_path):
     ex, graph, plan = _own_data()
     config = dict(progress=False, lr=1e-2)

@@ -67,6 +67,8 @@ def _plan(graph, num_devices: int):
         (["--nnodes", "2", "--rdzv-endpoint", "node0:99999"], "--rdzv-endpoint 'node0:99999' is not HOST:PORT"),
         ([*ENDPOINT, "--rdzv-id", "job7"], "--rdzv-endpoint, --rdzv-id with --nnodes 1: a one-node job meets on "
          "this machine (torchrun --standalone); drop --rdzv-endpoint, --rdzv-id, or give the job's --nnodes"),
+        (["--rdzv-timeout", "5"], "--rdzv-timeout with --nnodes 1"),
+        (["--nnodes", "2", *ENDPOINT, "--rdzv-timeout", "0"], r"--rdzv-timeout must be a whole number of seconds >= 1"),
     ],
 )  # fmt: skip
 def test_bad_node_flags_are_refused_before_anything_starts(flags, message, monkeypatch, capsys):
@@ -82,9 +84,10 @@ def test_torchrun_gets_the_rendezvous_of_the_backend():
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=10.0.0.1:29400",
         "--rdzv-id=partita-10-0-0-1-29400",  # the same on every node: made from the shared endpoint
+        "--rdzv-conf=join_timeout=600",  # --rdzv-timeout's default
     ]  # c10d assigns node ranks itself; only the static backend takes --node-rank
-    static = Nodes(num_nodes=2, node_rank=1, endpoint="10.0.0.1:29400", backend="static", run_id="job7")
-    assert static.torchrun_args()[-2:] == ["--rdzv-id=job7", "--node-rank=1"]
+    static = Nodes(num_nodes=2, node_rank=1, endpoint="10.0.0.1:29400", backend="static", run_id="job7", timeout_s=30)
+    assert static.torchrun_args()[-3:] == ["--rdzv-id=job7", "--rdzv-conf=timeout=30", "--node-rank=1"]
 
 
 # ----------------------------------------------------------------------------- each node's launcher
@@ -107,11 +110,14 @@ def test_each_node_starts_its_ranks_without_planning(monkeypatch, capsys):
                     "--rdzv-backend=c10d",
                     "--rdzv-endpoint=node0:29400",
                     "--rdzv-id=partita-node0-29400",
+                    "--rdzv-conf=join_timeout=600",
                 ],
             },
         )
     ]
-    assert "node 1: starting 3 of 6 processes; rank 0 of the job plans for 2 nodes x 3" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "node 1: starting 3 of 6 processes; rank 0 of the job plans for 2 nodes x 3" in out
+    assert "node 1: waiting up to 600 s (--rdzv-timeout) for all 2 nodes to join the rendezvous at node0:29400" in out
 
 
 def test_a_plan_file_is_split_over_the_nodes(mlp, tmp_path, monkeypatch, capsys):
