@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from clusters import h100s
 
 import partita
 from partita import examples
@@ -10,16 +11,6 @@ from partita.cli import main
 from partita.errors import InfeasiblePlanError, PlanFileError
 from partita.planning.options import PlanOptions
 from partita.types import Schedule
-
-
-@pytest.fixture(scope="module")
-def gpt2():
-    ex = examples.build("gpt2", batch_size=8)
-    return ex, partita.capture(ex.model, ex.args, ex.kwargs)
-
-
-def h100s(n, memory=None):
-    return partita.Cluster(device="h100", num_devices=n, devices_per_node=8, memory_bytes=memory)
 
 
 def test_plan_fits_and_round_trips(gpt2, tmp_path):

@@ -30,14 +30,6 @@ _ARRAYS = (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _gpt2(seq_len: int = 32):
     from transformers import GPT2Config, GPT2LMHeadModel
 
