@@ -632,6 +632,7 @@ def probe_results(request) -> dict[str, list[dict]]:
     return {g: [by_module[m] for m in GROUPS[g]] for g in wanted}
 
 
+@pytest.mark.slow  # fresh interpreters
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_fresh_imports_stay_in_their_layers(group, probe_results):
     problems = layer_violations(probe_results[group], group)
@@ -641,6 +642,7 @@ def test_fresh_imports_stay_in_their_layers(group, probe_results):
     )
 
 
+@pytest.mark.slow  # fresh interpreters
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_every_module_imports_in_a_fresh_interpreter(group, probe_results):
     failures = [r for r in probe_results[group] if r["error"]]
@@ -649,6 +651,7 @@ def test_every_module_imports_in_a_fresh_interpreter(group, probe_results):
     )
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_dynamic_check_names_the_culprit(tmp_path):
     _write_tree(
         tmp_path,
