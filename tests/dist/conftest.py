@@ -50,7 +50,7 @@ def pytest_terminal_summary(terminalreporter, config):
     if shared is None or not shared.launches:
         return
     jobs = sum(len(launch) for launch in shared.launches)
-    terminalreporter.write_line(f"shared launches: {len(shared.launches)} ran {jobs} jobs")
+    terminalreporter.write_line(f"shared launches: {len(shared.launches)}, running {jobs} job(s)")
     if config.option.verbose > 0 or "A" in (config.option.reportchars or ""):
         for launch in shared.launches:
-            terminalreporter.write_line(f"  {len(launch)} jobs: {', '.join(launch)}")
+            terminalreporter.write_line(f"  {len(launch)} job(s): {', '.join(launch)}")

@@ -164,9 +164,10 @@ class SharedLaunches:
 
     def _launch(self, key: tuple[str, str], job: Job) -> None:
         done = self.results.keys() | self.errors.keys() | self.alone
-        batch = {key: job}
-        if key not in self.alone:
-            batch |= {k: j for k, j in self.wanted.items() if j.world_size == job.world_size and k not in done}
+        batch = {k: j for k, j in self.wanted.items() if j.world_size == job.world_size and k not in done}
+        if key in self.alone:
+            batch = {}
+        batch.setdefault(key, job)
         ordered = sorted(batch.items(), key=lambda kv: kv[1].last)  # stable: the tests' order otherwise
         out = self.out_dir / f"launch{len(self.launches)}-{job.world_size}ranks"
         jobs = []
