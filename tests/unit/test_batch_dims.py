@@ -342,6 +342,7 @@ def test_batch_norm_is_the_documented_exception():
     assert graph.couples_samples is None and _dims(graph) == [0, 0]
 
 
+@pytest.mark.slow  # captures every zoo family
 @pytest.mark.parametrize("family", ["gpt2", "llama", "t5", "vit", "mixtral"])
 def test_zoo_models_do_not_couple_samples(family):
     pytest.importorskip("transformers")

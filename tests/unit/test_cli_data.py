@@ -363,6 +363,7 @@ def test_bad_train_flags_are_refused_before_launch(monkeypatch, capsys):
     assert "invalid choice: 'step'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # measures this machine first (a gloo probe in subprocesses)
 def test_eval_every_without_held_out_data_is_refused_before_planning(monkeypatch, capsys):
     _forbid(monkeypatch, "launch_local")
     monkeypatch.setattr(partita, "plan", lambda *a, **k: (_ for _ in ()).throw(AssertionError("planned")))

@@ -151,6 +151,7 @@ def test_calibrated_sums_equal_the_measured_whole_step(gpt2_table):
     assert calibration["forward_scale"] > 0 and calibration["backward_scale"] > 0
 
 
+@pytest.mark.slow  # captures and profiles Llama
 def test_llama_with_a_higher_order_op():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -112,6 +112,7 @@ def test_runners_feed_each_stage_its_root_inputs_and_metadata_restores_buffers(m
         assert all(x is y for x, y in zip(a.output_args, b.input_args))
 
 
+@pytest.mark.slow  # captures and splits T5
 def test_split_backward_check_finds_t5_parameters_off_the_input_path():
     """T5's decoder embedding (reads labels) and relative position bias (reads positions) lose
     gradients under torch's input/weight backward split; GPT-2's parameters do not."""
@@ -149,6 +150,7 @@ def test_trainer_refuses_a_plan_for_another_graph_or_a_graph_of_another_model(ml
 # ----------------------------------------------------------------------------- meta models and seeds
 
 
+@pytest.mark.slow  # builds, captures and runs models twice
 def test_stages_of_a_meta_model_run_from_a_seed_like_the_real_model(tmp_path):
     """llama: a non-persistent buffer (rotary frequencies), and ops captured on meta that name the meta
     device inside a higher-order op (export's device assertions): the seed fills the first, and
