@@ -1,7 +1,8 @@
 """partita.Trainer on gloo: pipelined, replicated training equals unsplit full-batch training.
 
-Each job starts its ranks once (launch.py) and runs many model x config checks in them, to
-amortise process start-up and graph capture; the tests then assert on the recorded numbers.
+Each job runs many model x config checks in one set of ranks, and shares its launch with the other
+jobs of its world size (dist_launch.py, conftest.py), to amortise process start-up and graph capture;
+the tests then assert on the recorded numbers.
 fp32, tiny zoo models, batch 8, sequence 16, dropout off; BERT's masks are made equally
 many per sample (workers._exact_batch) so that micro-batch means average to the batch mean.
 """

@@ -1,4 +1,5 @@
-"""Rank-side code of the multi-process tests: ``python workers.py JOB DIR`` (see dist_launch.py).
+"""Rank-side code of the multi-process tests: ``python workers.py JOB DIR`` (see dist_launch.py); the
+job ``several`` runs the jobs of a shared launch, ``"module:function"`` of this or another module here.
 
 Each job trains tiny zoo models with partita.Trainer on gloo and, on rank 0, compares the loss
 and every parameter with the unsplit model trained on the same full batch. Results go to
