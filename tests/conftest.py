@@ -7,6 +7,7 @@ Tiers (README "Tests"): ``make test-fast`` runs ``-m "not dist and not slow"``; 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,15 +92,15 @@ def one_rank():
 def _no_process_group_left(request):
     """No test leaves a process group behind (``one_rank``'s lives until its module ends): the next
     test would find it, and what that test checks would depend on the order the tests ran in."""
-    import torch.distributed as dist
 
-    def initialized() -> bool:
-        return dist.is_available() and dist.is_initialized()
+    def initialized() -> bool:  # without importing torch.distributed where no test did
+        dist = sys.modules.get("torch.distributed")
+        return dist is not None and dist.is_available() and dist.is_initialized()
 
     before = initialized()
     yield
     if not before and initialized() and "one_rank" not in request.fixturenames:
-        dist.destroy_process_group()
+        sys.modules["torch.distributed"].destroy_process_group()
         pytest.fail(f"{request.node.nodeid} left a process group behind (destroyed now)", pytrace=False)
 
 
