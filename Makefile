@@ -1,4 +1,4 @@
-# The README's two commands: `make demo` and `make test`. Both set up a virtualenv first.
+# The README's commands: `make demo`, `make test` and `make test-fast`. All set up a virtualenv first.
 #
 # On a machine without an NVIDIA GPU the CPU build torch==2.13.0 is pinned (it lies on this
 # workplace's disk; an unpinned torch pulls a multi-GB CUDA build). Set TORCH_SPEC to override,
@@ -12,7 +12,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.6'
 # releases; the tests and benchmarks are checked against this one.
 TRANSFORMERS_SPEC ?= transformers==5.23.0
 
-.PHONY: setup demo test docs clean
+.PHONY: setup demo test test-fast docs clean
 
 setup: $(VENV)/.installed
 
@@ -38,6 +38,10 @@ test: setup
 	$(VENV)/bin/ruff check partita tests bench
 	$(VENV)/bin/ruff format --check partita tests bench
 	$(PY) -m pytest -q tests
+
+# The edit loop: the unit and golden tests that start no process (the markers dist and slow left out).
+test-fast: setup
+	$(PY) -m pytest -q -m "not dist and not slow" tests
 
 # The API reference, docs/api.md, generated from the public names' docstrings (the suite checks it is current).
 docs: setup

@@ -1,4 +1,14 @@
+"""What every test shares: one thread per process, a fixed seed, the markers of the tiers, the zoo
+graphs most unit tests plan or run (``mlp``, ``gpt2``), and ``--regenerate-golden``.
+
+Tiers (README "Tests"): ``make test-fast`` runs ``-m "not dist and not slow"``; ``make test`` runs all.
+"""
+
+from __future__ import annotations
+
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,10 +18,90 @@ torch.set_num_threads(1)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+DIST = Path(__file__).resolve().parent / "dist"
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items):
+    """Every test under tests/dist starts processes of its own: marked ``dist``."""
+    for item in items:
+        if DIST in Path(item.path).parents:
+            item.add_marker(pytest.mark.dist)
+
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every test runs on one thread, as set above, even after a test that changed the count (tiny
+    models run fastest so, and the suite shares 2 cores); the count is restored afterwards."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+def capture_example(name: str, batch_size: int = 8):
+    """The zoo model ``name`` (partita.examples) at ``batch_size``, and its captured graph (with the
+    example's loss function and target): ``(example, graph)``."""
+    import partita
+    from partita import examples
+
+    ex = examples.build(name, batch_size=batch_size)
+    return ex, partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+
+
+# Module scope: the tests of one module share the model and graph (a test that trains changes the
+# weights in place, for the module's later tests only); every module captures its own.
+@pytest.fixture(scope="module")
+def mlp():
+    """The zoo MLP at batch 8 and its captured graph: ``(example, graph)``."""
+    return capture_example("mlp")
+
+
+@pytest.fixture(scope="module")
+def mlp_graph(mlp):
+    return mlp[1]
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    """The zoo GPT-2 (tiny) at batch 8 and sequence 32, and its captured graph: ``(example, graph)``."""
+    return capture_example("gpt2")
+
+
+@pytest.fixture(scope="module")
+def gpt2_graph(gpt2):
+    return gpt2[1]
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A 1-rank gloo process group in this process (a HashStore: no port), for the module's tests."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left(request):
+    """No test leaves a process group behind (``one_rank``'s lives until its module ends): the next
+    test would find it, and what that test checks would depend on the order the tests ran in."""
+
+    def initialized() -> bool:  # without importing torch.distributed where no test did
+        dist = sys.modules.get("torch.distributed")
+        return dist is not None and dist.is_available() and dist.is_initialized()
+
+    before = initialized()
+    yield
+    if not before and initialized() and "one_rank" not in request.fixturenames:
+        sys.modules["torch.distributed"].destroy_process_group()
+        pytest.fail(f"{request.node.nodeid} left a process group behind (destroyed now)", pytrace=False)
 
 
 def pytest_addoption(parser):

@@ -16,18 +16,24 @@ import itertools
 from pathlib import Path
 
 import pytest
-from dist_launch import run_ranks
+from dist_launch import Job, run_ranks
 
 pytest.importorskip("transformers")
 
-WORKERS = Path(__file__).with_name("workers_batches.py")
 TOLERANCE = 1e-5
+WORKERS = Path(__file__).with_name("workers_batches.py")
 MODELS = ["tiny_lm", "masked_lm", "gpt2"]
+# the launches (fixture name -> job): shared with the other jobs of their world size (tests/dist/conftest.py)
+SHARED_JOBS = {
+    "lengths": Job("workers_batches:job_lengths", 2, 400, dict(models=MODELS)),
+    "accumulation": Job("workers_batches:job_accumulation", 2, 300),
+    "evaluated": Job("workers_batches:job_evaluate", 2, 300),
+}
 
 
 @pytest.fixture(scope="module")
-def lengths(tmp_path_factory):
-    return run_ranks("lengths", 2, tmp_path_factory.mktemp("lengths"), timeout_s=400, workers=WORKERS, models=MODELS)
+def lengths(launches):
+    return launches.results_of(__name__, "lengths")
 
 
 @pytest.mark.parametrize("key", [f"{m}/{c}" for m in MODELS for c in ("1f1b-2x4", "dp-2")])
@@ -48,8 +54,8 @@ def test_a_batch_longer_than_the_plan_is_refused_on_every_rank(lengths):
 
 
 @pytest.fixture(scope="module")
-def accumulation(tmp_path_factory):
-    return run_ranks("accumulation", 2, tmp_path_factory.mktemp("accumulation"), timeout_s=300, workers=WORKERS)
+def accumulation(launches):
+    return launches.results_of(__name__, "accumulation")
 
 
 @pytest.mark.parametrize("key", [f"{m}/{c}" for m in ("tiny_lm", "mean_mlp") for c in ("1f1b-2x2", "dp-2")])
@@ -64,8 +70,8 @@ def test_accumulated_rounds_equal_one_step_on_the_whole_batch(accumulation, key)
 
 
 @pytest.fixture(scope="module")
-def evaluated(tmp_path_factory):
-    return run_ranks("evaluate", 2, tmp_path_factory.mktemp("evaluate"), timeout_s=300, workers=WORKERS)
+def evaluated(launches):
+    return launches.results_of(__name__, "evaluated")
 
 
 def test_evaluate_is_the_eval_mode_loss_and_changes_nothing(evaluated):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_launch import run_ranks
+from dist_launch import Job
 
 pytest.importorskip("transformers")
 
@@ -26,13 +26,22 @@ CONFIGS = [
     dict(label="dp-2", schedule="gpipe", num_stages=1, num_rank_groups=1, replicas=2, num_microbatches=1),
     dict(label="dp-2x2", schedule="gpipe", num_stages=1, num_rank_groups=1, replicas=2, num_microbatches=2),
 ]
+HANG_TIMEOUT_S = 3  # the collective timeout of the hung-rank job
+# the launches (fixture name -> job): shared with the other jobs of their world size (tests/dist/conftest.py)
+SHARED_JOBS = {
+    "exact": Job("workers:job_exact_losses", 2, 300, dict(models=MODELS, configs=CONFIGS, steps=STEPS)),
+    "unrecognised_loss": Job("workers:job_unrecognised_loss", 2, 120),
+    "one_plan": Job("workers:job_one_plan", 2, 120),
+    "dropout": Job("workers:job_dropout", 2, 120),
+    "frozen": Job("workers:job_frozen", 2, 120, dir_params=("dir",)),
+    # last: the peers of its hung rank give up on it
+    "hung": Job("workers:job_hang", 2, 120, dict(sleep_s=10, collective_timeout_s=HANG_TIMEOUT_S), last=True),
+}
 
 
 @pytest.fixture(scope="module")
-def exact(tmp_path_factory):
-    return run_ranks(
-        "exact_losses", 2, tmp_path_factory.mktemp("exact"), timeout_s=300, models=MODELS, configs=CONFIGS, steps=STEPS
-    )
+def exact(launches):
+    return launches.results_of(__name__, "exact")
 
 
 @pytest.mark.parametrize("key", [f"{m}/{c['label']}" for m in MODELS for c in CONFIGS])
@@ -48,17 +57,21 @@ def test_padded_labels_train_like_the_full_batch(exact, key):
     assert mine["warnings"] == [] and exact[1][key]["warnings"] == []
 
 
-def test_a_loss_that_squares_a_batch_mean_is_refused_on_every_rank_before_training(tmp_path):
-    results = run_ranks("unrecognised_loss", 2, tmp_path, timeout_s=120)
-    for result in results:
+@pytest.fixture(scope="module")
+def unrecognised_loss(launches):
+    return launches.results_of(__name__, "unrecognised_loss")
+
+
+def test_a_loss_that_squares_a_batch_mean_is_refused_on_every_rank_before_training(unrecognised_loss):
+    for result in unrecognised_loss:
         error = result["error"]
         assert error is not None and "pow" in error and "workers.py" in error, error
         assert "statistic of the whole batch" in error and "one micro-batch and one replica" in error
 
 
 @pytest.fixture(scope="module")
-def one_plan(tmp_path_factory):
-    return run_ranks("one_plan", 2, tmp_path_factory.mktemp("one_plan"), timeout_s=120)
+def one_plan(launches):
+    return launches.results_of(__name__, "one_plan")
 
 
 def test_ranks_with_different_plans_all_raise_naming_the_ranks(one_plan):
@@ -80,8 +93,8 @@ def test_shared_plan_plans_on_rank_0_and_every_rank_trains_it(one_plan):
 
 
 @pytest.fixture(scope="module")
-def dropout(tmp_path_factory):
-    return run_ranks("dropout", 2, tmp_path_factory.mktemp("dropout"), timeout_s=120)
+def dropout(launches):
+    return launches.results_of(__name__, "dropout")
 
 
 def test_replicas_draw_their_own_dropout_masks(dropout):
@@ -106,9 +119,8 @@ def test_the_trainer_leaves_the_callers_random_stream_alone(dropout):
 
 
 @pytest.fixture(scope="module")
-def frozen(tmp_path_factory):
-    out = tmp_path_factory.mktemp("frozen")
-    return run_ranks("frozen", 2, out, timeout_s=120, dir=str(out))
+def frozen(launches):
+    return launches.results_of(__name__, "frozen")
 
 
 @pytest.mark.parametrize("label", ["frozen-tail", "loss-only", "frozen-head"])
@@ -120,11 +132,15 @@ def test_a_stage_without_trainable_parameters_trains(frozen, label):
     assert diff <= TOLERANCE, f"{label}: {where} differs from unsplit training by {diff:.3g}"
 
 
-def test_a_hung_rank_ends_in_a_timeout_naming_the_step_and_the_rank(tmp_path):
+@pytest.fixture(scope="module")
+def hung(launches):
+    return launches.results_of(__name__, "hung")
+
+
+def test_a_hung_rank_ends_in_a_timeout_naming_the_step_and_the_rank(hung):
     """Rank 1 sleeps 10 s before step 2; rank 0 waits at most the 3 s timeout for it."""
-    timeout_s = 3
-    results = run_ranks("hang", 2, tmp_path, timeout_s=120, sleep_s=10, collective_timeout_s=timeout_s)
-    waiting = results[0]
+    timeout_s = HANG_TIMEOUT_S
+    waiting = hung[0]
     assert waiting["raised"] is not None, "rank 0 did not time out"
     assert waiting["step"] == 2 and waiting["rank"] == 0 and waiting["behind"] == (1,), waiting
     assert "step 2: rank 0" in waiting["raised"] and "rank 1 (its last step started is 1)" in waiting["raised"]

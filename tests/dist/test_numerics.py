@@ -5,15 +5,16 @@ with on_nonfinite="skip", the update is skipped with a warning (workers.job_nume
 from __future__ import annotations
 
 import pytest
-from dist_launch import run_ranks
+from dist_launch import Job
 from workers import max_diff
 
 TOLERANCE = 1e-6
+SHARED_JOBS = {"results": Job("workers:job_numerics", 2, 120)}  # shared launches: tests/dist/conftest.py
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_ranks("numerics", 2, tmp_path_factory.mktemp("numerics"), timeout_s=120)
+def results(launches):
+    return launches.results_of(__name__, "results")
 
 
 def _unchanged(result: dict, initial: dict) -> None:

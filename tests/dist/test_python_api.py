@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from dist_launch import run_ranks
+from dist_launch import Job, run_ranks
 
 pytest.importorskip("transformers")
 
@@ -53,10 +53,16 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved1f1b", "zbv"]
 SHAPES = ["reused", "tied", "gated"]
 
 
+# launched with the other 2-rank jobs of the suite (tests/dist/conftest.py); the natural script
+# launches alone: it starts without a process group, as a user's script does
+SHARED_JOBS = {
+    "by_shape": Job("workers_python_api:job_schedules_by_shape", 2, 600, dict(schedules=SCHEDULES, steps=STEPS)),
+}
+
+
 @pytest.fixture(scope="module")
-def by_shape(tmp_path_factory):
-    out = tmp_path_factory.mktemp("by_shape")
-    return run_ranks("schedules_by_shape", 2, out, timeout_s=600, workers=WORKERS, schedules=SCHEDULES, steps=STEPS)
+def by_shape(launches):
+    return launches.results_of(__name__, "by_shape")
 
 
 @pytest.mark.parametrize(

@@ -9,30 +9,21 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_launch import Job
 
 UNIT = Path(__file__).resolve().parents[1] / "unit"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, out: str, schedule: str, replicas: int) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
+def job_sequence_first(params: dict) -> dict:
+    """Rank side (a job of the shared launches, dist_launch.py): one SGD step of ``params["schedule"]``
+    over 2 stages x ``params["replicas"]`` replicas; rank 0 compares it with unsplit training."""
     sys.path.insert(0, str(UNIT))
-    import torch.distributed as dist
     from test_batch_dims import SeqFirstClassifier
 
     import partita
@@ -48,9 +39,9 @@ def _worker(rank: int, world: int, port: int, out: str, schedule: str, replicas:
     plan = manual_plan(
         graph,
         [0, n // 2, n],
-        schedule=schedule,
+        schedule=params["schedule"],
         num_rank_groups=2,
-        replicas=replicas,
+        replicas=params["replicas"],
         num_microbatches=2,
         global_batch_size=8,
         recompute=False,
@@ -58,33 +49,42 @@ def _worker(rank: int, world: int, port: int, out: str, schedule: str, replicas:
     trainer = partita.Trainer(model, plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), graph=graph)
     loss = trainer.step(src, target=y)
     state = trainer.gather_state_dict()
-    if rank == 0:
-        optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-        ref_loss = F.cross_entropy(reference(src), y)
-        ref_loss.backward()
-        optimizer.step()
-        diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
-        torch.save(
-            {
-                "loss": float(loss),
-                "ref_loss": ref_loss.item(),
-                "diff": diff,
-                "dims": [i.tensor.batch_dim for i in graph.inputs],
-            },
-            out,
-        )
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if int(os.environ["RANK"]) != 0:
+        return {}
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref_loss = F.cross_entropy(reference(src), y)
+    ref_loss.backward()
+    optimizer.step()
+    diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    return {
+        "loss": float(loss),
+        "ref_loss": ref_loss.item(),
+        "diff": diff,
+        "dims": [i.tensor.batch_dim for i in graph.inputs],
+    }
+
+
+# the launches (fixture name -> job): shared with the other jobs of their world size (tests/dist/conftest.py)
+SHARED_JOBS = {
+    "two_ranks": Job("test_sequence_first:job_sequence_first", 2, 300, dict(schedule="1f1b", replicas=1)),
+    "four_ranks": Job("test_sequence_first:job_sequence_first", 4, 300, dict(schedule="gpipe", replicas=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(launches):
+    return launches.results_of(__name__, "two_ranks")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(launches):
+    return launches.results_of(__name__, "four_ranks")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, replicas", [("1f1b", 1), ("gpipe", 2)])
-def test_sequence_first_encoder_trains_exactly(tmp_path, schedule, replicas):
-    import torch.multiprocessing as mp
-
-    out = str(tmp_path / "result.pt")
-    mp.spawn(_worker, args=(2 * replicas, _free_port(), out, schedule, replicas), nprocs=2 * replicas)
-    result = torch.load(out)
+def test_sequence_first_encoder_trains_exactly(two_ranks, four_ranks, schedule, replicas):
+    result = {("1f1b", 1): two_ranks, ("gpipe", 2): four_ranks}[schedule, replicas][0]
     assert result["dims"] == [1, 0]
     assert abs(result["loss"] - result["ref_loss"]) <= 1e-6
     assert result["diff"] <= 1e-6

@@ -6,14 +6,11 @@ tied weights across a sharded stage are refused."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from dist_launch import run_ranks
+from dist_launch import Job
 
 pytest.importorskip("transformers")
 
-WORKERS = Path(__file__).with_name("workers_sharding.py")
 TOLERANCE = 1e-5
 
 TWO_RANKS = [
@@ -50,21 +47,18 @@ for config in TWO_RANKS + FOUR_RANKS + UNEVEN:
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharding2")
-    return run_ranks("levels", 2, out, timeout_s=400, workers=WORKERS, configs=TWO_RANKS, checkpoints=str(out))
+def two(launches):
+    return launches.results_of(__name__, "two")
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharding4")
-    return run_ranks("levels", 4, out, timeout_s=500, workers=WORKERS, configs=FOUR_RANKS, checkpoints=str(out))
+def four(launches):
+    return launches.results_of(__name__, "four")
 
 
 @pytest.fixture(scope="module")
-def uneven(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharding3")
-    return run_ranks("levels", 3, out, timeout_s=400, workers=WORKERS, configs=UNEVEN, checkpoints=str(out))
+def uneven(launches):
+    return launches.results_of(__name__, "uneven")
 
 
 def _check_exact(results: list, label: str, replicas: int) -> None:
@@ -125,11 +119,18 @@ for config in BF16:
     config.setdefault("num_microbatches", 2)
     config.setdefault("schedule", "1f1b" if config["num_stages"] > 1 else "gpipe")
 
+# the launches (fixture name -> job): shared with the other jobs of their world size (tests/dist/conftest.py)
+SHARED_JOBS = {
+    "two": Job("workers_sharding:job_levels", 2, 400, dict(configs=TWO_RANKS), ("checkpoints",)),
+    "four": Job("workers_sharding:job_levels", 4, 500, dict(configs=FOUR_RANKS), ("checkpoints",)),
+    "uneven": Job("workers_sharding:job_levels", 3, 400, dict(configs=UNEVEN), ("checkpoints",)),
+    "bf16": Job("workers_sharding:job_bf16", 2, 400, dict(configs=BF16), ("checkpoints",)),
+}
+
 
 @pytest.fixture(scope="module")
-def bf16(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bf16")
-    return run_ranks("bf16", 2, out, timeout_s=400, workers=WORKERS, configs=BF16, checkpoints=str(out))
+def bf16(launches):
+    return launches.results_of(__name__, "bf16")
 
 
 @pytest.mark.parametrize("label", [c["label"] for c in BF16])

@@ -7,14 +7,11 @@ into one without tensor parallelism."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from dist_launch import run_ranks
+from dist_launch import Job
 
 pytest.importorskip("transformers")
 
-WORKERS = Path(__file__).with_name("workers_tensor_parallel.py")
 TOLERANCE = 1e-5
 
 TWO_RANKS = [dict(label=m, model=m) for m in ("gpt2", "llama", "bert", "t5")]
@@ -33,18 +30,21 @@ for config in TWO_RANKS + FOUR_RANKS:
     config.setdefault("replicas", 1)
     config.setdefault("num_microbatches", 1)
     config.setdefault("schedule", "gpipe")
+# the launches (fixture name -> job): shared with the other jobs of their world size (tests/dist/conftest.py)
+SHARED_JOBS = {
+    "two": Job("workers_tensor_parallel:job_tp", 2, 500, dict(configs=TWO_RANKS), ("checkpoints",)),
+    "four": Job("workers_tensor_parallel:job_tp", 4, 500, dict(configs=FOUR_RANKS), ("checkpoints",)),
+}
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp2")
-    return run_ranks("tp", 2, out, timeout_s=500, workers=WORKERS, configs=TWO_RANKS, checkpoints=str(out))
+def two(launches):
+    return launches.results_of(__name__, "two")
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp4")
-    return run_ranks("tp", 4, out, timeout_s=500, workers=WORKERS, configs=FOUR_RANKS, checkpoints=str(out))
+def four(launches):
+    return launches.results_of(__name__, "four")
 
 
 def _check(results: list, label: str) -> None:

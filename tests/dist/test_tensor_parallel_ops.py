@@ -2,23 +2,20 @@
 op's forward and input gradients equal the unsplit computation's, on the meta device they give the
 right shapes without communicating, and they run as call_function targets of a GraphModule.
 
-This file is also its own rank-side script (``python test_tensor_parallel_ops.py JOB DIR``, see
-dist_launch.py): one job per world size runs every case on every tensor-parallel group (all ranks,
-and on 4 ranks also groups of 2, where a rank's index in its group is not its global rank). Each
-case returns ``(label, got, want)`` triples; the test process compares them, so a failure lists
-every mismatch of the case at once.
+This file also holds the ranks' side (``job_ops``, a job of the shared launches, dist_launch.py): one
+job per world size runs every case on every tensor-parallel group (all ranks, and on 4 ranks also
+groups of 2, where a rank's index in its group is not its global rank). Each case returns
+``(label, got, want)`` triples; the test process compares them, so a failure lists every mismatch of
+the case at once.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_launch import run_ranks
+from dist_launch import Job
 
-JOB = "tensor_parallel_ops"
 TIMEOUT_S = 120
 F64 = torch.float64
 TOLERANCE = {  # keyed by the wanted value's dtype
@@ -303,22 +300,22 @@ def job_ops(params: dict) -> dict:
 
 # ----------------------------------------------------------------------------- tests
 
-WORKERS = Path(__file__)
 CONFIGS = [(2, 2), (4, 4), (4, 2)]  # (world size, tensor-parallel degree)
+# the launches (fixture name -> job): shared with the other jobs of their world size (tests/dist/conftest.py)
+SHARED_JOBS = {
+    "ranks2": Job("test_tensor_parallel_ops:job_ops", 2, TIMEOUT_S, dict(degrees=[2], meta=True)),
+    "ranks4": Job("test_tensor_parallel_ops:job_ops", 4, TIMEOUT_S, dict(degrees=[4, 2], meta=False)),
+}
 
 
 @pytest.fixture(scope="module")
-def ranks2(tmp_path_factory):
-    return run_ranks(
-        JOB, 2, tmp_path_factory.mktemp("tp_ops2"), timeout_s=TIMEOUT_S, workers=WORKERS, degrees=[2], meta=True
-    )
+def ranks2(launches):
+    return launches.results_of(__name__, "ranks2")
 
 
 @pytest.fixture(scope="module")
-def ranks4(tmp_path_factory):
-    return run_ranks(
-        JOB, 4, tmp_path_factory.mktemp("tp_ops4"), timeout_s=TIMEOUT_S, workers=WORKERS, degrees=[4, 2], meta=False
-    )
+def ranks4(launches):
+    return launches.results_of(__name__, "ranks4")
 
 
 def mismatches(triples: list, rank: int) -> list[str]:
@@ -336,8 +333,8 @@ def mismatches(triples: list, rank: int) -> list[str]:
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("world_size,degree", CONFIGS, ids=[f"{w}ranks-tp{d}" for w, d in CONFIGS])
-def test_matches_unsplit(request, world_size: int, degree: int, case: str):
-    results = request.getfixturevalue(f"ranks{world_size}")
+def test_matches_unsplit(ranks2, ranks4, world_size: int, degree: int, case: str):
+    results = {2: ranks2, 4: ranks4}[world_size]
     found = [message for rank, result in enumerate(results) for message in mismatches(result[degree, case], rank)]
     assert not found, "\n".join(found)
 
@@ -346,10 +343,3 @@ def test_meta_device(ranks2):
     """Shapes and dtypes of every op and its gradient on meta, no collective called; the user errors."""
     found = mismatches(ranks2[0][2, "meta"], 0)
     assert not found, "\n".join(found)
-
-
-if __name__ == "__main__":
-    from workers import JOBS, main
-
-    JOBS[JOB] = job_ops
-    main()

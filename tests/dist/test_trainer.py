@@ -1,7 +1,8 @@
 """partita.Trainer on gloo: pipelined, replicated training equals unsplit full-batch training.
 
-Each job starts its ranks once (launch.py) and runs many model x config checks in them, to
-amortise process start-up and graph capture; the tests then assert on the recorded numbers.
+Each job runs many model x config checks in one set of ranks, and shares its launch with the other
+jobs of its world size (dist_launch.py, conftest.py), to amortise process start-up and graph capture;
+the tests then assert on the recorded numbers.
 fp32, tiny zoo models, batch 8, sequence 16, dropout off; BERT's masks are made equally
 many per sample (workers._exact_batch) so that micro-batch means average to the batch mean.
 """
@@ -9,7 +10,7 @@ many per sample (workers._exact_batch) so that micro-batch means average to the 
 from __future__ import annotations
 
 import pytest
-from dist_launch import run_ranks
+from dist_launch import Job, run_ranks
 
 pytest.importorskip("transformers")
 
@@ -93,23 +94,18 @@ def _keys(configs: list[dict], models: list[str] = MODELS) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def two_rank_results(tmp_path_factory):
-    return run_ranks(
-        "one_step", 2, tmp_path_factory.mktemp("two_ranks"), timeout_s=180, models=WITH_LOSS_FN, configs=TWO_RANKS
-    )
+def two_rank_results(launches):
+    return launches.results_of(__name__, "two_rank_results")
 
 
 @pytest.fixture(scope="module")
-def four_rank_results(tmp_path_factory):
-    return run_ranks(
-        "one_step", 4, tmp_path_factory.mktemp("four_ranks"), timeout_s=240, models=MODELS, configs=FOUR_RANKS
-    )
+def four_rank_results(launches):
+    return launches.results_of(__name__, "four_rank_results")
 
 
 @pytest.fixture(scope="module")
-def checkpoint_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("checkpoint")
-    return run_ranks("checkpoint", 2, out, timeout_s=180, runs=CHECKPOINT_RUNS, dir=str(out))
+def checkpoint_results(launches):
+    return launches.results_of(__name__, "checkpoint_results")
 
 
 def _check_one_step(results: list[dict], key: str) -> None:
@@ -168,10 +164,18 @@ META_CONFIGS = [
 META_MODELS = ["gpt2", "llama"]  # llama: a non-persistent buffer (rotary frequencies) comes from the seed too
 
 
+# the launches (fixture name -> job): shared with the other jobs of their world size (tests/dist/conftest.py)
+SHARED_JOBS = {
+    "two_rank_results": Job("workers:job_one_step", 2, 180, dict(models=WITH_LOSS_FN, configs=TWO_RANKS)),
+    "four_rank_results": Job("workers:job_one_step", 4, 240, dict(models=MODELS, configs=FOUR_RANKS)),
+    "checkpoint_results": Job("workers:job_checkpoint", 2, 180, dict(runs=CHECKPOINT_RUNS), dir_params=("dir",)),
+    "meta_results": Job("workers:job_meta_init", 2, 240, dict(models=META_MODELS, configs=META_CONFIGS), ("dir",)),
+}
+
+
 @pytest.fixture(scope="module")
-def meta_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("meta_init")
-    return run_ranks("meta_init", 2, out, timeout_s=240, models=META_MODELS, configs=META_CONFIGS, dir=str(out))
+def meta_results(launches):
+    return launches.results_of(__name__, "meta_results")
 
 
 @pytest.mark.parametrize("key", _keys(META_CONFIGS, META_MODELS))

@@ -13,7 +13,7 @@ starts from a model built on meta (seed checkpoint), and a non-finite loss names
 from __future__ import annotations
 
 import pytest
-from dist_launch import run_ranks
+from dist_launch import Job
 
 pytest.importorskip("transformers")
 
@@ -59,20 +59,23 @@ WIDE_CONFIGS = [
     ),
 ]
 WIDE_KEYS = [f"{m}/{c['label']}" for m in WIDE_MODELS for c in WIDE_CONFIGS if m in c.get("models", WIDE_MODELS)]
+# the launches (fixture name -> job): shared with the other jobs of their world size (tests/dist/conftest.py)
+SHARED_JOBS = {
+    "results": Job("workers:job_uneven", 3, 240, dict(models=MODELS, configs=CONFIGS + [NONFINITE]), ("dir",)),
+    "wide_results": Job(
+        "workers:job_uneven", 5, 300, dict(models=WIDE_MODELS, configs=WIDE_CONFIGS, batch_size=12), ("dir",)
+    ),
+}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("uneven")
-    return run_ranks("uneven", 3, out, timeout_s=240, models=MODELS, configs=CONFIGS + [NONFINITE], dir=str(out))
+def results(launches):
+    return launches.results_of(__name__, "results")
 
 
 @pytest.fixture(scope="module")
-def wide_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("uneven-wide")
-    return run_ranks(
-        "uneven", 5, out, timeout_s=300, models=WIDE_MODELS, configs=WIDE_CONFIGS, dir=str(out), batch_size=12
-    )
+def wide_results(launches):
+    return launches.results_of(__name__, "wide_results")
 
 
 @pytest.mark.parametrize("key", KEYS)

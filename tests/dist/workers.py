@@ -1,4 +1,5 @@
-"""Rank-side code of the multi-process tests: ``python workers.py JOB DIR`` (see dist_launch.py).
+"""Rank-side code of the multi-process tests: ``python workers.py JOB DIR`` (see dist_launch.py); the
+job ``several`` runs the jobs of a shared launch, ``"module:function"`` of this or another module here.
 
 Each job trains tiny zoo models with partita.Trainer on gloo and, on rank 0, compares the loss
 and every parameter with the unsplit model trained on the same full batch. Results go to
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import importlib
 import os
 import sys
 import time
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 torch.set_num_threads(1)
+INITIAL_RNG_STATE = torch.get_rng_state()  # what a fresh process starts from (job_several)
 
 BATCH, SEQ = 8, 16
 LR = 0.5  # large enough that a gradient error of 2e-5 moves a parameter by 1e-5
@@ -903,6 +906,25 @@ JOBS.update(
 )
 
 
+def job_several(params: dict) -> dict:
+    """The jobs of a shared launch (dist_launch.SharedLaunches), one after the other: ``params["jobs"]``
+    holds ``(label, "module:function", params)``. Each job starts from the random state this process
+    started with, as it would in a launch of its own; the ranks meet after each. {label: result}."""
+    import torch.distributed as dist
+
+    results = {}
+    for label, target, job_params in params["jobs"]:
+        module, _, function = target.partition(":")
+        print(f"=== job {label} ({target})", flush=True)
+        torch.set_rng_state(INITIAL_RNG_STATE)
+        results[label] = getattr(importlib.import_module(module), function)(job_params)
+        dist.barrier()
+    return results
+
+
+JOBS["several"] = job_several
+
+
 def main() -> None:
     job, out_dir = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
@@ -921,4 +943,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("workers", sys.modules[__name__])  # "workers:job_x" of job_several: this module
     main()

@@ -9,25 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from legacy_model import BATCH, batches, build
 
 import partita
 from partita.types.plan_file import executed_part
 
 LEGACY = Path(__file__).with_name("legacy")
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A process group of one rank (this process's own if it has one of that size)."""
-    if dist.is_initialized():
-        assert dist.get_world_size() == 1, "these tests run in a process of one rank"
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _graph():

@@ -2,11 +2,11 @@
 (test_search, test_uneven_search, test_plan_bounds)."""
 
 import numpy as np
+from oracle import brute_force
 
 from partita.planning.build import build_plan
 from partita.planning.chain import coarsen
 from partita.planning.context import PlanningContext, finish_plan
-from partita.planning.oracle import brute_force
 from partita.planning.search import SearchOptions
 from partita.types import CostTable, OpGraph, OpNode, OptimizerKind, ParamInfo, TensorInfo
 from partita.types.cluster import Cluster
@@ -103,7 +103,7 @@ def chain_instance(
 
 
 def oracle(ctx: PlanningContext):
-    """The best plan over every split, config and recomputation choice (partita.planning.oracle)."""
+    """The best plan over every split, config and recomputation choice (oracle.py beside this file)."""
 
     def evaluate(config, nodes, recompute, method):
         return finish_plan(ctx, config, nodes, recompute, method)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -25,14 +26,6 @@ from partita.errors import InputError
 from partita.runtime.stages import flatten_inputs, narrow_batch, split_graph
 
 S, B, E, CLASSES = 6, 4, 16, 5
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class SeqFirstClassifier(nn.Module):
@@ -349,6 +342,7 @@ def test_batch_norm_is_the_documented_exception():
     assert graph.couples_samples is None and _dims(graph) == [0, 0]
 
 
+@pytest.mark.slow  # captures every zoo family
 @pytest.mark.parametrize("family", ["gpt2", "llama", "t5", "vit", "mixtral"])
 def test_zoo_models_do_not_couple_samples(family):
     pytest.importorskip("transformers")
@@ -435,19 +429,25 @@ def test_an_example_batch_of_one_gives_a_dynamic_graph_that_plans():
 
 
 def test_a_batch_of_one_on_meta_plans():
+    """An example batch of 1 on meta plans as an example of the whole batch does: the same plan file,
+    but for the graph fingerprint, which hashes the example's shapes."""
     pytest.importorskip("transformers")
     from partita import examples
 
-    ex = examples.build("gpt2", batch_size=1, seq_len=64, device="meta")
-    plan = partita.plan(
-        ex.model,
-        ex.args,
-        ex.kwargs,
-        cluster=partita.Cluster(device="h100", num_devices=2),
-        global_batch_size=4,
-        options=partita.PlanOptions(costs="analytic"),
-    )
-    assert plan.num_devices <= 2
+    def plan_from_example(batch_size: int) -> partita.Plan:
+        ex = examples.build("gpt2", batch_size=batch_size, seq_len=64, device="meta")
+        return partita.plan(
+            ex.model,
+            ex.args,
+            ex.kwargs,
+            cluster=partita.Cluster(device="h100", num_devices=2),
+            global_batch_size=4,
+            options=partita.PlanOptions(costs="analytic"),
+        )
+
+    one, whole = plan_from_example(1), plan_from_example(4)
+    assert one.global_batch_size == 4 and one.graph_fingerprint != whole.graph_fingerprint
+    assert dataclasses.replace(one, graph_fingerprint=whole.graph_fingerprint).to_json() == whole.to_json()
 
 
 def test_static_capture_is_still_refused_by_the_planner():

@@ -99,6 +99,7 @@ def test_loss_fn_is_captured_with_original_names():
     assert [g.path for g in graph.inputs] == ["args[0]", "target"]
 
 
+@pytest.mark.slow  # three captures
 def test_fingerprint_is_deterministic_and_shape_sensitive():
     a = examples.build("gpt2", batch_size=4, seq_len=16)
     b = examples.build("gpt2", batch_size=4, seq_len=16)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import partita
 from partita import examples
@@ -140,15 +139,6 @@ def test_a_truncated_seed_is_refused_before_loading(tmp_path):
 
 
 # ----------------------------------------------------------------------------- a 1-rank process group
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _fresh(one_rank):

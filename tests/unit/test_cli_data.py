@@ -18,7 +18,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -364,6 +363,7 @@ def test_bad_train_flags_are_refused_before_launch(monkeypatch, capsys):
     assert "invalid choice: 'step'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # measures this machine first (a gloo probe in subprocesses)
 def test_eval_every_without_held_out_data_is_refused_before_planning(monkeypatch, capsys):
     _forbid(monkeypatch, "launch_local")
     monkeypatch.setattr(partita, "plan", lambda *a, **k: (_ for _ in ()).throw(AssertionError("planned")))
@@ -413,15 +413,6 @@ def test_without_tensorboard_only_the_jsonl_is_written_with_one_note(tmp_path, m
 
 
 # ----------------------------------------------------------------------------- training on 1 rank
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _own_data(factory: str = "build"):

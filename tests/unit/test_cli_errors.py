@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+from clusters import h100s
 
 import partita
 from partita import examples
@@ -40,16 +41,6 @@ def _forbid(monkeypatch, *names: str) -> None:
 
 def _error(capsys) -> str:
     return capsys.readouterr().err
-
-
-@pytest.fixture(scope="module")
-def mlp():
-    ex = examples.build("mlp", batch_size=4)
-    return ex, partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
-
-
-def h100s(n, memory=None):
-    return partita.Cluster(device="h100", num_devices=n, devices_per_node=8, memory_bytes=memory)
 
 
 # ----------------------------------------------------------------------------- train: checked at start

@@ -12,7 +12,6 @@ import importlib
 import pytest
 
 import partita
-from partita import examples
 from partita.cli.main import main
 from partita.cli.multinode import Nodes, local_nodes_cluster, plan_on_rank0
 from partita.errors import InputError
@@ -33,12 +32,6 @@ def _forbid_starting(monkeypatch) -> None:
     for name in ("_load", "_plan_for_training"):
         monkeypatch.setattr(CLI, name, reached)
     monkeypatch.setattr(LAUNCH, "launch_local", reached)
-
-
-@pytest.fixture(scope="module")
-def mlp():
-    ex = examples.build("mlp", batch_size=4)
-    return partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
 
 
 def _plan(graph, num_devices: int):
@@ -120,9 +113,9 @@ def test_each_node_starts_its_ranks_without_planning(monkeypatch, capsys):
     assert "node 1: waiting up to 600 s (--rdzv-timeout) for all 2 nodes to join the rendezvous at node0:29400" in out
 
 
-def test_a_plan_file_is_split_over_the_nodes(mlp, tmp_path, monkeypatch, capsys):
+def test_a_plan_file_is_split_over_the_nodes(mlp_graph, tmp_path, monkeypatch, capsys):
     path = tmp_path / "plan.json"
-    _plan(mlp, 2).save(str(path))
+    _plan(mlp_graph, 2).save(str(path))
     launched = []
     monkeypatch.setattr(LAUNCH, "launch_local", lambda argv, **kw: launched.append(kw["nproc"]))
     assert main(["train", "mlp", "--plan", str(path), "--nnodes", "2", *ENDPOINT]) == 0
@@ -131,7 +124,7 @@ def test_a_plan_file_is_split_over_the_nodes(mlp, tmp_path, monkeypatch, capsys)
     assert main(["train", "mlp", "--plan", str(path), "--nnodes", "2", *ENDPOINT, "--nproc", "2"]) == 2
     assert f"{path} is a plan for 2 devices, but --nproc is 2 x --nnodes 2: drop --nproc" in capsys.readouterr().err
     odd = tmp_path / "one-device.json"
-    _plan(mlp, 1).save(str(odd))
+    _plan(mlp_graph, 1).save(str(odd))
     assert main(["train", "mlp", "--plan", str(odd), "--nnodes", "2", *ENDPOINT]) == 2
     assert f"{odd} is a plan for 1 devices, which do not split evenly over --nnodes 2" in capsys.readouterr().err
 
@@ -158,7 +151,7 @@ def test_the_planner_is_told_the_nodes(monkeypatch):
     assert local_nodes_cluster(2).devices_per_node == 2  # one node: Cluster.local as before
 
 
-def test_rank0_plans_once_and_a_restart_reads_that_plan_back(mlp, tmp_path, monkeypatch, capsys):
+def test_rank0_plans_once_and_a_restart_reads_that_plan_back(mlp_graph, tmp_path, monkeypatch, capsys):
     path = tmp_path / "job" / "plan.json"
     path.parent.mkdir()
     path.write_text("a stale plan of another job")
@@ -167,23 +160,23 @@ def test_rank0_plans_once_and_a_restart_reads_that_plan_back(mlp, tmp_path, monk
 
     def plan_for(num_devices, num_nodes):
         calls.append((num_devices, num_nodes))
-        return _plan(mlp, num_devices)
+        return _plan(mlp_graph, num_devices)
 
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    first = plan_on_rank0(args, mlp, plan_for, world_size=2, devices_per_node=1)
+    first = plan_on_rank0(args, mlp_graph, plan_for, world_size=2, devices_per_node=1)
     assert calls == [(2, 2)] and partita.Plan.load(str(path)) == first
     assert "plan for 2 nodes x 1 processes" in capsys.readouterr().out
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert plan_on_rank0(args, mlp, plan_for, world_size=2, devices_per_node=1) == first
+    assert plan_on_rank0(args, mlp_graph, plan_for, world_size=2, devices_per_node=1) == first
     assert calls == [(2, 2)]  # not planned again
     path.unlink()  # the first attempt failed before writing it: plan again
-    plan_on_rank0(args, mlp, plan_for, world_size=2, devices_per_node=1)
+    plan_on_rank0(args, mlp_graph, plan_for, world_size=2, devices_per_node=1)
     assert calls == [(2, 2)] * 2
 
 
-def test_a_plan_that_leaves_started_ranks_idle_is_refused(mlp, tmp_path, monkeypatch):
+def test_a_plan_that_leaves_started_ranks_idle_is_refused(mlp_graph, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     args = argparse.Namespace(plan_out=str(tmp_path / "plan.json"), accumulate=1)
     with pytest.raises(InputError, match=r"the fastest plan for 2 nodes x 1 processes uses 1 devices, .*pin "):
-        plan_on_rank0(args, mlp, lambda n, nodes: _plan(mlp, 1), world_size=2, devices_per_node=1)
+        plan_on_rank0(args, mlp_graph, lambda n, nodes: _plan(mlp_graph, 1), world_size=2, devices_per_node=1)
     assert not (tmp_path / "plan.json").exists()

@@ -206,6 +206,7 @@ def _count_calls(monkeypatch, module, name):
     return calls
 
 
+@pytest.mark.slow  # measures this CPU
 def test_local_cpu_spec_is_measured_and_cached(tmp_path, monkeypatch):
     measurements = _count_calls(monkeypatch, local_machine, "_calibrate_cpu")
     spec = local_cpu_spec(tmp_path, memory_bytes=2**30)
@@ -294,6 +295,7 @@ def test_cluster_from_dict_errors(change, message):
         Cluster.from_dict(data)
 
 
+@pytest.mark.slow  # a gloo probe in subprocesses
 def test_local_cluster_measures_gloo(tmp_path, monkeypatch):
     probes = {
         name: _count_calls(monkeypatch, local_machine, name)

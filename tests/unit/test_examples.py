@@ -14,15 +14,6 @@ FAMILIES = ["bert", "cnn", "gpt2", "llama", "mixtral", "mlp", "t5", "vit"]
 HF_FAMILIES = ["bert", "gpt2", "llama", "mixtral", "t5", "vit"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and tests may share 2 cores with others."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 def loss_of(ex: Example, args: tuple, kwargs: dict, target) -> torch.Tensor:
     out = ex.model(*args, **kwargs)
     return out.loss if ex.loss_fn is None else ex.loss_fn(out, target)

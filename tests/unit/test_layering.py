@@ -182,7 +182,15 @@ def _is_type_checking(test: ast.expr) -> bool:
 class _ImportCollector(ast.NodeVisitor):
     """(imported module, line, how) for every run-time reference to a partita module in one file."""
 
-    def __init__(self, module: str, is_package: bool, known: set[str], exports: dict[str, str], package: str):
+    def __init__(
+        self,
+        module: str,
+        is_package: bool,
+        known: set[str],
+        exports: dict[str, str],
+        package: str,
+        type_checking: bool = False,
+    ):
         self.module, self.is_package, self.known, self.exports, self.package = (
             module,
             is_package,
@@ -190,6 +198,8 @@ class _ImportCollector(ast.NodeVisitor):
             exports,
             package,
         )
+        self.type_checking = type_checking  # also report the imports under ``if TYPE_CHECKING:``
+        self.in_type_checking = False
         self.found: list[tuple[str, int, str, str | None]] = []  # imported, line, how, enclosing function
         self.depth = 0  # function nesting
         self.scope: list[str] = []  # the enclosing classes and functions
@@ -216,11 +226,18 @@ class _ImportCollector(ast.NodeVisitor):
     def _add(self, imported: str, node: ast.AST, how: str | None = None) -> None:
         function = ".".join(self.scope) if self.depth else None
         where = f"in {function}()" if function else "at module level"
+        if self.in_type_checking:
+            where += " under TYPE_CHECKING"
         self.found.append((imported, node.lineno, f"{how} {where}" if how else where, function))
 
     # -------------------------------------------------------------- scopes
     def visit_If(self, node: ast.If) -> None:
         if _is_type_checking(node.test):
+            if self.type_checking:
+                outer, self.in_type_checking = self.in_type_checking, True
+                for child in node.body:
+                    self.visit(child)
+                self.in_type_checking = outer
             for child in node.orelse:
                 self.visit(child)
             return
@@ -292,17 +309,28 @@ class _ImportCollector(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-def static_violations(
-    package_dir: Path, package: str = "partita", allowed: dict[tuple[str, str], str] = ALLOWED_UPWARD
-) -> tuple[list[Violation], set[tuple[str, str]]]:
-    """The upward imports under ``package_dir``, and the ``allowed`` entries that were used."""
+@dataclass(frozen=True)
+class StaticImport:
+    """One reference of ``importer`` to the partita module ``imported``, at ``path``:``line``."""
+
+    importer: str
+    imported: str
+    path: str
+    line: int
+    how: str  # "at module level", "in f()", "... under TYPE_CHECKING", ...
+    function: str | None  # the enclosing function's qualified name; None at module level
+
+
+def static_imports(package_dir: Path, package: str = "partita", *, type_checking: bool = False) -> list[StaticImport]:
+    """Every reference to a partita module in the files under ``package_dir`` (see _ImportCollector);
+    with ``type_checking``, also the imports under ``if TYPE_CHECKING:``."""
     modules = iter_modules(package_dir, package)
     known = set(modules)
     exports = _root_exports(package_dir / "__init__.py")
-    violations, used = [], set()
+    found = []
     for module, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        collector = _ImportCollector(module, path.name == "__init__.py", known, exports, package)
+        collector = _ImportCollector(module, path.name == "__init__.py", known, exports, package, type_checking)
         # a first pass finds whether the file binds the name ``partita`` anywhere
         collector.binds_root = any(
             isinstance(n, ast.Import) and any(a.asname is None and _inside(a.name, package) for a in n.names)
@@ -310,14 +338,23 @@ def static_violations(
         )
         collector.visit(tree)
         rel = str(path.relative_to(package_dir.parent))
-        for imported, line, how, function in collector.found:
-            if may_import(module, imported):
-                continue
-            key = allowed_upward_key(f"{module}:{function}", imported, allowed) if function else None
-            if key:
-                used.add(key)
-            else:
-                violations.append(Violation(module, imported, rel, line, how))
+        found += [StaticImport(module, imported, rel, line, how, fn) for imported, line, how, fn in collector.found]
+    return found
+
+
+def static_violations(
+    package_dir: Path, package: str = "partita", allowed: dict[tuple[str, str], str] = ALLOWED_UPWARD
+) -> tuple[list[Violation], set[tuple[str, str]]]:
+    """The upward imports under ``package_dir``, and the ``allowed`` entries that were used."""
+    violations, used = [], set()
+    for imp in static_imports(package_dir, package):
+        if may_import(imp.importer, imp.imported):
+            continue
+        key = allowed_upward_key(f"{imp.importer}:{imp.function}", imp.imported, allowed) if imp.function else None
+        if key:
+            used.add(key)
+        else:
+            violations.append(Violation(imp.importer, imp.imported, imp.path, imp.line, imp.how))
     return violations, used
 
 
@@ -597,6 +634,7 @@ def probe_results(request) -> dict[str, list[dict]]:
     return {g: [by_module[m] for m in GROUPS[g]] for g in wanted}
 
 
+@pytest.mark.slow  # fresh interpreters
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_fresh_imports_stay_in_their_layers(group, probe_results):
     problems = layer_violations(probe_results[group], group)
@@ -606,6 +644,7 @@ def test_fresh_imports_stay_in_their_layers(group, probe_results):
     )
 
 
+@pytest.mark.slow  # fresh interpreters
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_every_module_imports_in_a_fresh_interpreter(group, probe_results):
     failures = [r for r in probe_results[group] if r["error"]]
@@ -614,6 +653,7 @@ def test_every_module_imports_in_a_fresh_interpreter(group, probe_results):
     )
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_dynamic_check_names_the_culprit(tmp_path):
     _write_tree(
         tmp_path,

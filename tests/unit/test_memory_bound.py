@@ -4,9 +4,9 @@ and never a refusal of what the search can plan (partita.planning.memory_bound, 
 import dataclasses
 
 import pytest
+from clusters import h100s
 
 import partita
-from partita import examples
 from partita.errors import InfeasiblePlanError
 from partita.planning import api, infeasible
 from partita.planning.context import planning_context
@@ -14,25 +14,6 @@ from partita.planning.driver import best_plan
 from partita.planning.infeasible import memory_bound
 from partita.planning.options import PlanOptions
 from partita.planning.tensor_parallel import degree_contexts
-
-
-def _capture(name):
-    ex = examples.build(name, batch_size=8)
-    return partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
-
-
-@pytest.fixture(scope="module")
-def gpt2():
-    return _capture("gpt2")
-
-
-@pytest.fixture(scope="module")
-def mlp():
-    return _capture("mlp")
-
-
-def h100s(n, memory=None):
-    return partita.Cluster(device="h100", num_devices=n, devices_per_node=8, memory_bytes=memory)
 
 
 def _error(graph, cluster, batch=8, **pins) -> InfeasiblePlanError:
@@ -59,28 +40,28 @@ def _no_search(monkeypatch):
     monkeypatch.setattr(infeasible, "best_plan", refuse)
 
 
-def test_refused_without_any_search(gpt2, monkeypatch):
+def test_refused_without_any_search(gpt2_graph, monkeypatch):
     """16 devices of 128 KiB, with planning taken as costly (as for a large model on many devices):
     the bound answers and checks the fixes itself, without one call to the search."""
     _no_search(monkeypatch)
     monkeypatch.setattr(infeasible, "_cheap", lambda ctx: False)
-    err = _error(gpt2, h100s(16, memory=2**17))
+    err = _error(gpt2_graph, h100s(16, memory=2**17))
     assert err.refused_by_bound and "refuses it without searching" in str(err)
     assert err.fixes and all(f.checked_by == "bound" for f in err.fixes)
     # each fix, re-run through the bound of a fresh planning run, lets the request through
     for fix in err.fixes:
         cluster, batch, pins = _applied(fix, h100s(16, memory=2**17), 8, {})
-        ctx = planning_context(gpt2, cluster=cluster, global_batch_size=batch, options=PlanOptions(**pins))
+        ctx = planning_context(gpt2_graph, cluster=cluster, global_batch_size=batch, options=PlanOptions(**pins))
         assert any(memory_bound(c).may_fit() for c in degree_contexts(ctx, pins.get("tensor_parallel"))), fix
 
 
-def test_the_binding_block_is_named(gpt2, monkeypatch):
+def test_the_binding_block_is_named(gpt2_graph, monkeypatch):
     """A block that fits no device even alone, sharded over every replica, at micro-batch 1: the
     error names it and its bytes without searching the request, and each fix it names plans."""
     calls = []
     monkeypatch.setattr(api, "best_of_contexts", lambda contexts: calls.extend(contexts) or [])
     pins, cluster = dict(tensor_parallel=1, max_blocks=4), h100s(4, memory=2**19)
-    err = _error(gpt2, cluster, **pins)
+    err = _error(gpt2_graph, cluster, **pins)
     assert not calls and err.refused_by_bound and err.binding == "block"
     text = str(err)
     assert "one block (" in text.lower() and "of parameters + gradients + optimizer state" in text
@@ -90,7 +71,7 @@ def test_the_binding_block_is_named(gpt2, monkeypatch):
     for fix in err.fixes:
         assert fix.checked_by == "search"
         fixed_cluster, batch, fixed_pins = _applied(fix, cluster, 8, pins)
-        partita.plan(gpt2, cluster=fixed_cluster, global_batch_size=batch, options=PlanOptions(**fixed_pins))
+        partita.plan(gpt2_graph, cluster=fixed_cluster, global_batch_size=batch, options=PlanOptions(**fixed_pins))
 
 
 @pytest.mark.parametrize(
@@ -100,25 +81,25 @@ def test_the_binding_block_is_named(gpt2, monkeypatch):
         (dict(schedules="zbv"), 1_100_000, "schedules"),
     ],
 )
-def test_each_fix_plans_when_applied(gpt2, pins, memory, wanted):
+def test_each_fix_plans_when_applied(gpt2_graph, pins, memory, wanted):
     """A pinned choice that makes the request infeasible is offered unpinned, next to more devices
     and more memory; every fix, applied, plans (the search checked each)."""
     cluster, pins = h100s(4, memory=memory), {"max_blocks": 16, **pins}
-    err = _error(gpt2, cluster, **pins)
+    err = _error(gpt2_graph, cluster, **pins)
     options = {f.option for f in err.fixes}
     assert {wanted, "num_devices", "memory_bytes"} <= options
     assert all(f.checked_by == "search" for f in err.fixes) and "by planning with it" in str(err)
     for fix in err.fixes:
         fixed_cluster, batch, fixed_pins = _applied(fix, cluster, 8, pins)
-        p = partita.plan(gpt2, cluster=fixed_cluster, global_batch_size=batch, options=PlanOptions(**fixed_pins))
+        p = partita.plan(gpt2_graph, cluster=fixed_cluster, global_batch_size=batch, options=PlanOptions(**fixed_pins))
         assert all(s.memory_bytes <= fixed_cluster.usable_memory_bytes for s in p.stages), fix
     assert err.min_devices > 4 and err.min_memory_bytes > memory
 
 
-def test_what_the_search_tried_is_never_advised(mlp):
+def test_what_the_search_tried_is_never_advised(mlp_graph):
     """Recomputation, sharding levels and tensor-parallel degrees left unpinned were searched: the
     error does not offer them (it used to say recompute=True whatever was searched)."""
-    err = _error(mlp, h100s(4, memory=2**16))
+    err = _error(mlp_graph, h100s(4, memory=2**16))
     assert not {"recompute", "sharding", "tensor_parallel"} & {f.option for f in err.fixes}
     assert "recompute" not in " ".join(f.text for f in err.fixes)
 
@@ -134,10 +115,10 @@ def test_what_the_search_tried_is_never_advised(mlp):
         ("gpt2", 2, dict(recompute=True, optimizer="sgd-momentum", max_blocks=16)),
     ],
 )
-def test_the_bound_never_refuses_a_plan_the_search_finds(name, devices, pins, mlp, gpt2):
+def test_the_bound_never_refuses_a_plan_the_search_finds(name, devices, pins, mlp_graph, gpt2_graph):
     """Soundness: a plan the search finds still fits with the memory limit set to its fullest
     device, so the bound must let that limit through (on each degree the plan could use)."""
-    graph = mlp if name == "mlp" else gpt2
+    graph = mlp_graph if name == "mlp" else gpt2_graph
     ctx = planning_context(graph, cluster=h100s(devices), global_batch_size=12, options=PlanOptions(**pins))
     for c in degree_contexts(ctx, None, uneven=pins.get("uniform_replicas") is False):
         p = best_plan(c)
@@ -151,12 +132,12 @@ def test_the_bound_never_refuses_a_plan_the_search_finds(name, devices, pins, ml
             assert best_plan(small) is None
 
 
-def test_when_the_state_cannot_spread_neither_blocks_nor_batch_are_tried(gpt2, monkeypatch):
+def test_when_the_state_cannot_spread_neither_blocks_nor_batch_are_tried(gpt2_graph, monkeypatch):
     """Memory below what the whole model's parameters, gradients and optimizer state need spread
     over every device (sharded): the error offers more devices and more memory only, without
     rebuilding the chain at finer blocks or costing a smaller batch (at 530B on 64 GPUs that took
     over 30 min); and indeed neither the finest blocks nor the smallest batch plans."""
-    ctx = planning_context(gpt2, cluster=h100s(4), global_batch_size=8, options=PlanOptions(tensor_parallel=1))
+    ctx = planning_context(gpt2_graph, cluster=h100s(4), global_batch_size=8, options=PlanOptions(tensor_parallel=1))
     blocks = infeasible.block_costs(ctx.costs_at(1), ctx.chain)
     k = blocks.num_blocks
     least = min(
@@ -178,9 +159,9 @@ def test_when_the_state_cannot_spread_neither_blocks_nor_batch_are_tried(gpt2, m
 
     monkeypatch.setattr(infeasible, "_with_blocks", never)
     monkeypatch.setattr(infeasible, "_with_batch", never)
-    err = _error(gpt2, cluster, tensor_parallel=1)
+    err = _error(gpt2_graph, cluster, tensor_parallel=1)
     assert {f.option for f in err.fixes} == {"num_devices", "memory_bytes"}
     monkeypatch.undo()
     finest = int(ctx.legal_cuts.sum()) - 1
     for batch, pins in ((8, dict(max_blocks=finest)), (4, {})):
-        _error(gpt2, cluster, batch=batch, tensor_parallel=1, **pins)
+        _error(gpt2_graph, cluster, batch=batch, tensor_parallel=1, **pins)

@@ -1,8 +1,12 @@
 """Mixture-of-experts models: expert matmuls (grouped matmuls) count their FLOPs."""
 
+import pytest
+
 import partita
 from partita import examples
 from partita.examples.hf import config_kwargs
+
+pytestmark = pytest.mark.slow  # captures Mixtral
 
 
 def test_mixtral_expert_matmuls_count_their_flops():

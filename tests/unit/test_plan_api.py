@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from clusters import h100s
 
 import partita
 from partita import examples
@@ -12,16 +13,7 @@ from partita.planning.options import PlanOptions
 from partita.types import Schedule
 
 
-@pytest.fixture(scope="module")
-def gpt2():
-    ex = examples.build("gpt2", batch_size=8)
-    return ex, partita.capture(ex.model, ex.args, ex.kwargs)
-
-
-def h100s(n, memory=None):
-    return partita.Cluster(device="h100", num_devices=n, devices_per_node=8, memory_bytes=memory)
-
-
+@pytest.mark.slow  # plans with measured costs
 def test_plan_fits_and_round_trips(gpt2, tmp_path):
     _, graph = gpt2
     cluster = h100s(4)
@@ -140,6 +132,7 @@ def test_cli_plan_prints_the_table_and_baselines(tmp_path, capsys):
     assert json.loads(out.read_text())["schema_version"] == 1
 
 
+@pytest.mark.slow  # the CLI profiles a model
 def test_cli_inspect_prints_tables_and_costs(capsys):
     assert main(["inspect", "gpt2", "--costs", "--device", "h100"]) == 0
     text = capsys.readouterr().out
@@ -186,6 +179,7 @@ def test_zbv_with_recompute_is_refused(gpt2, schedules):
         )
 
 
+@pytest.mark.slow  # searches every schedule
 def test_zbv_never_recomputes_and_says_so_when_nothing_fits_without(gpt2):
     """ZBV keeps recomputed activations alive between its I and W passes (bench/results/e2e_memory.md),
     so the search never recomputes under it; with only ZBV allowed, a memory that needs
@@ -237,6 +231,7 @@ def test_train_with_a_plan_file_starts_one_process_per_device_of_the_plan(tmp_pa
     assert "is a plan for 3 devices, but --nproc is 2" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the CLI plans twice
 def test_cli_plan_gives_stages_uneven_replica_counts_unless_told_otherwise(tmp_path, capsys):
     """3 devices, 2 pinned 1F1B stages: only 2 + 1 or 1 + 2 replicas use all three; with
     --uniform-replicas the plan is a 2 x 1 mesh on 2 of them."""

@@ -37,6 +37,7 @@ def configs(num_blocks: int, num_devices: int):
                     yield Config(1, g, schedule, v, m, 8 // m, mode)
 
 
+@pytest.mark.slow  # 12 searches
 @pytest.mark.parametrize("seed", range(12))
 def test_lower_bounds_never_exceed_the_simulated_step(seed):
     ctx = random_instance(seed)
@@ -82,6 +83,7 @@ def test_pruned_refinement_keeps_the_plan(monkeypatch):
             assert a.to_json() == b.to_json(), seed
 
 
+@pytest.mark.slow  # 12 searches
 @pytest.mark.parametrize("seed", range(12))
 def test_config_floors_never_exceed_a_plan_of_the_config(seed):
     """``config_step_floor`` (with which best_plan skips refining configs that cannot win) is below

@@ -13,6 +13,7 @@ from partita.cli import main
 pytest.importorskip("transformers")
 
 
+@pytest.mark.slow  # captures and plans GPT-2 twice
 def test_plan_command_writes_byte_identical_files(tmp_path, capsys):
     paths = [tmp_path / "a.json", tmp_path / "b.json"]
     for path in paths:

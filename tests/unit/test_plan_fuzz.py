@@ -98,6 +98,7 @@ def _mutate(data, path, action, value):
     ),
     st.one_of(st.none(), st.integers(0, 4000)),
 )
+@pytest.mark.slow  # hypothesis: many plan files
 def test_mutated_plan_files_load_or_raise_plan_file_error(mutations, truncate_at):
     data = BASE
     for path, action, value in mutations:

@@ -442,6 +442,7 @@ def test_bf16_plans_say_so_and_pin_every_replicated_stage():
     assert all(s.memory_breakdown is not None and s.memory_breakdown.total_bytes == s.memory_bytes for s in p.stages)
 
 
+@pytest.mark.slow  # searches with sharding pinned
 def test_stages_sharing_a_tied_weight_replicate_even_when_sharding_is_pinned():
     """GPT-2's input embedding is its output head: the runtime shards no parameter two stages read.
     Where that leaves no stage to shard (2 stages, both holding the tied weight), the pin is refused

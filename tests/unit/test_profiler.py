@@ -30,14 +30,6 @@ _ARRAYS = (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _gpt2(seq_len: int = 32):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -159,6 +151,7 @@ def test_calibrated_sums_equal_the_measured_whole_step(gpt2_table):
     assert calibration["forward_scale"] > 0 and calibration["backward_scale"] > 0
 
 
+@pytest.mark.slow  # captures and profiles Llama
 def test_llama_with_a_higher_order_op():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -21,13 +21,6 @@ from partita.runtime.stages import flatten_inputs, run_sequential, split_graph
 from partita.types.plan_file import plan_from_json
 
 
-@pytest.fixture(scope="module")
-def mlp():
-    ex = examples.build("mlp", batch_size=8)
-    graph = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
-    return ex, graph
-
-
 def _cuts(graph, num_stages: int) -> list[int]:
     return [graph.num_nodes * k // num_stages for k in range(num_stages + 1)]
 
@@ -96,8 +89,6 @@ def test_topology_needs_torchrun_environment(mlp, monkeypatch):
     )
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    if torch.distributed.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
     with pytest.raises(InputError, match="RANK, WORLD_SIZE.*not set: run the training script under `torchrun"):
         init_topology(plan)
 
@@ -122,6 +113,7 @@ def test_runners_feed_each_stage_its_root_inputs_and_metadata_restores_buffers(m
         assert all(x is y for x, y in zip(a.output_args, b.input_args))
 
 
+@pytest.mark.slow  # captures and splits T5
 def test_split_backward_check_finds_t5_parameters_off_the_input_path():
     """T5's decoder embedding (reads labels) and relative position bias (reads positions) lose
     gradients under torch's input/weight backward split; GPT-2's parameters do not."""
@@ -159,6 +151,7 @@ def test_trainer_refuses_a_plan_for_another_graph_or_a_graph_of_another_model(ml
 # ----------------------------------------------------------------------------- meta models and seeds
 
 
+@pytest.mark.slow  # builds, captures and runs models twice
 def test_stages_of_a_meta_model_run_from_a_seed_like_the_real_model(tmp_path):
     """llama: a non-persistent buffer (rotary frequencies), and ops captured on meta that name the meta
     device inside a higher-order op (export's device assertions): the seed fills the first, and

@@ -22,6 +22,7 @@ def solved():
     return [(ctx, best_plan(ctx), oracle(ctx)) for ctx in map(random_instance, range(200))]
 
 
+@pytest.mark.slow  # the brute-force oracle on 200 instances (the solved fixture)
 def test_search_matches_brute_force_on_random_instances(solved):
     """200 random instances: the search is within 1% of the optimum on every one, always fits
     memory, and finds a plan whenever one exists."""
@@ -39,6 +40,7 @@ def test_search_matches_brute_force_on_random_instances(solved):
     assert ratios.max() <= 1.01, (np.argmax(ratios), ratios.max())
 
 
+@pytest.mark.slow  # the solved fixture: the brute-force oracle on 200 instances
 def test_zbv_plans_never_recompute(solved):
     """Not partita's plans, nor the oracle's, nor the baselines' under partita's configuration:
     ZBV keeps recomputed activations alive between its I and W passes (see partita.planning.search)."""
@@ -52,6 +54,7 @@ def test_zbv_plans_never_recompute(solved):
     assert num_zbv >= 20  # ZBV is chosen, just never with recomputation
 
 
+@pytest.mark.slow  # the solved fixture, and every baseline of each
 def test_no_baseline_split_beats_the_plan_under_its_configuration(solved):
     """The refinement starts from the baselines' splits too, so none is faster under partita's config:
     on the 200 small instances, and on 80 chains of 17-39 nodes (more blocks than the search treats

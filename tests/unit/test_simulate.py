@@ -7,7 +7,6 @@ computes (the order the runtime executes), interleaved 1F1B and ZBV by their ``p
 
 import itertools
 import random
-import time
 
 import numpy as np
 import pytest
@@ -428,31 +427,7 @@ def test_zbv_peak_is_the_same_whether_i_or_w_frees_the_activations():
         assert at_w.rank_peak_activation_bytes == peak_activations(orders, act, 2 * g, free_kind=KIND_CODES["I"])
 
 
-# ----------------------------------------------------------------------------- speed, text, plans
-
-
-def test_simulation_is_fast_enough_for_the_search():
-    rng = random.Random(0)
-    fwd, bwd, wgt, send = random_times(rng, 8, False)
-    kwargs = dict(
-        schedule=ONE_F_ONE_B,
-        num_microbatches=64,
-        num_rank_groups=8,
-        forward_s=fwd,
-        backward_s=bwd,
-        backward_weight_s=wgt,
-        send_s=send,
-        allreduce_s=[0.1] * 8,
-        activation_bytes=[10] * 8,
-        keep_timeline=False,
-    )
-    simulate_pipeline(**kwargs)  # warm the order cache
-    start = time.perf_counter()
-    for _ in range(20):
-        simulate_pipeline(**kwargs)
-    per_call = (time.perf_counter() - start) / 20
-    print(f"simulate_pipeline 1F1B S=8 m=64 keep_timeline=False: {per_call * 1e3:.2f} ms per call")
-    assert per_call < 0.5
+# ----------------------------------------------------------------------------- text, plans (speed: bench/simulate_speed.py)
 
 
 def test_timeline_text_is_an_exact_grid():

@@ -25,14 +25,6 @@ transformers = pytest.importorskip("transformers")
 CAPTURE_BATCH, RUN_BATCH, SEQ, VOCAB = 4, 3, 16, 256
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _token_batch(batch: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from clusters import h100s
 from torch import nn
 
 import partita
@@ -55,12 +56,6 @@ def gpt2_mlp_pairs(graph):
     return list(zip(fc, proj))
 
 
-@pytest.fixture(scope="module")
-def gpt2():
-    ex = examples.build("gpt2-tiny", batch_size=8)
-    return partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
-
-
 @pytest.fixture
 def mlp_layouts(monkeypatch):
     """find_layout splits the matmul pairs of the graph (GPT-2's MLPs, WideMLP's blocks)."""
@@ -99,21 +94,17 @@ def wide():
     return partita.capture(model, (x,))
 
 
-def h100s(n, **kw):
-    return partita.Cluster(device="h100", num_devices=n, **kw)
-
-
 # ----------------------------------------------------------------------------- costs
 
 
-def test_costs_of_one_device_divide_split_work_bytes_and_parameters(gpt2):
-    layout = split_layout(gpt2, 2, gpt2_mlp_pairs(gpt2))
+def test_costs_of_one_device_divide_split_work_bytes_and_parameters(gpt2_graph):
+    layout = split_layout(gpt2_graph, 2, gpt2_mlp_pairs(gpt2_graph))
     cluster = h100s(2)
-    whole = analytic_costs(gpt2, "h100", 4, precision="bf16")
-    part = tensor_parallel_costs(whole, gpt2, layout, cluster)
+    whole = analytic_costs(gpt2_graph, "h100", 4, precision="bf16")
+    part = tensor_parallel_costs(whole, gpt2_graph, layout, cluster)
     assert part.tensor_parallel == 2 and whole.tensor_parallel == 1
-    column, row = gpt2_mlp_pairs(gpt2)[0]
-    c, r = gpt2.node(column).index, gpt2.node(row).index
+    column, row = gpt2_mlp_pairs(gpt2_graph)[0]
+    c, r = gpt2_graph.node(column).index, gpt2_graph.node(row).index
     # half the work; the row-parallel output is all-reduced after its forward (bf16, 4 of 8 samples)
     reduce_s = comm.allreduce_time_s(layout.forward_reductions[row] * 4 / 8 * 2, 2, cluster, spans_nodes=False)
     assert part.forward_s[r] == pytest.approx(whole.forward_s[r] / 2 + reduce_s)
@@ -121,7 +112,9 @@ def test_costs_of_one_device_divide_split_work_bytes_and_parameters(gpt2):
     assert part.backward_s[c] > whole.backward_s[c] / 2  # the input gradient's all-reduce
     assert part.backward_weight_s[c] == pytest.approx(whole.backward_weight_s[c] / 2)
     unsplit = [
-        n.index for n in gpt2.nodes if n.name not in layout.sharded_nodes and n.name not in layout.backward_reductions
+        n.index
+        for n in gpt2_graph.nodes
+        if n.name not in layout.sharded_nodes and n.name not in layout.backward_reductions
     ]
     np.testing.assert_allclose(part.forward_s[unsplit], whole.forward_s[unsplit])
     assert part.output_bytes[c] == whole.output_bytes[c] // 2
@@ -130,49 +123,53 @@ def test_costs_of_one_device_divide_split_work_bytes_and_parameters(gpt2):
     for k, name in enumerate(whole.param_names):
         expected = whole.param_bytes[k] // 2 if name in layout.params else whole.param_bytes[k]
         assert part.param_bytes[k] == expected
-    assert tensor_parallel_costs(whole, gpt2, TensorParallelLayout(2), cluster) is whole  # nothing splits
+    assert tensor_parallel_costs(whole, gpt2_graph, TensorParallelLayout(2), cluster) is whole  # nothing splits
 
 
-def test_measured_activation_bytes_scale_by_the_modelled_share(gpt2):
-    layout = split_layout(gpt2, 2, gpt2_mlp_pairs(gpt2))
-    analytic = analytic_costs(gpt2, "h100", 4)
+def test_measured_activation_bytes_scale_by_the_modelled_share(gpt2_graph):
+    layout = split_layout(gpt2_graph, 2, gpt2_mlp_pairs(gpt2_graph))
+    analytic = analytic_costs(gpt2_graph, "h100", 4)
     measured = dataclasses.replace(analytic, source="measured", activation_bytes=2 * analytic.activation_bytes)
-    expected = tensor_parallel_costs(analytic, gpt2, layout, h100s(2)).activation_bytes
+    expected = tensor_parallel_costs(analytic, gpt2_graph, layout, h100s(2)).activation_bytes
     np.testing.assert_array_equal(
-        tensor_parallel_costs(measured, gpt2, layout, h100s(2)).activation_bytes, 2 * expected
+        tensor_parallel_costs(measured, gpt2_graph, layout, h100s(2)).activation_bytes, 2 * expected
     )
 
 
-def test_a_layout_of_another_graph_is_refused(gpt2):
+def test_a_layout_of_another_graph_is_refused(gpt2_graph):
     layout = TensorParallelLayout(2, {"nope.weight": ParamShard(0)}, frozenset({"no_such_node"}))
-    costs = analytic_costs(gpt2, "h100", 4)
+    costs = analytic_costs(gpt2_graph, "h100", 4)
     with pytest.raises(InputError, match="another graph"):
-        tensor_parallel_costs(costs, gpt2, layout, h100s(2))
+        tensor_parallel_costs(costs, gpt2_graph, layout, h100s(2))
     # the gradient of a graph input (the batch) is never computed: naming one costs nothing
     batch = TensorParallelLayout(2, {"transformer.wte.weight": ParamShard(0)}, backward_reductions={"input_ids": 99})
-    np.testing.assert_array_equal(tensor_parallel_costs(costs, gpt2, batch, h100s(2)).backward_s, costs.backward_s)
+    np.testing.assert_array_equal(
+        tensor_parallel_costs(costs, gpt2_graph, batch, h100s(2)).backward_s, costs.backward_s
+    )
 
 
-def test_stage_boundaries_stay_outside_split_regions(gpt2):
-    layout = split_layout(gpt2, 2, gpt2_mlp_pairs(gpt2))
-    inside = tp.split_crossings(gpt2, layout)
-    column, row = gpt2_mlp_pairs(gpt2)[0]
-    assert inside[gpt2.node(column).index + 1] and not inside[gpt2.node(row).index + 1]
+def test_stage_boundaries_stay_outside_split_regions(gpt2_graph):
+    layout = split_layout(gpt2_graph, 2, gpt2_mlp_pairs(gpt2_graph))
+    inside = tp.split_crossings(gpt2_graph, layout)
+    column, row = gpt2_mlp_pairs(gpt2_graph)[0]
+    assert inside[gpt2_graph.node(column).index + 1] and not inside[gpt2_graph.node(row).index + 1]
     assert not inside[0] and not inside[-1]
 
 
 # ----------------------------------------------------------------------------- plans
 
 
-def test_a_pinned_degree_gives_groups_of_consecutive_ranks_and_smaller_parameters(gpt2, mlp_layouts):
+def test_a_pinned_degree_gives_groups_of_consecutive_ranks_and_smaller_parameters(gpt2_graph, mlp_layouts):
     cluster = h100s(4)
     kw = dict(num_stages=1, replicas=1, num_microbatches=1, schedules="gpipe")
-    one = partita.plan(gpt2, cluster=cluster, global_batch_size=8, options=PlanOptions(tensor_parallel=1, **kw))
-    two = partita.plan(gpt2, cluster=cluster, global_batch_size=8, options=PlanOptions(tensor_parallel=2, **kw))
+    one = partita.plan(gpt2_graph, cluster=cluster, global_batch_size=8, options=PlanOptions(tensor_parallel=1, **kw))
+    two = partita.plan(gpt2_graph, cluster=cluster, global_batch_size=8, options=PlanOptions(tensor_parallel=2, **kw))
     assert one.tensor_parallel == 1 and one.stages[0].ranks == (0,)
     assert two.tensor_parallel == 2 and all(s.tensor_parallel == 2 for s in two.stages)
     assert two.stages[0].ranks == (0, 1) and two.stages[0].num_replicas == 1 and two.num_devices == 2
-    split_bytes = sum(gpt2.parameters[name].num_bytes for name in split_layout(gpt2, 2, gpt2_mlp_pairs(gpt2)).params)
+    split_bytes = sum(
+        gpt2_graph.parameters[name].num_bytes for name in split_layout(gpt2_graph, 2, gpt2_mlp_pairs(gpt2_graph)).params
+    )
     # bf16 on h100: fp32 parameters are their own master; half of every split one per device
     assert two.stages[0].param_bytes == one.stages[0].param_bytes - split_bytes // 2
     assert two.stages[0].memory_breakdown.params_bytes < one.stages[0].memory_breakdown.params_bytes
@@ -180,9 +177,9 @@ def test_a_pinned_degree_gives_groups_of_consecutive_ranks_and_smaller_parameter
     assert two.total_compute_s == pytest.approx(one.total_compute_s)  # the ideal step counts the whole graph
 
 
-def test_replicas_of_a_tensor_parallel_stage_lie_replica_major(gpt2, mlp_layouts):
+def test_replicas_of_a_tensor_parallel_stage_lie_replica_major(gpt2_graph, mlp_layouts):
     p = partita.plan(
-        gpt2,
+        gpt2_graph,
         cluster=h100s(8),
         global_batch_size=16,
         options=PlanOptions(tensor_parallel=2, num_stages=2, replicas=2, schedules="1f1b"),
@@ -192,10 +189,10 @@ def test_replicas_of_a_tensor_parallel_stage_lie_replica_major(gpt2, mlp_layouts
     assert all(s.num_replicas == 2 for s in p.stages) and p.num_devices == 8
 
 
-def test_sharding_composes_with_tensor_parallelism(gpt2, mlp_layouts):
+def test_sharding_composes_with_tensor_parallelism(gpt2_graph, mlp_layouts):
     """Each tensor-parallel index shards its part of the state over the stage's replicas."""
     result = plan_with_baselines(
-        gpt2,
+        gpt2_graph,
         cluster=h100s(4),
         global_batch_size=8,
         options=PlanOptions(
@@ -228,7 +225,6 @@ def test_a_layout_that_splits_nothing_is_never_chosen(wide, monkeypatch):
 
 def test_a_cnn_plans_without_tensor_parallelism():
     """The capture rules split at most its classifier head: too little to pay for the all-reduces."""
-    pytest.importorskip("partita.capturing.tensor_parallel")
     ex = examples.build("cnn-tiny", batch_size=4)
     graph = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
     assert not any(
@@ -238,16 +234,16 @@ def test_a_cnn_plans_without_tensor_parallelism():
     assert partita.plan(graph, cluster=h100s(4), global_batch_size=4, options=options).tensor_parallel == 1
 
 
-def test_the_simulated_step_includes_the_groups_all_reduces(gpt2, mlp_layouts):
+def test_the_simulated_step_includes_the_groups_all_reduces(gpt2_graph, mlp_layouts):
     result = plan_with_baselines(
-        gpt2, cluster=h100s(2), global_batch_size=8, options=PlanOptions(tensor_parallel=2, num_stages=1)
+        gpt2_graph, cluster=h100s(2), global_batch_size=8, options=PlanOptions(tensor_parallel=2, num_stages=1)
     )
     p, costs_at = result.plan, result.context.costs_at
     assert simulate(p, costs_at).step_s == pytest.approx(p.predicted_step_s)
     layout = result.context.layout
     silent = dataclasses.replace(layout, forward_reductions={}, backward_reductions={})
     base = result.context.unsharded.costs_at
-    quiet = simulate(p, lambda b: tensor_parallel_costs(base(b), gpt2, silent, p.cluster)).step_s
+    quiet = simulate(p, lambda b: tensor_parallel_costs(base(b), gpt2_graph, silent, p.cluster)).step_s
     assert quiet < p.predicted_step_s
     with pytest.raises(InputError, match="tensor-parallel degree 1"):
         simulate(p, base)  # the degree-1 costs are not this plan's
@@ -267,10 +263,10 @@ def test_the_simulated_step_includes_the_groups_all_reduces(gpt2, mlp_layouts):
         (dict(tensor_parallel=4, sharding="full_shard"), "one group"),
     ],
 )
-def test_degrees_the_cluster_cannot_hold_are_refused(gpt2, kw, pattern):
+def test_degrees_the_cluster_cannot_hold_are_refused(gpt2_graph, kw, pattern):
     cluster = kw.pop("cluster", h100s(4))
     with pytest.raises(InputError, match=pattern):
-        partita.plan(gpt2, cluster=cluster, global_batch_size=8, options=PlanOptions(**kw))
+        partita.plan(gpt2_graph, cluster=cluster, global_batch_size=8, options=PlanOptions(**kw))
 
 
 def test_tensor_parallel_must_be_a_positive_int():
@@ -297,12 +293,12 @@ def one_stage(graph, **kw):
     )
 
 
-def test_plan_files_round_trip_the_degree(gpt2, mlp_layouts):
-    p = partita.plan(gpt2, cluster=h100s(4), global_batch_size=8, options=PlanOptions(tensor_parallel=2))
+def test_plan_files_round_trip_the_degree(gpt2_graph, mlp_layouts):
+    p = partita.plan(gpt2_graph, cluster=h100s(4), global_batch_size=8, options=PlanOptions(tensor_parallel=2))
     assert plan_from_json(p.to_json()) == p
     data = plan_to_dict(p)
     assert all(s["tensor_parallel"] == 2 for s in data["stages"])
-    old = plan_to_dict(one_stage(gpt2))
+    old = plan_to_dict(one_stage(gpt2_graph))
     for s in old["stages"]:
         del s["tensor_parallel"]  # files written before tensor parallelism
     assert plan_from_json(json.dumps(old)).tensor_parallel == 1
@@ -316,17 +312,17 @@ def test_plan_files_round_trip_the_degree(gpt2, mlp_layouts):
         (lambda s: s.update(ranks=[1, 2, 3, 0]), "not a tensor-parallel group of 2"),
     ],
 )
-def test_invalid_tensor_parallel_stages_in_a_plan_file(gpt2, edit, pattern):
-    data = plan_to_dict(one_stage(gpt2, replicas=2, tensor_parallel=2))
+def test_invalid_tensor_parallel_stages_in_a_plan_file(gpt2_graph, edit, pattern):
+    data = plan_to_dict(one_stage(gpt2_graph, replicas=2, tensor_parallel=2))
     edit(data["stages"][0])
     with pytest.raises(PlanFileError, match=pattern):
         plan_from_json(json.dumps(data))
 
 
-def test_manual_plans_take_a_degree(gpt2):
+def test_manual_plans_take_a_degree(gpt2_graph):
     p = manual_plan(
-        gpt2,
-        [0, 80, gpt2.num_nodes],
+        gpt2_graph,
+        [0, 80, gpt2_graph.num_nodes],
         schedule="1f1b",
         num_rank_groups=2,
         num_microbatches=2,
@@ -339,12 +335,12 @@ def test_manual_plans_take_a_degree(gpt2):
     assert p.cluster.num_devices == 8 and p.tensor_parallel == 2 and p.stages[1].num_replicas == 2
     assert plan_from_json(p.to_json()) == p
     with pytest.raises(InputError, match="exceeds devices_per_node=2"):
-        one_stage(gpt2, tensor_parallel=4, cluster=h100s(4, devices_per_node=2))
+        one_stage(gpt2_graph, tensor_parallel=4, cluster=h100s(4, devices_per_node=2))
 
 
-def test_the_report_names_the_degree_and_each_replicas_group(gpt2, mlp_layouts):
+def test_the_report_names_the_degree_and_each_replicas_group(gpt2_graph, mlp_layouts):
     result = plan_with_baselines(
-        gpt2,
+        gpt2_graph,
         cluster=h100s(4),
         global_batch_size=8,
         options=PlanOptions(tensor_parallel=2, replicas=2, num_stages=1, schedules="gpipe"),
@@ -364,11 +360,11 @@ def test_the_cli_flag_pins_the_degree(command):
     assert _plan_options(build_parser().parse_args(argv[:2] + argv[4:])).tensor_parallel is None
 
 
-def test_precision_of_reductions_follows_the_plan(gpt2):
-    layout = split_layout(gpt2, 2, gpt2_mlp_pairs(gpt2))
+def test_precision_of_reductions_follows_the_plan(gpt2_graph):
+    layout = split_layout(gpt2_graph, 2, gpt2_mlp_pairs(gpt2_graph))
     cluster = h100s(2)
-    fp32 = tp_reduction(gpt2, layout, cluster, Precision.FP32)
-    bf16 = tp_reduction(gpt2, layout, cluster, Precision.BF16)
+    fp32 = tp_reduction(gpt2_graph, layout, cluster, Precision.FP32)
+    bf16 = tp_reduction(gpt2_graph, layout, cluster, Precision.BF16)
     assert fp32 > bf16 > 0
 
 

@@ -9,19 +9,11 @@ import pytest
 import torch
 
 import partita
-from partita import examples
 from partita.errors import CollectiveTimeoutError, InputError
 from partita.planning.manual import manual_plan
 from partita.runtime.plan_digest import plan_digest
 from partita.runtime.process_groups import timeout_of
 from partita.runtime.progress import Progress, is_timeout
-
-
-@pytest.fixture(scope="module")
-def mlp():
-    ex = examples.build("mlp", batch_size=8)
-    graph = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
-    return ex, graph
 
 
 def _plan(graph, cut: int):

@@ -39,6 +39,7 @@ def solved():
     return [(ctx, best_plan(ctx), oracle(ctx), best_plan(uniform(ctx))) for ctx in map(uneven_instance, range(200))]
 
 
+@pytest.mark.slow  # the brute-force oracle on 200 uneven instances (the solved fixture)
 def test_uneven_search_matches_brute_force(solved):
     """Within 1% of the optimum over every split, schedule, micro-batch count and replica vector;
     memory always fits; a plan whenever one exists."""
@@ -55,6 +56,7 @@ def test_uneven_search_matches_brute_force(solved):
     assert ratios.max() <= 1.01, (np.argmax(ratios), ratios.max())
 
 
+@pytest.mark.slow  # the solved fixture: the brute-force oracle on 200 instances
 def test_uneven_plans_are_never_slower_and_often_faster_than_uniform(solved):
     faster = 0
     for seed, (_ctx, found, _, flat) in enumerate(solved):
@@ -65,6 +67,7 @@ def test_uneven_plans_are_never_slower_and_often_faster_than_uniform(solved):
     assert faster >= 40  # 3, 5 and 6 devices hold no pp x dp mesh of every shape
 
 
+@pytest.mark.slow  # the solved fixture: the brute-force oracle on 200 instances
 def test_uneven_plan_layout(solved):
     """Consecutive ranks per stage, each count divides the micro-batch, one stage per rank group,
     GPipe or 1F1B, and the simulator sees each stage at its own per-replica micro-batch size."""
@@ -87,6 +90,7 @@ def test_uneven_plan_layout(solved):
     assert num_uneven >= 40
 
 
+@pytest.mark.slow  # the solved fixture: the brute-force oracle on 200 instances
 def test_uneven_plan_round_trips_and_is_deterministic(tmp_path, solved):
     ctx, found = next((ctx, p) for ctx, p, _, _ in solved if p is not None and not p.uniform_replicas)
     again = best_plan(ctx)
@@ -273,6 +277,7 @@ def test_searched_uneven_plans_cut_where_tensors_split_by_sample(gpt2_context):
         assert p.predicted_step_s <= plan_.predicted_step_s + 1e-12
 
 
+@pytest.mark.slow  # the solved fixture, and every baseline of each
 def test_no_baseline_split_beats_an_uneven_plan_under_its_configuration(solved):
     num_compared = 0
     for seed, (ctx, found, _, _) in enumerate(solved):

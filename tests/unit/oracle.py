@@ -1,4 +1,4 @@
-"""Brute force over every split of the block chain, for tests on small instances only.
+"""Brute force over every split of the block chain: the search tests' oracle (planning_instances.oracle).
 
 It tries every config the options allow (with ``uniform_replicas=False`` also every vector of
 per-stage replica counts of every uneven shape, ``partita.planning.uneven``) and every way to cut
