@@ -24,6 +24,7 @@ from torch.fx import Node
 
 from partita.errors import InputError
 from partita.types import OpGraph
+from partita.types.graph import check_input_dtypes
 
 __all__ = ["IndexUse", "check_batch_dtypes", "check_batch_values", "index_uses"]
 
@@ -107,24 +108,10 @@ def index_uses(graph: OpGraph) -> list[IndexUse]:
     return uses
 
 
-_CONVERSIONS = {"int64": ".long()", "float32": ".float()", "int32": ".int()", "float64": ".double()", "bool": ".bool()"}
-
-
 def check_batch_dtypes(graph: OpGraph, flat: Sequence[Any], where: str) -> None:
-    """InputError when a flat graph input's dtype differs from the one the model was captured with:
-    the graph runs in the captured dtypes (a float64 input meets float32 weights, an int32 label an
-    int64 loss target), and would fail inside a stage with torch's words, not the input's name."""
-    for info, x in zip(graph.inputs, flat):
-        if info.tensor is None or not isinstance(x, torch.Tensor):
-            continue
-        got = str(x.dtype).removeprefix("torch.")
-        if got != info.tensor.dtype:
-            how = _CONVERSIONS.get(info.tensor.dtype, f".to(torch.{info.tensor.dtype})")
-            raise InputError(
-                f"{where}: {info.path or info.name} is {got}, but the model was captured with {info.tensor.dtype} "
-                f"there: the graph computes in the captured dtypes; pass {info.tensor.dtype} tensors "
-                f"({info.path or info.name}{how}), as in the example inputs"
-            )
+    """InputError when a flat graph input's dtype differs from the captured one
+    (``partita.types.graph.check_input_dtypes``)."""
+    check_input_dtypes(graph, flat, where)
 
 
 def check_batch_values(graph: OpGraph, flat: Sequence[Any], where: str, uses: list[IndexUse] | None = None) -> None:

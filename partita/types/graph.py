@@ -4,9 +4,11 @@ glossary in ``partita.types``)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from partita.errors import InputError
 
 if TYPE_CHECKING:
     import torch
@@ -180,9 +182,15 @@ class OpGraph:
         raise KeyError(f"no node named {name!r} in this graph")
 
     def loss(self, args: tuple = (), kwargs: Mapping | None = None, target: Any = None) -> torch.Tensor:
-        """Run the captured computation and return the scalar loss."""
+        """Run the captured computation and return the scalar loss: the eager model's loss and
+        gradients. The inputs are checked as the Trainer checks a batch: the captured structure
+        (positional inputs, keyword names, ``target`` with a ``loss_fn``), a tensor exactly where the
+        example had one (a tensor where ``None`` was captured would be ignored), the captured
+        constants and dtypes; InputError naming the input otherwise."""
         import torch.utils._pytree as pytree
 
+        flat = flatten_call_inputs(self, args, kwargs, target)
+        check_input_dtypes(self, flat, "graph.loss")
         kwargs = dict(kwargs or {})
         if self.has_loss_fn:
             return self.graph_module(tuple(args), kwargs, target)
@@ -194,3 +202,150 @@ class OpGraph:
 
 
 LossFn = Callable[[Any, Any], "torch.Tensor"]
+
+
+# ----------------------------------------------------------------------------- calling the graph
+
+
+def exported_call_inputs(args: tuple, kwargs: dict | None, target: Any, has_loss_fn: bool) -> tuple[tuple, dict]:
+    """How the exported module is called: ``(args, kwargs)`` itself, or with a loss_fn
+    ``((args, kwargs, target), {})`` (LossWrapper.forward takes the three as positional arguments).
+
+    Flattening this pair with pytree gives the graph's placeholders in order; the runtime
+    (``partita.runtime.stages.flatten_inputs``) uses it to feed later batches.
+    """
+    args, kwargs = tuple(args), dict(kwargs or {})
+    return ((args, kwargs, target), {}) if has_loss_fn else (args, kwargs)
+
+
+def flatten_call_inputs(graph: OpGraph, args: tuple = (), kwargs: dict | None = None, target: Any = None) -> list:
+    """The flat graph inputs for the user's ``(args, kwargs[, target])``, in placeholder order.
+
+    The structure must be the captured one (same positional arguments and keyword names); keyword
+    order does not matter; every leaf must be of the kind it was at capture (``check_flat_inputs``).
+    """
+    import torch.utils._pytree as pytree
+
+    if target is not None and not graph.has_loss_fn:
+        raise InputError("target was given but the graph was captured without loss_fn: drop target")
+    in_spec = graph.exported_program.call_spec.in_spec
+    # pytree flattens dicts in key order: put the user's keywords in the captured order.
+    kwargs_spec = _child(_child(in_spec, 0), 1) if graph.has_loss_fn else _child(in_spec, 1)
+    call = exported_call_inputs(args, _reorder_like(dict(kwargs or {}), kwargs_spec), target, graph.has_loss_fn)
+    flat, spec = pytree.tree_flatten(call)
+    if spec != in_spec:
+        raise InputError(
+            f"the inputs do not have the structure the model was captured with: {_differences(graph, args, kwargs, target)}. "
+            "Pass the same positional inputs and keyword names as at capture, each a tensor where the example "
+            "had one" + (", and the loss target as target=" if graph.has_loss_fn else "")
+        )
+    check_flat_inputs(graph, flat)
+    return flat
+
+
+def _differences(graph: OpGraph, args: tuple, kwargs: Any, target: Any) -> str:
+    """How ``(args, kwargs, target)`` differ from the example the graph was captured with, in words
+    (a TreeSpec dump says it only to those who read pytree's internals)."""
+    import torch.utils._pytree as pytree
+
+    if graph.example_inputs is None:
+        return "its structure differs"
+    example_args, example_kwargs, _ = graph.example_inputs
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
+    found = []
+    if len(args) != len(example_args):
+        found.append(f"{len(args)} positional input(s) given, the example had {len(example_args)}")
+    missing, unknown = sorted(set(example_kwargs) - set(kwargs)), sorted(set(kwargs) - set(example_kwargs))
+    if missing:
+        found.append(f"keyword input(s) {missing} missing")
+    if unknown:
+        found.append(f"keyword input(s) {unknown} not in the example")
+    pairs = [(f"args[{i}]", a, e) for i, (a, e) in enumerate(zip(args, example_args))]
+    pairs += [(f"kwargs[{k!r}]", kwargs[k], example_kwargs[k]) for k in example_kwargs if k in kwargs]
+    for where, given, example in pairs:
+        if pytree.tree_structure(given) != pytree.tree_structure(example):
+            found.append(f"{where} is {_kind(given)}, the example's was {_kind(example)}")
+    if graph.has_loss_fn and target is None:
+        found.append("no target= given (the model was captured with a loss_fn)")
+    elif graph.has_loss_fn and pytree.tree_structure(target) != pytree.tree_structure(graph.example_inputs[2]):
+        found.append(f"target is {_kind(target)}, the example's was {_kind(graph.example_inputs[2])}")
+    return "; ".join(found) or "its structure differs"
+
+
+def _kind(value: Any) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)} item(s)"
+    return f"a {type(value).__name__}"
+
+
+def _reorder_like(kwargs: Any, spec: Any) -> Any:
+    """``kwargs`` with its keys in the order of the dict ``spec`` (unknown keys last), else unchanged."""
+    if not isinstance(kwargs, dict) or spec.type is not dict:
+        return kwargs
+    order = {key: i for i, key in enumerate(spec.context)}
+    return dict(sorted(kwargs.items(), key=lambda item: order.get(item[0], len(order))))
+
+
+def _child(spec: Any, index: int) -> Any:
+    """A TreeSpec's child (``child()`` replaced ``children_specs`` in recent torch)."""
+    return spec.child(index) if hasattr(spec, "child") else spec.children_specs[index]
+
+
+def check_flat_inputs(graph: OpGraph, flat: list) -> None:
+    """InputError unless every flat input has the kind it had at capture: a tensor where the graph
+    was captured with a tensor, and the captured value where it was captured with a non-tensor
+    (None, int, bool, ...), which the graph has baked in and would silently keep."""
+    import torch
+
+    for info, value in zip(graph.inputs, flat):
+        name = info.path.rsplit("[", 1)[-1].strip("']") if "[" in info.path else info.path
+        if info.tensor is None and isinstance(value, torch.Tensor):
+            raise InputError(
+                f"{info.path} was {info.value!r} when the model was captured, so the graph has no use for it and "
+                f"would ignore the tensor passed now (shape {tuple(value.shape)}): capture the model with this input "
+                f"given as a tensor ({name}=...) to train with it, or pass {info.value!r} as at capture"
+            )
+        if info.tensor is not None and not isinstance(value, torch.Tensor):
+            raise InputError(
+                f"{info.path} was a tensor of shape {info.tensor.shape} when the model was captured, but "
+                f"{value!r} is passed now: the graph needs a tensor there. Pass one (e.g. an all-ones "
+                f"attention mask for 'attend everywhere'), or capture the model with {name}={value!r}"
+            )
+        if info.tensor is None and not _same_constant(value, info.value):
+            raise InputError(
+                f"{info.path} was {info.value!r} when the model was captured, and the graph has that value baked "
+                f"in, but {value!r} is passed now: pass {info.value!r}, or capture the model with {name}={value!r}"
+            )
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot be compared are taken as different
+        return a is b
+
+
+_CONVERSIONS = {"int64": ".long()", "float32": ".float()", "int32": ".int()", "float64": ".double()", "bool": ".bool()"}
+
+
+def check_input_dtypes(graph: OpGraph, flat: Sequence[Any], where: str) -> None:
+    """InputError when a flat graph input's dtype differs from the one the model was captured with:
+    the graph runs in the captured dtypes (a float64 input meets float32 weights, an int32 label an
+    int64 loss target), and would fail inside with torch's words, not the input's name."""
+    import torch
+
+    for info, x in zip(graph.inputs, flat):
+        if info.tensor is None or not isinstance(x, torch.Tensor):
+            continue
+        got = str(x.dtype).removeprefix("torch.")
+        if got != info.tensor.dtype:
+            how = _CONVERSIONS.get(info.tensor.dtype, f".to(torch.{info.tensor.dtype})")
+            raise InputError(
+                f"{where}: {info.path or info.name} is {got}, but the model was captured with {info.tensor.dtype} "
+                f"there: the graph computes in the captured dtypes; pass {info.tensor.dtype} tensors "
+                f"({info.path or info.name}{how}), as in the example inputs"
+            )
