@@ -16,8 +16,7 @@ Backward: a node has ``k = k_in + k_w`` gradient products, one per operand that 
 gradient: ``k_in`` values that require grad, plus ``k_w = 1`` when it reads trainable
 parameters. A matmul's gradient for each operand costs as much as the forward, so
 
-    backward_s        = max(k · flops / (peak · eff), backward_bytes / (bw · eff))
-                        + accumulated_bytes / (bw · eff) + k · op_overhead_s
+    backward_s        = max(k · flops / (peak · eff), backward_bytes / (bw · eff)) + k · op_overhead_s
     backward_weight_s = backward_s · k_w / k
 
 A linear layer gets 2× its forward FLOPs (input + weight gradient), the attention matmuls
@@ -31,11 +30,14 @@ a softmax or gelu moves 1.5× its forward traffic, a scale ``x * c`` or a dropou
 output gradient to both operands -- except a sum over the dims it broadcast an operand over; nor
 do copies that only change the layout (``clone``, ``contiguous``, ``reshape``). A value read by
 several nodes that need its gradient gets their gradients summed, one ``add`` (two reads, one
-write) per extra reader (``accumulated_bytes``, charged to the producing node). Gathers
-(embeddings) keep twice their forward traffic. A blanket "twice the forward traffic" rule
-over-counted the backward of GPT's memory-bound ops by half (on the attention scores: 12
-passes where autograd runs 5): at 1.7B parameters on A100s that alone put the step 12% over
-Megatron-LM's measured one (``bench/megatron_calibration.py``).
+write) per extra reader, counted in the producing node's backward bytes (kept inside the
+roofline's max, so that the time stays two terms and an overhead: ``bench/gpu/check.py`` refits
+them; a matmul's sum then hides under its compute). Gathers (embeddings) keep twice their
+forward traffic. The rule this replaces, twice the forward traffic for every op, over-counted
+GPT's memory-bound backward by about half (on the attention scores of an eager GPT-2: 12
+score-sized reads and writes where autograd moves 5), which made Megatron-LM's 1.7B layout on
+A100s predict 1.23x the step the paper measured (1.07x with this count;
+``bench/megatron_calibration.py``).
 
 Precision: under ``Precision.BF16`` every node runs at the device's bfloat16 peak, and every
 float32 value and parameter read counts at 2 bytes (bf16 parameter copies and activations,
@@ -107,12 +109,10 @@ def analytic_costs(
     k_weight = work["k_weight"]
     k = work["k_input"] + k_weight
     has_backward = busy & work["requires_grad"] & (k > 0)
-    moved, accumulated = _backward_bytes(graph, microbatch_size, precision, work)
+    moved = _backward_bytes(graph, microbatch_size, precision, work)
     runs = (work["flops"] > 0) | (moved > 0)  # an add or a layout copy runs no kernel: no launch either
-    backward_s = (
-        np.maximum(k * work["flops"] / compute_rate, moved / memory_rate)
-        + accumulated / memory_rate
-        + np.where(runs, k, 0) * device.op_overhead_s
+    backward_s = np.maximum(k * work["flops"] / compute_rate, moved / memory_rate) + np.where(runs, k, 0) * (
+        device.op_overhead_s
     )
     backward_s = np.where(has_backward, backward_s, 0.0)
     backward_weight_s = np.where(has_backward, backward_s * k_weight / np.maximum(k, 1), 0.0)
@@ -181,13 +181,13 @@ def _node_work(
 
 def _backward_bytes(
     graph: OpGraph, microbatch_size: int, precision: Precision, work: dict[str, np.ndarray]
-) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes the backward kernels of node n move, bytes of summing the gradients of n's readers),
-    float64[n] each, as the module docstring counts them."""
+) -> np.ndarray:
+    """float64[n]: the bytes node n's backward kernels move, summing the gradients of its readers
+    included, as the module docstring counts them."""
     values = value_bytes(graph, microbatch_size, precision)
     saved = saved_bytes(graph, microbatch_size, precision)
     grad = work["requires_grad"]
-    moved, accumulated = np.zeros(graph.num_nodes), np.zeros(graph.num_nodes)
+    moved = np.zeros(graph.num_nodes)
     for node in graph.nodes:
         n = node.index
         if work["free"][n] or not grad[n]:
@@ -204,8 +204,8 @@ def _backward_bytes(
             written = sum(int(values[p]) for p in needing) + work["k_weight"][n] * work["params_read"][n]
             moved[n] = int(values[n]) + int(saved[n]) + written
         readers = sum(1 for c in set(node.consumers) if grad[c])
-        accumulated[n] = 3.0 * max(0, readers - 1) * int(values[n])
-    return moved, accumulated
+        moved[n] += 3.0 * max(0, readers - 1) * int(values[n])  # views' readers: not counted
+    return moved
 
 
 def _node_dtype(node: OpNode) -> str:
