@@ -130,15 +130,21 @@ def megatron_plan(graph, row: _megatron.Row, cluster: partita.Cluster):
     )
 
 
-def predict(row: _megatron.Row, capture_options: dict) -> dict:
-    """Capture, cost and simulate Megatron's layout of ``row``; the step and what moves it."""
-    graph = _megatron.capture(row, **capture_options)
-    cluster = partita.Cluster(device="a100-80gb", num_devices=row.gpus, devices_per_node=8)
+def layout_inputs(graph, row: _megatron.Row, cluster: partita.Cluster) -> tuple:
+    """(Megatron's layout of ``row`` as a Plan, its ``simulate_pipeline`` inputs) on ``cluster``,
+    with analytic bf16 costs as ``partita.plan`` costs them."""
     plan = megatron_plan(graph, row, cluster)
     costs = analytic_costs(graph, cluster.device, row.microbatch_size, precision="bf16")
     if row.tp > 1:
         costs = tensor_parallel_costs(costs, graph, find_layout(graph, row.tp), cluster)
-    inputs = pipeline_inputs(plan, costs, cluster)
+    return plan, pipeline_inputs(plan, costs, cluster)
+
+
+def predict(row: _megatron.Row, capture_options: dict) -> dict:
+    """Capture, cost and simulate Megatron's layout of ``row``; the step and what moves it."""
+    graph = _megatron.capture(row, **capture_options)
+    cluster = partita.Cluster(device="a100-80gb", num_devices=row.gpus, devices_per_node=8)
+    plan, inputs = layout_inputs(graph, row, cluster)
     result = simulate_pipeline(**inputs, keep_timeline=False)
     return {
         "step_s": result.step_s,
