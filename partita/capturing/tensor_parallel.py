@@ -14,11 +14,11 @@ model-specific code:
   repeated key/value heads included);
 * **row-parallel** matmul on an input sharded on its last dim: the weight is split along its
   input features, the partial outputs are all-reduced, then the bias is added;
-* **vocab-parallel embedding**: a vocabulary (rows >= 8 x columns, at least 16 columns: not a
-  per-head bias table) is split by rows, looked up
+* **vocab-parallel embedding**: a vocabulary (``is_vocabulary``: rows >= 8 x columns or at least
+  16,384 rows; at least 16 columns: not a per-head bias table) is split by rows, looked up
   where it is held and all-reduced;
-* **vocab-parallel cross-entropy**: a column-parallel LM head's logits (a vocabulary again: at
-  least 8 classes per input feature, not a classifier's few) go into
+* **vocab-parallel cross-entropy**: a column-parallel LM head's logits (a vocabulary again, not
+  a classifier's few classes) go into
   ``cross_entropy`` without being gathered (max, sum of exponentials and target logit are
   reduced over the group).
 
@@ -50,10 +50,26 @@ from partita.types.tensor_parallel import ParamShard, TensorParallelLayout
 
 __all__ = ["Sharded", "TensorParallelAnalysis", "analyze", "find_layout"]
 
-# An embedding is split by rows when it has at least this many rows per column and this many
-# columns (a vocabulary, not T5's relative position bias: buckets x heads).
+# An embedding is split by rows when it has at least this many rows per column, or at least
+# VOCAB_MIN_ROWS rows, and this many columns (a vocabulary, not T5's relative position bias:
+# buckets x heads); an LM head likewise (a vocabulary of classes, not a classifier's few).
 VOCAB_ROWS_PER_COLUMN = 8
 VOCAB_MIN_COLUMNS = 16
+# Language vocabularies hold 30k-250k entries. The ratio alone misses them at wide hidden sizes:
+# Megatron-LM's 39B-1T GPTs map 51,200 tokens to 8,192-25,600 features (2-6 rows per column),
+# and Megatron splits that embedding and LM head along the vocabulary like any other (Shoeybi et
+# al. 2019, sec. 3). Left whole, each device of the group ran the whole head on the last pipeline
+# stage (at 1T: more than half the work of the stage's two layers, a 1.4x slower step) and held
+# the whole table's weights, gradients and Adam state (24 GB at 1T).
+VOCAB_MIN_ROWS = 16384
+
+
+def is_vocabulary(rows: int, columns: int) -> bool:
+    """Whether an embedding table's (rows, columns) or an LM head's (classes, features) are a
+    vocabulary's, which tensor parallelism splits by rows (embeddings also need
+    ``VOCAB_MIN_COLUMNS``)."""
+    return rows >= VOCAB_ROWS_PER_COLUMN * columns or rows >= VOCAB_MIN_ROWS
+
 
 _ELEMENTWISE = frozenset(
     "add sub mul div pow neg tanh gelu silu relu sigmoid rsqrt sqrt exp log abs clamp where masked_fill "
@@ -352,7 +368,7 @@ class _Propagation:
         shape = fx_read.shape(weight) or ()
         if not self._is_param(weight) or len(shape) != 2 or self._state(ids) is not None:
             return False
-        if node.name in self.rejected or shape[0] < VOCAB_ROWS_PER_COLUMN * shape[1] or shape[1] < VOCAB_MIN_COLUMNS:
+        if node.name in self.rejected or not is_vocabulary(*shape) or shape[1] < VOCAB_MIN_COLUMNS:
             self._use_param(weight, None, frozenset())
             return True
         whole = shape[0] if shape[0] % self.t else 0  # rows rounded up per part, the last one padded
@@ -571,7 +587,7 @@ class _Propagation:
             or self._state(target) is not None
         ):
             raise _Failure(s.origins, f"{node.name}: only a 2-d cross-entropy without weights or smoothing splits")
-        narrow = [o for o in s.origins if self.widths[o][0] < VOCAB_ROWS_PER_COLUMN * self.widths[o][1]]
+        narrow = [o for o in s.origins if not is_vocabulary(*self.widths[o])]
         if narrow:  # a classifier's few classes: nothing worth splitting
             raise _Failure(narrow, f"{node.name}: {self.widths[narrow[0]][0]} classes are too few to split")
         self.kinds[node.name] = "vocab_cross_entropy"

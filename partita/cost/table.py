@@ -43,6 +43,7 @@ __all__ = [
     "output_bytes",
     "param_arrays",
     "requires_grad",
+    "saved_bytes",
     "storage_roots",
     "tensor_bytes",
     "value_bytes",
@@ -346,6 +347,38 @@ def activation_bytes(
                 total += num_bytes
         result[node.index] = total
     return result
+
+
+def saved_bytes(graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32) -> np.ndarray:
+    """int64[n]: bytes of the tensors node n's backward reads back from its forward, scaled.
+
+    The same tensors as ``activation_bytes`` (the tables above), but each node counts all of its
+    own, also those another node already keeps alive: this is memory traffic, not memory held
+    (the analytic model's backward, ``partita.cost.analytic``)."""
+    roots = storage_roots(graph)
+    grad = requires_grad(graph)
+    trainable = {name for name, p in graph.parameters.items() if p.requires_grad and not p.is_buffer}
+    root_bytes = _root_bytes(graph, microbatch_size, precision)
+    result = np.zeros(graph.num_nodes, dtype=np.int64)
+    for node in graph.nodes:
+        if grad[node.index] and not node.is_view:
+            kept = _kept_tensors(node, roots, root_bytes, grad, trainable, precision)
+            result[node.index] = sum(num_bytes for root, num_bytes in kept if root is not None)
+    return result
+
+
+def _root_bytes(graph: OpGraph, microbatch_size: int, precision: Precision):
+    """A function: storage root (``storage_roots``) -> its bytes, scaled (0 for None)."""
+    values = value_bytes(graph, microbatch_size, precision)
+    input_bytes = [
+        tensor_bytes(g.tensor, microbatch_size, graph.batch_size, precision) if g.tensor is not None else 0
+        for g in graph.inputs
+    ]
+
+    def root_bytes(root: int | None) -> int:
+        return 0 if root is None else int(values[root]) if root >= 0 else input_bytes[-root - 1]
+
+    return root_bytes
 
 
 def _kept_tensors(
