@@ -75,7 +75,7 @@ def _plan_options(args: argparse.Namespace):
         num_stages=args.num_stages,
         replicas=args.replicas,
         num_microbatches=args.microbatches,
-        recompute=None if recompute is None else recompute == "yes",
+        recompute=recompute,
         uniform_replicas=True if args.uniform_replicas else None,
         optimizer=OPTIMIZER_KINDS.get(args.optimizer, args.optimizer),
         precision=getattr(args, "precision", None),

@@ -142,7 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=_UNIFORM_REPLICAS_HELP,
     )
     plan.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
-    plan.add_argument("--recompute", default=None, choices=["yes", "no"], help="pin activation recomputation")
+    plan.add_argument(
+        "--recompute",
+        default=None,
+        choices=["none", "selective", "full", "yes", "no"],
+        help="pin the activation recomputation level of every stage (yes: full, no: none; default: each stage "
+        "recomputes as much as it needs to fit)",
+    )
     plan.add_argument("--optimizer", default="adam", help="adam, sgd-momentum or sgd (sets optimizer-state memory)")
     _add_precision_sharding(plan)
     plan.add_argument(

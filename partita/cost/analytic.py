@@ -39,6 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from partita.checks import positive_int
+from partita.cost.recompute import selective_arrays
 from partita.cost.table import (
     FLOAT_DTYPES,
     activation_bytes,
@@ -98,6 +99,7 @@ def analytic_costs(
     backward_weight_s = np.where(has_backward, backward_s * k_weight / np.maximum(k, 1), 0.0)
 
     params = param_arrays(graph)
+    selective = selective_arrays(graph, microbatch_size, forward_s, precision)
     return CostTable(
         microbatch_size=microbatch_size,
         device=device.name,
@@ -113,6 +115,7 @@ def analytic_costs(
         param_bytes=params.num_bytes,
         param_trainable=params.trainable,
         param_uses=params.uses,
+        **selective._asdict(),
     )
 
 

@@ -46,8 +46,10 @@ Glossary
 --------
 in flight   micro-batches whose forward has run on this device and whose backward has not yet
             freed their activations. The schedule decides how many there are at the peak.
-recompute   activation checkpointing of a whole stage: forward keeps only the stage's input,
-            and backward re-runs the forward of one micro-batch at a time.
+recompute   activation recomputation of a stage (``Recompute``): none keeps everything; full
+            keeps only the stage's input, and backward re-runs the forward of one micro-batch
+            at a time; selective also keeps the outputs of matmuls and attention and rebuilds
+            the rest (``partita.cost.recompute`` tabulates what each level keeps).
 precision   the CostTable's activation, output and cut bytes are already in the plan's
             precision (``partita.cost.table``); its ``param_bytes`` are the parameters' own
             (master) bytes, which this model converts.
@@ -63,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from partita.types import CostTable, MemoryBreakdown, OptimizerKind, Precision, Schedule, Sharding
+from partita.types import CostTable, MemoryBreakdown, OptimizerKind, Precision, Recompute, Schedule, Sharding
 
 # DDP-style gradient bucket kept while replicas all-reduce (torch DDP's default bucket_cap_mb).
 ALLREDUCE_BUCKET_BYTES = 25 * 2**20
@@ -162,7 +164,7 @@ def device_memory(
     *,
     in_flight: float,
     optimizer: OptimizerKind = OptimizerKind.ADAM,
-    recompute: bool = False,
+    recompute: Recompute | bool = Recompute.NONE,
     precision: Precision = Precision.FP32,
     sharding: Sharding = Sharding.REPLICATE,
     num_replicas: int = 1,
@@ -187,6 +189,8 @@ def device_memory(
         param_bytes=int(param_bytes[held].sum()),
         trainable_bytes=int(param_bytes[held_trainable].sum()),
         activation_bytes=int(sum(costs.activation_bytes[start:stop].sum() for start, stop in ranges)),
+        saved_bytes=int(sum(costs.saved_bytes[start:stop].sum() for start, stop in ranges)),
+        recomputed_bytes=int(sum(costs.recomputed_bytes[start:stop].sum() for start, stop in ranges)),
         stage_input_bytes=int(sum(costs.cut_bytes[start] for start, _ in ranges)),
         boundary_bytes=sum(int(costs.cut_bytes[start]) + int(costs.cut_bytes[stop]) for start, stop in ranges),
         largest_output_bytes=max((int(costs.output_bytes[a:b].max()) for a, b in ranges if b > a), default=0),
@@ -226,13 +230,15 @@ def memory_from_totals(
     in_flight: Any,
     largest_param_bytes: Any = 0,
     optimizer: OptimizerKind,
-    recompute: bool,
+    recompute: Recompute | bool,
     precision: Precision = Precision.FP32,
     sharding: Sharding = Sharding.REPLICATE,
     num_replicas: int = 1,
     num_microbatches: Any = None,
     first_grad_bytes: Any = None,
     gathered_trainable_bytes: Any = None,
+    saved_bytes: Any = None,
+    recomputed_bytes: Any = None,
 ) -> DeviceMemory:
     """The memory formula on totals of a device's node ranges. Works element-wise on numpy
     arrays too, so the search evaluates every candidate stage at once with the same formula.
@@ -248,8 +254,13 @@ def memory_from_totals(
     bound when no node reads several large parameters). param_bytes, trainable_bytes,
     largest_param_bytes, first_grad_bytes: in the parameters' own dtype (fp32); the rest in
     ``precision``. gathered_trainable_bytes: under full_shard, the trainable bytes gathered at a
-    time (None: all of them). The table in the module docstring gives the formulas.
+    time (None: all of them). The table in the module docstring gives the formulas. ``recompute``:
+    the level (a bool means full or none); saved_bytes, recomputed_bytes: selective recomputation's
+    totals (per micro-batch, ``partita.cost.recompute``), needed at that level only.
     """
+    recompute = Recompute.parse(recompute)
+    if recompute is Recompute.SELECTIVE:
+        assert saved_bytes is not None and recomputed_bytes is not None, "selective needs saved and recomputed bytes"
     sharded = sharding is not Sharding.REPLICATE and num_replicas > 1
     shards = num_replicas if sharded else 1
     gathered = trainable_bytes if gathered_trainable_bytes is None else gathered_trainable_bytes
@@ -264,7 +275,7 @@ def memory_from_totals(
         persistent_params = 1 * param_bytes
         gathered_bytes = 0 * trainable_bytes
     copies = _weight_copies(precision, sharding, num_replicas, trainable_bytes, gathered_trainable_bytes)
-    kept = _kept_bytes(in_flight, recompute, activation_bytes, stage_input_bytes, copies)
+    kept = _kept_bytes(in_flight, recompute, activation_bytes, stage_input_bytes, copies, saved_bytes, recomputed_bytes)
     comm_buffer_bytes = 1 * boundary_bytes  # the received input and the output gradient of the micro-batch
     if num_microbatches is None:
         backward_grad_bytes = None
@@ -300,12 +311,41 @@ def _weight_copies(
     return 0.5 * (gathered if sharded else trainable_bytes)
 
 
-def _kept_bytes(in_flight: Any, recompute: bool, activation_bytes: Any, stage_input_bytes: Any, copies: Any) -> Any:
-    """Activations (and bf16 weight copies) kept for backward with ``in_flight`` micro-batches."""
-    if recompute:
-        # Keep only each in-flight micro-batch's stage inputs; backward rebuilds one micro-batch.
-        return np.ceil(in_flight * stage_input_bytes) + activation_bytes + np.ceil(copies)
-    return np.ceil(in_flight * (activation_bytes + copies))
+def _kept_bytes(
+    in_flight: Any,
+    recompute: Recompute,
+    activation_bytes: Any,
+    stage_input_bytes: Any,
+    copies: Any,
+    saved_bytes: Any = None,
+    recomputed_bytes: Any = None,
+) -> Any:
+    """Activations (and bf16 weight copies) kept for backward with ``in_flight`` micro-batches:
+    each keeps ``kept_per_microbatch`` (and, without recomputation, its weight copies); a
+    recomputing stage rebuilds one micro-batch's at a time (``rebuilt_bytes``, one set of copies)."""
+    if recompute is Recompute.NONE:
+        return np.ceil(in_flight * (activation_bytes + copies))
+    per_microbatch = kept_per_microbatch(recompute, activation_bytes, stage_input_bytes, saved_bytes)
+    rebuilt = rebuilt_bytes(recompute, activation_bytes, recomputed_bytes)
+    return np.ceil(in_flight * per_microbatch) + rebuilt + np.ceil(copies)
+
+
+def kept_per_microbatch(level: Recompute, activation: Any, stage_input: Any, saved: Any) -> Any:
+    """Bytes one micro-batch in flight keeps (``partita.cost.recompute``'s table); works on arrays."""
+    if level is Recompute.FULL:
+        return 1 * stage_input
+    if level is Recompute.SELECTIVE:
+        return stage_input + saved
+    return 1 * activation
+
+
+def rebuilt_bytes(level: Recompute, activation: Any, recomputed: Any) -> Any:
+    """Bytes the backward of one micro-batch rebuilds, alive until it has used them."""
+    if level is Recompute.FULL:
+        return 1 * activation
+    if level is Recompute.SELECTIVE:
+        return 1 * recomputed
+    return 0 * activation
 
 
 def _backward_grad_bytes(in_flight: Any, num_microbatches: Any, first: Any, trainable_bytes: Any) -> Any:
@@ -341,11 +381,20 @@ class MemoryByInFlight:
                 np.inf, totals["num_microbatches"], first, totals["trainable_bytes"]
             )
         self._totals = totals
+        self._recompute = Recompute.parse(totals["recompute"])
 
     def total_bytes(self, in_flight: float) -> Any:
         t = self._totals
         kept = _as_int(
-            _kept_bytes(in_flight, t["recompute"], t["activation_bytes"], t["stage_input_bytes"], self._copies)
+            _kept_bytes(
+                in_flight,
+                self._recompute,
+                t["activation_bytes"],
+                t["stage_input_bytes"],
+                self._copies,
+                t.get("saved_bytes"),
+                t.get("recomputed_bytes"),
+            )
         )
         grads = self._grads
         if t.get("num_microbatches") is not None:

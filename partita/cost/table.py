@@ -312,7 +312,11 @@ def requires_grad(graph: OpGraph) -> np.ndarray:
 
 
 def activation_bytes(
-    graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32, shards: np.ndarray | None = None
+    graph: OpGraph,
+    microbatch_size: int,
+    precision: Precision = Precision.FP32,
+    shards: np.ndarray | None = None,
+    skip: np.ndarray | None = None,
 ) -> np.ndarray:
     """int64[n]: bytes node n keeps alive for its backward, scaled.
 
@@ -320,7 +324,9 @@ def activation_bytes(
     root alive, so the root's bytes count, and each root counts once, at the first node that
     keeps it (softmax keeps its output and the next matmul keeps the same memory). Nodes
     without a backward (no grad, views, in-place ops, integer outputs) keep nothing. ``shards``
-    as ``value_bytes`` takes it: a kept root counts the part of it one device holds.
+    as ``value_bytes`` takes it: a kept root counts the part of it one device holds. ``skip``
+    (bool[n]): the roots of these nodes count nothing (kept elsewhere: selective recomputation's
+    saved outputs, ``partita.cost.recompute``).
     """
     values = value_bytes(graph, microbatch_size, precision, shards)
     roots = storage_roots(graph)
@@ -343,7 +349,7 @@ def activation_bytes(
         for root, num_bytes in _kept_tensors(node, roots, root_bytes, grad, trainable, precision):
             if root is not None and root not in kept:
                 kept.add(root)
-                total += num_bytes
+                total += 0 if skip is not None and isinstance(root, int) and root >= 0 and skip[root] else num_bytes
         result[node.index] = total
     return result
 
@@ -415,5 +421,6 @@ def contended(costs: CostTable, slowdown: float) -> CostTable:
         forward_s=costs.forward_s * factor,
         backward_s=costs.backward_s * factor,
         backward_weight_s=costs.backward_weight_s * factor,
+        selective_recompute_s=costs.selective_recompute_s * factor,
         calibration={**costs.calibration, "compute_slowdown": float(slowdown)},
     )

@@ -40,6 +40,7 @@ import dataclasses
 import numpy as np
 
 from partita.cost import comm
+from partita.cost.recompute import selective_arrays
 from partita.cost.table import activation_bytes, cut_bytes, output_bytes
 from partita.errors import InputError
 from partita.types import Cluster, CostTable, OpGraph, Precision
@@ -75,6 +76,10 @@ def tensor_parallel_costs(
         kept = np.asarray(costs.activation_bytes, dtype=np.float64)
         ratio = np.divide(held, whole, out=1.0 / parts, where=whole > 0)
         held = np.where(whole > 0, np.round(kept * ratio), np.ceil(kept * ratio)).astype(np.int64)
+    # Selective recomputation keeps the parts of the kept outputs, and runs the group's forward
+    # all-reduces again (each follows a kept matmul, whose output is not recomputed: added apart).
+    measured = None if costs.source == "analytic" else held
+    selective = selective_arrays(graph, b, costs.forward_s, precision, parts, measured)
     split_params = np.array([name in layout.params for name in costs.param_names], dtype=bool)
     param_bytes = np.asarray(costs.param_bytes, dtype=np.int64)
     return dataclasses.replace(
@@ -87,6 +92,9 @@ def tensor_parallel_costs(
         cut_bytes=cut_bytes(graph, b, precision, parts),
         param_bytes=np.where(split_params, -(-param_bytes // t), param_bytes),
         tensor_parallel=t,
+        saved_bytes=selective.saved_bytes,
+        recomputed_bytes=selective.recomputed_bytes,
+        selective_recompute_s=np.asarray(costs.selective_recompute_s) / shards + forward_ar,
     )
 
 

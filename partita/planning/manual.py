@@ -36,7 +36,7 @@ from partita.planning.context import check_whole_batch
 from partita.planning.schedules import check_schedule, stage_rank_groups
 from partita.planning.tensor_parallel import check_degree
 from partita.planning.uneven import UNEVEN_SCHEDULES
-from partita.types import OpGraph, Plan, Precision, Schedule, Sharding, StagePlan
+from partita.types import OpGraph, Plan, Precision, Recompute, Schedule, Sharding, StagePlan
 from partita.types.cluster import Cluster
 
 __all__ = ["manual_plan"]
@@ -51,7 +51,7 @@ def manual_plan(
     num_microbatches: int,
     global_batch_size: int,
     replicas: int | Sequence[int] = 1,
-    recompute: bool | Sequence[bool] = False,
+    recompute: Recompute | str | bool | Sequence[Recompute | str | bool] = Recompute.NONE,
     cluster: Cluster | Mapping[str, Any] | None = None,
     precision: Precision | str = Precision.FP32,
     sharding: Sharding | str | Sequence[Sharding | str] = Sharding.REPLICATE,
@@ -68,7 +68,8 @@ def manual_plan(
         num_microbatches: micro-batches per step (every replica of a stage runs each of them).
         global_batch_size: samples per step over all replicas; must be a multiple of
             ``num_microbatches * r`` for every replica count ``r``.
-        recompute: activation recomputation, for all stages or per stage.
+        recompute: the recomputation level ("none", "selective", "full"; True / False: full / none),
+            for all stages or one per stage.
         cluster: the machines (a Cluster, or its ``to_dict()``); default: as many CPU ranks as the plan uses, on one node.
         precision: "fp32" or "bf16" (``Plan.precision``).
         sharding: a ``Sharding`` level for all stages or one per stage; a stage with one replica
@@ -130,7 +131,7 @@ def manual_plan(
             "boundaries": list(cuts),
             "num_rank_groups": num_rank_groups,
             "replicas": replicas if isinstance(replicas, int) else list(counts),
-            "recompute": list(flags),
+            "recompute": [level.value for level in flags],
             "precision": precision.value,
             "sharding": [level.value for level in levels],
             "tensor_parallel": t,
@@ -168,7 +169,7 @@ def _replica_counts(replicas: int | Sequence[int], schedule: Schedule, num_rank_
 
 
 def _stage(
-    graph: OpGraph, k: int, start: int, stop: int, group: int, ranks: tuple[int, ...], recompute: bool
+    graph: OpGraph, k: int, start: int, stop: int, group: int, ranks: tuple[int, ...], recompute: Recompute
 ) -> StagePlan:
     held = {p for node in graph.nodes[start:stop] for p in node.params}
     return StagePlan(
@@ -226,12 +227,12 @@ def _sharding_levels(sharding: Any, replicas: Sequence[int]) -> tuple[Sharding, 
     return chosen
 
 
-def _recompute_flags(recompute: bool | Sequence[bool], num_stages: int) -> tuple[bool, ...]:
-    if isinstance(recompute, bool):
-        return (recompute,) * num_stages
-    flags = tuple(bool(r) for r in recompute)
+def _recompute_flags(recompute: Any, num_stages: int) -> tuple[Recompute, ...]:
+    if isinstance(recompute, (bool, str, Recompute)):
+        return (Recompute.parse(recompute),) * num_stages
+    flags = tuple(Recompute.parse(r) for r in recompute)
     if len(flags) != num_stages:
-        raise InputError(f"recompute has {len(flags)} entries for {num_stages} stages: give one per stage or a bool")
+        raise InputError(f"recompute has {len(flags)} entries for {num_stages} stages: give one per stage or one level")
     return flags
 
 

@@ -46,7 +46,7 @@ def plan_text(
             f"{fmt_bytes(s.memory_bytes)} / {fmt_bytes(limit)}",
             fmt_seconds(s.forward_s),
             fmt_seconds(s.backward_s),
-            "yes" if s.recompute else "no",
+            s.recompute.value,
             fmt_bytes(s.cut_bytes),
         )
         for s in plan.stages

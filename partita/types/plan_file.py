@@ -2,7 +2,8 @@
 
 ``load_plan`` rejects anything that is not a valid plan with a PlanFileError that names the
 field, the value and the cause; with ``graph`` / ``cluster`` it also rejects a plan made for
-another model or cluster.
+another model or cluster. Files of every version in ``READABLE_SCHEMA_VERSIONS`` load (schema 1's
+``"recompute": true / false`` as the levels full / none); a loaded plan is of the current schema.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from partita.errors import PlanFileError
-from partita.types.choices import Precision, Schedule, Sharding
+from partita.types.choices import Precision, Recompute, Schedule, Sharding
 from partita.types.cluster import Cluster
 from partita.types.graph import OpGraph
-from partita.types.plan import PLAN_SCHEMA_VERSION, MemoryBreakdown, Plan, StagePlan
+from partita.types.plan import READABLE_SCHEMA_VERSIONS, MemoryBreakdown, Plan, StagePlan
 
 _STAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "index": int,
@@ -29,7 +30,7 @@ _STAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "module_range": str,
     "ranks": list,
     "rank_group": int,
-    "recompute": bool,
+    "recompute": (str, bool),  # a Recompute level; true / false (schema 1): full / none
     "forward_s": (int, float),
     "backward_s": (int, float),
     "memory_bytes": int,
@@ -88,6 +89,7 @@ def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
     return {
         **{k: getattr(stage, k) for k in _STAGE_FIELDS if k != "ranks"},
         "ranks": list(stage.ranks),
+        "recompute": stage.recompute.value,
         "sharding": stage.sharding.value,
         "tensor_parallel": stage.tensor_parallel,
         "memory_breakdown": None if breakdown is None else {k: getattr(breakdown, k) for k in _BREAKDOWN_FIELDS},
@@ -141,10 +143,11 @@ def plan_from_dict(data: Any, *, source: str = "plan") -> Plan:
     if not isinstance(data, dict):
         raise PlanFileError(f"{source}: a plan file holds a JSON object, found {type(data).__name__}")
     version = data.get("schema_version")
-    if version != PLAN_SCHEMA_VERSION:
+    if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:
+        readable = " or ".join(str(v) for v in READABLE_SCHEMA_VERSIONS)
         raise PlanFileError(
             f"{source}: field 'schema_version' is {version!r}, but this partita reads schema "
-            f"{PLAN_SCHEMA_VERSION}: re-create the plan with this version of partita"
+            f"{readable}: re-create the plan with this version of partita"
         )
     _check_fields(data, _PLAN_FIELDS, source, "", optional=_OPTIONAL_PLAN_FIELDS)
     stages = tuple(_stage_from_dict(s, k, source) for k, s in enumerate(_nonempty(data["stages"], "stages", source)))
@@ -167,7 +170,6 @@ def plan_from_dict(data: Any, *, source: str = "plan") -> Plan:
         precision=precision,
         partita_version=data["partita_version"],
         torch_version=data["torch_version"],
-        schema_version=version,
     )
     check_plan_consistency(plan, source)
     return plan
@@ -204,6 +206,12 @@ def _stage_from_dict(data: Any, k: int, source: str) -> StagePlan:
     values = {key: data[key] for key in _STAGE_FIELDS}
     values["ranks"] = tuple(ranks)
     values["forward_s"], values["backward_s"] = float(data["forward_s"]), float(data["backward_s"])
+    recompute = data["recompute"]
+    values["recompute"] = (
+        Recompute.parse(recompute)
+        if isinstance(recompute, bool)
+        else _choice(Recompute, recompute, f"{where}.recompute", source)
+    )
     values["sharding"] = _choice(Sharding, data.get("sharding", Sharding.REPLICATE.value), f"{where}.sharding", source)
     values["memory_breakdown"] = _breakdown(data.get("memory_breakdown"), f"{where}.memory_breakdown", source)
     degree = data.get("tensor_parallel", 1)
@@ -248,7 +256,14 @@ def _check_fields(
 
 
 def _kind_name(kind: Any) -> str:
-    names = {int: "an integer", str: "a string", bool: "true or false", list: "a list", dict: "an object"}
+    names = {
+        int: "an integer",
+        str: "a string",
+        bool: "true or false",
+        list: "a list",
+        dict: "an object",
+        (str, bool): 'a recomputation level ("none", "selective", "full")',
+    }
     return names.get(kind, "a number")
 
 
@@ -287,10 +302,11 @@ def check_plan_consistency(plan: Plan, source: str = "plan") -> None:
     if plan.schedule is Schedule.ZBV and recomputed and plan.method != "manual":
         # The planner never recomputes under ZBV (partita.planning.options.recompute_allowed): such a
         # file was edited, and its memory figures are wrong. manual_plan may ask for it (no predictions).
+        level = stages[recomputed[0]].recompute.value
         raise PlanFileError(
-            f"{source}: stages[{recomputed[0]}].recompute is true, but the schedule is zbv, under which partita never "
-            "recomputes (the memory of a recomputed stage cannot be predicted): set it to false, or re-plan with "
-            "another schedule"
+            f"{source}: stages[{recomputed[0]}].recompute is {level!r}, but the schedule is zbv, under which partita "
+            "never recomputes (the memory of a recomputed stage cannot be predicted): set it to 'none', or re-plan "
+            "with another schedule"
         )
     num_devices = plan.cluster.num_devices
     used = sorted({r for s in stages for r in s.ranks})

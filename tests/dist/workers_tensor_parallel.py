@@ -30,6 +30,7 @@ def _plan(case: Case, config: dict):
         global_batch_size=case.batch_size,
         tensor_parallel=config["tensor_parallel"],
         sharding=config.get("sharding", "replicate"),
+        recompute=config.get("recompute", "none"),
     )
 
 
@@ -156,6 +157,7 @@ def job_tp(params: dict) -> dict:
         tp = trainer.tensor_parallel
         result: dict[str, Any] = {
             "model": config["model"],
+            "recompute": [s.recompute.value for s in plan.stages],
             "losses": losses,
             "held": held,
             "whole": whole,
