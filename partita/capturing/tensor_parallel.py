@@ -105,16 +105,27 @@ class TensorParallelAnalysis:
     scatters: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     resized: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     vocab: dict[str, int] = field(default_factory=dict)  # vocab-parallel cross-entropy -> classes
+    # sequence parallelism over this layout (``partita.capturing.sequence_parallel``): None without
+    sequence: Any = None
 
 
 def find_layout(graph: OpGraph, degree: int) -> TensorParallelLayout:
     """The planner's view: ``analyze`` on the whole captured graph (whose stages return the loss
     alone), parameters by canonical name."""
-    loss = graph.nodes[graph.loss_node].name  # the stages return the loss alone
-    found = analyze(graph.graph_module.graph, degree, outputs=(loss,)).layout
+    return whole_graph_layout(graph, whole_graph_analysis(graph, degree))
+
+
+def whole_graph_analysis(graph: OpGraph, degree: int) -> TensorParallelAnalysis:
+    """``analyze`` on the whole captured graph, whose stages return the loss alone."""
+    return analyze(graph.graph_module.graph, degree, outputs=(graph.nodes[graph.loss_node].name,))
+
+
+def whole_graph_layout(graph: OpGraph, analysis: TensorParallelAnalysis) -> TensorParallelLayout:
+    """``analysis`` (of the whole captured graph) as the planner's layout: parameters by canonical name."""
+    found = analysis.layout
     params = {graph.attr_to_param.get(target, target): shard for target, shard in found.params.items()}
     return TensorParallelLayout(
-        degree=degree,
+        degree=found.degree,
         params=params,
         sharded_nodes=found.sharded_nodes,
         forward_reductions=found.forward_reductions,

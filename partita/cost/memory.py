@@ -8,7 +8,9 @@ backward peak = gathered parameter copies (sharded stages)
               + the gradients alive by then: all of them when some micro-batch's backward
                 ran before the activation peak (1F1B steady state), else only the first one
                 (GPipe, or as many micro-batches as in flight; gradients are set to None
-                between steps)
+                between steps) -- or, when every forward runs first, the start of the second
+                micro-batch's backward if that is higher: one micro-batch fewer kept, but every
+                gradient made (its rebuilt tensors too, under recomputation)
 step peak     = the gradients the optimizer reads (a shard when sharded) + its temporaries
 
 Per trainable byte of the parameters in their own (captured, fp32) dtype, with ``k`` optimizer
@@ -275,13 +277,19 @@ def memory_from_totals(
         persistent_params = 1 * param_bytes
         gathered_bytes = 0 * trainable_bytes
     copies = _weight_copies(precision, sharding, num_replicas, trainable_bytes, gathered_trainable_bytes)
-    kept = _kept_bytes(in_flight, recompute, activation_bytes, stage_input_bytes, copies, saved_bytes, recomputed_bytes)
+    selective = (saved_bytes, recomputed_bytes)
+    kept = _kept_bytes(in_flight, recompute, activation_bytes, stage_input_bytes, copies, *selective)
     comm_buffer_bytes = 1 * boundary_bytes  # the received input and the output gradient of the micro-batch
     if num_microbatches is None:
         backward_grad_bytes = None
     else:
         first = largest_param_bytes if first_grad_bytes is None else first_grad_bytes
-        backward_grad_bytes = _backward_grad_bytes(in_flight, num_microbatches, first, trainable_bytes)
+        fewer = _kept_bytes(
+            np.maximum(in_flight - 1, 0), recompute, activation_bytes, stage_input_bytes, copies, *selective
+        )
+        kept, backward_grad_bytes = _backward_peak(
+            in_flight, num_microbatches, kept, fewer, np.minimum(first, trainable_bytes), trainable_bytes
+        )
     if num_replicas > 1 and not sharded:  # DDP's gradient bucket (FSDP2 reduce-scatters from the gradients counted)
         comm_buffer_bytes = comm_buffer_bytes + np.minimum(trainable_bytes, ALLREDUCE_BUCKET_BYTES)
     return DeviceMemory(
@@ -348,11 +356,18 @@ def rebuilt_bytes(level: Recompute, activation: Any, recomputed: Any) -> Any:
     return 0 * activation
 
 
-def _backward_grad_bytes(in_flight: Any, num_microbatches: Any, first: Any, trainable_bytes: Any) -> Any:
-    """Gradients alive at the backward peak: only the first ones when every forward runs before
-    the first backward (no more micro-batches than in flight), else all of them."""
-    no_steady_state = np.asarray(num_microbatches) <= np.asarray(in_flight)
-    return _as_int(np.where(no_steady_state, np.minimum(first, trainable_bytes), trainable_bytes))
+def _backward_peak(in_flight: Any, num_microbatches: Any, kept: Any, fewer: Any, first: Any, all_grads: Any) -> tuple:
+    """(activations, gradients) at the backward peak. With some backward before the activation
+    peak (more micro-batches than in flight) every gradient is alive with ``kept``. When every
+    forward runs first, the first backward starts with ``kept`` and the first gradients, and the
+    second (with two or more micro-batches) with one micro-batch fewer kept (``fewer``) but every
+    gradient: whichever is higher."""
+    m, f = np.asarray(num_microbatches), np.asarray(in_flight)
+    no_steady_state = m <= f
+    second = no_steady_state & (m >= 2) & (fewer + all_grads > kept + first)
+    activations = np.where(second, fewer, kept)
+    grads = np.where(no_steady_state & ~second, first, all_grads)
+    return _as_int(activations), _as_int(grads)
 
 
 class MemoryByInFlight:
@@ -377,28 +392,28 @@ class MemoryByInFlight:
         if totals.get("num_microbatches") is not None:  # the first gradients, for every forward before a backward
             first = totals.get("first_grad_bytes")
             first = totals.get("largest_param_bytes", 0) if first is None else first
-            self._first_grads = _backward_grad_bytes(
-                np.inf, totals["num_microbatches"], first, totals["trainable_bytes"]
-            )
+            self._first_grads = np.minimum(first, totals["trainable_bytes"])
         self._totals = totals
         self._recompute = Recompute.parse(totals["recompute"])
 
+    def _kept(self, in_flight: Any) -> Any:
+        t = self._totals
+        return _kept_bytes(
+            in_flight,
+            self._recompute,
+            t["activation_bytes"],
+            t["stage_input_bytes"],
+            self._copies,
+            t.get("saved_bytes"),
+            t.get("recomputed_bytes"),
+        )
+
     def total_bytes(self, in_flight: float) -> Any:
         t = self._totals
-        kept = _as_int(
-            _kept_bytes(
-                in_flight,
-                self._recompute,
-                t["activation_bytes"],
-                t["stage_input_bytes"],
-                self._copies,
-                t.get("saved_bytes"),
-                t.get("recomputed_bytes"),
-            )
-        )
-        grads = self._grads
+        kept, grads = _as_int(self._kept(in_flight)), self._grads
         if t.get("num_microbatches") is not None:
-            grads = np.where(np.asarray(t["num_microbatches"]) <= in_flight, self._first_grads, self._grads)
+            fewer = self._kept(np.maximum(in_flight - 1, 0))
+            kept, grads = _backward_peak(in_flight, t["num_microbatches"], kept, fewer, self._first_grads, grads)
         return self._persistent + np.maximum(self._fixed + kept + grads, self._step_peak)
 
 

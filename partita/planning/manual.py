@@ -56,6 +56,7 @@ def manual_plan(
     precision: Precision | str = Precision.FP32,
     sharding: Sharding | str | Sequence[Sharding | str] = Sharding.REPLICATE,
     tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """A Plan with stages ``[boundaries[k], boundaries[k + 1])`` of ``graph.nodes``.
 
@@ -76,6 +77,8 @@ def manual_plan(
             must replicate.
         tensor_parallel: devices per replica, splitting its matmuls (``Plan.tensor_parallel``);
             the default cluster then has ``replicas x tensor_parallel`` CPU ranks per rank group.
+        sequence_parallel: the tensor-parallel groups also split, by token, the regions they leave
+            whole (``Plan.sequence_parallel``; needs ``tensor_parallel`` above 1).
 
     Raises InputError when the split, the schedule or the batch do not fit together.
     """
@@ -101,6 +104,13 @@ def manual_plan(
     precision = Precision.parse(precision)
     check_whole_batch(graph, num_microbatches, counts)  # a loss that couples samples needs the whole batch
     t = positive_int(tensor_parallel, "tensor_parallel")
+    if not isinstance(sequence_parallel, bool):
+        raise InputError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    if sequence_parallel and t == 1:
+        raise InputError(
+            "sequence_parallel=True splits the regions a tensor-parallel group leaves whole, but tensor_parallel "
+            "is 1: give tensor_parallel=2 or more, or sequence_parallel=False"
+        )
     groups = stage_rank_groups(schedule, num_rank_groups, num_stages)
     ranks = consecutive_ranks(counts, t)
     levels = _sharding_levels(sharding, [counts[g] for g in groups])
@@ -109,6 +119,7 @@ def manual_plan(
             _stage(graph, k, cuts[k], cuts[k + 1], groups[k], ranks[groups[k]], flags[k]),
             sharding=levels[k],
             tensor_parallel=t,
+            sequence_parallel=sequence_parallel,
         )
         for k in range(num_stages)
     )
@@ -135,6 +146,7 @@ def manual_plan(
             "precision": precision.value,
             "sharding": [level.value for level in levels],
             "tensor_parallel": t,
+            "sequence_parallel": sequence_parallel,
         },
         method="manual",
         cost_source="none",

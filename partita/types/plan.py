@@ -74,6 +74,9 @@ class StagePlan:
     memory_breakdown: MemoryBreakdown | None = None
     # devices of one replica, splitting its matmuls (1: none; older plan files)
     tensor_parallel: int = 1
+    # sequence parallelism: the tensor-parallel group also splits, by token, the regions it leaves
+    # whole (norms, dropout, residual additions; partita.capturing.sequence_parallel)
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", Recompute.parse(self.recompute))  # frozen: normalised once
@@ -123,6 +126,11 @@ class Plan:
     def tensor_parallel(self) -> int:
         """The tensor-parallel degree, the same for every stage (1: none)."""
         return self.stages[0].tensor_parallel
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the tensor-parallel groups also split tokens (the same for every stage)."""
+        return self.stages[0].sequence_parallel
 
     @property
     def num_rank_groups(self) -> int:

@@ -38,8 +38,8 @@ _STAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "cut_bytes": int,
 }
 # Absent in files of earlier versions: they load as replicate, without a breakdown, without
-# tensor parallelism.
-_OPTIONAL_STAGE_FIELDS = ("sharding", "memory_breakdown", "tensor_parallel")
+# tensor or sequence parallelism.
+_OPTIONAL_STAGE_FIELDS = ("sharding", "memory_breakdown", "tensor_parallel", "sequence_parallel")
 _BREAKDOWN_FIELDS: dict[str, type] = {f.name: int for f in dataclasses.fields(MemoryBreakdown)}
 _PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
     "schema_version": int,
@@ -92,6 +92,7 @@ def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
         "recompute": stage.recompute.value,
         "sharding": stage.sharding.value,
         "tensor_parallel": stage.tensor_parallel,
+        "sequence_parallel": stage.sequence_parallel,
         "memory_breakdown": None if breakdown is None else {k: getattr(breakdown, k) for k in _BREAKDOWN_FIELDS},
     }
 
@@ -223,6 +224,15 @@ def _stage_from_dict(data: Any, k: int, source: str) -> StagePlan:
             f"{degree}: a stage holds whole groups (replicas x tensor_parallel ranks)"
         )
     values["tensor_parallel"] = degree
+    sequence = data.get("sequence_parallel", False)
+    if not isinstance(sequence, bool):
+        raise PlanFileError(f"{source}: {where}.sequence_parallel is {sequence!r}, expected true or false")
+    if sequence and degree == 1:
+        raise PlanFileError(
+            f"{source}: {where}.sequence_parallel is true, but its tensor_parallel is 1: sequence parallelism splits "
+            "the regions a tensor-parallel group leaves whole; set it to false, or re-plan with tensor parallelism"
+        )
+    values["sequence_parallel"] = sequence
     return StagePlan(**values)
 
 
@@ -339,6 +349,11 @@ def _check_tensor_parallel(plan: Plan, source: str) -> None:
     and lies in one node (its all-reduces run on the intra-node link)."""
     t = plan.stages[0].tensor_parallel
     for k, s in enumerate(plan.stages):
+        if s.sequence_parallel != plan.stages[0].sequence_parallel:
+            raise PlanFileError(
+                f"{source}: stages[{k}].sequence_parallel differs from stages[0]'s: sequence parallelism is on or "
+                "off for the whole plan"
+            )
         if s.tensor_parallel != t:
             raise PlanFileError(
                 f"{source}: stages[{k}].tensor_parallel is {s.tensor_parallel} but stages[0]'s is {t}: every stage "

@@ -40,6 +40,15 @@ class TensorParallelLayout:
     values, summed per node). The vocab-parallel cross-entropy all-reduces three values per row (max, sum of
     exponentials, target logit): counted in ``forward_reductions`` at the loss node.
     ``rejected``: pattern candidates left replicated, node name -> why (for ``partita inspect``).
+
+    Sequence parallelism (``sequence_parallel``; ``partita.capturing.sequence_parallel``) also splits
+    the regions between them by token: ``sequence_nodes`` are the nodes whose values and work divide
+    by ``degree`` that way; ``gathered_nodes`` the split values all-gathered whole for column-parallel
+    matmuls (which keep that whole copy for their backward). Its collectives are single ring passes
+    (a reduce-scatter or an all-gather; an all-reduce is two): ``forward_passes`` /
+    ``backward_passes``, node name -> the elements of each pass after that node's forward or in its
+    backward; the all-reduces they replace are gone from ``forward_reductions`` /
+    ``backward_reductions``. ``sequence_rejected``: regions left whole, source node -> why.
     """
 
     degree: int
@@ -48,6 +57,12 @@ class TensorParallelLayout:
     forward_reductions: Mapping[str, int] = field(default_factory=dict)
     backward_reductions: Mapping[str, int] = field(default_factory=dict)
     rejected: Mapping[str, str] = field(default_factory=dict)
+    sequence_parallel: bool = False
+    sequence_nodes: frozenset[str] = frozenset()
+    gathered_nodes: frozenset[str] = frozenset()
+    forward_passes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    backward_passes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    sequence_rejected: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def is_trivial(self) -> bool:

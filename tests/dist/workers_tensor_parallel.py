@@ -31,6 +31,7 @@ def _plan(case: Case, config: dict):
         tensor_parallel=config["tensor_parallel"],
         sharding=config.get("sharding", "replicate"),
         recompute=config.get("recompute", "none"),
+        sequence_parallel=config.get("sequence_parallel", False) and config["tensor_parallel"] > 1,
     )
 
 
