@@ -81,6 +81,7 @@ def _plan_options(args: argparse.Namespace):
         precision=getattr(args, "precision", None),
         sharding=getattr(args, "sharding", None),
         tensor_parallel=getattr(args, "tensor_parallel", None),
+        sequence_parallel={"yes": True, "no": False}.get(getattr(args, "sequence_parallel", None)),
         costs=getattr(args, "costs", "auto"),
         cache_dir=args.cache_dir,
     )

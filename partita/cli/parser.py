@@ -38,7 +38,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_precision_sharding(parser: argparse.ArgumentParser) -> None:
-    """--precision, --sharding and --tensor-parallel: how each device computes and what it holds."""
+    """--precision, --sharding, --tensor-parallel and --sequence-parallel: how each device computes and
+    what it holds."""
     parser.add_argument(
         "--precision",
         default=None,
@@ -60,6 +61,13 @@ def _add_precision_sharding(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="pin the tensor-parallel degree: every replica splits its matmuls over N devices of one node "
         "(default: searched over 1, 2, 4 and 8 where the devices per node allow; 1: none)",
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        default=None,
+        choices=["yes", "no"],
+        help="pin sequence parallelism: the tensor-parallel groups also split, by token, the regions they leave "
+        "whole (norms, dropout, residual additions) (default: on wherever the model allows it)",
     )
 
 

@@ -277,19 +277,16 @@ def memory_from_totals(
         persistent_params = 1 * param_bytes
         gathered_bytes = 0 * trainable_bytes
     copies = _weight_copies(precision, sharding, num_replicas, trainable_bytes, gathered_trainable_bytes)
-    selective = (saved_bytes, recomputed_bytes)
-    kept = _kept_bytes(in_flight, recompute, activation_bytes, stage_input_bytes, copies, *selective)
+
+    def kept_with(count: Any) -> Any:  # kept for backward with ``count`` micro-batches in flight
+        return _kept_bytes(count, recompute, activation_bytes, stage_input_bytes, copies, saved_bytes, recomputed_bytes)
+
+    kept, backward_grad_bytes = kept_with(in_flight), None
     comm_buffer_bytes = 1 * boundary_bytes  # the received input and the output gradient of the micro-batch
-    if num_microbatches is None:
-        backward_grad_bytes = None
-    else:
-        first = largest_param_bytes if first_grad_bytes is None else first_grad_bytes
-        fewer = _kept_bytes(
-            np.maximum(in_flight - 1, 0), recompute, activation_bytes, stage_input_bytes, copies, *selective
-        )
-        kept, backward_grad_bytes = _backward_peak(
-            in_flight, num_microbatches, kept, fewer, np.minimum(first, trainable_bytes), trainable_bytes
-        )
+    if num_microbatches is not None:
+        first = np.minimum(largest_param_bytes if first_grad_bytes is None else first_grad_bytes, trainable_bytes)
+        fewer = kept_with(np.maximum(in_flight - 1, 0))
+        kept, backward_grad_bytes = _backward_peak(in_flight, num_microbatches, kept, fewer, first, trainable_bytes)
     if num_replicas > 1 and not sharded:  # DDP's gradient bucket (FSDP2 reduce-scatters from the gradients counted)
         comm_buffer_bytes = comm_buffer_bytes + np.minimum(trainable_bytes, ALLREDUCE_BUCKET_BYTES)
     return DeviceMemory(

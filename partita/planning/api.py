@@ -65,7 +65,13 @@ def plan(
         options=options,
         batch_dims=batch_dims,
     )
-    return _best_or_raise(degree_contexts(ctx, options.tensor_parallel, uneven=options.uniform_replicas is False))[0]
+    contexts = degree_contexts(
+        ctx,
+        options.tensor_parallel,
+        uneven=options.uniform_replicas is False,
+        sequence_parallel=options.sequence_parallel,
+    )
+    return _best_or_raise(contexts)[0]
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,12 @@ def plan_with_baselines(
         batch_dims=batch_dims,
     )
     best, chosen = _best_or_raise(
-        degree_contexts(ctx, options.tensor_parallel, uneven=options.uniform_replicas is False)
+        degree_contexts(
+            ctx,
+            options.tensor_parallel,
+            uneven=options.uniform_replicas is False,
+            sequence_parallel=options.sequence_parallel,
+        )
     )
     baselines, reasons = baseline_outcomes(chosen, best)
     return PlanningResult(best, baselines, chosen, reasons)

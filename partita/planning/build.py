@@ -340,6 +340,7 @@ def build_plan(
                 sharding=memory[g][1],
                 memory_breakdown=memory[g].breakdown,
                 tensor_parallel=options.tensor_parallel,
+                sequence_parallel=options.sequence_parallel,
             )
         )
     return Plan(

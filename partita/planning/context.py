@@ -157,6 +157,7 @@ def planning_context(
         "precision": precision.value,
         "sharding": None if options.sharding is None else options.sharding.value,
         "tensor_parallel": options.tensor_parallel,
+        "sequence_parallel": options.sequence_parallel,
         "costs": source.value,
         "max_blocks": options.max_blocks,
         "memory_limit_bytes": search_options.memory_limit_bytes,

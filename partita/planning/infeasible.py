@@ -463,7 +463,9 @@ def _with_degree(base: PlanningContext, degree: int) -> PlanningContext | None:
         return None
     if degree == 1:
         return base
-    layout = find_layout(base.graph, degree)
+    layout = find_layout(base.graph, degree, sequence_parallel=base.resolved.get("sequence_parallel") is not False)
+    if layout.sequence_parallel and not layout.sequence_nodes:  # no region splits by token
+        layout = find_layout(base.graph, degree)
     return None if layout.is_trivial else with_layout(base, layout)
 
 

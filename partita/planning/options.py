@@ -51,7 +51,10 @@ class PlanOptions:
     None: each stage's level is searched. ``tensor_parallel``: devices per tensor-parallel group
     (each replica of a stage splits its matmuls over that many devices of one node; one degree for
     the whole plan); None: searched over 1, 2, 4 and 8 where the cluster allows
-    (``partita.planning.tensor_parallel``). ``costs``: where costs come from. ``max_blocks``: how finely the graph is coarsened into a chain of blocks.
+    (``partita.planning.tensor_parallel``). ``sequence_parallel``: whether the tensor-parallel
+    groups also split, by token, the regions they leave whole (norms, dropout, residual additions:
+    their activations divide by the degree; ``partita.capturing.sequence_parallel``); None: on
+    wherever a degree's layout splits a region by token (``partita.planning.tensor_parallel``). ``costs``: where costs come from. ``max_blocks``: how finely the graph is coarsened into a chain of blocks.
     ``cache_dir``: where profiles and calibrations are cached (default: the user cache folder).
     """
 
@@ -65,6 +68,7 @@ class PlanOptions:
     precision: Precision | str | None = None
     sharding: Sharding | str | None = None
     tensor_parallel: int | None = None
+    sequence_parallel: bool | None = None
     costs: CostSource = CostSource.AUTO
     max_blocks: int = 128
     cache_dir: str | None = None
@@ -75,8 +79,15 @@ class PlanOptions:
         for name in ("num_stages", "replicas", "num_microbatches", "tensor_parallel"):
             set_(self, name, optional_positive_int(getattr(self, name), name))
         set_(self, "max_blocks", positive_int(self.max_blocks, "max_blocks"))
-        if self.uniform_replicas is not None and not isinstance(self.uniform_replicas, bool):
-            raise InputError(f"uniform_replicas must be True, False or None (searched), got {self.uniform_replicas!r}")
+        for name in ("uniform_replicas", "sequence_parallel"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name} must be True, False or None (searched), got {getattr(self, name)!r}")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise InputError(
+                "sequence_parallel=True splits the regions a tensor-parallel group leaves whole, but tensor_parallel=1 "
+                "pins no tensor parallelism: pin tensor_parallel to 2 or more (or leave it unpinned), or unpin "
+                "sequence_parallel"
+            )
         if self.recompute is not None:
             set_(self, "recompute", Recompute.parse(self.recompute))
         if self.precision is not None:

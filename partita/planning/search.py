@@ -78,6 +78,7 @@ class SearchOptions:
     # the tensor-parallel degree of the costs searched (partita.planning.tensor_parallel): the
     # search places groups of this many devices, as if each were one device
     tensor_parallel: int = 1
+    sequence_parallel: bool = False  # whether those costs split the groups' whole regions by token too
     # False: replica counts that divide the units (every unit used when the depth allows); True:
     # only those that divide the batch but not the units (G r < N, some units idle), searched as
     # a context of their own (``partita.planning.api``), so they never displace the first kind

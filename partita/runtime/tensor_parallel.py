@@ -188,10 +188,15 @@ def gather_full(tensor: torch.Tensor, shard: ParamShard, tp: TensorParallel) -> 
     return whole_from_parts(parts, shard)
 
 
-def shard_parameters(stages: Sequence[StageModule], tp: TensorParallel) -> None:
+def shard_parameters(stages: Sequence[StageModule], tp: TensorParallel, *, release_whole: bool = False) -> None:
     """Give every stage this rank's part of each weight its layout splits: one new Parameter per
-    weight, shared by the stages that read it."""
+    weight, shared by the stages that read it. ``release_whole``: the whole weights are partita's
+    own (allocated from a seed checkpoint for a model built on meta): their storage is freed once
+    the parts are made, so that a rank holds its parts alone (training updates the parts,
+    checkpoints gather them whole). Each keeps its shape, as a zero-stride view of one element, so
+    that the model can still be captured again (evaluation at other shapes)."""
     made: dict[str, torch.Tensor] = {}
+    whole: list[torch.Tensor] = []
     for stage in stages:
         layout = tp.analyses[stage.spec.index].layout
         tensors = stage.state_tensors()
@@ -201,8 +206,11 @@ def shard_parameters(stages: Sequence[StageModule], tp: TensorParallel) -> None:
                 t = tensors[name]
                 part = local_part(t.detach(), shard, tp.index, tp.degree)
                 made[name] = nn.Parameter(part, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else part
+                whole.append(t)
             local[name] = made[name]
         stage.rebind(local)
+    for t in whole if release_whole else ():
+        t.data = t.new_zeros(()).expand(t.shape)
 
 
 # ----------------------------------------------------------------------------- graph rewriting
@@ -333,13 +341,12 @@ def _rewrite_sequence(g: torch.fx.Graph, nodes: dict, sequence: Any, key: int, d
     """Sequence parallelism's part of ``rewrite_stage`` besides the row-parallel outputs, embeddings and
     column inputs: received values taken in part, whole operands sliced to this rank's tokens or
     (broadcast over them) their gradients summed, views resized, outputs gathered whole."""
-    first = next(n for n in g.nodes if n.op != "placeholder")
     for name, split in sequence.sources.items():
         node = nodes[name]
         if node.op != "placeholder":
             continue
         users = list(node.users)
-        with g.inserting_before(first):
+        with g.inserting_after(node):  # stage graphs interleave received placeholders with their wrappers
             part = g.call_function(scatter_tokens, (node, split.dim, split.inner, key))
         for user in users:
             user.replace_input_with(node, part)
@@ -419,16 +426,22 @@ def _divided(value: Any, element: int | None, degree: int) -> Any:
 
 
 def start_tensor_parallel(
-    graph: OpGraph, topology: Any, all_stages: Sequence[StageModule], own: Sequence[StageModule]
+    graph: OpGraph,
+    topology: Any,
+    all_stages: Sequence[StageModule],
+    own: Sequence[StageModule],
+    *,
+    release_whole: bool = False,
 ) -> TensorParallel | None:
-    """This rank's TensorParallel (None without tensor parallelism), with its stages' weights split."""
+    """This rank's TensorParallel (None without tensor parallelism), with its stages' weights split
+    (``release_whole``: as ``shard_parameters`` takes it)."""
     if topology.tensor_parallel == 1:
         return None
     degree, sequence = topology.tensor_parallel, topology.sequence_parallel
     tp = TensorParallel(
         degree, topology.tp_index, topology.tp_group, stage_analyses(graph, all_stages, degree, sequence), sequence
     )
-    shard_parameters(own, tp)
+    shard_parameters(own, tp, release_whole=release_whole)
     return tp
 
 

@@ -235,7 +235,8 @@ class Trainer:
         group = self.topology.rank_group
         self.stages: list[StageModule] = [s for s in self._all_stages if plan.stages[s.spec.index].rank_group == group]
         self._metadata: list | None = None
-        if on_meta(model):
+        built_on_meta = on_meta(model)  # then the weights materialized here are partita's own
+        if built_on_meta:
             # Static pipeline metadata from shapes alone, while every stage is still on meta.
             self._metadata = stage_metadata(
                 self._all_stages, meta_microbatch(self.graph, self._samples), torch.device("cpu"), self.compute
@@ -264,7 +265,9 @@ class Trainer:
                 )
         check_sharding(plan, self._all_stages)
         # before the optimizer and FSDP2: this rank's parts of the weights tensor parallelism splits
-        self.tensor_parallel = start_tensor_parallel(self.graph, self.topology, self._all_stages, self.stages)
+        self.tensor_parallel = start_tensor_parallel(
+            self.graph, self.topology, self._all_stages, self.stages, release_whole=built_on_meta
+        )
         # before the optimizer: FSDP2 makes new (DTensor) parameters
         self._runners = sharded_runners(plan, self.stages, self.topology, self.compute)
         self._holders = holders(plan, self._all_stages)

@@ -159,6 +159,13 @@ def job_tp(params: dict) -> dict:
         result: dict[str, Any] = {
             "model": config["model"],
             "recompute": [s.recompute.value for s in plan.stages],
+            # the regions this rank's stages split by token (sequence parallelism's sources)
+            "token_sources": sorted(
+                name
+                for s in trainer.stages
+                if tp is not None and tp.sequence_parallel
+                for name in tp.analyses[s.spec.index].sequence.sources
+            ),
             "losses": losses,
             "held": held,
             "whole": whole,
