@@ -16,14 +16,16 @@ Found on the graph, without model code. A *region* grows from its sources:
 * through operations that act on each token alone: elementwise ones, norms over the features,
   dropout, matmuls with a whole weight (a layer tensor parallelism left whole), views that keep the
   token axis, transposes;
-* to its exits: the input of a column-parallel matmul (all-gathered, its backward reduce-scattered)
-  and a graph output (all-gathered whole; boundary tensors between stages stay whole).
+* to its exits: the input of a column-parallel matmul (all-gathered, its backward reduce-scattered),
+  and a graph output or an operation that runs whole (a matmul tensor parallelism left whole, an
+  operation without a rule such as a loss): all-gathered whole there, its backward keeping this
+  device's part (what runs whole runs alike on every device; boundary tensors stay whole).
 
 A whole value that meets a split one is sliced to this device's tokens (its gradient all-gathered);
 one broadcast over the tokens (a norm's weight, a bias) gets its gradient summed over the group,
 since each device computes its tokens' part of it. A region that meets an operation mixing tokens
-(a softmax, sum or slice along them, a matmul contracting them) or one without a rule is refused:
-its sources stay all-reduced and the region whole, with the reason in ``rejected``.
+(a softmax, sum, cumsum or slice along them, a matmul contracting them) is refused: its sources
+stay all-reduced and the region whole, with the reason in ``rejected``.
 
 Token axis (``TokenSplit``): dim ``dim`` of a value, viewed as ``(-1, inner)``, splits its ``inner``
 axis into ``t`` parts (device ``r`` holds part ``r`` of every run of ``inner`` entries). It is the
@@ -87,6 +89,8 @@ class SequenceParallelAnalysis:
     vocab-parallel embeddings whose outputs are reduce-scattered, and stage inputs taken in part.
     ``column_gathers``: split values all-gathered for column-parallel matmuls (their backward
     reduce-scatters). ``whole_gathers``: split values all-gathered whole for a graph output.
+    ``gathers``: (node, argument position) -> the split of an operand all-gathered whole for an
+    operation that runs whole (a matmul tensor parallelism left whole, one without a rule).
     ``scatters``: (node, argument position) -> the token split to slice a whole operand to.
     ``broadcasts``: (node, argument position) of whole operands broadcast over the tokens, whose
     gradient is summed over the group. ``resized``: view node -> the size element to divide.
@@ -97,6 +101,7 @@ class SequenceParallelAnalysis:
     sources: dict[str, TokenSplit] = field(default_factory=dict)
     column_gathers: dict[str, TokenSplit] = field(default_factory=dict)
     whole_gathers: dict[str, TokenSplit] = field(default_factory=dict)
+    gathers: dict[tuple[str, int], TokenSplit] = field(default_factory=dict)
     scatters: dict[tuple[str, int], TokenSplit] = field(default_factory=dict)
     broadcasts: set[tuple[str, int]] = field(default_factory=set)
     resized: dict[str, int] = field(default_factory=dict)
@@ -135,6 +140,10 @@ class _Failure(Exception):
     def __init__(self, origins: Iterable[str], reason: str):
         super().__init__(reason)
         self.origins, self.reason = frozenset(origins), reason
+
+
+class _Whole(Exception):
+    """The operation runs whole: its token-split operands are gathered before it (a region's exit)."""
 
 
 class _Propagation:
@@ -210,7 +219,13 @@ class _Propagation:
             return
         if kind is not None or node.name in self.tp.states or any(v.name in self.tp.states for v in inputs):
             raise _Failure(origins, f"{node.name} ({node.target}) meets a value split by tensor parallelism")
-        split = self._rule(node, name, origins)
+        try:
+            split = self._rule(node, name, origins)
+        except _Whole:
+            for position, v in fx_read.tensor_positions(node):
+                if v in self.states:
+                    self.found.gathers[(node.name, position)] = self.states[v]
+            return
         if split is not None:
             self.states[node] = split
 
@@ -238,8 +253,9 @@ class _Propagation:
             if fx_read.dim(node.args[1], x) == split.dim:
                 raise _Failure(origins, f"{node.name} reads the size of the token dim")
             return None
-        why = "mixes tokens" if name in _TOKEN_MIXING else "has no sequence-parallel rule"
-        raise _Failure(origins, f"{node.name} ({node.target}) {why}")
+        if name in _TOKEN_MIXING:
+            raise _Failure(origins, f"{node.name} ({node.target}) mixes tokens")
+        raise _Whole()  # no rule: it runs whole, on gathered operands
 
     # -------------------------------------------------------------- rules
 
@@ -288,18 +304,18 @@ class _Propagation:
         return split
 
     def _whole_matmul(self, node: torch.fx.Node, name: str, origins: frozenset[str]) -> TokenSplit:
-        """A matmul tensor parallelism left whole, on split tokens: each token's rows alone."""
+        """A matmul tensor parallelism left whole (a weight of two dims) runs whole on its gathered
+        input, as it would without sequence parallelism (an LM head over a vocabulary too small to
+        split would otherwise make its logits the region's, and gather those); a matmul of two
+        token-split values, or contracting the tokens, mixes them."""
         x, weight, bias = fx_read.matmul_operands(node, name)
         split = self.states.get(x)
         shape = fx_read.shape(weight)
         if split is None or weight in self.states or bias in self.states or shape is None or len(shape) != 2:
             raise _Failure(origins, f"{node.name} ({node.target}) mixes tokens (a matmul of token-split values)")
-        if split.dim == len(fx_read.shape(x)) - 1 or not fx_read.is_plain_matmul(node, name):
+        if split.dim == len(fx_read.shape(x)) - 1:
             raise _Failure(origins, f"{node.name} ({node.target}) contracts the token dim")
-        for position, v in fx_read.tensor_positions(node):
-            if v is not x:
-                self.found.broadcasts.add((node.name, position))
-        return split
+        raise _Whole()
 
     def _view(self, node: torch.fx.Node, origins: frozenset[str]) -> TokenSplit:
         x = node.args[0]
@@ -425,9 +441,11 @@ def sequence_layout_fields(graph: torch.fx.Graph, tp: TensorParallelAnalysis, sp
         backward.pop(name, None)
         add(forward_passes, name, fx_read.numel(nodes[name]))
         add(backward_passes, name, fx_read.numel(nodes[name]))
-    for name in sp.whole_gathers:
-        add(forward_passes, name, fx_read.numel(nodes[name]))
+    gathered = set(sp.whole_gathers)
     operands = {(n.name, p): v for n in graph.nodes for p, v in fx_read.tensor_positions(n)}
+    gathered |= {operands[use].name for use in sp.gathers}
+    for name in sorted(gathered):  # one all-gather per value, whatever its whole consumers
+        add(forward_passes, name, fx_read.numel(nodes[name]))
     for (name, position), _ in sp.scatters.items():  # backward all-gathers the part's gradient
         add(backward_passes, name, fx_read.numel(operands[(name, position)]))
     for name, position in sorted(sp.broadcasts):
@@ -437,7 +455,7 @@ def sequence_layout_fields(graph: torch.fx.Graph, tp: TensorParallelAnalysis, sp
     return dict(
         sequence_parallel=True,
         sequence_nodes=frozenset(sp.states),
-        gathered_nodes=frozenset(sp.column_gathers),
+        gathered_nodes=frozenset(sp.column_gathers) | frozenset(gathered),
         forward_reductions=forward,
         backward_reductions=backward,
         forward_passes=forward_passes,

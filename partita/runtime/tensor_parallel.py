@@ -365,12 +365,20 @@ def _rewrite_sequence(g: torch.fx.Graph, nodes: dict, sequence: Any, key: int, d
         sizes = list(node.args[1])
         sizes[dim] //= degree
         node.update_arg(1, sizes)
+    gathered: dict[torch.fx.Node, torch.fx.Node] = {}  # one gather per value, whatever its whole consumers
+
+    def whole_of(value: torch.fx.Node, split: Any) -> torch.fx.Node:
+        if value not in gathered:
+            with g.inserting_after(value):
+                gathered[value] = g.call_function(gather_tokens, (value, split.dim, split.inner, key))
+        return gathered[value]
+
+    for (name, position), split in sequence.gathers.items():
+        node = nodes[name]
+        _set_operand(node, position, whole_of(_operand(node, position), split))
     output = next(n for n in g.nodes if n.op == "output")
     for name, split in sequence.whole_gathers.items():
-        value = nodes[name]
-        with g.inserting_before(output):
-            whole = g.call_function(gather_tokens, (value, split.dim, split.inner, key))
-        output.replace_input_with(value, whole)
+        output.replace_input_with(nodes[name], whole_of(nodes[name], split))
 
 
 def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None) -> None:

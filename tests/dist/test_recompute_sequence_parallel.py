@@ -3,8 +3,9 @@ full-batch training (AdamW, clipped, 3 steps: losses and every parameter within 
 
 - selective recomputation alone (one stage, two replicas), in a two-stage pipeline, and with tensor
   parallelism of degree 2 (GPT-2, Llama, T5);
-- sequence parallelism at tensor-parallel degree 2, and at degree 2 x 2 pipeline stages (GPT-2 and
-  Llama; Llama also with selective recomputation).
+- sequence parallelism at tensor-parallel degree 2 (GPT-2, Llama, and BERT, whose masked-LM head
+  runs whole on its gathered input), and at degree 2 x 2 pipeline stages (GPT-2 and Llama; Llama
+  also with selective recomputation).
 
 Each run's checkpoint loads into the plain model (and into trainers of the same plan and of one
 without tensor parallelism), and ``evaluate()`` on a shorter sequence gives the unsplit model's
@@ -34,6 +35,7 @@ TWO_RANKS = [
     dict(label="llama-selective-tp2", model="llama", tensor_parallel=2, **SELECTIVE),
     dict(label="gpt2-sp-tp2", model="gpt2", **SEQUENCE),
     dict(label="llama-sp-tp2", model="llama", **SEQUENCE),
+    dict(label="bert-sp-tp2", model="bert", **SEQUENCE),
 ]
 FOUR_RANKS = [
     dict(label="gpt2-sp-tp2-pp2", model="gpt2", **SEQUENCE, **PIPELINE),
