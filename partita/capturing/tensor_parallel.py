@@ -36,6 +36,7 @@ planner its ``TensorParallelLayout`` keyed by canonical parameter names.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,8 +116,10 @@ def find_layout(graph: OpGraph, degree: int) -> TensorParallelLayout:
     return whole_graph_layout(graph, whole_graph_analysis(graph, degree))
 
 
+@functools.lru_cache(maxsize=16)
 def whole_graph_analysis(graph: OpGraph, degree: int) -> TensorParallelAnalysis:
-    """``analyze`` on the whole captured graph, whose stages return the loss alone."""
+    """``analyze`` on the whole captured graph, whose stages return the loss alone (remembered per
+    graph and degree: the planner asks for it with and without sequence parallelism; read-only)."""
     return analyze(graph.graph_module.graph, degree, outputs=(graph.nodes[graph.loss_node].name,))
 
 

@@ -61,7 +61,7 @@ sharding    ``partita.types.Sharding``: how a stage's ``r`` replicas share param
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,7 +285,7 @@ def memory_from_totals(
     comm_buffer_bytes = 1 * boundary_bytes  # the received input and the output gradient of the micro-batch
     if num_microbatches is not None:
         first = np.minimum(largest_param_bytes if first_grad_bytes is None else first_grad_bytes, trainable_bytes)
-        fewer = kept_with(np.maximum(in_flight - 1, 0))
+        fewer = lambda: kept_with(np.maximum(in_flight - 1, 0))  # noqa: E731
         kept, backward_grad_bytes = _backward_peak(in_flight, num_microbatches, kept, fewer, first, trainable_bytes)
     if num_replicas > 1 and not sharded:  # DDP's gradient bucket (FSDP2 reduce-scatters from the gradients counted)
         comm_buffer_bytes = comm_buffer_bytes + np.minimum(trainable_bytes, ALLREDUCE_BUCKET_BYTES)
@@ -353,16 +353,24 @@ def rebuilt_bytes(level: Recompute, activation: Any, recomputed: Any) -> Any:
     return 0 * activation
 
 
-def _backward_peak(in_flight: Any, num_microbatches: Any, kept: Any, fewer: Any, first: Any, all_grads: Any) -> tuple:
+def _backward_peak(
+    in_flight: Any, num_microbatches: Any, kept: Any, fewer: Callable[[], Any], first: Any, all_grads: Any
+) -> tuple:
     """(activations, gradients) at the backward peak. With some backward before the activation
     peak (more micro-batches than in flight) every gradient is alive with ``kept``. When every
     forward runs first, the first backward starts with ``kept`` and the first gradients, and the
-    second (with two or more micro-batches) with one micro-batch fewer kept (``fewer``) but every
-    gradient: whichever is higher."""
+    second (with two or more micro-batches) with one micro-batch fewer kept (``fewer()``, computed
+    only then: the search asks this for every stage range) but every gradient: whichever is higher."""
+    if np.ndim(num_microbatches) == 0 and np.ndim(in_flight) == 0:  # the search's case, decided in Python
+        if num_microbatches > in_flight:
+            return _as_int(kept), _as_int(all_grads)
+        if num_microbatches < 2:
+            return _as_int(kept), _as_int(first)
     m, f = np.asarray(num_microbatches), np.asarray(in_flight)
     no_steady_state = m <= f
-    second = no_steady_state & (m >= 2) & (fewer + all_grads > kept + first)
-    activations = np.where(second, fewer, kept)
+    less = fewer()
+    second = no_steady_state & (m >= 2) & (less + all_grads > kept + first)
+    activations = np.where(second, less, kept)
     grads = np.where(no_steady_state & ~second, first, all_grads)
     return _as_int(activations), _as_int(grads)
 
@@ -409,7 +417,7 @@ class MemoryByInFlight:
         t = self._totals
         kept, grads = _as_int(self._kept(in_flight)), self._grads
         if t.get("num_microbatches") is not None:
-            fewer = self._kept(np.maximum(in_flight - 1, 0))
+            fewer = lambda: self._kept(np.maximum(in_flight - 1, 0))  # noqa: E731
             kept, grads = _backward_peak(in_flight, t["num_microbatches"], kept, fewer, self._first_grads, grads)
         return self._persistent + np.maximum(self._fixed + kept + grads, self._step_peak)
 

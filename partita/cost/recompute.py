@@ -24,6 +24,7 @@ the third.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -43,9 +44,13 @@ class SelectiveArrays(NamedTuple):
     selective_recompute_s: np.ndarray  # float64[n]
 
 
+@functools.lru_cache(maxsize=8)
 def kept_mask(graph: OpGraph) -> np.ndarray:
-    """bool[n]: whether selective recomputation keeps node n's output (``keeps_node``)."""
-    return np.array([keeps_node(graph, node) for node in graph.nodes], dtype=bool)
+    """bool[n]: whether selective recomputation keeps node n's output (``keeps_node``; remembered per
+    graph, read-only)."""
+    mask = np.array([keeps_node(graph, node) for node in graph.nodes], dtype=bool)
+    mask.flags.writeable = False
+    return mask
 
 
 def selective_arrays(
