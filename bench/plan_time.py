@@ -192,7 +192,7 @@ def _trim_profile(text: str) -> str:
 def layout(plan) -> str:
     if plan is None:
         return "no plan fits"
-    recompute = sum(s.recompute for s in plan.stages)
+    recompute = sum(bool(s.recompute) for s in plan.stages)
     levels = "/".join(sorted({s.sharding.value for s in plan.stages}))
     return (
         f"TP {plan.tensor_parallel} x {plan.num_rank_groups} x {fmt_replicas(plan)} ({plan.num_devices} dev), "

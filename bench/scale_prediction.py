@@ -67,11 +67,13 @@ def layout(plan) -> str:
     from partita.report.format import fmt_replicas
 
     levels = sorted({s.sharding.value for s in plan.stages})
-    rc = sum(s.recompute for s in plan.stages)
+    full = sum(s.recompute.value == "full" for s in plan.stages)
+    selective = sum(s.recompute.value == "selective" for s in plan.stages)
     return (
         f"TP {plan.tensor_parallel} x {plan.num_rank_groups} x {fmt_replicas(plan)} ({plan.num_devices} dev), "
         f"{plan.schedule.value}, "
-        f"m={plan.num_microbatches}, {plan.num_stages} stages, recompute {rc}/{plan.num_stages}, "
+        f"m={plan.num_microbatches}, {plan.num_stages} stages, recompute full {full} selective {selective} "
+        f"of {plan.num_stages}, "
         f"{'/'.join(levels)}, {plan.precision.value}"
     )
 

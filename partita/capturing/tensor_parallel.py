@@ -36,6 +36,7 @@ planner its ``TensorParallelLayout`` keyed by canonical parameter names.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,20 +122,34 @@ class TensorParallelAnalysis:
     scatters: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     resized: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     vocab: dict[str, int] = field(default_factory=dict)  # vocab-parallel cross-entropy -> classes
+    # sequence parallelism over this layout (``partita.capturing.sequence_parallel``): None without
+    sequence: Any = None
 
 
 def find_layout(graph: OpGraph, degree: int) -> TensorParallelLayout:
     """The planner's view: ``analyze`` on the whole captured graph (whose stages return the loss
     alone), parameters by canonical name."""
-    loss = graph.nodes[graph.loss_node].name  # the stages return the loss alone
-    found = analyze(graph.graph_module.graph, degree, outputs=(loss,)).layout
+    return whole_graph_layout(graph, whole_graph_analysis(graph, degree))
+
+
+@functools.lru_cache(maxsize=16)
+def whole_graph_analysis(graph: OpGraph, degree: int) -> TensorParallelAnalysis:
+    """``analyze`` on the whole captured graph, whose stages return the loss alone (remembered per
+    graph and degree: the planner asks for it with and without sequence parallelism; read-only)."""
+    return analyze(graph.graph_module.graph, degree, outputs=(graph.nodes[graph.loss_node].name,))
+
+
+def whole_graph_layout(graph: OpGraph, analysis: TensorParallelAnalysis) -> TensorParallelLayout:
+    """``analysis`` (of the whole captured graph) as the planner's layout: parameters by canonical name."""
+    found = analysis.layout
     params = {graph.attr_to_param.get(target, target): shard for target, shard in found.params.items()}
     return TensorParallelLayout(
-        degree=degree,
+        degree=found.degree,
         params=params,
         sharded_nodes=found.sharded_nodes,
         forward_reductions=found.forward_reductions,
         backward_reductions=found.backward_reductions,
+        backward_fixed_reductions=found.backward_fixed_reductions,
         rejected=found.rejected,
     )
 
@@ -203,6 +218,7 @@ class _Propagation:
         self.vocab: dict[str, int] = {}  # vocab-parallel cross-entropy -> classes
         self.forward_reductions: dict[str, int] = {}
         self.backward_reductions: dict[str, int] = {}
+        self.backward_fixed_reductions: dict[str, int] = {}
 
     # -------------------------------------------------------------- driver
 
@@ -238,6 +254,7 @@ class _Propagation:
             sharded_nodes=frozenset(sharded),
             forward_reductions=dict(self.forward_reductions),
             backward_reductions=dict(self.backward_reductions),
+            backward_fixed_reductions=dict(self.backward_fixed_reductions),
             rejected=dict(self.rejected),
         )
         states = {n.name: s for n, s in self.states.items()}
@@ -399,8 +416,10 @@ class _Propagation:
             if aligned >= 0 and shape[aligned] != 1:
                 self.scatters[(node.name, position)] = (aligned, placed.blocks)
                 # each device's gradient of the whole operand sums only its part: keyed by the node
-                # (the cost model reads node names), one all-reduce per such operand
-                self.backward_reductions[node.name] = self.backward_reductions.get(node.name, 0) + fx_read.numel(v)
+                # (the cost model reads node names), one all-reduce per such operand; an operand without
+                # a batch dimension (T5's position bias) moves as much at every micro-batch size
+                sums = self.backward_reductions if fx_read.batched(v) else self.backward_fixed_reductions
+                sums[node.name] = sums.get(node.name, 0) + fx_read.numel(v)
         if fx_read.op_name(node) in ("zeros_like", "ones_like", "full_like", "empty_like") and node.kwargs.get("size"):
             return None
         return placed

@@ -22,7 +22,7 @@ parameters. A matmul's gradient for each operand costs as much as the forward, s
 A linear layer gets 2× its forward FLOPs (input + weight gradient), the attention matmuls
 (Q·Kᵀ, P·V) also 2× (both operands need gradients), a first layer whose input is data 1×.
 The memory side is what autograd's kernels move (``_backward_bytes``): the output gradient
-read, the tensors the forward saved for it read back (``partita.cost.table.saved_bytes``: a
+read, the tensors the forward saved for it read back (``partita.cost.table.backward_read_bytes``: a
 softmax's or tanh's output, a layer norm's or gelu's input, a dropout mask; nothing for
 ``x * 0.5``), and a gradient written per input (and trainable parameter) that needs one. So
 a softmax or gelu moves 1.5× its forward traffic, a scale ``x * c`` or a dropout about 1×. An
@@ -54,9 +54,11 @@ from __future__ import annotations
 import numpy as np
 
 from partita.checks import positive_int
+from partita.cost.recompute import selective_arrays
 from partita.cost.table import (
     FLOAT_DTYPES,
     activation_bytes,
+    backward_read_bytes,
     compute_dtype,
     costs_nothing,
     cut_bytes,
@@ -64,7 +66,6 @@ from partita.cost.table import (
     output_bytes,
     param_arrays,
     requires_grad,
-    saved_bytes,
     tensor_bytes,
     value_bytes,
 )
@@ -118,6 +119,7 @@ def analytic_costs(
     backward_weight_s = np.where(has_backward, backward_s * k_weight / np.maximum(k, 1), 0.0)
 
     params = param_arrays(graph)
+    selective = selective_arrays(graph, microbatch_size, forward_s, precision)
     return CostTable(
         microbatch_size=microbatch_size,
         device=device.name,
@@ -133,6 +135,7 @@ def analytic_costs(
         param_bytes=params.num_bytes,
         param_trainable=params.trainable,
         param_uses=params.uses,
+        **selective._asdict(),
     )
 
 
@@ -185,7 +188,7 @@ def _backward_bytes(
     """float64[n]: the bytes node n's backward kernels move, summing the gradients of its readers
     included, as the module docstring counts them."""
     values = value_bytes(graph, microbatch_size, precision)
-    saved = saved_bytes(graph, microbatch_size, precision)
+    saved = backward_read_bytes(graph, microbatch_size, precision)
     grad = work["requires_grad"]
     moved = np.zeros(graph.num_nodes)
     for node in graph.nodes:
