@@ -111,8 +111,10 @@ def layer_boundaries(graph, row: _megatron.Row) -> list[int]:
     return [0, *(first[k * per_stage] for k in range(1, num_stages)), graph.num_nodes]
 
 
-def megatron_plan(graph, row: _megatron.Row, cluster: partita.Cluster):
-    """Megatron's layout of ``row`` as a manual Plan (module docstring)."""
+def megatron_plan(graph, row: _megatron.Row, cluster: partita.Cluster, *, selective: bool = False):
+    """Megatron's layout of ``row`` as a manual Plan (module docstring); ``selective``: as Megatron-LM
+    runs it since Korthikanti et al. 2022, with sequence parallelism and selective recomputation
+    instead of recomputing every layer whole."""
     replicas = row.gpus // (row.tp * row.pp)
     num_microbatches = row.global_batch // (replicas * row.microbatch_size)
     return manual_plan(
@@ -123,20 +125,22 @@ def megatron_plan(graph, row: _megatron.Row, cluster: partita.Cluster):
         num_microbatches=num_microbatches,
         global_batch_size=row.global_batch,
         replicas=replicas,
-        recompute=True,
+        recompute="selective" if selective else "full",
         cluster=cluster,
         precision="bf16",
         tensor_parallel=row.tp,
+        sequence_parallel=selective and row.tp > 1,
     )
 
 
-def layout_inputs(graph, row: _megatron.Row, cluster: partita.Cluster) -> tuple:
+def layout_inputs(graph, row: _megatron.Row, cluster: partita.Cluster, *, selective: bool = False) -> tuple:
     """(Megatron's layout of ``row`` as a Plan, its ``simulate_pipeline`` inputs) on ``cluster``,
-    with analytic bf16 costs as ``partita.plan`` costs them."""
-    plan = megatron_plan(graph, row, cluster)
+    with analytic bf16 costs as ``partita.plan`` costs them; ``selective`` as ``megatron_plan`` takes it."""
+    plan = megatron_plan(graph, row, cluster, selective=selective)
     costs = analytic_costs(graph, cluster.device, row.microbatch_size, precision="bf16")
     if row.tp > 1:
-        costs = tensor_parallel_costs(costs, graph, find_layout(graph, row.tp), cluster)
+        layout = find_layout(graph, row.tp, sequence_parallel=plan.sequence_parallel)
+        costs = tensor_parallel_costs(costs, graph, layout, cluster)
     return plan, pipeline_inputs(plan, costs, cluster)
 
 

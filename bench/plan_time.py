@@ -192,12 +192,13 @@ def _trim_profile(text: str) -> str:
 def layout(plan) -> str:
     if plan is None:
         return "no plan fits"
-    recompute = sum(bool(s.recompute) for s in plan.stages)
+    full = sum(s.recompute.value == "full" for s in plan.stages)
+    selective = sum(s.recompute.value == "selective" for s in plan.stages)
     levels = "/".join(sorted({s.sharding.value for s in plan.stages}))
     return (
-        f"TP {plan.tensor_parallel} x {plan.num_rank_groups} x {fmt_replicas(plan)} ({plan.num_devices} dev), "
-        f"{plan.schedule.value}, m={plan.num_microbatches}, {plan.num_stages} stages, "
-        f"recompute {recompute}/{plan.num_stages}, {levels}"
+        f"TP {plan.tensor_parallel}{' + SP' if plan.sequence_parallel else ''} x {plan.num_rank_groups} x "
+        f"{fmt_replicas(plan)} ({plan.num_devices} dev), {plan.schedule.value}, m={plan.num_microbatches}, "
+        f"{plan.num_stages} stages, recompute full {full} selective {selective}, {levels}"
     )
 
 
