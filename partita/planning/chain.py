@@ -180,8 +180,8 @@ def coarsen(graph: OpGraph, costs: CostTable, *, max_blocks: int = 256) -> np.nd
         sum over blocks of ((cost - t) / t)**2  +  _CUT_WEIGHT * sum over boundaries of cut_bytes / ref
 
     (``cost`` = forward_s + backward_s of the block's nodes, ``ref`` the median candidate cut
-    bytes). Some boundaries are required: the legal starts of repeated layers (when there are
-    at most ``max_blocks // 2``), since the best stage splits cut between layers even where
+    bytes). Some boundaries are required: the legal starts of repeated layers (all of them when
+    they leave room for the rest, else every k-th: ``_required_layer_starts``), since the best stage splits cut between layers even where
     balance alone would merge a small embedding block into layer 0; and the cuts around a node
     costing two targets or more (a big LM head is its own block, whatever its output's size).
     ``t`` is the total over ``max_blocks``, not counting nodes costlier than ``t``; it grows
@@ -203,9 +203,9 @@ def coarsen(graph: OpGraph, costs: CostTable, *, max_blocks: int = 256) -> np.nd
     prefix = np.concatenate([[0.0], np.cumsum(work)])
     cut = np.asarray(costs.cut_bytes, dtype=np.float64)
     minima = _local_minima(legal, cut)
-    layers = np.intersect1d(np.asarray(layer_boundaries(graph), dtype=np.int64), legal)
-    if len(layers) > max_blocks // 2:
-        layers = layers[:0]
+    layers = _required_layer_starts(
+        np.intersect1d(np.asarray(layer_boundaries(graph), dtype=np.int64), legal), max_blocks
+    )
     num_wanted = max_blocks
     while num_wanted >= 1:
         target = _block_target(work, num_wanted)
@@ -217,6 +217,19 @@ def coarsen(graph: OpGraph, costs: CostTable, *, max_blocks: int = 256) -> np.nd
         # Too many blocks (costly nodes forced extra ones): aim lower, at least one fewer.
         num_wanted = min(num_wanted - 1, int(num_wanted * max_blocks / (len(chosen) - 1)))
     raise AssertionError("with one wanted block only the layer starts are required")
+
+
+def _required_layer_starts(layers: np.ndarray, max_blocks: int) -> np.ndarray:
+    """The layer starts ``coarsen`` requires: every one while they leave an eighth of the blocks
+    (at least two) for what lies around the layers (embeddings, a head, costly nodes); else every
+    k-th, the least k that takes at most half the blocks, so that a stage may hold any multiple of
+    k layers. Without them, 96 layers in 128 blocks are cut mid-layer: a stage of whole layers
+    (Megatron's 3 per stage at 310B) is then no range of blocks, and the search misses it."""
+    if len(layers) <= max_blocks - max(2, max_blocks // 8):
+        return layers
+    if max_blocks // 2 == 0:
+        return layers[:0]
+    return layers[:: -(-len(layers) // (max_blocks // 2))]
 
 
 def _local_minima(legal: np.ndarray, cut: np.ndarray) -> np.ndarray:

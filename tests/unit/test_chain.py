@@ -369,3 +369,18 @@ def test_per_sample_cuts_hold_at_layer_starts(captured):
     cuts = per_sample_cuts(graph)
     assert all(cuts[c] for c in layer_boundaries(graph))
     assert not cuts.all()  # the attention and MLP matmuls run on (B*T, H)
+
+
+def test_coarsen_requires_whole_layers_also_when_they_outnumber_half_the_blocks():
+    """96 layers in 128 blocks keep every layer start (Megatron's 310B runs 3 layers per stage,
+    which only a chain cut at every layer start can express); 128 layers keep every second one;
+    a single block keeps none."""
+    from partita.planning.chain import _required_layer_starts
+
+    starts = np.arange(5, 5 + 96 * 10, 10)
+    assert np.array_equal(_required_layer_starts(starts, 128), starts)
+    many = np.arange(5, 5 + 128 * 10, 10)
+    assert np.array_equal(_required_layer_starts(many, 128), many[::2])
+    assert len(_required_layer_starts(starts, 1)) == 0
+    for max_blocks in (2, 3, 8, 20, 64):
+        assert len(_required_layer_starts(many, max_blocks)) <= max(max_blocks // 2, max_blocks - 2)
