@@ -33,7 +33,7 @@ from partita.planning.build import BuildMemo, block_to_node_boundaries, build_pl
 from partita.planning.chain import coarsen, legal_cuts, per_sample_cuts
 from partita.planning.options import CostSource, PlanOptions, resolve_precision
 from partita.planning.search import Candidate, SearchOptions
-from partita.planning.simulate import simulate
+from partita.planning.simulate import simulate_plan
 from partita.planning.tensor_parallel import check_degree, group_cluster, split_crossings
 from partita.types import RECOMPUTE_LEVELS, CostTable, OpGraph, Plan, Precision, Recompute, Sharding, StagePlan
 from partita.types.cluster import Cluster
@@ -403,7 +403,7 @@ def with_result(p: Plan, result) -> Plan:
 def simulated(ctx: PlanningContext, p: Plan, step_to_beat: float | None = None) -> Plan | None:
     """``p`` with its simulated step and bubble; None when ``step_to_beat`` is given and the step
     surely exceeds it (``cannot_beat``), which the simulator may tell before the end."""
-    result = simulate(
+    result = simulate_plan(
         p, ctx.costs_at, ctx.cluster, keep_timeline=False, memo=ctx.build_memo, step_to_beat=step_to_beat
     )  # only the step and bubble are kept
     return None if result is None else with_result(p, result)

@@ -24,7 +24,7 @@ from partita.types import RECOMPUTE_LEVELS, Plan, Recompute, Sharding, SimResult
 
 
 class _Stage(NamedTuple):
-    """What the simulator's inputs read of a StagePlan."""
+    """What the simulator's inputs read of a StagePlan (``simulate.SimulatedStage``)."""
 
     start: int
     stop: int

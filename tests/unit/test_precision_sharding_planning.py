@@ -17,7 +17,7 @@ from partita.planning.context import PlanningContext
 from partita.planning.driver import best_plan
 from partita.planning.options import PlanOptions, resolve_precision
 from partita.planning.search import SearchOptions
-from partita.planning.simulate import simulate_pipeline
+from partita.planning.simulator import simulate_pipeline
 from partita.types import (
     CostTable,
     MemoryBreakdown,
