@@ -31,8 +31,8 @@ from partita.cost.table import contended
 from partita.errors import InputError
 from partita.planning.build import BuildMemo, block_to_node_boundaries, build_plan, fits, total_compute_s
 from partita.planning.chain import coarsen, legal_cuts, per_sample_cuts
+from partita.planning.configs import Candidate, SearchOptions
 from partita.planning.options import CostSource, PlanOptions, resolve_precision
-from partita.planning.search import Candidate, SearchOptions
 from partita.planning.simulate import simulate_plan
 from partita.planning.tensor_parallel import check_degree, group_cluster, split_crossings
 from partita.types import RECOMPUTE_LEVELS, CostTable, OpGraph, Plan, Precision, Recompute, Sharding, StagePlan
@@ -109,7 +109,6 @@ def planning_context(
         raise InputError(f"options must be a partita.PlanOptions, got {type(options).__name__}")
     positive_int(global_batch_size, "global_batch_size")
     check_batch_divisible(global_batch_size, options.num_microbatches, options.replicas)
-    uniform_replicas = _resolve_uniform(options.uniform_replicas, options.replicas)
     if options.tensor_parallel is not None:
         check_degree(options.tensor_parallel, cluster, replicas=options.replicas, num_stages=options.num_stages)
     graph = (
@@ -120,22 +119,15 @@ def planning_context(
     if not graph.dynamic_batch:
         raise InputError(static_batch_message(graph))
     if graph.couples_samples is not None:
-        options, uniform_replicas = whole_batch_options(options, graph), True
+        options = whole_batch_options(options, graph)
     precision = resolve_precision(options.precision, cluster.device)
     _check_sharding_pin(options, cluster)
-    search_options = SearchOptions(
+    search_options = SearchOptions.from_plan_options(
+        options,
         num_devices=cluster.num_devices,
         global_batch_size=global_batch_size,
         memory_limit_bytes=cluster.usable_memory_bytes,
-        schedules=options.schedules,
-        num_stages=options.num_stages,
-        replicas=options.replicas,
-        num_microbatches=options.num_microbatches,
-        recompute=options.recompute,
-        optimizer=options.optimizer,
         precision=precision,
-        sharding=options.sharding,
-        uniform_replicas=uniform_replicas,
     )
     source = _cost_source(options.costs, graph, cluster, precision)
     if source is CostSource.MEASURED and (args or kwargs or target is not None):
@@ -152,7 +144,7 @@ def planning_context(
         "replicas": options.replicas,
         "num_microbatches": options.num_microbatches,
         "recompute": None if options.recompute is None else options.recompute.value,
-        "uniform_replicas": uniform_replicas,
+        "uniform_replicas": search_options.uniform_replicas,
         "optimizer": options.optimizer.value,
         "precision": precision.value,
         "sharding": None if options.sharding is None else options.sharding.value,
@@ -267,21 +259,6 @@ def _coupling_words(graph: OpGraph) -> tuple[str, str]:
         "embeddings of the whole batch before the similarity matrix), or keep the whole batch together"
     )
     return why, rewrite
-
-
-def _resolve_uniform(uniform_replicas: bool | None, replicas: int | None) -> bool:
-    """Whether the search is restricted to uniform replica counts (see ``PlanOptions``): when asked,
-    or when the replicas are pinned; InputError when both pinned replicas and uneven counts are."""
-    if uniform_replicas is None:
-        return replicas is not None
-    if uniform_replicas:
-        return True
-    if replicas is not None:
-        raise InputError(
-            f"replicas={replicas} pins the same replica count for every stage, but uniform_replicas=False "
-            "asks for different counts: drop one of the two"
-        )
-    return False
 
 
 def _check_sharding_pin(options: PlanOptions, cluster: Cluster) -> None:

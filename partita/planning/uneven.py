@@ -39,17 +39,9 @@ import numpy as np
 
 from partita.cost.memory import microbatches_in_flight
 from partita.planning.chain import BlockCosts
+from partita.planning.configs import Candidate, Config, SearchOptions, divisors, schedule_accepts
 from partita.planning.partition import candidate_partitions
-from partita.planning.search import (
-    EXHAUSTIVE_BLOCKS,
-    Candidate,
-    Config,
-    SearchOptions,
-    StageCosts,
-    divisors,
-    estimate_step,
-    schedule_accepts,
-)
+from partita.planning.search import EXHAUSTIVE_BLOCKS, StageCosts, estimate_step
 from partita.types import RECOMPUTE_LEVELS, Recompute, Schedule
 
 MAX_DEVICES = 64

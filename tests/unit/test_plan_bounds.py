@@ -10,10 +10,11 @@ from planning_instances import random_instance
 from partita.planning import context, driver, refine
 from partita.planning.build import block_to_node_boundaries
 from partita.planning.chain import block_costs
+from partita.planning.configs import Config, enumerate_configs
 from partita.planning.context import draft_lower_bound_s, draft_plan, fit_with_recompute, simulated
 from partita.planning.driver import best_plan
 from partita.planning.refine import split_bound
-from partita.planning.search import Config, SearchCache, _split_lower_bound, enumerate_configs, search, search_config
+from partita.planning.search import SearchCache, _split_lower_bound, search, search_config
 from partita.types import Recompute, Schedule
 
 
