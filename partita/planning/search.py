@@ -441,7 +441,7 @@ def config_step_floor(
     blocks: BlockCosts, config: Config, options: SearchOptions, cluster, *, block_splits: bool = True
 ) -> float:
     """A step that no plan of ``config`` simulates below, refined ones included: every rank group
-    computes m L_g (``partita.planning.context.step_lower_bound_s``), so the step is at least m
+    computes m L_g (``partita.planning.plan_builder.step_lower_bound_s``), so the step is at least m
     times the busiest group's load. With one stage per group and ``block_splits`` (splits at
     block boundaries, as the search and the refinement make them) that is at least m times the
     smallest bottleneck of any split, each stage recomputing where nothing fits without (the

@@ -127,7 +127,7 @@ def simulate_pipeline(
                              bucket); None, or allreduce_s[k]: the collective starts after that backward.
     gather_s                 seconds of stage k's all-gather before its first forward (None: 0).
     step_to_beat             None: simulate to the end. A step: return None as soon as the step
-                             surely exceeds it (``partita.planning.context.cannot_beat``): a rank
+                             surely exceeds it (``partita.planning.plan_builder.cannot_beat``): a rank
                              group that has run until t and has r seconds of actions and s of
                              optimizer step left ends its step after t + r + s.
     Raises InputError (a ValueError) for a schedule torch cannot run with these counts.

@@ -7,8 +7,9 @@ from oracle import brute_force
 from partita.planning.build import build_plan
 from partita.planning.chain import coarsen
 from partita.planning.configs import SearchOptions
-from partita.planning.context import PlanningContext, finish_plan
+from partita.planning.context import PlanningContext
 from partita.planning.options import PlanOptions
+from partita.planning.plan_builder import finish_plan
 from partita.types import CostTable, OpGraph, OpNode, OptimizerKind, ParamInfo, Precision, TensorInfo
 from partita.types.cluster import Cluster
 

@@ -238,7 +238,7 @@ def test_replica_counts_change_only_where_tensors_split_by_sample(gpt2_context):
     could not route it); the same cut between equal counts, and a layer start, can."""
     from partita.planning.chain import layer_boundaries, per_sample_cuts
     from partita.planning.configs import Config
-    from partita.planning.context import finish_plan
+    from partita.planning.plan_builder import finish_plan
 
     ctx = gpt2_context
     graph = ctx.graph
