@@ -17,8 +17,8 @@ import numpy as np
 from partita.checks import positive_int
 from partita.errors import InputError
 from partita.planning.options import PlanOptions, recompute_allowed
-from partita.planning.schedules import check_schedule
 from partita.types import RECOMPUTE_LEVELS, OptimizerKind, Precision, Recompute, Schedule, Sharding
+from partita.types.schedule_orders import check_schedule
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from partita.planning.tensor_parallel import check_degree, group_cluster, split_
 from partita.types import CostTable, OpGraph, Precision, Sharding
 from partita.types.cluster import Cluster
 from partita.types.tensor_parallel import TensorParallelLayout
+from partita.types.whole_batch import coupling_words
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ def whole_batch_options(options: PlanOptions, graph: OpGraph) -> PlanOptions:
     ]
     if options.uniform_replicas is False:
         pinned.append("uniform_replicas=False")
-    why, rewrite = _coupling_words(graph)
+    why, rewrite = coupling_words(graph)
     if pinned:
         raise InputError(
             f"{', '.join(pinned)} would split the batch, but {why}. Unpin them (partita then plans one "
@@ -228,32 +229,6 @@ def whole_batch_options(options: PlanOptions, graph: OpGraph) -> PlanOptions:
         stacklevel=4,
     )
     return options.replace(num_microbatches=1, replicas=1, uniform_replicas=True)
-
-
-def check_whole_batch(graph: OpGraph, num_microbatches: int, replicas: Sequence[int]) -> None:
-    """InputError when a plan would split the batch of a graph whose loss couples samples
-    (``num_microbatches`` > 1, or a stage with several replicas): for plans not made by the
-    search (manual plans, plan files), before training."""
-    if graph.couples_samples is None or (num_microbatches == 1 and all(r == 1 for r in replicas)):
-        return
-    why, rewrite = _coupling_words(graph)
-    raise InputError(
-        f"the plan splits every step's batch into {num_microbatches} micro-batches on "
-        f"{max(replicas, default=1)} replicas, but {why}: use one micro-batch and one replica per "
-        f"stage, or {rewrite}"
-    )
-
-
-def _coupling_words(graph: OpGraph) -> tuple[str, str]:
-    why = (
-        f"the loss couples the samples of the batch: {graph.couples_samples.describe()}, so every sample's loss "
-        "depends on the other samples of the same batch, and splitting the batch would train another loss"
-    )
-    rewrite = (
-        "rewrite the loss so that each sample's term depends on that sample alone (e.g. gather the "
-        "embeddings of the whole batch before the similarity matrix), or keep the whole batch together"
-    )
-    return why, rewrite
 
 
 def _check_sharding_pin(options: PlanOptions, cluster: Cluster) -> None:

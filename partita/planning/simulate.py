@@ -19,11 +19,11 @@ from partita.cost.memory import kept_per_microbatch
 from partita.cost.recompute import extra_backward_s
 from partita.errors import InputError
 from partita.planning.build import BuildMemo
-from partita.planning.schedules import stage_rank_groups
 from partita.planning.sharding import collective_times_s
 from partita.planning.simulator import PipelineInputs, simulate_pipeline
 from partita.types import CostTable, OptimizerKind, Plan, Precision, Recompute, Schedule, Sharding, SimResult
 from partita.types.cluster import Cluster
+from partita.types.schedule_orders import stage_rank_groups
 
 __all__ = ["SimResult", "pipeline_inputs", "simulate", "simulate_plan"]
 
@@ -51,7 +51,11 @@ class SimulatedStage(Protocol):
 
 
 def simulate(
-    plan: Plan, costs: Costs, cluster: Cluster | Mapping[str, Any] | None = None, *, keep_timeline: bool = True
+    plan: Plan,
+    costs: Callable[[int], CostTable] | CostTable,
+    cluster: Cluster | Mapping[str, Any] | None = None,
+    *,
+    keep_timeline: bool = True,
 ) -> SimResult:
     """Simulate one training step of ``plan``; ``cluster`` defaults to the plan's own.
 

@@ -3,7 +3,7 @@
 This module knows stages only as arrays of seconds and bytes (``PipelineInputs``);
 ``partita.planning.simulate`` turns a Plan and its cost tables into them.
 
-Each rank group runs its actions (``partita.planning.schedules.rank_orders``, the order torch runs)
+Each rank group runs its actions (``partita.types.schedule_orders.rank_orders``, the order torch runs)
 strictly in order, one at a time; an action starts when its rank group is free and its inputs
 have arrived. The simulator computes every start and end time exactly, in dependency order.
 
@@ -51,8 +51,8 @@ from typing import NotRequired, TypedDict
 import numpy as np
 
 from partita.errors import InputError
-from partita.planning.schedules import rank_orders, stage_rank_groups
 from partita.types import Schedule, SimResult, TimelineEvent
+from partita.types.schedule_orders import rank_orders, stage_rank_groups
 
 __all__ = ["PipelineInputs", "SimResult", "TimelineEvent", "simulate_pipeline"]
 

@@ -18,10 +18,10 @@ from typing import NamedTuple
 from partita.planning.build import group_ranges, rank_group_memory, stage_tables
 from partita.planning.context import PlanningContext
 from partita.planning.plan_builder import draft_plan, routable, with_result
-from partita.planning.schedules import stage_rank_groups
 from partita.planning.simulate import stages_pipeline_inputs
 from partita.planning.simulate_batch import simulate_pipelines
 from partita.types import RECOMPUTE_LEVELS, Plan, Recompute, Sharding, SimResult
+from partita.types.schedule_orders import stage_rank_groups
 
 
 class _Stage(NamedTuple):
