@@ -4,7 +4,7 @@
 picks the cost source (measured or analytic, ``CostSource``) and coarsens the graph into a chain
 of blocks: everything the search, the baselines and the refinement share. Turning their splits
 into simulated Plans is ``partita.planning.plan_builder``'s; the contexts of the tensor-parallel
-degrees, ``partita.planning.degree_contexts``'.
+degrees, ``partita.planning.degree_contexts``'s.
 """
 
 from __future__ import annotations
