@@ -169,7 +169,7 @@ def same_config_unchecked(ctx, like, method: str):
     from partita.planning.baselines import baseline_boundaries
     from partita.planning.build import build_plan
     from partita.planning.chain import legal_cuts
-    from partita.planning.search import Config
+    from partita.planning.configs import Config
 
     config = Config(
         replicas=like.stages[0].num_replicas,

@@ -36,8 +36,8 @@ import torch  # noqa: E402
 
 import partita  # noqa: E402
 from partita.planning.context import planning_context  # noqa: E402
+from partita.planning.degree_contexts import degree_contexts  # noqa: E402
 from partita.planning.infeasible import memory_bound  # noqa: E402
-from partita.planning.tensor_parallel import degree_contexts  # noqa: E402
 
 TARGET_S = 15.0
 

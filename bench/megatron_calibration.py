@@ -51,7 +51,8 @@ import partita  # noqa: E402
 from partita.cost.analytic import analytic_costs  # noqa: E402
 from partita.cost.tensor_parallel import tensor_parallel_costs  # noqa: E402
 from partita.planning.manual import manual_plan  # noqa: E402
-from partita.planning.simulate import pipeline_inputs, simulate_pipeline  # noqa: E402
+from partita.planning.simulate import pipeline_inputs  # noqa: E402
+from partita.planning.simulator import simulate_pipeline  # noqa: E402
 from partita.planning.tensor_parallel import find_layout  # noqa: E402
 
 GOAL = 0.10  # every row within 10% of the measured step (issue 27)

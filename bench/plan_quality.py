@@ -44,9 +44,10 @@ import partita
 from partita import examples
 from partita.planning.baselines import BASELINES, baseline_boundaries, baseline_plans
 from partita.planning.chain import legal_cuts
-from partita.planning.context import fit_with_recompute, planning_context
+from partita.planning.configs import enumerate_configs
+from partita.planning.context import planning_context
 from partita.planning.driver import best_plan
-from partita.planning.search import enumerate_configs
+from partita.planning.plan_builder import fit_with_recompute
 from partita.report.format import fmt_replicas, fmt_seconds
 
 GIB = 2**30

@@ -38,7 +38,7 @@ from _megatron import ROWS, Row, capture, model_tflops, published_model_tflops  
 from megatron_calibration import layout_inputs  # noqa: E402
 
 import partita  # noqa: E402
-from partita.planning.simulate import simulate_pipeline  # noqa: E402
+from partita.planning.simulator import simulate_pipeline  # noqa: E402
 
 
 def plan_row(row: Row) -> dict:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import partita  # noqa: E402
-from partita.planning.simulate import simulate_pipeline  # noqa: E402
+from partita.planning.simulator import simulate_pipeline  # noqa: E402
 from partita.types import Schedule  # noqa: E402
 
 # (schedule, rank groups, stages, micro-batches)

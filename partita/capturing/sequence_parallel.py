@@ -45,13 +45,8 @@ import torch
 import torch.fx
 
 from partita.capturing import tensor_parallel_graph as fx_read
-from partita.capturing.tensor_parallel import (
-    _ELEMENTWISE,
-    _NEUTRAL,
-    TensorParallelAnalysis,
-    whole_graph_analysis,
-    whole_graph_layout,
-)
+from partita.capturing.tensor_parallel import TensorParallelAnalysis, whole_graph_analysis, whole_graph_layout
+from partita.capturing.tensor_parallel_propagation import ELEMENTWISE_OPS, NEUTRAL_OPS
 from partita.types import OpGraph
 from partita.types.tensor_parallel import TensorParallelLayout
 
@@ -215,7 +210,7 @@ class _Propagation:
                 raise _Failure(origins, f"{node.name}: a column-parallel matmul reads a token-split weight")
             self.found.column_gathers[x.name] = self.states[x]
             return
-        if name in _NEUTRAL:
+        if name in NEUTRAL_OPS:
             return
         if kind is not None or node.name in self.tp.states or any(v.name in self.tp.states for v in inputs):
             raise _Failure(origins, f"{node.name} ({node.target}) meets a value split by tensor parallelism")
@@ -234,7 +229,7 @@ class _Propagation:
         x = node.args[0] if node.args else None
         if name in _PASS_THROUGH or name in ("to", "_to_copy", "clone", "contiguous", "alias", "type_as", "detach"):
             return self._elementwise(node, origins)
-        if name in _ELEMENTWISE:
+        if name in ELEMENTWISE_OPS:
             return self._elementwise(node, origins)
         if name == "layer_norm":
             return self._layer_norm(node, origins)

@@ -18,12 +18,13 @@ import torch
 
 from partita.errors import InputError
 from partita.planning.baselines import baseline_outcomes
-from partita.planning.context import PlanningContext, plan_key, planning_context
+from partita.planning.configs import divisors
+from partita.planning.context import PlanningContext, planning_context
+from partita.planning.degree_contexts import degree_contexts
 from partita.planning.driver import best_of_contexts
 from partita.planning.infeasible import infeasible_error, memory_bound
 from partita.planning.options import PlanOptions
-from partita.planning.search import divisors
-from partita.planning.tensor_parallel import degree_contexts
+from partita.planning.plan_builder import plan_key
 from partita.types import OpGraph, Plan, Sharding
 from partita.types.cluster import Cluster
 

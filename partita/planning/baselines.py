@@ -25,9 +25,10 @@ from collections.abc import Callable
 import numpy as np
 
 from partita.planning.chain import layer_boundaries
-from partita.planning.context import PlanningContext, fit_with_recompute
+from partita.planning.configs import Config, divisors
+from partita.planning.context import PlanningContext
 from partita.planning.options import recompute_allowed
-from partita.planning.search import Config, divisors
+from partita.planning.plan_builder import fit_with_recompute
 from partita.types import OpGraph, Plan, Recompute, Schedule, Sharding
 
 BASELINES = ("uniform", "parameters", "equal_flops")  # splits under the plan's configuration

@@ -11,7 +11,7 @@ from partita.cost.comm import spans_nodes
 from partita.cost.memory import DeviceMemory, device_memory, microbatches_in_flight
 from partita.cost.recompute import extra_backward_s
 from partita.errors import InputError
-from partita.planning.search import Config, SearchOptions
+from partita.planning.configs import Config, SearchOptions
 from partita.planning.sharding import levels, step_overhead_s
 from partita.types import Cluster, CostTable, OpGraph, Plan, Recompute, Sharding, StagePlan
 

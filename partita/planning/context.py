@@ -1,43 +1,39 @@
-"""One planning run's shared state (``PlanningContext``), and turning a split into a simulated Plan.
+"""One planning run's shared state (``PlanningContext``, made by ``planning_context``).
 
-Everything after the search proper goes through here: a candidate's node boundaries become a
-draft Plan (``draft_plan``: predicted stage times and memory), the draft is checked against the
-memory limit, recomputation is switched on where a stage needs it, at the least level with which it
-fits (``fit_with_recompute``), and
-the fitting plan's step is simulated on its real schedule (``simulated``). ``step_lower_bound_s``
-lets callers skip simulating splits that cannot beat a known step.
+``planning_context`` checks the options against the cluster and the graph, captures the model,
+picks the cost source (measured or analytic, ``CostSource``) and coarsens the graph into a chain
+of blocks: everything the search, the baselines and the refinement share. Turning their splits
+into simulated Plans is ``partita.planning.plan_builder``'s; the contexts of the tensor-parallel
+degrees, ``partita.planning.degree_contexts``'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-import partita
 from partita.capturing import capture, flatten_call_inputs
 from partita.checks import positive_int
 from partita.cost.analytic import analytic_costs
 from partita.cost.profiler import profile
-from partita.cost.recompute import extra_backward_s
 from partita.cost.table import contended
 from partita.errors import InputError
-from partita.planning.build import BuildMemo, block_to_node_boundaries, build_plan, fits, total_compute_s
+from partita.planning.build import BuildMemo
 from partita.planning.chain import coarsen, legal_cuts, per_sample_cuts
+from partita.planning.configs import SearchOptions
 from partita.planning.options import CostSource, PlanOptions, resolve_precision
-from partita.planning.search import Candidate, SearchOptions
-from partita.planning.simulate import simulate
 from partita.planning.tensor_parallel import check_degree, group_cluster, split_crossings
-from partita.types import RECOMPUTE_LEVELS, CostTable, OpGraph, Plan, Precision, Recompute, Sharding, StagePlan
+from partita.types import CostTable, OpGraph, Precision, Sharding
 from partita.types.cluster import Cluster
 from partita.types.tensor_parallel import TensorParallelLayout
+from partita.types.whole_batch import coupling_words
 
 
 @dataclass(frozen=True)
@@ -109,7 +105,6 @@ def planning_context(
         raise InputError(f"options must be a partita.PlanOptions, got {type(options).__name__}")
     positive_int(global_batch_size, "global_batch_size")
     check_batch_divisible(global_batch_size, options.num_microbatches, options.replicas)
-    uniform_replicas = _resolve_uniform(options.uniform_replicas, options.replicas)
     if options.tensor_parallel is not None:
         check_degree(options.tensor_parallel, cluster, replicas=options.replicas, num_stages=options.num_stages)
     graph = (
@@ -120,22 +115,15 @@ def planning_context(
     if not graph.dynamic_batch:
         raise InputError(static_batch_message(graph))
     if graph.couples_samples is not None:
-        options, uniform_replicas = whole_batch_options(options, graph), True
+        options = whole_batch_options(options, graph)
     precision = resolve_precision(options.precision, cluster.device)
     _check_sharding_pin(options, cluster)
-    search_options = SearchOptions(
+    search_options = SearchOptions.from_plan_options(
+        options,
         num_devices=cluster.num_devices,
         global_batch_size=global_batch_size,
         memory_limit_bytes=cluster.usable_memory_bytes,
-        schedules=options.schedules,
-        num_stages=options.num_stages,
-        replicas=options.replicas,
-        num_microbatches=options.num_microbatches,
-        recompute=options.recompute,
-        optimizer=options.optimizer,
         precision=precision,
-        sharding=options.sharding,
-        uniform_replicas=uniform_replicas,
     )
     source = _cost_source(options.costs, graph, cluster, precision)
     if source is CostSource.MEASURED and (args or kwargs or target is not None):
@@ -152,7 +140,7 @@ def planning_context(
         "replicas": options.replicas,
         "num_microbatches": options.num_microbatches,
         "recompute": None if options.recompute is None else options.recompute.value,
-        "uniform_replicas": uniform_replicas,
+        "uniform_replicas": search_options.uniform_replicas,
         "optimizer": options.optimizer.value,
         "precision": precision.value,
         "sharding": None if options.sharding is None else options.sharding.value,
@@ -229,7 +217,7 @@ def whole_batch_options(options: PlanOptions, graph: OpGraph) -> PlanOptions:
     ]
     if options.uniform_replicas is False:
         pinned.append("uniform_replicas=False")
-    why, rewrite = _coupling_words(graph)
+    why, rewrite = coupling_words(graph)
     if pinned:
         raise InputError(
             f"{', '.join(pinned)} would split the batch, but {why}. Unpin them (partita then plans one "
@@ -241,47 +229,6 @@ def whole_batch_options(options: PlanOptions, graph: OpGraph) -> PlanOptions:
         stacklevel=4,
     )
     return options.replace(num_microbatches=1, replicas=1, uniform_replicas=True)
-
-
-def check_whole_batch(graph: OpGraph, num_microbatches: int, replicas: Sequence[int]) -> None:
-    """InputError when a plan would split the batch of a graph whose loss couples samples
-    (``num_microbatches`` > 1, or a stage with several replicas): for plans not made by the
-    search (manual plans, plan files), before training."""
-    if graph.couples_samples is None or (num_microbatches == 1 and all(r == 1 for r in replicas)):
-        return
-    why, rewrite = _coupling_words(graph)
-    raise InputError(
-        f"the plan splits every step's batch into {num_microbatches} micro-batches on "
-        f"{max(replicas, default=1)} replicas, but {why}: use one micro-batch and one replica per "
-        f"stage, or {rewrite}"
-    )
-
-
-def _coupling_words(graph: OpGraph) -> tuple[str, str]:
-    why = (
-        f"the loss couples the samples of the batch: {graph.couples_samples.describe()}, so every sample's loss "
-        "depends on the other samples of the same batch, and splitting the batch would train another loss"
-    )
-    rewrite = (
-        "rewrite the loss so that each sample's term depends on that sample alone (e.g. gather the "
-        "embeddings of the whole batch before the similarity matrix), or keep the whole batch together"
-    )
-    return why, rewrite
-
-
-def _resolve_uniform(uniform_replicas: bool | None, replicas: int | None) -> bool:
-    """Whether the search is restricted to uniform replica counts (see ``PlanOptions``): when asked,
-    or when the replicas are pinned; InputError when both pinned replicas and uneven counts are."""
-    if uniform_replicas is None:
-        return replicas is not None
-    if uniform_replicas:
-        return True
-    if replicas is not None:
-        raise InputError(
-            f"replicas={replicas} pins the same replica count for every stage, but uniform_replicas=False "
-            "asks for different counts: drop one of the two"
-        )
-    return False
 
 
 def _check_sharding_pin(options: PlanOptions, cluster: Cluster) -> None:
@@ -339,201 +286,3 @@ def _costs_provider(
 
 def _reference_microbatch(graph: OpGraph, global_batch_size: int, num_devices: int) -> int:
     return max(1, min(graph.batch_size, global_batch_size // num_devices or 1))
-
-
-def plan_key(p: Plan) -> tuple:
-    return (round(p.predicted_step_s, 12), p.num_devices, p.boundaries)
-
-
-def routable(ctx: PlanningContext, config, node_boundaries: Sequence[int]) -> bool:
-    """Whether every cut between stages with different replica counts splits by sample (the
-    runtime cannot route a merged batch dim such as ``(B*T, H)`` between them)."""
-    if not config.stage_replicas:
-        return True
-    counts = config.stage_replicas
-    return all(
-        counts[k] == counts[k + 1] or ctx.per_sample_cuts[node_boundaries[k + 1]] for k in range(len(counts) - 1)
-    )
-
-
-def plan_from_candidate(ctx: PlanningContext, candidate: Candidate, method: str = "partita") -> Plan | None:
-    """Build, check memory exactly (rank groups with several stages) and simulate one candidate."""
-    config = candidate.config
-    node_boundaries = block_to_node_boundaries(ctx.chain, candidate.boundaries)
-    return finish_plan(ctx, config, node_boundaries, candidate.recompute, method)
-
-
-def finish_plan(ctx: PlanningContext, config, node_boundaries, recompute, method: str) -> Plan | None:
-    if not routable(ctx, config, node_boundaries):
-        return None
-    p = draft_plan(ctx, config, node_boundaries, recompute, method)
-    return simulated(ctx, p) if fits(p, ctx.options.memory_limit_bytes) else None
-
-
-def draft_plan(ctx: PlanningContext, config, node_boundaries, recompute, method: str) -> Plan:
-    """The Plan with predicted stage times and memory, its step not yet simulated. Its
-    ``total_compute_s`` is the unsplit graph's (degree 1), so that the ideal step counts every
-    device once."""
-    p = build_plan(
-        ctx.graph,
-        ctx.costs_at,
-        config,
-        node_boundaries,
-        recompute,
-        ctx.options,
-        cluster=ctx.cluster,
-        method=method,
-        resolved_options=ctx.resolved,
-        versions=(partita.__version__, torch.__version__),
-        memo=ctx.build_memo,
-    )
-    if ctx.unsharded is None:
-        return p
-    whole = total_compute_s(ctx.unsharded.costs_at, config, ctx.options.global_batch_size)
-    return dataclasses.replace(p, total_compute_s=whole)
-
-
-def with_result(p: Plan, result) -> Plan:
-    """``p`` with the step and bubble of its simulation ``result``."""
-    return p.__class__(
-        **{**p.__dict__, "predicted_step_s": result.step_s, "predicted_bubble_fraction": result.bubble_fraction}
-    )
-
-
-def simulated(ctx: PlanningContext, p: Plan, step_to_beat: float | None = None) -> Plan | None:
-    """``p`` with its simulated step and bubble; None when ``step_to_beat`` is given and the step
-    surely exceeds it (``cannot_beat``), which the simulator may tell before the end."""
-    result = simulate(
-        p, ctx.costs_at, ctx.cluster, keep_timeline=False, memo=ctx.build_memo, step_to_beat=step_to_beat
-    )  # only the step and bubble are kept
-    return None if result is None else with_result(p, result)
-
-
-def fit_with_recompute(
-    ctx: PlanningContext,
-    config,
-    boundaries: list[int],
-    method: str,
-    mode: Recompute | None = None,
-    *,
-    step_to_beat: float | None = None,
-) -> Plan | None:
-    """Recompute only the stages that do not fit without it, at the least level with which they
-    fit (a pinned or config-wide mode is kept).
-
-    With ``step_to_beat``, also None when the plan cannot be faster than that: without simulating
-    when ``step_lower_bound_s`` shows it, else as soon as the simulation does (``simulated``).
-    """
-    draft = fitting_draft(ctx, config, boundaries, method, mode, step_to_beat=step_to_beat)
-    return None if draft is None else simulated(ctx, draft, step_to_beat)
-
-
-def fitting_draft(
-    ctx: PlanningContext,
-    config,
-    boundaries: list[int],
-    method: str,
-    mode: Recompute | None = None,
-    *,
-    step_to_beat: float | None = None,
-) -> Plan | None:
-    """``fit_with_recompute`` but for the simulation: the draft plan that fits (its step not yet
-    simulated), or None (it does not fit, or ``step_lower_bound_s`` shows it cannot beat
-    ``step_to_beat``). The stages of rank groups that do not fit recompute selectively, and
-    those that still do not, fully."""
-    if not routable(ctx, config, boundaries):
-        return None
-    pinned = ctx.options.recompute if mode is None else mode
-    limit = ctx.options.memory_limit_bytes
-    recompute = [pinned or Recompute.NONE] * config.num_stages
-    draft = draft_plan(ctx, config, boundaries, recompute, method)
-    if not fits(draft, limit):
-        if pinned is not None:
-            return None
-        for level in RECOMPUTE_LEVELS[1:]:
-            recompute = [
-                Recompute.most([r, level]) if s.memory_bytes > limit else r for s, r in zip(draft.stages, recompute)
-            ]
-            if step_to_beat is not None and cannot_beat(
-                draft_lower_bound_s(ctx, config, draft, recompute), step_to_beat
-            ):
-                return None
-            draft = draft_plan(ctx, config, boundaries, recompute, method)
-            if fits(draft, limit):
-                break
-        else:
-            return None
-    final = [s.recompute for s in draft.stages]
-    if step_to_beat is not None and cannot_beat(draft_lower_bound_s(ctx, config, draft, final), step_to_beat):
-        return None
-    return draft
-
-
-def step_lower_bound_s(config, compute_s: Sequence[float], forward_s: Sequence[float] | None = None) -> float:
-    """A bound below the simulated step, from each stage's F + B seconds per micro-batch (and,
-    with several stages per rank group, each stage's F seconds, ``forward_s``).
-
-    Every rank group runs its actions one at a time, so the step is at least the busiest group's
-    m (F + B). With one stage per group (GPipe, 1F1B) group g's first action is a forward, which
-    waits for that micro-batch's forwards on groups 0 .. g-1, and its last a backward, after which
-    that micro-batch's backwards on groups g-1 .. 0 still run: step >= sum_{k<g} (F_k + B_k) + m (F_g + B_g).
-    With v stages per group (interleaved 1F1B, ZBV) group g's first action is stage g's forward of
-    micro-batch 0, after the forwards of stages 0 .. g-1 (on groups 0 .. g-1), and then the group
-    computes m L_g (L_g: its stages' F + B): step >= sum_{k<g} F_k + m L_g.
-    """
-    m = config.num_microbatches
-    if config.virtual_stages == 1:
-        before, bound = 0.0, 0.0
-        for load in compute_s:
-            bound = max(bound, before + m * load)
-            before += load
-        return bound
-    loads = [0.0] * config.num_rank_groups
-    for s, load in enumerate(compute_s):
-        loads[config.rank_group_of(s)] += load
-    if forward_s is None:
-        return m * max(loads)
-    before, bound = 0.0, 0.0
-    for g, load in enumerate(loads):
-        bound = max(bound, before + m * load)
-        before += forward_s[g]  # stage g is group g's first
-    return bound
-
-
-def draft_lower_bound_s(ctx: PlanningContext, config, draft: Plan, recompute: Sequence[Recompute]) -> float:
-    """``step_lower_bound_s`` of ``draft`` with ``recompute`` (a rank group recomputes all its
-    stages at the most any of them takes, as the plan and the simulator count it)."""
-    by_group: dict[int, Recompute] = {}
-    for s in draft.stages:
-        by_group[s.rank_group] = Recompute.most([by_group.get(s.rank_group, Recompute.NONE), recompute[s.index]])
-    return step_lower_bound_s(
-        config,
-        [
-            s.forward_s
-            + s.backward_s
-            - _recompute_s(ctx, config, s, s.recompute)
-            + _recompute_s(ctx, config, s, by_group[s.rank_group])
-            for s in draft.stages
-        ],
-        [s.forward_s for s in draft.stages],
-    )
-
-
-def _recompute_s(ctx: PlanningContext, config, stage: StagePlan, level: Recompute) -> float:
-    """Seconds ``level`` adds to ``stage``'s backward per micro-batch (``extra_backward_s``)."""
-    if level is Recompute.NONE:
-        return 0.0
-    table = ctx.costs_at(config.microbatch_size_of(stage.index))
-    a, b = stage.start, stage.stop
-    sums = ctx.build_memo.get(table, ("recomputed seconds", a, b), _forward_and_selective_s, table, a, b)
-    return float(extra_backward_s(level, *sums))
-
-
-def _forward_and_selective_s(table: CostTable, start: int, stop: int) -> tuple[float, float]:
-    return float(table.forward_s[start:stop].sum()), float(table.selective_recompute_s[start:stop].sum())
-
-
-def cannot_beat(lower_bound_s: float, step_s: float) -> bool:
-    """Whether a plan whose step is at least ``lower_bound_s`` surely simulates slower than ``step_s``
-    (with a margin for rounding: plans compare by their step rounded to 1e-12 s)."""
-    return lower_bound_s > step_s * (1 + 1e-9) + 2e-12

@@ -10,9 +10,11 @@ import numpy as np
 
 from partita.planning.baselines import same_config
 from partita.planning.chain import BlockCosts, block_costs
-from partita.planning.context import PlanningContext, cannot_beat, plan_from_candidate, plan_key
+from partita.planning.configs import Candidate
+from partita.planning.context import PlanningContext
+from partita.planning.plan_builder import cannot_beat, plan_from_candidate, plan_key
 from partita.planning.refine import BaselineSeeds, refine
-from partita.planning.search import Candidate, SearchCache, config_step_floor, search, sort_key
+from partita.planning.search import SearchCache, config_step_floor, search, sort_key
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
 from partita.planning.uneven import search_uneven, seed_shapes
 from partita.types import Plan

@@ -31,11 +31,12 @@ from partita.errors import InfeasiblePlanError, InputError
 from partita.planning.build import module_range
 from partita.planning.chain import block_costs, coarsen
 from partita.planning.context import PlanningContext
+from partita.planning.degree_contexts import with_layout
 from partita.planning.driver import best_plan
 from partita.planning.memory_bound import BlockNeed, MemoryBound
 from partita.planning.options import recompute_allowed
 from partita.planning.search import spread_state_bytes
-from partita.planning.tensor_parallel import DEGREES, check_degree, find_layout, split_crossings, with_layout
+from partita.planning.tensor_parallel import DEGREES, check_degree, find_layout, split_crossings
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
 from partita.types import OptimizerKind, Precision, Recompute, Schedule
 from partita.types.cluster import Cluster

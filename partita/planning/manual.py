@@ -32,12 +32,11 @@ from typing import Any
 from partita.checks import positive_int
 from partita.errors import InputError
 from partita.planning.build import consecutive_ranks, module_range
-from partita.planning.context import check_whole_batch
-from partita.planning.schedules import check_schedule, stage_rank_groups
 from partita.planning.tensor_parallel import check_degree
-from partita.planning.uneven import UNEVEN_SCHEDULES
 from partita.types import OpGraph, Plan, Precision, Recompute, Schedule, Sharding, StagePlan
 from partita.types.cluster import Cluster
+from partita.types.schedule_orders import UNEVEN_SCHEDULES, check_schedule, stage_rank_groups
+from partita.types.whole_batch import check_whole_batch
 
 __all__ = ["manual_plan"]
 

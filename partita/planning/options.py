@@ -82,6 +82,11 @@ class PlanOptions:
         for name in ("uniform_replicas", "sequence_parallel"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be True, False or None (searched), got {getattr(self, name)!r}")
+        if self.uniform_replicas is False and self.replicas is not None:
+            raise InputError(
+                f"replicas={self.replicas} pins the same replica count for every stage, but uniform_replicas=False "
+                "asks for different counts: drop one of the two"
+            )
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise InputError(
                 "sequence_parallel=True splits the regions a tensor-parallel group leaves whole, but tensor_parallel=1 "

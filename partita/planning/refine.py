@@ -18,8 +18,9 @@ from partita.cost.memory import microbatches_in_flight
 from partita.cost.recompute import extra_backward_s
 from partita.planning.baselines import baseline_splits, same_config
 from partita.planning.build import block_to_node_boundaries, stage_tables
-from partita.planning.context import PlanningContext, cannot_beat, fit_with_recompute, plan_key, step_lower_bound_s
-from partita.planning.search import Candidate, Config
+from partita.planning.configs import Candidate, Config
+from partita.planning.context import PlanningContext
+from partita.planning.plan_builder import cannot_beat, fit_with_recompute, plan_key, step_lower_bound_s
 from partita.planning.sharding import levels
 from partita.planning.split_steps import SplitSteps
 from partita.types import RECOMPUTE_LEVELS, Plan, Recompute

@@ -1,6 +1,6 @@
 """Many plans of one schedule shape simulated at once: the refinement's neighbours, side by side.
 
-``partita.planning.simulate``'s event loop takes the actions of each rank group in order, and
+``partita.planning.simulator``'s event loop takes the actions of each rank group in order, and
 which action it can take next depends only on which actions it has already taken, never on the
 times: the order in which it takes them is fixed by the schedule (S stages, G rank groups, m
 micro-batches) alone. So are the *waves* of that order: wave 0 holds the actions that wait for
@@ -16,20 +16,23 @@ so each plan's step, bubble and activation peaks equal ``simulate_pipeline``'s b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-from partita.planning.simulate import (
-    _slotted_orders,
+from partita.planning.build import BuildMemo
+from partita.planning.simulate import Costs, pipeline_inputs
+from partita.planning.simulator import (
+    PipelineInputs,
+    PreparedPipeline,
     finished_pipeline,
-    pipeline_inputs,
     prepared_pipeline,
     simulate_pipeline,
+    slotted_orders,
 )
-from partita.types import CostTable, Plan, Schedule, SimResult
+from partita.types import Plan, Schedule, SimResult
 from partita.types.cluster import Cluster
 
 __all__ = ["simulate_many", "simulate_pipelines"]
@@ -40,17 +43,17 @@ MIN_BATCH = 4
 
 def simulate_many(
     plans: Sequence[Plan],
-    costs: Callable[[int], CostTable] | CostTable,
+    costs: Costs,
     cluster: Cluster | Mapping[str, Any] | None = None,
     *,
-    memo: Any = None,
+    memo: BuildMemo | None = None,
 ) -> list[SimResult]:
-    """``simulate(plan, costs, cluster, keep_timeline=False, memo=memo)`` of each plan (the plans of
+    """``simulate_plan(plan, costs, cluster, keep_timeline=False, memo=memo)`` of each plan (the plans of
     one schedule, rank groups, stages and micro-batches run as one batch)."""
     return simulate_pipelines([pipeline_inputs(p, costs, cluster, memo=memo) for p in plans])
 
 
-def simulate_pipelines(inputs: Sequence[dict], *, activation_peaks: bool = True) -> list[SimResult]:
+def simulate_pipelines(inputs: Sequence[PipelineInputs], *, activation_peaks: bool = True) -> list[SimResult]:
     """``simulate_pipeline(**kwargs, keep_timeline=False)`` of each set of keyword arguments.
     ``activation_peaks`` False: the results hold no activation peaks (an empty tuple), which the
     step does not depend on (``finished_pipeline``)."""
@@ -72,7 +75,9 @@ def simulate_pipelines(inputs: Sequence[dict], *, activation_peaks: bool = True)
     return results
 
 
-def _run_batch(shape: tuple, plans: list) -> list[tuple[list, list, list]]:
+def _run_batch(
+    shape: tuple[Schedule, int, int, int], plans: list[PreparedPipeline]
+) -> list[tuple[list[float], list[float], list[tuple[float, float]]]]:
     """(clock, busy per rank group, (start, end) of each stage's last B/W) of each plan."""
     schedule, m, g, s = shape
     waves, last_grads = _waves(schedule, m, g, s)
@@ -101,10 +106,10 @@ def _run_batch(shape: tuple, plans: list) -> list[tuple[list, list, list]]:
 
 @lru_cache(maxsize=64)
 def _waves(schedule: Schedule, m: int, g: int, s: int) -> tuple[tuple, tuple]:
-    """The actions of ``_slotted_orders`` in waves (module docstring): per wave, arrays of their
+    """The actions of ``slotted_orders`` in waves (module docstring): per wave, arrays of their
     end slots, duration indices, first and second inputs with their latency indices, and rank
     groups; and each stage's last B/W slot. AssertionError when the order deadlocks."""
-    slotted, last_grads, _ = _slotted_orders(schedule, m, g, s)
+    slotted, last_grads, _ = slotted_orders(schedule, m, g, s)
     wave_of: dict[int, int] = {}  # slot -> its action's wave; the all-gather and zero slots: -1
     pos, ready_after = [0] * g, [-1] * g
     members: list[list] = []

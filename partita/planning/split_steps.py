@@ -5,7 +5,7 @@ stands on by a stage boundary or two, and keeps one per round. Building each as 
 module ranges, memory breakdowns of every stage) cost more than simulating it. ``SplitSteps``
 takes what the simulation needs from the same functions the Plan would: the memory and sharding
 level of each rank group (``build.rank_group_memory``), recomputation where a rank group does not
-fit without it, at the least level with which it fits (as ``context.fitting_draft`` decides it) and the simulator's inputs of each stage
+fit without it, at the least level with which it fits (as ``plan_builder.fitting_draft`` decides it) and the simulator's inputs of each stage
 (``simulate.stages_pipeline_inputs``), so the step it gives a split is the step of that split's
 Plan, bit for bit (tests/unit/test_split_steps.py); ``plan`` builds the Plan of the split kept.
 """
@@ -16,15 +16,16 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from partita.planning.build import group_ranges, rank_group_memory, stage_tables
-from partita.planning.context import PlanningContext, draft_plan, routable, with_result
-from partita.planning.schedules import stage_rank_groups
+from partita.planning.context import PlanningContext
+from partita.planning.plan_builder import draft_plan, routable, with_result
 from partita.planning.simulate import stages_pipeline_inputs
 from partita.planning.simulate_batch import simulate_pipelines
 from partita.types import RECOMPUTE_LEVELS, Plan, Recompute, Sharding, SimResult
+from partita.types.schedule_orders import stage_rank_groups
 
 
 class _Stage(NamedTuple):
-    """What the simulator's inputs read of a StagePlan."""
+    """What the simulator's inputs read of a StagePlan (``simulate.SimulatedStage``)."""
 
     start: int
     stop: int
@@ -75,7 +76,7 @@ class SplitSteps:
         return [None if layout is None else Fitted(layout[0], next(results)) for layout in layouts]
 
     def key(self, nodes: Sequence[int], fitted: Fitted) -> tuple:
-        """``context.plan_key`` of the split's Plan."""
+        """``plan_builder.plan_key`` of the split's Plan."""
         return (round(fitted.result.step_s, 12), self.num_devices, tuple(int(x) for x in nodes))
 
     def plan(self, nodes: Sequence[int], fitted: Fitted) -> Plan:

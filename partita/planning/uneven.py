@@ -39,18 +39,11 @@ import numpy as np
 
 from partita.cost.memory import microbatches_in_flight
 from partita.planning.chain import BlockCosts
+from partita.planning.configs import Candidate, Config, SearchOptions, divisors, schedule_accepts
 from partita.planning.partition import candidate_partitions
-from partita.planning.search import (
-    EXHAUSTIVE_BLOCKS,
-    Candidate,
-    Config,
-    SearchOptions,
-    StageCosts,
-    divisors,
-    estimate_step,
-    schedule_accepts,
-)
+from partita.planning.search import EXHAUSTIVE_BLOCKS, StageCosts, estimate_step
 from partita.types import RECOMPUTE_LEVELS, Recompute, Schedule
+from partita.types.schedule_orders import UNEVEN_SCHEDULES
 
 MAX_DEVICES = 64
 MAX_STAGES = 8
@@ -59,8 +52,6 @@ MAX_DP_BLOCKS = 32
 MAX_ENUMERATED_VECTORS = 256
 # Relaxations of the smallest bottleneck tried on chains longer than EXHAUSTIVE_BLOCKS.
 BOTTLENECK_RELAXATIONS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35)
-
-UNEVEN_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
 
 # Beyond MAX_DEVICES: how many of the best simulated uniform plans' shapes are searched again with
 # uneven counts, the replica counts kept (a factor of the seed's count either way), and the most work

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from partita.errors import InputError
-from partita.planning.uneven import UNEVEN_SCHEDULES
 from partita.types import Plan
+from partita.types.schedule_orders import UNEVEN_SCHEDULES, stage_rank_groups
 
 __all__ = ["check_layout"]
 
@@ -20,8 +20,6 @@ def check_layout(plan: Plan) -> None:
 
 
 def _check_uniform_layout(plan: Plan) -> None:
-    from partita.planning.schedules import stage_rank_groups
-
     dp, pp, t = plan.stages[0].num_replicas, plan.num_rank_groups, plan.tensor_parallel
     placement = stage_rank_groups(plan.schedule, pp, plan.num_stages)
     for s in plan.stages:

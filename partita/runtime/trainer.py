@@ -99,7 +99,6 @@ from torch import nn
 
 from partita.checks import positive_int
 from partita.errors import InputError, NumericsError, PartitaError
-from partita.planning.context import check_whole_batch
 from partita.runtime.batch_values import check_batch_dtypes, check_batch_values
 from partita.runtime.checkpoint import Checkpointer, StepCount
 from partita.runtime.gradient_sync import GradientSync, local_tensor
@@ -127,6 +126,7 @@ from partita.runtime.state_dict import gather_state_dict
 from partita.runtime.step_program import StepProgram
 from partita.runtime.tensor_parallel import local_plan, tensor_parallel_sync
 from partita.types import OpGraph, Plan
+from partita.types.whole_batch import check_whole_batch
 
 __all__ = ["Trainer"]
 

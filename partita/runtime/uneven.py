@@ -40,7 +40,7 @@ owner of sample 0), and replica 1 backpropagates a zero gradient for it.
 
 Order and messages
 ------------------
-Each rank runs ``partita.planning.schedules.rank_orders`` for its rank group: the action order of
+Each rank runs ``partita.types.schedule_orders.rank_orders`` for its rank group: the action order of
 torch's ScheduleGPipe / Schedule1F1B, which the planner's simulator also assumes. An action
 first receives what it needs (blocking), computes, then sends asynchronously. As torch's
 schedules do, an action's sends are issued together with the next action's receives
@@ -68,11 +68,11 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.errors import InputError
-from partita.planning.schedules import BACKWARD, FORWARD, rank_orders
 from partita.runtime.pipeline import StageMetadata, StageRunner, root_key
 from partita.runtime.precision import FP32, Compute
 from partita.runtime.stages import StageModule, narrow_batch
 from partita.types import OpGraph, Plan, TensorInfo
+from partita.types.schedule_orders import BACKWARD, FORWARD, rank_orders
 
 __all__ = [
     "Layout",

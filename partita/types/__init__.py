@@ -7,6 +7,9 @@
 ``cluster``    Cluster: how many devices of which kind, in which nodes, linked how.
 ``plan``       StagePlan, MemoryBreakdown and Plan; ``plan_file`` reads and writes them as versioned JSON.
 ``sim``        SimResult and TimelineEvent: a simulated step, which report/ draws.
+``schedule_orders``  each rank group's action order under each schedule (torch's), which the
+             planner simulates and the runtime runs; ``whole_batch``: the check that a loss
+             coupling the samples of a batch gets it whole.
 
 Glossary
 --------

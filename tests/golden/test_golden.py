@@ -17,8 +17,8 @@ import torch
 
 import partita
 from partita import examples
-from partita.planning.schedules import rank_orders
 from partita.types import Schedule
+from partita.types.schedule_orders import rank_orders
 
 GOLDEN = Path(__file__).resolve().parent
 PLANS, SCHEDULES, VERSIONS = GOLDEN / "plans", GOLDEN / "schedules", GOLDEN / "versions.json"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 
-from partita.planning.search import Config, SearchOptions, enumerate_configs
+from partita.planning.configs import Config, SearchOptions, enumerate_configs
 from partita.planning.uneven import enumerate_shapes
 from partita.types import RECOMPUTE_LEVELS, Plan, Recompute
 

@@ -6,9 +6,11 @@ from oracle import brute_force
 
 from partita.planning.build import build_plan
 from partita.planning.chain import coarsen
-from partita.planning.context import PlanningContext, finish_plan
-from partita.planning.search import SearchOptions
-from partita.types import CostTable, OpGraph, OpNode, OptimizerKind, ParamInfo, TensorInfo
+from partita.planning.configs import SearchOptions
+from partita.planning.context import PlanningContext
+from partita.planning.options import PlanOptions
+from partita.planning.plan_builder import finish_plan
+from partita.types import CostTable, OpGraph, OpNode, OptimizerKind, ParamInfo, Precision, TensorInfo
 from partita.types.cluster import Cluster
 
 GiB = 2**30
@@ -97,11 +99,12 @@ def chain_instance(
         )
 
     cluster = Cluster(device="h100", num_devices=num_devices, devices_per_node=8, memory_bytes=memory)
-    options = SearchOptions(
+    options = SearchOptions.from_plan_options(
+        PlanOptions(uniform_replicas=True, optimizer=OptimizerKind.ADAM),
         num_devices=num_devices,
         global_batch_size=global_batch_size,
         memory_limit_bytes=cluster.usable_memory_bytes,
-        optimizer=OptimizerKind.ADAM,
+        precision=Precision.FP32,
         max_microbatch_choices=16,
     )
     chain = coarsen(graph, costs_at(8))

@@ -276,7 +276,7 @@ def test_clip_plans_one_microbatch_on_one_replica_per_stage():
 
 
 def test_plans_not_made_by_the_search_are_checked_too():
-    from partita.planning.context import check_whole_batch
+    from partita.types.whole_batch import check_whole_batch
 
     model, images, tokens = _clip_case()
     graph = partita.capture(model, (images, tokens))

@@ -33,9 +33,6 @@ ALLOWED_CYCLE_EDGES: dict[tuple[str, str], str] = {
     ("partita.types.plan", "partita.types.plan_file"): (
         "Plan.load/plan.save/to_json are the plan file's user API; the codec lives beside Plan, imported when called"
     ),
-    ("partita.planning.tensor_parallel", "partita.planning.context"): (
-        "TYPE_CHECKING: annotations name PlanningContext (context imports tensor_parallel); to be removed"
-    ),
 }
 
 Graph = dict[str, dict[str, list[StaticImport]]]  # importer -> imported -> the imports that make the edge

@@ -10,10 +10,10 @@ import partita
 from partita.errors import InfeasiblePlanError
 from partita.planning import api, infeasible
 from partita.planning.context import planning_context
+from partita.planning.degree_contexts import degree_contexts
 from partita.planning.driver import best_plan
 from partita.planning.infeasible import memory_bound
 from partita.planning.options import PlanOptions
-from partita.planning.tensor_parallel import degree_contexts
 
 
 def _error(graph, cluster, batch=8, **pins) -> InfeasiblePlanError:

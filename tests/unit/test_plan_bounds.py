@@ -7,13 +7,14 @@ from types import SimpleNamespace
 import pytest
 from planning_instances import random_instance
 
-from partita.planning import context, driver, refine
+from partita.planning import driver, plan_builder, refine
 from partita.planning.build import block_to_node_boundaries
 from partita.planning.chain import block_costs
-from partita.planning.context import draft_lower_bound_s, draft_plan, fit_with_recompute, simulated
+from partita.planning.configs import Config, enumerate_configs
 from partita.planning.driver import best_plan
+from partita.planning.plan_builder import draft_lower_bound_s, draft_plan, fit_with_recompute, simulated
 from partita.planning.refine import split_bound
-from partita.planning.search import Config, SearchCache, _split_lower_bound, enumerate_configs, search, search_config
+from partita.planning.search import SearchCache, _split_lower_bound, search, search_config
 from partita.types import Recompute, Schedule
 
 
@@ -64,17 +65,17 @@ def test_lower_bounds_never_exceed_the_simulated_step(seed):
 def test_pruned_refinement_keeps_the_plan(monkeypatch):
     """best_plan with the bounds equals a plain hill-climb on these instances (same plan bytes)."""
     contexts = [random_instance(seed) for seed in range(20, 30)]
-    original, skipped = context.cannot_beat, []
+    original, skipped = plan_builder.cannot_beat, []
 
     def counted(bound, step):
         skipped.append(original(bound, step))
         return skipped[-1]
 
-    for module in (context, refine):  # cannot_beat is used by both (fit_with_recompute and refine)
+    for module in (plan_builder, refine):  # cannot_beat is used by both (fit_with_recompute and refine)
         monkeypatch.setattr(module, "cannot_beat", counted)
     pruned = [best_plan(ctx) for ctx in contexts]
     assert any(skipped)  # the bounds did skip splits
-    for module in (context, refine):
+    for module in (plan_builder, refine):
         monkeypatch.setattr(module, "cannot_beat", lambda bound, step: False)
     plain = [best_plan(ctx) for ctx in contexts]
     assert sum(p is not None for p in pruned) >= 5

@@ -13,11 +13,11 @@ from partita.cost.memory import device_memory
 from partita.errors import InputError, PlanFileError
 from partita.planning.baselines import fsdp_plan
 from partita.planning.chain import coarsen
+from partita.planning.configs import SearchOptions
 from partita.planning.context import PlanningContext
 from partita.planning.driver import best_plan
 from partita.planning.options import PlanOptions, resolve_precision
-from partita.planning.search import SearchOptions
-from partita.planning.simulate import simulate_pipeline
+from partita.planning.simulator import simulate_pipeline
 from partita.types import (
     CostTable,
     MemoryBreakdown,
@@ -388,13 +388,12 @@ def chain_context(
         )
 
     cluster = Cluster(device="h100", num_devices=num_devices, memory_bytes=int(memory_gib * GiB))
-    options = SearchOptions(
+    options = SearchOptions.from_plan_options(
+        PlanOptions(uniform_replicas=True, optimizer=OptimizerKind.ADAM, sharding=sharding),
         num_devices=num_devices,
         global_batch_size=8,
         memory_limit_bytes=cluster.usable_memory_bytes,
-        optimizer=OptimizerKind.ADAM,
         precision=precision,
-        sharding=sharding,
     )
     return PlanningContext(graph, cluster, options, costs_at, list(coarsen(graph, costs_at(8))), {})
 

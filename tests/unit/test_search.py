@@ -8,10 +8,11 @@ from planning_instances import oracle, random_instance
 
 from partita.planning.api import _best_or_raise, idle_unit_contexts
 from partita.planning.baselines import baseline_plans
+from partita.planning.configs import SearchOptions, enumerate_configs
 from partita.planning.context import PlanningContext
 from partita.planning.driver import best_plan
-from partita.planning.search import SearchOptions, enumerate_configs
-from partita.types import Schedule
+from partita.planning.options import PlanOptions
+from partita.types import Precision, Schedule
 from partita.types.cluster import Cluster
 from partita.types.plan_file import plan_to_json
 
@@ -99,7 +100,13 @@ def test_pinned_choices_are_respected():
 def test_idle_unit_configs_take_the_counts_that_divide_the_batch_but_not_the_devices():
     """10 devices, a batch of 12: counts 1 and 2 divide both; the idle-unit configs are 3 groups
     of 3 (9 devices), 2 of 4 and so on, which no count dividing 10 gives, never more than 10."""
-    options = SearchOptions(num_devices=10, global_batch_size=12, memory_limit_bytes=2**30)
+    options = SearchOptions.from_plan_options(
+        PlanOptions(uniform_replicas=True),
+        num_devices=10,
+        global_batch_size=12,
+        memory_limit_bytes=2**30,
+        precision=Precision.FP32,
+    )
     assert {c.replicas for c in enumerate_configs(options, num_blocks=6)} == {1, 2}
     idle = list(enumerate_configs(dataclasses.replace(options, idle_units=True), num_blocks=6))
     assert {c.replicas for c in idle} == {3, 4, 6}

@@ -14,11 +14,12 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from partita.cost import comm
 from partita.cost.memory import microbatches_in_flight
-from partita.planning.schedules import Action, rank_orders, stage_rank_groups
-from partita.planning.simulate import KIND_CODES, compiled_orders, peak_activations, simulate, simulate_pipeline
+from partita.planning.simulate import simulate
+from partita.planning.simulator import KIND_CODES, compiled_orders, peak_activations, simulate_pipeline
 from partita.report.timeline import timeline_text
 from partita.types import CostTable, Plan, Schedule, StagePlan
 from partita.types.cluster import Cluster
+from partita.types.schedule_orders import Action, rank_orders, stage_rank_groups
 
 GPIPE, ONE_F_ONE_B, INTERLEAVED, ZBV = Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B, Schedule.ZBV
 

@@ -10,11 +10,12 @@ from planning_instances import random_instance
 import partita
 from partita import examples
 from partita.planning.build import block_to_node_boundaries
-from partita.planning.context import fitting_draft, plan_key, planning_context, simulated
+from partita.planning.configs import enumerate_configs
+from partita.planning.context import planning_context
+from partita.planning.degree_contexts import degree_contexts
 from partita.planning.options import PlanOptions
-from partita.planning.search import enumerate_configs
+from partita.planning.plan_builder import fitting_draft, plan_key, simulated
 from partita.planning.split_steps import SplitSteps
-from partita.planning.tensor_parallel import degree_contexts
 
 
 def _splits(ctx, config, rng, most=12):

@@ -22,6 +22,7 @@ from partita.cost import comm
 from partita.cost.analytic import analytic_costs
 from partita.cost.tensor_parallel import tensor_parallel_costs
 from partita.errors import InputError, PlanFileError
+from partita.planning import degree_contexts as degrees
 from partita.planning import tensor_parallel as tp
 from partita.planning.api import plan_with_baselines
 from partita.planning.manual import manual_plan
@@ -64,7 +65,7 @@ def mlp_layouts(monkeypatch):
         pairs = gpt2_mlp_pairs(graph) or wide_pairs(graph)
         return split_layout(graph, degree, pairs)
 
-    monkeypatch.setattr(tp, "find_layout", find)
+    monkeypatch.setattr(degrees, "find_layout", find)  # the layouts the degree contexts search
 
 
 class WideMLP(nn.Module):
@@ -216,7 +217,7 @@ def test_the_search_splits_big_matmuls_when_the_batch_cannot_be(wide, mlp_layout
 
 
 def test_a_layout_that_splits_nothing_is_never_chosen(wide, monkeypatch):
-    monkeypatch.setattr(tp, "find_layout", lambda graph, degree: TensorParallelLayout(degree))
+    monkeypatch.setattr(degrees, "find_layout", lambda graph, degree: TensorParallelLayout(degree))
     p = partita.plan(wide, cluster=h100s(4), global_batch_size=1)
     assert p.tensor_parallel == 1
     with pytest.raises(InputError, match="no parameter of this model splits"):

@@ -10,10 +10,10 @@ import partita
 from partita.errors import InputError
 from partita.planning.api import plan
 from partita.planning.baselines import baseline_plans
+from partita.planning.configs import SearchOptions
 from partita.planning.context import PlanningContext
 from partita.planning.driver import best_plan
 from partita.planning.options import PlanOptions
-from partita.planning.search import SearchOptions
 from partita.planning.simulate import simulate
 from partita.types import OptimizerKind, Schedule
 from partita.types.cluster import Cluster
@@ -185,7 +185,7 @@ def test_seeded_uneven_search_equals_the_full_one_on_the_seed_shapes(seed, monke
 
 
 def test_seed_shapes_are_the_best_uniform_configs_an_uneven_config_can_have():
-    from partita.planning.search import Candidate, Config
+    from partita.planning.configs import Candidate, Config
     from partita.planning.uneven import seed_shapes
 
     def candidate(schedule, stages, m, replicas, virtual=1):
@@ -237,8 +237,8 @@ def test_replica_counts_change_only_where_tensors_split_by_sample(gpt2_context):
     """A cut crossed by a merged (B*T, H) tensor cannot separate 2 replicas from 1 (the runtime
     could not route it); the same cut between equal counts, and a layer start, can."""
     from partita.planning.chain import layer_boundaries, per_sample_cuts
-    from partita.planning.context import finish_plan
-    from partita.planning.search import Config
+    from partita.planning.configs import Config
+    from partita.planning.plan_builder import finish_plan
 
     ctx = gpt2_context
     graph = ctx.graph
@@ -292,7 +292,7 @@ def test_no_baseline_split_beats_an_uneven_plan_under_its_configuration(solved):
 
 def test_an_uneven_config_needs_a_cost_table_per_micro_batch_size():
     from partita.planning.build import stage_tables
-    from partita.planning.search import Config
+    from partita.planning.configs import Config
 
     ctx = uneven_instance(3)
     uneven = Config(1, 2, Schedule.ONE_F_ONE_B, 1, 2, 4, None, stage_replicas=(2, 1))

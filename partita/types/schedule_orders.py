@@ -1,5 +1,9 @@
 """Per-rank compute orders of the pipeline schedules, as torch.distributed.pipelining runs them.
 
+Facts about the schedules that the planner (which simulates these orders) and the runtime (which
+runs them, ``partita.runtime.uneven``) share; ``UNEVEN_SCHEDULES`` are those that run stages with
+different replica counts.
+
 Each rank group executes a fixed list of actions, strictly in order (the runtime blocks on the
 receive an action needs). These lists reproduce torch 2.13's schedules action for action, so that
 the simulator times the order the runtime will actually run:
@@ -33,12 +37,25 @@ from functools import lru_cache
 
 from partita.checks import positive_int
 from partita.errors import InputError
-from partita.types import Schedule
+from partita.types.choices import Schedule
 
-__all__ = ["Action", "KINDS", "rank_orders", "stage_rank_groups", "check_schedule", "default_num_stages"]
+__all__ = [
+    "Action",
+    "KINDS",
+    "UNEVEN_SCHEDULES",
+    "rank_orders",
+    "stage_rank_groups",
+    "check_schedule",
+    "default_num_stages",
+]
 
 FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
 KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+
+# The schedules whose stages may have different replica counts (one stage per rank group): the
+# runtime runs them with its own per-rank orders (``partita.runtime.uneven``), the planner searches
+# them (``partita.planning.uneven``).
+UNEVEN_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
 
 
 @dataclass(frozen=True, slots=True)
