@@ -46,7 +46,7 @@ import torch  # noqa: E402
 
 import partita  # noqa: E402
 import partita.planning.context as context_module  # noqa: E402
-import partita.planning.tensor_parallel as tensor_parallel_module  # noqa: E402
+import partita.planning.degree_contexts as degree_contexts_module  # noqa: E402
 from partita.errors import InfeasiblePlanError  # noqa: E402
 from partita.report.format import fmt_replicas  # noqa: E402
 
@@ -105,8 +105,8 @@ class Timers:
 
     def __enter__(self) -> Timers:
         self._wrap(context_module, "analytic_costs", "tables")
-        self._wrap(tensor_parallel_module, "tensor_parallel_costs", "tables")
-        self._wrap(tensor_parallel_module, "find_layout", "layouts")
+        self._wrap(degree_contexts_module, "tensor_parallel_costs", "tables")
+        self._wrap(degree_contexts_module, "find_layout", "layouts")
         return self
 
     def __exit__(self, *exc) -> None:
