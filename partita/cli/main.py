@@ -12,6 +12,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+from partita.cli.devices import check_groups_flags, groups_cluster
 from partita.cli.parser import DEFAULT_TRAIN_GLOBAL_BATCH, build_parser
 from partita.errors import PartitaError
 from partita.planning.options import PlanOptions
@@ -105,12 +106,18 @@ def _plan(args: argparse.Namespace) -> int:
     from partita.planning.api import plan_with_baselines
     from partita.report.plan import plan_text
 
-    _check_nodes(args.nodes, args.devices, args.device_type)
+    if isinstance(args.devices, tuple):  # device groups: a mixed cluster (partita/cli/devices.py)
+        check_groups_flags(args)
+    else:
+        _check_nodes(args.nodes, args.devices, args.device_type)
     _check_batch_flags(args)
     example = _load(args)
     graph = _capture(example)
     _check_example_values(graph, example)
-    cluster = _cluster(args, num_devices=args.devices, device_type=args.device_type, num_nodes=args.nodes)
+    if isinstance(args.devices, tuple):
+        cluster = groups_cluster(args.devices, _parse_bytes)
+    else:
+        cluster = _cluster(args, num_devices=args.devices, device_type=args.device_type, num_nodes=args.nodes)
     result = plan_with_baselines(
         graph,
         example.args,

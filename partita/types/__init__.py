@@ -4,7 +4,7 @@
 ``choices``    Schedule, OptimizerKind, Precision and Sharding.
 ``costs``      CostTable: per-node costs at one micro-batch size, the planner's view of cost/.
 ``devices``    DeviceSpec and the device catalog (``get_device``, device files).
-``cluster``    Cluster: how many devices of which kind, in which nodes, linked how.
+``cluster``    Cluster (and DeviceGroup): how many devices of which kinds, in which nodes, linked how.
 ``plan``       StagePlan, MemoryBreakdown and Plan; ``plan_file`` reads and writes them as versioned JSON.
 ``sim``        SimResult and TimelineEvent: a simulated step, which report/ draws.
 
@@ -22,7 +22,7 @@ batch dim   the dimension of a tensor that scales with the batch size. Shapes ar
 """
 
 from partita.types.choices import OptimizerKind, Precision, Schedule, Sharding
-from partita.types.cluster import Cluster
+from partita.types.cluster import Cluster, DeviceGroup
 from partita.types.costs import CostTable
 from partita.types.devices import DeviceSpec
 from partita.types.graph import GraphInput, LossFn, OpGraph, OpNode, ParamInfo, TensorInfo
@@ -33,6 +33,7 @@ __all__ = [
     "PLAN_SCHEMA_VERSION",
     "Cluster",
     "CostTable",
+    "DeviceGroup",
     "DeviceSpec",
     "GraphInput",
     "LossFn",
