@@ -412,13 +412,18 @@ def _check_tensor_parallel(plan: Plan, source: str) -> None:
         for j in range(s.num_replicas):
             block = s.replica_ranks(j)
             aligned = block[0] % t == 0 and block == tuple(range(block[0], block[0] + t))
-            nodes = {r // plan.cluster.devices_per_node for r in block}
+            nodes = {_node_of(plan.cluster, r) for r in block}
             if not aligned or len(nodes) > 1:
                 raise PlanFileError(
                     f"{source}: stages[{k}] replica {j} runs on ranks {list(block)}, which is not a tensor-parallel "
                     f"group of {t}: each replica's ranks are {t} consecutive ranks starting at a multiple of {t}, "
                     "in one node"
                 )
+
+
+def _node_of(cluster: Cluster, rank: int) -> int:
+    """The node of ``rank`` (a rank past the cluster's devices is refused later, by name)."""
+    return cluster.rank_to_node(rank) if rank < cluster.num_devices else rank // cluster.devices_per_node
 
 
 def _check_sharding(plan: Plan, source: str) -> None:
