@@ -68,7 +68,7 @@ def config_text(p, *, always_recompute: bool = False) -> str:
     reports). ``always_recompute``: write ``rc=k/S`` even when no stage recomputes (else ``rc=k`` only
     when some do)."""
     v = p.num_stages // p.num_rank_groups
-    rc = sum(s.recompute for s in p.stages)
+    rc = sum(bool(s.recompute) for s in p.stages)
     recompute = f" rc={rc}/{p.num_stages}" if always_recompute else (f" rc={rc}" if rc else "")
     tp = f" tp={p.tensor_parallel}" if p.tensor_parallel > 1 else ""
     return (

@@ -171,7 +171,7 @@ def ratio(p, reference, splittable: bool = True) -> str:
 
 
 def config_text(p) -> str:
-    recompute = sum(s.recompute for s in p.stages)
+    recompute = sum(bool(s.recompute) for s in p.stages)
     v = p.num_stages // p.num_rank_groups
     return (
         f"{p.num_rank_groups}x{fmt_replicas(p)}{f' (v={v})' if v > 1 else ''} {p.schedule.value} "

@@ -61,6 +61,18 @@ CASES = {
 HISTORY = """\
 ## Before (same machine)
 
+- 2026-12-04, this table's code (issue 27: the vocabulary split over the tensor-parallel group
+  at every hidden size, the analytic backward's traffic) on a VM that ran other agents' jobs on
+  both cores (load 3-6; captures 1.5-2x slower than in the 12-02 table): a second full run minutes
+  later gave 17.1 s (175B), 6.7, 17.3, 25.1, 25.4 and 29.8 s; 1T alone 18.7 s, and the code
+  before the change (f167c30) run right after it 22.3 s. 175B alone, new and old code
+  alternating: 17.2 / 9.5 s, 18.0 / 15.3 s; with profiling 13.8 / 6.8 s. Both changes move the
+  costs of degree-8 plans closer together, so the search simulates more candidates (175B: 66
+  against 52) before the bounds stop it; the 76B plan changed to a 122-stage ZBV plan. The
+  12-02 table's plans, for comparison: 175B 10.73 s predicted; 39B the same plan; 76B
+  TP 8 x 16 x 8, zbv, 32 stages; 310B and 530B the same meshes (310B recomputed 8 of 15
+  stages, now 6); 1T TP 8 x 64 x 6, m=512, 64
+  stages, 53 recomputed (110.76 s predicted, 99.84 s now with 32 stages).
 - This VM's speed varies from hour to hour: the same code (49820db, before uneven replica counts
   beyond 64 devices, which the table's cases never reach: their degree-1 searches find no plan)
   gave 11.0 s (175B), 8.4, 11.9, 22.2, 31.1 and 29.5 s at 2026-12-02 01:40 UTC, and 5.6 s, 3.9,
@@ -180,12 +192,13 @@ def _trim_profile(text: str) -> str:
 def layout(plan) -> str:
     if plan is None:
         return "no plan fits"
-    recompute = sum(s.recompute for s in plan.stages)
+    full = sum(s.recompute.value == "full" for s in plan.stages)
+    selective = sum(s.recompute.value == "selective" for s in plan.stages)
     levels = "/".join(sorted({s.sharding.value for s in plan.stages}))
     return (
-        f"TP {plan.tensor_parallel} x {plan.num_rank_groups} x {fmt_replicas(plan)} ({plan.num_devices} dev), "
-        f"{plan.schedule.value}, m={plan.num_microbatches}, {plan.num_stages} stages, "
-        f"recompute {recompute}/{plan.num_stages}, {levels}"
+        f"TP {plan.tensor_parallel}{' + SP' if plan.sequence_parallel else ''} x {plan.num_rank_groups} x "
+        f"{fmt_replicas(plan)} ({plan.num_devices} dev), {plan.schedule.value}, m={plan.num_microbatches}, "
+        f"{plan.num_stages} stages, recompute full {full} selective {selective}, {levels}"
     )
 
 

@@ -69,7 +69,7 @@ def plan_case(case: Case, *, uniform: bool, schedules) -> tuple[partita.Plan | N
 def layout(p) -> str:
     if p is None:
         return "none fits"
-    recompute = sum(s.recompute for s in p.stages)
+    recompute = sum(bool(s.recompute) for s in p.stages)
     v = p.num_stages // p.num_rank_groups
     return (
         f"{p.num_rank_groups}x{fmt_replicas(p)}{f' (v={v})' if v > 1 else ''} {p.schedule.value} "

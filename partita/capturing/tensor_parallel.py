@@ -14,11 +14,11 @@ model-specific code:
   repeated key/value heads included);
 * **row-parallel** matmul on an input sharded on its last dim: the weight is split along its
   input features, the partial outputs are all-reduced, then the bias is added;
-* **vocab-parallel embedding**: a vocabulary (rows >= 8 x columns, at least 16 columns: not a
-  per-head bias table) is split by rows, looked up
+* **vocab-parallel embedding**: a vocabulary (``is_vocabulary``: rows >= 8 x columns or at least
+  16,384 rows; at least 16 columns: not a per-head bias table) is split by rows, looked up
   where it is held and all-reduced;
-* **vocab-parallel cross-entropy**: a column-parallel LM head's logits (a vocabulary again: at
-  least 8 classes per input feature, not a classifier's few) go into
+* **vocab-parallel cross-entropy**: a column-parallel LM head's logits (a vocabulary again, not
+  a classifier's few classes) go into
   ``cross_entropy`` without being gathered (max, sum of exponentials and target logit are
   reduced over the group).
 
@@ -36,6 +36,7 @@ planner its ``TensorParallelLayout`` keyed by canonical parameter names.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,10 +51,26 @@ from partita.types.tensor_parallel import ParamShard, TensorParallelLayout
 
 __all__ = ["Sharded", "TensorParallelAnalysis", "analyze", "find_layout"]
 
-# An embedding is split by rows when it has at least this many rows per column and this many
-# columns (a vocabulary, not T5's relative position bias: buckets x heads).
+# An embedding is split by rows when it has at least this many rows per column, or at least
+# VOCAB_MIN_ROWS rows, and this many columns (a vocabulary, not T5's relative position bias:
+# buckets x heads); an LM head likewise (a vocabulary of classes, not a classifier's few).
 VOCAB_ROWS_PER_COLUMN = 8
 VOCAB_MIN_COLUMNS = 16
+# Language vocabularies hold 30k-250k entries. The ratio alone misses them at wide hidden sizes:
+# Megatron-LM's 39B-1T GPTs map 51,200 tokens to 8,192-25,600 features (2-6 rows per column),
+# and Megatron splits that embedding and LM head along the vocabulary like any other (Shoeybi et
+# al. 2019, sec. 3). Left whole, each device of the group ran the whole head on the last pipeline
+# stage (at 1T: more than half the work of the stage's two layers, a 1.4x slower step) and held
+# the whole table's weights, gradients and Adam state (24 GB at 1T).
+VOCAB_MIN_ROWS = 16384
+
+
+def is_vocabulary(rows: int, columns: int) -> bool:
+    """Whether an embedding table's (rows, columns) or an LM head's (classes, features) are a
+    vocabulary's, which tensor parallelism splits by rows (embeddings also need
+    ``VOCAB_MIN_COLUMNS``)."""
+    return rows >= VOCAB_ROWS_PER_COLUMN * columns or rows >= VOCAB_MIN_ROWS
+
 
 _ELEMENTWISE = frozenset(
     "add sub mul div pow neg tanh gelu silu relu sigmoid rsqrt sqrt exp log abs clamp where masked_fill "
@@ -105,20 +122,34 @@ class TensorParallelAnalysis:
     scatters: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     resized: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     vocab: dict[str, int] = field(default_factory=dict)  # vocab-parallel cross-entropy -> classes
+    # sequence parallelism over this layout (``partita.capturing.sequence_parallel``): None without
+    sequence: Any = None
 
 
 def find_layout(graph: OpGraph, degree: int) -> TensorParallelLayout:
     """The planner's view: ``analyze`` on the whole captured graph (whose stages return the loss
     alone), parameters by canonical name."""
-    loss = graph.nodes[graph.loss_node].name  # the stages return the loss alone
-    found = analyze(graph.graph_module.graph, degree, outputs=(loss,)).layout
+    return whole_graph_layout(graph, whole_graph_analysis(graph, degree))
+
+
+@functools.lru_cache(maxsize=16)
+def whole_graph_analysis(graph: OpGraph, degree: int) -> TensorParallelAnalysis:
+    """``analyze`` on the whole captured graph, whose stages return the loss alone (remembered per
+    graph and degree: the planner asks for it with and without sequence parallelism; read-only)."""
+    return analyze(graph.graph_module.graph, degree, outputs=(graph.nodes[graph.loss_node].name,))
+
+
+def whole_graph_layout(graph: OpGraph, analysis: TensorParallelAnalysis) -> TensorParallelLayout:
+    """``analysis`` (of the whole captured graph) as the planner's layout: parameters by canonical name."""
+    found = analysis.layout
     params = {graph.attr_to_param.get(target, target): shard for target, shard in found.params.items()}
     return TensorParallelLayout(
-        degree=degree,
+        degree=found.degree,
         params=params,
         sharded_nodes=found.sharded_nodes,
         forward_reductions=found.forward_reductions,
         backward_reductions=found.backward_reductions,
+        backward_fixed_reductions=found.backward_fixed_reductions,
         rejected=found.rejected,
     )
 
@@ -187,6 +218,7 @@ class _Propagation:
         self.vocab: dict[str, int] = {}  # vocab-parallel cross-entropy -> classes
         self.forward_reductions: dict[str, int] = {}
         self.backward_reductions: dict[str, int] = {}
+        self.backward_fixed_reductions: dict[str, int] = {}
 
     # -------------------------------------------------------------- driver
 
@@ -222,6 +254,7 @@ class _Propagation:
             sharded_nodes=frozenset(sharded),
             forward_reductions=dict(self.forward_reductions),
             backward_reductions=dict(self.backward_reductions),
+            backward_fixed_reductions=dict(self.backward_fixed_reductions),
             rejected=dict(self.rejected),
         )
         states = {n.name: s for n, s in self.states.items()}
@@ -352,7 +385,7 @@ class _Propagation:
         shape = fx_read.shape(weight) or ()
         if not self._is_param(weight) or len(shape) != 2 or self._state(ids) is not None:
             return False
-        if node.name in self.rejected or shape[0] < VOCAB_ROWS_PER_COLUMN * shape[1] or shape[1] < VOCAB_MIN_COLUMNS:
+        if node.name in self.rejected or not is_vocabulary(*shape) or shape[1] < VOCAB_MIN_COLUMNS:
             self._use_param(weight, None, frozenset())
             return True
         whole = shape[0] if shape[0] % self.t else 0  # rows rounded up per part, the last one padded
@@ -383,8 +416,10 @@ class _Propagation:
             if aligned >= 0 and shape[aligned] != 1:
                 self.scatters[(node.name, position)] = (aligned, placed.blocks)
                 # each device's gradient of the whole operand sums only its part: keyed by the node
-                # (the cost model reads node names), one all-reduce per such operand
-                self.backward_reductions[node.name] = self.backward_reductions.get(node.name, 0) + fx_read.numel(v)
+                # (the cost model reads node names), one all-reduce per such operand; an operand without
+                # a batch dimension (T5's position bias) moves as much at every micro-batch size
+                sums = self.backward_reductions if fx_read.batched(v) else self.backward_fixed_reductions
+                sums[node.name] = sums.get(node.name, 0) + fx_read.numel(v)
         if fx_read.op_name(node) in ("zeros_like", "ones_like", "full_like", "empty_like") and node.kwargs.get("size"):
             return None
         return placed
@@ -571,7 +606,7 @@ class _Propagation:
             or self._state(target) is not None
         ):
             raise _Failure(s.origins, f"{node.name}: only a 2-d cross-entropy without weights or smoothing splits")
-        narrow = [o for o in s.origins if self.widths[o][0] < VOCAB_ROWS_PER_COLUMN * self.widths[o][1]]
+        narrow = [o for o in s.origins if not is_vocabulary(*self.widths[o])]
         if narrow:  # a classifier's few classes: nothing worth splitting
             raise _Failure(narrow, f"{node.name}: {self.widths[narrow[0]][0]} classes are too few to split")
         self.kinds[node.name] = "vocab_cross_entropy"

@@ -53,6 +53,12 @@ def shape(value: Any) -> tuple[int, ...] | None:
     return tuple(concrete(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def batched(value: Any) -> bool:
+    """Whether ``value``'s size follows the batch: a dimension of it is symbolic (captured dynamic)."""
+    val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and any(not isinstance(s, int) for s in val.shape)
+
+
 def outputs(node: torch.fx.Node) -> tuple:
     val = node.meta.get("val")
     return tuple(val) if isinstance(val, (list, tuple)) else (val,)

@@ -76,12 +76,13 @@ def _plan_options(args: argparse.Namespace):
         num_stages=args.num_stages,
         replicas=args.replicas,
         num_microbatches=args.microbatches,
-        recompute=None if recompute is None else recompute == "yes",
+        recompute=recompute,
         uniform_replicas=True if args.uniform_replicas else None,
         optimizer=args.optimizer,  # train: a torch optimizer's name, which OptimizerKind.parse reads too
         precision=getattr(args, "precision", None),
         sharding=getattr(args, "sharding", None),
         tensor_parallel=getattr(args, "tensor_parallel", None),
+        sequence_parallel={"yes": True, "no": False}.get(getattr(args, "sequence_parallel", None)),
         costs=getattr(args, "costs", "auto"),
         cache_dir=args.cache_dir,
     )

@@ -11,7 +11,7 @@ from partita.cli.optimizers import OPTIMIZERS
 from partita.errors import InputError
 from partita.planning.options import CostSource
 from partita.training.lr_schedule import LR_SCHEDULES
-from partita.types import OptimizerKind, Precision, Schedule, Sharding
+from partita.types import OptimizerKind, Precision, Recompute, Schedule, Sharding
 from partita.types.choices import spellings
 
 MODEL_HELP = (
@@ -63,7 +63,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_precision_sharding(parser: argparse.ArgumentParser) -> None:
-    """--precision, --sharding and --tensor-parallel: how each device computes and what it holds."""
+    """--precision, --sharding, --tensor-parallel and --sequence-parallel: how each device computes and
+    what it holds."""
     parser.add_argument(
         "--precision",
         default=None,
@@ -85,6 +86,13 @@ def _add_precision_sharding(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="pin the tensor-parallel degree: every replica splits its matmuls over N devices of one node "
         "(default: searched over 1, 2, 4 and 8 where the devices per node allow; 1: none)",
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        default=None,
+        choices=["yes", "no"],
+        help="pin sequence parallelism: the tensor-parallel groups also split, by token, the regions they leave "
+        "whole (norms, dropout, residual additions) (default: on wherever the model allows it)",
     )
 
 
@@ -184,7 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=_UNIFORM_REPLICAS_HELP,
     )
     plan.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
-    plan.add_argument("--recompute", default=None, choices=["yes", "no"], help="pin activation recomputation")
+    plan.add_argument(
+        "--recompute",
+        default=None,
+        type=_choice(Recompute),
+        help="pin the activation recomputation level of every stage (yes: full, no: none; default: each stage "
+        f"recomputes as much as it needs to fit): {spellings(Recompute)}",
+    )
     plan.add_argument(
         "--optimizer",
         default="adam",

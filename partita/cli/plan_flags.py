@@ -58,6 +58,7 @@ def _flags_and_plan(args: argparse.Namespace, plan: Plan, memory_bytes: int | No
         ("replicas", args.replicas, counts.pop() if len(counts) == 1 else sorted(counts)),
         ("uniform-replicas", True if args.uniform_replicas else None, plan.uniform_replicas),
         ("sharding", args.sharding, _sharding_of(plan, args.sharding, levels)),
+        ("sequence-parallel", getattr(args, "sequence_parallel", None), "yes" if plan.sequence_parallel else "no"),
         ("memory", memory_bytes, plan.cluster.memory_bytes),
     ]
 

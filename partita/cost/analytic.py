@@ -16,13 +16,28 @@ Backward: a node has ``k = k_in + k_w`` gradient products, one per operand that 
 gradient: ``k_in`` values that require grad, plus ``k_w = 1`` when it reads trainable
 parameters. A matmul's gradient for each operand costs as much as the forward, so
 
-    backward_s        = max(k · flops / (peak · eff), 2 · bytes_moved / (bw · eff)) + k · op_overhead_s
+    backward_s        = max(k · flops / (peak · eff), backward_bytes / (bw · eff)) + k · op_overhead_s
     backward_weight_s = backward_s · k_w / k
 
 A linear layer gets 2× its forward FLOPs (input + weight gradient), the attention matmuls
 (Q·Kᵀ, P·V) also 2× (both operands need gradients), a first layer whose input is data 1×.
-The memory side reads the output gradient and the saved tensors and writes the input
-gradients: about twice the forward traffic.
+The memory side is what autograd's kernels move (``_backward_bytes``): the output gradient
+read, the tensors the forward saved for it read back (``partita.cost.table.backward_read_bytes``: a
+softmax's or tanh's output, a layer norm's or gelu's input, a dropout mask; nothing for
+``x * 0.5``), and a gradient written per input (and trainable parameter) that needs one. So
+a softmax or gelu moves 1.5× its forward traffic, a scale ``x * c`` or a dropout about 1×. An
+``add`` (a residual, an additive mask) runs no backward kernel at all -- autograd hands its
+output gradient to both operands -- except a sum over the dims it broadcast an operand over; nor
+do copies that only change the layout (``clone``, ``contiguous``, ``reshape``). A value read by
+several nodes that need its gradient gets their gradients summed, one ``add`` (two reads, one
+write) per extra reader, counted in the producing node's backward bytes (kept inside the
+roofline's max, so that the time stays two terms and an overhead: ``bench/gpu/check.py`` refits
+them; a matmul's sum then hides under its compute). Gathers (embeddings) keep twice their
+forward traffic. The rule this replaces, twice the forward traffic for every op, over-counted
+GPT's memory-bound backward by about half (on the attention scores of an eager GPT-2: 12
+score-sized reads and writes where autograd moves 5), which made Megatron-LM's 1.7B layout on
+A100s predict 1.23x the step the paper measured (1.07x with this count;
+``bench/megatron_calibration.py``).
 
 Precision: under ``Precision.BF16`` every node runs at the device's bfloat16 peak, and every
 float32 value and parameter read counts at 2 bytes (bf16 parameter copies and activations,
@@ -39,9 +54,11 @@ from __future__ import annotations
 import numpy as np
 
 from partita.checks import positive_int
+from partita.cost.recompute import selective_arrays
 from partita.cost.table import (
     FLOAT_DTYPES,
     activation_bytes,
+    backward_read_bytes,
     compute_dtype,
     costs_nothing,
     cut_bytes,
@@ -59,6 +76,8 @@ from partita.types.devices import resolve_device
 __all__ = ["analytic_costs", "optimizer_step_s"]
 
 _GATHER_OPS = frozenset({"embedding"})  # read only the rows they return
+# Ops whose backward hands the output gradient to each operand as it is (a view of it): no kernel.
+_GRADIENT_PASSES = frozenset({"add", "clone", "contiguous", "reshape", "_unsafe_view", "alias", "lift_fresh_copy"})
 
 
 def analytic_costs(
@@ -91,13 +110,16 @@ def analytic_costs(
     k_weight = work["k_weight"]
     k = work["k_input"] + k_weight
     has_backward = busy & work["requires_grad"] & (k > 0)
-    backward_s = (
-        np.maximum(k * work["flops"] / compute_rate, 2.0 * work["bytes_moved"] / memory_rate) + k * device.op_overhead_s
+    moved = _backward_bytes(graph, microbatch_size, precision, work)
+    runs = (work["flops"] > 0) | (moved > 0)  # an add or a layout copy runs no kernel: no launch either
+    backward_s = np.maximum(k * work["flops"] / compute_rate, moved / memory_rate) + np.where(runs, k, 0) * (
+        device.op_overhead_s
     )
     backward_s = np.where(has_backward, backward_s, 0.0)
     backward_weight_s = np.where(has_backward, backward_s * k_weight / np.maximum(k, 1), 0.0)
 
     params = param_arrays(graph)
+    selective = selective_arrays(graph, microbatch_size, forward_s, precision)
     return CostTable(
         microbatch_size=microbatch_size,
         device=device.name,
@@ -113,6 +135,7 @@ def analytic_costs(
         param_bytes=params.num_bytes,
         param_trainable=params.trainable,
         param_uses=params.uses,
+        **selective._asdict(),
     )
 
 
@@ -136,7 +159,8 @@ def _node_work(
         for name, p in graph.parameters.items()
     }
     trainable = {name for name, p in graph.parameters.items() if p.requires_grad and not p.is_buffer}
-    work = {name: np.zeros(num_nodes) for name in ("flops", "bytes_moved", "peak_flops", "k_input", "k_weight")}
+    names = ("flops", "bytes_moved", "params_read", "peak_flops", "k_input", "k_weight")
+    work = {name: np.zeros(num_nodes) for name in names}
     work["free"] = np.zeros(num_nodes, dtype=bool)
     work["requires_grad"] = grad
     for node in graph.nodes:
@@ -148,14 +172,43 @@ def _node_work(
         batched = any(t.batch_dim is not None for t in node.outputs)
         work["flops"][n] = node.flops * microbatch_size / b if batched else node.flops
         activations_read = sum(int(values[p]) for p in node.inputs) + sum(input_bytes[j] for j in node.graph_inputs)
+        work["params_read"][n] = sum(param_bytes.get(name, 0) for name in node.params)
         if op_name(node.target) in _GATHER_OPS:  # rows read + output written + indices read
             work["bytes_moved"][n] = 2 * int(values[n]) + activations_read
         else:
-            params_read = sum(param_bytes.get(name, 0) for name in node.params)
-            work["bytes_moved"][n] = activations_read + params_read + int(values[n])
+            work["bytes_moved"][n] = activations_read + work["params_read"][n] + int(values[n])
         work["k_input"][n] = sum(1 for p in set(node.inputs) if grad[p])
         work["k_weight"][n] = 1 if any(name in trainable for name in node.params) else 0
     return work
+
+
+def _backward_bytes(
+    graph: OpGraph, microbatch_size: int, precision: Precision, work: dict[str, np.ndarray]
+) -> np.ndarray:
+    """float64[n]: the bytes node n's backward kernels move, summing the gradients of its readers
+    included, as the module docstring counts them."""
+    values = value_bytes(graph, microbatch_size, precision)
+    saved = backward_read_bytes(graph, microbatch_size, precision)
+    grad = work["requires_grad"]
+    moved = np.zeros(graph.num_nodes)
+    for node in graph.nodes:
+        n = node.index
+        if work["free"][n] or not grad[n]:
+            continue
+        needing = [p for p in set(node.inputs) if grad[p]]  # operands that get a gradient
+        name = op_name(node.target)
+        if name in _GATHER_OPS:
+            moved[n] = 2.0 * work["bytes_moved"][n]
+        elif name in _GRADIENT_PASSES:  # no kernel, but a sum over the dims an operand was broadcast over
+            summed = [int(values[p]) for p in needing if values[p] < values[n]]
+            summed += [work["params_read"][n]] if work["k_weight"][n] else []  # x + bias: the bias's gradient
+            moved[n] = (int(values[n]) + sum(summed)) if summed else 0
+        else:
+            written = sum(int(values[p]) for p in needing) + work["k_weight"][n] * work["params_read"][n]
+            moved[n] = int(values[n]) + int(saved[n]) + written
+        readers = sum(1 for c in set(node.consumers) if grad[c])
+        moved[n] += 3.0 * max(0, readers - 1) * int(values[n])  # views' readers: not counted
+    return moved
 
 
 def _node_dtype(node: OpNode) -> str:

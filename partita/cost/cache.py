@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     import torch
 
 # Bump when the profiler measures differently: old entries then miss instead of being reused.
-FORMAT_VERSION = 2  # 2: calibrated against the flat module, not the exported one
+# 2: calibrated against the flat module, not the exported one; 3: selective recomputation's arrays
+FORMAT_VERSION = 3
 
 # Arrays of a CostTable stored as they are (param_uses is ragged and stored flattened).
 _ARRAY_FIELDS = (
@@ -54,6 +55,9 @@ _ARRAY_FIELDS = (
     "cut_bytes",
     "param_bytes",
     "param_trainable",
+    "saved_bytes",
+    "recomputed_bytes",
+    "selective_recompute_s",
 )
 
 

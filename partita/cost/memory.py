@@ -8,7 +8,9 @@ backward peak = gathered parameter copies (sharded stages)
               + the gradients alive by then: all of them when some micro-batch's backward
                 ran before the activation peak (1F1B steady state), else only the first one
                 (GPipe, or as many micro-batches as in flight; gradients are set to None
-                between steps)
+                between steps) -- or, when every forward runs first, the start of the second
+                micro-batch's backward if that is higher: one micro-batch fewer kept, but every
+                gradient made (its rebuilt tensors too, under recomputation)
 step peak     = the gradients the optimizer reads (a shard when sharded) + its temporaries
 
 Per trainable byte of the parameters in their own (captured, fp32) dtype, with ``k`` optimizer
@@ -46,8 +48,10 @@ Glossary
 --------
 in flight   micro-batches whose forward has run on this device and whose backward has not yet
             freed their activations. The schedule decides how many there are at the peak.
-recompute   activation checkpointing of a whole stage: forward keeps only the stage's input,
-            and backward re-runs the forward of one micro-batch at a time.
+recompute   activation recomputation of a stage (``Recompute``): none keeps everything; full
+            keeps only the stage's input, and backward re-runs the forward of one micro-batch
+            at a time; selective also keeps the outputs of matmuls and attention and rebuilds
+            the rest (``partita.cost.recompute`` tabulates what each level keeps).
 precision   the CostTable's activation, output and cut bytes are already in the plan's
             precision (``partita.cost.table``); its ``param_bytes`` are the parameters' own
             (master) bytes, which this model converts.
@@ -57,13 +61,13 @@ sharding    ``partita.types.Sharding``: how a stage's ``r`` replicas share param
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from partita.types import CostTable, MemoryBreakdown, OptimizerKind, Precision, Schedule, Sharding
+from partita.types import CostTable, MemoryBreakdown, OptimizerKind, Precision, Recompute, Schedule, Sharding
 
 # DDP-style gradient bucket kept while replicas all-reduce (torch DDP's default bucket_cap_mb).
 ALLREDUCE_BUCKET_BYTES = 25 * 2**20
@@ -162,7 +166,7 @@ def device_memory(
     *,
     in_flight: float,
     optimizer: OptimizerKind = OptimizerKind.ADAM,
-    recompute: bool = False,
+    recompute: Recompute | bool = Recompute.NONE,
     precision: Precision = Precision.FP32,
     sharding: Sharding = Sharding.REPLICATE,
     num_replicas: int = 1,
@@ -187,6 +191,8 @@ def device_memory(
         param_bytes=int(param_bytes[held].sum()),
         trainable_bytes=int(param_bytes[held_trainable].sum()),
         activation_bytes=int(sum(costs.activation_bytes[start:stop].sum() for start, stop in ranges)),
+        saved_bytes=int(sum(costs.saved_bytes[start:stop].sum() for start, stop in ranges)),
+        recomputed_bytes=int(sum(costs.recomputed_bytes[start:stop].sum() for start, stop in ranges)),
         stage_input_bytes=int(sum(costs.cut_bytes[start] for start, _ in ranges)),
         boundary_bytes=sum(int(costs.cut_bytes[start]) + int(costs.cut_bytes[stop]) for start, stop in ranges),
         largest_output_bytes=max((int(costs.output_bytes[a:b].max()) for a, b in ranges if b > a), default=0),
@@ -226,13 +232,15 @@ def memory_from_totals(
     in_flight: Any,
     largest_param_bytes: Any = 0,
     optimizer: OptimizerKind,
-    recompute: bool,
+    recompute: Recompute | bool,
     precision: Precision = Precision.FP32,
     sharding: Sharding = Sharding.REPLICATE,
     num_replicas: int = 1,
     num_microbatches: Any = None,
     first_grad_bytes: Any = None,
     gathered_trainable_bytes: Any = None,
+    saved_bytes: Any = None,
+    recomputed_bytes: Any = None,
 ) -> DeviceMemory:
     """The memory formula on totals of a device's node ranges. Works element-wise on numpy
     arrays too, so the search evaluates every candidate stage at once with the same formula.
@@ -248,8 +256,13 @@ def memory_from_totals(
     bound when no node reads several large parameters). param_bytes, trainable_bytes,
     largest_param_bytes, first_grad_bytes: in the parameters' own dtype (fp32); the rest in
     ``precision``. gathered_trainable_bytes: under full_shard, the trainable bytes gathered at a
-    time (None: all of them). The table in the module docstring gives the formulas.
+    time (None: all of them). The table in the module docstring gives the formulas. ``recompute``:
+    the level (a bool means full or none); saved_bytes, recomputed_bytes: selective recomputation's
+    totals (per micro-batch, ``partita.cost.recompute``), needed at that level only.
     """
+    recompute = Recompute.parse(recompute)
+    if recompute is Recompute.SELECTIVE:
+        assert saved_bytes is not None and recomputed_bytes is not None, "selective needs saved and recomputed bytes"
     sharded = sharding is not Sharding.REPLICATE and num_replicas > 1
     shards = num_replicas if sharded else 1
     gathered = trainable_bytes if gathered_trainable_bytes is None else gathered_trainable_bytes
@@ -264,13 +277,16 @@ def memory_from_totals(
         persistent_params = 1 * param_bytes
         gathered_bytes = 0 * trainable_bytes
     copies = _weight_copies(precision, sharding, num_replicas, trainable_bytes, gathered_trainable_bytes)
-    kept = _kept_bytes(in_flight, recompute, activation_bytes, stage_input_bytes, copies)
+
+    def kept_with(count: Any) -> Any:  # kept for backward with ``count`` micro-batches in flight
+        return _kept_bytes(count, recompute, activation_bytes, stage_input_bytes, copies, saved_bytes, recomputed_bytes)
+
+    kept, backward_grad_bytes = kept_with(in_flight), None
     comm_buffer_bytes = 1 * boundary_bytes  # the received input and the output gradient of the micro-batch
-    if num_microbatches is None:
-        backward_grad_bytes = None
-    else:
-        first = largest_param_bytes if first_grad_bytes is None else first_grad_bytes
-        backward_grad_bytes = _backward_grad_bytes(in_flight, num_microbatches, first, trainable_bytes)
+    if num_microbatches is not None:
+        first = np.minimum(largest_param_bytes if first_grad_bytes is None else first_grad_bytes, trainable_bytes)
+        fewer = lambda: kept_with(np.maximum(in_flight - 1, 0))  # noqa: E731
+        kept, backward_grad_bytes = _backward_peak(in_flight, num_microbatches, kept, fewer, first, trainable_bytes)
     if num_replicas > 1 and not sharded:  # DDP's gradient bucket (FSDP2 reduce-scatters from the gradients counted)
         comm_buffer_bytes = comm_buffer_bytes + np.minimum(trainable_bytes, ALLREDUCE_BUCKET_BYTES)
     return DeviceMemory(
@@ -300,19 +316,63 @@ def _weight_copies(
     return 0.5 * (gathered if sharded else trainable_bytes)
 
 
-def _kept_bytes(in_flight: Any, recompute: bool, activation_bytes: Any, stage_input_bytes: Any, copies: Any) -> Any:
-    """Activations (and bf16 weight copies) kept for backward with ``in_flight`` micro-batches."""
-    if recompute:
-        # Keep only each in-flight micro-batch's stage inputs; backward rebuilds one micro-batch.
-        return np.ceil(in_flight * stage_input_bytes) + activation_bytes + np.ceil(copies)
-    return np.ceil(in_flight * (activation_bytes + copies))
+def _kept_bytes(
+    in_flight: Any,
+    recompute: Recompute,
+    activation_bytes: Any,
+    stage_input_bytes: Any,
+    copies: Any,
+    saved_bytes: Any = None,
+    recomputed_bytes: Any = None,
+) -> Any:
+    """Activations (and bf16 weight copies) kept for backward with ``in_flight`` micro-batches:
+    each keeps ``kept_per_microbatch`` (and, without recomputation, its weight copies); a
+    recomputing stage rebuilds one micro-batch's at a time (``rebuilt_bytes``, one set of copies)."""
+    if recompute is Recompute.NONE:
+        return np.ceil(in_flight * (activation_bytes + copies))
+    per_microbatch = kept_per_microbatch(recompute, activation_bytes, stage_input_bytes, saved_bytes)
+    rebuilt = rebuilt_bytes(recompute, activation_bytes, recomputed_bytes)
+    return np.ceil(in_flight * per_microbatch) + rebuilt + np.ceil(copies)
 
 
-def _backward_grad_bytes(in_flight: Any, num_microbatches: Any, first: Any, trainable_bytes: Any) -> Any:
-    """Gradients alive at the backward peak: only the first ones when every forward runs before
-    the first backward (no more micro-batches than in flight), else all of them."""
-    no_steady_state = np.asarray(num_microbatches) <= np.asarray(in_flight)
-    return _as_int(np.where(no_steady_state, np.minimum(first, trainable_bytes), trainable_bytes))
+def kept_per_microbatch(level: Recompute, activation: Any, stage_input: Any, saved: Any) -> Any:
+    """Bytes one micro-batch in flight keeps (``partita.cost.recompute``'s table); works on arrays."""
+    if level is Recompute.FULL:
+        return 1 * stage_input
+    if level is Recompute.SELECTIVE:
+        return stage_input + saved
+    return 1 * activation
+
+
+def rebuilt_bytes(level: Recompute, activation: Any, recomputed: Any) -> Any:
+    """Bytes the backward of one micro-batch rebuilds, alive until it has used them."""
+    if level is Recompute.FULL:
+        return 1 * activation
+    if level is Recompute.SELECTIVE:
+        return 1 * recomputed
+    return 0 * activation
+
+
+def _backward_peak(
+    in_flight: Any, num_microbatches: Any, kept: Any, fewer: Callable[[], Any], first: Any, all_grads: Any
+) -> tuple:
+    """(activations, gradients) at the backward peak. With some backward before the activation
+    peak (more micro-batches than in flight) every gradient is alive with ``kept``. When every
+    forward runs first, the first backward starts with ``kept`` and the first gradients, and the
+    second (with two or more micro-batches) with one micro-batch fewer kept (``fewer()``, computed
+    only then: the search asks this for every stage range) but every gradient: whichever is higher."""
+    if np.ndim(num_microbatches) == 0 and np.ndim(in_flight) == 0:  # the search's case, decided in Python
+        if num_microbatches > in_flight:
+            return _as_int(kept), _as_int(all_grads)
+        if num_microbatches < 2:
+            return _as_int(kept), _as_int(first)
+    m, f = np.asarray(num_microbatches), np.asarray(in_flight)
+    no_steady_state = m <= f
+    less = fewer()
+    second = no_steady_state & (m >= 2) & (less + all_grads > kept + first)
+    activations = np.where(second, less, kept)
+    grads = np.where(no_steady_state & ~second, first, all_grads)
+    return _as_int(activations), _as_int(grads)
 
 
 class MemoryByInFlight:
@@ -337,19 +397,28 @@ class MemoryByInFlight:
         if totals.get("num_microbatches") is not None:  # the first gradients, for every forward before a backward
             first = totals.get("first_grad_bytes")
             first = totals.get("largest_param_bytes", 0) if first is None else first
-            self._first_grads = _backward_grad_bytes(
-                np.inf, totals["num_microbatches"], first, totals["trainable_bytes"]
-            )
+            self._first_grads = np.minimum(first, totals["trainable_bytes"])
         self._totals = totals
+        self._recompute = Recompute.parse(totals["recompute"])
+
+    def _kept(self, in_flight: Any) -> Any:
+        t = self._totals
+        return _kept_bytes(
+            in_flight,
+            self._recompute,
+            t["activation_bytes"],
+            t["stage_input_bytes"],
+            self._copies,
+            t.get("saved_bytes"),
+            t.get("recomputed_bytes"),
+        )
 
     def total_bytes(self, in_flight: float) -> Any:
         t = self._totals
-        kept = _as_int(
-            _kept_bytes(in_flight, t["recompute"], t["activation_bytes"], t["stage_input_bytes"], self._copies)
-        )
-        grads = self._grads
+        kept, grads = _as_int(self._kept(in_flight)), self._grads
         if t.get("num_microbatches") is not None:
-            grads = np.where(np.asarray(t["num_microbatches"]) <= in_flight, self._first_grads, self._grads)
+            fewer = lambda: self._kept(np.maximum(in_flight - 1, 0))  # noqa: E731
+            kept, grads = _backward_peak(in_flight, t["num_microbatches"], kept, fewer, self._first_grads, grads)
         return self._persistent + np.maximum(self._fixed + kept + grads, self._step_peak)
 
 

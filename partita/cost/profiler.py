@@ -45,6 +45,7 @@ import torch.utils._pytree as pytree
 
 from partita.capturing import check_flat_inputs
 from partita.cost import cache
+from partita.cost.recompute import selective_arrays
 from partita.cost.table import cut_bytes, output_bytes, param_arrays
 from partita.errors import InputError
 from partita.types import CostTable, OpGraph
@@ -161,6 +162,7 @@ def _build_table(
     forward_s = m.forward_s * forward_scale
     backward_s = m.backward_s * backward_scale
     names, param_bytes, trainable, uses = param_arrays(graph)
+    selective = selective_arrays(graph, microbatch_size, forward_s, measured_activation_bytes=m.activation_bytes)
     return CostTable(
         microbatch_size=microbatch_size,
         device=device_name(device),
@@ -184,6 +186,7 @@ def _build_table(
             warmup=float(warmup),
             num_threads=float(torch.get_num_threads()),
         ),
+        **selective._asdict(),
     )
 
 

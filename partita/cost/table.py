@@ -46,6 +46,7 @@ __all__ = [
     "storage_roots",
     "tensor_bytes",
     "value_bytes",
+    "backward_read_bytes",
 ]
 
 FLOAT_DTYPES = frozenset(
@@ -312,7 +313,11 @@ def requires_grad(graph: OpGraph) -> np.ndarray:
 
 
 def activation_bytes(
-    graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32, shards: np.ndarray | None = None
+    graph: OpGraph,
+    microbatch_size: int,
+    precision: Precision = Precision.FP32,
+    shards: np.ndarray | None = None,
+    skip: np.ndarray | None = None,
 ) -> np.ndarray:
     """int64[n]: bytes node n keeps alive for its backward, scaled.
 
@@ -320,62 +325,107 @@ def activation_bytes(
     root alive, so the root's bytes count, and each root counts once, at the first node that
     keeps it (softmax keeps its output and the next matmul keeps the same memory). Nodes
     without a backward (no grad, views, in-place ops, integer outputs) keep nothing. ``shards``
-    as ``value_bytes`` takes it: a kept root counts the part of it one device holds.
+    as ``value_bytes`` takes it: a kept root counts the part of it one device holds. ``skip``
+    (bool[n]): the roots of these nodes count nothing (kept elsewhere: selective recomputation's
+    saved outputs, ``partita.cost.recompute``).
     """
     values = value_bytes(graph, microbatch_size, precision, shards)
-    roots = storage_roots(graph)
-    grad = requires_grad(graph)
-    trainable = {name for name, p in graph.parameters.items() if p.requires_grad and not p.is_buffer}
     b = graph.batch_size
-    input_bytes = [
-        tensor_bytes(g.tensor, microbatch_size, b, precision) if g.tensor is not None else 0 for g in graph.inputs
-    ]
-
-    def root_bytes(root: int | None) -> int:
-        return 0 if root is None else int(values[root]) if root >= 0 else input_bytes[-root - 1]
-
-    kept: set = set()  # storage roots already counted (node/input indices, or ("mask", n))
+    input_bytes = np.array(
+        [tensor_bytes(g.tensor, microbatch_size, b, precision) if g.tensor is not None else 0 for g in graph.inputs]
+        + [0],
+        dtype=np.int64,
+    )
+    keeper, kind, index, itemsize = _first_keepers(graph, precision)
+    node_values = values[np.where(kind == _INPUT, 0, index)] // itemsize
+    kept = np.where(kind == _INPUT, input_bytes[np.where(kind == _INPUT, index, -1)], node_values)
+    if skip is not None:
+        kept = np.where((kind == _NODE) & np.asarray(skip, dtype=bool)[index], 0, kept)
     result = np.zeros(graph.num_nodes, dtype=np.int64)
-    for node in graph.nodes:
-        if not grad[node.index] or node.is_view:
-            continue
-        total = 0
-        for root, num_bytes in _kept_tensors(node, roots, root_bytes, grad, trainable, precision):
-            if root is not None and root not in kept:
-                kept.add(root)
-                total += num_bytes
-        result[node.index] = total
+    np.add.at(result, keeper, kept)
     return result
 
 
-def _kept_tensors(
-    node: OpNode, roots: list, root_bytes, grad: np.ndarray, trainable: set, precision: Precision
-) -> list[tuple]:
-    """(storage root, bytes) of each tensor ``node`` keeps for its backward."""
+def backward_read_bytes(graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32) -> np.ndarray:
+    """int64[n]: bytes of the tensors node n's backward reads back from its forward, scaled.
+
+    The same tensors as ``activation_bytes`` (the tables above), but each node counts all of its
+    own, also those another node already keeps alive: this is memory traffic, not memory held
+    (the analytic model's backward, ``partita.cost.analytic``)."""
+    roots = storage_roots(graph)
+    grad = requires_grad(graph)
+    trainable = {name for name, p in graph.parameters.items() if p.requires_grad and not p.is_buffer}
+    values = value_bytes(graph, microbatch_size, precision)
+    input_bytes = [
+        tensor_bytes(g.tensor, microbatch_size, graph.batch_size, precision) if g.tensor is not None else 0
+        for g in graph.inputs
+    ]
+
+    def root_bytes(root, itemsize: int) -> int:
+        if isinstance(root, tuple):  # a dropout mask: one byte per element of the node's value
+            return int(values[root[1]]) // itemsize
+        return int(values[root]) if root >= 0 else input_bytes[-root - 1]
+
+    result = np.zeros(graph.num_nodes, dtype=np.int64)
+    for node in graph.nodes:
+        if grad[node.index] and not node.is_view:
+            kept = _kept_tensors(node, roots, grad, trainable, precision)
+            result[node.index] = sum(root_bytes(root, itemsize) for root, itemsize in kept if root is not None)
+    return result
+
+
+_NODE, _INPUT, _MASK = 0, 1, 2  # kinds of storage root: a node's value, a graph input, a dropout mask
+
+
+@functools.lru_cache(maxsize=8)
+def _first_keepers(graph: OpGraph, precision: Precision) -> tuple[np.ndarray, ...]:
+    """(keeper, kind, index, itemsize) of every storage root some node keeps for its backward, at the
+    first node that keeps it (``activation_bytes``): the keeping node; ``_NODE`` (index: the node
+    whose value it is), ``_INPUT`` (index: the graph input) or ``_MASK`` (index: the dropout node;
+    one byte per element of its value, whose itemsize divides it). Which roots are kept does not
+    depend on the micro-batch size, so a graph's are found once (graphs are immutable)."""
+    roots = storage_roots(graph)
+    grad = requires_grad(graph)
+    trainable = {name for name, p in graph.parameters.items() if p.requires_grad and not p.is_buffer}
+    seen: set = set()
+    rows: list[tuple[int, int, int, int]] = []
+    for node in graph.nodes:
+        if not grad[node.index] or node.is_view:
+            continue
+        for root, itemsize in _kept_tensors(node, roots, grad, trainable, precision):
+            if root is None or root in seen:
+                continue
+            seen.add(root)
+            if isinstance(root, tuple):
+                rows.append((node.index, _MASK, root[1], itemsize))
+            else:
+                rows.append((node.index, _NODE, root, 1) if root >= 0 else (node.index, _INPUT, -root - 1, 1))
+    columns = [np.array(c, dtype=np.int64) for c in zip(*rows)] if rows else [np.zeros(0, dtype=np.int64)] * 4
+    return tuple(columns)
+
+
+def _kept_tensors(node: OpNode, roots: list, grad: np.ndarray, trainable: set, precision: Precision) -> list[tuple]:
+    """(storage root, the itemsize dividing its bytes) of each tensor ``node`` keeps for its backward:
+    1, but a dropout mask's (one byte per element of the output)."""
     name = op_name(node.target)
     own = roots[node.index]
     if name in _SAVES_NOTHING:
         return []
     if name in _SAVES_MASK:  # one byte per element of the output
-        itemsize = _ITEMSIZE.get(compute_dtype(node.outputs[0].dtype, precision), 4)
-        return [(("mask", node.index), root_bytes(node.index) // itemsize)]
+        return [(("mask", node.index), _ITEMSIZE.get(compute_dtype(node.outputs[0].dtype, precision), 4))]
     if name in _SAVES_OUTPUT:
-        return [(own, root_bytes(own))]
+        return [(own, 1)]
     # (storage root, requires grad) of each non-parameter operand; graph inputs never need grad.
     operands = [(roots[p], bool(grad[p])) for p in node.inputs] + [(-(j + 1), False) for j in node.graph_inputs]
     if name in _PRODUCTS:
         # d(x·y)/dx needs y and d(x·y)/dy needs x: keep an operand iff another one needs a gradient.
         weight_grad = any(p in trainable for p in node.params)
         grads = [g for _, g in operands]
-        kept = [
-            (r, root_bytes(r))
-            for k, (r, _) in enumerate(operands)
-            if weight_grad or any(grads[:k]) or any(grads[k + 1 :])
-        ]
+        kept = [(r, 1) for k, (r, _) in enumerate(operands) if weight_grad or any(grads[:k]) or any(grads[k + 1 :])]
     else:
-        kept = [(r, root_bytes(r)) for r, _ in operands]
+        kept = [(r, 1) for r, _ in operands]
     if name in _SAVES_INPUTS_AND_OUTPUT:
-        kept.append((own, root_bytes(own)))
+        kept.append((own, 1))
     return kept
 
 
@@ -415,5 +465,6 @@ def contended(costs: CostTable, slowdown: float) -> CostTable:
         forward_s=costs.forward_s * factor,
         backward_s=costs.backward_s * factor,
         backward_weight_s=costs.backward_weight_s * factor,
+        selective_recompute_s=costs.selective_recompute_s * factor,
         calibration={**costs.calibration, "compute_slowdown": float(slowdown)},
     )

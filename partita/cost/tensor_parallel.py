@@ -8,7 +8,8 @@ all-reduces that costs. Each device of the group then runs, per micro-batch:
               backward_weight_s / t;
               plus, after node n's forward, the ring all-reduce of ``forward_reductions[n]``
               elements over the group (in forward_s[n]), and in its backward the all-reduce of
-              ``backward_reductions[n]`` elements (in backward_s[n], the input-gradient part:
+              ``backward_reductions[n]`` + ``backward_fixed_reductions[n]`` elements (in
+              backward_s[n], the input-gradient part:
               backward_weight_s is unchanged). A ring all-reduce of b bytes over t devices of one
               node takes 2 (t - 1) α + 2 (t - 1)/t · b / β on the intra-node link
               (``partita.cost.comm``).
@@ -22,10 +23,23 @@ all-reduces that costs. Each device of the group then runs, per micro-batch:
     params    a parameter of ``layout.params`` holds 1/t of its bytes on each device; its
               gradient and optimizer state follow in the memory model (``partita.cost.memory``).
 
+Sequence parallelism (``layout.sequence_parallel``) also splits the regions between, by token:
+the values and work of ``sequence_nodes`` divide by ``t`` too, except the copies gathered whole for
+column-parallel matmuls (``gathered_nodes``: those matmuls keep that copy for their backward) and
+the partial output of a row-parallel matmul (whole until it is reduce-scattered: what selective
+recomputation keeps of it). Its collectives are single ring passes, ``t - 1`` steps of ``b / t``
+bytes each, ``(t - 1) α + (t - 1)/t · b / β`` (``layout.forward_passes`` / ``backward_passes``), which
+replace the all-reduces of the row-parallel outputs and column-parallel inputs. Boundary tensors
+between stages stay whole (the runtime gathers what it sends), so cut bytes are tensor
+parallelism's alone; the gathers at stage boundaries are left out.
+
 Every device of the group runs the same work, so one table describes each of them. Reduction
 counts are elements at the graph's example batch size; they are activations (the output of a
 row-parallel matmul, the input gradient of column-parallel ones, three values per row of a
-vocab-parallel loss), so they scale with the micro-batch, and move in the compute dtype (2 bytes
+vocab-parallel loss), so they scale with the micro-batch, but for the gradients of whole
+operands without a batch dimension (``backward_fixed_reductions``: a weight broadcast over the
+tokens, T5's position bias) and the gradient passes of such operands scattered by token
+(``backward_fixed_passes``), the same at every micro-batch size; all move in the compute dtype (2 bytes
 under bf16, 4 under fp32). Measured activation bytes (the profiler's) are scaled node by node by
 the modelled bytes with the split over those without.
 
@@ -40,7 +54,8 @@ import dataclasses
 import numpy as np
 
 from partita.cost import comm
-from partita.cost.table import activation_bytes, cut_bytes, output_bytes
+from partita.cost.recompute import selective_arrays
+from partita.cost.table import activation_bytes, cut_bytes, output_bytes, storage_roots
 from partita.errors import InputError
 from partita.types import Cluster, CostTable, OpGraph, Precision
 from partita.types.tensor_parallel import TensorParallelLayout
@@ -64,9 +79,10 @@ def tensor_parallel_costs(
         )
     position = _positions(graph, layout, costs.param_names)
     split = np.zeros(graph.num_nodes, dtype=bool)
-    split[[position[name] for name in layout.sharded_nodes if name in position]] = True
+    split[[position[name] for name in layout.sharded_nodes | layout.sequence_nodes if name in position]] = True
     shards = np.where(split, t, 1)  # the work
-    parts = np.where(split_values(graph, layout), t, 1)  # the values
+    tensor_parts = np.where(split_values(graph, layout), t, 1)  # the values (boundaries: tensor parallelism's)
+    parts, saved_parts = _token_parts(graph, layout, tensor_parts)
     forward_ar, backward_ar = reduction_times_s(costs, graph, layout, cluster)
     b, precision = costs.microbatch_size, Precision.parse(costs.precision)
     held = activation_bytes(graph, b, precision, parts)
@@ -75,6 +91,10 @@ def tensor_parallel_costs(
         kept = np.asarray(costs.activation_bytes, dtype=np.float64)
         ratio = np.divide(held, whole, out=1.0 / parts, where=whole > 0)
         held = np.where(whole > 0, np.round(kept * ratio), np.ceil(kept * ratio)).astype(np.int64)
+    # Selective recomputation keeps the parts of the kept outputs, and runs the group's forward
+    # all-reduces again (each follows a kept matmul, whose output is not recomputed: added apart).
+    measured = None if costs.source == "analytic" else held
+    selective = selective_arrays(graph, b, costs.forward_s, precision, parts, measured, saved_parts)
     split_params = np.array([name in layout.params for name in costs.param_names], dtype=bool)
     param_bytes = np.asarray(costs.param_bytes, dtype=np.int64)
     return dataclasses.replace(
@@ -84,37 +104,70 @@ def tensor_parallel_costs(
         backward_weight_s=np.asarray(costs.backward_weight_s) / shards,
         activation_bytes=held,
         output_bytes=output_bytes(graph, b, precision, parts),
-        cut_bytes=cut_bytes(graph, b, precision, parts),
+        cut_bytes=cut_bytes(graph, b, precision, tensor_parts),
         param_bytes=np.where(split_params, -(-param_bytes // t), param_bytes),
         tensor_parallel=t,
+        saved_bytes=selective.saved_bytes,
+        recomputed_bytes=selective.recomputed_bytes,
+        selective_recompute_s=np.asarray(costs.selective_recompute_s) / shards + forward_ar,
     )
 
 
 def split_values(graph: OpGraph, layout: TensorParallelLayout) -> np.ndarray:
-    """bool[n]: whether each device holds only a part of node n's value: the nodes of
-    ``sharded_nodes`` except those whose output the group all-reduces in the forward
-    (``forward_reductions``: a row-parallel matmul's or a vocab-parallel embedding's output is
-    whole again, though their work is split)."""
-    return np.array(
-        [n.name in layout.sharded_nodes and n.name not in layout.forward_reductions for n in graph.nodes], dtype=bool
-    )
+    """bool[n]: whether each device holds only a part of node n's value, split by tensor parallelism
+    (along features or heads): the nodes of ``sharded_nodes`` except those whose output the group
+    reduces in the forward (``forward_reductions``: a row-parallel matmul's or a vocab-parallel
+    embedding's output is whole again, though their work is split; under sequence parallelism
+    reduce-scattered by token, ``sequence_nodes``)."""
+    reduced = set(layout.forward_reductions) | (layout.sharded_nodes & layout.sequence_nodes)
+    return np.array([n.name in layout.sharded_nodes and n.name not in reduced for n in graph.nodes], dtype=bool)
+
+
+def _token_parts(graph: OpGraph, layout: TensorParallelLayout, tensor_parts: np.ndarray) -> tuple:
+    """(parts of each node's value a device holds, the same for what selective recomputation keeps):
+    ``tensor_parts`` and the token-split values, except the storage of values gathered whole for
+    column-parallel matmuls (kept whole by them); what is kept of a row-parallel matmul is its whole
+    partial output."""
+    if not layout.sequence_parallel:
+        return tensor_parts, tensor_parts
+    tokens = np.array([n.name in layout.sequence_nodes for n in graph.nodes], dtype=bool)
+    parts = np.where(tokens, layout.degree, tensor_parts)
+    roots = storage_roots(graph)
+    for n in graph.nodes:
+        if n.name in layout.gathered_nodes and roots[n.index] is not None and roots[n.index] >= 0:
+            parts[roots[n.index]] = 1
+    rows = np.array([n.name in layout.sharded_nodes and n.name in layout.sequence_nodes for n in graph.nodes])
+    return parts, np.where(rows, 1, parts)
 
 
 def reduction_times_s(
     costs: CostTable, graph: OpGraph, layout: TensorParallelLayout, cluster: Cluster
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, backward) seconds per node of the group's all-reduces at ``costs``' micro-batch
-    size and precision (float64[n] each; 0 where a node reduces nothing)."""
+    """(forward, backward) seconds per node of the group's collectives at ``costs``' micro-batch
+    size and precision (float64[n] each; 0 where a node communicates nothing): its all-reduces (two
+    ring passes each) and sequence parallelism's reduce-scatters and all-gathers (one each)."""
     position = _positions(graph, layout, costs.param_names)
     itemsize = 2 if Precision.parse(costs.precision) is Precision.BF16 else 4
     scale = costs.microbatch_size / graph.batch_size
     latency_s, per_byte_s = comm.ring_pass_coefficients(layout.degree, cluster, spans_nodes=False)
     times = []
-    for reductions in (layout.forward_reductions, layout.backward_reductions):
+    for reductions, passes, fixed_reductions, fixed_passes in (
+        (layout.forward_reductions, layout.forward_passes, {}, {}),
+        (
+            layout.backward_reductions,
+            layout.backward_passes,
+            layout.backward_fixed_reductions,
+            layout.backward_fixed_passes,
+        ),
+    ):
         seconds = np.zeros(graph.num_nodes)
-        for name, elements in reductions.items():
-            if name in position:
-                seconds[position[name]] += 2 * (latency_s + per_byte_s * elements * scale * itemsize)
+        for sums, each_pass, factor in ((reductions, passes, scale), (fixed_reductions, fixed_passes, 1.0)):
+            for name, elements in sums.items():
+                if name in position:
+                    seconds[position[name]] += 2 * (latency_s + per_byte_s * elements * factor * itemsize)
+            for name, each in each_pass.items():
+                if name in position:
+                    seconds[position[name]] += sum(latency_s + per_byte_s * e * factor * itemsize for e in each)
         times.append(seconds)
     return times[0], times[1]
 
@@ -127,6 +180,8 @@ def _positions(graph: OpGraph, layout: TensorParallelLayout, param_names: tuple[
     position = {n.name: n.index for n in graph.nodes}
     free = {i.name for i in graph.inputs} | set(graph.attr_to_param)
     nodes = set(layout.sharded_nodes) | set(layout.forward_reductions) | set(layout.backward_reductions)
+    nodes |= set(layout.backward_fixed_reductions) | set(layout.backward_fixed_passes)
+    nodes |= set(layout.sequence_nodes) | set(layout.forward_passes) | set(layout.backward_passes)
     missing = sorted(nodes - set(position) - free)
     unknown = sorted(set(layout.params) - set(param_names))
     if missing or unknown:

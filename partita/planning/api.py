@@ -69,7 +69,13 @@ def plan(
         options=options,
         batch_dims=batch_dims,
     )
-    best = _best_or_raise(degree_contexts(ctx, options.tensor_parallel, uneven=options.uniform_replicas is False))[0]
+    contexts = degree_contexts(
+        ctx,
+        options.tensor_parallel,
+        uneven=options.uniform_replicas is False,
+        sequence_parallel=options.sequence_parallel,
+    )
+    best = _best_or_raise(contexts)[0]
     check_sharding_applied(best, options)
     return best
 
@@ -125,7 +131,12 @@ def plan_with_baselines(
         batch_dims=batch_dims,
     )
     best, chosen = _best_or_raise(
-        degree_contexts(ctx, options.tensor_parallel, uneven=options.uniform_replicas is False)
+        degree_contexts(
+            ctx,
+            options.tensor_parallel,
+            uneven=options.uniform_replicas is False,
+            sequence_parallel=options.sequence_parallel,
+        )
     )
     check_sharding_applied(best, options)
     baselines, reasons = baseline_outcomes(chosen, best)

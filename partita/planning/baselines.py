@@ -28,7 +28,7 @@ from partita.planning.chain import layer_boundaries
 from partita.planning.context import PlanningContext, fit_with_recompute
 from partita.planning.options import recompute_allowed
 from partita.planning.search import Config, divisors
-from partita.types import OpGraph, Plan, Schedule, Sharding
+from partita.types import OpGraph, Plan, Recompute, Schedule, Sharding
 
 BASELINES = ("uniform", "parameters", "equal_flops")  # splits under the plan's configuration
 FSDP = "fsdp"  # a configuration of its own: one stage on every device, full_shard
@@ -185,7 +185,7 @@ def same_config(like: Plan | Config) -> Config:
             recompute_mode=None,
             stage_replicas=() if like.uniform_replicas else counts,
         )
-    return dataclasses.replace(like, recompute_mode=None if recompute_allowed(like.schedule) else False)
+    return dataclasses.replace(like, recompute_mode=None if recompute_allowed(like.schedule) else Recompute.NONE)
 
 
 def baseline_splits(ctx: PlanningContext) -> Callable[[Config], dict[str, list[int] | None]]:

@@ -9,10 +9,11 @@ import numpy as np
 
 from partita.cost.comm import spans_nodes
 from partita.cost.memory import DeviceMemory, device_memory, microbatches_in_flight
+from partita.cost.recompute import extra_backward_s
 from partita.errors import InputError
 from partita.planning.search import Config, SearchOptions
 from partita.planning.sharding import levels, step_overhead_s
-from partita.types import Cluster, CostTable, OpGraph, Plan, Sharding, StagePlan
+from partita.types import Cluster, CostTable, OpGraph, Plan, Recompute, Sharding, StagePlan
 
 
 def stage_ranks(config: Config, tensor_parallel: int = 1) -> list[tuple[int, ...]]:
@@ -75,7 +76,7 @@ class BuildMemo:
         ranges,
         *,
         in_flight,
-        recompute: bool,
+        recompute: Recompute,
         level: Sharding,
         replicas: int,
         num_microbatches: int,
@@ -129,7 +130,7 @@ def rank_group_memory(
     config: Config,
     options: SearchOptions,
     ranges_by_group: Mapping[int, list],
-    recompute_by_group: Mapping[int, bool],
+    recompute_by_group: Mapping[int, Recompute],
     cluster: Cluster | None = None,
     memo: BuildMemo | None = None,
 ) -> dict[int, GroupMemory]:
@@ -146,7 +147,7 @@ def rank_group_memory(
     m = config.num_microbatches
     for g, ranges in ranges_by_group.items():
         in_flight, replicas, spans = per_group[g]
-        ranges, recompute = tuple(ranges), bool(recompute_by_group[g])
+        ranges, recompute = tuple(ranges), recompute_by_group[g]
         allowed = levels(options.sharding, replicas) if g not in shared else (Sharding.REPLICATE,)
         key = ("group", ranges, in_flight, recompute, replicas, m, allowed, spans, len(groups[g]), id(options))
         result[g] = memo.get(
@@ -180,7 +181,7 @@ class _Group(NamedTuple):
     table: CostTable
     ranges: tuple[tuple[int, int], ...]
     in_flight: float
-    recompute: bool
+    recompute: Recompute
     replicas: int
 
 
@@ -272,16 +273,17 @@ def _group_overhead_s(
 
 
 def group_ranges(
-    config: Config, node_boundaries: Sequence[int], recompute: Sequence[bool]
-) -> tuple[dict[int, list], dict[int, bool]]:
-    """Per rank group, its stages' node ranges (in stage order) and whether it recomputes (any of
-    its stages does): what ``rank_group_memory`` takes."""
+    config: Config, node_boundaries: Sequence[int], recompute: Sequence[Recompute]
+) -> tuple[dict[int, list], dict[int, Recompute]]:
+    """Per rank group, its stages' node ranges (in stage order) and its recomputation level (the
+    most any of its stages takes: the group runs all its stages at it): what
+    ``rank_group_memory`` takes."""
     ranges_by_group: dict[int, list] = {}
-    recompute_by_group: dict[int, bool] = {}
+    recompute_by_group: dict[int, Recompute] = {}
     for s in range(config.num_stages):
         g = config.rank_group_of(s)
         ranges_by_group.setdefault(g, []).append((node_boundaries[s], node_boundaries[s + 1]))
-        recompute_by_group[g] = recompute_by_group.get(g, False) or bool(recompute[s])
+        recompute_by_group[g] = Recompute.most([recompute_by_group.get(g, Recompute.NONE), recompute[s]])
     return ranges_by_group, recompute_by_group
 
 
@@ -290,7 +292,7 @@ def build_plan(
     costs: CostTable | Callable[[int], CostTable],
     config: Config,
     node_boundaries: Sequence[int],
-    recompute: Sequence[bool],
+    recompute: Sequence[Recompute],
     options: SearchOptions,
     *,
     cluster: Cluster,
@@ -307,6 +309,7 @@ def build_plan(
     memo = BuildMemo() if memo is None else memo
     groups = memo.layout(config, options, cluster)[0]
     tables = stage_tables(costs, config)
+    recompute = [Recompute.parse(level) for level in recompute]  # a bool: full / none
     ranges_by_group, recompute_by_group = group_ranges(config, node_boundaries, recompute)
     memory = rank_group_memory(tables, config, options, ranges_by_group, recompute_by_group, cluster, memo)
     stages = []
@@ -314,9 +317,10 @@ def build_plan(
         start, stop = int(node_boundaries[s]), int(node_boundaries[s + 1])
         g = config.rank_group_of(s)
         costs = tables[s]
-        forward, backward, param_bytes, modules = memo.get(
+        forward, backward, selective, param_bytes, modules = memo.get(
             costs, ("stage", start, stop), _stage_sums, graph, costs, start, stop, memo
         )
+        level = recompute_by_group[g]
         stages.append(
             StagePlan(
                 index=s,
@@ -327,15 +331,16 @@ def build_plan(
                 module_range=modules,
                 ranks=groups[g],
                 rank_group=g,
-                recompute=recompute_by_group[g],
+                recompute=level,
                 forward_s=float(forward),
-                backward_s=float(backward + (forward if recompute_by_group[g] else 0.0)),
+                backward_s=float(backward + extra_backward_s(level, forward, selective)),
                 memory_bytes=memory[g].total_bytes,
                 param_bytes=param_bytes,
                 cut_bytes=int(costs.cut_bytes[stop]) if stop < graph.num_nodes else 0,
                 sharding=memory[g][1],
                 memory_breakdown=memory[g].breakdown,
                 tensor_parallel=options.tensor_parallel,
+                sequence_parallel=options.sequence_parallel,
             )
         )
     return Plan(
@@ -357,11 +362,13 @@ def build_plan(
 
 
 def _stage_sums(graph: OpGraph, table: CostTable, start: int, stop: int, memo: BuildMemo) -> tuple:
-    """(forward and backward seconds as numpy sums, parameter bytes, module range) of nodes [start, stop)."""
+    """(forward, backward and selectively recomputed seconds as numpy sums, parameter bytes, module
+    range) of nodes [start, stop)."""
     held = memo.held(table, start, stop)
     return (
         table.forward_s[start:stop].sum(),
         table.backward_s[start:stop].sum(),
+        table.selective_recompute_s[start:stop].sum(),
         int(sum(table.param_bytes[p] for p in held)),
         module_range(graph, start, stop),
     )

@@ -301,8 +301,10 @@ class BlockCosts:
 
     Arrays (numpy, per micro-batch, like the CostTable they come from):
         boundaries[b]              node position (cut) of boundary b.
-        forward_s[k], backward_s[k], backward_weight_s[k], activation_bytes[k]
-                                   sums over the nodes of block k.
+        forward_s[k], backward_s[k], backward_weight_s[k], activation_bytes[k], saved_bytes[k],
+        recomputed_bytes[k], selective_recompute_s[k]
+                                   sums over the nodes of block k (the last three: selective
+                                   recomputation's, ``partita.cost.recompute``).
         max_output_bytes[k]        largest new output of one node of block k (working memory).
         max_param_bytes[k]         largest trainable parameter a node of block k reads (the
                                    optimizer step's temporaries scale with it).
@@ -329,6 +331,9 @@ class BlockCosts:
     param_bytes_matrix: np.ndarray
     trainable_bytes_matrix: np.ndarray
     tied_matrix: np.ndarray
+    saved_bytes: np.ndarray
+    recomputed_bytes: np.ndarray
+    selective_recompute_s: np.ndarray
 
     @property
     def num_blocks(self) -> int:
@@ -342,7 +347,7 @@ class BlockCosts:
     @functools.cached_property
     def stage_totals(self) -> dict[str, np.ndarray]:
         """(K+1, K+1) matrices [j, i] over the stages of blocks [j, i): the time sums ``forward_s``,
-        ``backward_s``, ``compute_s`` (their sum) and ``valid`` (j < i), the totals that
+        ``backward_s``, ``compute_s`` (their sum), ``selective_recompute_s`` and ``valid`` (j < i), the totals that
         ``partita.cost.memory.memory_from_totals`` takes, and ``work_prefix_s`` (K+1,): the prefix sums
         of the blocks' compute (``partition``'s banded DPs). They depend on the blocks alone, so every
         config searched at this micro-batch size shares them (computed once, on first use)."""
@@ -357,7 +362,10 @@ class BlockCosts:
             valid=j < i,
             param_bytes=self.param_bytes_matrix,
             trainable_bytes=self.trainable_bytes_matrix,
+            selective_recompute_s=range_sums(self.selective_recompute_s),
             activation_bytes=range_sums(self.activation_bytes),
+            saved_bytes=range_sums(self.saved_bytes),
+            recomputed_bytes=range_sums(self.recomputed_bytes),
             stage_input_bytes=cut[j],
             boundary_bytes=cut[j] + cut[i],
             largest_output_bytes=range_max(self.max_output_bytes),
@@ -415,6 +423,9 @@ def block_costs(costs: CostTable, boundaries) -> BlockCosts:
         backward_s=per_block(costs.backward_s, np.float64),
         backward_weight_s=per_block(costs.backward_weight_s, np.float64),
         activation_bytes=per_block(costs.activation_bytes, np.int64),
+        saved_bytes=per_block(costs.saved_bytes, np.int64),
+        recomputed_bytes=per_block(costs.recomputed_bytes, np.int64),
+        selective_recompute_s=per_block(costs.selective_recompute_s, np.float64),
         max_output_bytes=np.maximum.reduceat(np.asarray(costs.output_bytes, dtype=np.int64), starts),
         cut_bytes=np.asarray(costs.cut_bytes, dtype=np.int64)[b],
         **params,

@@ -2,7 +2,8 @@
 
 Everything after the search proper goes through here: a candidate's node boundaries become a
 draft Plan (``draft_plan``: predicted stage times and memory), the draft is checked against the
-memory limit, recomputation is switched on where a stage needs it (``fit_with_recompute``), and
+memory limit, recomputation is switched on where a stage needs it, at the least level with which it
+fits (``fit_with_recompute``), and
 the fitting plan's step is simulated on its real schedule (``simulated``). ``step_lower_bound_s``
 lets callers skip simulating splits that cannot beat a known step.
 """
@@ -25,6 +26,7 @@ from partita.capturing import capture, flatten_call_inputs
 from partita.checks import positive_int
 from partita.cost.analytic import analytic_costs
 from partita.cost.profiler import profile
+from partita.cost.recompute import extra_backward_s
 from partita.cost.table import contended
 from partita.errors import InputError
 from partita.planning.build import BuildMemo, block_to_node_boundaries, build_plan, fits, total_compute_s
@@ -33,7 +35,7 @@ from partita.planning.options import CostSource, PlanOptions, resolve_precision
 from partita.planning.search import Candidate, SearchOptions
 from partita.planning.simulate import simulate
 from partita.planning.tensor_parallel import check_degree, group_cluster, split_crossings
-from partita.types import CostTable, OpGraph, Plan, Precision, Sharding
+from partita.types import RECOMPUTE_LEVELS, CostTable, OpGraph, Plan, Precision, Recompute, Sharding, StagePlan
 from partita.types.cluster import Cluster
 from partita.types.tensor_parallel import TensorParallelLayout
 
@@ -149,12 +151,13 @@ def planning_context(
         "num_stages": options.num_stages,
         "replicas": options.replicas,
         "num_microbatches": options.num_microbatches,
-        "recompute": options.recompute,
+        "recompute": None if options.recompute is None else options.recompute.value,
         "uniform_replicas": uniform_replicas,
         "optimizer": options.optimizer.value,
         "precision": precision.value,
         "sharding": None if options.sharding is None else options.sharding.value,
         "tensor_parallel": options.tensor_parallel,
+        "sequence_parallel": options.sequence_parallel,
         "costs": source.value,
         "max_blocks": options.max_blocks,
         "memory_limit_bytes": search_options.memory_limit_bytes,
@@ -411,11 +414,12 @@ def fit_with_recompute(
     config,
     boundaries: list[int],
     method: str,
-    mode: bool | None = None,
+    mode: Recompute | None = None,
     *,
     step_to_beat: float | None = None,
 ) -> Plan | None:
-    """Recompute only the stages that do not fit without it (a pinned or config-wide mode is kept).
+    """Recompute only the stages that do not fit without it, at the least level with which they
+    fit (a pinned or config-wide mode is kept).
 
     With ``step_to_beat``, also None when the plan cannot be faster than that: without simulating
     when ``step_lower_bound_s`` shows it, else as soon as the simulation does (``simulated``).
@@ -429,30 +433,38 @@ def fitting_draft(
     config,
     boundaries: list[int],
     method: str,
-    mode: bool | None = None,
+    mode: Recompute | None = None,
     *,
     step_to_beat: float | None = None,
 ) -> Plan | None:
     """``fit_with_recompute`` but for the simulation: the draft plan that fits (its step not yet
     simulated), or None (it does not fit, or ``step_lower_bound_s`` shows it cannot beat
-    ``step_to_beat``)."""
+    ``step_to_beat``). The stages of rank groups that do not fit recompute selectively, and
+    those that still do not, fully."""
     if not routable(ctx, config, boundaries):
         return None
     pinned = ctx.options.recompute if mode is None else mode
     limit = ctx.options.memory_limit_bytes
-    recompute = [bool(pinned)] * config.num_stages
+    recompute = [pinned or Recompute.NONE] * config.num_stages
     draft = draft_plan(ctx, config, boundaries, recompute, method)
     if not fits(draft, limit):
         if pinned is not None:
             return None
-        recompute = [s.memory_bytes > limit or recompute[s.index] for s in draft.stages]
-        if step_to_beat is not None and cannot_beat(draft_lower_bound_s(config, draft, recompute), step_to_beat):
-            return None
-        draft = draft_plan(ctx, config, boundaries, recompute, method)
-        if not fits(draft, limit):
+        for level in RECOMPUTE_LEVELS[1:]:
+            recompute = [
+                Recompute.most([r, level]) if s.memory_bytes > limit else r for s, r in zip(draft.stages, recompute)
+            ]
+            if step_to_beat is not None and cannot_beat(
+                draft_lower_bound_s(ctx, config, draft, recompute), step_to_beat
+            ):
+                return None
+            draft = draft_plan(ctx, config, boundaries, recompute, method)
+            if fits(draft, limit):
+                break
+        else:
             return None
     final = [s.recompute for s in draft.stages]
-    if step_to_beat is not None and cannot_beat(draft_lower_bound_s(config, draft, final), step_to_beat):
+    if step_to_beat is not None and cannot_beat(draft_lower_bound_s(ctx, config, draft, final), step_to_beat):
         return None
     return draft
 
@@ -488,21 +500,37 @@ def step_lower_bound_s(config, compute_s: Sequence[float], forward_s: Sequence[f
     return bound
 
 
-def draft_lower_bound_s(config, draft: Plan, recompute: Sequence[bool]) -> float:
+def draft_lower_bound_s(ctx: PlanningContext, config, draft: Plan, recompute: Sequence[Recompute]) -> float:
     """``step_lower_bound_s`` of ``draft`` with ``recompute`` (a rank group recomputes all its
-    stages when any of them does, as the simulator counts it)."""
-    recomputes = {s.rank_group for s in draft.stages if recompute[s.index]}
+    stages at the most any of them takes, as the plan and the simulator count it)."""
+    by_group: dict[int, Recompute] = {}
+    for s in draft.stages:
+        by_group[s.rank_group] = Recompute.most([by_group.get(s.rank_group, Recompute.NONE), recompute[s.index]])
     return step_lower_bound_s(
         config,
         [
             s.forward_s
             + s.backward_s
-            - (s.forward_s if s.recompute else 0.0)
-            + (s.forward_s if s.rank_group in recomputes else 0.0)
+            - _recompute_s(ctx, config, s, s.recompute)
+            + _recompute_s(ctx, config, s, by_group[s.rank_group])
             for s in draft.stages
         ],
         [s.forward_s for s in draft.stages],
     )
+
+
+def _recompute_s(ctx: PlanningContext, config, stage: StagePlan, level: Recompute) -> float:
+    """Seconds ``level`` adds to ``stage``'s backward per micro-batch (``extra_backward_s``)."""
+    if level is Recompute.NONE:
+        return 0.0
+    table = ctx.costs_at(config.microbatch_size_of(stage.index))
+    a, b = stage.start, stage.stop
+    sums = ctx.build_memo.get(table, ("recomputed seconds", a, b), _forward_and_selective_s, table, a, b)
+    return float(extra_backward_s(level, *sums))
+
+
+def _forward_and_selective_s(table: CostTable, start: int, stop: int) -> tuple[float, float]:
+    return float(table.forward_s[start:stop].sum()), float(table.selective_recompute_s[start:stop].sum())
 
 
 def cannot_beat(lower_bound_s: float, step_s: float) -> bool:

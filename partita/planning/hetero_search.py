@@ -16,7 +16,8 @@ compute at its samples, sharding penalties, memory fit at its own memory limit) 
 total replica count, and the slowest of them: ``T[kind][j, i] = max_g T_g(samples[g])[j, i]``,
 ``inf`` where any group's replica does not fit. Recomputation is one choice per stage (the
 runtime recomputes all its replicas or none): where every group fits without it, none; else
-recompute, if every group then fits.
+recompute, if every group then fits. The levels are none and full (selective recomputation is
+not offered on mixed placements; ``partita.planning.hetero`` says so when it is pinned).
 
 Ranks follow the device groups (``Cluster.assign_ranks``): each group's devices in order, stage
 after stage. The job numbers the devices it starts densely, so a plan uses the cluster's first

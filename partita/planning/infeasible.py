@@ -37,7 +37,7 @@ from partita.planning.options import recompute_allowed
 from partita.planning.search import spread_state_bytes
 from partita.planning.tensor_parallel import DEGREES, check_degree, find_layout, split_crossings, with_layout
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
-from partita.types import OptimizerKind, Precision, Schedule
+from partita.types import OptimizerKind, Precision, Recompute, Schedule
 from partita.types.cluster import Cluster
 from partita.units import fmt_bytes
 
@@ -186,7 +186,7 @@ def _block_sentence(ctx: PlanningContext, need: BlockNeed) -> str:
         f"one block ({module_range(graph, start, stop)}, {fmt_bytes(state)} of parameters + gradients + optimizer "
         f"state{split}) needs at least {fmt_bytes(need.needed_bytes)} on a device, more than the "
         f"{fmt_bytes(ctx.options.memory_limit_bytes)} usable, even {where} with every saving the search has: "
-        f"{need.replicas} replica(s) ({need.sharding.value}), {'recomputation' if need.recompute else 'no recomputation'}, "
+        f"{need.replicas} replica(s) ({need.sharding.value}), {f'{need.recompute.value} recomputation' if need.recompute else 'no recomputation'}, "
         f"micro-batch 1 (parameters {fmt_bytes(b.params_bytes)}, gradients {fmt_bytes(b.grads_bytes)}, optimizer "
         f"{fmt_bytes(b.optimizer_bytes)}, activations {fmt_bytes(b.activations_bytes)}, buffers "
         f"{fmt_bytes(b.buffers_bytes)})"
@@ -205,13 +205,17 @@ def _fixes(checker: _Checker) -> list[Fix]:
         fixes += checker.other_degree(pinned_degree)
     if o.sharding is not None:  # full_shard too: a pinned level needs several replicas per rank group
         fixes += checker.option("sharding", None, f"unpin sharding={o.sharding.value!r} (the search tries every level)")
-    if o.recompute is False:
-        fixes += checker.option("recompute", None, "unpin recompute=False (recomputation where a stage needs it)")
+    if o.recompute in (Recompute.NONE, Recompute.SELECTIVE):
+        fixes += checker.option(
+            "recompute",
+            None,
+            f"unpin recompute={o.recompute.value!r} (each stage recomputes as much as it needs to fit, up to full)",
+        )
     if not any(recompute_allowed(s) for s in o.schedules):
         fixes += checker.option(
             "schedules",
             (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B),
-            "schedule '1f1b' or 'interleaved1f1b' with recompute=True (ZBV never recomputes)",
+            "schedule '1f1b' or 'interleaved1f1b' with recomputation (ZBV never recomputes)",
             extra={"recompute": None},
         )
     elif set(o.schedules) != set(Schedule):
@@ -459,7 +463,9 @@ def _with_degree(base: PlanningContext, degree: int) -> PlanningContext | None:
         return None
     if degree == 1:
         return base
-    layout = find_layout(base.graph, degree)
+    layout = find_layout(base.graph, degree, sequence_parallel=base.resolved.get("sequence_parallel") is not False)
+    if layout.sequence_parallel and not layout.sequence_nodes:  # no region splits by token
+        layout = find_layout(base.graph, degree)
     return None if layout.is_trivial else with_layout(base, layout)
 
 

@@ -36,7 +36,7 @@ from partita.planning.context import check_whole_batch
 from partita.planning.schedules import check_schedule, stage_rank_groups
 from partita.planning.tensor_parallel import check_degree
 from partita.planning.uneven import UNEVEN_SCHEDULES
-from partita.types import OpGraph, Plan, Precision, Schedule, Sharding, StagePlan
+from partita.types import OpGraph, Plan, Precision, Recompute, Schedule, Sharding, StagePlan
 from partita.types.cluster import Cluster
 
 __all__ = ["manual_plan"]
@@ -51,11 +51,12 @@ def manual_plan(
     num_microbatches: int,
     global_batch_size: int,
     replicas: int | Sequence[int] = 1,
-    recompute: bool | Sequence[bool] = False,
+    recompute: Recompute | str | bool | Sequence[Recompute | str | bool] = Recompute.NONE,
     cluster: Cluster | Mapping[str, Any] | None = None,
     precision: Precision | str = Precision.FP32,
     sharding: Sharding | str | Sequence[Sharding | str] = Sharding.REPLICATE,
     tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """A Plan with stages ``[boundaries[k], boundaries[k + 1])`` of ``graph.nodes``.
 
@@ -68,13 +69,16 @@ def manual_plan(
         num_microbatches: micro-batches per step (every replica of a stage runs each of them).
         global_batch_size: samples per step over all replicas; must be a multiple of
             ``num_microbatches * r`` for every replica count ``r``.
-        recompute: activation recomputation, for all stages or per stage.
+        recompute: the recomputation level ("none", "selective", "full"; True / False: full / none),
+            for all stages or one per stage.
         cluster: the machines (a Cluster, or its ``to_dict()``); default: as many CPU ranks as the plan uses, on one node.
         precision: "fp32" or "bf16" (``Plan.precision``).
         sharding: a ``Sharding`` level for all stages or one per stage; a stage with one replica
             must replicate.
         tensor_parallel: devices per replica, splitting its matmuls (``Plan.tensor_parallel``);
             the default cluster then has ``replicas x tensor_parallel`` CPU ranks per rank group.
+        sequence_parallel: the tensor-parallel groups also split, by token, the regions they leave
+            whole (``Plan.sequence_parallel``; needs ``tensor_parallel`` above 1).
 
     Raises InputError when the split, the schedule or the batch do not fit together.
     """
@@ -100,6 +104,13 @@ def manual_plan(
     precision = Precision.parse(precision)
     check_whole_batch(graph, num_microbatches, counts)  # a loss that couples samples needs the whole batch
     t = positive_int(tensor_parallel, "tensor_parallel")
+    if not isinstance(sequence_parallel, bool):
+        raise InputError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    if sequence_parallel and t == 1:
+        raise InputError(
+            "sequence_parallel=True splits the regions a tensor-parallel group leaves whole, but tensor_parallel "
+            "is 1: give tensor_parallel=2 or more, or sequence_parallel=False"
+        )
     groups = stage_rank_groups(schedule, num_rank_groups, num_stages)
     ranks = consecutive_ranks(counts, t)
     levels = _sharding_levels(sharding, [counts[g] for g in groups])
@@ -108,6 +119,7 @@ def manual_plan(
             _stage(graph, k, cuts[k], cuts[k + 1], groups[k], ranks[groups[k]], flags[k]),
             sharding=levels[k],
             tensor_parallel=t,
+            sequence_parallel=sequence_parallel,
         )
         for k in range(num_stages)
     )
@@ -130,10 +142,11 @@ def manual_plan(
             "boundaries": list(cuts),
             "num_rank_groups": num_rank_groups,
             "replicas": replicas if isinstance(replicas, int) else list(counts),
-            "recompute": list(flags),
+            "recompute": [level.value for level in flags],
             "precision": precision.value,
             "sharding": [level.value for level in levels],
             "tensor_parallel": t,
+            "sequence_parallel": sequence_parallel,
         },
         method="manual",
         cost_source="none",
@@ -168,7 +181,7 @@ def _replica_counts(replicas: int | Sequence[int], schedule: Schedule, num_rank_
 
 
 def _stage(
-    graph: OpGraph, k: int, start: int, stop: int, group: int, ranks: tuple[int, ...], recompute: bool
+    graph: OpGraph, k: int, start: int, stop: int, group: int, ranks: tuple[int, ...], recompute: Recompute
 ) -> StagePlan:
     held = {p for node in graph.nodes[start:stop] for p in node.params}
     return StagePlan(
@@ -226,12 +239,12 @@ def _sharding_levels(sharding: Any, replicas: Sequence[int]) -> tuple[Sharding, 
     return chosen
 
 
-def _recompute_flags(recompute: bool | Sequence[bool], num_stages: int) -> tuple[bool, ...]:
-    if isinstance(recompute, bool):
-        return (recompute,) * num_stages
-    flags = tuple(bool(r) for r in recompute)
+def _recompute_flags(recompute: Any, num_stages: int) -> tuple[Recompute, ...]:
+    if isinstance(recompute, (bool, str, Recompute)):
+        return (Recompute.parse(recompute),) * num_stages
+    flags = tuple(Recompute.parse(r) for r in recompute)
     if len(flags) != num_stages:
-        raise InputError(f"recompute has {len(flags)} entries for {num_stages} stages: give one per stage or a bool")
+        raise InputError(f"recompute has {len(flags)} entries for {num_stages} stages: give one per stage or one level")
     return flags
 
 

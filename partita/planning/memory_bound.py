@@ -11,7 +11,7 @@ with every saving the search has at once, so that its answer is below what any p
                           to keep the first gradients alone: GPipe, 1F1B drained), else one
                           micro-batch's (``_Scaled``);
     in flight             at least one micro-batch (every schedule's ``microbatches_in_flight``);
-    recomputation         where the options and schedules allow it (ZBV never recomputes);
+    recomputation         every level the options and schedules allow (ZBV never recomputes);
     sharding              every level the options allow at r replicas (one replica: replicate);
     replicas              every r that divides the global batch, up to the devices (groups);
     stages                any split into ranges of blocks: the smallest stage is one block.
@@ -61,7 +61,7 @@ from partita.planning.chain import block_costs, range_sums
 from partita.planning.options import recompute_allowed
 from partita.planning.sharding import levels
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
-from partita.types import MemoryBreakdown, Precision, Schedule, Sharding
+from partita.types import RECOMPUTE_LEVELS, MemoryBreakdown, Precision, Recompute, Schedule, Sharding
 
 __all__ = ["BlockNeed", "MemoryBound", "divisors"]
 
@@ -78,6 +78,8 @@ _RANGE_TOTALS = (
     "param_bytes",
     "trainable_bytes",
     "activation_bytes",
+    "saved_bytes",
+    "recomputed_bytes",
     "stage_input_bytes",
     "boundary_bytes",
     "largest_output_bytes",
@@ -92,6 +94,7 @@ _TABLE_FIELDS = (
     "nodes",
     "totals",
     "per_sample_activation",
+    "per_sample_saved",
     "first_grad",
     "least_first_grad",
     "own_trainable",
@@ -110,7 +113,7 @@ class BlockNeed:
     stop: int
     replicas: int
     sharding: Sharding
-    recompute: bool
+    recompute: Recompute
     breakdown: MemoryBreakdown
 
 
@@ -147,6 +150,7 @@ class MemoryBound:
             return
         one, two = block_costs(costs_at(1), self.chain), costs_at(2)
         two_activation = np.add.reduceat(np.asarray(two.activation_bytes, dtype=np.int64), self.chain[:-1])
+        two_saved = np.add.reduceat(np.asarray(two.saved_bytes, dtype=np.int64), self.chain[:-1])
         two_cut = np.asarray(two.cut_bytes, dtype=np.float64)[self.chain]
         k = one.num_blocks
         self.num_blocks = k
@@ -158,6 +162,7 @@ class MemoryBound:
         self.nodes = (self.chain[i] - self.chain[j]).astype(np.float64)
         self.totals = {name: ranges[name] for name in _RANGE_TOTALS}
         self.per_sample_activation = range_sums(np.maximum(0, two_activation - one.activation_bytes))
+        self.per_sample_saved = range_sums(np.maximum(0, two_saved - one.saved_bytes))
         self.first_grad = ranges["first_grad_bytes"]
         nonzero = one.last_grad_bytes[one.last_grad_bytes > 0]
         self.least_first_grad = float(nonzero.min()) if len(nonzero) else 0.0
@@ -166,16 +171,19 @@ class MemoryBound:
     # ------------------------------------------------------------------ the choices searched
 
     @functools.cached_property
-    def recompute_modes(self) -> dict[bool, tuple[bool, ...]]:
-        """Recomputation modes of one-stage (False) and two-stage (True) schedules."""
+    def recompute_modes(self) -> dict[bool, tuple[Recompute, ...]]:
+        """Recomputation levels of one-stage (False) and two-stage (True) schedules."""
         pinned = self.options.recompute
         modes = {}
         for two, family in ((False, ONE_STAGE), (True, TWO_STAGES)):
             allowed = [s for s in self.options.schedules if s in family]
             can = any(recompute_allowed(s) for s in allowed)
-            modes[two] = () if not allowed else (pinned,) if pinned is not None else (False, True) if can else (False,)
-            if pinned and not can:
+            if not allowed:
                 modes[two] = ()
+            elif pinned is not None:
+                modes[two] = (pinned,) if can or pinned is Recompute.NONE else ()
+            else:
+                modes[two] = RECOMPUTE_LEVELS if can else (Recompute.NONE,)
         return modes
 
     def replica_counts(self, num_units: int) -> list[int]:
@@ -201,7 +209,7 @@ class MemoryBound:
             best, which = np.where(better, total, best), np.where(better, index, which)
         return np.where(self.valid, best, np.inf), which
 
-    def settings(self, replicas: int) -> list[tuple[Sharding, bool, bool]]:
+    def settings(self, replicas: int) -> list[tuple[Sharding, Recompute, bool]]:
         """(level, recompute, drained) of every setting a stage of ``replicas`` replicas may take
         on a one-stage schedule; drained: no backward before the activation peak."""
         modes = self.recompute_modes[False] or self.recompute_modes[True]
@@ -212,18 +220,21 @@ class MemoryBound:
             for drained in (True, False)
         ]
 
-    def _memory(self, r: int, level: Sharding, recompute: bool, drained: bool, *, least_first_grad: bool):
+    def _memory(self, r: int, level: Sharding, recompute: Recompute, drained: bool, *, least_first_grad: bool):
         n = self.options.global_batch_size // r
         samples = _Scaled(self, n)
+        activation, stage_input, saved = (
+            self.totals[k] for k in ("activation_bytes", "stage_input_bytes", "saved_bytes")
+        )
         if drained:  # m <= in flight: m micro-batches of n / m samples are all in flight at the peak
-            activation = self.totals["activation_bytes"] if recompute else samples.activation
-            stage_input = samples.stage_input if recompute else self.totals["stage_input_bytes"]
-        else:
-            activation, stage_input = self.totals["activation_bytes"], self.totals["stage_input_bytes"]
+            if recompute is Recompute.NONE:
+                activation = samples.activation
+            else:  # what each micro-batch keeps scales; one micro-batch's rebuilt tensors do not
+                stage_input, saved = samples.stage_input, samples.saved
         first = np.full(self.valid.shape, self.least_first_grad) if least_first_grad else self.first_grad
         trainable = self.totals["trainable_bytes"]
         return memory_from_totals(
-            **{**self.totals, "activation_bytes": activation, "stage_input_bytes": stage_input},
+            **{**self.totals, "activation_bytes": activation, "stage_input_bytes": stage_input, "saved_bytes": saved},
             in_flight=1,
             optimizer=self.options.optimizer,
             recompute=recompute,
@@ -261,9 +272,12 @@ class MemoryBound:
             step = own / s + use * temporaries
             for rc in self.recompute_modes[True]:
                 for drained in (True, False):
-                    if rc:
-                        first_input = samples.stage_input if drained else self.totals["stage_input_bytes"]
+                    first_input = samples.stage_input if drained else self.totals["stage_input_bytes"]
+                    if rc is Recompute.FULL:
                         kept = first_input + self.totals["activation_bytes"]
+                    elif rc is Recompute.SELECTIVE:
+                        saved = samples.saved if drained else self.totals["saved_bytes"]
+                        kept = first_input + saved + self.totals["recomputed_bytes"]
                     else:
                         kept = samples.activation if drained else self.totals["activation_bytes"]
                     grads_add = 0 * own if drained else own
@@ -469,6 +483,9 @@ class _Scaled:
         self.stage_input = np.maximum(
             bound.totals["stage_input_bytes"],
             bound.totals["stage_input_bytes"] + (n - 1) * bound.per_sample_cut - slack_cut,
+        )
+        self.saved = np.maximum(
+            bound.totals["saved_bytes"], bound.totals["saved_bytes"] + (n - 1) * bound.per_sample_saved - slack
         )
 
 

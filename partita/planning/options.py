@@ -14,7 +14,7 @@ from typing import Any
 
 from partita.checks import optional_positive_int, parse_choice, positive_int
 from partita.errors import InputError
-from partita.types import DeviceSpec, OptimizerKind, Precision, Schedule, Sharding
+from partita.types import DeviceSpec, OptimizerKind, Precision, Recompute, Schedule, Sharding
 
 
 class CostSource(str, enum.Enum):
@@ -37,7 +37,9 @@ class PlanOptions:
 
     ``schedules``: the schedules searched (default: all; one name or Schedule pins it).
     ``num_stages``: pipeline depth in rank groups. ``replicas``: devices per rank group (pins
-    the same count for every stage). ``num_microbatches``, ``recompute``: pin those.
+    the same count for every stage). ``num_microbatches``: pins that. ``recompute``: the
+    recomputation level of every stage, "none", "selective" or "full" (True / False: full / none);
+    None: each stage takes the least level with which it fits (``Recompute``).
     ``uniform_replicas``: True restricts the search to pp x dp meshes, False asks for
     per-stage replica counts explicitly, None searches them where the search can (see
     ``partita.planning.uneven``). ``optimizer`` sets optimizer-state memory.
@@ -49,7 +51,10 @@ class PlanOptions:
     None: each stage's level is searched. ``tensor_parallel``: devices per tensor-parallel group
     (each replica of a stage splits its matmuls over that many devices of one node; one degree for
     the whole plan); None: searched over 1, 2, 4 and 8 where the cluster allows
-    (``partita.planning.tensor_parallel``). ``costs``: where costs come from. ``max_blocks``: how finely the graph is coarsened into a chain of blocks.
+    (``partita.planning.tensor_parallel``). ``sequence_parallel``: whether the tensor-parallel
+    groups also split, by token, the regions they leave whole (norms, dropout, residual additions:
+    their activations divide by the degree; ``partita.capturing.sequence_parallel``); None: on
+    wherever a degree's layout splits a region by token (``partita.planning.tensor_parallel``). ``costs``: where costs come from. ``max_blocks``: how finely the graph is coarsened into a chain of blocks.
     ``cache_dir``: where profiles and calibrations are cached (default: the user cache folder).
     """
 
@@ -57,12 +62,13 @@ class PlanOptions:
     num_stages: int | None = None
     replicas: int | None = None
     num_microbatches: int | None = None
-    recompute: bool | None = None
+    recompute: Recompute | str | bool | None = None
     uniform_replicas: bool | None = None
     optimizer: OptimizerKind = OptimizerKind.ADAM
     precision: Precision | str | None = None
     sharding: Sharding | str | None = None
     tensor_parallel: int | None = None
+    sequence_parallel: bool | None = None
     costs: CostSource = CostSource.AUTO
     max_blocks: int = 128
     cache_dir: str | None = None
@@ -73,9 +79,17 @@ class PlanOptions:
         for name in ("num_stages", "replicas", "num_microbatches", "tensor_parallel"):
             set_(self, name, optional_positive_int(getattr(self, name), name))
         set_(self, "max_blocks", positive_int(self.max_blocks, "max_blocks"))
-        for name in ("recompute", "uniform_replicas"):
+        for name in ("uniform_replicas", "sequence_parallel"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be True, False or None (searched), got {getattr(self, name)!r}")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise InputError(
+                "sequence_parallel=True splits the regions a tensor-parallel group leaves whole, but tensor_parallel=1 "
+                "pins no tensor parallelism: pin tensor_parallel to 2 or more (or leave it unpinned), or unpin "
+                "sequence_parallel"
+            )
+        if self.recompute is not None:
+            set_(self, "recompute", Recompute.parse(self.recompute))
         if self.precision is not None:
             set_(self, "precision", Precision.parse(self.precision))
         if self.sharding is not None:
@@ -89,13 +103,15 @@ class PlanOptions:
                     f"{self.cache_dir!r} of type {type(self.cache_dir).__name__}"
                 )
             set_(self, "cache_dir", os.fspath(self.cache_dir))
-        if self.recompute and not any(recompute_allowed(s) for s in self.schedules):
+        recomputes = self.recompute not in (None, Recompute.NONE)
+        if recomputes and not any(recompute_allowed(s) for s in self.schedules):
             names = ", ".join(repr(s.value) for s in self.schedules)
+            level = self.recompute.value
             raise InputError(
-                f"schedule {names} with recompute=True is not supported: under ZBV (torch's "
+                f"schedule {names} with recompute={level!r} is not supported: under ZBV (torch's "
                 "ScheduleZBVZeroBubble) a recomputed stage keeps its recomputed activations alive between the "
                 "input-gradient and the weight-gradient pass, so its memory cannot be predicted; use schedule "
-                "'1f1b' or 'interleaved1f1b' with recompute=True, or 'zbv' with recompute=False (or unpinned)"
+                f"'1f1b' or 'interleaved1f1b' with recompute={level!r}, or 'zbv' with recompute='none' (or unpinned)"
             )
 
     def replace(self, **changes: Any) -> PlanOptions:

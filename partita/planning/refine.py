@@ -15,13 +15,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from partita.cost.memory import microbatches_in_flight
+from partita.cost.recompute import extra_backward_s
 from partita.planning.baselines import baseline_splits, same_config
 from partita.planning.build import block_to_node_boundaries, stage_tables
 from partita.planning.context import PlanningContext, cannot_beat, fit_with_recompute, plan_key, step_lower_bound_s
 from partita.planning.search import Candidate, Config
 from partita.planning.sharding import levels
 from partita.planning.split_steps import SplitSteps
-from partita.types import Plan
+from partita.types import RECOMPUTE_LEVELS, Plan, Recompute
 
 
 class BaselineSeeds:
@@ -156,23 +157,26 @@ class SplitBound:
 
     Cheap next to building the plan: prefix sums for the stage times, and with one stage per rank
     group the memory of each stage range (remembered: neighbouring splits share most stages),
-    which decides, as ``fit_with_recompute`` does, the stages that recompute and whether it fits.
-    Otherwise stages recompute only when the config or the options say so (never fewer than the plan).
+    which decides, as ``fit_with_recompute`` does, the stages that recompute (at the least level
+    with which they fit) and whether it fits. Otherwise stages recompute only when the config or
+    the options say so (never more than the plan).
     ``neighbours`` bounds many splits near one at once.
     """
 
     def __init__(self, ctx: PlanningContext, config):
         self.config, self.options, self.memo = config, ctx.options, ctx.build_memo
         self.tables = tables = stage_tables(ctx.costs_at, config)
-        prefix = {}  # id(table) -> (forward, forward + backward) prefix sums
+        prefix = {}  # id(table) -> (forward, forward + backward, selectively recomputed) prefix sums
         for t in tables:
             if id(t) not in prefix:
                 prefix[id(t)] = (
                     np.concatenate([[0.0], np.cumsum(np.asarray(t.forward_s, dtype=np.float64))]),
                     np.concatenate([[0.0], np.cumsum(np.asarray(t.forward_s) + np.asarray(t.backward_s))]),
+                    np.concatenate([[0.0], np.cumsum(np.asarray(t.selective_recompute_s, dtype=np.float64))]),
                 )
         self.forward = [prefix[id(t)][0] for t in tables]
         self.compute = [prefix[id(t)][1] for t in tables]
+        self.selective = [prefix[id(t)][2] for t in tables]
         self.mode = ctx.options.recompute if config.recompute_mode is None else config.recompute_mode
         self.in_flight = [
             microbatches_in_flight(
@@ -183,7 +187,7 @@ class SplitBound:
         self._fits: dict[tuple, bool] = {}
         self._terms: dict[tuple, float] = {}
 
-    def fits(self, start: int, stop: int, stage: int, recompute: bool) -> bool:
+    def fits(self, start: int, stop: int, stage: int, recompute: Recompute) -> bool:
         """Whether some sharding level the stage may take fits (``rank_group_memory`` picks it;
         the memories are the plans' own, ``BuildMemo.device_memory``)."""
         key = (start, stop, stage, recompute)
@@ -209,19 +213,28 @@ class SplitBound:
         config, mode, compute, forward = self.config, self.mode, self.compute, self.forward
         stages = [(nodes[s], nodes[s + 1]) for s in range(config.num_stages)]
         if mode is not None or config.virtual_stages != 1:
-            recompute = [bool(mode)] * config.num_stages
+            recompute = [mode or Recompute.NONE] * config.num_stages
         else:
-            recompute = [not self.fits(a, b, s, False) for s, (a, b) in enumerate(stages)]
-            if any(r and not self.fits(a, b, s, True) for s, ((a, b), r) in enumerate(zip(stages, recompute))):
+            recompute = [self._least_level(a, b, s) for s, (a, b) in enumerate(stages)]
+            if any(r is None for r in recompute):
                 return float("inf")
         return step_lower_bound_s(
             config,
             [
-                compute[s][b] - compute[s][a] + (forward[s][b] - forward[s][a] if r else 0.0)
+                compute[s][b] - compute[s][a] + self._extra_s(s, a, b, r)
                 for s, ((a, b), r) in enumerate(zip(stages, recompute))
             ],
             [forward[s][b] - forward[s][a] for s, (a, b) in enumerate(stages)],
         )
+
+    def _least_level(self, start: int, stop: int, stage: int) -> Recompute | None:
+        """The least recomputation level with which the stage fits (None: none does)."""
+        return next((level for level in RECOMPUTE_LEVELS if self.fits(start, stop, stage, level)), None)
+
+    def _extra_s(self, stage: int, start: int, stop: int, level: Recompute) -> float:
+        """Seconds ``level`` adds to the stage's backward per micro-batch."""
+        forward, selective = self.forward[stage], self.selective[stage]
+        return float(extra_backward_s(level, forward[stop] - forward[start], selective[stop] - selective[start]))
 
     def neighbours(self, nodes: Sequence[int], splits: Sequence[Sequence[int]]) -> list[float]:
         """``[self(split) for split in splits]`` for splits that differ from ``nodes`` in a few
@@ -243,12 +256,12 @@ class SplitBound:
         """F + B of one stage (with its recomputed forward), inf when it fits in no way (one stage per group)."""
         key = (stage, start, stop)
         if key not in self._terms:
-            recompute = bool(self.mode)
+            level = self.mode or Recompute.NONE
             if self.mode is None:
-                recompute = not self.fits(start, stop, stage, False)
-                if recompute and not self.fits(start, stop, stage, True):
+                level = self._least_level(start, stop, stage)
+                if level is None:
                     self._terms[key] = float("inf")
                     return self._terms[key]
-            compute, forward = self.compute[stage], self.forward[stage]
-            self._terms[key] = compute[stop] - compute[start] + (forward[stop] - forward[start] if recompute else 0.0)
+            compute = self.compute[stage]
+            self._terms[key] = compute[stop] - compute[start] + self._extra_s(stage, start, stop, level)
         return self._terms[key]

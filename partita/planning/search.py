@@ -5,6 +5,9 @@ Glossary
 config      one choice of (replicas r, rank groups G, schedule, virtual stages v, micro-batches
             m, recompute mode); each rank group runs v stages, so the chain is split into G*v.
 candidate   a config plus a split of the block chain into stages and per-stage recompute.
+recompute   a level per stage (``Recompute``: none, selective, full). With one stage per rank
+            group each stage takes the least level with which it fits (mode None), its time
+            including what that level recomputes; with several, one level for all (each searched).
 
 ZBV never recomputes: under torch's ScheduleZBVZeroBubble a checkpointed stage keeps its
 recomputed activations alive from the input-gradient to the weight-gradient pass, so the memory
@@ -34,13 +37,14 @@ import numpy as np
 
 from partita.cost.comm import p2p_time_s
 from partita.cost.memory import MemoryByInFlight, memory_from_totals, microbatches_in_flight
+from partita.cost.recompute import extra_backward_s
 from partita.errors import InputError
 from partita.planning.chain import BlockCosts
 from partita.planning.options import recompute_allowed
 from partita.planning.partition import candidate_partitions, covers, min_bottleneck, stage_reach
 from partita.planning.schedules import check_schedule
 from partita.planning.sharding import levels, step_overhead_s
-from partita.types import OptimizerKind, Precision, Schedule, Sharding
+from partita.types import RECOMPUTE_LEVELS, OptimizerKind, Precision, Recompute, Schedule, Sharding
 
 # Chains with at most this many blocks try every bottleneck value (exact for the estimate).
 EXHAUSTIVE_BLOCKS = 16
@@ -66,7 +70,7 @@ class SearchOptions:
     replicas: int | None = None  # devices per rank group
     uniform_replicas: bool = True  # False: also search uneven replica counts (partita.planning.uneven)
     num_microbatches: int | None = None
-    recompute: bool | None = None
+    recompute: Recompute | None = None
     interleaved_virtual_stages: tuple[int, ...] = (2,)
     optimizer: OptimizerKind = OptimizerKind.ADAM
     precision: Precision = Precision.FP32
@@ -74,12 +78,17 @@ class SearchOptions:
     # the tensor-parallel degree of the costs searched (partita.planning.tensor_parallel): the
     # search places groups of this many devices, as if each were one device
     tensor_parallel: int = 1
+    sequence_parallel: bool = False  # whether those costs split the groups' whole regions by token too
     # False: replica counts that divide the units (every unit used when the depth allows); True:
     # only those that divide the batch but not the units (G r < N, some units idle), searched as
     # a context of their own (``partita.planning.api``), so they never displace the first kind
     idle_units: bool = False
     max_microbatch_choices: int = 6
     candidates_per_config: int = 3
+
+    def __post_init__(self) -> None:
+        if self.recompute is not None:  # a bool pins full / none
+            object.__setattr__(self, "recompute", Recompute.parse(self.recompute))
 
 
 @dataclass(frozen=True)
@@ -90,10 +99,14 @@ class Config:
     virtual_stages: int
     num_microbatches: int
     microbatch_size: int  # samples per micro-batch per replica (with stage_replicas: of a stage with the fewest)
-    recompute_mode: bool | None  # None: per stage, as needed; True/False: every stage
+    recompute_mode: Recompute | None  # None: per stage, the least level that fits; a level: every stage
     # Uneven configs (partita.planning.uneven): the replicas of each stage, one stage per rank group;
     # empty when every rank group has ``replicas`` devices.
     stage_replicas: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.recompute_mode is not None and not isinstance(self.recompute_mode, Recompute):
+            object.__setattr__(self, "recompute_mode", Recompute.parse(self.recompute_mode))  # a bool: full / none
 
     @property
     def num_stages(self) -> int:
@@ -121,7 +134,7 @@ class Config:
 class Candidate:
     config: Config
     boundaries: tuple[int, ...]  # block positions, first 0, last K
-    recompute: tuple[bool, ...]  # per stage
+    recompute: tuple[Recompute, ...]  # per stage
     estimate_s: float
 
 
@@ -199,12 +212,12 @@ def schedule_accepts(schedule: Schedule, m: int, num_groups: int, num_stages: in
     return True
 
 
-def _recompute_modes(options: SearchOptions, schedule: Schedule, virtual_stages: int) -> list[bool | None]:
+def _recompute_modes(options: SearchOptions, schedule: Schedule, virtual_stages: int) -> list[Recompute | None]:
     if not recompute_allowed(schedule):
-        return [] if options.recompute else [False]
+        return [] if options.recompute not in (None, Recompute.NONE) else [Recompute.NONE]
     if options.recompute is not None:
         return [options.recompute]
-    return [None] if virtual_stages == 1 else [False, True]
+    return [None] if virtual_stages == 1 else list(RECOMPUTE_LEVELS)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -219,23 +232,27 @@ class StageCosts:
     """Time and memory of every possible stage ``[j, i)`` of one config, as (K+1, K+1) matrices.
 
     A stage with several replicas takes, at each size, the fastest sharding level that fits
-    (``partita.planning.sharding``; recomputing only when no level fits without it): its time is
-    its compute plus what that level's step overhead exceeds replicate's, spread over the m
-    micro-batches (never less than its compute, which the search's lower bounds rely on)."""
+    (``partita.planning.sharding``; recomputing only when no level fits without it, and then the
+    least recomputation level with which one fits): its time is its compute, plus what that
+    recomputation adds to its backward, plus what that sharding level's step overhead exceeds
+    replicate's, spread over the m micro-batches (never less than its compute, which the search's
+    lower bounds rely on)."""
 
     def __init__(self, blocks: BlockCosts, config: Config, options: SearchOptions, cluster):
         self.config, self.options = config, options
         ranges = blocks.stage_totals  # config-independent: shared by every config at this size
         forward, backward = ranges["forward_s"], ranges["backward_s"]
         self.forward, self.compute, self.valid = forward, ranges["compute_s"], ranges["valid"]
+        # seconds each recomputation level adds to a stage's backward per micro-batch
+        self.extra = {level: extra_backward_s(level, forward, ranges["selective_recompute_s"]) for level in Recompute}
         self.unshared = ranges["valid"] & ~blocks.tied_matrix  # stages that may shard
         self.totals = {name: ranges[name] for name in _TOTALS}
         # Activation and gradient of the stage's output cross to the next stage once each.
         self.send = np.array([2 * p2p_time_s(float(c), cluster, same_node=True) for c in blocks.cut_bytes])
         self.levels = levels(options.sharding, config.replicas)
         self.penalty = self._level_penalties(forward, backward, cluster)
-        self._cache: dict[tuple[float, bool, Sharding], np.ndarray] = {}
-        self._memory: dict[tuple[bool, Sharding], MemoryByInFlight] = {}
+        self._cache: dict[tuple[float, Recompute, Sharding], np.ndarray] = {}
+        self._memory: dict[tuple[Recompute, Sharding], MemoryByInFlight] = {}
         self._costs: dict[float, tuple[np.ndarray, np.ndarray]] = {}
         self._reach: dict[float, int] = {}
 
@@ -264,7 +281,7 @@ class StageCosts:
         base = overhead[Sharding.REPLICATE]
         return {level: np.maximum(0.0, overhead[level] - base) / c.num_microbatches for level in self.levels}
 
-    def fits(self, in_flight: float, recompute: bool, level: Sharding = Sharding.REPLICATE) -> np.ndarray:
+    def fits(self, in_flight: float, recompute: Recompute, level: Sharding = Sharding.REPLICATE) -> np.ndarray:
         key = (in_flight, recompute, level)
         if key not in self._cache:
             memory = self._memory.get((recompute, level))
@@ -282,7 +299,8 @@ class StageCosts:
         return self._cache[key]
 
     def stage_cost(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
-        """(time matrix with inf where infeasible, recompute-chosen matrix) for stage ``stage``."""
+        """(time matrix with inf where infeasible, matrix of the recomputation level chosen, as its
+        ``Recompute.order``) for stage ``stage``."""
         c = self.config
         return self.cost_at(
             microbatches_in_flight(
@@ -296,22 +314,26 @@ class StageCosts:
         config's replicas, micro-batches and recompute mode enter, so configs that differ in
         schedule or depth alone may share one StageCosts (``partita.planning.uneven`` does).
 
-        Without recomputation the time is the fastest fitting level's; recomputation only where no
-        level fits without it (then again the fastest fitting level)."""
+        Without recomputation the time is the fastest fitting sharding level's; recomputation only
+        where no level fits without it: the least recomputation level with which one fits (then
+        again the fastest fitting sharding level), its recomputed seconds added. A config's own
+        recomputation mode is the one level tried."""
         if in_flight not in self._costs:
             mode = self.config.recompute_mode
-            plain = self._fastest(in_flight, False) if mode is not True else None
-            again = self._fastest(in_flight, True) if mode is not False else None
-            if plain is None:
-                time, use_recompute = again + self.forward, np.ones_like(self.valid)
-            elif again is None:
-                time, use_recompute = plain, np.zeros_like(self.valid)
-            else:
-                use_recompute = ~np.isfinite(plain) & np.isfinite(again)
-                time = np.where(use_recompute, again + self.forward, plain)
-            self._costs[in_flight] = (time, use_recompute & np.isfinite(time))
+            time = np.full(self.valid.shape, np.inf)
+            chosen = np.zeros(self.valid.shape, dtype=np.int8)
+            for recompute in RECOMPUTE_LEVELS if mode is None else (mode,):
+                fastest = self._fastest(in_flight, recompute) + self.extra[recompute]
+                take = ~np.isfinite(time) & np.isfinite(fastest)
+                time, chosen = np.where(take, fastest, time), np.where(take, recompute.order, chosen)
+            self._costs[in_flight] = (time, chosen)
             self._reach[in_flight] = stage_reach(time)
         return self._costs[in_flight]
+
+    def extra_s(self, chosen: np.ndarray) -> np.ndarray:
+        """Seconds recomputation adds to each stage [j, i), at the levels of ``chosen`` (``cost_at``'s
+        second matrix)."""
+        return np.choose(chosen, [self.extra[level] for level in RECOMPUTE_LEVELS])
 
     def reach_at(self, in_flight: float) -> int:
         """The most blocks a stage that fits with ``in_flight`` micro-batches spans (``stage_reach``)."""
@@ -319,7 +341,7 @@ class StageCosts:
             self.cost_at(in_flight)
         return self._reach[in_flight]
 
-    def _fastest(self, in_flight: float, recompute: bool) -> np.ndarray:
+    def _fastest(self, in_flight: float, recompute: Recompute) -> np.ndarray:
         """Compute + the smallest penalty over the levels that fit (inf where none does). A stage
         that shares a tied weight with another stage only replicates (``BlockCosts.tied_matrix``)."""
         best = np.full(self.valid.shape, np.inf)
@@ -334,6 +356,8 @@ _TOTALS = (
     "param_bytes",
     "trainable_bytes",
     "activation_bytes",
+    "saved_bytes",
+    "recomputed_bytes",
     "stage_input_bytes",
     "boundary_bytes",
     "largest_output_bytes",
@@ -434,7 +458,9 @@ def _best_splits(
         times = [float(per_stage[s][0][boundaries[s], boundaries[s + 1]]) for s in range(num_stages)]
         if not np.isfinite(sum(times)):
             continue  # only the exhaustive enumeration proposes splits with a stage that does not fit
-        recompute = tuple(bool(per_stage[s][1][boundaries[s], boundaries[s + 1]]) for s in range(num_stages))
+        recompute = tuple(
+            RECOMPUTE_LEVELS[int(per_stage[s][1][boundaries[s], boundaries[s + 1]])] for s in range(num_stages)
+        )
         sends = sum(float(costs.send[b]) for b in boundaries[1:-1])
         found.append(Candidate(config, tuple(boundaries), recompute, estimate_step(config, times) + sends))
     key = lambda c: (c.estimate_s, c.boundaries)  # noqa: E731
@@ -538,7 +564,7 @@ def spread_state_bytes(
         largest_output_bytes=0,
         in_flight=0,
         optimizer=options.optimizer,
-        recompute=False,
+        recompute=Recompute.NONE,
         precision=options.precision,
         # the least memory any allowed level needs: nothing gathered, state sharded where allowed
         sharding=Sharding.FULL_SHARD if sharded else Sharding.REPLICATE,
@@ -576,7 +602,7 @@ def sort_key(c: Candidate) -> tuple:
         cfg.schedule.value,
         cfg.virtual_stages,
         cfg.num_microbatches,
-        str(cfg.recompute_mode),
+        -1 if cfg.recompute_mode is None else cfg.recompute_mode.order,
         c.boundaries,
     )
 
@@ -590,19 +616,22 @@ def config_step_floor(
     block boundaries, as the search and the refinement make them) that is at least m times the
     smallest bottleneck of any split, each stage recomputing where nothing fits without (the
     bottleneck DP on those loads); otherwise (several stages per group, or any split of the
-    nodes) at least m times the whole chain's load over the groups, with every stage's forward
-    again when all stages recompute. A hair lower, for rounding. 0 for uneven configs."""
+    nodes) at least m times the whole chain's load over the groups, with what every stage
+    recomputes when all stages recompute. A hair lower, for rounding. 0 for uneven configs."""
     if config.stage_replicas:
         return 0.0
     m, g, v = config.num_microbatches, config.num_rank_groups, config.virtual_stages
     mode = options.recompute if config.recompute_mode is None else config.recompute_mode
     total = float(blocks.forward_s.sum() + blocks.backward_s.sum())
     if v > 1 or not block_splits or g > blocks.num_blocks:
-        return m * (total + (float(blocks.forward_s.sum()) if mode is True else 0.0)) / g * (1 - 1e-9)
+        again = (
+            0.0 if mode is None else extra_backward_s(mode, blocks.forward_s.sum(), blocks.selective_recompute_s.sum())
+        )
+        return m * (total + float(again)) / g * (1 - 1e-9)
     costs = StageCosts(blocks, config, options, cluster)
     work = []
     for stage in range(g):
-        time, recompute = costs.cost_at(microbatches_in_flight(config.schedule, m, g, stage, 1))
-        work.append(np.where(np.isfinite(time), costs.compute + np.where(recompute, costs.forward, 0.0), np.inf))
+        time, chosen = costs.cost_at(microbatches_in_flight(config.schedule, m, g, stage, 1))
+        work.append(np.where(np.isfinite(time), costs.compute + costs.extra_s(chosen), np.inf))
     floor = min_bottleneck(lambda s: work[s], blocks.num_blocks, g, blocks.stage_totals["work_prefix_s"])
     return m * max(floor, total / g) * (1 - 1e-9)

@@ -49,6 +49,8 @@ import numpy as np
 
 from partita.cost import comm
 from partita.cost.analytic import optimizer_step_s
+from partita.cost.memory import kept_per_microbatch
+from partita.cost.recompute import extra_backward_s
 from partita.errors import InputError
 from partita.planning.schedules import rank_orders, stage_rank_groups
 from partita.planning.sharding import collective_times_s
@@ -475,9 +477,10 @@ def pipeline_inputs(
 ) -> dict[str, Any]:
     """The keyword arguments of simulate_pipeline for ``plan``.
 
-    Per stage: forward/backward seconds are sums over its node range (recompute adds the forward
-    to the backward); activations kept per micro-batch are the range's saved tensors, or only the
-    stage input (``cut_bytes[start]``) under recompute; the all-reduce (sharded: reduce-scatter)
+    Per stage: forward/backward seconds are sums over its node range (recomputation adds what its
+    level runs again to the backward, ``partita.cost.recompute``); activations kept per micro-batch
+    are the range's saved tensors, or what its recomputation level keeps (full: only the stage
+    input, ``cut_bytes[start]``; selective: also the kept outputs); the all-reduce (sharded: reduce-scatter)
     moves the trainable parameter bytes of the range over the stage's replicas (one ring per
     tensor-parallel index, side by side, each over a device's shard), a sharded stage's
     all-gather their bytes in the plan's precision (``_collectives``); the send to the next stage moves
@@ -555,10 +558,11 @@ def _stage_inputs(stage: StagePlan, table: CostTable, precision: Precision, opti
     all-gather, optimizer step) of one stage, as ``pipeline_inputs`` describes them."""
     a, b = stage.start, stage.stop
     if memo is None:
-        forward, backward, weight, kept, trainable = _range_sums(table, a, b)
+        forward, backward, weight, kept, trainable, selective, saved = _range_sums(table, a, b)
     else:
-        forward, backward, weight, kept, trainable = memo.get(table, ("sums", a, b), _range_sums, table, a, b)
-    backward = backward + (forward if stage.recompute else 0.0)
+        sums = memo.get(table, ("sums", a, b), _range_sums, table, a, b)
+        forward, backward, weight, kept, trainable, selective, saved = sums
+    backward = backward + float(extra_backward_s(stage.recompute, forward, selective))
     collectives = _collectives(stage, trainable, precision, cluster)
     if stage.sharding is Sharding.FULL_SHARD and stage.num_replicas > 1:
         forward, backward = max(forward, collectives[2]), max(backward, collectives[2])
@@ -566,13 +570,13 @@ def _stage_inputs(stage: StagePlan, table: CostTable, precision: Precision, opti
     step_s = cluster.compute_slowdown * optimizer_step_s(
         trainable / shards, optimizer, cluster.device, precision=precision
     )
-    kept = int(table.cut_bytes[a]) if stage.recompute else kept
+    kept = int(kept_per_microbatch(stage.recompute, kept, int(table.cut_bytes[a]), saved))
     return (forward, backward, weight, kept, *collectives, step_s)
 
 
-def _range_sums(table: CostTable, start: int, stop: int) -> tuple[float, float, float, int, int]:
+def _range_sums(table: CostTable, start: int, stop: int) -> tuple[float, float, float, int, int, float, int]:
     """(forward, backward, backward_weight seconds, activation bytes kept, trainable parameter
-    bytes) of nodes [start, stop)."""
+    bytes, selectively recomputed seconds, bytes selective recomputation keeps) of nodes [start, stop)."""
     held = np.asarray(table.params_in_range(start, stop), dtype=np.int64)
     held = held[np.asarray(table.param_trainable, dtype=bool)[held]]
     return (
@@ -581,6 +585,8 @@ def _range_sums(table: CostTable, start: int, stop: int) -> tuple[float, float, 
         float(table.backward_weight_s[start:stop].sum()),
         int(table.activation_bytes[start:stop].sum()),
         int(np.asarray(table.param_bytes, dtype=np.int64)[held].sum()),
+        float(table.selective_recompute_s[start:stop].sum()),
+        int(table.saved_bytes[start:stop].sum()),
     )
 
 

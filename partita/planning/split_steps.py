@@ -5,7 +5,7 @@ stands on by a stage boundary or two, and keeps one per round. Building each as 
 module ranges, memory breakdowns of every stage) cost more than simulating it. ``SplitSteps``
 takes what the simulation needs from the same functions the Plan would: the memory and sharding
 level of each rank group (``build.rank_group_memory``), recomputation where a rank group does not
-fit without it (as ``context.fitting_draft`` decides it) and the simulator's inputs of each stage
+fit without it, at the least level with which it fits (as ``context.fitting_draft`` decides it) and the simulator's inputs of each stage
 (``simulate.stages_pipeline_inputs``), so the step it gives a split is the step of that split's
 Plan, bit for bit (tests/unit/test_split_steps.py); ``plan`` builds the Plan of the split kept.
 """
@@ -20,7 +20,7 @@ from partita.planning.context import PlanningContext, draft_plan, routable, with
 from partita.planning.schedules import stage_rank_groups
 from partita.planning.simulate import stages_pipeline_inputs
 from partita.planning.simulate_batch import simulate_pipelines
-from partita.types import Plan, Sharding, SimResult
+from partita.types import RECOMPUTE_LEVELS, Plan, Recompute, Sharding, SimResult
 
 
 class _Stage(NamedTuple):
@@ -28,7 +28,7 @@ class _Stage(NamedTuple):
 
     start: int
     stop: int
-    recompute: bool
+    recompute: Recompute
     sharding: Sharding
     ranks: tuple[int, ...]
     num_replicas: int
@@ -38,7 +38,7 @@ class _Stage(NamedTuple):
 class Fitted(NamedTuple):
     """A split that fits: its recomputation per stage and its simulated step."""
 
-    recompute: tuple[bool, ...]
+    recompute: tuple[Recompute, ...]
     result: SimResult
 
 
@@ -84,23 +84,29 @@ class SplitSteps:
             draft_plan(self.ctx, self.config, list(nodes), list(fitted.recompute), "partita"), fitted.result
         )
 
-    def _fitting(self, nodes: Sequence[int]) -> tuple[tuple[bool, ...], list[_Stage]] | None:
+    def _fitting(self, nodes: Sequence[int]) -> tuple[tuple[Recompute, ...], list[_Stage]] | None:
         """(recompute per stage, the stages) of the split as ``fitting_draft`` builds it: every
-        stage recomputes as pinned, or else those of rank groups that do not fit without; None
-        when it does not fit."""
+        stage recomputes as pinned, or else those of rank groups that do not fit without, at the
+        least level with which they fit; None when it does not fit."""
         ctx, config = self.ctx, self.config
         if not routable(ctx, config, nodes):
             return None
         pinned = ctx.options.recompute if config.recompute_mode is None else config.recompute_mode
         limit = ctx.options.memory_limit_bytes
-        recompute = [bool(pinned)] * config.num_stages
+        recompute = [pinned or Recompute.NONE] * config.num_stages
         memory, by_group = self._memory(nodes, recompute)
         if any(m.total_bytes > limit for m in memory.values()):
             if pinned is not None:
                 return None
-            recompute = [memory[g].total_bytes > limit or r for g, r in zip(self.groups, recompute)]
-            memory, by_group = self._memory(nodes, recompute)
-            if any(m.total_bytes > limit for m in memory.values()):
+            for level in RECOMPUTE_LEVELS[1:]:
+                recompute = [
+                    Recompute.most([r, level]) if memory[g].total_bytes > limit else r
+                    for g, r in zip(self.groups, recompute)
+                ]
+                memory, by_group = self._memory(nodes, recompute)
+                if all(m.total_bytes <= limit for m in memory.values()):
+                    break
+            else:
                 return None
         t = ctx.options.tensor_parallel
         stages = [
@@ -117,9 +123,9 @@ class SplitSteps:
         ]
         return tuple(by_group[g] for g in self.groups), stages
 
-    def _memory(self, nodes: Sequence[int], recompute: Sequence[bool]) -> tuple[dict, dict[int, bool]]:
-        """``rank_group_memory`` of the split, as ``build_plan`` asks for it, and whether each rank
-        group recomputes."""
+    def _memory(self, nodes: Sequence[int], recompute: Sequence[Recompute]) -> tuple[dict, dict[int, Recompute]]:
+        """``rank_group_memory`` of the split, as ``build_plan`` asks for it, and each rank group's
+        recomputation level."""
         ctx = self.ctx
         ranges, by_group = group_ranges(self.config, nodes, recompute)
         memory = rank_group_memory(self.tables, self.config, ctx.options, ranges, by_group, ctx.cluster, ctx.build_memo)

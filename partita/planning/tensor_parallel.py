@@ -8,7 +8,13 @@ counts, rank groups and the data-parallel collectives are counted in groups, who
 their data-parallel rings side by side (one per tensor-parallel index, each over its own links);
 the plans it makes hold device ranks: group ``u`` is ranks ``[u t, (u + 1) t)``. Stage
 boundaries stay outside the split regions (``split_crossings``). The best plan over the degrees
-wins (ties: the smaller degree).
+wins (ties: the smaller degree). Each degree above 1 runs with sequence parallelism
+(``partita.capturing.sequence_parallel``: its layout also splits, by token, the regions between)
+wherever its layout splits a region, unless ``PlanOptions.sequence_parallel`` pins it off: in the
+cost model it never keeps more bytes, computes more or moves more bytes over the group than
+tensor parallelism alone (a reduce-scatter and an all-gather are the two ring passes of the
+all-reduce they replace), only a few small gradient all-reduces more (norm weights), so searching
+both would double every degree's search for a rare gain.
 
 Glossary
 --------
@@ -108,19 +114,29 @@ def group_cluster(cluster: Cluster, degree: int) -> Cluster:
     return dataclasses.replace(cluster, num_devices=cluster.num_devices // degree, devices_per_node=per_node // degree)
 
 
-def find_layout(graph: OpGraph, degree: int) -> TensorParallelLayout:
-    """What a group of ``degree`` devices splits in ``graph``: the capture layer's rules."""
-    from partita.capturing.tensor_parallel import find_layout as rules  # here: degree 1 never needs the rules
+def find_layout(graph: OpGraph, degree: int, *, sequence_parallel: bool = False) -> TensorParallelLayout:
+    """What a group of ``degree`` devices splits in ``graph``: the capture layer's rules (with
+    ``sequence_parallel``, also its regions split by token)."""
+    if sequence_parallel:
+        from partita.capturing.sequence_parallel import find_sequence_layout  # here: degree 1 never needs the rules
+
+        return find_sequence_layout(graph, degree)
+    from partita.capturing.tensor_parallel import find_layout as rules
 
     return rules(graph, degree)
 
 
-def degree_contexts(ctx: PlanningContext, pinned: int | None, *, uneven: bool | None = None) -> list[PlanningContext]:
+def degree_contexts(
+    ctx: PlanningContext, pinned: int | None, *, uneven: bool | None = None, sequence_parallel: bool | None = None
+) -> list[PlanningContext]:
     """The contexts to search, one per degree: ``ctx`` (degree 1, from ``planning_context``) and
-    one per degree whose layout splits something (``with_layout``), smallest degree first;
-    ``pinned``: only that degree. ``uneven``: the user's ``uniform_replicas`` is False (per-stage
-    replica counts asked for, which tensor-parallel meshes cannot give: degree 1 only). InputError
-    when the pinned degree splits nothing, or is above 1 while per-stage counts are asked for."""
+    one per degree whose layout splits something (``with_layout``), smallest degree first, with
+    sequence parallelism where its layout splits a region by token (module docstring);
+    ``pinned``: only that degree; ``sequence_parallel``: True only with it, False without.
+    ``uneven``: the user's ``uniform_replicas`` is False (per-stage replica counts asked for,
+    which tensor-parallel meshes cannot give: degree 1 only). InputError when the pinned degree
+    splits nothing, when it is above 1 while per-stage counts are asked for, or when sequence
+    parallelism is pinned and no degree splits a region by token."""
     if uneven and pinned is not None and pinned > 1:
         raise InputError(
             f"tensor_parallel={pinned} runs on pp x dp x tp meshes (one replica count for every stage), but "
@@ -132,16 +148,26 @@ def degree_contexts(ctx: PlanningContext, pinned: int | None, *, uneven: bool | 
         degrees = [pinned]
     else:
         degrees = candidate_degrees(ctx.cluster, replicas=ctx.options.replicas, num_stages=ctx.options.num_stages)
-    contexts = []
+    contexts, refused = [], {}
     for degree in degrees:
         if degree == 1:
-            contexts.append(ctx)
+            contexts += [] if sequence_parallel else [ctx]
             continue
         layout = find_layout(ctx.graph, degree)
-        if not layout.is_trivial:
+        if layout.is_trivial:
+            if pinned is not None:
+                raise InputError(_nothing_splits(degree, layout))
+            continue
+        if sequence_parallel is not False:
+            tokens = find_layout(ctx.graph, degree, sequence_parallel=True)
+            if tokens.sequence_nodes:
+                contexts.append(with_layout(ctx, tokens))
+                continue
+            refused[degree] = tokens.sequence_rejected
+        if not sequence_parallel:
             contexts.append(with_layout(ctx, layout))
-        elif pinned is not None:
-            raise InputError(_nothing_splits(degree, layout))
+    if sequence_parallel and not contexts:
+        raise InputError(_no_sequence_parallelism(degrees, refused))
     return contexts
 
 
@@ -152,7 +178,11 @@ def with_layout(ctx: PlanningContext, layout: TensorParallelLayout) -> PlanningC
     degree, graph, cluster, costs_at = layout.degree, ctx.graph, ctx.cluster, ctx.costs_at
     # the runtime runs tensor parallelism on pp x dp x tp meshes: one replica count for every stage
     options = dataclasses.replace(
-        ctx.options, num_devices=ctx.options.num_devices // degree, tensor_parallel=degree, uniform_replicas=True
+        ctx.options,
+        num_devices=ctx.options.num_devices // degree,
+        tensor_parallel=degree,
+        uniform_replicas=True,
+        sequence_parallel=layout.sequence_parallel,
     )
     shared = functools.lru_cache(maxsize=None)(lambda b: tensor_parallel_costs(costs_at(b), graph, layout, cluster))
     chain = np.asarray(ctx.chain)
@@ -177,6 +207,21 @@ def split_crossings(graph: OpGraph, layout: TensorParallelLayout) -> np.ndarray:
     inside = np.cumsum(diff)[: graph.num_nodes + 1] > 0
     inside[0] = inside[-1] = False
     return inside
+
+
+def _no_sequence_parallelism(degrees: list[int], refused: dict[int, dict]) -> str:
+    """Why ``sequence_parallel=True`` has no plan to search: no degree above 1, or no region split by token."""
+    if not any(d > 1 for d in degrees):
+        return (
+            "sequence_parallel=True splits the regions a tensor-parallel group leaves whole, but no tensor-parallel "
+            "degree above 1 fits this cluster and these pins: pin tensor_parallel to 2 or more, or unpin "
+            "sequence_parallel"
+        )
+    reasons = "; ".join(f"{node}: {why}" for why_by in refused.values() for node, why in list(why_by.items())[:2])
+    return (
+        "sequence_parallel=True, but no region of this model splits by token"
+        f"{f' ({reasons})' if reasons else ''}: use sequence_parallel=False, or leave it unpinned"
+    )
 
 
 def _nothing_splits(degree: int, layout: TensorParallelLayout) -> str:

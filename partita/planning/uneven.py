@@ -50,7 +50,7 @@ from partita.planning.search import (
     estimate_step,
     schedule_accepts,
 )
-from partita.types import Schedule
+from partita.types import RECOMPUTE_LEVELS, Recompute, Schedule
 
 MAX_DEVICES = 64
 MAX_STAGES = 8
@@ -70,7 +70,7 @@ NEAR_SEED = 4
 MAX_SEEDED_WORK = 60_000_000
 
 # (schedule, stages, micro-batches, recompute mode) of an uneven search.
-ShapeKey = tuple[Schedule, int, int, bool | None]
+ShapeKey = tuple[Schedule, int, int, Recompute | None]
 
 
 class _Shape:
@@ -79,12 +79,12 @@ class _Shape:
 
     def __init__(
         self,
-        stage_costs: Callable[[int, int, bool | None], StageCosts],
+        stage_costs: Callable[[int, int, Recompute | None], StageCosts],
         options: SearchOptions,
         schedule: Schedule,
         num_stages: int,
         num_microbatches: int,
-        recompute_mode: bool | None,
+        recompute_mode: Recompute | None,
         positions: np.ndarray,
         replica_counts: list[int],
     ):
@@ -93,7 +93,7 @@ class _Shape:
         self.recompute_mode, self.samples, self.positions = recompute_mode, b, positions
         self.replica_counts = replica_counts
         self.time: dict[int, list[np.ndarray]] = {}  # r -> per stage p: (K'+1, K'+1) seconds (inf: no fit)
-        self.recompute: dict[int, list[np.ndarray]] = {}
+        self.recompute: dict[int, list[np.ndarray]] = {}  # r -> per stage p: the level's order (``cost_at``)
         self.send: dict[int, np.ndarray] = {}  # r -> seconds to send each boundary's tensors (and gradients)
         sub = np.ix_(positions, positions)
         for r in self.replica_counts:
@@ -120,7 +120,7 @@ class _Shape:
         )
 
 
-def enumerate_shapes(options: SearchOptions, num_blocks: int) -> Iterator[tuple[Schedule, int, int, bool | None]]:
+def enumerate_shapes(options: SearchOptions, num_blocks: int) -> Iterator[tuple[Schedule, int, int, Recompute | None]]:
     """(schedule, stages, micro-batches, recompute mode) of every uneven search the options allow."""
     n, batch = options.num_devices, options.global_batch_size
     schedules = [s for s in UNEVEN_SCHEDULES if s in options.schedules]
@@ -172,7 +172,7 @@ def search_uneven(
     seen: set = set()
     shared: dict[tuple, StageCosts] = {}
 
-    def stage_costs(r: int, m: int, mode: bool | None) -> StageCosts:
+    def stage_costs(r: int, m: int, mode: Recompute | None) -> StageCosts:
         """The stage costs at r replicas, m micro-batches: shared by every schedule and depth."""
         if (r, m, mode) not in shared:
             samples = options.global_batch_size // (m * r)
@@ -243,7 +243,7 @@ def _candidate(shape: _Shape, boundaries: list[int], full: tuple[int, ...], repl
     for p, r in enumerate(replicas):
         a, b = boundaries[p], boundaries[p + 1]
         times.append(float(shape.time[r][p][a, b]))
-        recompute.append(bool(shape.recompute[r][p][a, b]))
+        recompute.append(RECOMPUTE_LEVELS[int(shape.recompute[r][p][a, b])])
     sends = sum(float(shape.send[replicas[p]][boundaries[p + 1]]) for p in range(shape.num_stages - 1))
     config = shape.config(replicas)
     return Candidate(config, full, tuple(recompute), estimate_step(config, times) + sends)

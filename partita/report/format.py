@@ -51,11 +51,12 @@ def fmt_replicas(plan) -> str:
 def fmt_layout(plan) -> str:
     """'4 rank groups x 2 replicas (8 devices)', with uneven replica counts '3 rank groups with
     2+1+4 replicas (7 devices)', with tensor parallelism '2 rank groups x 2 replicas x 2-way
-    tensor parallel (8 devices)'."""
+    tensor parallel (8 devices)', and sequence parallelism '... x 2-way tensor + sequence parallel'."""
     joint = "x" if plan.uniform_replicas else "with"
     replicas = "replica" if plan.uniform_replicas and plan.stages[0].num_replicas == 1 else "replicas"
     t = plan.stages[0].tensor_parallel
-    tensor_parallel = f" x {t}-way tensor parallel" if t > 1 else ""
+    sequence = " + sequence" if getattr(plan.stages[0], "sequence_parallel", False) else ""
+    tensor_parallel = f" x {t}-way tensor{sequence} parallel" if t > 1 else ""
     return (
         f"{counted(plan.num_rank_groups, 'rank group')} {joint} {fmt_replicas(plan)} {replicas}{tensor_parallel} "
         f"({counted(plan.num_devices, 'device')})"

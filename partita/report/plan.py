@@ -22,8 +22,10 @@ def plan_text(
 ) -> str:
     """Stages (modules, ranks, params, sharding, memory vs limit, times, cut bytes), the memory of
     each rank group's devices by kind, then the step figures, with each plan's layout. The
-    header names the tensor-parallel degree; a stage's params, memory and cut bytes are then one
-    device's of its group, and its times include the group's all-reduces.
+    header names the tensor-parallel degree (and sequence parallelism); a stage's params, memory
+    and cut bytes are then one device's of its group, and its times include the group's
+    collectives. The recompute column is each stage's level (none, selective, full), its backward
+    time including what that level recomputes; the memory table names each rank group's.
 
     ``baseline_reasons`` (``PlanningResult.baseline_reasons``) tells a baseline that cannot make the
     plan's stage count ("fits: n/a", with the reason below the table) from one that does not fit
@@ -46,7 +48,7 @@ def plan_text(
             f"{fmt_bytes(s.memory_bytes)} / {fmt_bytes(limit)}",
             fmt_seconds(s.forward_s),
             fmt_seconds(s.backward_s),
-            "yes" if s.recompute else "no",
+            s.recompute.value,
             fmt_bytes(s.cut_bytes),
         )
         for s in plan.stages
@@ -109,20 +111,22 @@ def _memory_lines(plan: Plan) -> list[str]:
             *(fmt_bytes(b) for b in (m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.activations_bytes)),
             fmt_bytes(m.buffers_bytes),
             fmt_bytes(m.total_bytes),
+            s.recompute.value,
         )
-        for g, m in ((g, s.memory_breakdown) for g, s in sorted(groups.items()))
+        for g, s, m in ((g, s, s.memory_breakdown) for g, s in sorted(groups.items()))
     ]
-    headers = ["rank group", "params", "grads", "optimizer", "activations", "buffers", "peak/device"]
+    headers = ["rank group", "params", "grads", "optimizer", "activations", "buffers", "peak/device", "recompute"]
     return ["", "memory per device at its peak (optimizer: states + fp32 master weights)", table(headers, rows)]
 
 
 def _layout(p: Plan) -> str:
-    """'2x4 tp2 grads+opt': rank groups x replicas, the tensor-parallel degree (when above 1), and
-    the sharding levels of replicated stages."""
+    """'2x4 tp2 sp grads+opt': rank groups x replicas, the tensor-parallel degree (when above 1; sp:
+    with sequence parallelism), and the sharding levels of replicated stages."""
     levels = sorted({fmt_sharding(s.sharding) for s in p.stages if s.num_replicas > 1})
     counts = "+".join(str(s.num_replicas) for s in p.stages[: p.num_rank_groups]) if not p.uniform_replicas else None
     shape = f"{p.num_rank_groups}x{counts or p.stages[0].num_replicas}"
-    parts = [shape, *([f"tp{p.tensor_parallel}"] if p.tensor_parallel > 1 else []), "/".join(levels)]
+    parallel = [f"tp{p.tensor_parallel}"] + (["sp"] if p.sequence_parallel else []) if p.tensor_parallel > 1 else []
+    parts = [shape, *parallel, "/".join(levels)]
     return " ".join(part for part in parts if part)
 
 

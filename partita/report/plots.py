@@ -77,7 +77,7 @@ def plan_figure(plan: Plan, sim_result: SimResult, path, *, baselines: Mapping[s
 
 
 def _title(plan: Plan, result: SimResult) -> str:
-    recompute = sum(s.recompute for s in plan.stages)
+    recompute = sum(1 for s in plan.stages if s.recompute)
     return (
         f"{plan.method}: {counted(plan.num_stages, 'stage')} on {fmt_layout(plan)}, {plan.schedule.value}, "
         f"{fmt_microbatches(plan)}, recompute {recompute}/{plan.num_stages} stages; "
@@ -108,8 +108,9 @@ def _memory_panel(ax, plan: Plan, baselines: Mapping[str, Plan | None]) -> None:
         colour = KIND_COLOURS["F"] if k == 0 else BASELINE_COLOURS[(k - 1) % len(BASELINE_COLOURS)]
         ax.bar(xs, [s.memory_bytes / scale for s in p.stages], width=bar_width, color=colour, label=name, zorder=2)
         for x, s in zip(xs, p.stages):
-            if s.recompute:  # recomputed stages marked with an R above the bar
-                ax.text(x, s.memory_bytes / scale, "R", ha="center", va="bottom", fontsize=7)
+            if s.recompute:  # recomputed stages marked above the bar: R full, S selective
+                mark = "S" if s.recompute.value == "selective" else "R"
+                ax.text(x, s.memory_bytes / scale, mark, ha="center", va="bottom", fontsize=7)
     if limit_drawn:
         ax.axhline(
             limit / scale, color="#C44E52", linestyle="--", linewidth=1.2, zorder=3, label=f"limit {fmt_bytes(limit)}"
@@ -119,7 +120,7 @@ def _memory_panel(ax, plan: Plan, baselines: Mapping[str, Plan | None]) -> None:
     missing = [name for name, p in dict(baselines).items() if p is None]
     if missing:  # a baseline that does not fit, or cannot make this many stages
         ax.plot([], [], " ", label="no plan: " + ", ".join(missing))
-    ax.set_xlabel("stage (R: recomputed)")
+    ax.set_xlabel("stage (R: recomputed, S: selectively)")
     ax.set_ylabel(f"peak memory per device ({unit})")
     ax.set_title("memory per stage")
     step = max(1, -(-plan.num_stages // 16))

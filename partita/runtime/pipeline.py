@@ -26,6 +26,7 @@ split backward  ZBV runs each backward as an input-gradient pass, then a weight 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,11 +41,12 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from partita.capturing.recompute import keeps_dispatched
 from partita.runtime.precision import FP32, Compute
 from partita.runtime.stages import StageModule
-from partita.types import OpGraph, Schedule
+from partita.types import OpGraph, Recompute, Schedule
 
 __all__ = [
     "StageMetadata",
@@ -54,6 +56,7 @@ __all__ = [
     "rng_and_buffers_restored",
     "root_chunk_spec",
     "root_key",
+    "selective_policy",
     "stage_metadata",
 ]
 
@@ -63,11 +66,21 @@ def root_key(j: int) -> str:
     return f"input_{j}"
 
 
+def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective recomputation's op policy (``partita.capturing.recompute``, the one the cost model
+    counts): keep the outputs of the ops it names (matmuls, attention), recompute the rest."""
+    name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+    return CheckpointPolicy.MUST_SAVE if keeps_dispatched(name) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class StageRunner(nn.Module):
     """The module PipelineStage runs: ``forward(*received, **root_inputs)`` -> the stage's outputs.
 
-    ``recompute`` wraps the stage in non-reentrant activation checkpointing: only the stage's
-    inputs are kept between forward and backward, the rest is recomputed in backward.
+    ``recompute`` (a ``Recompute`` level) wraps the stage in non-reentrant activation checkpointing:
+    full keeps only the stage's inputs between forward and backward and recomputes the rest in
+    backward; selective also keeps the outputs of the ops ``selective_policy`` keeps
+    (``create_selective_checkpoint_contexts``), so backward recomputes only the others. The RNG
+    state is restored for the recomputation (checkpoint's default), so dropout draws the same masks.
 
     ``fresh_outputs`` returns copies of the boundary tensors. Zero-bubble schedules detach a
     stage's outputs in place after the input-gradient pass; when autograd saved such a tensor
@@ -76,10 +89,12 @@ class StageRunner(nn.Module):
     use a saved tensor that has been detached in-place".
     """
 
-    def __init__(self, stage: StageModule, recompute: bool, fresh_outputs: bool = False, compute: Compute = FP32):
+    def __init__(
+        self, stage: StageModule, recompute: Recompute | bool, fresh_outputs: bool = False, compute: Compute = FP32
+    ):
         super().__init__()
         self.stage = stage
-        self.recompute = recompute
+        self.recompute = Recompute.parse(recompute)
         self.fresh_outputs = fresh_outputs and not stage.spec.is_last
         self.compute = compute
         # A variant of ``stage`` (the graph captured at other shapes, holding its tensors) to run in
@@ -91,11 +106,19 @@ class StageRunner(nn.Module):
         stage = self.stand_in or self.stage
         inputs = (*received, *(root_inputs[root_key(j)] for j in stage.graph_input_indices))
         with self.compute.context():  # checkpoint's recomputation restores it too
-            out = checkpoint(stage, *inputs, use_reentrant=False) if self.recompute else stage(*inputs)
+            if self.recompute is Recompute.FULL:
+                out = checkpoint(stage, *inputs, use_reentrant=False)
+            elif self.recompute is Recompute.SELECTIVE:
+                out = checkpoint(stage, *inputs, use_reentrant=False, context_fn=_SELECTIVE_CONTEXTS)
+            else:
+                out = stage(*inputs)
         if stage.spec.is_last:
             return out
         out = tuple(self.compute.boundary(t) for t in out)
         return tuple(t.clone() for t in out) if self.fresh_outputs else out
+
+
+_SELECTIVE_CONTEXTS = functools.partial(create_selective_checkpoint_contexts, selective_policy)
 
 
 def root_chunk_spec(graph: OpGraph, indices: Sequence[int]) -> dict[str, Any]:
@@ -184,7 +207,7 @@ def _split_backward_complete(
 
 def make_pipeline_stages(
     stages: Sequence[StageModule],
-    recompute: Sequence[bool],
+    recompute: Sequence[Recompute],
     metadata: Sequence[tuple],
     schedule: Schedule,
     device: torch.device,

@@ -63,6 +63,7 @@ class Topology:
     tensor_parallel: int = 1
     tp_index: int = 0
     tp_group: dist.ProcessGroup | None = None
+    sequence_parallel: bool = False  # the plan's: the tensor-parallel group also splits tokens
 
     @property
     def uniform(self) -> bool:
@@ -153,6 +154,7 @@ def _tensor_parallel_topology(plan: Plan, common: dict, timeout: datetime.timede
         tensor_parallel=t,
         tp_index=rank % t,
         tp_group=mesh.get_group("tp"),
+        sequence_parallel=plan.sequence_parallel,
     )
 
 

@@ -111,9 +111,10 @@ def place_stages(
     if not plan.uniform_replicas:
         check_uneven_boundaries(graph, plan, all_stages)
     stages = [s for s in all_stages if plan.stages[s.spec.index].rank_group == topology.rank_group]
+    built_on_meta = on_meta(model)  # then the weights materialized here are partita's own
     metadata = _put_on_device(model, graph, plan, topology, compute, init_from, all_stages, stages)
     check_sharding(plan, all_stages)
-    tensor_parallel = start_tensor_parallel(graph, topology, all_stages, stages)
+    tensor_parallel = start_tensor_parallel(graph, topology, all_stages, stages, release_whole=built_on_meta)
     runners = sharded_runners(plan, stages, topology, compute)  # FSDP2 makes new (DTensor) parameters
     return StageSet(
         model=model,

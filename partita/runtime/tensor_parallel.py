@@ -17,7 +17,12 @@ Explicit collectives, not DTensor: the stage graphs stay plain tensors, so FSDP2
 pipelines, recomputation and bf16 autocast work on them unchanged, and a fused QKV projection
 (one weight holding query, key and value) splits by heads, which no DTensor placement expresses.
 Boundary tensors between stages are whole (replicated in the group): every rank of a group
-sends its copy along its own pipeline. Checkpoints and ``gather_state_dict`` hold whole tensors
+sends its copy along its own pipeline.
+
+Sequence parallelism (``Plan.sequence_parallel``; ``partita.capturing.sequence_parallel``) also
+splits the regions between them by token: row-parallel outputs are reduce-scattered, the inputs of
+column-parallel matmuls all-gathered, and a stage takes its part of a received value the whole
+graph splits, and gathers whole what it sends. Checkpoints and ``gather_state_dict`` hold whole tensors
 under the original names (``gather_full``), so any plan, or the plain model, loads them.
 """
 
@@ -33,6 +38,7 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
+from partita.capturing.sequence_parallel import TokenSplit, analyze_sequence, whole_graph_splits
 from partita.capturing.tensor_parallel import TensorParallelAnalysis, analyze
 from partita.errors import InputError
 from partita.runtime import tensor_parallel_ops as ops
@@ -57,12 +63,14 @@ _GROUPS: dict[int, dist.ProcessGroup] = {}  # key (an int in the FX graphs) -> g
 @dataclass(frozen=True, eq=False)
 class TensorParallel:
     """This rank's tensor-parallel group: ``degree`` ranks, this one ``index``-th; ``analyses``:
-    stage index -> the layout of that stage's graph."""
+    stage index -> the layout of that stage's graph (with its ``sequence`` analysis when
+    ``sequence_parallel``)."""
 
     degree: int
     index: int
     group: dist.ProcessGroup | None
     analyses: Mapping[int, TensorParallelAnalysis]
+    sequence_parallel: bool = False
 
     @property
     def key(self) -> int:
@@ -78,16 +86,22 @@ def local_plan(plan: Plan, index: int) -> Plan:
     """The plan the ranks of tensor-parallel index ``index`` run: each stage's ranks ``[index::t]``,
     degree 1."""
     t = plan.tensor_parallel
-    stages = tuple(dataclasses.replace(s, ranks=s.ranks[index::t], tensor_parallel=1) for s in plan.stages)
+    stages = tuple(
+        dataclasses.replace(s, ranks=s.ranks[index::t], tensor_parallel=1, sequence_parallel=False) for s in plan.stages
+    )
     return dataclasses.replace(plan, stages=stages)
 
 
 # ----------------------------------------------------------------------------- layouts
 
 
-def stage_analyses(graph: OpGraph, stages: Sequence[StageModule], degree: int) -> dict[int, TensorParallelAnalysis]:
+def stage_analyses(
+    graph: OpGraph, stages: Sequence[StageModule], degree: int, sequence_parallel: bool = False
+) -> dict[int, TensorParallelAnalysis]:
     """The layout of every stage's graph; a weight read by several stages is split only when every
-    one of them splits it the same way (their gradients are summed shard by shard)."""
+    one of them splits it the same way (their gradients are summed shard by shard). With
+    ``sequence_parallel`` each analysis has its ``sequence`` one, the received values that the
+    whole graph splits by token taken in part at the stage's start."""
     whole: set[str] = set()
     while True:
         found = {s.spec.index: _analyze_stage(graph, s, degree, whole) for s in stages}
@@ -98,8 +112,22 @@ def stage_analyses(graph: OpGraph, stages: Sequence[StageModule], degree: int) -
                 ways.setdefault(name, set()).add(layout.params.get(name))
         disagree = {name for name, w in ways.items() if len(w) > 1} - whole
         if not disagree:
-            return found
+            break
         whole |= disagree
+    if sequence_parallel:
+        splits = whole_graph_splits(graph, degree)
+        for stage in stages:
+            found[stage.spec.index].sequence = _sequence_of_stage(stage, found[stage.spec.index], splits)
+    return found
+
+
+def _sequence_of_stage(stage: StageModule, analysis: TensorParallelAnalysis, splits: Mapping[str, TokenSplit]):
+    """The sequence-parallel analysis of one stage's graph (its received values split as ``splits``)."""
+    gm = stage.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params = {node.name: name for node, name in zip(placeholders, stage.spec.param_names)}
+    received = {name: splits[name] for name in stage.spec.input_names if name in splits}
+    return analyze_sequence(gm.graph, analysis, params=params, inputs=received)
 
 
 def _analyze_stage(graph: OpGraph, stage: StageModule, degree: int, whole: set[str]) -> TensorParallelAnalysis:
@@ -160,10 +188,15 @@ def gather_full(tensor: torch.Tensor, shard: ParamShard, tp: TensorParallel) -> 
     return whole_from_parts(parts, shard)
 
 
-def shard_parameters(stages: Sequence[StageModule], tp: TensorParallel) -> None:
+def shard_parameters(stages: Sequence[StageModule], tp: TensorParallel, *, release_whole: bool = False) -> None:
     """Give every stage this rank's part of each weight its layout splits: one new Parameter per
-    weight, shared by the stages that read it."""
+    weight, shared by the stages that read it. ``release_whole``: the whole weights are partita's
+    own (allocated from a seed checkpoint for a model built on meta): their storage is freed once
+    the parts are made, so that a rank holds its parts alone (training updates the parts,
+    checkpoints gather them whole). Each keeps its shape, as a zero-stride view of one element, so
+    that the model can still be captured again (evaluation at other shapes)."""
     made: dict[str, torch.Tensor] = {}
+    whole: list[torch.Tensor] = []
     for stage in stages:
         layout = tp.analyses[stage.spec.index].layout
         tensors = stage.state_tensors()
@@ -173,8 +206,11 @@ def shard_parameters(stages: Sequence[StageModule], tp: TensorParallel) -> None:
                 t = tensors[name]
                 part = local_part(t.detach(), shard, tp.index, tp.degree)
                 made[name] = nn.Parameter(part, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else part
+                whole.append(t)
             local[name] = made[name]
         stage.rebind(local)
+    for t in whole if release_whole else ():
+        t.data = t.new_zeros(()).expand(t.shape)
 
 
 # ----------------------------------------------------------------------------- graph rewriting
@@ -209,11 +245,45 @@ def cross_entropy(
     return ops.vocab_parallel_cross_entropy(logits, target, start, reduction, ignore_index, group)
 
 
+def scatter_tokens(x: torch.Tensor, dim: int, inner: int, key: int) -> torch.Tensor:
+    """This rank's tokens of a whole ``x`` (``TokenSplit``: dim ``dim`` viewed as ``(-1, inner)``)."""
+    return ops.scatter_to_group(x, dim, x.shape[dim] // inner, _GROUPS[key])
+
+
+def gather_tokens(x: torch.Tensor, dim: int, inner: int, key: int) -> torch.Tensor:
+    """The whole of a token-split ``x``, for a consumer that computes whole (backward: this rank's part)."""
+    group = _GROUPS[key]
+    return ops.gather_from_group(x, dim, x.shape[dim] * dist.get_world_size(group) // inner, group)
+
+
+def gather_column(x: torch.Tensor, dim: int, inner: int, key: int) -> torch.Tensor:
+    """The whole of a token-split ``x`` for column-parallel matmuls (backward: reduce-scatter)."""
+    group = _GROUPS[key]
+    return ops.gather_for_column(x, dim, x.shape[dim] * dist.get_world_size(group) // inner, group)
+
+
+def reduce_scatter_out(x: torch.Tensor, dim: int, inner: int, key: int) -> torch.Tensor:
+    """This rank's tokens of the sum of the group's partial ``x`` (a row-parallel matmul's output)."""
+    return ops.reduce_scatter_to_group(x, dim, x.shape[dim] // inner, _GROUPS[key])
+
+
+def embedding_scattered(
+    weight: torch.Tensor, ids: torch.Tensor, padding_idx: int, dim: int, inner: int, key: int
+) -> torch.Tensor:
+    """A vocab-parallel embedding whose output is reduce-scattered by token (not all-reduced)."""
+    group = _GROUPS[key]
+    start = dist.get_rank(group) * weight.shape[0] if weight.device.type != "meta" else 0
+    partial = ops.vocab_parallel_embedding_partial(weight, ids, start, padding_idx)
+    return reduce_scatter_out(partial, dim, inner, key)
+
+
 def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
-    """Insert the collectives of the stage's layout into its graph (in place, recompiled)."""
+    """Insert the collectives of the stage's layout into its graph (in place, recompiled), and those
+    of its sequence parallelism (``TensorParallelAnalysis.sequence``) where the plan has it."""
     analysis = tp.analyses[stage.spec.index]
     if analysis.layout.is_trivial:
         return
+    sequence = analysis.sequence if tp.sequence_parallel else None
     gm = stage.graph_module
     g = gm.graph
     nodes = {n.name: n for n in g.nodes}
@@ -221,8 +291,12 @@ def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
     for name in sorted(analysis.copies):
         x = nodes[name]
         columns = [u for u in x.users if analysis.kinds.get(u.name) == "column"]
-        with g.inserting_after(x):
-            copied = g.call_function(copy_in, (x, key))
+        split = sequence.column_gathers.get(name) if sequence is not None else None
+        with g.inserting_after(x):  # the input of column-parallel matmuls: copied, or gathered by token
+            if split is None:
+                copied = g.call_function(copy_in, (x, key))
+            else:
+                copied = g.call_function(gather_column, (x, split.dim, split.inner, key))
         for user in columns:
             user.replace_input_with(x, copied)
     for (name, position), (dim, blocks) in analysis.scatters.items():
@@ -236,19 +310,25 @@ def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
         node.update_arg(position, _divided(node.args[position], element, tp.degree))
     for name, kind in analysis.kinds.items():
         node = nodes[name]
+        split = sequence.sources.get(name) if sequence is not None else None
         if kind == "row":
-            _row(g, node, key)
+            _row(g, node, key, split)
         elif kind == "vocab_embedding":
             padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-            # looked up where held and all-reduced: the output is whole
-            node.target, node.args, node.kwargs = embedding, (node.args[0], node.args[1], padding, key), {}
+            if split is None:  # looked up where held and all-reduced: the output is whole
+                node.target, node.args, node.kwargs = embedding, (node.args[0], node.args[1], padding, key), {}
+            else:  # reduce-scattered: this rank's tokens
+                args = (node.args[0], node.args[1], padding, split.dim, split.inner, key)
+                node.target, node.args, node.kwargs = embedding_scattered, args, {}
         elif kind == "vocab_cross_entropy":
             args = list(node.args) + [None] * (6 - len(node.args))
             reduction = args[3] if args[3] is not None else node.kwargs.get("reduction", 1)
             ignore = args[4] if args[4] is not None else node.kwargs.get("ignore_index", -100)
             classes = analysis.vocab[name]
             node.target, node.args, node.kwargs = cross_entropy, (args[0], args[1], reduction, ignore, classes, key), {}
-    sharded = set(analysis.states)
+    if sequence is not None:
+        _rewrite_sequence(g, nodes, sequence, key, tp.degree)
+    sharded = set(analysis.states) | (set(sequence.states) if sequence is not None else set())
     for node in list(g.nodes):  # shape assertions of split values would name the whole sizes
         if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_tensor_metadata.default":
             if isinstance(node.args[0], torch.fx.Node) and node.args[0].name in sharded:
@@ -257,8 +337,54 @@ def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
     gm.recompile()
 
 
-def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int) -> None:
-    """Row-parallel matmul: the partial products are summed over the group, then the bias added."""
+def _rewrite_sequence(g: torch.fx.Graph, nodes: dict, sequence: Any, key: int, degree: int) -> None:
+    """Sequence parallelism's part of ``rewrite_stage`` besides the row-parallel outputs, embeddings and
+    column inputs: received values taken in part, whole operands sliced to this rank's tokens or
+    (broadcast over them) their gradients summed, views resized, outputs gathered whole."""
+    for name, split in sequence.sources.items():
+        node = nodes[name]
+        if node.op != "placeholder":
+            continue
+        users = list(node.users)
+        with g.inserting_after(node):  # stage graphs interleave received placeholders with their wrappers
+            part = g.call_function(scatter_tokens, (node, split.dim, split.inner, key))
+        for user in users:
+            user.replace_input_with(node, part)
+    for (name, position), split in sequence.scatters.items():
+        node = nodes[name]
+        with g.inserting_before(node):
+            part = g.call_function(scatter_tokens, (_operand(node, position), split.dim, split.inner, key))
+        _set_operand(node, position, part)
+    for name, position in sorted(sequence.broadcasts):
+        node = nodes[name]
+        with g.inserting_before(node):
+            summed = g.call_function(copy_in, (_operand(node, position), key))
+        _set_operand(node, position, summed)
+    for name, dim in sequence.resized.items():
+        node = nodes[name]
+        sizes = list(node.args[1])
+        sizes[dim] //= degree
+        node.update_arg(1, sizes)
+    gathered: dict[torch.fx.Node, torch.fx.Node] = {}  # one gather per value, whatever its whole consumers
+
+    def whole_of(value: torch.fx.Node, split: Any) -> torch.fx.Node:
+        if value not in gathered:
+            with g.inserting_after(value):
+                gathered[value] = g.call_function(gather_tokens, (value, split.dim, split.inner, key))
+        return gathered[value]
+
+    for (name, position), split in sequence.gathers.items():
+        node = nodes[name]
+        _set_operand(node, position, whole_of(_operand(node, position), split))
+    output = next(n for n in g.nodes if n.op == "output")
+    for name, split in sequence.whole_gathers.items():
+        output.replace_input_with(nodes[name], whole_of(nodes[name], split))
+
+
+def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None) -> None:
+    """Row-parallel matmul: the partial products are summed over the group, then the bias added.
+    With sequence parallelism (``split``, a ``TokenSplit``) the sum is reduce-scattered by token and
+    the bias's gradient, each rank's tokens' part, summed over the group."""
     name = getattr(node.target, "overloadpacket", None).__name__
     bias = None
     if name == "linear":
@@ -268,10 +394,16 @@ def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int) -> None:
         bias = node.args[0]
         node.target, node.args, node.kwargs = aten.mm.default, (node.args[1], node.args[2]), {}
     with g.inserting_after(node):
-        reduced = g.call_function(reduce_out, (node, key))
+        if split is None:
+            reduced = g.call_function(reduce_out, (node, key))
+        else:
+            reduced = g.call_function(reduce_scatter_out, (node, split.dim, split.inner, key))
     out = reduced
     if bias is not None:
-        with g.inserting_after(reduced):
+        if split is not None:
+            with g.inserting_after(reduced):
+                bias = g.call_function(copy_in, (bias, key))
+        with g.inserting_after(bias if split is not None else reduced):
             out = g.call_function(aten.add.Tensor, (reduced, bias))
     node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not reduced)
 
@@ -302,25 +434,29 @@ def _divided(value: Any, element: int | None, degree: int) -> Any:
 
 
 def start_tensor_parallel(
-    graph: OpGraph, topology: Any, all_stages: Sequence[StageModule], own: Sequence[StageModule]
+    graph: OpGraph,
+    topology: Any,
+    all_stages: Sequence[StageModule],
+    own: Sequence[StageModule],
+    *,
+    release_whole: bool = False,
 ) -> TensorParallel | None:
-    """This rank's TensorParallel (None without tensor parallelism), with its stages' weights split."""
+    """This rank's TensorParallel (None without tensor parallelism), with its stages' weights split
+    (``release_whole``: as ``shard_parameters`` takes it)."""
     if topology.tensor_parallel == 1:
         return None
+    degree, sequence = topology.tensor_parallel, topology.sequence_parallel
     tp = TensorParallel(
-        topology.tensor_parallel,
-        topology.tp_index,
-        topology.tp_group,
-        stage_analyses(graph, all_stages, topology.tensor_parallel),
+        degree, topology.tp_index, topology.tp_group, stage_analyses(graph, all_stages, degree, sequence), sequence
     )
-    shard_parameters(own, tp)
+    shard_parameters(own, tp, release_whole=release_whole)
     return tp
 
 
 def program_layouts(tp: TensorParallel, graph: OpGraph, all_stages: Sequence[StageModule]) -> TensorParallel:
     """The TensorParallel of a program's stages (the planned graph after its loss rewriting, or a
     variant captured at other shapes), which must split the weights as the planned stages do."""
-    found = stage_analyses(graph, all_stages, tp.degree)
+    found = stage_analyses(graph, all_stages, tp.degree, tp.sequence_parallel)
     ours = tp.shards()
     theirs = {name: s for a in found.values() for name, s in a.layout.params.items()}
     if theirs != ours:

@@ -39,6 +39,8 @@ __all__ = [
     "reduce_from_group",
     "scatter_to_group",
     "gather_from_group",
+    "reduce_scatter_to_group",
+    "gather_for_column",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
 ]
@@ -75,6 +77,21 @@ def gather_from_group(x: torch.Tensor, dim: int, blocks: int, group: Group) -> t
     return _GatherFromGroup.apply(x, dim, blocks, group)
 
 
+def reduce_scatter_to_group(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
+    """Sequence parallelism's reduce-scatter: this rank's part (block layout along ``dim``) of the sum
+    of every rank's ``x``; backward all-gathers the gradient parts. Where tensor parallelism
+    all-reduces a row-parallel matmul's partial output, sequence parallelism keeps one part of it."""
+    return _ReduceScatterToGroup.apply(x, dim, blocks, group)
+
+
+def gather_for_column(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
+    """Sequence parallelism's all-gather before a column-parallel matmul: the full tensor from every
+    rank's part ``x`` (block layout along ``dim``); backward reduce-scatters the gradient, since each
+    rank's matmul gives a partial gradient of the whole input (``copy_to_group``'s all-reduce, kept
+    in part)."""
+    return _GatherForColumn.apply(x, dim, blocks, group)
+
+
 def vocab_parallel_embedding(
     weight_local: torch.Tensor, ids: torch.Tensor, vocab_start: int, padding_idx: int | None, group: Group
 ) -> torch.Tensor:
@@ -82,13 +99,20 @@ def vocab_parallel_embedding(
     weight_local.shape[0])`` that this rank holds: each rank looks up its own ids, zeros the others,
     and the outputs are all-reduced (SUM). ``weight_local`` gets exactly its rows' gradient; the
     ``padding_idx`` row (a global index; ``None`` or -1, aten's default, mean none) gets none."""
+    return reduce_from_group(vocab_parallel_embedding_partial(weight_local, ids, vocab_start, padding_idx), group)
+
+
+def vocab_parallel_embedding_partial(
+    weight_local: torch.Tensor, ids: torch.Tensor, vocab_start: int, padding_idx: int | None
+) -> torch.Tensor:
+    """``vocab_parallel_embedding`` before its all-reduce: this rank's rows looked up, the others'
+    zero (sequence parallelism reduce-scatters it instead of all-reducing)."""
     num_local = weight_local.shape[0]
     elsewhere = (ids < vocab_start) | (ids >= vocab_start + num_local)  # (*ids.shape)
     local_ids = (ids - vocab_start).masked_fill(elsewhere, 0)  # row 0 stands in; its output is zeroed
     out = F.embedding(local_ids, weight_local, padding_idx=_local_padding_idx(padding_idx, vocab_start, num_local))
     # masked_fill's backward zeros those positions' gradients, so row 0 receives nothing from them
-    out = out.masked_fill(elsewhere.unsqueeze(-1), 0)  # (*ids.shape, C)
-    return reduce_from_group(out, group)
+    return out.masked_fill(elsewhere.unsqueeze(-1), 0)  # (*ids.shape, C)
 
 
 def vocab_parallel_cross_entropy(
@@ -165,6 +189,30 @@ class _GatherFromGroup(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         return _local_part(grad, *ctx.layout), None, None, None
+
+
+class _ReduceScatterToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
+        ctx.layout = (_normalized_dim(dim, x), blocks, group)
+        return _reduce_scatter_parts(x, *ctx.layout)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_parts(grad, *ctx.layout), None, None, None
+
+
+class _GatherForColumn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
+        ctx.layout = (_normalized_dim(dim, x), blocks, group)
+        return _gather_parts(x, *ctx.layout)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_parts(grad, *ctx.layout), None, None, None
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -262,6 +310,25 @@ def _gather_parts(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch
     # each part (..., blocks * part, ...) -> (..., blocks, part, ...), stacked as (..., blocks, degree, part, ...)
     stacked = torch.stack([p.unflatten(dim, (blocks, -1)) for p in parts], dim=dim + 1)
     return stacked.flatten(dim, dim + 2)
+
+
+def _reduce_scatter_parts(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
+    """This rank's ``_local_part`` of the sum of every rank's full ``x`` (one reduce-scatter)."""
+    if not _communicates(x, group):  # meta, or a group of one: the sum is ``x`` itself
+        return _local_part(x, dim, blocks, group)
+    pg = _process_group(group)
+    degree = dist.get_world_size(pg)
+    size = x.shape[dim]
+    if blocks < 1 or size % (blocks * degree):
+        raise InputError(
+            f"cannot reduce-scatter dim {dim} of size {size} (shape {tuple(x.shape)}) in {blocks} block(s) over "
+            f"{degree} ranks: the size must be a multiple of blocks * ranks = {blocks * degree}"
+        )
+    parts = x.unflatten(dim, (blocks, degree, size // (blocks * degree)))  # (..., blocks, degree, part, ...)
+    stacked = parts.movedim(dim + 1, 0).contiguous()  # (degree, ..., blocks, part, ...): rank r's part r-th
+    out = torch.empty_like(stacked[0])
+    dist.reduce_scatter_tensor(out.view(-1), stacked.view(-1), group=pg)
+    return out.flatten(dim, dim + 1)
 
 
 def _local_padding_idx(padding_idx: int | None, vocab_start: int, num_local: int) -> int | None:

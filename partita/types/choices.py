@@ -1,4 +1,5 @@
-"""The fixed choices a plan is made of: pipeline schedules, optimizer kinds, precision and sharding.
+"""The fixed choices a plan is made of: pipeline schedules, optimizer kinds, precision, sharding and
+recomputation.
 
 One vocabulary: ``PlanOptions``, the plan-file codec and the command line's flags all parse a
 choice with its enum's ``parse``, which accepts the member's value and the aliases in ``ALIASES``
@@ -91,6 +92,49 @@ class Sharding(str, enum.Enum):
         return parse_choice(cls, value, "sharding", aliases=ALIASES[cls])
 
 
+class Recompute(str, enum.Enum):
+    """Activation recomputation of a stage, from keeping everything to keeping its input alone.
+
+    ``none`` keeps every tensor the stage's backward needs. ``selective`` keeps the stage's input
+    and the outputs of the expensive operations (matmuls, attention: the op classes of
+    ``partita.capturing.recompute``) and recomputes the cheap, memory-heavy rest (softmax, dropout,
+    norms, activation functions, elementwise) in backward (Korthikanti et al., "Reducing Activation
+    Recomputation in Large Transformer Models", 2022). ``full`` keeps the stage's input alone and
+    runs its whole forward again in backward. Each level keeps less and recomputes more than the
+    one before (``order``).
+    """
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+    @property
+    def order(self) -> int:
+        """0, 1, 2 for none, selective, full: the position in ``RECOMPUTE_LEVELS``."""
+        return RECOMPUTE_LEVELS.index(self)
+
+    def __bool__(self) -> bool:
+        """Whether anything is recomputed (``if stage.recompute:``); a str would be true for "none"."""
+        return self is not Recompute.NONE
+
+    @classmethod
+    def parse(cls, value: Recompute | str | bool) -> Recompute:
+        """Also ``True`` / ``False`` (full / none: the plan files and options of partita before
+        selective recomputation), ``"yes"`` / ``"no"``."""
+        if isinstance(value, bool):
+            return cls.FULL if value else cls.NONE
+        return parse_choice(cls, value, "recompute", aliases=ALIASES[cls])
+
+    @classmethod
+    def most(cls, levels) -> Recompute:
+        """The level among ``levels`` that recomputes the most (none for no levels): what a rank
+        group holding stages of these levels runs them all with."""
+        return max(levels, key=lambda level: level.order, default=cls.NONE)
+
+
+RECOMPUTE_LEVELS = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # by memory saved (and time added)
+
+
 # Every other spelling each choice accepts (alias -> the member's value). The whole vocabulary:
 # what is not here (or a member's value) is refused everywhere, with the list of spellings.
 ALIASES: dict[type[enum.Enum], dict[str, str]] = {
@@ -103,6 +147,7 @@ ALIASES: dict[type[enum.Enum], dict[str, str]] = {
         "zero3": "full_shard",
         "fsdp": "full_shard",
     },
+    Recompute: {"yes": "full", "no": "none", "true": "full", "false": "none", "off": "none"},
 }
 
 

@@ -33,6 +33,15 @@ class CostTable:
         param_bytes[p]        bytes of parameter p (in its own dtype).
         param_trainable[p]    whether p gets a gradient and optimizer state (False for buffers).
         param_uses[p]         sorted node positions that read parameter p.
+
+    Selective recomputation (``Recompute.SELECTIVE``, ``partita.cost.recompute``), per node:
+        saved_bytes[n]        bytes of node n's outputs it keeps per micro-batch (the outputs of
+                              the ops its policy keeps: matmuls, attention; 0 for the others).
+        recomputed_bytes[n]   the part of activation_bytes[n] it rebuilds in backward (the saved
+                              tensors that are not such outputs), alive for one micro-batch.
+        selective_recompute_s[n]  seconds node n's forward runs again in backward (0 for kept ones).
+    A table made without them (None) keeps everything under selective recomputation and
+    recomputes nothing: selective is then never cheaper than no recomputation.
     """
 
     microbatch_size: int
@@ -58,6 +67,18 @@ class CostTable:
     # group of t that splits the graph (``partita.cost.tensor_parallel``): its share of the work
     # and bytes, its parameter shards, and the group's all-reduces in forward_s and backward_s.
     tensor_parallel: int = 1
+    saved_bytes: Any = None
+    recomputed_bytes: Any = None
+    selective_recompute_s: Any = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: fill what a hand-made table leaves out, once
+        if self.saved_bytes is None:
+            set_(self, "saved_bytes", np.asarray(self.activation_bytes, dtype=np.int64))
+        if self.recomputed_bytes is None:
+            set_(self, "recomputed_bytes", np.zeros(len(self.forward_s), dtype=np.int64))
+        if self.selective_recompute_s is None:
+            set_(self, "selective_recompute_s", np.zeros(len(self.forward_s)))
 
     @property
     def num_nodes(self) -> int:

@@ -18,7 +18,9 @@ Conventions:
     compute_efficiency      achieved / peak FLOP/s for large matmuls. Transformer GEMMs are
                             smaller than the products that come closest to the peak, so the
                             catalog uses 0.7 for NVIDIA Hopper/Ampere, less for parts whose
-                            libraries reach less of their peak.
+                            libraries reach less of their peak. Checked for the A100 against
+                            Megatron-LM's published runs (``bench/megatron_calibration.py``);
+                            the other parts' are estimates nobody has checked here.
     memory_efficiency       achieved / peak bandwidth for elementwise kernels, which reach less
                             than a plain copy.
     op_overhead_s           fixed cost per operation: kernel launch + eager dispatch on a GPU,
@@ -84,8 +86,16 @@ _IB_HDR = 200e9 / 8  # 200 Gb/s InfiniBand HDR per GPU (DGX A100), bytes/s
 _CATALOG: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
-        # A100 SXM4 (NVIDIA A100 Tensor Core GPU datasheet, SXM columns): FP32 19.5, TF32 156, BF16/FP16 312
-        # TFLOP/s dense; HBM2 1,555 GB/s (40GB), HBM2e 2,039 GB/s (80GB); NVLink3 600 GB/s both ways;
+        # A100 SXM4 (NVIDIA A100 datasheet): FP32 19.5, TF32 156, BF16/FP16 312 TFLOP/s dense;
+        # HBM2 1,555 GB/s (40 GB) / HBM2e 2,039 GB/s (80 GB); NVLink3 600 GB/s both ways through
+        # NVSwitch, so 300 GB/s per direction. Between nodes: DGX A100 (and Selene, where
+        # Megatron-LM measured its SC21 runs: "eight NVIDIA Mellanox 200Gbps HDR Infiniband HCAs")
+        # has one 200 Gb/s HDR port per GPU. Latencies 5 us (NVLink) and 20 us (InfiniBand, with
+        # NCCL's protocol) are estimates; no calibration row depends on them (sends of 1-100 MB).
+        # compute_efficiency 0.7 (218 of 312 TFLOP/s on large bf16 GEMMs) and memory_efficiency
+        # 0.8 (elementwise kernels) are estimates too, checked, not fitted: with them partita
+        # predicts each of Megatron-LM's ten SC21 layouts on A100-80GB within 8% of the measured
+        # step (bench/results/megatron_calibration.md). op_overhead_s: launch + eager dispatch.
         # nvidia-smi reports 40960 / 81920 MiB.
         DeviceSpec(
             "a100-40gb",
@@ -100,7 +110,7 @@ _CATALOG: dict[str, DeviceSpec] = {
         ),
         DeviceSpec(
             "a100-80gb",
-            81920 * _MIB,
+            81920 * _MIB,  # nvidia-smi: 81920 MiB
             {"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12},
             2039e9,
             300e9,

@@ -6,14 +6,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from partita.types.choices import Precision, Schedule, Sharding
+from partita.types.choices import Precision, Recompute, Schedule, Sharding
 from partita.types.cluster import Cluster
 
 if TYPE_CHECKING:
     from partita.types.graph import OpGraph
 
 
-PLAN_SCHEMA_VERSION = 1
+# 2: a stage's "recompute" is a level ("none", "selective", "full"); schema 1's true / false load as full / none
+PLAN_SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class StagePlan:
     module_range: str  # "transformer.h.0 .. transformer.h.5": where the stage starts and ends
     ranks: tuple[int, ...]  # global ranks running this stage, replica-major (see above)
     rank_group: int  # index of the group of ranks (pipeline position) that runs this stage
-    recompute: bool  # activation recomputation for this stage
+    recompute: Recompute  # activation recomputation level of this stage (a bool is read as full / none)
     forward_s: float  # predicted, per micro-batch per replica
     backward_s: float  # predicted, per micro-batch per replica
     memory_bytes: int  # predicted peak per device of this stage's rank group
@@ -79,6 +81,12 @@ class StagePlan:
     # predicted peak per device of each device group of the cluster (0 for groups the stage does not
     # run on); None: one-type clusters (``memory_bytes`` says it). A record, as memory_bytes is.
     memory_bytes_by_group: tuple[int, ...] | None = None
+    # sequence parallelism: the tensor-parallel group also splits, by token, the regions it leaves
+    # whole (norms, dropout, residual additions; partita.capturing.sequence_parallel)
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", Recompute.parse(self.recompute))  # frozen: normalised once
 
     @property
     def num_replicas(self) -> int:
@@ -138,6 +146,11 @@ class Plan:
     def tensor_parallel(self) -> int:
         """The tensor-parallel degree, the same for every stage (1: none)."""
         return self.stages[0].tensor_parallel
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the tensor-parallel groups also split tokens (the same for every stage)."""
+        return self.stages[0].sequence_parallel
 
     @property
     def num_rank_groups(self) -> int:

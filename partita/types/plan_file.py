@@ -2,7 +2,8 @@
 
 ``load_plan`` rejects anything that is not a valid plan with a PlanFileError that names the
 field, the value and the cause; with ``graph`` / ``cluster`` it also rejects a plan made for
-another model or cluster.
+another model or cluster. Files of every version in ``READABLE_SCHEMA_VERSIONS`` load (schema 1's
+``"recompute": true / false`` as the levels full / none); a loaded plan is of the current schema.
 
 Executed fields and records. The runtime runs what these fields say, and nothing else:
 
@@ -35,11 +36,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from partita.errors import PlanFileError
-from partita.types.choices import Precision, Schedule, Sharding
+from partita.errors import InputError, PlanFileError
+from partita.types.choices import Precision, Recompute, Schedule, Sharding
 from partita.types.cluster import Cluster
 from partita.types.graph import OpGraph
-from partita.types.plan import PLAN_SCHEMA_VERSION, MemoryBreakdown, Plan, StagePlan
+from partita.types.plan import READABLE_SCHEMA_VERSIONS, MemoryBreakdown, Plan, StagePlan
 
 _STAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "index": int,
@@ -50,7 +51,7 @@ _STAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "module_range": str,
     "ranks": list,
     "rank_group": int,
-    "recompute": bool,
+    "recompute": (str, bool),  # a Recompute level; true / false (schema 1): full / none
     "forward_s": (int, float),
     "backward_s": (int, float),
     "memory_bytes": int,
@@ -58,9 +59,16 @@ _STAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "cut_bytes": int,
 }
 # Absent in files of earlier versions: they load as replicate, without a breakdown, without
-# tensor parallelism. The last two are written only where they hold something (plans for mixed
-# clusters), so that other plan files read as before.
-_OPTIONAL_STAGE_FIELDS = ("sharding", "memory_breakdown", "tensor_parallel", "replica_samples", "memory_bytes_by_group")
+# tensor or sequence parallelism. The last two are written only where they hold something (plans for
+# mixed clusters), so that other plan files read as before.
+_OPTIONAL_STAGE_FIELDS = (
+    "sharding",
+    "memory_breakdown",
+    "tensor_parallel",
+    "sequence_parallel",
+    "replica_samples",
+    "memory_bytes_by_group",
+)
 _BREAKDOWN_FIELDS: dict[str, type] = {f.name: int for f in dataclasses.fields(MemoryBreakdown)}
 _PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
     "schema_version": int,
@@ -110,8 +118,10 @@ def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
     data = {
         **{k: getattr(stage, k) for k in _STAGE_FIELDS if k != "ranks"},
         "ranks": list(stage.ranks),
+        "recompute": stage.recompute.value,
         "sharding": stage.sharding.value,
         "tensor_parallel": stage.tensor_parallel,
+        "sequence_parallel": stage.sequence_parallel,
         "memory_breakdown": None if breakdown is None else {k: getattr(breakdown, k) for k in _BREAKDOWN_FIELDS},
     }
     if stage.replica_samples is not None:
@@ -200,10 +210,11 @@ def plan_from_dict(data: Any, *, source: str = "plan") -> Plan:
     if not isinstance(data, dict):
         raise PlanFileError(f"{source}: a plan file holds a JSON object, found {type(data).__name__}")
     version = data.get("schema_version")
-    if version != PLAN_SCHEMA_VERSION:
+    if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:
+        readable = " or ".join(str(v) for v in READABLE_SCHEMA_VERSIONS)
         raise PlanFileError(
             f"{source}: field 'schema_version' is {version!r}, but this partita reads schema "
-            f"{PLAN_SCHEMA_VERSION}: re-create the plan with this version of partita"
+            f"{readable}: re-create the plan with this version of partita"
         )
     _check_fields(data, _PLAN_FIELDS, source, "", optional=_OPTIONAL_PLAN_FIELDS)
     stages = tuple(_stage_from_dict(s, k, source) for k, s in enumerate(_nonempty(data["stages"], "stages", source)))
@@ -226,7 +237,6 @@ def plan_from_dict(data: Any, *, source: str = "plan") -> Plan:
         precision=precision,
         partita_version=data["partita_version"],
         torch_version=data["torch_version"],
-        schema_version=version,
     )
     check_plan_consistency(plan, source)
     return plan
@@ -263,6 +273,12 @@ def _stage_from_dict(data: Any, k: int, source: str) -> StagePlan:
     values = {key: data[key] for key in _STAGE_FIELDS}
     values["ranks"] = tuple(ranks)
     values["forward_s"], values["backward_s"] = float(data["forward_s"]), float(data["backward_s"])
+    recompute = data["recompute"]
+    values["recompute"] = (
+        Recompute.parse(recompute)
+        if isinstance(recompute, bool)
+        else _choice(Recompute, recompute, f"{where}.recompute", source)
+    )
     values["sharding"] = _choice(Sharding, data.get("sharding", Sharding.REPLICATE.value), f"{where}.sharding", source)
     values["memory_breakdown"] = _breakdown(data.get("memory_breakdown"), f"{where}.memory_breakdown", source)
     degree = data.get("tensor_parallel", 1)
@@ -283,6 +299,15 @@ def _stage_from_dict(data: Any, k: int, source: str) -> StagePlan:
             f"{source}: {where}.replica_samples has {len(values['replica_samples'])} entries for "
             f"{len(ranks) // degree} replicas: one sample count per replica"
         )
+    sequence = data.get("sequence_parallel", False)
+    if not isinstance(sequence, bool):
+        raise PlanFileError(f"{source}: {where}.sequence_parallel is {sequence!r}, expected true or false")
+    if sequence and degree == 1:
+        raise PlanFileError(
+            f"{source}: {where}.sequence_parallel is true, but its tensor_parallel is 1: sequence parallelism splits "
+            "the regions a tensor-parallel group leaves whole; set it to false, or re-plan with tensor parallelism"
+        )
+    values["sequence_parallel"] = sequence
     return StagePlan(**values)
 
 
@@ -328,7 +353,14 @@ def _check_fields(
 
 
 def _kind_name(kind: Any) -> str:
-    names = {int: "an integer", str: "a string", bool: "true or false", list: "a list", dict: "an object"}
+    names = {
+        int: "an integer",
+        str: "a string",
+        bool: "true or false",
+        list: "a list",
+        dict: "an object",
+        (str, bool): 'a recomputation level ("none", "selective", "full")',
+    }
     return names.get(kind, "a number")
 
 
@@ -367,10 +399,11 @@ def check_plan_consistency(plan: Plan, source: str = "plan") -> None:
     if plan.schedule is Schedule.ZBV and recomputed and plan.method != "manual":
         # The planner never recomputes under ZBV (partita.planning.options.recompute_allowed): such a
         # file was edited, and its memory figures are wrong. manual_plan may ask for it (no predictions).
+        level = stages[recomputed[0]].recompute.value
         raise PlanFileError(
-            f"{source}: stages[{recomputed[0]}].recompute is true, but the schedule is zbv, under which partita never "
-            "recomputes (the memory of a recomputed stage cannot be predicted): set it to false, or re-plan with "
-            "another schedule"
+            f"{source}: stages[{recomputed[0]}].recompute is {level!r}, but the schedule is zbv, under which partita "
+            "never recomputes (the memory of a recomputed stage cannot be predicted): set it to 'none', or re-plan "
+            "with another schedule"
         )
     check_options_agree(plan, source)
     num_devices = plan.cluster.num_devices
@@ -404,6 +437,11 @@ def _check_tensor_parallel(plan: Plan, source: str) -> None:
     and lies in one node (its all-reduces run on the intra-node link)."""
     t = plan.stages[0].tensor_parallel
     for k, s in enumerate(plan.stages):
+        if s.sequence_parallel != plan.stages[0].sequence_parallel:
+            raise PlanFileError(
+                f"{source}: stages[{k}].sequence_parallel differs from stages[0]'s: sequence parallelism is on or "
+                "off for the whole plan"
+            )
         if s.tensor_parallel != t:
             raise PlanFileError(
                 f"{source}: stages[{k}].tensor_parallel is {s.tensor_parallel} but stages[0]'s is {t}: every stage "
@@ -480,14 +518,27 @@ def _recorded_and_executed(plan: Plan) -> list[tuple[str, Any, Any]]:
             replicas,
             [next(s.num_replicas for s in stages if s.rank_group == g) for g in range(len(replicas))],
         )
-    flags = [s.recompute for s in stages]
-    recompute = options.get("recompute")
-    if isinstance(recompute, bool) and all(isinstance(f, bool) for f in flags):
-        add("recompute", recompute, flags[0] if len(set(flags)) == 1 else flags)
-    elif isinstance(recompute, list):
-        add("recompute", recompute, flags)
+    levels = [Recompute.parse(s.recompute).value for s in stages]
+    recompute = _recompute_record(options.get("recompute"))
+    if isinstance(recompute, str):  # one pinned level (schema 1: a bool) for every stage
+        add("recompute", recompute, levels[0] if len(set(levels)) == 1 else levels)
+    elif isinstance(recompute, list):  # manual: one level per stage
+        add("recompute", recompute, levels)
     add("sharding", *_sharding_agreement(options.get("sharding"), stages))
     return found
+
+
+def _recompute_record(recorded: Any) -> Any:
+    """The recorded recompute pin as level names: schema 1 wrote booleans (full / none), one or one
+    per stage; None (searched) and values of other kinds stay as they are."""
+    try:
+        if isinstance(recorded, (bool, str)):
+            return Recompute.parse(recorded).value
+        if isinstance(recorded, list) and all(isinstance(r, (bool, str)) for r in recorded):
+            return [Recompute.parse(r).value for r in recorded]
+    except InputError:  # not a level: compared as written, and refused as disagreeing
+        pass
+    return recorded
 
 
 def _sharding_agreement(recorded: Any, stages: tuple[StagePlan, ...]) -> tuple[Any, Any]:

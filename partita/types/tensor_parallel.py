@@ -37,9 +37,21 @@ class TensorParallelLayout:
     group after that node in the forward (the output of a row-parallel matmul or of a
     vocab-parallel embedding), or for its inputs in the backward (the input of column-parallel
     matmuls; the whole operands, e.g. T5's position bias, of an elementwise operation on split
-    values, summed per node). The vocab-parallel cross-entropy all-reduces three values per row (max, sum of
+    values, summed per node), elements at the graph's example batch. ``backward_fixed_reductions``:
+    the same for whole operands without a batch dimension (a weight, T5's position bias), whose
+    size is the same at every micro-batch size. The vocab-parallel cross-entropy all-reduces three values per row (max, sum of
     exponentials, target logit): counted in ``forward_reductions`` at the loss node.
     ``rejected``: pattern candidates left replicated, node name -> why (for ``partita inspect``).
+
+    Sequence parallelism (``sequence_parallel``; ``partita.capturing.sequence_parallel``) also splits
+    the regions between them by token: ``sequence_nodes`` are the nodes whose values and work divide
+    by ``degree`` that way; ``gathered_nodes`` the split values all-gathered whole for column-parallel
+    matmuls (which keep that whole copy for their backward). Its collectives are single ring passes
+    (a reduce-scatter or an all-gather; an all-reduce is two): ``forward_passes`` /
+    ``backward_passes``, node name -> the elements of each pass after that node's forward or in its
+    backward; the all-reduces they replace are gone from ``forward_reductions`` /
+    ``backward_reductions``; ``backward_fixed_passes`` those of values without a batch dimension (the
+    gradient of a whole position embedding scattered by token). ``sequence_rejected``: regions left whole, source node -> why.
     """
 
     degree: int
@@ -47,7 +59,15 @@ class TensorParallelLayout:
     sharded_nodes: frozenset[str] = frozenset()
     forward_reductions: Mapping[str, int] = field(default_factory=dict)
     backward_reductions: Mapping[str, int] = field(default_factory=dict)
+    backward_fixed_reductions: Mapping[str, int] = field(default_factory=dict)
     rejected: Mapping[str, str] = field(default_factory=dict)
+    sequence_parallel: bool = False
+    sequence_nodes: frozenset[str] = frozenset()
+    gathered_nodes: frozenset[str] = frozenset()
+    forward_passes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    backward_passes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    backward_fixed_passes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    sequence_rejected: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def is_trivial(self) -> bool:

@@ -26,7 +26,7 @@ CONFIGS = [
         schedule="gpipe",
         replicas=(1, 2),
         num_microbatches=2,
-        recompute=[False, True],
+        recompute=["selective", "full"],  # the uneven executor's runners at both levels
         models=["gpt2", "gated"],
     ),
     dict(

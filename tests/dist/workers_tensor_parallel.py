@@ -30,6 +30,8 @@ def _plan(case: Case, config: dict):
         global_batch_size=case.batch_size,
         tensor_parallel=config["tensor_parallel"],
         sharding=config.get("sharding", "replicate"),
+        recompute=config.get("recompute", "none"),
+        sequence_parallel=config.get("sequence_parallel", False) and config["tensor_parallel"] > 1,
     )
 
 
@@ -156,6 +158,14 @@ def job_tp(params: dict) -> dict:
         tp = trainer.tensor_parallel
         result: dict[str, Any] = {
             "model": config["model"],
+            "recompute": [s.recompute.value for s in plan.stages],
+            # the regions this rank's stages split by token (sequence parallelism's sources)
+            "token_sources": sorted(
+                name
+                for s in trainer.stages
+                if tp is not None and tp.sequence_parallel
+                for name in tp.analyses[s.spec.index].sequence.sources
+            ),
             "losses": losses,
             "held": held,
             "whole": whole,

@@ -2,8 +2,8 @@
 
 It tries every config the options allow (with ``uniform_replicas=False`` also every vector of
 per-stage replica counts of every uneven shape, ``partita.planning.uneven``) and every way to cut
-the chain into the config's number of stages; recomputation is switched on exactly for the stages that would not fit
-without it (recomputation only adds time, so this choice is optimal per stage). Each
+the chain into the config's number of stages; each stage recomputes at the least level with which it fits
+(recomputation only adds time, the more the more it recomputes, so this choice is optimal per stage). Each
 candidate is simulated on its schedule; the shortest step that fits wins.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 from partita.planning.search import Config, SearchOptions, enumerate_configs
 from partita.planning.uneven import enumerate_shapes
-from partita.types import Plan, Schedule
+from partita.types import RECOMPUTE_LEVELS, Plan, Recompute, Schedule
 
 # (config, node boundaries, recompute per stage, method) -> simulated Plan, or None if it does not fit
 Evaluate = Callable[[Config, list, list, str], "Plan | None"]
@@ -27,7 +27,7 @@ def all_splits(num_blocks: int, num_stages: int) -> Iterator[list[int]]:
 
 def brute_force(options: SearchOptions, chain: list[int], evaluate: Evaluate, stage_fits: Callable) -> Plan | None:
     """The best plan over every config and split. ``stage_fits(config, boundaries, recompute)``
-    returns per-stage fit flags used to decide recomputation."""
+    returns per-stage fit flags (``recompute``: a level per stage) used to decide recomputation."""
     best: Plan | None = None
     num_blocks = len(chain) - 1
     for config in all_configs(options, num_blocks):
@@ -57,11 +57,15 @@ def all_configs(options: SearchOptions, num_blocks: int) -> Iterator[Config]:
                 yield Config(fewest, num_stages, schedule, 1, m, samples // fewest, mode, stage_replicas=replicas)
 
 
-def _recompute_needed(config: Config, nodes: list[int], stage_fits: Callable) -> list[bool] | None:
+def _recompute_needed(config: Config, nodes: list[int], stage_fits: Callable) -> list[Recompute]:
     if config.recompute_mode is not None:
         return [config.recompute_mode] * config.num_stages
-    plain = stage_fits(config, nodes, [False] * config.num_stages)
-    return [not ok for ok in plain]
+    chosen: list[Recompute | None] = [None] * config.num_stages
+    for level in RECOMPUTE_LEVELS:
+        for s, ok in enumerate(stage_fits(config, nodes, [level] * config.num_stages)):
+            if ok and chosen[s] is None:
+                chosen[s] = level
+    return [Recompute.FULL if level is None else level for level in chosen]  # full: fits in no way
 
 
 # ----------------------------------------------------------------------------- mixed clusters

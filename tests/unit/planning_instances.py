@@ -40,7 +40,9 @@ def chain_instance(
     global_batch_size: int = 8,
 ) -> PlanningContext:
     """A chain of len(forward) nodes with these costs at 8 samples (node k reads parameter p{k},
-    ``cut``: bytes crossing each cut, first and last 0), on ``num_devices`` H100s of ``memory`` bytes."""
+    ``cut``: bytes crossing each cut, first and last 0), on ``num_devices`` H100s of ``memory`` bytes.
+    Selective recomputation keeps 45% of each node's activation bytes (its kept outputs), rebuilds
+    60% of them (so S >= A - R, as in ``partita.cost.recompute``) and runs 35% of its forward again."""
     k = len(forward)
     nodes = tuple(
         OpNode(
@@ -74,6 +76,7 @@ def chain_instance(
 
     def costs_at(b: int) -> CostTable:
         scale = b / 8
+        kept = (activation * scale).astype(np.int64)
         return CostTable(
             microbatch_size=b,
             device="h100",
@@ -81,7 +84,10 @@ def chain_instance(
             forward_s=forward * scale + overhead,
             backward_s=2 * forward * scale + overhead,
             backward_weight_s=forward * scale,
-            activation_bytes=(activation * scale).astype(np.int64),
+            activation_bytes=kept,
+            saved_bytes=(kept * 0.45).astype(np.int64),
+            recomputed_bytes=kept - (kept * 0.4).astype(np.int64),
+            selective_recompute_s=0.35 * forward * scale + overhead,
             output_bytes=(cut[1:] * scale).astype(np.int64),
             cut_bytes=(cut * scale).astype(np.int64),
             param_names=tuple(params),

@@ -223,10 +223,13 @@ def test_a_zbv_plan_edited_to_recompute_is_refused(mlp, tmp_path):
     path = tmp_path / "plan.json"
     plan.save(str(path))
     data = json.loads(path.read_text())
-    data["stages"][1]["recompute"] = True
-    path.write_text(json.dumps(data))
-    with pytest.raises(PlanFileError, match=r"stages\[1\]\.recompute is true, but the schedule is zbv"):
-        partita.Plan.load(str(path))
+    for level in (True, "selective", "full"):  # schema 1's true is full
+        data["stages"][1]["recompute"] = level
+        path.write_text(json.dumps(data))
+        with pytest.raises(
+            PlanFileError, match=r"stages\[1\]\.recompute is '(selective|full)', but the schedule is zbv"
+        ):
+            partita.Plan.load(str(path))
     # manual plans may ask the runtime for it (no memory predictions): still loadable
     manual = manual_plan(
         graph,

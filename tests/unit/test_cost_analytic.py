@@ -488,8 +488,43 @@ def test_backward_rule():
     assert table.backward_weight_s[0] == pytest.approx(flops[0])
     assert table.backward_s[2] == pytest.approx(2 * flops[2])
     assert table.backward_weight_s[2] == pytest.approx(flops[2])
-    # gelu is memory-bound: twice the forward traffic (reads a, writes b: 128 + 256 B).
-    assert table.backward_s[1] == pytest.approx(2 * 384 / 1e15) and table.backward_weight_s[1] == 0
+    # gelu is memory-bound: reads b's gradient (256 B) and its saved input a (128 B), writes a's
+    # gradient (128 B): 1.5x its forward traffic (reads a, writes b).
+    assert table.backward_s[1] == pytest.approx(512 / 1e15, rel=1e-9, abs=0) and table.backward_weight_s[1] == 0
+
+
+def _memory_bound_graph():
+    """x -> a=linear(x) -> b=a*0.5 -> c=softmax(b) -> d=a+c -> e=d+bias -> loss=mean(e); batch 4,
+    every value (4, 8) float32 = 128 B. ``a`` has two readers that need its gradient."""
+    x = GraphInput("x", "args[0]", _tensor((4, 8)), consumers=(0,))
+    nodes = [
+        _node(
+            0, "aten.linear.default", [_tensor((4, 8))], graph_inputs=(0,), params=("w",), consumers=(1, 3), flops=512
+        ),
+        _node(1, "aten.mul.Tensor", [_tensor((4, 8))], inputs=(0,), consumers=(2,)),  # a * 0.5
+        _node(2, "aten.softmax.int", [_tensor((4, 8))], inputs=(1,), consumers=(3,)),
+        _node(3, "aten.add.Tensor", [_tensor((4, 8))], inputs=(0, 2), consumers=(4,)),
+        _node(4, "aten.add.Tensor", [_tensor((4, 8))], inputs=(3,), params=("bias",), consumers=(5,)),
+        _node(5, "aten.mean.default", [_tensor((), batch_dim=None)], inputs=(4,)),
+    ]
+    return _graph(nodes, [_param("w", (8, 8)), _param("bias", (8,))], [x])
+
+
+def test_backward_traffic_is_what_autograd_moves():
+    """The memory side of the backward, per op (toy device: 1 GB/s, so bytes read as nanoseconds)."""
+    table = analytic_costs(_memory_bound_graph(), _toy_device(), 4)
+    backward_bytes = table.backward_s * 1e9
+    forward_bytes = table.forward_s * 1e9
+    # linear: reads a's gradient and the saved x, writes w's gradient (128 + 128 + 256 B), and sums
+    # the gradients a gets from its two readers (two reads and a write of 128 B).
+    assert backward_bytes[0] == pytest.approx(512 + 3 * 128)
+    assert backward_bytes[1] == pytest.approx(256) == pytest.approx(forward_bytes[1])  # a * 0.5: dy in, dx out
+    assert backward_bytes[2] == pytest.approx(384)  # softmax: dy and its output in, dx out
+    assert backward_bytes[3] == 0  # a + c: both operands get the output gradient as it is, no kernel
+    assert backward_bytes[4] == pytest.approx(128 + 32)  # d + bias: the bias's gradient sums dy over the batch
+    assert backward_bytes[5] == pytest.approx(4 + 128)  # mean: the scalar gradient spread over e
+    assert (table.backward_weight_s[[1, 2, 3, 5]] == 0).all()
+    assert table.backward_weight_s[4] == pytest.approx(table.backward_s[4] / 2)  # W: one of its two gradients
 
 
 def test_times_scale_linearly_with_microbatch():

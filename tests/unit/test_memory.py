@@ -66,22 +66,29 @@ def test_backward_peak_wins_when_activations_dominate():
 def test_gradients_at_the_backward_peak_depend_on_a_steady_state():
     """Gradients are set to None between steps. With as many micro-batches as in flight, every
     forward runs before the first backward: at the activation peak only the first gradients
-    exist, those of the last node that reads parameters (linear2: w2 + b2, not the 4 MiB w1).
-    With more, a backward ran before the peak (1F1B's steady state): every gradient is alive."""
+    exist, those of the last node that reads parameters (linear2: w2 + b2, not the 4 MiB w1) --
+    unless the start of the second micro-batch's backward is higher: one micro-batch fewer kept,
+    every gradient made (here: 15 micro-batches of 0.77 MiB and 4 MiB of gradients, against 16 and
+    40 KiB). With more micro-batches, a backward ran before the peak (1F1B's steady state): every
+    gradient is alive."""
     costs = mlp_costs()
     trainable = 4 * MiB + 4096 + 40960 + 40
+    per_microbatch = 3 * 256 * 1024 + 2560
     fill = device_memory(costs, [(0, 4)], in_flight=16, optimizer=OptimizerKind.ADAM, num_microbatches=16)
     steady = device_memory(costs, [(0, 4)], in_flight=16, optimizer=OptimizerKind.ADAM, num_microbatches=32)
     unknown = device_memory(costs, [(0, 4)], in_flight=16, optimizer=OptimizerKind.ADAM)
-    assert fill.backward_grad_bytes == 40960 + 40 and steady.backward_grad_bytes == trainable
+    assert fill.backward_grad_bytes == trainable and fill.activation_bytes == 15 * per_microbatch
+    assert steady.backward_grad_bytes == trainable and steady.activation_bytes == 16 * per_microbatch
     assert steady.total_bytes == unknown.total_bytes  # not knowing m is the conservative case
-    act = 16 * (3 * 256 * 1024 + 2560)
     work = 2 * 256 * 1024  # an activation-sized output and its gradient
     persistent = (trainable + 8) + 2 * trainable
     step = trainable + 2 * 4 * MiB  # every gradient + Adam's temporaries for w1
-    assert fill.total_bytes == persistent + max(act + work + 40960 + 40, step)
-    assert steady.total_bytes == persistent + max(act + work + trainable, step)
+    assert fill.total_bytes == persistent + max(15 * per_microbatch + work + trainable, step)
+    assert steady.total_bytes == persistent + max(16 * per_microbatch + work + trainable, step)
     assert fill.total_bytes < steady.total_bytes
+    # without w1 (linear2 and the loss: 40 KiB of gradients, all made first) the first backward is the peak
+    head = device_memory(costs, [(2, 4)], in_flight=16, optimizer=OptimizerKind.ADAM, num_microbatches=16)
+    assert head.backward_grad_bytes == 40960 + 40 and head.activation_bytes == 16 * (256 * 1024 + 2560)
 
 
 def test_plain_sgd_has_no_step_temporaries():

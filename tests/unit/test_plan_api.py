@@ -34,7 +34,7 @@ def test_pinned_options(gpt2):
     p = partita.plan(graph, cluster=h100s(4), global_batch_size=32, options=options)
     assert (p.schedule.value, p.num_rank_groups, p.stages[0].num_replicas, p.num_microbatches) == ("1f1b", 2, 2, 4)
     assert all(s.recompute for s in p.stages)
-    assert p.options["schedules"] == ["1f1b"] and p.options["num_stages"] == 2 and p.options["recompute"] is True
+    assert p.options["schedules"] == ["1f1b"] and p.options["num_stages"] == 2 and p.options["recompute"] == "full"
 
 
 def test_plan_file_for_another_model_or_cluster_is_rejected(gpt2, tmp_path):
@@ -52,7 +52,7 @@ def test_plan_file_for_another_model_or_cluster_is_rejected(gpt2, tmp_path):
 @pytest.mark.parametrize(
     "edit, pattern",
     [
-        (lambda d: d.update(schema_version=99), "'schema_version' is 99.*reads schema 1: re-create the plan"),
+        (lambda d: d.update(schema_version=99), "'schema_version' is 99.*reads schema 1 or 2: re-create the plan"),
         (
             lambda d: (
                 d["stages"][0].update(stop=d["stages"][0]["stop"] + 1) if len(d["stages"]) > 1 else d.update(stages=[])
@@ -129,7 +129,7 @@ def test_cli_plan_prints_the_table_and_baselines(tmp_path, capsys):
     text = capsys.readouterr().out
     for word in ("stage", "memory/device", "partita", "uniform", "parameters", "equal_flops", "bubble"):
         assert word in text
-    assert json.loads(out.read_text())["schema_version"] == 1
+    assert json.loads(out.read_text())["schema_version"] == 2
 
 
 @pytest.mark.slow  # the CLI profiles a model
@@ -173,7 +173,7 @@ def _smallest_memory(graph, **pins) -> int:
 @pytest.mark.parametrize("schedules", ["zbv", ["zbv"]])
 def test_zbv_with_recompute_is_refused(gpt2, schedules):
     _, graph = gpt2
-    with pytest.raises(partita.InputError, match=r"'zbv' with recompute=True.*1f1b.*recompute=False"):
+    with pytest.raises(partita.InputError, match=r"'zbv' with recompute='full'.*1f1b.*recompute='none'"):
         partita.plan(
             graph, cluster=h100s(2), global_batch_size=8, options=PlanOptions(schedules=schedules, recompute=True)
         )
@@ -194,7 +194,7 @@ def test_zbv_never_recomputes_and_says_so_when_nothing_fits_without(gpt2):
     cluster = h100s(2, memory=memory)
     p = partita.plan(graph, cluster=cluster, global_batch_size=8, options=PlanOptions(recompute=True, **pins))
     assert p.schedule is not Schedule.ZBV and any(s.recompute for s in p.stages)
-    with pytest.raises(InfeasiblePlanError, match="'1f1b' or 'interleaved1f1b' with recompute=True") as info:
+    with pytest.raises(InfeasiblePlanError, match="'1f1b' or 'interleaved1f1b' with recomputation") as info:
         partita.plan(graph, cluster=cluster, global_batch_size=8, options=PlanOptions(schedules="zbv", **pins))
     assert info.value.min_memory_bytes > memory
 

@@ -14,7 +14,7 @@ from partita.planning.context import draft_lower_bound_s, draft_plan, fit_with_r
 from partita.planning.driver import best_plan
 from partita.planning.refine import split_bound
 from partita.planning.search import Config, SearchCache, _split_lower_bound, enumerate_configs, search, search_config
-from partita.types import Schedule
+from partita.types import Recompute, Schedule
 
 
 def configs(num_blocks: int, num_devices: int):
@@ -52,10 +52,11 @@ def test_lower_bounds_never_exceed_the_simulated_step(seed):
                 assert config.virtual_stages == 2 or bound(nodes) == float("inf")
             else:
                 assert bound(nodes) <= fitted.predicted_step_s * (1 + 1e-9)
-            for recompute in ([False] * config.num_stages, [s % 2 == 0 for s in range(config.num_stages)]):
+            levels = [Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL]
+            for recompute in ([Recompute.NONE] * config.num_stages, [levels[s % 3] for s in range(config.num_stages)]):
                 draft = draft_plan(ctx, config, nodes, recompute, "partita")
                 step = simulated(ctx, draft).predicted_step_s
-                assert draft_lower_bound_s(config, draft, [s.recompute for s in draft.stages]) <= step * (1 + 1e-9)
+                assert draft_lower_bound_s(ctx, config, draft, [s.recompute for s in draft.stages]) <= step * (1 + 1e-9)
                 checked += 1
     assert checked > 0
 

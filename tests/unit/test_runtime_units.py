@@ -18,6 +18,7 @@ from partita.runtime.layout import check_layout
 from partita.runtime.pipeline import StageRunner, root_chunk_spec, root_key, stage_metadata
 from partita.runtime.process_groups import init_topology
 from partita.runtime.stages import flatten_inputs, run_sequential, split_graph
+from partita.types import Recompute
 from partita.types.plan_file import plan_from_json
 
 
@@ -43,7 +44,7 @@ def test_manual_plan_places_stages_like_torch(mlp):
         recompute=[True, False, False, False],
     )
     assert [s.rank_group for s in looped.stages] == [0, 1, 0, 1]
-    assert [s.recompute for s in looped.stages] == [True, False, False, False]
+    assert [s.recompute for s in looped.stages] == [Recompute.FULL, Recompute.NONE, Recompute.NONE, Recompute.NONE]
     assert plan_from_json(looped.to_json(), graph=graph) == looped  # a manual plan is a valid plan file
     check_layout(zbv)
     check_layout(looped)

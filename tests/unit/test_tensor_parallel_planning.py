@@ -58,9 +58,9 @@ def gpt2_mlp_pairs(graph):
 
 @pytest.fixture
 def mlp_layouts(monkeypatch):
-    """find_layout splits the matmul pairs of the graph (GPT-2's MLPs, WideMLP's blocks)."""
+    """find_layout splits the matmul pairs of the graph (GPT-2's MLPs, WideMLP's blocks); no region by token."""
 
-    def find(graph, degree):
+    def find(graph, degree, *, sequence_parallel=False):
         pairs = gpt2_mlp_pairs(graph) or wide_pairs(graph)
         return split_layout(graph, degree, pairs)
 

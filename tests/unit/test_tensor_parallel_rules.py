@@ -43,6 +43,29 @@ def test_gpt2_fused_qkv_splits_by_heads_and_the_tied_head_by_vocabulary():
     assert sorted(set(layout.forward_reductions.values())) == [3 * rows, rows * 64]
 
 
+def test_a_vocabulary_splits_at_a_hidden_size_near_its_own():
+    """Megatron's 1T GPT maps 51,200 tokens to 25,600 features: two rows per column, still a
+    vocabulary (``VOCAB_MIN_ROWS``), so the tied embedding and LM head split along it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=1,
+        n_embd=8192,
+        n_head=64,
+        vocab_size=16384,
+        n_positions=16,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    layout = find_layout(partita.capture(model, (), {"input_ids": ids, "labels": ids}), 8)
+    tied = {"transformer.wte.weight", "lm_head.weight"} & set(layout.params)
+    assert tied and all(layout.params[n] == ParamShard(0) for n in tied)
+    assert not layout.rejected
+
+
 def test_gqa_with_fewer_kv_heads_than_the_degree_leaves_keys_and_values_whole():
     two = find_layout(_graph("llama"), 2)
     assert {"model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"} <= set(two.params)
@@ -69,11 +92,15 @@ def test_the_reductions_of_a_whole_operand_are_costed_on_its_node():
     graph = _graph("t5")
     layout = find_layout(graph, 2)
     names = {n.name for n in graph.nodes} | {i.name for i in graph.inputs}
-    assert set(layout.backward_reductions) <= names
-    costs = analytic_costs(graph, "h100", 2)
-    forward, backward = reduction_times_s(costs, graph, layout, Cluster(device="h100", num_devices=2))
-    bias_adds = [n.index for n in graph.nodes if n.name in layout.backward_reductions and n.target == "aten.add.Tensor"]
+    # the bias has no batch dimension: its all-reduce moves as much at any micro-batch size
+    summed = layout.backward_fixed_reductions
+    assert set(layout.backward_reductions) | set(summed) <= names
+    cluster = Cluster(device="h100", num_devices=2)
+    forward, backward = reduction_times_s(analytic_costs(graph, "h100", 2), graph, layout, cluster)
+    bias_adds = [n.index for n in graph.nodes if n.name in summed and n.target == "aten.add.Tensor"]
     assert bias_adds and all(backward[i] > 0 for i in bias_adds)
+    _, doubled = reduction_times_s(analytic_costs(graph, "h100", 4), graph, layout, cluster)
+    assert all(doubled[i] == backward[i] for i in bias_adds)
 
 
 def test_a_cnn_has_nothing_to_split():

@@ -1,0 +1,287 @@
+"""A stage's peak memory per recomputation level (and with sequence parallelism), measured on this CPU
+against the memory model.
+
+GPT-2 of hidden ``--hidden`` (512: 8 heads), ``--layers`` layers (4), vocabulary 8192, 128 tokens,
+global batch 16, AdamW, fp32, eager attention, on 2 gloo ranks:
+
+- recomputation: 2 stages of equal node counts, GPipe with 4 micro-batches of 4 samples (every
+  micro-batch in flight at the peak), every stage at one level: none, selective, full.
+- sequence parallelism: 1 stage on a tensor-parallel group of 2, GPipe with 4 micro-batches, without
+  and with ``sequence_parallel`` (recomputation none).
+
+Predicted: the planner's memory model for that stage on that rank (``partita.cost.memory.device_memory``
+on the analytic cost table at the micro-batch size, tensor-parallel costs at degree 2: what
+``partita.plan`` would predict for the same split). Measured (as bench/e2e_memory.py measures it): the
+largest of glibc's bytes in use (``mallinfo2``, sampled every 0.5 ms: live tensors and Python objects,
+not the freed memory glibc keeps) over 2 training steps after 1 warm-up step, less its value before the
+model was built (each rank builds the model on ``meta`` and loads its stages from a seed checkpoint the
+parent writes, after a warm-up run of the same code on a tiny GPT-2). Also the resting bytes between
+steps (parameters, gradients, optimizer state, the captured graph's bookkeeping).
+
+Usage: python bench/recompute_memory.py [--hidden 512] [--layers 4] [--out bench/results/recompute_memory.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from _e2e_common import (  # noqa: E402
+    MIB,
+    REPO,
+    InUseSampler,
+    build_example,
+    command_line,
+    machine_line,
+    malloc_in_use,
+    now_utc,
+    reset_peak,
+    run_ranks,
+    step_kwargs,
+)
+
+GLOBAL_BATCH, NUM_MICROBATCHES, LR = 16, 4, 1e-4
+TOLERANCE = 0.10  # the issue's goal: each peak within 10% of the memory model
+
+NOTES = [
+    "Activations: the memory model's part of the predicted peak (at the backward peak: when every forward runs "
+    "first, the larger of the first backward, every micro-batch kept, and the second, one fewer and every "
+    "gradient made, which is where a recomputing stage peaks).",
+    "Tensor-parallel rows: a rank frees the whole weights of a model built on meta once it has made its parts "
+    "(`shard_parameters(release_whole=True)`); before that, the whole weights stayed alive beside the parts and "
+    "both tensor-parallel peaks measured 63 MiB (14%) above the model.",
+    "Selective recomputation keeps the outputs of the matmuls (GPT-2's Conv1D `addmm`, the LM head) and rebuilds "
+    "the rest; eager attention's `Q Kᵀ` is recomputed too.",
+]
+
+
+# ----------------------------------------------------------------------------- cases (parent)
+
+
+def cases(args) -> list[dict]:
+    """(label, plan options) of every measured run; all on 2 ranks."""
+    found = [
+        dict(label=f"recompute {level}", num_stages=2, tensor_parallel=1, recompute=level)
+        for level in ("none", "selective", "full")
+    ]
+    found += [
+        dict(
+            label=f"tp2{' + sp' if sp else ''}", num_stages=1, tensor_parallel=2, recompute="none", sequence_parallel=sp
+        )
+        for sp in (False, True)
+    ]
+    return found
+
+
+def make_plan(graph, case: dict):
+    from partita.planning.manual import manual_plan
+
+    n, s = graph.num_nodes, case["num_stages"]
+    return manual_plan(
+        graph,
+        [n * k // s for k in range(s + 1)],
+        schedule="gpipe",
+        num_rank_groups=s,
+        num_microbatches=NUM_MICROBATCHES,
+        global_batch_size=GLOBAL_BATCH,
+        recompute=case["recompute"],
+        tensor_parallel=case["tensor_parallel"],
+        sequence_parallel=case.get("sequence_parallel", False),
+    )
+
+
+def predicted_bytes(graph, plan) -> list[int]:
+    """The memory model's peak of each rank (rank order), as the planner computes it for this split."""
+    from partita.cost.analytic import analytic_costs
+    from partita.cost.memory import device_memory, microbatches_in_flight
+    from partita.types import OptimizerKind
+
+    costs = analytic_costs(graph, "cpu", plan.microbatch_size)
+    if plan.tensor_parallel > 1:
+        from partita.cost.tensor_parallel import tensor_parallel_costs
+        from partita.planning.tensor_parallel import find_layout
+
+        layout = find_layout(graph, plan.tensor_parallel, sequence_parallel=plan.sequence_parallel)
+        costs = tensor_parallel_costs(costs, graph, layout, plan.cluster)
+    by_rank = {}
+    for s in plan.stages:
+        memory = device_memory(
+            costs,
+            [(s.start, s.stop)],
+            in_flight=microbatches_in_flight(plan.schedule, plan.num_microbatches, plan.num_rank_groups, s.rank_group),
+            optimizer=OptimizerKind.ADAM,
+            recompute=s.recompute,
+            num_microbatches=plan.num_microbatches,
+        )
+        for r in s.ranks:
+            by_rank[r] = int(memory.total_bytes), memory.breakdown()
+    return [by_rank[r] for r in sorted(by_rank)]
+
+
+def measure(case: dict, args, log) -> dict:
+    import partita
+    from partita.runtime.materialize import save_seed
+
+    name = f"gpt2-L{args.layers}-H{args.hidden}"
+    work = args.work_dir / case["label"].replace(" ", "_")
+    work.mkdir(parents=True, exist_ok=True)
+    ex = build_example(name, GLOBAL_BATCH, device="meta")
+    graph = partita.capture(ex.model, ex.args, ex.kwargs)
+    plan = make_plan(graph, case)
+    path, seed = str(work / "plan.json"), str(work / "seed")
+    plan.save(path)
+    save_seed(build_example(name, GLOBAL_BATCH).model, seed)  # in the parent: not measured
+    started = time.perf_counter()
+    results = run_ranks(Path(__file__), 2, work, timeout_s=args.timeout, model=name, plan=path, seed=seed)
+    predicted = predicted_bytes(graph, plan)
+    log(
+        f"{case['label']}: measured "
+        + " / ".join(f"{r['peak'] / MIB:.0f}" for r in results)
+        + " MiB, predicted "
+        + " / ".join(f"{p / MIB:.0f}" for p, _ in predicted)
+        + f" MiB ({time.perf_counter() - started:.0f} s)"
+    )
+    return {"case": case, "results": results, "predicted": predicted, "stages": len(plan.stages)}
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def worker(out_dir: Path) -> None:
+    import torch.distributed as dist
+
+    params = torch.load(out_dir / "params.pt", weights_only=False)
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    import partita
+    from partita.runtime.materialize import meta_copies
+
+    def train(name: str, plan, seed: str, num_steps: int, base: int = 0, sampler_from: int | None = None) -> dict:
+        """``num_steps`` steps; from step ``sampler_from`` on, the peak of the bytes in use less ``base``."""
+        ex = build_example(name, GLOBAL_BATCH, device="meta", data_device="cpu")
+        graph = partita.capture(
+            ex.model, meta_copies(ex.args), meta_copies(ex.kwargs), loss_fn=ex.loss_fn, target=meta_copies(ex.target)
+        )
+        plan = partita.Plan.load(plan, graph=graph) if isinstance(plan, str) else plan(graph)
+        optimizer = lambda ps: torch.optim.AdamW(ps, lr=LR)  # noqa: E731
+        trainer = partita.Trainer(ex.model, plan, graph=graph, init_from=seed, optimizer=optimizer)
+        out: dict = {}
+        for step in range(num_steps):
+            if step == sampler_from:
+                gc.collect()
+                out["resting"] = malloc_in_use() - base
+                sampler = InUseSampler().__enter__()
+            a, k = step_kwargs(ex, ex.make_batch(GLOBAL_BATCH, step))
+            trainer.step(*a, **k)
+        if sampler_from is not None:
+            sampler.__exit__(None, None, None)
+            out["peak"] = sampler.peak - base
+        return out
+
+    # Warm-up: the same code paths on a tiny GPT-2, so that the base reading holds what imports and first
+    # use load for good (transformers' model code, torch.export, the pipelining schedules, gloo).
+    from partita.runtime.materialize import save_seed
+
+    real = partita.Plan.load(params["plan"])
+    tiny_seed = f"{params['seed']}-warm-up-{rank}"
+    save_seed(build_example("gpt2-L2-H64", GLOBAL_BATCH).model, tiny_seed)
+
+    def tiny_plan(graph):
+        from partita.planning.manual import manual_plan
+
+        n, s = graph.num_nodes, real.num_stages
+        return manual_plan(
+            graph,
+            [n * k // s for k in range(s + 1)],
+            schedule=real.schedule,
+            num_rank_groups=real.num_rank_groups,
+            num_microbatches=real.num_microbatches,
+            global_batch_size=GLOBAL_BATCH,
+            recompute=[st.recompute for st in real.stages],
+            tensor_parallel=real.tensor_parallel,
+            sequence_parallel=real.sequence_parallel,
+        )
+
+    train("gpt2-L2-H64", tiny_plan, tiny_seed, 2)
+    gc.collect()
+    reset_peak()
+    base = malloc_in_use()
+    result = {"base": base, **train(params["model"], params["plan"], params["seed"], 3, base, 1)}
+    dist.barrier()
+    torch.save(result, out_dir / f"result{rank}.pt")
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def write_markdown(path: Path, args, header: str, rows: list[dict], started: float) -> None:
+    lines = [
+        "# A stage's peak memory per recomputation level and with sequence parallelism: measured vs the memory model",
+        "",
+        f"- command: `{command_line()}`",
+        f"- date: {now_utc()}; {header}",
+        f"- model: GPT-2, {args.layers} layers, hidden {args.hidden} ({args.hidden // 64} heads), vocabulary 8192, "
+        f"128 tokens, eager attention, global batch {GLOBAL_BATCH}, GPipe with {NUM_MICROBATCHES} micro-batches "
+        "(all in flight at the peak), AdamW, fp32, 2 gloo ranks.",
+        "- predicted: `device_memory` on the analytic cost table at the micro-batch size (tensor-parallel costs "
+        "at degree 2), per rank. measured: glibc's bytes in use (`mallinfo2`, sampled every 0.5 ms) over 2 steps "
+        "after a warm-up step, less their value before the model was built; `resting`: the same between steps.",
+        f"- wall time: {(time.perf_counter() - started) / 60:.1f} min.",
+        "",
+        "| run | rank | predicted MiB | (activations) | measured peak MiB | error | resting MiB | within 10% |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    worst = 0.0
+    for row in rows:
+        for rank, (result, (predicted, breakdown)) in enumerate(zip(row["results"], row["predicted"])):
+            error = (predicted - result["peak"]) / result["peak"]
+            worst = max(worst, abs(error))
+            lines.append(
+                f"| {row['case']['label']} | {rank} | {predicted / MIB:.0f} | {breakdown.activations_bytes / MIB:.0f} | "
+                f"{result['peak'] / MIB:.0f} | {error * 100:+.1f}% | {result['resting'] / MIB:.0f} | "
+                f"{'yes' if abs(error) <= TOLERANCE else '**no**'} |"
+            )
+    lines += [
+        "",
+        f"Largest error: {worst * 100:.1f}% (goal: within {TOLERANCE:.0%}). Error = (predicted - measured) / measured.",
+        "",
+        "Notes:",
+        *(f"- {note}" for note in NOTES),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    if len(sys.argv) >= 3 and sys.argv[1] == "--worker":
+        worker(Path(sys.argv[2]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "partita-recompute")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "recompute_memory.md")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    header = machine_line()
+
+    def log(text: str) -> None:
+        print(f"[{time.perf_counter() - started:6.0f} s] {text}", flush=True)
+
+    rows = [measure(case, args, log) for case in cases(args)]
+    write_markdown(args.out, args, header, rows, started)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

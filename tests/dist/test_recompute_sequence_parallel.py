@@ -1,0 +1,92 @@
+"""Selective recomputation (``Recompute.SELECTIVE``) and sequence parallelism on gloo, against unsplit
+full-batch training (AdamW, clipped, 3 steps: losses and every parameter within 1e-5):
+
+- selective recomputation alone (one stage, two replicas), in a two-stage pipeline, and with tensor
+  parallelism of degree 2 (GPT-2, Llama, T5);
+- sequence parallelism at tensor-parallel degree 2 (GPT-2, Llama, and BERT, whose masked-LM head
+  runs whole on its gathered input), and at degree 2 x 2 pipeline stages (GPT-2 and Llama; Llama
+  also with selective recomputation).
+
+Each run's checkpoint loads into the plain model (and into trainers of the same plan and of one
+without tensor parallelism), and ``evaluate()`` on a shorter sequence gives the unsplit model's
+loss. One launch per world size, of workers_tensor_parallel.py's ``tp`` job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dist_launch import run_ranks
+
+pytest.importorskip("transformers")
+
+WORKERS = Path(__file__).with_name("workers_tensor_parallel.py")
+TOLERANCE = 1e-5
+
+SELECTIVE = dict(recompute="selective")
+SEQUENCE = dict(tensor_parallel=2, sequence_parallel=True)
+PIPELINE = dict(num_stages=2, num_microbatches=2, schedule="1f1b")
+TWO_RANKS = [
+    dict(label="gpt2-selective-dp2", model="gpt2", replicas=2, num_microbatches=2, **SELECTIVE),
+    dict(label="llama-selective-dp2", model="llama", replicas=2, num_microbatches=2, **SELECTIVE),
+    dict(label="gpt2-selective-pp2", model="gpt2", num_stages=2, num_microbatches=4, schedule="1f1b", **SELECTIVE),
+    dict(label="t5-selective-pp2", model="t5", **PIPELINE, **SELECTIVE),
+    dict(label="gpt2-selective-tp2", model="gpt2", tensor_parallel=2, **SELECTIVE),
+    dict(label="llama-selective-tp2", model="llama", tensor_parallel=2, **SELECTIVE),
+    dict(label="gpt2-sp-tp2", model="gpt2", **SEQUENCE),
+    dict(label="llama-sp-tp2", model="llama", **SEQUENCE),
+    dict(label="bert-sp-tp2", model="bert", **SEQUENCE),
+]
+FOUR_RANKS = [
+    dict(label="gpt2-sp-tp2-pp2", model="gpt2", **SEQUENCE, **PIPELINE),
+    dict(label="llama-sp-selective-tp2-pp2", model="llama", **SEQUENCE, **PIPELINE, **SELECTIVE),
+]
+for config in TWO_RANKS + FOUR_RANKS:
+    config.setdefault("tensor_parallel", 1)
+    config.setdefault("num_stages", 1)
+    config.setdefault("replicas", 1)
+    config.setdefault("num_microbatches", 1)
+    config.setdefault("schedule", "gpipe")
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    out = tmp_path_factory.mktemp("recompute2")
+    return run_ranks("tp", 2, out, timeout_s=1200, workers=WORKERS, configs=TWO_RANKS, checkpoints=str(out))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sequence4")
+    return run_ranks("tp", 4, out, timeout_s=1200, workers=WORKERS, configs=FOUR_RANKS, checkpoints=str(out))
+
+
+def _check(results: list, config: dict) -> None:
+    label = config["label"]
+    mine = results[0][label]
+    diff, where = mine["param"]
+    assert diff <= TOLERANCE, f"{label}: parameter {where} differs from unsplit training's by {diff:.3g}"
+    for got, want in zip(mine["losses"], mine["ref_losses"], strict=True):
+        assert abs(got - want) <= TOLERANCE, (label, mine["losses"], mine["ref_losses"])
+    assert all(r[label]["losses"] == mine["losses"] for r in results)
+    assert mine["loaded_plain"][0] <= TOLERANCE, mine["loaded_plain"]  # the checkpoint into the plain model
+    assert mine["loaded_tp"][0] == 0.0 and mine["loaded_other"][0] == 0.0, (mine["loaded_tp"], mine["loaded_other"])
+    assert abs(mine["next_loss"] - mine["ref_next_loss"]) <= TOLERANCE, (mine["next_loss"], mine["ref_next_loss"])
+    assert abs(mine["eval_short"] - mine["ref_eval_short"]) <= TOLERANCE, (mine["eval_short"], mine["ref_eval_short"])
+    assert set(mine["recompute"]) == {config.get("recompute", "none")}, mine["recompute"]
+    if config["tensor_parallel"] > 1:
+        assert mine["split"], f"{label}: nothing was split"
+    if config.get("sequence_parallel"):  # every rank splits regions by token: reduce-scattered sources
+        assert all(r[label]["token_sources"] for r in results), [r[label]["token_sources"] for r in results]
+    else:
+        assert not mine["token_sources"]
+
+
+@pytest.mark.parametrize("config", TWO_RANKS, ids=[c["label"] for c in TWO_RANKS])
+def test_on_two_ranks_equals_unsplit_training(two, config):
+    _check(two, config)
+
+
+@pytest.mark.parametrize("config", FOUR_RANKS, ids=[c["label"] for c in FOUR_RANKS])
+def test_on_four_ranks_equals_unsplit_training(four, config):
+    _check(four, config)

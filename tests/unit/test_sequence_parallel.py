@@ -1,0 +1,137 @@
+"""Sequence parallelism: the regions found on captured graphs (partita.capturing.sequence_parallel),
+refused where tokens mix, its costs (activations divided, collectives counted), the planner's option
+and the plan file. Numerics: tests/dist/test_recompute_sequence_parallel.py."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import partita
+from partita import examples
+from partita.capturing.sequence_parallel import find_sequence_layout
+from partita.capturing.tensor_parallel import find_layout
+from partita.cost.analytic import analytic_costs
+from partita.cost.tensor_parallel import tensor_parallel_costs
+from partita.errors import PlanFileError
+from partita.planning.options import PlanOptions
+from partita.types import Cluster
+
+pytest.importorskip("transformers")
+
+
+@functools.cache
+def _graph(name: str):
+    ex = examples.build(name, batch_size=2, seq_len=8)
+    return partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5"])
+def test_transformers_split_their_residual_streams_by_token(name):
+    """Every row-parallel output and vocab-parallel embedding is reduce-scattered instead of
+    all-reduced, the inputs of column-parallel matmuls are gathered, and the norms between are split."""
+    graph = _graph(name)
+    plain, tokens = find_layout(graph, 2), find_sequence_layout(graph, 2)
+    assert tokens.sequence_parallel and not tokens.sequence_rejected, tokens.sequence_rejected
+    norms = {n.name for n in graph.nodes if n.target in ("aten.layer_norm.default", "aten.rsqrt.default")}
+    whole = {"bert": {"layer_norm_5"}}.get(name, set())  # after BERT's masked-LM transform, which runs whole
+    assert norms - whole and norms - whole <= tokens.sequence_nodes and not whole & tokens.sequence_nodes
+    sources = set(plain.forward_reductions) - {graph.nodes[graph.loss_node].name}  # rows and embeddings
+    assert sources and not sources & set(tokens.forward_reductions)
+    assert sources <= set(tokens.forward_passes) and tokens.gathered_nodes <= set(tokens.forward_passes)
+    assert tokens.params == plain.params  # the same weights split
+
+
+def test_gpt2_merged_token_dim_of_conv1d_is_split_by_its_sequence_factor():
+    """GPT-2's Conv1D multiplies (B*T, H) rows: its region's split follows T (16 of them) through views."""
+    graph = _graph("gpt2")
+    tokens = find_sequence_layout(graph, 2)
+    addmm = [n for n in graph.nodes if n.target == "aten.addmm.default" and n.name in tokens.forward_passes]
+    assert addmm and all(n.name in tokens.sequence_nodes for n in addmm)
+
+
+def test_a_matmul_left_whole_runs_on_its_gathered_input():
+    """BERT's masked-LM transform (a dense layer feeding a norm over its features) stays whole under
+    tensor parallelism: the region before it ends there, its input gathered whole."""
+    graph = _graph("bert")
+    tokens = find_sequence_layout(graph, 2)
+    dense = graph.node("linear_12")
+    assert "linear_12" in find_layout(graph, 2).rejected and "linear_12" not in tokens.sequence_nodes
+    source = graph.nodes[dense.inputs[0]].name
+    assert source in tokens.sequence_nodes and source in tokens.gathered_nodes
+    assert source in tokens.forward_passes  # its all-gather
+
+
+class _Mixer(nn.Module):
+    """A residual MLP whose residual stream goes through a running sum over the tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(256, 16)
+        self.up, self.down, self.norm, self.head = nn.Linear(16, 64), nn.Linear(64, 16), nn.LayerNorm(16), None
+        self.head = nn.Linear(16, 256, bias=False)
+
+    def forward(self, ids, labels):
+        h = self.embed(ids)
+        h = h + self.down(torch.relu(self.up(h)))
+        h = torch.cumsum(h, dim=1)  # mixes tokens
+        logits = self.head(self.norm(h))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_a_region_that_mixes_tokens_is_refused_with_the_reason():
+    ids = torch.randint(0, 256, (4, 8))
+    graph = partita.capture(_Mixer(), (ids, ids))
+    plain, tokens = find_layout(graph, 2), find_sequence_layout(graph, 2)
+    assert plain.params and not tokens.sequence_nodes
+    assert tokens.sequence_rejected and all("mixes tokens" in why for why in tokens.sequence_rejected.values())
+    assert tokens.forward_reductions == plain.forward_reductions  # still all-reduced
+
+
+def test_costs_divide_the_split_regions_and_count_their_collectives():
+    graph = _graph("llama")
+    cluster = Cluster(device="h100", num_devices=2)
+    table = analytic_costs(graph, "h100", 2)
+    plain = tensor_parallel_costs(table, graph, find_layout(graph, 2), cluster)
+    tokens = tensor_parallel_costs(table, graph, find_sequence_layout(graph, 2), cluster)
+    assert tokens.activation_bytes.sum() < plain.activation_bytes.sum()
+    np.testing.assert_array_equal(tokens.cut_bytes, plain.cut_bytes)  # boundaries stay whole
+    norm = next(n.index for n in graph.nodes if n.target == "aten.rsqrt.default")
+    assert tokens.forward_s[norm] < plain.forward_s[norm]  # half the tokens' work
+    assert tokens.backward_s.sum() > 0 and np.isfinite(tokens.forward_s).all()
+
+
+def test_the_planner_pins_or_searches_it():
+    graph = _graph("gpt2")
+    cluster = Cluster(device="h100", num_devices=2)
+
+    def planned(**pins):
+        options = PlanOptions(costs="analytic", tensor_parallel=2, num_stages=1, **pins)
+        return partita.plan(graph, cluster=cluster, global_batch_size=8, options=options)
+
+    on, off = planned(sequence_parallel=True), planned(sequence_parallel=False)
+    assert on.sequence_parallel and not off.sequence_parallel
+    assert on.stages[0].memory_breakdown.activations_bytes < off.stages[0].memory_breakdown.activations_bytes
+    assert "tensor + sequence parallel" in on.summary() and "tp2 sp" in on.summary()
+    assert planned().stages in (on.stages, off.stages)  # searched: one of the two
+    with pytest.raises(partita.InputError, match="sequence_parallel=True.*tensor_parallel=1"):
+        PlanOptions(tensor_parallel=1, sequence_parallel=True)
+
+
+def test_plan_files_carry_it_and_refuse_it_without_tensor_parallelism(tmp_path):
+    graph = _graph("gpt2")
+    options = PlanOptions(costs="analytic", tensor_parallel=2, num_stages=1, sequence_parallel=True)
+    plan = partita.plan(graph, cluster=Cluster(device="h100", num_devices=2), global_batch_size=8, options=options)
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    assert partita.Plan.load(str(path)) == plan
+    data = json.loads(path.read_text())
+    data["stages"][0]["tensor_parallel"], data["stages"][0]["ranks"] = 1, [0]
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match=r"sequence_parallel is true, but its tensor_parallel is 1"):
+        partita.Plan.load(str(path))
