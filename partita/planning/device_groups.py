@@ -38,7 +38,11 @@ __all__ = ["MixedRun", "mixed_precision", "mixed_run", "slowest_cluster"]
 class MixedRun:
     """What the mixed search shares: the graph, the mixed ``cluster``, per device group a degree-1
     planning context (``contexts[g]``: its one-type cluster, memory limit and costs) on the common
-    ``chain``, the options as given (precision resolved) and the plan-file options record."""
+    ``chain``, the options as given (precision resolved) and the plan-file options record.
+    ``runtime_layouts_only``: the search offers only plans partita's runtime runs (every replica of a
+    stage runs an equal share; each stage's ranks follow the earlier stages' ranks, consecutive);
+    False searches unequal shares and stages over both groups too (planning only: the runtime
+    refuses such plans, ``partita.runtime.layout``)."""
 
     graph: OpGraph
     cluster: Cluster
@@ -46,6 +50,7 @@ class MixedRun:
     options: PlanOptions
     global_batch_size: int
     resolved: dict
+    runtime_layouts_only: bool = True
 
     @property
     def num_groups(self) -> int:
@@ -142,12 +147,13 @@ def mixed_run(
     target: Any = None,
     options: PlanOptions = PlanOptions(),
     batch_dims: Any = None,
+    runtime_layouts_only: bool = True,
 ) -> MixedRun:
     """Capture once (unless ``model`` is an OpGraph), then a degree-1 planning context per device
     group of ``cluster`` on its one-type cluster, all in ``mixed_precision`` and on the first
     group's chain. The mixed search places no tensor-parallel groups, pins no replica count and
     ignores ``uniform_replicas`` (``partita.planning.hetero`` says when that leaves it out); the
-    contexts are made without those pins."""
+    contexts are made without those pins. ``runtime_layouts_only``: ``MixedRun``'s."""
     if not isinstance(cluster, Cluster) or not cluster.is_mixed:
         raise InputError("mixed_run plans a cluster of several device groups: Cluster(groups=[...])")
     graph = (
@@ -179,4 +185,4 @@ def mixed_run(
         "group_memory_limit_bytes": [ctx.options.memory_limit_bytes for ctx in contexts],
         "tensor_parallel": None,
     }
-    return MixedRun(graph, cluster, tuple(contexts), given, global_batch_size, resolved)
+    return MixedRun(graph, cluster, tuple(contexts), given, global_batch_size, resolved, runtime_layouts_only)

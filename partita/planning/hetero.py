@@ -88,9 +88,12 @@ def plan_mixed(
     target: Any = None,
     options: PlanOptions = PlanOptions(),
     batch_dims: Any = None,
+    runtime_layouts_only: bool = True,
 ) -> MixedOutcome:
     """The best plan over ``cluster``'s device groups and both baselines (module docstring);
-    InfeasiblePlanError naming each device type when none of the three fits."""
+    InfeasiblePlanError naming each device type when none of the three fits.
+    ``runtime_layouts_only=False`` also searches plans the runtime does not run yet (unequal shares,
+    stages over both groups: ``MixedRun.runtime_layouts_only``), for planning studies."""
     run = mixed_run(
         model,
         args,
@@ -101,6 +104,7 @@ def plan_mixed(
         target=target,
         options=options,
         batch_dims=batch_dims,
+        runtime_layouts_only=runtime_layouts_only,
     )
     call = dict(args=args, kwargs=kwargs, loss_fn=loss_fn, target=target, batch_dims=batch_dims)
     baselines, reasons = {}, {}

@@ -24,6 +24,12 @@ after stage. The job numbers the devices it starts densely, so a plan uses the c
 devices: every device of each group before the last group it uses, whose trailing devices (and
 every later group) may stay idle.
 
+Partita's runtime splits each micro-batch evenly over a stage's replicas and places each stage on
+consecutive ranks after the earlier stages' (``partita.runtime.layout``): unless the run says
+otherwise (``MixedRun.runtime_layouts_only``), only such kinds and tuples are searched
+(``runtime_runs``): type blocks whose groups follow the ranks' order, and stages on both groups at
+equal shares where their ranks stay consecutive.
+
 Configs: on small clusters and chains (``SMALL_DEVICES``, ``EXHAUSTIVE_BLOCKS``) every tuple of kinds
 with every sample share (up to ``MAX_KIND_TUPLES`` per shape); otherwise two families whose
 shapes scale to thousands of devices:
@@ -64,6 +70,7 @@ __all__ = [
     "balanced_shares",
     "enumerate_mixed_configs",
     "estimate_mixed_step",
+    "runtime_runs",
     "search_mixed",
 ]
 
@@ -212,6 +219,8 @@ def balanced_shares(run: MixedRun, counts: Sequence[int], microbatch: int, limit
 
     if groups:
         extend(0, microbatch, [])
+    if run.runtime_layouts_only:  # the runtime splits a micro-batch evenly over a stage's replicas
+        found = [item for item in found if len({n for n in item[1] if n}) == 1]
     found.sort(key=lambda item: (item[0], item[1]))
     return [samples for _, samples in (found if limit is None else found[:limit])]
 
@@ -230,11 +239,26 @@ def _all_kinds(run: MixedRun, microbatch: int, one_replica: bool) -> list[StageK
 
 def _uses_devices(run: MixedRun, kinds: Sequence[StageKind]) -> bool:
     """Whether the devices used are the cluster's first ones (module docstring): no group holds more
-    than it has, and every group before the last one used is used whole."""
+    than it has, and every group before the last one used is used whole; with
+    ``run.runtime_layouts_only``, also whether the runtime runs the layout (``runtime_runs``)."""
     sizes = [c.num_devices for c in run.cluster.group_clusters]
     used = [sum(k.counts[g] for k in kinds) for g in range(len(sizes))]
     last = max((g for g, u in enumerate(used) if u), default=0)
-    return all(u <= n for u, n in zip(used, sizes)) and all(used[g] == sizes[g] for g in range(last))
+    dense = all(u <= n for u, n in zip(used, sizes)) and all(used[g] == sizes[g] for g in range(last))
+    return dense and (not run.runtime_layouts_only or runtime_runs(run, kinds))
+
+
+def runtime_runs(run: MixedRun, kinds: Sequence[StageKind]) -> bool:
+    """Whether partita's runtime runs stages of these kinds (``partita.runtime.layout``): each stage's
+    replicas take equal shares and hold consecutive ranks, stage after stage from rank 0."""
+    if any(len(set(k.shares)) > 1 for k in kinds):
+        return False
+    first = 0
+    for ranks in run.cluster.assign_ranks([k.counts for k in kinds]):
+        if ranks != tuple(range(first, first + len(ranks))):
+            return False
+        first += len(ranks)
+    return True
 
 
 def _every_tuple(
