@@ -9,6 +9,7 @@ from mixed_instances import mixed_instance, mixed_oracle
 from test_hetero_cluster import _mixed_plan
 
 import partita
+from partita.cli.main import main
 from partita.errors import InputError
 from partita.planning.api import plan_with_baselines
 from partita.planning.hetero import FASTEST_ONLY, SLOWEST_EVERYWHERE, best_mixed
@@ -111,3 +112,12 @@ def test_the_trainer_refuses_unequal_shares_before_any_work(mlp):
     with pytest.raises(InputError, match=r"unequal shares \[3, 3, 2\] .* does not run yet"):
         partita.Trainer(mlp[0].model, plan, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     assert not torch.distributed.is_initialized()
+
+
+def test_cli_prints_both_baselines_and_the_idle_types(capsys):
+    assert main(["plan", "mlp", "--devices", "2xh100,2xv100-32gb", "--global-batch", "16"]) == 0
+    text = capsys.readouterr().out
+    assert "fastest type only (h100)" in text and "slowest type everywhere (v100-32gb)" in text
+    # a tiny MLP runs fastest on one device: the note names the idle devices by type
+    assert "note: the plan uses 1 of 4 devices" in text
+    assert "idle devices: 1 x h100, 2 x v100-32gb" in text
