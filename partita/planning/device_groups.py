@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -119,12 +120,14 @@ def mixed_precision(pinned: Precision | None, cluster: Cluster) -> Precision:
 
 def slowest_cluster(cluster: Cluster, device: DeviceSpec | None = None) -> Cluster:
     """A mixed cluster seen as one type: every device ``device`` (default: the slowest group's by peak,
-    ``Cluster``'s one-type view), with the smallest memory, node size and links of all. The "slowest
-    type everywhere" baseline plans for it."""
+    ``Cluster``'s one-type view), with the smallest memory, node size and links of all (nodes that
+    divide the total: 4 + 8 devices in nodes of 8 are seen as nodes of 4). The "slowest type
+    everywhere" baseline plans for it."""
     return Cluster(
         device=cluster.device if device is None else device,
         num_devices=cluster.num_devices,
-        devices_per_node=cluster.devices_per_node,
+        # whole nodes: a group smaller than a node (4 beside 8) leaves the total off the node size
+        devices_per_node=math.gcd(cluster.num_devices, cluster.devices_per_node),
         memory_bytes=cluster.memory_bytes,
         intra_node_bandwidth_bytes_per_s=cluster.intra_node_bandwidth_bytes_per_s,
         inter_node_bandwidth_bytes_per_s=cluster.inter_node_bandwidth_bytes_per_s,

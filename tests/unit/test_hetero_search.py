@@ -121,3 +121,12 @@ def test_cli_prints_both_baselines_and_the_idle_types(capsys):
     # a tiny MLP runs fastest on one device: the note names the idle devices by type
     assert "note: the plan uses 1 of 4 devices" in text
     assert "idle devices: 1 x h100, 2 x v100-32gb" in text
+
+
+def test_a_group_smaller_than_a_node_beside_a_full_node(mlp_graph):
+    """4 H100s beside 8 V100s (12 devices, nodes of 8): the slowest-everywhere baseline plans 12
+    V100s in nodes of 4 (nodes must divide the total), and the plan is one of the three."""
+    cluster = Cluster(groups=[DeviceGroup("h100", 4, 8), DeviceGroup("v100-32gb", 8, 8)])
+    result = plan_with_baselines(mlp_graph, cluster=cluster, global_batch_size=8)
+    assert all(p is not None for p in result.baselines.values()), result.baseline_reasons
+    assert result.plan.predicted_step_s <= min(p.predicted_step_s for p in result.baselines.values())
