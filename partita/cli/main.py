@@ -131,7 +131,12 @@ def _plan(args: argparse.Namespace) -> int:
     )
     best = result.plan
     print(plan_text(best, baselines=result.baselines, baseline_reasons=result.baseline_reasons))
-    if args.png or args.trace:
+    if (args.png or args.trace) and result.mixed is not None:  # a mixed cluster: each rank at its type's speed
+        simulated = result.mixed.simulate(best)
+        if simulated is None:
+            print("no figure or trace: the plan splits matmuls, which the mixed-cluster simulator does not time")
+            args.png = args.trace = None
+    elif args.png or args.trace:
         from partita.planning.simulate import simulate
 
         simulated = simulate(best, result.context.costs_at, cluster)

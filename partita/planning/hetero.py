@@ -36,7 +36,7 @@ from partita.planning.hetero_build import fitting_mixed_draft
 from partita.planning.hetero_search import SMALL_DEVICES, MixedCandidate, search_mixed
 from partita.planning.hetero_simulate import simulate_mixed
 from partita.planning.options import PlanOptions
-from partita.types import OpGraph, Plan, Recompute
+from partita.types import OpGraph, Plan, Recompute, SimResult
 from partita.types.cluster import Cluster
 
 __all__ = ["FASTEST_ONLY", "SLOWEST_EVERYWHERE", "MixedOutcome", "best_mixed", "plan_mixed"]
@@ -66,8 +66,12 @@ class MixedOutcome:
     run: MixedRun
     baseline_reasons: dict[str, str] = field(default_factory=dict)
 
-    def simulate(self, plan: Plan, *, keep_timeline: bool = True):
-        """Simulate one of the outcome's plans on its own cluster (mixed: ``simulate_mixed``)."""
+    def simulate(self, plan: Plan, *, keep_timeline: bool = True) -> SimResult | None:
+        """Simulate one of the outcome's plans on its own cluster (mixed: ``simulate_mixed``); None
+        for a plan with tensor parallelism (a baseline's: the run holds degree-1 costs and the mixed
+        simulator splits no matmuls; its predicted step is its one-type search's)."""
+        if plan.tensor_parallel > 1:
+            return None
         if plan.cluster.is_mixed:
             return simulate_mixed(plan, self.run.costs_at, keep_timeline=keep_timeline)
         from partita.planning.simulate import simulate  # one-type plans: the plain simulator
@@ -210,7 +214,9 @@ def _simulated(run: MixedRun, candidate: MixedCandidate) -> Plan | None:
 def _one_type(run: MixedRun, plan_one_type, cluster: Cluster, call: dict, *, recast: bool) -> tuple[Plan | None, str]:
     """The one-type planner's best plan on ``cluster`` (None and the reason when nothing fits);
     ``recast``: as a plan on the mixed cluster (its ranks are the mixed cluster's first ones),
-    simulated there."""
+    simulated there at each rank's own type; a plan with tensor parallelism keeps its one-type
+    prediction (the mixed simulator splits no matmuls): exact for the fastest group when it holds
+    the first ranks, and for the slowest type everywhere the step with every device that slow."""
     try:
         found = plan_one_type(
             run.graph,
@@ -228,6 +234,8 @@ def _one_type(run: MixedRun, plan_one_type, cluster: Cluster, call: dict, *, rec
     if not recast:
         return found, ""
     on_mixed = dataclasses.replace(found, cluster=run.cluster)
+    if found.tensor_parallel > 1:  # the mixed simulator splits no matmuls: the one-type search's prediction
+        return on_mixed, ""
     return with_result(on_mixed, simulate_mixed(on_mixed, run.costs_at, keep_timeline=False)), ""
 
 

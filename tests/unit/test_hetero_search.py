@@ -114,13 +114,23 @@ def test_the_trainer_refuses_unequal_shares_before_any_work(mlp):
     assert not torch.distributed.is_initialized()
 
 
-def test_cli_prints_both_baselines_and_the_idle_types(capsys):
-    assert main(["plan", "mlp", "--devices", "2xh100,2xv100-32gb", "--global-batch", "16"]) == 0
+def test_cli_prints_both_baselines_and_the_idle_types(capsys, tmp_path):
+    png = tmp_path / "p.png"
+    flags = [
+        "--global-batch",
+        "16",
+        "--tensor-parallel",
+        "1",
+        "--png",
+        str(png),
+    ]  # the mixed simulator splits no matmuls
+    assert main(["plan", "mlp", "--devices", "2xh100,2xv100-32gb", *flags]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # simulated with each rank at its type's speed
     text = capsys.readouterr().out
     assert "fastest type only (h100)" in text and "slowest type everywhere (v100-32gb)" in text
-    # a tiny MLP runs fastest on one device: the note names the idle devices by type
-    assert "note: the plan uses 1 of 4 devices" in text
-    assert "idle devices: 1 x h100, 2 x v100-32gb" in text
+    # a tiny MLP runs fastest on the two H100s: the note names the idle devices by type
+    assert "note: the plan uses 2 of 4 devices" in text
+    assert "idle devices: 2 x v100-32gb" in text
 
 
 def test_a_group_smaller_than_a_node_beside_a_full_node(mlp_graph):
