@@ -27,6 +27,7 @@ _EXPORTS = {
     # capture -> plan
     "capture": "partita.capturing",
     "Cluster": "partita.types",
+    "DeviceGroup": "partita.types",
     "PlanOptions": "partita.planning.options",
     "plan": "partita.runtime.job",
     "shared_plan": "partita.runtime.job",

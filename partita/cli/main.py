@@ -12,6 +12,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+from partita.cli.devices import check_groups_flags, groups_cluster
 from partita.cli.parser import DEFAULT_TRAIN_GLOBAL_BATCH, build_parser
 from partita.errors import PartitaError
 from partita.planning.options import PlanOptions
@@ -106,12 +107,18 @@ def _plan(args: argparse.Namespace) -> int:
     from partita.planning.api import plan_with_baselines
     from partita.report.plan import plan_text
 
-    _check_nodes(args.nodes, args.devices, args.device_type)
+    if isinstance(args.devices, tuple):  # device groups: a mixed cluster (partita/cli/devices.py)
+        check_groups_flags(args)
+    else:
+        _check_nodes(args.nodes, args.devices, args.device_type)
     _check_batch_flags(args)
     example = _load(args)
     graph = _capture(example)
     _check_example_values(graph, example)
-    cluster = _cluster(args, num_devices=args.devices, device_type=args.device_type, num_nodes=args.nodes)
+    if isinstance(args.devices, tuple):
+        cluster = groups_cluster(args.devices, _parse_bytes)
+    else:
+        cluster = _cluster(args, num_devices=args.devices, device_type=args.device_type, num_nodes=args.nodes)
     result = plan_with_baselines(
         graph,
         example.args,
@@ -124,7 +131,12 @@ def _plan(args: argparse.Namespace) -> int:
     )
     best = result.plan
     print(plan_text(best, baselines=result.baselines, baseline_reasons=result.baseline_reasons))
-    if args.png or args.trace:
+    if (args.png or args.trace) and result.mixed is not None:  # a mixed cluster: each rank at its type's speed
+        simulated = result.mixed.simulate(best)
+        if simulated is None:
+            print("no figure or trace: the plan splits matmuls, which the mixed-cluster simulator does not time")
+            args.png = args.trace = None
+    elif args.png or args.trace:
         from partita.planning.simulate import simulate
 
         simulated = simulate(best, result.context.costs_at, cluster)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from partita.cli.devices import devices_argument
 from partita.cli.multinode import DEFAULT_RDZV_TIMEOUT_S
 from partita.cli.optimizers import OPTIMIZERS
 from partita.errors import InputError
@@ -161,9 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="search the best split over devices; compare with the baselines")
     _add_model_arguments(plan)
-    plan.add_argument("--devices", type=int, required=True, help="number of devices")
     plan.add_argument(
-        "--device-type", default="cpu", help="catalog name (h100, a100-80gb, h200, b200, mi300x, cpu) or a device file"
+        "--devices",
+        type=devices_argument,
+        required=True,
+        help="number of devices (of --device-type), or device groups of several types: COUNTxTYPE[@MEMORY] "
+        "separated by commas, e.g. 16xh100,32xa100-40gb (a mixed cluster: stages placed by device type, "
+        "replicas of unequal speed given unequal sample shares)",
+    )
+    plan.add_argument(
+        "--device-type",
+        default="cpu",
+        help="catalog name (h100, a100-80gb, a100-40gb, h200, b200, mi300x, v100-32gb, l4, cpu) or a device file",
     )
     plan.add_argument("--memory", default=None, help="memory per device, e.g. 80GiB (default: the device's)")
     plan.add_argument(

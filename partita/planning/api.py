@@ -22,6 +22,7 @@ from partita.planning.configs import divisors
 from partita.planning.context import PlanningContext, planning_context
 from partita.planning.degree_contexts import degree_contexts
 from partita.planning.driver import best_of_contexts
+from partita.planning.hetero import MixedOutcome, plan_mixed
 from partita.planning.infeasible import infeasible_error, memory_bound
 from partita.planning.options import PlanOptions
 from partita.planning.plan_builder import plan_key
@@ -56,6 +57,8 @@ def plan(
     (CLIP, in-batch negatives: ``OpGraph.couples_samples``) is planned with one micro-batch and
     one replica per stage, which is exact, with a warning.
     """
+    if isinstance(cluster, Cluster) and cluster.is_mixed:  # several device types: partita.planning.hetero
+        return _mixed(model, args, kwargs, cluster, global_batch_size, loss_fn, target, options, batch_dims).plan
     ctx = planning_context(
         model,
         args,
@@ -84,12 +87,16 @@ class PlanningResult:
     plan's tensor-parallel degree (``context.costs_at`` gives its cost tables, e.g. to simulate
     the plan with a timeline; ``context.unsharded`` the degree-1 run when the degree is above 1).
     ``baseline_reasons``: for each baseline without a plan (None), why: "cannot split into N
-    stages: ..." or "does not fit"."""
+    stages: ..." or "does not fit". On a mixed cluster (several device types) the baselines are
+    the fastest type alone and the slowest type everywhere, ``context`` is the first device
+    group's, and ``mixed`` (``partita.planning.hetero.MixedOutcome``) simulates any of the plans on
+    its own cluster (``mixed.simulate(plan)``); None on one-type clusters."""
 
     plan: Plan
     baselines: dict[str, Plan | None]
     context: PlanningContext
     baseline_reasons: dict[str, str] = field(default_factory=dict)
+    mixed: MixedOutcome | None = None
 
 
 def plan_with_baselines(
@@ -106,7 +113,13 @@ def plan_with_baselines(
 ) -> PlanningResult:
     """``plan``, and each baseline's split under the plan's configuration, its tensor-parallel
     degree included (None: it does not fit or cannot make that many stages), from one capture and
-    one set of costs. The ``fsdp`` baseline never splits matmuls: plain FSDP2 over every device."""
+    one set of costs. The ``fsdp`` baseline never splits matmuls: plain FSDP2 over every device.
+    On a mixed cluster: ``partita.planning.hetero`` (its two baselines)."""
+    if isinstance(cluster, Cluster) and cluster.is_mixed:
+        outcome = _mixed(model, args, kwargs, cluster, global_batch_size, loss_fn, target, options, batch_dims)
+        return PlanningResult(
+            outcome.plan, outcome.baselines, outcome.run.contexts[0], outcome.baseline_reasons, outcome
+        )
     ctx = planning_context(
         model,
         args,
@@ -129,6 +142,22 @@ def plan_with_baselines(
     check_sharding_applied(best, options)
     baselines, reasons = baseline_outcomes(chosen, best)
     return PlanningResult(best, baselines, chosen, reasons)
+
+
+def _mixed(model, args, kwargs, cluster, global_batch_size, loss_fn, target, options, batch_dims) -> MixedOutcome:
+    """``partita.planning.hetero.plan_mixed``, which plans each device type alone with ``plan``."""
+    return plan_mixed(
+        model,
+        args,
+        kwargs,
+        cluster=cluster,
+        global_batch_size=global_batch_size,
+        plan_one_type=plan,
+        loss_fn=loss_fn,
+        target=target,
+        options=options,
+        batch_dims=batch_dims,
+    )
 
 
 def check_sharding_applied(plan: Plan, options: PlanOptions) -> None:

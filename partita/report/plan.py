@@ -94,7 +94,20 @@ def plan_text(
             f"(replicas must divide the global batch of {plan.global_batch_size}, micro-batches must divide a "
             f"replica's share, and every stage needs work of its own)"
         )
+        if plan.cluster.is_mixed:
+            lines.append(f"idle devices: {_idle_by_type(plan)}")
     return "\n".join(lines)
+
+
+def _idle_by_type(plan: Plan) -> str:
+    """The devices of each type the plan leaves idle, e.g. "4 x v100-32gb"."""
+    cluster, used = plan.cluster, {r for s in plan.stages for r in s.ranks}
+    idle = []
+    for g, group in enumerate(cluster.group_clusters):
+        count = sum(r not in used for r in cluster.group_ranks(g))
+        if count:
+            idle.append(f"{count} x {group.device.name}")
+    return ", ".join(idle)
 
 
 def _memory_lines(plan: Plan) -> list[str]:

@@ -6,17 +6,32 @@ from partita.errors import InputError
 from partita.types import Plan
 from partita.types.schedule_orders import UNEVEN_SCHEDULES, stage_rank_groups
 
-__all__ = ["check_layout"]
+__all__ = ["check_even_shares", "check_layout"]
 
 
 def check_layout(plan: Plan) -> None:
     """InputError unless the runtime can run the plan's layout: a uniform pp x dp mesh with rank
     group g on ranks [g*dp, (g+1)*dp), or an uneven plan (GPipe/1F1B, one stage per rank group)
     whose rank groups hold consecutive ranks, group g after groups 0 .. g-1."""
+    check_even_shares(plan)
     if plan.uniform_replicas:
         _check_uniform_layout(plan)
     else:
         _check_uneven_layout(plan)
+
+
+def check_even_shares(plan: Plan) -> None:
+    """InputError for a stage whose replicas take unequal shares of a micro-batch
+    (``StagePlan.replica_samples``, from planning a mixed cluster with
+    ``runtime_layouts_only=False``): the runtime splits every micro-batch evenly over a stage's
+    replicas, and running such a plan evenly would silently change it."""
+    for s in plan.stages:
+        if s.replica_samples is not None and len(set(s.replica_samples)) > 1:
+            raise InputError(
+                f"stage {s.index} gives its replicas unequal shares {list(s.replica_samples)} of each micro-batch, "
+                "which partita's runtime does not run yet (it splits a micro-batch evenly over a stage's replicas): "
+                "re-plan with partita.plan (it offers only layouts the runtime runs), or set equal shares"
+            )
 
 
 def _check_uniform_layout(plan: Plan) -> None:

@@ -103,6 +103,7 @@ from partita.runtime.batch_values import check_batch_dtypes, check_batch_values
 from partita.runtime.checkpoint import Checkpointer, StepCount
 from partita.runtime.gradient_sync import GradientSync, local_tensor
 from partita.runtime.graph_for_plan import CaptureInputs, graph_for_plan
+from partita.runtime.layout import check_even_shares
 from partita.runtime.materialize import on_meta
 from partita.runtime.numerics import (
     NonFinitePolicy,
@@ -368,6 +369,7 @@ class Trainer:
         """InputError for arguments the constructor cannot take, before any process group or capture."""
         if not isinstance(plan, Plan):
             raise InputError(f"plan must be a partita.Plan, got {type(plan).__name__}: load one with partita.Plan.load")
+        check_even_shares(plan)  # before any process group or capture
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise InputError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):

@@ -4,7 +4,7 @@
 ``choices``    Schedule, OptimizerKind, Precision, Sharding and Recompute.
 ``costs``      CostTable: per-node costs at one micro-batch size, the planner's view of cost/.
 ``devices``    DeviceSpec and the device catalog (``get_device``, device files).
-``cluster``    Cluster: how many devices of which kind, in which nodes, linked how.
+``cluster``    Cluster (and DeviceGroup): how many devices of which kinds, in which nodes, linked how.
 ``plan``       StagePlan, MemoryBreakdown and Plan; ``plan_file`` reads and writes them as versioned JSON.
 ``sim``        SimResult and TimelineEvent: a simulated step, which report/ draws.
 ``schedule_orders``  each rank group's action order under each schedule (torch's), which the
@@ -25,7 +25,7 @@ batch dim   the dimension of a tensor that scales with the batch size. Shapes ar
 """
 
 from partita.types.choices import RECOMPUTE_LEVELS, OptimizerKind, Precision, Recompute, Schedule, Sharding
-from partita.types.cluster import Cluster
+from partita.types.cluster import Cluster, DeviceGroup
 from partita.types.costs import CostTable
 from partita.types.devices import DeviceSpec
 from partita.types.graph import GraphInput, LossFn, OpGraph, OpNode, ParamInfo, TensorInfo
@@ -37,6 +37,7 @@ __all__ = [
     "RECOMPUTE_LEVELS",
     "Cluster",
     "CostTable",
+    "DeviceGroup",
     "DeviceSpec",
     "GraphInput",
     "LossFn",

@@ -96,6 +96,7 @@ _CATALOG: dict[str, DeviceSpec] = {
         # 0.8 (elementwise kernels) are estimates too, checked, not fitted: with them partita
         # predicts each of Megatron-LM's ten SC21 layouts on A100-80GB within 8% of the measured
         # step (bench/results/megatron_calibration.md). op_overhead_s: launch + eager dispatch.
+        # nvidia-smi reports 40960 / 81920 MiB.
         DeviceSpec(
             "a100-40gb",
             40960 * _MIB,
@@ -167,6 +168,50 @@ _CATALOG: dict[str, DeviceSpec] = {
             memory_efficiency=0.7,
             op_overhead_s=5e-6,
         ),
+        # V100 SXM2 (NVIDIA Tesla V100 datasheet, "V100 SXM2" column): FP32 15.7, FP16 Tensor 125 TFLOP/s; no
+        # bfloat16 in hardware, so a bf16 plan costs its matmuls at the FP32 rate (analytic._peak_flops falls
+        # back to "float32"); HBM2 900 GB/s; NVLink2 300 GB/s both ways (150e9 per direction). memory_bytes:
+        # what nvidia-smi reports for the 32 GB and 16 GB parts (32510 / 16160 MiB). Network: DGX-1V has
+        # four 100 Gb/s EDR InfiniBand adapters for 8 GPUs, 6.25e9 B/s per GPU. compute_efficiency 0.65:
+        # cuBLAS reaches ~80 of the 125 TFLOP/s on large FP16 GEMMs (a guess for transformer shapes).
+        DeviceSpec(
+            "v100-32gb",
+            32510 * _MIB,
+            {"float32": 15.7e12, "float16": 125e12},
+            900e9,
+            150e9,
+            100e9 / 8 / 2,
+            compute_efficiency=0.65,
+            memory_efficiency=0.8,
+            op_overhead_s=6e-6,
+        ),
+        DeviceSpec(
+            "v100-16gb",
+            16160 * _MIB,
+            {"float32": 15.7e12, "float16": 125e12},
+            900e9,
+            150e9,
+            100e9 / 8 / 2,
+            compute_efficiency=0.65,
+            memory_efficiency=0.8,
+            op_overhead_s=6e-6,
+        ),
+        # L4 (NVIDIA L4 datasheet): FP32 30.3, TF32 60, BF16/FP16 121 TFLOP/s dense (the datasheet's 120 /
+        # 242 are with sparsity); 24 GB GDDR6 at 300 GB/s (nvidia-smi: 23034 MiB). No NVLink: PCIe Gen4 x16,
+        # 32 GB/s per direction. Network: 8-GPU cloud nodes (AWS g6.48xlarge, GCP g2-standard-96) have
+        # 100 Gb/s for all 8, 1.5625e9 B/s per GPU. compute_efficiency 0.5: a 72 W part whose clocks drop
+        # under sustained tensor load (a guess).
+        DeviceSpec(
+            "l4",
+            23034 * _MIB,
+            {"float32": 30.3e12, "tfloat32": 60e12, "bfloat16": 121e12, "float16": 121e12},
+            300e9,
+            32e9,
+            100e9 / 8 / 8,
+            compute_efficiency=0.5,
+            memory_efficiency=0.8,
+            op_overhead_s=5e-6,
+        ),
         # A generic server CPU (placeholder numbers; local_machine.local_cpu_spec measures the real one). Ranks
         # talk over TCP: loopback inside a node, 25 GbE (typical of cloud CPU instances) between nodes. memory_bytes is set to
         # this machine's RAM by get_device.
@@ -192,6 +237,9 @@ _ALIASES = {
     "a100-sxm4-40gb": "a100-40gb",
     "a100-sxm4-80gb": "a100-80gb",
     "b200-sxm": "b200",
+    "v100": "v100-32gb",
+    "v100-sxm2-32gb": "v100-32gb",
+    "v100-sxm2-16gb": "v100-16gb",
 }
 
 _REQUIRED_FIELDS = (

@@ -74,6 +74,13 @@ class StagePlan:
     memory_breakdown: MemoryBreakdown | None = None
     # devices of one replica, splitting its matmuls (1: none; older plan files)
     tensor_parallel: int = 1
+    # samples of each micro-batch that each replica runs, in replica order (they sum to the micro-batch);
+    # None: an even split (plans on one device type, older plan files). Replicas of unequal speed (a
+    # stage over several device groups) take unequal shares, so that none waits for another.
+    replica_samples: tuple[int, ...] | None = None
+    # predicted peak per device of each device group of the cluster (0 for groups the stage does not
+    # run on); None: one-type clusters (``memory_bytes`` says it). A record, as memory_bytes is.
+    memory_bytes_by_group: tuple[int, ...] | None = None
     # sequence parallelism: the tensor-parallel group also splits, by token, the regions it leaves
     # whole (norms, dropout, residual additions; partita.capturing.sequence_parallel)
     sequence_parallel: bool = False
@@ -85,6 +92,18 @@ class StagePlan:
     def num_replicas(self) -> int:
         """Data-parallel replicas: tensor-parallel groups of ``tensor_parallel`` ranks."""
         return len(self.ranks) // self.tensor_parallel
+
+    def samples_of_replicas(self, microbatch_samples: int) -> tuple[int, ...]:
+        """Samples of one micro-batch of ``microbatch_samples`` that each replica runs (``replica_samples``,
+        or an even split)."""
+        if self.replica_samples is not None:
+            return self.replica_samples
+        return (microbatch_samples // self.num_replicas,) * self.num_replicas
+
+    @property
+    def even_shares(self) -> bool:
+        """Whether every replica runs as many samples of each micro-batch."""
+        return self.replica_samples is None or len(set(self.replica_samples)) <= 1
 
     def replica_ranks(self, replica: int) -> tuple[int, ...]:
         """The ranks of replica ``replica``: its tensor-parallel group."""
@@ -102,7 +121,8 @@ class Plan:
     schedule: Schedule
     global_batch_size: int
     num_microbatches: int
-    microbatch_size: int  # samples per micro-batch per replica of a stage with the fewest replicas
+    # samples per micro-batch per replica of a stage with the fewest replicas (with unequal shares: the largest share)
+    microbatch_size: int
     options: Mapping[str, Any]  # the resolved planner options (what the user pinned and what was searched)
     method: str = "partita"  # "partita", a baseline name ("uniform", "parameters", "equal_flops") or "manual"
     predicted_step_s: float = 0.0
@@ -142,7 +162,9 @@ class Plan:
 
     @property
     def uniform_replicas(self) -> bool:
-        return len({s.num_replicas for s in self.stages}) == 1
+        """Every stage on as many replicas, each running an equal share of every micro-batch: a pp x dp
+        mesh (else partita's own executor runs it: ``partita.runtime.uneven``)."""
+        return len({s.num_replicas for s in self.stages}) == 1 and all(s.even_shares for s in self.stages)
 
     @property
     def boundaries(self) -> tuple[int, ...]:

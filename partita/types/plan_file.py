@@ -8,15 +8,18 @@ another model or cluster. Files of every version in ``READABLE_SCHEMA_VERSIONS``
 Executed fields and records. The runtime runs what these fields say, and nothing else:
 
 - ``stages[k]``: ``start``, ``stop`` (the nodes of the stage), ``ranks``, ``rank_group``,
-  ``recompute``, ``sharding`` and ``tensor_parallel``;
+  ``recompute``, ``sharding``, ``tensor_parallel`` and ``replica_samples`` (written only when the
+  replicas take unequal shares of each micro-batch: stages over several device groups);
 - ``schedule``, ``global_batch_size``, ``num_microbatches``, ``microbatch_size`` and ``precision``;
-- ``cluster``: its device count and ``devices_per_node`` (where tensor-parallel groups may lie).
+- ``cluster``: its device count and ``devices_per_node`` (where tensor-parallel groups may lie); of a
+  mixed cluster (several device groups), each group's count and ``devices_per_node``.
 
 Records say how the plan was made and what it predicts; the runtime never reads them to decide
 anything: ``options`` (what was pinned and what the search was allowed), ``method``,
 ``cost_source``, ``predicted_step_s``, ``predicted_bubble_fraction``, ``total_compute_s``,
 ``partita_version``, ``torch_version``, and per stage ``forward_s``, ``backward_s``,
-``memory_bytes``, ``param_bytes``, ``cut_bytes`` and ``memory_breakdown``. Checked against the
+``memory_bytes``, ``param_bytes``, ``cut_bytes``, ``memory_breakdown`` and ``memory_bytes_by_group``
+(written only for mixed clusters). Checked against the
 model on load: ``graph_fingerprint`` and each stage's ``first_node``, ``last_node`` (and
 ``module_range``, a record). Editing a record changes nothing that runs, so the choices that
 ``options`` records must agree with the executed fields (``check_options_agree``: e.g.
@@ -56,8 +59,16 @@ _STAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "cut_bytes": int,
 }
 # Absent in files of earlier versions: they load as replicate, without a breakdown, without
-# tensor or sequence parallelism.
-_OPTIONAL_STAGE_FIELDS = ("sharding", "memory_breakdown", "tensor_parallel", "sequence_parallel")
+# tensor or sequence parallelism. The last two are written only where they hold something (plans for
+# mixed clusters), so that other plan files read as before.
+_OPTIONAL_STAGE_FIELDS = (
+    "sharding",
+    "memory_breakdown",
+    "tensor_parallel",
+    "sequence_parallel",
+    "replica_samples",
+    "memory_bytes_by_group",
+)
 _BREAKDOWN_FIELDS: dict[str, type] = {f.name: int for f in dataclasses.fields(MemoryBreakdown)}
 _PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
     "schema_version": int,
@@ -104,7 +115,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
 
 def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
     breakdown = stage.memory_breakdown
-    return {
+    data = {
         **{k: getattr(stage, k) for k in _STAGE_FIELDS if k != "ranks"},
         "ranks": list(stage.ranks),
         "recompute": stage.recompute.value,
@@ -113,6 +124,11 @@ def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
         "sequence_parallel": stage.sequence_parallel,
         "memory_breakdown": None if breakdown is None else {k: getattr(breakdown, k) for k in _BREAKDOWN_FIELDS},
     }
+    if stage.replica_samples is not None:
+        data["replica_samples"] = list(stage.replica_samples)
+    if stage.memory_bytes_by_group is not None:
+        data["memory_bytes_by_group"] = list(stage.memory_bytes_by_group)
+    return data
 
 
 # The executed fields (see the module docstring); every other field is a record.
@@ -129,10 +145,16 @@ def executed_part(plan: Plan) -> dict[str, Any]:
             **{k: stage[k] for k in _EXECUTED_STAGE_FIELDS},
             "sharding": stage["sharding"],
             "tensor_parallel": stage["tensor_parallel"],
+            **({"replica_samples": stage["replica_samples"]} if "replica_samples" in stage else {}),
         }
         for stage in whole["stages"]
     ]
-    cluster = {k: whole["cluster"][k] for k in ("num_devices", "devices_per_node")}
+    if plan.cluster.is_mixed:
+        cluster = {
+            "groups": [{k: g[k] for k in ("num_devices", "devices_per_node")} for g in whole["cluster"]["groups"]]
+        }
+    else:
+        cluster = {k: whole["cluster"][k] for k in ("num_devices", "devices_per_node")}
     return {
         **{k: whole[k] for k in _EXECUTED_PLAN_FIELDS},
         "precision": whole["precision"],
@@ -268,6 +290,15 @@ def _stage_from_dict(data: Any, k: int, source: str) -> StagePlan:
             f"{degree}: a stage holds whole groups (replicas x tensor_parallel ranks)"
         )
     values["tensor_parallel"] = degree
+    values["replica_samples"] = _counts(data.get("replica_samples"), f"{where}.replica_samples", source, positive=True)
+    values["memory_bytes_by_group"] = _counts(
+        data.get("memory_bytes_by_group"), f"{where}.memory_bytes_by_group", source
+    )
+    if values["replica_samples"] is not None and len(values["replica_samples"]) != len(ranks) // degree:
+        raise PlanFileError(
+            f"{source}: {where}.replica_samples has {len(values['replica_samples'])} entries for "
+            f"{len(ranks) // degree} replicas: one sample count per replica"
+        )
     sequence = data.get("sequence_parallel", False)
     if not isinstance(sequence, bool):
         raise PlanFileError(f"{source}: {where}.sequence_parallel is {sequence!r}, expected true or false")
@@ -278,6 +309,18 @@ def _stage_from_dict(data: Any, k: int, source: str) -> StagePlan:
         )
     values["sequence_parallel"] = sequence
     return StagePlan(**values)
+
+
+def _counts(value: Any, where: str, source: str, *, positive: bool = False) -> tuple[int, ...] | None:
+    """An optional list of whole numbers (>= 1 with ``positive``, else >= 0) as a tuple."""
+    if value is None:
+        return None
+    least = 1 if positive else 0
+    if not isinstance(value, list) or not value or not all(type(x) is int and x >= least for x in value):
+        raise PlanFileError(
+            f"{source}: {where} is {value!r}: it must be a non-empty list of integers >= {least} or null"
+        )
+    return tuple(value)
 
 
 def _breakdown(data: Any, where: str, source: str) -> MemoryBreakdown | None:
@@ -407,13 +450,18 @@ def _check_tensor_parallel(plan: Plan, source: str) -> None:
         for j in range(s.num_replicas):
             block = s.replica_ranks(j)
             aligned = block[0] % t == 0 and block == tuple(range(block[0], block[0] + t))
-            nodes = {r // plan.cluster.devices_per_node for r in block}
+            nodes = {_node_of(plan.cluster, r) for r in block}
             if not aligned or len(nodes) > 1:
                 raise PlanFileError(
                     f"{source}: stages[{k}] replica {j} runs on ranks {list(block)}, which is not a tensor-parallel "
                     f"group of {t}: each replica's ranks are {t} consecutive ranks starting at a multiple of {t}, "
                     "in one node"
                 )
+
+
+def _node_of(cluster: Cluster, rank: int) -> int:
+    """The node of ``rank`` (a rank past the cluster's devices is refused later, by name)."""
+    return cluster.rank_to_node(rank) if rank < cluster.num_devices else rank // cluster.devices_per_node
 
 
 def _check_sharding(plan: Plan, source: str) -> None:
@@ -514,13 +562,25 @@ def _sharding_agreement(recorded: Any, stages: tuple[StagePlan, ...]) -> tuple[A
 def _check_batch(plan: Plan, source: str) -> None:
     b, m, mb = plan.global_batch_size, plan.num_microbatches, plan.microbatch_size
     fewest = min(s.num_replicas for s in plan.stages)
-    if m < 1 or mb < 1 or b != m * mb * fewest:
+    shares = [x for s in plan.stages for x in s.replica_samples or ()]
+    if shares and (m < 1 or b % m or mb != max(shares)):
+        raise PlanFileError(
+            f"{source}: with unequal sample shares, num_microbatches {m} must divide global_batch_size {b} and "
+            f"microbatch_size {mb} must be the largest share of a replica ({max(shares)})"
+        )
+    if not shares and (m < 1 or mb < 1 or b != m * mb * fewest):
         raise PlanFileError(
             f"{source}: global_batch_size {b} != num_microbatches {m} x microbatch_size {mb} x the fewest replicas of "
             f"a stage ({fewest})"
         )
     for k, s in enumerate(plan.stages):
-        if (b // m) % s.num_replicas:
+        if s.replica_samples is not None:
+            if sum(s.replica_samples) != b // m:
+                raise PlanFileError(
+                    f"{source}: stages[{k}].replica_samples {list(s.replica_samples)} sum to {sum(s.replica_samples)}, "
+                    f"but a micro-batch holds {b // m} samples"
+                )
+        elif (b // m) % s.num_replicas:
             raise PlanFileError(
                 f"{source}: stages[{k}] has {s.num_replicas} replicas, which do not divide the micro-batch of {b // m} samples"
             )

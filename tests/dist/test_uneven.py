@@ -7,7 +7,8 @@ without batch dim, from their owner), BERT and T5 (masks, the encoder output and
 bias cross), and GatedNet (a batch-less boundary tensor that needs a
 gradient: summed by its owner, zero on the replica that serves nobody). Three AdamW steps equal
 unsplit full-batch training; one run continues from a checkpoint under the other layout, one
-starts from a model built on meta (seed checkpoint), and a non-finite loss names its samples.
+starts from a model built on meta (seed checkpoint), and a non-finite loss names its samples. A plan made for a mixed cluster (its stages on different
+device groups, read back from its plan file) trains the same way.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ CONFIGS = [
         resume=dict(schedule="gpipe", replicas=(1, 2), num_microbatches=2),
     ),
     dict(label="1f1b-2x1-meta", schedule="1f1b", replicas=(2, 1), num_microbatches=2, meta=True, models=["llama"]),
+    # a plan for a mixed cluster: stage 0 on the two H100s, stage 1 on the L4 (issue 30)
+    dict(
+        label="1f1b-2x1-device-groups",
+        schedule="1f1b",
+        replicas=(2, 1),
+        num_microbatches=2,
+        groups=[("h100", 2), ("l4", 1)],
+        models=["gpt2", "bert"],
+    ),
 ]
 NONFINITE = dict(
     label="gpipe-1x2-nonfinite", schedule="gpipe", replicas=(1, 2), num_microbatches=2, nonfinite=True, models=["gated"]

@@ -428,6 +428,19 @@ def make_uneven_plan(case: Case, config: dict):
     )
 
 
+def on_device_groups(plan, groups: list):
+    """``plan`` on a mixed cluster of ``groups`` ((device, count) in rank order), through its plan
+    file: a mixed-cluster plan whose stages sit on different device groups (the runtime runs every
+    rank on this CPU)."""
+    import dataclasses
+
+    from partita.types.cluster import Cluster, DeviceGroup
+    from partita.types.plan_file import plan_from_json, plan_to_json
+
+    cluster = Cluster(groups=[DeviceGroup(device, count, count) for device, count in groups])
+    return plan_from_json(plan_to_json(dataclasses.replace(plan, cluster=cluster)))
+
+
 def _train_step(trainer, batch: tuple) -> float:
     args, kwargs, target = batch
     return trainer.step(*args, **kwargs, **({"target": target} if target is not None else {}))
@@ -488,6 +501,8 @@ def job_uneven(params: dict) -> dict:
             print(key, flush=True)
             case.reset()
             plan = make_uneven_plan(case, config)
+            if "groups" in config:
+                plan = on_device_groups(plan, config["groups"])
             if config.get("nonfinite"):
                 results[key] = {"raised": _nonfinite_message(case, plan)}
                 continue

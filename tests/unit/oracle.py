@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 from partita.planning.configs import Config, SearchOptions, enumerate_configs
 from partita.planning.uneven import enumerate_shapes
-from partita.types import RECOMPUTE_LEVELS, Plan, Recompute
+from partita.types import RECOMPUTE_LEVELS, Plan, Recompute, Schedule
 
 # (config, node boundaries, recompute per stage, method) -> simulated Plan, or None if it does not fit
 Evaluate = Callable[[Config, list, list, str], "Plan | None"]
@@ -66,3 +66,81 @@ def _recompute_needed(config: Config, nodes: list[int], stage_fits: Callable) ->
             if ok and chosen[s] is None:
                 chosen[s] = level
     return [Recompute.FULL if level is None else level for level in chosen]  # full: fits in no way
+
+
+# ----------------------------------------------------------------------------- mixed clusters
+
+
+def brute_force_mixed(run, schedules, recompute_pinned, evaluate) -> Plan | None:
+    """The best plan over a mixed cluster (``partita.planning.hetero_search``'s space, enumerated
+    here on its own): GPipe and 1F1B, every depth and micro-batch count, every stage's replicas on
+    each device group with every split of the micro-batch over them (each replica at least one
+    sample, a group's replicas alike), every tuple of those that uses the cluster's first devices
+    (the job numbers them densely), and every split of the chain whose cuts between stages with
+    different sample slices split by sample. ``evaluate(config, boundaries, recompute)`` returns
+    the simulated plan or None (does not fit); recomputation where a stage does not fit without it.
+    With ``run.runtime_layouts_only``, only the layouts partita's runtime runs (``_runtime_layout``)."""
+    from partita.planning.chain import per_sample_cuts
+    from partita.planning.hetero_search import MixedConfig
+    from partita.planning.schedules import check_schedule
+
+    sizes = [c.num_devices for c in run.cluster.group_clusters]
+    batch, num_blocks = run.global_batch_size, run.num_blocks
+    cuttable = per_sample_cuts(run.graph)
+    best = None
+    for schedule in [s for s in (Schedule.GPIPE, Schedule.ONE_F_ONE_B) if s in schedules]:
+        for num_stages in range(1, num_blocks + 1):
+            for m in [d for d in range(1, batch + 1) if batch % d == 0]:
+                try:
+                    check_schedule(schedule, m, num_stages, num_stages)
+                except Exception:  # noqa: BLE001 - torch's schedule refuses these counts
+                    continue
+                if schedule is Schedule.ONE_F_ONE_B and num_stages == 1 and m == 1:
+                    continue  # runs as GPipe does
+                kinds = _every_kind(sizes, batch // m)
+                for kinds_tuple in itertools.product(kinds, repeat=num_stages):
+                    if not _dense_prefix(run.cluster, sizes, kinds_tuple):
+                        continue
+                    if run.runtime_layouts_only and not _runtime_layout(run.cluster, kinds_tuple):
+                        continue
+                    for mode in [recompute_pinned] if recompute_pinned is not None else [None]:
+                        config = MixedConfig(schedule, m, kinds_tuple, mode)
+                        for split in all_splits(num_blocks, num_stages):
+                            if not all(
+                                kinds_tuple[p].shares == kinds_tuple[p + 1].shares or cuttable[run.chain[split[p + 1]]]
+                                for p in range(num_stages - 1)
+                            ):
+                                continue
+                            p = evaluate(config, split)
+                            if p is not None and (best is None or p.predicted_step_s < best.predicted_step_s):
+                                best = p
+    return best
+
+
+def _every_kind(sizes: list[int], microbatch: int) -> list:
+    from partita.planning.hetero_search import StageKind
+
+    found = []
+    for counts in itertools.product(*(range(n + 1) for n in sizes)):
+        if sum(counts) == 0:
+            continue
+        options = [range(1, microbatch + 1) if c else [0] for c in counts]
+        for samples in itertools.product(*options):
+            if sum(c * n for c, n in zip(counts, samples)) == microbatch:
+                found.append(StageKind(tuple(counts), tuple(samples)))
+    return found
+
+
+def _dense_prefix(cluster, sizes: list[int], kinds) -> bool:
+    used = [sum(k.counts[g] for k in kinds) for g in range(len(sizes))]
+    if any(u > n for u, n in zip(used, sizes)):
+        return False
+    ranks = sorted(r for stage in cluster.assign_ranks([k.counts for k in kinds]) for r in stage)
+    return ranks == list(range(len(ranks)))
+
+
+def _runtime_layout(cluster, kinds) -> bool:
+    """Equal shares within each stage, and stage after stage on consecutive ranks from 0."""
+    ranks = cluster.assign_ranks([k.counts for k in kinds])
+    flat = [r for stage in ranks for r in stage]
+    return all(len(set(k.shares)) == 1 for k in kinds) and flat == list(range(len(flat)))

@@ -1,0 +1,191 @@
+"""A planning run over a mixed cluster: one graph, and per device group its costs on one chain.
+
+A mixed cluster (``Cluster(groups=...)``, several device types) is planned from the same pieces as
+a one-type cluster, once per device group: ``planning_context`` on the group's one-type cluster
+gives that type's costs (``costs_at``: its CostTable at a micro-batch size), its memory limit and
+its resolved options. The groups' contexts share one chain of blocks (the first group's), so a
+stage is the same block range whichever type runs it, and the search compares the types' times
+of the same range (``MixedRun.blocks_at``).
+
+The plan computes in one precision on every type (``mixed_precision``): bf16 when every type
+computes faster in it, else fp32 (a V100 has no bf16: a bf16 plan would run it at its fp32 rate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from partita.capturing import capture
+from partita.errors import InputError
+from partita.planning.build import BuildMemo
+from partita.planning.chain import BlockCosts, block_costs
+from partita.planning.context import PlanningContext, planning_context
+from partita.planning.options import PlanOptions, resolve_precision
+from partita.types import CostTable, DeviceSpec, OpGraph, Precision
+from partita.types.cluster import Cluster
+
+__all__ = ["MixedRun", "mixed_precision", "mixed_run", "slowest_cluster"]
+
+
+@dataclass(frozen=True)
+class MixedRun:
+    """What the mixed search shares: the graph, the mixed ``cluster``, per device group a degree-1
+    planning context (``contexts[g]``: its one-type cluster, memory limit and costs) on the common
+    ``chain``, the options as given (precision resolved) and the plan-file options record.
+    ``runtime_layouts_only``: the search offers only plans partita's runtime runs (every replica of a
+    stage runs an equal share; each stage's ranks follow the earlier stages' ranks, consecutive);
+    False searches unequal shares and stages over both groups too (planning only: the runtime
+    refuses such plans, ``partita.runtime.layout``)."""
+
+    graph: OpGraph
+    cluster: Cluster
+    contexts: tuple[PlanningContext, ...]
+    options: PlanOptions
+    global_batch_size: int
+    resolved: dict
+    runtime_layouts_only: bool = True
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.contexts)
+
+    @property
+    def chain(self) -> Any:
+        return self.contexts[0].chain
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.chain) - 1
+
+    def costs_at(self, group: int, samples: int) -> CostTable:
+        """Device group ``group``'s CostTable at ``samples`` samples per micro-batch (remembered by its context)."""
+        return self.contexts[group].costs_at(samples)
+
+    def blocks_at(self, group: int, samples: int) -> BlockCosts:
+        """``costs_at`` summed over the chain's blocks (remembered)."""
+        return self._blocks(group, samples)
+
+    @functools.cached_property
+    def _blocks(self) -> Callable[[int, int], BlockCosts]:
+        return functools.lru_cache(maxsize=None)(lambda g, n: block_costs(self.costs_at(g, n), self.chain))
+
+    @functools.cached_property
+    def build_memo(self) -> BuildMemo:
+        """Per-range results the run's plans share (``partita.planning.build.BuildMemo``)."""
+        return BuildMemo()
+
+    @functools.cached_property
+    def cuttable(self) -> np.ndarray:
+        """Per block boundary: whether stages whose replicas hold different samples may meet there
+        (``partita.planning.chain.per_sample_cuts``: the tensors crossing it split by sample)."""
+        cuttable = np.array(self.contexts[0].per_sample_cuts[np.asarray(self.chain)], bool)
+        cuttable[[0, -1]] = True  # the ends of the chain are no cuts
+        return cuttable
+
+    def seconds_per_sample(self, group: int, reference: int) -> tuple[float, float]:
+        """(fixed seconds, seconds per sample) of one forward + backward of the whole chain on device
+        group ``group``: a line through its costs at 1 and at ``reference`` samples (the roofline is
+        piecewise linear in the samples; the search picks sample shares with it, and the plans it
+        makes are costed exactly)."""
+        return self._line(group, max(2, reference))
+
+    @functools.cached_property
+    def _line(self) -> Callable[[int, int], tuple[float, float]]:
+        def line(group: int, reference: int) -> tuple[float, float]:
+            one, many = (self.blocks_at(group, n) for n in (1, reference))
+            t1 = float(one.forward_s.sum() + one.backward_s.sum())
+            tn = float(many.forward_s.sum() + many.backward_s.sum())
+            slope = max(0.0, (tn - t1) / (reference - 1))
+            return max(0.0, t1 - slope), slope
+
+        return functools.lru_cache(maxsize=None)(line)
+
+
+def mixed_precision(pinned: Precision | None, cluster: Cluster) -> Precision:
+    """The one precision of a plan over ``cluster``'s groups: the pinned one; else bf16 when every
+    group's device computes faster in bf16 (``resolve_precision``), else fp32."""
+    if pinned is not None:
+        return pinned
+    chosen = {resolve_precision(None, c.device) for c in cluster.group_clusters}
+    return Precision.BF16 if chosen == {Precision.BF16} else Precision.FP32
+
+
+def slowest_cluster(cluster: Cluster, device: DeviceSpec | None = None) -> Cluster:
+    """A mixed cluster seen as one type: every device ``device`` (default: the slowest group's by peak,
+    ``Cluster``'s one-type view), with the smallest memory, node size and links of all (nodes that
+    divide the total: 4 + 8 devices in nodes of 8 are seen as nodes of 4). The "slowest type
+    everywhere" baseline plans for it."""
+    return Cluster(
+        device=cluster.device if device is None else device,
+        num_devices=cluster.num_devices,
+        # whole nodes: a group smaller than a node (4 beside 8) leaves the total off the node size
+        devices_per_node=math.gcd(cluster.num_devices, cluster.devices_per_node),
+        memory_bytes=cluster.memory_bytes,
+        intra_node_bandwidth_bytes_per_s=cluster.intra_node_bandwidth_bytes_per_s,
+        inter_node_bandwidth_bytes_per_s=cluster.inter_node_bandwidth_bytes_per_s,
+        intra_node_latency_s=cluster.intra_node_latency_s,
+        inter_node_latency_s=cluster.inter_node_latency_s,
+        reserved_memory_fraction=cluster.reserved_memory_fraction,
+        compute_slowdown=cluster.compute_slowdown,
+        collective_efficiency=cluster.collective_efficiency,
+    )
+
+
+def mixed_run(
+    model: torch.nn.Module | OpGraph,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    cluster: Cluster,
+    global_batch_size: int,
+    loss_fn: Callable | None = None,
+    target: Any = None,
+    options: PlanOptions = PlanOptions(),
+    batch_dims: Any = None,
+    runtime_layouts_only: bool = True,
+) -> MixedRun:
+    """Capture once (unless ``model`` is an OpGraph), then a degree-1 planning context per device
+    group of ``cluster`` on its one-type cluster, all in ``mixed_precision`` and on the first
+    group's chain. The mixed search places no tensor-parallel groups, pins no replica count and
+    ignores ``uniform_replicas`` (``partita.planning.hetero`` says when that leaves it out); the
+    contexts are made without those pins. ``runtime_layouts_only``: ``MixedRun``'s."""
+    if not isinstance(cluster, Cluster) or not cluster.is_mixed:
+        raise InputError("mixed_run plans a cluster of several device groups: Cluster(groups=[...])")
+    graph = (
+        model
+        if isinstance(model, OpGraph)
+        else capture(model, args, kwargs, loss_fn=loss_fn, target=target, batch_dims=batch_dims)
+    )
+    given = options.replace(precision=mixed_precision(options.precision, cluster))
+    per_group = given.replace(tensor_parallel=None, replicas=None, uniform_replicas=None)
+    contexts = [
+        planning_context(
+            graph,
+            args,
+            kwargs,
+            cluster=group,
+            global_batch_size=global_batch_size,
+            loss_fn=loss_fn,
+            target=target,
+            options=per_group,
+            batch_dims=batch_dims,
+        )
+        for group in cluster.group_clusters
+    ]
+    chain = contexts[0].chain
+    contexts = [contexts[0], *(dataclasses.replace(ctx, chain=chain) for ctx in contexts[1:])]
+    resolved = {
+        **contexts[0].resolved,
+        "memory_limit_bytes": max(ctx.options.memory_limit_bytes for ctx in contexts),
+        "group_memory_limit_bytes": [ctx.options.memory_limit_bytes for ctx in contexts],
+        "tensor_parallel": None,
+    }
+    return MixedRun(graph, cluster, tuple(contexts), given, global_batch_size, resolved, runtime_layouts_only)

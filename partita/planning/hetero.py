@@ -1,0 +1,261 @@
+"""Planning over a mixed cluster (several device types): partita's plan and the two baselines.
+
+``partita.plan`` hands a cluster of several device groups here (``partita.planning.api``). Three
+kinds of plan compete, and the fastest simulated step wins (ties: the order below):
+
+- **mixed** (``best_mixed``): stages placed on device groups with per-stage replica counts and
+  unequal sample shares (``partita.planning.hetero_search``), built and checked per device type
+  (``hetero_build``) and simulated with every replica at its own type's speed
+  (``hetero_simulate``);
+- **fastest type only**: the one-type planner's best plan on the fastest group's devices alone
+  (every schedule, tensor-parallel degree and sharding level it searches); a plan for that
+  group's cluster, the other groups idle;
+- **slowest type everywhere**: the one-type planner's best plan over all devices, each taken as
+  the slowest group's device with the smallest memory and slowest links of all
+  (``device_groups.slowest_cluster``), then simulated on the real cluster.
+
+The last two are also the baselines that ``plan_with_baselines`` prints beside partita's plan.
+"Fastest" and "slowest" are by the cost model: a type's seconds for a micro-batch of the whole
+model (``MixedRun.seconds_per_sample``). The one-type planner is passed in (``plan_one_type``:
+``partita.planning.api.plan``), which keeps the import graph one-way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from partita.errors import InfeasiblePlanError, InputError
+from partita.planning.context import plan_key, with_result
+from partita.planning.device_groups import MixedRun, mixed_run, slowest_cluster
+from partita.planning.hetero_build import fitting_mixed_draft
+from partita.planning.hetero_search import SMALL_DEVICES, MixedCandidate, search_mixed
+from partita.planning.hetero_simulate import simulate_mixed
+from partita.planning.options import PlanOptions
+from partita.types import OpGraph, Plan, Recompute, SimResult
+from partita.types.cluster import Cluster
+
+__all__ = ["FASTEST_ONLY", "SLOWEST_EVERYWHERE", "MixedOutcome", "best_mixed", "plan_mixed"]
+
+# How many of the mixed search's best-estimated candidates are simulated (on clusters of at most
+# SMALL_DEVICES devices: all of them), best estimates first, until a candidate's estimate exceeds
+# the best simulated step by ESTIMATE_MARGIN: the estimate leaves out the gradient collectives and
+# the optimizer step, which the simulation adds, so a candidate estimated above a simulated step
+# rarely simulates below it (the oracle test, tests/unit/test_hetero_search.py, checks the result).
+NUM_SIMULATED = 32
+ESTIMATE_MARGIN = 1.3
+# The best simulated plans of this many configs are refined by moving boundaries, at most
+# REFINE_STEPS moves each.
+NUM_REFINED = 4
+REFINE_STEPS = 64
+
+FASTEST_ONLY = "fastest type only"
+SLOWEST_EVERYWHERE = "slowest type everywhere"
+
+
+@dataclass(frozen=True)
+class MixedOutcome:
+    """The plan, the two baselines' plans (None: nothing fits) and why not, and the run."""
+
+    plan: Plan
+    baselines: dict[str, Plan | None]
+    run: MixedRun
+    baseline_reasons: dict[str, str] = field(default_factory=dict)
+
+    def simulate(self, plan: Plan, *, keep_timeline: bool = True) -> SimResult | None:
+        """Simulate one of the outcome's plans on its own cluster (mixed: ``simulate_mixed``); None
+        for a plan with tensor parallelism (a baseline's: the run holds degree-1 costs and the mixed
+        simulator splits no matmuls; its predicted step is its one-type search's)."""
+        if plan.tensor_parallel > 1:
+            return None
+        if plan.cluster.is_mixed:
+            return simulate_mixed(plan, self.run.costs_at, keep_timeline=keep_timeline)
+        from partita.planning.simulate import simulate  # one-type plans: the plain simulator
+
+        group = next(g for g, c in enumerate(self.run.cluster.group_clusters) if c == plan.cluster)
+        return simulate(plan, self.run.contexts[group].costs_at, keep_timeline=keep_timeline)
+
+
+def plan_mixed(
+    model: torch.nn.Module | OpGraph,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    cluster: Cluster,
+    global_batch_size: int,
+    plan_one_type: Callable[..., Plan],
+    loss_fn: Callable | None = None,
+    target: Any = None,
+    options: PlanOptions = PlanOptions(),
+    batch_dims: Any = None,
+    runtime_layouts_only: bool = True,
+) -> MixedOutcome:
+    """The best plan over ``cluster``'s device groups and both baselines (module docstring);
+    InfeasiblePlanError naming each device type when none of the three fits.
+    ``runtime_layouts_only=False`` also searches plans the runtime does not run yet (unequal shares,
+    stages over both groups: ``MixedRun.runtime_layouts_only``), for planning studies."""
+    run = mixed_run(
+        model,
+        args,
+        kwargs,
+        cluster=cluster,
+        global_batch_size=global_batch_size,
+        loss_fn=loss_fn,
+        target=target,
+        options=options,
+        batch_dims=batch_dims,
+        runtime_layouts_only=runtime_layouts_only,
+    )
+    call = dict(args=args, kwargs=kwargs, loss_fn=loss_fn, target=target, batch_dims=batch_dims)
+    baselines, reasons = {}, {}
+    speeds = _seconds_per_microbatch(run)
+    fastest, slowest = min(speeds, key=lambda g: (speeds[g], g)), max(speeds, key=lambda g: (speeds[g], -g))
+    names = [c.device.name for c in cluster.group_clusters]
+    fastest_name, slowest_name = f"{FASTEST_ONLY} ({names[fastest]})", f"{SLOWEST_EVERYWHERE} ({names[slowest]})"
+    baselines[fastest_name], reasons[fastest_name] = _one_type(
+        run, plan_one_type, cluster.group_clusters[fastest], call, recast=fastest == 0
+    )
+    everywhere = slowest_cluster(cluster, cluster.group_clusters[slowest].device)
+    baselines[slowest_name], reasons[slowest_name] = _one_type(run, plan_one_type, everywhere, call, recast=True)
+    mixed, why_not = best_mixed(run)
+    found = [p for p in (mixed, baselines[fastest_name], baselines[slowest_name]) if p is not None]
+    if not found:
+        raise _infeasible(run, names, why_not, reasons)
+    best = min(found, key=plan_key)
+    named = {name: None if p is None else dataclasses.replace(p, method=_method(name)) for name, p in baselines.items()}
+    return MixedOutcome(best, named, run, {k: v for k, v in reasons.items() if v})
+
+
+def best_mixed(run: MixedRun) -> tuple[Plan | None, str]:
+    """The best simulated plan of the mixed search (None when it finds none, and why)."""
+    options, small = run.contexts[0].options, run.cluster.num_devices <= SMALL_DEVICES
+    user = run.options
+    if user.recompute is Recompute.SELECTIVE:
+        return None, (
+            "placing stages on device types was not searched: recompute=selective pins a level it does not "
+            "offer (its stages recompute fully or not at all)"
+        )
+    if user.tensor_parallel not in (None, 1) or user.replicas is not None or user.uniform_replicas:
+        pinned = [
+            f"{name}={value}"
+            for name, value in (
+                ("tensor_parallel", user.tensor_parallel),
+                ("replicas", user.replicas),
+                ("uniform_replicas", user.uniform_replicas),
+            )
+            if value not in (None, False, 1) or (name == "replicas" and value is not None)
+        ]
+        return None, (
+            f"placing stages on device types was not searched: {', '.join(pinned)} pins what it cannot honour "
+            "(it runs no tensor parallelism, and its stages have their own replica counts and sample shares)"
+        )
+    plans: list[Plan] = []
+    candidate_of = {}
+    best_s = float("inf")
+    for candidate in search_mixed(run, options):
+        if candidate.estimate_s > best_s * ESTIMATE_MARGIN:
+            break  # sorted by estimate: no later candidate is likely to beat the best simulated step
+        found = _simulated(run, candidate)
+        if found is None:
+            continue
+        plans.append(found)
+        best_s = min(best_s, found.predicted_step_s)
+        candidate_of[id(found)] = candidate
+        if not small and len(plans) >= NUM_SIMULATED:
+            break
+    if not plans:
+        return None, "no placement of stages on the device types fits every device's memory"
+    return min((_refined(run, candidate_of[id(p)], p) for p in _best_per_config(plans, candidate_of)), key=plan_key), ""
+
+
+def _best_per_config(plans: list[Plan], candidate_of: dict) -> list[Plan]:
+    """The best simulated plan of each of the NUM_REFINED best configs."""
+    best: dict = {}
+    for p in sorted(plans, key=plan_key):
+        best.setdefault(candidate_of[id(p)].config, p)
+    return list(best.values())[:NUM_REFINED]
+
+
+def _refined(run: MixedRun, candidate: MixedCandidate, plan: Plan) -> Plan:
+    """Hill-climb the stage boundaries of ``candidate`` block by block, each move simulated, while the
+    step improves: the estimate that proposed the split leaves out the collectives and the optimizer
+    step (``partita.planning.refine`` does the same for one-type plans)."""
+    cuttable, k = run.cuttable, run.num_blocks
+    kinds = candidate.config.kinds
+    best, boundaries = plan, list(candidate.boundaries)
+    for _ in range(REFINE_STEPS):
+        improved = None
+        for p in range(1, len(boundaries) - 1):
+            for step in (-1, 1):
+                moved = list(boundaries)
+                moved[p] += step
+                if not boundaries[p - 1] < moved[p] < boundaries[p + 1] or not 0 < moved[p] < k:
+                    continue
+                if kinds[p - 1].shares != kinds[p].shares and not cuttable[moved[p]]:
+                    continue
+                tried = _simulated(run, dataclasses.replace(candidate, boundaries=tuple(moved)))
+                if tried is not None and plan_key(tried) < plan_key(improved or best):
+                    improved, chosen = tried, moved
+        if improved is None:
+            break
+        best, boundaries = improved, chosen
+    return best
+
+
+def _simulated(run: MixedRun, candidate: MixedCandidate) -> Plan | None:
+    draft = fitting_mixed_draft(run, candidate)
+    return None if draft is None else with_result(draft, simulate_mixed(draft, run.costs_at, keep_timeline=False))
+
+
+def _one_type(run: MixedRun, plan_one_type, cluster: Cluster, call: dict, *, recast: bool) -> tuple[Plan | None, str]:
+    """The one-type planner's best plan on ``cluster`` (None and the reason when nothing fits);
+    ``recast``: as a plan on the mixed cluster (its ranks are the mixed cluster's first ones),
+    simulated there at each rank's own type; a plan with tensor parallelism keeps its one-type
+    prediction (the mixed simulator splits no matmuls): exact for the fastest group when it holds
+    the first ranks, and for the slowest type everywhere the step with every device that slow."""
+    try:
+        found = plan_one_type(
+            run.graph,
+            call["args"],
+            call["kwargs"],
+            cluster=cluster,
+            global_batch_size=run.global_batch_size,
+            loss_fn=call["loss_fn"],
+            target=call["target"],
+            options=run.options,
+            batch_dims=call["batch_dims"],
+        )
+    except (InfeasiblePlanError, InputError) as e:  # the baseline has no plan; the others may
+        return None, str(e)
+    if not recast:
+        return found, ""
+    on_mixed = dataclasses.replace(found, cluster=run.cluster)
+    if found.tensor_parallel > 1:  # the mixed simulator splits no matmuls: the one-type search's prediction
+        return on_mixed, ""
+    return with_result(on_mixed, simulate_mixed(on_mixed, run.costs_at, keep_timeline=False)), ""
+
+
+def _seconds_per_microbatch(run: MixedRun) -> dict[int, float]:
+    """Each group's seconds for a micro-batch of the whole model (the cost model's speed ranking)."""
+    reference = max(1, run.global_batch_size // max(1, run.cluster.num_devices))
+    found = {}
+    for g in range(run.num_groups):
+        fixed, per_sample = run.seconds_per_sample(g, max(2, reference))
+        found[g] = fixed + per_sample * reference
+    return found
+
+
+def _method(name: str) -> str:
+    return "fastest_only" if name.startswith(FASTEST_ONLY) else "slowest_everywhere"
+
+
+def _infeasible(run: MixedRun, names: list[str], why_not: str, reasons: dict[str, str]) -> InfeasiblePlanError:
+    groups = ", ".join(f"{c.num_devices} x {c.device.name}" for c in run.cluster.group_clusters)
+    parts = [f"{name}: {why}" for name, why in reasons.items()]
+    return InfeasiblePlanError(
+        f"no plan fits the mixed cluster ({groups}, device types {', '.join(names)}): {why_not}; " + "; ".join(parts)
+    )

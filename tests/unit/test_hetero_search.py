@@ -1,0 +1,142 @@
+"""Planning over a mixed cluster (two device types): the mixed search against brute force on small
+instances (tests/unit/mixed_instances.py, oracle.brute_force_mixed), and partita.plan end to end."""
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed
+from mixed_instances import mixed_instance, mixed_oracle
+from test_hetero_cluster import _mixed_plan
+
+import partita
+from partita.cli.main import main
+from partita.errors import InputError
+from partita.planning.api import plan_with_baselines
+from partita.planning.hetero import FASTEST_ONLY, SLOWEST_EVERYWHERE, best_mixed
+from partita.runtime.layout import check_even_shares, check_layout
+from partita.types.cluster import Cluster, DeviceGroup
+from partita.types.plan_file import plan_from_json
+
+# Instances whose brute force takes under a second here (2-8 devices, 2-5 nodes, batches 2-8).
+QUICK_SEEDS = (0, 3, 5, 6, 7, 8, 9, 13, 16)
+
+
+def _check_against_oracle(seeds, runtime_layouts_only: bool = False) -> list[float]:
+    ratios = []
+    for seed in seeds:
+        run = mixed_instance(seed, runtime_layouts_only=runtime_layouts_only)
+        found, _ = best_mixed(run)
+        best = mixed_oracle(run)
+        assert (found is None) == (best is None), seed
+        if best is None:
+            continue
+        ratios.append(found.predicted_step_s / best.predicted_step_s)
+        limits = [ctx.options.memory_limit_bytes for ctx in run.contexts]
+        for stage in found.stages:
+            assert all(used <= limit for used, limit in zip(stage.memory_bytes_by_group, limits)), seed
+    return ratios
+
+
+def test_mixed_search_matches_brute_force_on_quick_instances():
+    ratios = np.array(_check_against_oracle(QUICK_SEEDS))
+    assert len(ratios) == len(QUICK_SEEDS)
+    assert ratios.min() >= 1 - 1e-9 and ratios.max() <= 1 + 1e-9, ratios
+
+
+def test_runtime_layouts_match_brute_force_and_the_runtime_runs_them():
+    """The search the planner runs by default: only layouts partita's runtime runs (equal shares,
+    consecutive ranks), against brute force over those; check_layout accepts every plan."""
+    ratios = np.array(_check_against_oracle(QUICK_SEEDS, runtime_layouts_only=True))
+    assert len(ratios) == len(QUICK_SEEDS)
+    assert ratios.min() >= 1 - 1e-9 and ratios.max() <= 1 + 1e-9, ratios
+    for seed in QUICK_SEEDS:
+        found = best_mixed(mixed_instance(seed, runtime_layouts_only=True))[0]
+        assert all(s.replica_samples is None for s in found.stages), seed
+        check_layout(found)
+        check_even_shares(found)
+
+
+@pytest.mark.slow  # the brute-force oracle over every kind tuple, share and split: minutes
+def test_mixed_search_matches_brute_force():
+    """Two types (the slow one 1.5-4x slower per node, its own memory), 2-12 devices: the search's
+    plan is the optimum over every schedule, depth, micro-batch count, placement, share and split."""
+    ratios = np.array(_check_against_oracle(range(30)))
+    assert len(ratios) >= 25
+    assert ratios.min() >= 1 - 1e-9
+    assert ratios.max() <= 1.01, (np.argmax(ratios), ratios.max())
+
+
+def test_mixed_instances_use_unequal_shares_and_both_types():
+    """The oracle instances exercise what the mixed search adds: some optimum splits a stage's
+    micro-batch unequally, and some optimum runs on both device types."""
+    plans = [best_mixed(mixed_instance(seed))[0] for seed in QUICK_SEEDS]
+    assert any(s.replica_samples is not None for p in plans if p for s in p.stages)
+    assert any(len({p.cluster.group_of_rank(r) for s in p.stages for r in s.ranks}) == 2 for p in plans if p)
+
+
+def test_plan_on_a_mixed_cluster_with_its_baselines(mlp_graph):
+    cluster = Cluster(groups=[DeviceGroup("h100", 2, 8), DeviceGroup("v100-32gb", 2, 8)])
+    result = plan_with_baselines(mlp_graph, cluster=cluster, global_batch_size=16)
+    names = list(result.baselines)
+    assert names == [f"{FASTEST_ONLY} (h100)", f"{SLOWEST_EVERYWHERE} (v100-32gb)"]
+    assert all(p is not None for p in result.baselines.values())
+    assert result.plan.predicted_step_s <= min(p.predicted_step_s for p in result.baselines.values())
+    fastest = result.baselines[names[0]]
+    # the h100 group holds the cluster's first ranks: the baseline is recast onto the mixed cluster
+    assert {fastest.cluster.group_of_rank(r) for s in fastest.stages for r in s.ranks} == {0}
+    assert result.baselines[names[1]].cluster == cluster  # simulated on the real cluster
+    p = partita.plan(mlp_graph, cluster=cluster, global_batch_size=16)
+    assert p.to_json() == result.plan.to_json()
+    again = plan_from_json(p.to_json())
+    assert again == p and again.to_json() == p.to_json()
+
+
+def test_unequal_shares_follow_the_speeds():
+    """Replicas of one stage on both types: the faster type's replicas take more samples."""
+    for seed in QUICK_SEEDS:
+        p = best_mixed(mixed_instance(seed))[0]
+        for stage in p.stages if p else ():
+            if stage.replica_samples is None:
+                continue
+            groups = [p.cluster.group_of_rank(stage.replica_ranks(j)[0]) for j in range(stage.num_replicas)]
+            fast = [n for n, g in zip(stage.replica_samples, groups) if g == 0]
+            slow = [n for n, g in zip(stage.replica_samples, groups) if g == 1]
+            if fast and slow:
+                assert min(fast) >= max(slow), (seed, stage.replica_samples)
+
+
+def test_the_trainer_refuses_unequal_shares_before_any_work(mlp):
+    """A plan whose replicas take unequal shares (planned with runtime_layouts_only=False, or edited)
+    is refused by name before any process group starts or the model is captured."""
+    plan = _mixed_plan()  # stage 0: shares (3, 3, 2)
+    with pytest.raises(InputError, match=r"unequal shares \[3, 3, 2\] .* does not run yet"):
+        partita.Trainer(mlp[0].model, plan, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    assert not torch.distributed.is_initialized()
+
+
+def test_cli_prints_both_baselines_and_the_idle_types(capsys, tmp_path):
+    png = tmp_path / "p.png"
+    flags = [
+        "--global-batch",
+        "16",
+        "--tensor-parallel",
+        "1",
+        "--png",
+        str(png),
+    ]  # the mixed simulator splits no matmuls
+    assert main(["plan", "mlp", "--devices", "2xh100,2xv100-32gb", *flags]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # simulated with each rank at its type's speed
+    text = capsys.readouterr().out
+    assert "fastest type only (h100)" in text and "slowest type everywhere (v100-32gb)" in text
+    # a tiny MLP runs fastest on the two H100s: the note names the idle devices by type
+    assert "note: the plan uses 2 of 4 devices" in text
+    assert "idle devices: 2 x v100-32gb" in text
+
+
+def test_a_group_smaller_than_a_node_beside_a_full_node(mlp_graph):
+    """4 H100s beside 8 V100s (12 devices, nodes of 8): the slowest-everywhere baseline plans 12
+    V100s in nodes of 4 (nodes must divide the total), and the plan is one of the three."""
+    cluster = Cluster(groups=[DeviceGroup("h100", 4, 8), DeviceGroup("v100-32gb", 8, 8)])
+    result = plan_with_baselines(mlp_graph, cluster=cluster, global_batch_size=8)
+    assert all(p is not None for p in result.baselines.values()), result.baseline_reasons
+    assert result.plan.predicted_step_s <= min(p.predicted_step_s for p in result.baselines.values())
