@@ -7,13 +7,12 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import sys
 import warnings
 from collections.abc import Sequence
 
 from partita.cli.devices import check_groups_flags, groups_cluster
-from partita.cli.parser import DEFAULT_TRAIN_GLOBAL_BATCH, build_parser
+from partita.cli.parser import DEFAULT_TRAIN_GLOBAL_BATCH, build_parser, joined_negative_numbers, parse_bytes
 from partita.errors import PartitaError
 from partita.planning.options import PlanOptions
 from partita.types import Schedule
@@ -92,7 +91,7 @@ def _cluster(args: argparse.Namespace, *, num_devices: int, device_type: str = "
     """``num_devices`` CPU ranks on ``num_nodes`` machines like this one (measured here), or catalog devices."""
     from partita.cli.multinode import local_nodes_cluster
 
-    memory = _parse_bytes(args.memory)
+    memory = parse_bytes(args.memory)
     if device_type == "cpu":
         return local_nodes_cluster(num_devices, num_nodes=num_nodes, memory_bytes=memory, cache_dir=args.cache_dir)
     return Cluster(
@@ -116,7 +115,7 @@ def _plan(args: argparse.Namespace) -> int:
     graph = _capture(example)
     _check_example_values(graph, example)
     if isinstance(args.devices, tuple):
-        cluster = groups_cluster(args.devices, _parse_bytes)
+        cluster = groups_cluster(args.devices, parse_bytes)
     else:
         cluster = _cluster(args, num_devices=args.devices, device_type=args.device_type, num_nodes=args.nodes)
     result = plan_with_baselines(
@@ -348,7 +347,7 @@ def _check_flags_against_plan(args: argparse.Namespace, plan) -> None:
     """The planner's flags given with --plan must agree with the plan (partita.cli.plan_flags)."""
     from partita.cli.plan_flags import check_plan_flags
 
-    check_plan_flags(args, plan, args.plan, memory_bytes=_parse_bytes(args.memory))
+    check_plan_flags(args, plan, args.plan, memory_bytes=parse_bytes(args.memory))
 
 
 def _check_data_for_plan(args: argparse.Namespace, plan) -> None:
@@ -545,53 +544,10 @@ def _with_parent(path: str | None) -> str | None:
     return path
 
 
-def _parse_bytes(text: str | None) -> int | None:
-    """'80GiB', '512MiB', '40GB', or a plain number of bytes."""
-    from partita.errors import InputError
-
-    if text is None:
-        return None
-    units = {
-        "kib": 2**10,
-        "mib": 2**20,
-        "gib": 2**30,
-        "tib": 2**40,
-        "kb": 10**3,
-        "mb": 10**6,
-        "gb": 10**9,
-        "tb": 10**12,
-        "b": 1,
-        "": 1,
-    }
-    number = text.strip().lower().rstrip("abgikmt")
-    unit = text.strip().lower()[len(number) :]
-    try:
-        value = float(number) * units[unit]
-    except (ValueError, KeyError):
-        raise InputError(f"memory {text!r} is not a size: write e.g. 80GiB, 512MiB or 40GB") from None
-    return int(value)
-
-
-_NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def _joined_negative_numbers(argv: list[str]) -> list[str]:
-    """``--flag -1e-3`` as ``--flag=-1e-3``: argparse takes a negative number in scientific notation
-    for an option and fails with "expected one argument" (plain ``-0.001`` it reads as a value)."""
-    joined: list[str] = []
-    for token in argv:
-        previous = joined[-1] if joined else ""
-        if _NEGATIVE_NUMBER.fullmatch(token) and previous.startswith("--") and "=" not in previous:
-            joined[-1] = f"{previous}={token}"
-        else:
-            joined.append(token)
-    return joined
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     # torch's own pytree code trips its LeafSpec deprecation in every process; nothing a user can act on.
     warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
-    argv = _joined_negative_numbers(list(sys.argv[1:] if argv is None else argv))
+    argv = joined_negative_numbers(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 
 from partita.cli.devices import devices_argument
@@ -335,3 +336,44 @@ def build_parser() -> argparse.ArgumentParser:
         "allocates only its stages (written by the planning process for zoo models)",
     )
     return parser
+
+
+def parse_bytes(text: str | None) -> int | None:
+    """'80GiB', '512MiB', '40GB', or a plain number of bytes."""
+    if text is None:
+        return None
+    units = {
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "b": 1,
+        "": 1,
+    }
+    number = text.strip().lower().rstrip("abgikmt")
+    unit = text.strip().lower()[len(number) :]
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise InputError(f"memory {text!r} is not a size: write e.g. 80GiB, 512MiB or 40GB") from None
+    return int(value)
+
+
+_NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def joined_negative_numbers(argv: list[str]) -> list[str]:
+    """``--flag -1e-3`` as ``--flag=-1e-3``: argparse takes a negative number in scientific notation
+    for an option and fails with "expected one argument" (plain ``-0.001`` it reads as a value)."""
+    joined: list[str] = []
+    for token in argv:
+        previous = joined[-1] if joined else ""
+        if _NEGATIVE_NUMBER.fullmatch(token) and previous.startswith("--") and "=" not in previous:
+            joined[-1] = f"{previous}={token}"
+        else:
+            joined.append(token)
+    return joined

@@ -30,12 +30,12 @@ from typing import Any
 import torch
 
 from partita.errors import InfeasiblePlanError, InputError
-from partita.planning.context import plan_key, with_result
 from partita.planning.device_groups import MixedRun, mixed_run, slowest_cluster
 from partita.planning.hetero_build import fitting_mixed_draft
 from partita.planning.hetero_search import SMALL_DEVICES, MixedCandidate, search_mixed
 from partita.planning.hetero_simulate import simulate_mixed
 from partita.planning.options import PlanOptions
+from partita.planning.plan_builder import plan_key, with_result
 from partita.types import OpGraph, Plan, Recompute, SimResult
 from partita.types.cluster import Cluster
 

@@ -57,9 +57,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from partita.cost.memory import microbatches_in_flight
+from partita.planning.configs import Config, divisors, schedule_accepts
 from partita.planning.device_groups import MixedRun
 from partita.planning.partition import candidate_partitions
-from partita.planning.search import EXHAUSTIVE_BLOCKS, Config, StageCosts, divisors, schedule_accepts
+from partita.planning.search import EXHAUSTIVE_BLOCKS, StageCosts
 from partita.types import Schedule
 
 __all__ = [

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 from partita.cost import comm
 from partita.cost.analytic import optimizer_step_s
-from partita.planning.schedules import stage_rank_groups
-from partita.planning.simulate import simulate_pipeline, stages_pipeline_inputs
+from partita.planning.simulate import stages_pipeline_inputs
+from partita.planning.simulator import simulate_pipeline
 from partita.types import CostTable, Plan, Sharding, SimResult, StagePlan
 from partita.types.cluster import Cluster
+from partita.types.schedule_orders import stage_rank_groups
 
 __all__ = ["GroupShare", "mixed_pipeline_inputs", "simulate_mixed", "stage_groups"]
 

@@ -6,12 +6,13 @@ import numpy as np
 from oracle import brute_force_mixed
 from planning_instances import GiB, chain_instance
 
-from partita.planning.context import PlanningContext, with_result
+from partita.planning.context import PlanningContext
 from partita.planning.device_groups import MixedRun
 from partita.planning.hetero_build import fits_mixed, mixed_draft
 from partita.planning.hetero_search import MixedCandidate
 from partita.planning.hetero_simulate import simulate_mixed
 from partita.planning.options import PlanOptions
+from partita.planning.plan_builder import with_result
 from partita.planning.search import SearchOptions
 from partita.types.cluster import Cluster, DeviceGroup
 

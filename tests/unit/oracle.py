@@ -82,7 +82,7 @@ def brute_force_mixed(run, schedules, recompute_pinned, evaluate) -> Plan | None
     With ``run.runtime_layouts_only``, only the layouts partita's runtime runs (``_runtime_layout``)."""
     from partita.planning.chain import per_sample_cuts
     from partita.planning.hetero_search import MixedConfig
-    from partita.planning.schedules import check_schedule
+    from partita.types.schedule_orders import check_schedule
 
     sizes = [c.num_devices for c in run.cluster.group_clusters]
     batch, num_blocks = run.global_batch_size, run.num_blocks

@@ -7,7 +7,8 @@ import pytest
 
 import partita
 from partita.cli.devices import GroupSpec, devices_argument, groups_cluster
-from partita.cli.main import _parse_bytes, main
+from partita.cli.main import main
+from partita.cli.parser import parse_bytes
 from partita.errors import InputError, PlanFileError
 from partita.types import Plan, Schedule, StagePlan
 from partita.types.cluster import Cluster, DeviceGroup
@@ -173,11 +174,11 @@ def test_devices_argument_and_its_cluster():
     assert devices_argument("8") == 8
     groups = devices_argument("16xh100, 32xa100-40gb,8xmi300x@100GiB")
     assert groups == (GroupSpec(16, "h100", None), GroupSpec(32, "a100-40gb", None), GroupSpec(8, "mi300x", "100GiB"))
-    c = groups_cluster(groups, _parse_bytes)
+    c = groups_cluster(groups, parse_bytes)
     assert c.num_devices == 56 and c.groups[2].memory_bytes == 100 * 2**30
-    assert groups_cluster(devices_argument("4xl4,2xh100"), _parse_bytes).groups[0].devices_per_node == 4
+    assert groups_cluster(devices_argument("4xl4,2xh100"), parse_bytes).groups[0].devices_per_node == 4
     with pytest.raises(InputError, match="12xh100 does not fill nodes of 8"):
-        groups_cluster(devices_argument("12xh100,8xl4"), _parse_bytes)
+        groups_cluster(devices_argument("12xh100,8xl4"), parse_bytes)
     for bad in ("16h100", "0xh100", "x", "16xh100,"):
         with pytest.raises(Exception, match="not a device group"):
             devices_argument(bad)
