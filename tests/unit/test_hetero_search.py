@@ -133,6 +133,7 @@ def test_cli_prints_both_baselines_and_the_idle_types(capsys, tmp_path):
     assert "idle devices: 2 x v100-32gb" in text
 
 
+@pytest.mark.slow  # the whole mixed search space of a small cluster (about 30 s)
 def test_a_group_smaller_than_a_node_beside_a_full_node(mlp_graph):
     """4 H100s beside 8 V100s (12 devices, nodes of 8): the slowest-everywhere baseline plans 12
     V100s in nodes of 4 (nodes must divide the total), and the plan is one of the three."""

@@ -134,6 +134,7 @@ def test_the_bound_never_refuses_a_plan_the_search_finds(name, devices, pins, ml
             assert best_plan(small) is None
 
 
+@pytest.mark.slow  # an infeasible search with its checked fixes (about 8 s)
 def test_when_the_state_cannot_spread_neither_blocks_nor_batch_are_tried(gpt2_graph, monkeypatch):
     """Memory below what the whole model's parameters, gradients and optimizer state need spread
     over every device (sharded): the error offers more devices and more memory only, without

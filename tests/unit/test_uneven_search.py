@@ -108,6 +108,7 @@ def test_pinned_replicas_conflict_with_uneven_replicas(gpt2_context):
     assert pinned.uniform_replicas and pinned.stages[0].num_replicas == 1
 
 
+@pytest.mark.slow  # a full uneven search of GPT-2 (about 9 s)
 def test_by_default_uneven_counts_are_searched(gpt2_context):
     graph, cluster = gpt2_context.graph, gpt2_context.cluster
     options = PlanOptions(schedules="1f1b", num_stages=2)
