@@ -62,6 +62,8 @@ def _recompute_needed(config: Config, nodes: list[int], stage_fits: Callable) ->
         return [config.recompute_mode] * config.num_stages
     chosen: list[Recompute | None] = [None] * config.num_stages
     for level in RECOMPUTE_LEVELS:
+        if all(c is not None for c in chosen):
+            break  # every stage has its least level: the costlier ones change nothing
         for s, ok in enumerate(stage_fits(config, nodes, [level] * config.num_stages)):
             if ok and chosen[s] is None:
                 chosen[s] = level
