@@ -162,7 +162,7 @@ def enumerate_configs(options: SearchOptions, num_blocks: int) -> Iterator[Confi
             for schedule, v in _schedules(options, g):
                 if g * v > num_blocks:
                     continue
-                for m in _microbatch_counts(options, batch // r, g, schedule):
+                for m in microbatch_counts(options, batch // r, g):
                     if not schedule_accepts(schedule, m, g, g * v) or _same_as_gpipe(options, schedule, g, m):
                         continue
                     for mode in _recompute_modes(options, schedule, v):
@@ -185,13 +185,14 @@ def _same_as_gpipe(options: SearchOptions, schedule: Schedule, num_groups: int, 
     return schedule is Schedule.ONE_F_ONE_B and num_groups == 1 and m == 1 and Schedule.GPIPE in options.schedules
 
 
-def _microbatch_counts(options: SearchOptions, samples: int, num_groups: int, schedule: Schedule) -> list[int]:
-    """Divisors of the per-replica batch (the schedule's own rules are checked afterwards)."""
+def microbatch_counts(options: SearchOptions, samples: int, num_groups: int) -> list[int]:
+    """The micro-batch counts searched for ``samples`` per replica over ``num_groups`` rank groups:
+    the pinned count if it divides them, else their divisors, at most ``max_microbatch_choices``
+    of them (the schedule's own rules are checked afterwards)."""
     if options.num_microbatches is not None:
-        counts = [options.num_microbatches] if samples % options.num_microbatches == 0 else []
-    else:
-        counts = divisors(samples)
-    if options.num_microbatches is None and len(counts) > options.max_microbatch_choices:
+        return [options.num_microbatches] if samples % options.num_microbatches == 0 else []
+    counts = list(divisors(samples))
+    if len(counts) > options.max_microbatch_choices:
         # Prefer m around a few times the pipeline depth (small bubble, not too small micro-batches).
         target = 4 * num_groups
         counts = sorted(counts, key=lambda m: (abs(np.log(m / target)), m))[: options.max_microbatch_choices]

@@ -50,14 +50,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from partita.cost.memory import microbatches_in_flight
-from partita.planning.configs import Config, divisors, schedule_accepts
+from partita.planning.configs import Config, divisors, microbatch_counts, schedule_accepts
 from partita.planning.device_groups import MixedRun
 from partita.planning.partition import candidate_partitions
 from partita.planning.search import EXHAUSTIVE_BLOCKS, StageCosts
@@ -348,7 +347,7 @@ def enumerate_mixed_configs(run: MixedRun, options) -> Iterator[MixedConfig]:
         for s in depths:
             if s > num_blocks:
                 continue
-            for m in _microbatch_counts(options, batch, s, one_replica):
+            for m in [1] if one_replica else microbatch_counts(options, batch, s):
                 if not schedule_accepts(schedule, m, s, s) or (schedule is Schedule.ONE_F_ONE_B and s == 1 and m == 1):
                     continue
                 tuples = _every_tuple(run, s, batch // m, one_replica) if small else None
@@ -358,18 +357,6 @@ def enumerate_mixed_configs(run: MixedRun, options) -> Iterator[MixedConfig]:
                     if _uses_devices(run, kinds):
                         for mode in modes:
                             yield MixedConfig(schedule, m, kinds, mode)
-
-
-def _microbatch_counts(options, batch: int, num_stages: int, one_replica: bool) -> list[int]:
-    if one_replica:
-        return [1]
-    if options.num_microbatches is not None:
-        return [options.num_microbatches] if batch % options.num_microbatches == 0 else []
-    counts = divisors(batch)
-    if len(counts) > options.max_microbatch_choices:
-        target = 4 * num_stages
-        counts = sorted(sorted(counts, key=lambda m: (abs(math.log(m / target)), m))[: options.max_microbatch_choices])
-    return list(counts)
 
 
 # ----------------------------------------------------------------------------- splits

@@ -32,14 +32,13 @@ only where one pass's work ``S (K'+1)^2 (N+1) |R|`` stays under ``MAX_SEEDED_WOR
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 from partita.cost.memory import microbatches_in_flight
 from partita.planning.chain import BlockCosts
-from partita.planning.configs import Candidate, Config, SearchOptions, divisors, schedule_accepts
+from partita.planning.configs import Candidate, Config, SearchOptions, divisors, microbatch_counts, schedule_accepts
 from partita.planning.partition import candidate_partitions
 from partita.planning.search import EXHAUSTIVE_BLOCKS, StageCosts, estimate_step
 from partita.types import RECOMPUTE_LEVELS, Recompute, Schedule
@@ -124,20 +123,10 @@ def enumerate_shapes(options: SearchOptions, num_blocks: int) -> Iterator[tuple[
         for s in stage_counts:
             if s > num_blocks:
                 continue
-            for m in _microbatch_counts(options, batch, s):
+            for m in microbatch_counts(options, batch, s):
                 if schedule_accepts(schedule, m, s, s):
                     for mode in modes:
                         yield schedule, s, m, mode
-
-
-def _microbatch_counts(options: SearchOptions, batch: int, num_stages: int) -> list[int]:
-    if options.num_microbatches is not None:
-        return [options.num_microbatches] if batch % options.num_microbatches == 0 else []
-    counts = divisors(batch)
-    if len(counts) > options.max_microbatch_choices:
-        target = 4 * num_stages
-        counts = sorted(sorted(counts, key=lambda m: (abs(math.log(m / target)), m))[: options.max_microbatch_choices])
-    return counts
 
 
 def search_uneven(
