@@ -40,6 +40,26 @@ TWO_RANKS = [
 FOUR_RANKS = [
     dict(label="gpt2-sp-tp2-pp2", model="gpt2", **SEQUENCE, **PIPELINE),
     dict(label="llama-sp-selective-tp2-pp2", model="llama", **SEQUENCE, **PIPELINE, **SELECTIVE),
+    # the schedules the planner also picks with tensor and sequence parallelism (two stages per rank group)
+    dict(
+        label="gpt2-sp-tp2-zbv",
+        model="gpt2",
+        **SEQUENCE,
+        num_stages=4,
+        num_rank_groups=2,
+        num_microbatches=4,
+        schedule="zbv",
+    ),
+    dict(
+        label="llama-sp-selective-tp2-interleaved",
+        model="llama",
+        **SEQUENCE,
+        **SELECTIVE,
+        num_stages=4,
+        num_rank_groups=2,
+        num_microbatches=4,
+        schedule="interleaved1f1b",
+    ),
 ]
 for config in TWO_RANKS + FOUR_RANKS:
     config.setdefault("tensor_parallel", 1)
