@@ -31,6 +31,7 @@ TWO_RANKS = [
     dict(label="llama-selective-dp2", model="llama", replicas=2, num_microbatches=2, **SELECTIVE),
     dict(label="gpt2-selective-pp2", model="gpt2", num_stages=2, num_microbatches=4, schedule="1f1b", **SELECTIVE),
     dict(label="t5-selective-pp2", model="t5", **PIPELINE, **SELECTIVE),
+    dict(label="gpt2-selective-zero3-dp2", model="gpt2", replicas=2, num_microbatches=2, sharding="full_shard", **SELECTIVE),
     dict(label="gpt2-selective-tp2", model="gpt2", tensor_parallel=2, **SELECTIVE),
     dict(label="llama-selective-tp2", model="llama", tensor_parallel=2, **SELECTIVE),
     dict(label="gpt2-sp-tp2", model="gpt2", **SEQUENCE),
