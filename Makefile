@@ -33,11 +33,14 @@ demo: setup
 		--out demo/gpt2-xl-plan.json --png demo/gpt2-xl.png --trace demo/gpt2-xl-trace.json
 	@echo "demo/: plan files, the GPT-2 XL figure, Chrome/Perfetto traces (open them in https://ui.perfetto.dev)"
 
-# Lint and format check first (ruff comes with the test extra), then the suite.
+# Lint and format check first (ruff comes with the test extra), then the suite on two pytest-xdist
+# workers (the machine's 2 cores: while one waits on its ranks, the other runs): each keeps a test
+# file, or the users of one shared launch, together, and takes the groups longest first (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/ruff check partita tests bench
 	$(VENV)/bin/ruff format --check partita tests bench
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
 # The edit loop: the unit and golden tests that start no process (the markers dist and slow left out).
 test-fast: setup

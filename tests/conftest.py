@@ -21,12 +21,71 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DIST = Path(__file__).resolve().parent / "dist"
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
-def pytest_collection_modifyitems(items):
-    """Every test under tests/dist starts processes of its own: marked ``dist``."""
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker, and before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/dist starts processes of its own: marked ``dist``. Every test gets the
+    ``xdist_group`` that ``make test`` (``pytest -n 2 --dist loadgroup``) keeps on one worker: its file
+    (module fixtures are built once), or, for the users of shared launches (tests/dist/conftest.py),
+    one group per set of world sizes that share users (a launch runs on the worker that holds all its
+    jobs' tests, so that no job runs twice)."""
+    launch_groups = _launch_groups(items)
     for item in items:
         if DIST in Path(item.path).parents:
             item.add_marker(pytest.mark.dist)
+        item.add_marker(pytest.mark.xdist_group(launch_groups.get(item.nodeid, item.location[0])))
+    if config.getvalue("loadgroup"):  # the workers hand out groups in this order: the longest first
+        rank = {}
+        for item in items:
+            group = item.get_closest_marker("xdist_group").args[0]
+            rank[group] = min(rank.get(group, 3), _kind_rank(item, group))
+        items.sort(key=lambda item: rank[item.get_closest_marker("xdist_group").args[0]])
+
+
+def _kind_rank(item, group: str) -> int:
+    """Shared launches (the longest), then the other multi-process tests, then the slow ones."""
+    if group.startswith("launches-"):
+        return 0
+    if item.get_closest_marker("dist"):
+        return 1
+    return 2 if item.get_closest_marker("slow") else 3
+
+
+def pytest_collection_finish(session):
+    """Under ``--dist loadgroup`` every test's node id carries its group (pytest-xdist appends it):
+    fail at once where it does not (a pytest that xdist cannot group), rather than run shared
+    launches twice, once on each worker."""
+    if session.config.getvalue("loadgroup") and any("@" not in item.nodeid for item in session.items):
+        raise pytest.UsageError(
+            f"pytest-xdist's --dist loadgroup has no effect under pytest {pytest.__version__}: install the "
+            "test extra's pytest (pyproject.toml) or run with TEST_WORKERS=1 / without -n"
+        )
+
+
+def _launch_groups(items) -> dict[str, str]:
+    """nodeid -> ``launches-2-4``-style group of every test that uses a shared launch's job: world
+    sizes used by one test join (union-find), as a launch runs all the jobs of its size."""
+    sizes_of = {}
+    for item in items:
+        jobs = getattr(item.module, "SHARED_JOBS", {}) if DIST in Path(item.path).parents else {}
+        sizes = {job.world_size for label, job in jobs.items() if label in item.fixturenames}
+        if sizes:
+            sizes_of[item.nodeid] = sizes
+    parent = {size: size for sizes in sizes_of.values() for size in sizes}
+
+    def root(size: int) -> int:
+        while parent[size] != size:
+            size = parent[size]
+        return size
+
+    for sizes in sizes_of.values():
+        first, *rest = sorted(sizes)
+        for size in rest:
+            parent[root(size)] = root(first)
+    members = {}
+    for size in parent:
+        members.setdefault(root(size), []).append(size)
+    names = {r: "launches-" + "-".join(map(str, sorted(m))) for r, m in members.items()}
+    return {nodeid: names[root(min(sizes))] for nodeid, sizes in sizes_of.items()}
 
 
 @pytest.fixture(autouse=True)

@@ -9,18 +9,15 @@ full-batch training (AdamW, clipped, 3 steps: losses and every parameter within 
 
 Each run's checkpoint loads into the plain model (and into trainers of the same plan and of one
 without tensor parallelism), and ``evaluate()`` on a shorter sequence gives the unsplit model's
-loss. One launch per world size, of workers_tensor_parallel.py's ``tp`` job."""
+loss. workers_tensor_parallel.py's ``tp`` job, in the shared launches of 2 and 4 ranks (tests/dist/conftest.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from dist_launch import run_ranks
+from dist_launch import Job
 
 pytest.importorskip("transformers")
 
-WORKERS = Path(__file__).with_name("workers_tensor_parallel.py")
 TOLERANCE = 1e-5
 
 SELECTIVE = dict(recompute="selective")
@@ -70,16 +67,21 @@ for config in TWO_RANKS + FOUR_RANKS:
     config.setdefault("schedule", "gpipe")
 
 
-@pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    out = tmp_path_factory.mktemp("recompute2")
-    return run_ranks("tp", 2, out, timeout_s=1200, workers=WORKERS, configs=TWO_RANKS, checkpoints=str(out))
+# the launches (fixture name -> job): shared with the other jobs of their world size (tests/dist/conftest.py)
+SHARED_JOBS = {
+    "two": Job("workers_tensor_parallel:job_tp", 2, 900, dict(configs=TWO_RANKS), ("checkpoints",)),
+    "four": Job("workers_tensor_parallel:job_tp", 4, 900, dict(configs=FOUR_RANKS), ("checkpoints",)),
+}
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sequence4")
-    return run_ranks("tp", 4, out, timeout_s=1200, workers=WORKERS, configs=FOUR_RANKS, checkpoints=str(out))
+def two(launches):
+    return launches.results_of(__name__, "two")
+
+
+@pytest.fixture(scope="module")
+def four(launches):
+    return launches.results_of(__name__, "four")
 
 
 def _check(results: list, config: dict) -> None:
