@@ -3,17 +3,13 @@ instances (tests/unit/mixed_instances.py, oracle.brute_force_mixed), and partita
 
 import numpy as np
 import pytest
-import torch
-import torch.distributed
 from mixed_instances import mixed_instance, mixed_oracle
-from test_hetero_cluster import _mixed_plan
 
 import partita
 from partita.cli.main import main
-from partita.errors import InputError
 from partita.planning.api import plan_with_baselines
 from partita.planning.hetero import FASTEST_ONLY, SLOWEST_EVERYWHERE, best_mixed
-from partita.runtime.layout import check_even_shares, check_layout
+from partita.runtime.layout import check_layout
 from partita.types.cluster import Cluster, DeviceGroup
 from partita.types.plan_file import plan_from_json
 
@@ -53,7 +49,6 @@ def test_runtime_layouts_match_brute_force_and_the_runtime_runs_them():
         found = best_mixed(mixed_instance(seed, runtime_layouts_only=True))[0]
         assert all(s.replica_samples is None for s in found.stages), seed
         check_layout(found)
-        check_even_shares(found)
 
 
 @pytest.mark.slow  # the brute-force oracle over every kind tuple, share and split: minutes
@@ -103,15 +98,6 @@ def test_unequal_shares_follow_the_speeds():
             slow = [n for n, g in zip(stage.replica_samples, groups) if g == 1]
             if fast and slow:
                 assert min(fast) >= max(slow), (seed, stage.replica_samples)
-
-
-def test_the_trainer_refuses_unequal_shares_before_any_work(mlp):
-    """A plan whose replicas take unequal shares (planned with runtime_layouts_only=False, or edited)
-    is refused by name before any process group starts or the model is captured."""
-    plan = _mixed_plan()  # stage 0: shares (3, 3, 2)
-    with pytest.raises(InputError, match=r"unequal shares \[3, 3, 2\] .* does not run yet"):
-        partita.Trainer(mlp[0].model, plan, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
-    assert not torch.distributed.is_initialized()
 
 
 def test_cli_prints_both_baselines_and_the_idle_types(capsys, tmp_path):
