@@ -9,6 +9,7 @@ import partita
 from partita.cli.main import main
 from partita.planning.api import plan_with_baselines
 from partita.planning.hetero import FASTEST_ONLY, SLOWEST_EVERYWHERE, best_mixed
+from partita.planning.hetero_search import enumerate_mixed_configs
 from partita.runtime.layout import check_layout
 from partita.types.cluster import Cluster, DeviceGroup
 from partita.types.plan_file import plan_from_json
@@ -17,10 +18,12 @@ from partita.types.plan_file import plan_from_json
 QUICK_SEEDS = (0, 3, 5, 6, 7, 8, 9, 13, 16)
 
 
-def _check_against_oracle(seeds, runtime_layouts_only: bool = False) -> list[float]:
+def _check_against_oracle(seeds, every_share: bool = False) -> list[float]:
+    """The search's plan (a few balanced shares per stage, or ``every_share``) against the brute-force
+    optimum over every share and layout, which partita's runtime runs."""
     ratios = []
     for seed in seeds:
-        run = mixed_instance(seed, runtime_layouts_only=runtime_layouts_only)
+        run = mixed_instance(seed, every_share=every_share)
         found, _ = best_mixed(run)
         best = mixed_oracle(run)
         assert (found is None) == (best is None), seed
@@ -30,6 +33,7 @@ def _check_against_oracle(seeds, runtime_layouts_only: bool = False) -> list[flo
         limits = [ctx.options.memory_limit_bytes for ctx in run.contexts]
         for stage in found.stages:
             assert all(used <= limit for used, limit in zip(stage.memory_bytes_by_group, limits)), seed
+        check_layout(found)  # the runtime runs it
     return ratios
 
 
@@ -39,16 +43,25 @@ def test_mixed_search_matches_brute_force_on_quick_instances():
     assert ratios.min() >= 1 - 1e-9 and ratios.max() <= 1 + 1e-9, ratios
 
 
-def test_runtime_layouts_match_brute_force_and_the_runtime_runs_them():
-    """The search the planner runs by default: only layouts partita's runtime runs (equal shares,
-    consecutive ranks), against brute force over those; check_layout accepts every plan."""
-    ratios = np.array(_check_against_oracle(QUICK_SEEDS, runtime_layouts_only=True))
+def test_every_share_matches_brute_force():
+    """``MixedRun.every_share``: the search tries every split of a micro-batch, as the oracle does."""
+    ratios = np.array(_check_against_oracle(QUICK_SEEDS, every_share=True))
     assert len(ratios) == len(QUICK_SEEDS)
     assert ratios.min() >= 1 - 1e-9 and ratios.max() <= 1 + 1e-9, ratios
-    for seed in QUICK_SEEDS:
-        found = best_mixed(mixed_instance(seed, runtime_layouts_only=True))[0]
-        assert all(s.replica_samples is None for s in found.stages), seed
-        check_layout(found)
+
+
+def test_the_search_offers_the_second_group_first():
+    """Type blocks in either order of the groups: a pipeline may start on the second (slow) group,
+    its ranks following the device groups (the runtime runs it: partita.runtime.layout)."""
+    run = mixed_instance(3)
+    first_on_second = [
+        c.kinds
+        for c in enumerate_mixed_configs(run, run.contexts[0].options)
+        if c.kinds[0].groups == (1,) and any(k.groups == (0,) for k in c.kinds[1:])
+    ]
+    assert first_on_second
+    ranks = run.cluster.assign_ranks([k.counts for k in first_on_second[0]])
+    assert min(ranks[0]) > min(ranks[-1])  # the first stage holds later ranks than a later stage
 
 
 @pytest.mark.slow  # the brute-force oracle over every kind tuple, share and split: minutes
