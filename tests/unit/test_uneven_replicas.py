@@ -294,3 +294,27 @@ def test_layout_check_refuses_several_stages_per_group_and_a_batch_that_does_not
         InputError, match=r"micro-batch of 3 samples does not split evenly over the 2 replicas of stage 0"
     ):
         check_layout(dataclasses.replace(plan, global_batch_size=6, microbatch_size=3))
+
+
+def test_the_trainer_refuses_shares_that_do_not_make_the_microbatch_before_any_work(mlp):
+    """A plan file edited to shares that do not sum to the micro-batch: refused by name before any
+    process group starts or the model is captured."""
+    import torch.distributed
+
+    ex, graph = mlp
+    plan = manual_plan(
+        graph,
+        _half(graph),
+        schedule="gpipe",
+        num_rank_groups=2,
+        replicas=(2, 1),
+        num_microbatches=2,
+        global_batch_size=8,
+        replica_samples=[(3, 1), None],
+    )
+    edited = dataclasses.replace(
+        plan, stages=(dataclasses.replace(plan.stages[0], replica_samples=(3, 3)), plan.stages[1])
+    )
+    with pytest.raises(InputError, match=r"stage 0 gives its 2 replicas the shares \[3, 3\] of a micro-batch of 4"):
+        partita.Trainer(ex.model, edited, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    assert not torch.distributed.is_initialized()
