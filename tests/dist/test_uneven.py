@@ -65,7 +65,7 @@ CONFIGS = [
         num_microbatches=2,
         replica_samples=[(3, 1), None],
         groups=[("h100", 1), ("a100-40gb", 2)],
-        models=["gpt2", "bert"],
+        models=["gpt2"],
     ),
     # the last stage's replicas take 1 and 3 samples: each slice's loss is weighted by its samples
     dict(
@@ -84,7 +84,7 @@ CONFIGS = [
         num_microbatches=2,
         replica_samples=[None, (3, 1)],
         sharding=["replicate", "full_shard"],
-        models=["llama", "gated-mse"],
+        models=["llama"],
     ),
     # ranks follow the device groups: stage 0 on the two A100s (ranks 1 and 2), stage 1 on the H100 (rank 0)
     dict(
