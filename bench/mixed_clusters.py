@@ -8,12 +8,8 @@ AdamW, nodes of 8. Models captured on ``meta``: GPT at Megatron-LM's 1.7B, 7.5B 
 Columns, each a simulated step on the same cluster and global batch:
 
   partita      ``partita.plan`` on the mixed cluster: the best of the mixed search (stages placed
-               on device types, in layouts partita's runtime runs: equal shares per stage,
-               consecutive ranks) and the two baselines
-  any layout   the mixed search over every layout (``runtime_layouts_only=False``): unequal
-               sample shares, stages over both types, type blocks in either order of the ranks;
-               planned, not yet run by partita's runtime; partita's plan where that is faster (the
-               mixed search runs no tensor parallelism)
+               on device types, unequal sample shares between replicas of unequal speed, stages
+               over both types, type blocks in either order of the groups) and the two baselines
   fastest      the best plan on the fastest type's devices alone (the other type idle)
   slowest      the best plan over every device taken as the slowest type (its memory and links)
   homog.       per peak FLOP/s, the mixed plan's samples/s against the best plan's on a cluster of
@@ -86,10 +82,6 @@ def run_case(model: str, graph, cluster_name: str, groups, batch: int) -> dict:
     start = time.perf_counter()
     outcome = plan_mixed(graph, cluster=cluster, global_batch_size=batch, plan_one_type=plan_one_type, options=OPTIONS)
     total_s = time.perf_counter() - start
-    run = mixed_run(graph, cluster=cluster, global_batch_size=batch, options=OPTIONS, runtime_layouts_only=False)
-    shares, _ = best_mixed(run)
-    if shares is None or outcome.plan.predicted_step_s <= shares.predicted_step_s:
-        shares = outcome.plan  # the wider search's best, with the baselines that partita.plan weighs too
     (fast_name, fast), (slow_name, slow) = outcome.baselines.items()
     fastest = fast_name[fast_name.index("(") + 1 : -1]  # "fastest type only (h100)"
     precision = outcome.plan.precision.value
@@ -105,7 +97,6 @@ def run_case(model: str, graph, cluster_name: str, groups, batch: int) -> dict:
         batch=batch,
         precision=precision,
         plan=outcome.plan,
-        shares=shares,
         fastest=fast,
         slowest=slow,
         homog=homog,
@@ -175,17 +166,17 @@ def speedup(plan, baselines) -> str:
 
 def table(results: list[dict]) -> list[str]:
     lines = [
-        "| model | cluster | batch | prec. | partita | any layout | fastest only | slowest everywhere "
-        "| partita vs better baseline | any layout vs better baseline | homog. (per peak) | plan s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | cluster | batch | prec. | partita | fastest only | slowest everywhere "
+        "| partita vs better baseline | homog. (per peak) | plan s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         base = (r["fastest"], r["slowest"])
         homog = "-" if r["per_peak"] is None else f"{r['per_peak']:.2f} ({r['homog_label']}: {fmt_step(r['homog'])})"
         lines.append(
             f"| {r['model']} | {r['cluster']} | {r['batch']} | {r['precision']} | {fmt_step(r['plan'])} "
-            f"| {fmt_step(r['shares'])} | {fmt_step(r['fastest'])} | {fmt_step(r['slowest'])} "
-            f"| {speedup(r['plan'], base)} | {speedup(r['shares'], base)} | {homog} | {r['planning_s']:.1f} |"
+            f"| {fmt_step(r['fastest'])} | {fmt_step(r['slowest'])} "
+            f"| {speedup(r['plan'], base)} | {homog} | {r['planning_s']:.1f} |"
         )
     return lines
 
@@ -227,9 +218,7 @@ def write(path: str, results: list[dict], scale: dict | None) -> None:
         "",
     ]
     for r in results:
-        lines.append(
-            f"- {r['model']}, {r['cluster']}: partita `{layout(r['plan'])}`; any layout `{layout(r['shares'])}`"
-        )
+        lines.append(f"- {r['model']}, {r['cluster']}: partita `{layout(r['plan'])}`")
     if scale is not None:
         groups = " + ".join(f"{n} {d}" for d, n in scale["groups"])
         lines += [

@@ -40,10 +40,9 @@ class MixedRun:
     """What the mixed search shares: the graph, the mixed ``cluster``, per device group a degree-1
     planning context (``contexts[g]``: its one-type cluster, memory limit and costs) on the common
     ``chain``, the options as given (precision resolved) and the plan-file options record.
-    ``runtime_layouts_only``: the search offers only plans partita's runtime runs (every replica of a
-    stage runs an equal share; each stage's ranks follow the earlier stages' ranks, consecutive);
-    False searches unequal shares and stages over both groups too (planning only: the runtime
-    refuses such plans, ``partita.runtime.layout``)."""
+    ``every_share``: the search tries every split of a micro-batch over a stage's replicas, not only
+    the best balanced ones and the even one (``partita.planning.hetero_search``; for studies and
+    the brute-force tests: much slower on small clusters with large micro-batches)."""
 
     graph: OpGraph
     cluster: Cluster
@@ -51,7 +50,7 @@ class MixedRun:
     options: PlanOptions
     global_batch_size: int
     resolved: dict
-    runtime_layouts_only: bool = True
+    every_share: bool = False
 
     @property
     def num_groups(self) -> int:
@@ -150,13 +149,13 @@ def mixed_run(
     target: Any = None,
     options: PlanOptions = PlanOptions(),
     batch_dims: Any = None,
-    runtime_layouts_only: bool = True,
+    every_share: bool = False,
 ) -> MixedRun:
     """Capture once (unless ``model`` is an OpGraph), then a degree-1 planning context per device
     group of ``cluster`` on its one-type cluster, all in ``mixed_precision`` and on the first
     group's chain. The mixed search places no tensor-parallel groups, pins no replica count and
     ignores ``uniform_replicas`` (``partita.planning.hetero`` says when that leaves it out); the
-    contexts are made without those pins. ``runtime_layouts_only``: ``MixedRun``'s."""
+    contexts are made without those pins. ``every_share``: ``MixedRun``'s."""
     if not isinstance(cluster, Cluster) or not cluster.is_mixed:
         raise InputError("mixed_run plans a cluster of several device groups: Cluster(groups=[...])")
     graph = (
@@ -188,4 +187,4 @@ def mixed_run(
         "group_memory_limit_bytes": [ctx.options.memory_limit_bytes for ctx in contexts],
         "tensor_parallel": None,
     }
-    return MixedRun(graph, cluster, tuple(contexts), given, global_batch_size, resolved, runtime_layouts_only)
+    return MixedRun(graph, cluster, tuple(contexts), given, global_batch_size, resolved, every_share)

@@ -92,12 +92,12 @@ def plan_mixed(
     target: Any = None,
     options: PlanOptions = PlanOptions(),
     batch_dims: Any = None,
-    runtime_layouts_only: bool = True,
+    every_share: bool = False,
 ) -> MixedOutcome:
     """The best plan over ``cluster``'s device groups and both baselines (module docstring);
     InfeasiblePlanError naming each device type when none of the three fits.
-    ``runtime_layouts_only=False`` also searches plans the runtime does not run yet (unequal shares,
-    stages over both groups: ``MixedRun.runtime_layouts_only``), for planning studies."""
+    ``every_share=True`` tries every split of a micro-batch over a stage's replicas
+    (``MixedRun.every_share``), for planning studies."""
     run = mixed_run(
         model,
         args,
@@ -108,7 +108,7 @@ def plan_mixed(
         target=target,
         options=options,
         batch_dims=batch_dims,
-        runtime_layouts_only=runtime_layouts_only,
+        every_share=every_share,
     )
     call = dict(args=args, kwargs=kwargs, loss_fn=loss_fn, target=target, batch_dims=batch_dims)
     baselines, reasons = {}, {}

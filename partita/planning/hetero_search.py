@@ -24,15 +24,21 @@ after stage. The job numbers the devices it starts densely, so a plan uses the c
 devices: every device of each group before the last group it uses, whose trailing devices (and
 every later group) may stay idle.
 
-Partita's runtime splits each micro-batch evenly over a stage's replicas and places each stage on
-consecutive ranks after the earlier stages' (``partita.runtime.layout``): unless the run says
-otherwise (``MixedRun.runtime_layouts_only``), only such kinds and tuples are searched
-(``runtime_runs``): type blocks whose groups follow the ranks' order, and stages on both groups at
-equal shares where their ranks stay consecutive.
+Partita's runtime runs every layout searched here (``partita.runtime.layout``): unequal sample
+shares (each slice's loss weighted by its samples, ``partita.runtime.loss_scaling``), and stages
+whose ranks follow the device groups in any order of the stages (the second group's stages first).
+
+Sample shares (``balanced_shares``): per vector of replica counts, the few splits of the
+micro-batch whose slowest replica is fastest by the groups' time per sample (``SHARES_KEPT``,
+``SMALL_SHARES_KEPT``), and the even split (for memory: the fast type's larger share may not fit).
+``MixedRun.every_share`` tries every split instead (the brute-force oracle's space): on small
+clusters with large micro-batches that is several times the work (2 H100 + 4 V100 at batch 32:
+67 s against 15 s here), for the same plans on the oracle's instances
+(tests/unit/test_hetero_search.py).
 
 Configs: on small clusters and chains (``SMALL_DEVICES``, ``EXHAUSTIVE_BLOCKS``) every tuple of kinds
-with every sample share (up to ``MAX_KIND_TUPLES`` per shape); otherwise two families whose
-shapes scale to thousands of devices:
+(up to ``MAX_KIND_TUPLES`` per shape); otherwise two families whose shapes scale to thousands of
+devices:
 
 - mixed data parallelism: every stage the same kind, each group's devices spread evenly over
   the stages, the shares balanced on the whole chain's time per sample (``balanced_shares``);
@@ -70,7 +76,6 @@ __all__ = [
     "balanced_shares",
     "enumerate_mixed_configs",
     "estimate_mixed_step",
-    "runtime_runs",
     "search_mixed",
 ]
 
@@ -80,8 +85,11 @@ MAX_STAGES = 8
 # tuple of kinds, with every share, up to MAX_KIND_TUPLES per (schedule, stages, micro-batches).
 SMALL_DEVICES = 16
 MAX_KIND_TUPLES = 4096
-# Sample shares tried per count vector on larger clusters (the best balanced first).
+# Sample shares tried per count vector (the best balanced first), besides the even split: in the
+# families of larger clusters, and in every tuple of kinds on small ones (where more shares multiply
+# the tuples; on the oracle instances of tests/unit/test_hetero_search.py one finds every optimum).
 SHARES_KEPT = 2
+SMALL_SHARES_KEPT = 1
 
 
 @dataclass(frozen=True)
@@ -197,7 +205,8 @@ class KindCosts:
 def balanced_shares(run: MixedRun, counts: Sequence[int], microbatch: int, limit: int | None) -> list[tuple[int, ...]]:
     """Sample vectors (per group, 0 where ``counts`` is 0) that split ``microbatch`` samples over the
     replicas, at least one each: all of them with ``limit`` None, else the ``limit`` whose slowest
-    replica is fastest by the groups' time per sample (``MixedRun.seconds_per_sample``), best first."""
+    replica is fastest by the groups' time per sample (``MixedRun.seconds_per_sample``), best first,
+    and then the even split (every replica as many samples) where there is one."""
     groups = [g for g, c in enumerate(counts) if c]
     reference = max(2, microbatch // max(1, sum(counts)))
     lines = {g: run.seconds_per_sample(g, reference) for g in groups} if limit is not None else {}
@@ -219,10 +228,12 @@ def balanced_shares(run: MixedRun, counts: Sequence[int], microbatch: int, limit
 
     if groups:
         extend(0, microbatch, [])
-    if run.runtime_layouts_only:  # the runtime splits a micro-batch evenly over a stage's replicas
-        found = [item for item in found if len({n for n in item[1] if n}) == 1]
     found.sort(key=lambda item: (item[0], item[1]))
-    return [samples for _, samples in (found if limit is None else found[:limit])]
+    if limit is None:
+        return [samples for _, samples in found]
+    kept = [samples for _, samples in found[:limit]]
+    even = [samples for _, samples in found[limit:] if len({n for n in samples if n}) == 1]
+    return kept + even
 
 
 def _all_kinds(run: MixedRun, microbatch: int, one_replica: bool) -> list[StageKind]:
@@ -233,32 +244,18 @@ def _all_kinds(run: MixedRun, microbatch: int, one_replica: bool) -> list[StageK
         total = sum(counts)
         if total == 0 or total > microbatch or (one_replica and total > 1):
             continue
-        kinds.extend(StageKind(counts, s) for s in balanced_shares(run, counts, microbatch, None))
+        limit = None if run.every_share else SMALL_SHARES_KEPT
+        kinds.extend(StageKind(counts, s) for s in balanced_shares(run, counts, microbatch, limit))
     return kinds
 
 
 def _uses_devices(run: MixedRun, kinds: Sequence[StageKind]) -> bool:
     """Whether the devices used are the cluster's first ones (module docstring): no group holds more
-    than it has, and every group before the last one used is used whole; with
-    ``run.runtime_layouts_only``, also whether the runtime runs the layout (``runtime_runs``)."""
+    than it has, and every group before the last one used is used whole."""
     sizes = [c.num_devices for c in run.cluster.group_clusters]
     used = [sum(k.counts[g] for k in kinds) for g in range(len(sizes))]
     last = max((g for g, u in enumerate(used) if u), default=0)
-    dense = all(u <= n for u, n in zip(used, sizes)) and all(used[g] == sizes[g] for g in range(last))
-    return dense and (not run.runtime_layouts_only or runtime_runs(run, kinds))
-
-
-def runtime_runs(run: MixedRun, kinds: Sequence[StageKind]) -> bool:
-    """Whether partita's runtime runs stages of these kinds (``partita.runtime.layout``): each stage's
-    replicas take equal shares and hold consecutive ranks, stage after stage from rank 0."""
-    if any(len(set(k.shares)) > 1 for k in kinds):
-        return False
-    first = 0
-    for ranks in run.cluster.assign_ranks([k.counts for k in kinds]):
-        if ranks != tuple(range(first, first + len(ranks))):
-            return False
-        first += len(ranks)
-    return True
+    return all(u <= n for u, n in zip(used, sizes)) and all(used[g] == sizes[g] for g in range(last))
 
 
 def _every_tuple(

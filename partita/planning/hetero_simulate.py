@@ -43,8 +43,9 @@ class GroupShare:
 
 
 def stage_groups(stage: StagePlan, cluster: Cluster, microbatch_samples: int) -> list[GroupShare]:
-    """The device groups a stage runs on, in group order, with their replicas' ranks and share (the
-    replicas of one group run equal shares, as the mixed search makes them)."""
+    """The device groups a stage runs on, in group order, with their replicas' ranks and share: the
+    largest of the group's replicas (the mixed search gives a group's replicas equal shares; a
+    manual plan may not, and then the group waits for its replica with the most samples)."""
     shares = stage.samples_of_replicas(microbatch_samples)
     found: dict[int, tuple[list[int], set[int]]] = {}
     for replica, samples in enumerate(shares):
@@ -55,8 +56,7 @@ def stage_groups(stage: StagePlan, cluster: Cluster, microbatch_samples: int) ->
     result = []
     for group in sorted(found):
         ranks, samples = found[group]
-        assert len(samples) == 1, f"stage {stage.index}: replicas of device group {group} take shares {samples}"
-        result.append(GroupShare(group, tuple(ranks), samples.pop()))
+        result.append(GroupShare(group, tuple(ranks), max(samples)))
     return result
 
 

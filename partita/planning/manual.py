@@ -21,6 +21,11 @@ evenly over a stage's replicas (see ``partita.runtime.uneven``)::
 
     plan = manual_plan(graph, [0, 80, graph.num_nodes], schedule="1f1b", num_rank_groups=2,
                        replicas=(2, 1), num_microbatches=2, global_batch_size=8)   # ranks (0, 1), (2,)
+
+``replica_samples`` gives a rank group's replicas unequal shares of each micro-batch instead (a
+fast and a slow device: ``replica_samples=[(3, 1), None]`` runs samples 0-2 of every micro-batch
+of 4 on rank 0 and sample 3 on rank 1); the loss weighs each share by its samples, so training
+stays exact (``partita.runtime.loss_scaling``).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ def manual_plan(
     sharding: Sharding | str | Sequence[Sharding | str] = Sharding.REPLICATE,
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
+    replica_samples: Sequence[Sequence[int] | None] | None = None,
 ) -> Plan:
     """A Plan with stages ``[boundaries[k], boundaries[k + 1])`` of ``graph.nodes``.
 
@@ -67,7 +73,7 @@ def manual_plan(
             plans: GPipe and 1F1B only).
         num_microbatches: micro-batches per step (every replica of a stage runs each of them).
         global_batch_size: samples per step over all replicas; must be a multiple of
-            ``num_microbatches * r`` for every replica count ``r``.
+            ``num_microbatches * r`` for every replica count ``r`` split evenly.
         recompute: the recomputation level ("none", "selective", "full"; True / False: full / none),
             for all stages or one per stage.
         cluster: the machines (a Cluster, or its ``to_dict()``); default: as many CPU ranks as the plan uses, on one node.
@@ -78,6 +84,10 @@ def manual_plan(
             the default cluster then has ``replicas x tensor_parallel`` CPU ranks per rank group.
         sequence_parallel: the tensor-parallel groups also split, by token, the regions they leave
             whole (``Plan.sequence_parallel``; needs ``tensor_parallel`` above 1).
+        replica_samples: per rank group, the samples of each micro-batch that each of its
+            replicas runs (``StagePlan.replica_samples``; at least one each, summing to
+            ``global_batch_size / num_microbatches``), or None for an even split. Unequal shares
+            run under GPipe and 1F1B, one stage per rank group, without tensor parallelism.
 
     Raises InputError when the split, the schedule or the batch do not fit together.
     """
@@ -92,7 +102,16 @@ def manual_plan(
         positive_int(value, name)
     check_schedule(schedule, num_microbatches, num_rank_groups, num_stages)
     counts = _replica_counts(replicas, schedule, num_rank_groups)
-    for r in sorted(set(counts)):
+    t = positive_int(tensor_parallel, "tensor_parallel")
+    shares = _replica_shares(replica_samples, counts, global_batch_size, num_microbatches)
+    if any(shares) and (schedule not in UNEVEN_SCHEDULES or num_stages != num_rank_groups or t != 1):
+        raise InputError(
+            f"replica_samples={[None if s is None else list(s) for s in shares]} gives replicas unequal shares, "
+            "which run under schedule gpipe or 1f1b with one stage per rank group and tensor_parallel=1 only "
+            f"(got {schedule.value}, {num_stages} stages on {num_rank_groups} rank groups, tensor_parallel={t}): "
+            "change those, or leave replica_samples out"
+        )
+    for r in sorted({r for r, s in zip(counts, shares) if s is None}):
         if global_batch_size % (num_microbatches * r):
             raise InputError(
                 f"global_batch_size={global_batch_size} is not a multiple of num_microbatches x replicas = "
@@ -102,7 +121,6 @@ def manual_plan(
     flags = _recompute_flags(recompute, num_stages)
     precision = Precision.parse(precision)
     check_whole_batch(graph, num_microbatches, counts)  # a loss that couples samples needs the whole batch
-    t = positive_int(tensor_parallel, "tensor_parallel")
     if not isinstance(sequence_parallel, bool):
         raise InputError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     if sequence_parallel and t == 1:
@@ -119,6 +137,7 @@ def manual_plan(
             sharding=levels[k],
             tensor_parallel=t,
             sequence_parallel=sequence_parallel,
+            replica_samples=shares[groups[k]],
         )
         for k in range(num_stages)
     )
@@ -136,7 +155,9 @@ def manual_plan(
         schedule=schedule,
         global_batch_size=global_batch_size,
         num_microbatches=num_microbatches,
-        microbatch_size=global_batch_size // (num_microbatches * min(counts)),
+        microbatch_size=max(max(s) for s in shares if s)
+        if any(shares)
+        else global_batch_size // (num_microbatches * min(counts)),
         options={
             "boundaries": list(cuts),
             "num_rank_groups": num_rank_groups,
@@ -146,6 +167,7 @@ def manual_plan(
             "sharding": [level.value for level in levels],
             "tensor_parallel": t,
             "sequence_parallel": sequence_parallel,
+            **({"replica_samples": [None if s is None else list(s) for s in shares]} if any(shares) else {}),
         },
         method="manual",
         cost_source="none",
@@ -177,6 +199,42 @@ def _replica_counts(replicas: int | Sequence[int], schedule: Schedule, num_rank_
             "every rank group"
         )
     return counts
+
+
+def _replica_shares(
+    replica_samples: Sequence[Sequence[int] | None] | None, counts: Sequence[int], batch: int, num_microbatches: int
+) -> tuple[tuple[int, ...] | None, ...]:
+    """Each rank group's unequal shares, or None (an even split: not given, or equal shares);
+    InputError naming the entry that does not split the micro-batch over the group's replicas."""
+    if replica_samples is None:
+        return (None,) * len(counts)
+    if isinstance(replica_samples, (str, bytes)) or not isinstance(replica_samples, Sequence):
+        raise InputError(f"replica_samples must be a sequence of one entry per rank group, got {replica_samples!r}")
+    if len(replica_samples) != len(counts):
+        raise InputError(
+            f"replica_samples has {len(replica_samples)} entries for {len(counts)} rank groups: give one per rank "
+            "group (None for an even split)"
+        )
+    if batch % num_microbatches:
+        raise InputError(
+            f"global_batch_size={batch} is not a multiple of num_microbatches={num_microbatches}: every micro-batch "
+            "must hold as many samples"
+        )
+    microbatch = batch // num_microbatches
+    found = []
+    for g, (given, r) in enumerate(zip(replica_samples, counts)):
+        if given is None:
+            found.append(None)
+            continue
+        shares = tuple(given) if isinstance(given, Sequence) and not isinstance(given, (str, bytes)) else None
+        ok = shares is not None and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shares)
+        if not ok or len(shares) != r or sum(shares) != microbatch:
+            raise InputError(
+                f"replica_samples[{g}] is {given!r}: rank group {g} has {r} replicas, so give {r} ints >= 1 summing "
+                f"to the micro-batch of {microbatch} samples (global_batch_size / num_microbatches), or None"
+            )
+        found.append(None if len(set(shares)) == 1 else shares)
+    return tuple(found)
 
 
 def _stage(

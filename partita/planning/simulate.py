@@ -237,18 +237,20 @@ def _as_cluster(plan: Plan, cluster: Cluster | Mapping[str, Any] | None) -> Clus
 
 
 def _tables_per_stage(plan: Plan, costs: Costs) -> list[CostTable]:
-    """The CostTable of every stage at its per-replica micro-batch size: B / (m · replicas)."""
+    """The CostTable of every stage at its per-replica micro-batch size: B / (m · replicas), or with
+    unequal shares (``StagePlan.replica_samples``) the largest: on one device type the replica
+    with the most samples is the slowest and the fullest, and the stage waits for it."""
     by_size: dict[int, CostTable] = {}
     tables = []
     for stage in plan.stages:
         samples = plan.num_microbatches * stage.num_replicas
-        if plan.global_batch_size % samples:
+        if stage.replica_samples is None and plan.global_batch_size % samples:
             raise InputError(
                 f"stage {stage.index}: global batch {plan.global_batch_size} does not split into "
                 f"{plan.num_microbatches} micro-batches x {stage.num_replicas} replicas: use a global "
                 f"batch that is a multiple of {samples}"
             )
-        size = plan.global_batch_size // samples
+        size = max(stage.replica_samples) if stage.replica_samples else plan.global_batch_size // samples
         if size not in by_size:
             if isinstance(costs, CostTable):
                 if costs.microbatch_size != size:

@@ -1,37 +1,63 @@
-"""What layouts the runtime runs: ``check_layout`` refuses a plan whose ranks it cannot place."""
+"""What layouts the runtime runs: ``check_layout`` refuses a plan whose ranks it cannot place;
+``stage_shares`` says how many samples of each micro-batch each replica of a stage runs."""
 
 from __future__ import annotations
 
 from partita.errors import InputError
-from partita.types import Plan
+from partita.types import Plan, StagePlan
 from partita.types.schedule_orders import UNEVEN_SCHEDULES, stage_rank_groups
 
-__all__ = ["check_even_shares", "check_layout"]
+__all__ = ["check_layout", "replica_microbatch_samples", "stage_shares"]
 
 
 def check_layout(plan: Plan) -> None:
     """InputError unless the runtime can run the plan's layout: a uniform pp x dp mesh with rank
-    group g on ranks [g*dp, (g+1)*dp), or an uneven plan (GPipe/1F1B, one stage per rank group)
-    whose rank groups hold consecutive ranks, group g after groups 0 .. g-1."""
-    check_even_shares(plan)
+    group g on ranks [g*dp, (g+1)*dp), or an uneven plan (GPipe/1F1B, one stage per rank group,
+    replica counts and sample shares of its own per stage) whose stages hold ranks 0 .. N-1 between
+    them, each stage its own ascending ranks in any order of the stages (ranks follow the device
+    groups of a mixed cluster: the first stage may run on the second group)."""
+    if plan.tensor_parallel > 1 and not all(s.even_shares for s in plan.stages):
+        stage = next(s for s in plan.stages if not s.even_shares)
+        raise InputError(
+            f"stage {stage.index} gives its replicas unequal shares {list(stage.replica_samples)} of each micro-batch "
+            f"under tensor-parallel degree {plan.tensor_parallel}: tensor parallelism runs on pp x dp x tp meshes, "
+            "every replica with an equal share; re-plan with tensor_parallel=1, or give the replicas equal shares"
+        )
     if plan.uniform_replicas:
         _check_uniform_layout(plan)
     else:
         _check_uneven_layout(plan)
 
 
-def check_even_shares(plan: Plan) -> None:
-    """InputError for a stage whose replicas take unequal shares of a micro-batch
-    (``StagePlan.replica_samples``, from planning a mixed cluster with
-    ``runtime_layouts_only=False``): the runtime splits every micro-batch evenly over a stage's
-    replicas, and running such a plan evenly would silently change it."""
-    for s in plan.stages:
-        if s.replica_samples is not None and len(set(s.replica_samples)) > 1:
+def stage_shares(stage: StagePlan, microbatch_samples: int) -> tuple[int, ...]:
+    """Samples of each micro-batch of ``microbatch_samples`` that each replica of ``stage`` runs, in
+    replica order: its ``replica_samples``, or an even split. InputError when they do not make the
+    micro-batch (an even split that leaves a remainder, a share below one sample, a wrong sum)."""
+    r = stage.num_replicas
+    if stage.replica_samples is None:
+        if microbatch_samples % r:
             raise InputError(
-                f"stage {s.index} gives its replicas unequal shares {list(s.replica_samples)} of each micro-batch, "
-                "which partita's runtime does not run yet (it splits a micro-batch evenly over a stage's replicas): "
-                "re-plan with partita.plan (it offers only layouts the runtime runs), or set equal shares"
+                f"a micro-batch of {microbatch_samples} samples does not split evenly over the {r} replicas of "
+                f"stage {stage.index}: use a global batch that is a multiple of num_microbatches x every replica "
+                "count, or give the stage's replicas their shares (replica_samples)"
             )
+        return (microbatch_samples // r,) * r
+    shares = tuple(stage.replica_samples)
+    if len(shares) != r or sum(shares) != microbatch_samples or min(shares) < 1:
+        raise InputError(
+            f"stage {stage.index} gives its {r} replicas the shares {list(shares)} of a micro-batch of "
+            f"{microbatch_samples} samples: give one share per replica, each at least one sample, summing to "
+            f"{microbatch_samples}"
+        )
+    return shares
+
+
+def replica_microbatch_samples(plan: Plan, rank_group: int, replica: int) -> int:
+    """Samples of each micro-batch that replica ``replica`` of rank group ``rank_group`` runs (its
+    stages': a uniform plan's replicas all run ``global_batch_size / (num_microbatches x dp)``)."""
+    b = plan.global_batch_size // plan.num_microbatches
+    stage = next(s for s in plan.stages if s.rank_group == rank_group)
+    return stage_shares(stage, b)[replica]
 
 
 def _check_uniform_layout(plan: Plan) -> None:
@@ -49,32 +75,42 @@ def _check_uniform_layout(plan: Plan) -> None:
 
 def _check_uneven_layout(plan: Plan) -> None:
     counts = [s.num_replicas for s in plan.stages]
+    if len(set(counts)) > 1:
+        what = f"different replica counts {counts}"
+    else:
+        unequal = next(s for s in plan.stages if not s.even_shares)
+        what = f"unequal sample shares (stage {unequal.index}: {list(unequal.replica_samples)})"
     if plan.schedule not in UNEVEN_SCHEDULES:
         raise InputError(
-            f"the plan gives stages different replica counts {counts} under {plan.schedule.value}, "
-            "which the runtime runs on uniform pp x dp meshes only: use schedule gpipe or 1f1b, or "
-            "the same replica count for every stage"
+            f"the plan gives its stages {what} under {plan.schedule.value}, which the runtime runs on uniform "
+            "pp x dp meshes only: use schedule gpipe or 1f1b, or the same replica count and equal shares for "
+            "every stage"
         )
     if plan.num_rank_groups != plan.num_stages:
         raise InputError(
-            f"the plan puts {plan.num_stages} stages on {plan.num_rank_groups} rank groups with "
-            f"different replica counts {counts}: uneven plans run one stage per rank group"
+            f"the plan puts {plan.num_stages} stages on {plan.num_rank_groups} rank groups with {what}: such "
+            "plans run one stage per rank group"
         )
-    first = 0
     for s in plan.stages:
-        expected = tuple(range(first, first + s.num_replicas))
-        if s.ranks != expected or s.rank_group != s.index:
+        if s.rank_group != s.index or list(s.ranks) != sorted(set(s.ranks)):
             raise InputError(
-                f"stage {s.index} runs on rank group {s.rank_group}, ranks {list(s.ranks)}; with replica counts "
-                f"{counts} it must run on rank group {s.index}, ranks {list(expected)} (each group's ranks follow "
-                "the earlier groups'): build the plan with partita.plan or partita.planning.manual.manual_plan"
+                f"stage {s.index} runs on rank group {s.rank_group}, ranks {list(s.ranks)}; with {what} it must run "
+                f"on rank group {s.index}, on ascending ranks of its own: build the plan with partita.plan or "
+                "partita.planning.manual.manual_plan"
             )
-        first += s.num_replicas
-    batch, m = plan.global_batch_size, plan.num_microbatches
-    bad = [r for r in counts if batch % (m * r)]
-    if bad:
+    used = sorted(r for s in plan.stages for r in s.ranks)
+    if used != list(range(len(used))):
+        missing = sorted(set(range(max(used) + 1)) - set(used))
         raise InputError(
-            f"the global batch of {batch} samples in {m} micro-batches does not split evenly over "
-            f"{bad[0]} replicas: use a global batch that is a multiple of num_microbatches x every "
-            f"replica count {sorted(set(counts))}"
+            f"the stages run on ranks {used}, but a job's ranks are 0 .. {len(used) - 1}, each in one stage"
+            + (f" (rank {missing[0]} runs no stage)" if missing else "")
+            + ": build the plan with partita.plan or partita.planning.manual.manual_plan"
         )
+    batch, m = plan.global_batch_size, plan.num_microbatches
+    if batch % m:
+        raise InputError(
+            f"the global batch of {batch} samples does not split into {m} micro-batches of equal size: use a "
+            f"global batch that is a multiple of num_microbatches ({m})"
+        )
+    for s in plan.stages:
+        stage_shares(s, batch // m)

@@ -18,7 +18,20 @@ which one a loss needs):
     whole global batch (with class weights, the sum of their weights), as torch divides by;
   * a data-only factor of the loss (``mask.sum()`` in ``(x * mask).sum() / mask.sum()``, a
     token count, a size) is replaced by its value on the global batch;
-  * a mean over a fixed number of elements, or a constant (a weight penalty), is scaled by ``1/S``.
+  * a mean over a fixed number of elements, or a constant (a weight penalty), is scaled by ``1/S``
+    (by ``w/S`` with unequal shares, below).
+
+**Unequal sample shares** (``StagePlan.replica_samples``: replicas of unequal speed on a mixed
+cluster): replica ``j`` of a stage with ``r`` replicas runs ``n_j`` of every micro-batch's ``b``
+samples. A mean over its slice then stands for ``n_j`` samples, not ``b / r``: the full-batch mean
+is ``sum_{i,j} n_j L_ij / (m b)``, so each slice's value is weighted by ``w_j = n_j r / b`` (1 for
+an even split), and the scale ``1/S`` above applies on top. Averaging: the last stage's loss is
+multiplied by ``w_j`` in its graph, so its backward and the reported loss carry it. Global
+normalisation: a MEAN or CONSTANT term is scaled by ``w_j / S`` (a constant, the same in every
+slice, keeps its value: ``sum_j w_j = r``); COUNT_MEAN terms and global factors need nothing, they
+already divide by counts over the whole batch. The gradient sync then sums over replicas and
+scales by ``1/S`` or 1 as before, and FSDP2 reduce-scatters sums (``sharding.py``): the gradient
+is the unsplit model's on the whole batch whatever the shares.
 
 The global values are computed once per step, before any forward, by every rank that runs a
 rewritten stage, from the global batch it is given (every rank is given the whole global batch,
@@ -48,6 +61,7 @@ from partita.capturing.normalizer import (
     global_values_module,
     schema_arguments,
 )
+from partita.runtime.layout import stage_shares
 from partita.runtime.materialize import retarget_device
 from partita.runtime.stages import StageModule
 from partita.types import OpGraph, Plan
@@ -97,9 +111,12 @@ class LossScaling:
         device: torch.device,
         *,
         accumulation_steps: int = 1,
+        replica: int = 0,
     ):
         self.graph, self.device = graph, device
         self.num_slices = plan.num_microbatches * plan.stages[-1].num_replicas * accumulation_steps
+        # this rank's slice weight w_j in each of its stages (module docstring; ``replica``: its index there)
+        self._weights = {k: _share_weight(plan, k, replica) for k in {s.spec.index for s in local}}
         try:
             self.structure: LossStructure = analyse_loss(graph)
         except Exception as e:  # noqa: BLE001 - an analysis failure must not stop training: fall back, say so
@@ -119,13 +136,16 @@ class LossScaling:
             return  # the last stage sees the whole global batch at once: exact as captured
         if not self.structure.recognised:
             self.warning = _unrecognised_message(self.structure, self.num_slices)
+            self._weigh_averaged_loss(local)
             return
         if self.structure.averages_equal_counts:
+            self._weigh_averaged_loss(local)
             return
         targets = {n.name: n.target for n in graph.graph_module.graph.nodes}
         sites, problem = _locate(self.structure, stages, plan, targets)
         if problem is not None:
             self.warning = _unplaceable_message(problem, self.num_slices)
+            self._weigh_averaged_loss(local)
             return
         self.normalised = True
         local_indices = {s.spec.index for s in local}
@@ -176,6 +196,23 @@ class LossScaling:
 
     # ------------------------------------------------------------------ rewriting
 
+    def _weigh_averaged_loss(self, local: Sequence[StageModule]) -> None:
+        """Averaging with unequal shares: multiply this replica's loss by its slice weight in the
+        last stage's graph (module docstring), so that the slices' weighted mean is the full-batch
+        mean. Nothing to do with an even split (weight 1)."""
+        for stage in local:
+            weight = self._weights[stage.spec.index]
+            if not stage.spec.is_last or weight == 1.0:
+                continue
+            g = stage.graph_module.graph
+            output = next(n for n in g.nodes if n.op == "output")
+            loss = output.args[0]  # the last stage returns the 0-dim loss itself
+            with g.inserting_before(output):
+                weighted = g.call_function(aten.mul.Tensor, (loss, weight))
+            weighted.meta = dict(loss.meta)
+            output.replace_input_with(loss, weighted)
+            stage.graph_module.recompile()
+
     def _rewrite(self, stage: StageModule, site: _Site, wanted: list[str], target: Any) -> None:
         gm = stage.graph_module
         g = gm.graph
@@ -208,7 +245,7 @@ class LossScaling:
             g.erase_node(node)
         elif term.kind in (TermKind.MEAN, TermKind.CONSTANT):
             with g.inserting_after(node):
-                scaled = g.call_function(aten.mul.Tensor, (node, 1.0 / self.num_slices))
+                scaled = g.call_function(aten.mul.Tensor, (node, self._weights[site.stage] / self.num_slices))
             scaled.meta = dict(node.meta)
             node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
         # TermKind.SUM: additive over slices as it is
@@ -229,13 +266,26 @@ def _locate(
         found = [s.spec.index for s in stages if _find(s, name, targets[name]) is not None]
         if len(found) != 1:
             return [], f"node {name} of the loss runs in {len(found)} stages"
-        replicas = plan.stages[found[0]].num_replicas
-        if found[0] != last and replicas != plan.stages[-1].num_replicas:
+        b = plan.global_batch_size // plan.num_microbatches
+        if found[0] != last and stage_shares(plan.stages[found[0]], b) != stage_shares(plan.stages[-1], b):
+            # its per-slice value crosses to the last stage without batch dim, from one replica to the
+            # replicas whose first sample it holds (partita.runtime.uneven): only alike slices match
             return [], (
-                f"node {name} of the loss runs on stage {found[0]}, whose replica count differs from the last stage's"
+                f"node {name} of the loss runs on stage {found[0]}, whose replicas hold other samples than the "
+                "last stage's (another replica count or other shares)"
             )
         sites.append(_Site(found[0], name, kind, k))
     return sites, None
+
+
+def _share_weight(plan: Plan, stage_index: int, replica: int) -> float:
+    """``n_j r / b``: how many samples replica ``replica`` of the stage runs of each micro-batch,
+    relative to an even split (1.0 for an even split, and for plans whose shares are all equal)."""
+    stage = plan.stages[stage_index]
+    if stage.even_shares:
+        return 1.0
+    b = plan.global_batch_size // plan.num_microbatches
+    return stage_shares(stage, b)[replica] * stage.num_replicas / b
 
 
 def _find(stage: StageModule, name: str, target: Any) -> torch.fx.Node | None:

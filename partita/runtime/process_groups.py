@@ -5,9 +5,10 @@ Two layouts:
   (``partita.planning.build.stage_ranks``) and the ranks form a pp x dp DeviceMesh (pp x dp x tp
   with tensor parallelism); torch's pipelining schedules run each column of the mesh as one
   pipeline (pipeline.py).
-- uneven: stage ``k`` has its own ``r_k`` replicas (GPipe or 1F1B, one stage per rank group),
-  on the ranks that follow those of the earlier groups. No mesh can express it: stages exchange
-  slices of micro-batches many-to-many (uneven.py).
+- uneven: stage ``k`` has its own ``r_k`` replicas, or replicas with unequal sample shares (GPipe
+  or 1F1B, one stage per rank group), on ranks of its own: those after the earlier groups' in a
+  manual plan; on a mixed cluster, those of the device groups it runs on (layout.py). No mesh can
+  express it: stages exchange slices of micro-batches many-to-many (uneven.py).
 
 Glossary
 --------

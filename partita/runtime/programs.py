@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from partita.errors import CaptureError, InputError
+from partita.runtime.layout import replica_microbatch_samples
 from partita.runtime.precision import Compute
 from partita.runtime.process_groups import Topology
 from partita.runtime.stage_set import StageSet
@@ -49,9 +50,9 @@ class StepPrograms:
             tensor_parallel=stages.tensor_parallel,
         )
         self._programs: dict[tuple[bool, Shapes], StepProgram] = {(True, self.captured_shapes): self.planned}
-        # Samples per micro-batch that this rank's stages run (uniform: plan.microbatch_size).
-        plan = stages.plan
-        self.microbatch_samples = plan.global_batch_size // (plan.num_microbatches * topology.replicas)
+        # Samples per micro-batch that this rank's stages run (uniform: plan.microbatch_size; uneven:
+        # this replica's share)
+        self.microbatch_samples = replica_microbatch_samples(stages.plan, topology.rank_group, topology.replica)
 
     def __len__(self) -> int:
         return len(self._programs)

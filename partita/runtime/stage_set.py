@@ -23,6 +23,7 @@ from torch import nn
 
 from partita.capturing import canonical_names
 from partita.runtime.gradient_sync import unique_parameters
+from partita.runtime.layout import replica_microbatch_samples
 from partita.runtime.materialize import materialize, on_meta, retarget_device
 from partita.runtime.pipeline import StageMetadata, stage_metadata
 from partita.runtime.precision import Compute
@@ -145,7 +146,7 @@ def _put_on_device(
     device = topology.device
     metadata = None
     if on_meta(model):
-        samples = plan.global_batch_size // (plan.num_microbatches * topology.replicas)
+        samples = replica_microbatch_samples(plan, topology.rank_group, topology.replica)
         metadata = stage_metadata(all_stages, meta_microbatch(graph, samples), torch.device("cpu"), compute)
     elif device.type != "cpu":
         model.to(device)

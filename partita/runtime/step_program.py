@@ -61,7 +61,13 @@ class StepProgram:
         self.stages = [s for s in all_stages if plan.stages[s.spec.index].rank_group == group]
         self.index_uses = index_uses(graph)
         self.loss_scaling = LossScaling(
-            graph, plan, all_stages, self.stages, topology.device, accumulation_steps=accumulation_steps
+            graph,
+            plan,
+            all_stages,
+            self.stages,
+            topology.device,
+            accumulation_steps=accumulation_steps,
+            replica=topology.replica,
         )
         # after the loss rewriting: the vocab-parallel cross-entropy takes over its (sum) reduction
         self.tensor_parallel = None if tensor_parallel is None else program_layouts(tensor_parallel, graph, all_stages)

@@ -18,22 +18,24 @@ and scheduler (``optimizer_setup``), the step programs (``programs``), the gradi
 
 Layouts (process_groups.py): a uniform plan (every stage on ``dp`` replicas) runs on a pp x dp
 DeviceMesh with torch.distributed.pipelining; an uneven plan (stage ``k`` on its own ``r_k``
-replicas, GPipe or 1F1B) runs on partita's executor (uneven.py), which routes slices of each
-micro-batch between replicas many-to-many.
+replicas, or replicas taking unequal sample shares, GPipe or 1F1B) runs on partita's executor
+(uneven.py), which routes slices of each micro-batch between replicas many-to-many.
 
 What happens in a step (see pipeline.py, uneven.py and gradient_sync.py for why each part is exact):
 1. the batch is flattened into graph inputs. Uniform: this rank keeps its replica's slice along
    each input's batch dim (replica ``rank % dp`` takes samples ``[replica * B/dp, (replica+1) * B/dp)``)
    and the schedule cuts it into micro-batches. Uneven: micro-batch ``i`` is samples
-   ``[i*b, (i+1)*b)``, ``b = B/m``, and replica ``j`` of stage ``k`` runs its slice
-   ``[i*b + j*b/r_k, i*b + (j+1)*b/r_k)``;
+   ``[i*b, (i+1)*b)``, ``b = B/m``, and replica ``j`` of stage ``k`` runs its slice of ``n_j``
+   samples after those of replicas ``0 .. j-1`` (``n_j = b/r_k``, or the plan's
+   ``StagePlan.replica_samples``);
 2. the schedule runs this rank's stages over ``num_microbatches`` micro-batches; graph inputs
    reach each stage directly, boundary tensors by P2P;
 3. gradients are summed over every rank holding a parameter (replicas, tied copies) and scaled
    once (``LossScaling.grad_scale``, loss_scaling.py): by ``1 / (num_microbatches * r)``, ``r``
    being the last stage's replica count (``dp`` when uniform), when the loss is a mean over
    equally many elements per micro-batch; by 1 when the stages were rewritten to compute each
-   micro-batch's part of the full-batch loss (a mean over a data-dependent count);
+   micro-batch's part of the full-batch loss (a mean over a data-dependent count). Replicas with
+   unequal shares weigh their slice's loss by their samples (loss_scaling.py);
 4. the loss (the full-batch loss, from the last stage's micro-batch losses) is all-reduced so every rank
    returns it, and with it the number of non-finite micro-batch losses and gradients (numerics.py):
    if any, every rank raises NumericsError (or skips the update, ``on_nonfinite="skip"``) before
@@ -103,7 +105,7 @@ from partita.runtime.batch_values import check_batch_dtypes, check_batch_values
 from partita.runtime.checkpoint import Checkpointer, StepCount
 from partita.runtime.gradient_sync import GradientSync, local_tensor
 from partita.runtime.graph_for_plan import CaptureInputs, graph_for_plan
-from partita.runtime.layout import check_even_shares
+from partita.runtime.layout import check_layout, stage_shares
 from partita.runtime.materialize import on_meta
 from partita.runtime.numerics import (
     NonFinitePolicy,
@@ -142,7 +144,8 @@ class Trainer:
             of stages the plan shards or splits: FSDP2 and tensor parallelism replace them
             (``gather_state_dict`` and checkpoints give the trained weights).
         plan: a Plan made for this model's graph (``partita.plan``, ``partita.manual_plan``,
-            ``partita.Plan.load``): uniform, or uneven (GPipe/1F1B, any replica count per stage).
+            ``partita.Plan.load``): uniform, or uneven (GPipe/1F1B, any replica count and sample
+            shares per stage).
         optimizer: ``params -> Optimizer``; each rank builds one over the parameters of its stages.
         args, kwargs, loss_fn, target, batch_dims: example inputs, exactly as ``partita.capture``
             and ``partita.plan`` take them: the trainer captures the graph the plan was made for
@@ -369,7 +372,7 @@ class Trainer:
         """InputError for arguments the constructor cannot take, before any process group or capture."""
         if not isinstance(plan, Plan):
             raise InputError(f"plan must be a partita.Plan, got {type(plan).__name__}: load one with partita.Plan.load")
-        check_even_shares(plan)  # before any process group or capture
+        check_layout(plan)  # before any process group or capture
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise InputError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
@@ -513,4 +516,5 @@ class Trainer:
             per_replica = plan.global_batch_size // top.replicas
             return first + top.replica * per_replica + microbatch * samples, samples
         microbatch_samples = plan.global_batch_size // plan.num_microbatches
-        return first + microbatch * microbatch_samples + top.replica * samples, samples
+        shares = stage_shares(plan.stages[-1], microbatch_samples)
+        return first + microbatch * microbatch_samples + sum(shares[: top.replica]), samples

@@ -2,15 +2,19 @@
 
 torch.distributed.pipelining runs one pipeline per column of a pp x dp mesh, where stage ``k``'s
 replica ``j`` talks to stage ``k + 1``'s replica ``j`` only. A plan such as "stage 0 on ranks
-(0, 1), stage 1 on rank (2,)" has no such columns, so this module runs it: GPipe or 1F1B, one
-stage per rank group, point-to-point transfers between overlapping replicas.
+(0, 1), stage 1 on rank (2,)" has no such columns, nor has one whose replicas take unequal shares
+of each micro-batch (replicas of unequal speed on a mixed cluster), so this module runs them: GPipe
+or 1F1B, one stage per rank group, point-to-point transfers between overlapping replicas. A
+stage's ranks may lie anywhere (``partita.runtime.layout``): on a mixed cluster they follow the
+device groups, so the first stage may run on the second group's ranks.
 
 Semantics (what every rank computes)
 ------------------------------------
 Every rank is given the whole global batch of ``B`` samples. Micro-batch ``i`` (of ``m``) is the
-global samples ``[i*b, (i+1)*b)``, ``b = B / m``. Replica ``j`` of stage ``k`` (of ``r_k``)
-computes the contiguous slice ``[i*b + j*n_k, i*b + (j+1)*n_k)``, ``n_k = b / r_k``, and reads
-its root inputs (graph inputs, along their batch dim) for that slice itself.
+global samples ``[i*b, (i+1)*b)``, ``b = B / m``. Replica ``j`` of stage ``k`` (of ``r_k``) runs
+``n_kj`` of them (``layout.stage_shares``: ``b / r_k``, or the plan's ``replica_samples``): the
+contiguous slice that starts after replicas ``0 .. j-1``'s, ``[i*b + sum_{j'<j} n_kj', ...)``. It
+reads its root inputs (graph inputs, along their batch dim) for that slice itself.
 
 Boundary tensors (``StageSpec.output_names``; their ``TensorInfo`` in the OpGraph) travel by
 their layout:
@@ -22,21 +26,24 @@ their layout:
   the sending replica that owns ``j'``'s first sample (its *owner*); the gradient goes back to
   the owner, which sums what its receivers send (zero when it serves none) before its backward.
   A batch dim whose size is a multiple of the sample count (merged dims, ``(B*T, H)``) is sent
-  whole too when both sides have the same replica count (then the slices coincide); when they
-  differ the Trainer refuses the plan (``check_uneven_boundaries``): whether ``B*T`` is
+  whole too when both sides have the same replicas and shares (then the slices coincide); when
+  they differ the Trainer refuses the plan (``check_uneven_boundaries``): whether ``B*T`` is
   batch-major is not knowable from shapes.
 
 The loss: replica ``j`` of the last stage computes its slice's loss. When that is a mean over
-its samples, the unsplit loss, the mean over ``B`` samples, is ``1/(m * r_last) * sum_{i, j} L_ij``,
-so every parameter's gradient, summed over micro-batches and holders (``GradientSync``), is
-scaled by ``1/(m * r_last)``, and the reported loss is the same mean (the Trainer all-reduces
-it). When the loss divides by a data-dependent count (``loss_scaling.py``), each ``L_ij`` is
-already its slice's part of the full-batch loss: gradients and losses are summed, unscaled.
+its samples, the unsplit loss, the mean over ``B`` samples, is ``1/(m * r_last) * sum_{i, j} L_ij``
+with equal shares, so every parameter's gradient, summed over micro-batches and holders
+(``GradientSync``), is scaled by ``1/(m * r_last)``, and the reported loss is the same mean (the
+Trainer all-reduces it). With unequal shares each ``L_ij`` is first weighted by its samples,
+``n_j r_last / b`` (``loss_scaling.py`` rewrites the last stage). When the loss divides by a
+data-dependent count, each ``L_ij`` is already its slice's part of the full-batch loss: gradients
+and losses are summed, unscaled.
 
 Worked example: ``b = 4`` samples per micro-batch, stage 0 on 2 replicas (slices [0, 2) and
 [2, 4)), stage 1 on 1 replica ([0, 4)): stage 1 receives samples 0-1 from replica 0 and 2-3
 from replica 1 and concatenates them; a tensor without batch dim comes from replica 0 only (the
-owner of sample 0), and replica 1 backpropagates a zero gradient for it.
+owner of sample 0), and replica 1 backpropagates a zero gradient for it. With shares (3, 1) on
+stage 0 (a fast and a slow device), replica 0 sends samples 0-2 and replica 1 sample 3.
 
 Order and messages
 ------------------
@@ -50,8 +57,8 @@ both sides alike (NCCL ignores tags; gloo matches them). Sends are waited one ex
 (``_SendWindow``), so at most two actions' sent tensors are held for the wire.
 
 Receive buffers get their shapes from ``stage_metadata`` run on this replica's own slice size
-``n_k`` (the Trainer runs it on the first ``n_k`` samples, or on meta tensors of that size):
-what stage ``k`` receives and sends at ``n_k`` samples; a piece from or to a peer has the batch
+``n_kj`` (the Trainer runs it on the first ``n_kj`` samples, or on meta tensors of that size):
+what stage ``k`` receives and sends at ``n_kj`` samples; a piece from or to a peer has the batch
 dim cut to the samples the two share. Recomputation is ``StageRunner``'s (non-reentrant
 ``torch.utils.checkpoint``), as on the uniform path.
 """
@@ -68,6 +75,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.errors import InputError
+from partita.runtime.layout import stage_shares
 from partita.runtime.pipeline import StageMetadata, StageRunner, root_key
 from partita.runtime.precision import FP32, Compute
 from partita.runtime.stages import StageModule, narrow_batch
@@ -78,6 +86,7 @@ __all__ = [
     "Layout",
     "Transfer",
     "UnevenExecutor",
+    "all_shares",
     "boundary_layouts",
     "check_uneven_boundaries",
     "replica_slice",
@@ -88,10 +97,10 @@ __all__ = [
 # ----------------------------------------------------------------------------- routing math
 
 
-def replica_slice(microbatch_samples: int, num_replicas: int, replica: int) -> tuple[int, int]:
-    """``(first sample, number of samples)`` of ``replica``'s slice within one micro-batch."""
-    size = microbatch_samples // num_replicas
-    return replica * size, size
+def replica_slice(shares: Sequence[int], replica: int) -> tuple[int, int]:
+    """``(first sample, number of samples)`` of ``replica``'s slice within one micro-batch, the
+    replicas taking ``shares`` samples each in replica order (``layout.stage_shares``)."""
+    return sum(shares[:replica]), shares[replica]
 
 
 @dataclass(frozen=True)
@@ -107,23 +116,20 @@ class Transfer:
     carries_whole: bool  # the sender owns the receiver's first sample
 
 
-def transfers(microbatch_samples: int, num_senders: int, num_receivers: int) -> tuple[Transfer, ...]:
-    """Every (sender, receiver) pair of replicas whose slices overlap, sorted by (sender, receiver).
+def transfers(sender_shares: Sequence[int], receiver_shares: Sequence[int]) -> tuple[Transfer, ...]:
+    """Every (sender, receiver) pair of replicas whose slices overlap, sorted by (sender, receiver),
+    the sending stage's replicas taking ``sender_shares`` samples of each micro-batch and the
+    receiving stage's ``receiver_shares`` (both sum to the micro-batch).
 
     For a fixed receiver the senders come in sample order, so concatenating their pieces gives
     the receiver's slice; for a fixed sender, the receivers likewise tile its slice.
     """
-    if microbatch_samples % num_senders or microbatch_samples % num_receivers:
-        raise InputError(
-            f"a micro-batch of {microbatch_samples} samples does not split evenly over {num_senders} "
-            f"and {num_receivers} replicas: use a global batch that is a multiple of "
-            "num_microbatches x every replica count"
-        )
+    assert sum(sender_shares) == sum(receiver_shares), (sender_shares, receiver_shares)
     result = []
-    for sender in range(num_senders):
-        s_start, s_size = replica_slice(microbatch_samples, num_senders, sender)
-        for receiver in range(num_receivers):
-            r_start, r_size = replica_slice(microbatch_samples, num_receivers, receiver)
+    for sender in range(len(sender_shares)):
+        s_start, s_size = replica_slice(sender_shares, sender)
+        for receiver in range(len(receiver_shares)):
+            r_start, r_size = replica_slice(receiver_shares, receiver)
             start, stop = max(s_start, r_start), min(s_start + s_size, r_start + r_size)
             if start < stop:
                 result.append(
@@ -147,36 +153,53 @@ class Layout(str, enum.Enum):
 
 
 def boundary_layouts(
-    graph: OpGraph, names: Sequence[str], sender_index: int, num_senders: int, num_receivers: int
+    graph: OpGraph,
+    names: Sequence[str],
+    sender_index: int,
+    sender_shares: Sequence[int],
+    receiver_shares: Sequence[int],
 ) -> tuple[Layout, ...]:
-    """The layout of each boundary tensor ``names`` (stage ``sender_index``'s outputs); InputError
-    for a merged batch dim (``(B*T, H)``) crossing between different replica counts, naming the
-    tensor, the boundary and the fix."""
+    """The layout of each boundary tensor ``names`` (stage ``sender_index``'s outputs, its replicas
+    holding ``sender_shares`` samples of each micro-batch, the next stage's ``receiver_shares``);
+    InputError for a merged batch dim (``(B*T, H)``) crossing between replicas that hold different
+    samples, naming the tensor, the boundary and the fix."""
     infos = output_infos(graph)
+    same_slices = tuple(sender_shares) == tuple(receiver_shares)
     layouts = []
     for name in names:
         info = infos[name]
         if info.batch_dim is not None and not info.merges_samples(graph.batch_size):
             layouts.append(Layout.SLICED)
-        elif info.batch_dim is None or num_senders == num_receivers:
+        elif info.batch_dim is None or same_slices:
             layouts.append(Layout.WHOLE)
         else:
             raise InputError(
-                f"boundary tensor {name!r} {tuple(info.shape)} between stage {sender_index} ({num_senders} "
-                f"replicas) and stage {sender_index + 1} ({num_receivers} replicas) has batch dim {info.batch_dim} "
+                f"boundary tensor {name!r} {tuple(info.shape)} between stage {sender_index} ({_replicas(sender_shares)}) "
+                f"and stage {sender_index + 1} ({_replicas(receiver_shares)}) has batch dim {info.batch_dim} "
                 f"of size {info.shape[info.batch_dim]} for a batch of {graph.batch_size} (several batch entries "
                 "merged, e.g. batch x sequence), which cannot be split by sample: cut the model elsewhere (where "
-                "the activation keeps a per-sample batch dim) or give both stages the same number of replicas"
+                "the activation keeps a per-sample batch dim) or give both stages the same replicas and shares"
             )
     return tuple(layouts)
 
 
+def _replicas(shares: Sequence[int]) -> str:
+    """ "2 replicas", or "2 replicas with shares [3, 1]" when they are unequal."""
+    words = f"{len(shares)} replica{'s' if len(shares) != 1 else ''}"
+    return words if len(set(shares)) <= 1 else f"{words} with shares {list(shares)}"
+
+
+def all_shares(plan: Plan) -> list[tuple[int, ...]]:
+    """Each stage's samples per replica of every micro-batch (``layout.stage_shares``)."""
+    b = plan.global_batch_size // plan.num_microbatches
+    return [stage_shares(s, b) for s in plan.stages]
+
+
 def check_uneven_boundaries(graph: OpGraph, plan: Plan, stages: Sequence[StageModule]) -> None:
-    """Refuse (InputError) a plan whose boundaries cannot be routed between its replica counts."""
-    for sender, receiver in zip(plan.stages, plan.stages[1:]):
-        boundary_layouts(
-            graph, stages[sender.index].spec.output_names, sender.index, sender.num_replicas, receiver.num_replicas
-        )
+    """Refuse (InputError) a plan whose boundaries cannot be routed between its replicas' slices."""
+    shares = all_shares(plan)
+    for k in range(plan.num_stages - 1):
+        boundary_layouts(graph, stages[k].spec.output_names, k, shares[k], shares[k + 1])
 
 
 def output_infos(graph: OpGraph) -> dict[str, TensorInfo]:
@@ -200,18 +223,15 @@ def _side(
     """The boundary between stages ``sender_index`` and ``sender_index + 1``, for ``replica`` of
     the receiving (``receiving``) or the sending stage."""
     sender, receiver = plan.stages[sender_index], plan.stages[sender_index + 1]
-    b = plan.global_batch_size // plan.num_microbatches
-    mine = [
-        t
-        for t in transfers(b, sender.num_replicas, receiver.num_replicas)
-        if (t.receiver if receiving else t.sender) == replica
-    ]
+    shares = all_shares(plan)
+    sent, received = shares[sender_index], shares[sender_index + 1]
+    mine = [t for t in transfers(sent, received) if (t.receiver if receiving else t.sender) == replica]
     peers = [sender.ranks[t.sender] if receiving else receiver.ranks[t.receiver] for t in mine]
     infos = output_infos(graph)
     return _Side(
         tuple(mine),
         tuple(peers),
-        boundary_layouts(graph, names, sender_index, sender.num_replicas, receiver.num_replicas),
+        boundary_layouts(graph, names, sender_index, sent, received),
         tuple(infos[name].batch_dim for name in names),
     )
 
@@ -230,8 +250,8 @@ class _InFlight:
 class UnevenExecutor:
     """Runs this rank's one stage of an uneven plan over the micro-batches of a step.
 
-    ``metadata`` describes the stage at this replica's own slice size ``n_k`` (``stage_metadata``
-    run on ``n_k`` samples): the shapes of what it receives and sends, batch dims included.
+    ``metadata`` describes the stage at this replica's own slice size ``n_kj`` (``stage_metadata``
+    run on ``n_kj`` samples): the shapes of what it receives and sends, batch dims included.
     """
 
     def __init__(
@@ -250,7 +270,7 @@ class UnevenExecutor:
         self.graph, self.stage, self.metadata, self.device = graph, stage, metadata, device
         self.group = group  # of all ranks, carrying the collective timeout; None: the default group
         self.microbatch_samples = plan.global_batch_size // plan.num_microbatches
-        self.first, self.num_samples = replica_slice(self.microbatch_samples, plan.stages[k].num_replicas, replica)
+        self.first, self.num_samples = replica_slice(all_shares(plan)[k], replica)
         # the stage's FSDP2 module when it is sharded (sharding.py), else a plain runner
         self.runner = runner or StageRunner(stage, plan.stages[k].recompute, compute=compute)
         self.sharded = runner is not None

@@ -8,7 +8,11 @@ bias cross), and GatedNet (a batch-less boundary tensor that needs a
 gradient: summed by its owner, zero on the replica that serves nobody). Three AdamW steps equal
 unsplit full-batch training; one run continues from a checkpoint under the other layout, one
 starts from a model built on meta (seed checkpoint), and a non-finite loss names its samples. A plan made for a mixed cluster (its stages on different
-device groups, read back from its plan file) trains the same way.
+device groups, read back from its plan file) trains the same way, and so do plans whose replicas of
+one stage take unequal sample shares (replicas of unequal speed): in the first stage, in the last
+(each slice's loss weighted by its samples; GPT-2 with labels padded to a different length in every
+sample, BERT's ignored labels, GatedNet under a mean squared error, and a stage sharded by FSDP2), on
+5 ranks with shares on both sides of the cut, and with the first stage on the second device group.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ pytest.importorskip("transformers")
 
 TOLERANCE = 1e-5
 MODELS = ["gpt2", "llama", "gated", "bert", "t5"]  # BERT: the attention mask crosses; T5: the encoder output
+# run by the configs that name them only: GPT-2 with padded labels (-100 to a different length in every
+# sample), GatedNet with a mean squared error (averaged slices, not counted over the global batch)
+ALL_MODELS = MODELS + ["gpt2-padded", "gated-mse"]
 CONFIGS = [
     dict(label="1f1b-2x1", schedule="1f1b", replicas=(2, 1), num_microbatches=2),
     dict(
@@ -36,7 +43,8 @@ CONFIGS = [
         replicas=(2, 1),
         num_microbatches=2,
         models=["gpt2"],
-        resume=dict(schedule="gpipe", replicas=(1, 2), num_microbatches=2),
+        # resumed under unequal shares: checkpoints do not depend on how a micro-batch is split
+        resume=dict(schedule="gpipe", replicas=(1, 2), num_microbatches=2, replica_samples=[None, (3, 1)]),
     ),
     dict(label="1f1b-2x1-meta", schedule="1f1b", replicas=(2, 1), num_microbatches=2, meta=True, models=["llama"]),
     # a plan for a mixed cluster: stage 0 on the two H100s, stage 1 on the L4 (issue 30)
@@ -48,11 +56,51 @@ CONFIGS = [
         groups=[("h100", 2), ("l4", 1)],
         models=["gpt2", "bert"],
     ),
+    # unequal sample shares (issue 30): stage 0's replicas, an H100 and an A100, run 3 and 1 samples of
+    # every micro-batch of 4; stage 1 runs on the other A100
+    dict(
+        label="1f1b-2x1-shares",
+        schedule="1f1b",
+        replicas=(2, 1),
+        num_microbatches=2,
+        replica_samples=[(3, 1), None],
+        groups=[("h100", 1), ("a100-40gb", 2)],
+        models=["gpt2"],
+    ),
+    # the last stage's replicas take 1 and 3 samples: each slice's loss is weighted by its samples
+    dict(
+        label="gpipe-1x2-shares",
+        schedule="gpipe",
+        replicas=(1, 2),
+        num_microbatches=2,
+        replica_samples=[None, (1, 3)],
+        models=["gpt2-padded", "bert", "gated-mse"],
+    ),
+    # the same under FSDP2 (the last stage fully sharded over its replicas of unequal shares)
+    dict(
+        label="1f1b-1x2-shares-sharded",
+        schedule="1f1b",
+        replicas=(1, 2),
+        num_microbatches=2,
+        replica_samples=[None, (3, 1)],
+        sharding=["replicate", "full_shard"],
+        models=["llama"],
+    ),
+    # ranks follow the device groups: stage 0 on the two A100s (ranks 1 and 2), stage 1 on the H100 (rank 0)
+    dict(
+        label="1f1b-2x1-slow-group-first",
+        schedule="1f1b",
+        replicas=(2, 1),
+        num_microbatches=2,
+        groups=[("h100", 1), ("a100-40gb", 2)],
+        group_counts=[(0, 2), (1, 0)],
+        models=["gpt2", "gated-mse"],
+    ),
 ]
 NONFINITE = dict(
     label="gpipe-1x2-nonfinite", schedule="gpipe", replicas=(1, 2), num_microbatches=2, nonfinite=True, models=["gated"]
 )
-KEYS = [f"{m}/{c['label']}" for m in MODELS for c in CONFIGS if m in c.get("models", MODELS)]
+KEYS = [f"{m}/{c['label']}" for m in ALL_MODELS for c in CONFIGS if m in c.get("models", MODELS)]
 # 5 ranks, global batch 12: stages of 2 and 3 replicas share samples only in part (6 samples per
 # micro-batch: slices 0-2 | 3-5 against 0-1 | 2-3 | 4-5); three stages fan out 1 -> 3 and in 3 -> 1.
 WIDE_MODELS = ["gpt2", "llama"]
@@ -67,11 +115,26 @@ WIDE_CONFIGS = [
         recompute=[True, False],
         models=["llama"],
     ),
+    # unequal shares on both sides of the cut: slices 0-3 | 4-5 against 0 | 1-2 | 3-5
+    dict(
+        label="1f1b-2x3-shares",
+        schedule="1f1b",
+        replicas=(2, 3),
+        num_microbatches=2,
+        replica_samples=[(4, 2), (1, 2, 3)],
+        models=["gpt2"],
+    ),
 ]
 WIDE_KEYS = [f"{m}/{c['label']}" for m in WIDE_MODELS for c in WIDE_CONFIGS if m in c.get("models", WIDE_MODELS)]
 # the launches (fixture name -> job): shared with the other jobs of their world size (tests/dist/conftest.py)
 SHARED_JOBS = {
-    "results": Job("workers:job_uneven", 3, 240, dict(models=MODELS, configs=CONFIGS + [NONFINITE]), ("dir",)),
+    "results": Job(
+        "workers:job_uneven",
+        3,
+        330,
+        dict(models=ALL_MODELS, default_models=MODELS, configs=CONFIGS + [NONFINITE]),
+        ("dir",),
+    ),
     "wide_results": Job(
         "workers:job_uneven", 5, 300, dict(models=WIDE_MODELS, configs=WIDE_CONFIGS, batch_size=12), ("dir",)
     ),

@@ -381,17 +381,25 @@ class GatedNet(torch.nn.Module):
 
 
 class GatedCase(Case):
-    """GatedNet as a Case (same interface as the zoo models')."""
+    """GatedNet as a Case (same interface as the zoo models'). ``mse``: a mean squared error against
+    random targets (a mean over equally many elements per sample: the averaging path of
+    partita.runtime.loss_scaling) instead of cross-entropy (a count over the global batch)."""
 
-    def __init__(self):  # not Case.__init__: that one builds zoo models
+    def __init__(self, mse: bool = False):  # not Case.__init__: that one builds zoo models
         import partita
 
         torch.manual_seed(0)
-        self.name, self.model, self.loss_fn = "gated", GatedNet(), torch.nn.functional.cross_entropy
+        self.name, self.model = "gated-mse" if mse else "gated", GatedNet()
+        self.loss_fn = torch.nn.functional.mse_loss if mse else torch.nn.functional.cross_entropy
         self.batch_size = BATCH
         g = torch.Generator().manual_seed(1)
         self.batches = [
-            ((torch.randn(BATCH, 4, generator=g),), {}, torch.randint(0, 3, (BATCH,), generator=g)) for _ in range(10)
+            (
+                (torch.randn(BATCH, 4, generator=g),),
+                {},
+                torch.randn(BATCH, 3, generator=g) if mse else torch.randint(0, 3, (BATCH,), generator=g),
+            )
+            for _ in range(10)
         ]
         args, kwargs, target = self.batches[0]
         self.graph = partita.capture(self.model, args, kwargs, loss_fn=self.loss_fn, target=target)
@@ -412,7 +420,7 @@ def make_uneven_plan(case: Case, config: dict):
     from partita.planning.manual import manual_plan
 
     num_stages = len(config["replicas"])
-    if case.name == "gated":  # right after gate = tanh(g) * 2
+    if case.name.startswith("gated"):  # right after gate = tanh(g) * 2
         cuts = [next(n.index for n in case.graph.nodes if n.target == "aten.tanh.default") + 2]
     else:
         cuts = [per_sample_cut(case.graph, case.graph.num_nodes * k // num_stages) for k in range(1, num_stages)]
@@ -425,20 +433,28 @@ def make_uneven_plan(case: Case, config: dict):
         num_microbatches=config["num_microbatches"],
         global_batch_size=case.batch_size,
         recompute=config.get("recompute", False),
+        sharding=config.get("sharding", "replicate"),
+        replica_samples=config.get("replica_samples"),
     )
 
 
-def on_device_groups(plan, groups: list):
+def on_device_groups(plan, groups: list, counts: list | None = None):
     """``plan`` on a mixed cluster of ``groups`` ((device, count) in rank order), through its plan
     file: a mixed-cluster plan whose stages sit on different device groups (the runtime runs every
-    rank on this CPU)."""
+    rank on this CPU). ``counts``: each stage's replicas per device group, its ranks then following
+    the groups as the mixed planner places them (``Cluster.assign_ranks``: a stage on the second
+    group may come first)."""
     import dataclasses
 
     from partita.types.cluster import Cluster, DeviceGroup
     from partita.types.plan_file import plan_from_json, plan_to_json
 
     cluster = Cluster(groups=[DeviceGroup(device, count, count) for device, count in groups])
-    return plan_from_json(plan_to_json(dataclasses.replace(plan, cluster=cluster)))
+    stages = plan.stages
+    if counts is not None:
+        ranks = cluster.assign_ranks(counts)
+        stages = tuple(dataclasses.replace(s, ranks=r) for s, r in zip(stages, ranks))
+    return plan_from_json(plan_to_json(dataclasses.replace(plan, cluster=cluster, stages=stages)))
 
 
 def _train_step(trainer, batch: tuple) -> float:
@@ -493,16 +509,18 @@ def job_uneven(params: dict) -> dict:
     rank = int(os.environ["RANK"])
     results: dict[str, Any] = {}
     for name in params["models"]:
-        case = GatedCase() if name == "gated" else Case(name, params.get("batch_size", BATCH))
+        if not any(name in c.get("models", params.get("default_models", params["models"])) for c in params["configs"]):
+            continue
+        case = _uneven_case(name, params.get("batch_size", BATCH))
         for config in params["configs"]:
-            if name not in config.get("models", params["models"]):
+            if name not in config.get("models", params.get("default_models", params["models"])):
                 continue
             key = f"{name}/{config['label']}"
             print(key, flush=True)
             case.reset()
             plan = make_uneven_plan(case, config)
             if "groups" in config:
-                plan = on_device_groups(plan, config["groups"])
+                plan = on_device_groups(plan, config["groups"], config.get("group_counts"))
             if config.get("nonfinite"):
                 results[key] = {"raised": _nonfinite_message(case, plan)}
                 continue
@@ -525,6 +543,16 @@ def job_uneven(params: dict) -> dict:
                 ref_losses, ref_state = reference_run(case, adamw, len(losses), max_grad_norm=clip)
                 results[key].update(ref_losses=ref_losses, param=max_diff(state, ref_state))
     return results
+
+
+def _uneven_case(name: str, batch_size: int) -> Case:
+    """``gated`` / ``gated-mse`` (GatedCase), ``gpt2-padded`` (GPT-2 whose labels are padded with -100 to
+    a different length in every sample: PaddedCase), or a zoo model."""
+    if name.startswith("gated"):
+        return GatedCase(mse=name == "gated-mse")
+    if name.endswith("-padded"):
+        return PaddedCase(name.removesuffix("-padded"))
+    return Case(name, batch_size)
 
 
 JOBS = {

@@ -17,10 +17,10 @@ from partita.planning.search import SearchOptions
 from partita.types.cluster import Cluster, DeviceGroup
 
 
-def mixed_instance(seed: int, *, max_devices: int = 12, runtime_layouts_only: bool = False) -> MixedRun:
+def mixed_instance(seed: int, *, max_devices: int = 12, every_share: bool = False) -> MixedRun:
     """A chain of 2-5 nodes with random costs (planning_instances) on a fast group and a slow one
     (1.5-4x slower per node, with its own memory), 2-12 devices in all, a global batch of 2-8.
-    ``runtime_layouts_only``: ``MixedRun``'s (default: the whole search space, unequal shares too)."""
+    ``every_share``: ``MixedRun``'s (default: the planner's search, a few balanced shares per stage)."""
     rng = np.random.default_rng(1000 + seed)
     k = int(rng.integers(2, 6))
     forward = rng.uniform(1e-3, 2e-2, size=k)
@@ -59,7 +59,7 @@ def mixed_instance(seed: int, *, max_devices: int = 12, runtime_layouts_only: bo
             base.options, num_devices=group.num_devices, memory_limit_bytes=group.usable_memory_bytes
         )
         contexts.append(PlanningContext(base.graph, group, options, costs_at, base.chain, {}))
-    return MixedRun(base.graph, cluster, tuple(contexts), PlanOptions(), batch, {}, runtime_layouts_only)
+    return MixedRun(base.graph, cluster, tuple(contexts), PlanOptions(), batch, {}, every_share)
 
 
 def mixed_oracle(run: MixedRun):

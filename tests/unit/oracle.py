@@ -81,7 +81,7 @@ def brute_force_mixed(run, schedules, recompute_pinned, evaluate) -> Plan | None
     (the job numbers them densely), and every split of the chain whose cuts between stages with
     different sample slices split by sample. ``evaluate(config, boundaries, recompute)`` returns
     the simulated plan or None (does not fit); recomputation where a stage does not fit without it.
-    With ``run.runtime_layouts_only``, only the layouts partita's runtime runs (``_runtime_layout``)."""
+    Every such layout runs on partita's runtime (unequal shares, the second group's stages first)."""
     from partita.planning.chain import per_sample_cuts
     from partita.planning.hetero_search import MixedConfig
     from partita.types.schedule_orders import check_schedule
@@ -102,8 +102,6 @@ def brute_force_mixed(run, schedules, recompute_pinned, evaluate) -> Plan | None
                 kinds = _every_kind(sizes, batch // m)
                 for kinds_tuple in itertools.product(kinds, repeat=num_stages):
                     if not _dense_prefix(run.cluster, sizes, kinds_tuple):
-                        continue
-                    if run.runtime_layouts_only and not _runtime_layout(run.cluster, kinds_tuple):
                         continue
                     for mode in [recompute_pinned] if recompute_pinned is not None else [None]:
                         config = MixedConfig(schedule, m, kinds_tuple, mode)
@@ -139,10 +137,3 @@ def _dense_prefix(cluster, sizes: list[int], kinds) -> bool:
         return False
     ranks = sorted(r for stage in cluster.assign_ranks([k.counts for k in kinds]) for r in stage)
     return ranks == list(range(len(ranks)))
-
-
-def _runtime_layout(cluster, kinds) -> bool:
-    """Equal shares within each stage, and stage after stage on consecutive ranks from 0."""
-    ranks = cluster.assign_ranks([k.counts for k in kinds])
-    flat = [r for stage in ranks for r in stage]
-    return all(len(set(k.shares)) == 1 for k in kinds) and flat == list(range(len(flat)))

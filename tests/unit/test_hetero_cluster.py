@@ -191,3 +191,13 @@ def test_cli_refuses_one_type_flags_beside_groups(capsys):
 
 def test_partita_exports_device_groups():
     assert partita.DeviceGroup is DeviceGroup
+
+
+def test_a_groups_replicas_with_unequal_shares_wait_for_the_largest():
+    """A hand-made plan whose two H100 replicas take 4 and 2 samples (the mixed search gives a group's
+    replicas equal shares): the group runs at its largest share."""
+    from partita.planning.hetero_simulate import stage_groups
+
+    plan = _mixed_plan(replica_samples=(4, 2, 2))
+    groups = stage_groups(plan.stages[0], plan.cluster, 8)
+    assert [(g.group, g.ranks, g.samples) for g in groups] == [(0, (0, 1), 4), (1, (4,), 2)]

@@ -3,17 +3,14 @@ instances (tests/unit/mixed_instances.py, oracle.brute_force_mixed), and partita
 
 import numpy as np
 import pytest
-import torch
-import torch.distributed
 from mixed_instances import mixed_instance, mixed_oracle
-from test_hetero_cluster import _mixed_plan
 
 import partita
 from partita.cli.main import main
-from partita.errors import InputError
 from partita.planning.api import plan_with_baselines
 from partita.planning.hetero import FASTEST_ONLY, SLOWEST_EVERYWHERE, best_mixed
-from partita.runtime.layout import check_even_shares, check_layout
+from partita.planning.hetero_search import enumerate_mixed_configs
+from partita.runtime.layout import check_layout
 from partita.types.cluster import Cluster, DeviceGroup
 from partita.types.plan_file import plan_from_json
 
@@ -21,10 +18,12 @@ from partita.types.plan_file import plan_from_json
 QUICK_SEEDS = (0, 3, 5, 6, 7, 8, 9, 13, 16)
 
 
-def _check_against_oracle(seeds, runtime_layouts_only: bool = False) -> list[float]:
+def _check_against_oracle(seeds, every_share: bool = False) -> list[float]:
+    """The search's plan (a few balanced shares per stage, or ``every_share``) against the brute-force
+    optimum over every share and layout, which partita's runtime runs."""
     ratios = []
     for seed in seeds:
-        run = mixed_instance(seed, runtime_layouts_only=runtime_layouts_only)
+        run = mixed_instance(seed, every_share=every_share)
         found, _ = best_mixed(run)
         best = mixed_oracle(run)
         assert (found is None) == (best is None), seed
@@ -34,6 +33,7 @@ def _check_against_oracle(seeds, runtime_layouts_only: bool = False) -> list[flo
         limits = [ctx.options.memory_limit_bytes for ctx in run.contexts]
         for stage in found.stages:
             assert all(used <= limit for used, limit in zip(stage.memory_bytes_by_group, limits)), seed
+        check_layout(found)  # the runtime runs it
     return ratios
 
 
@@ -43,17 +43,25 @@ def test_mixed_search_matches_brute_force_on_quick_instances():
     assert ratios.min() >= 1 - 1e-9 and ratios.max() <= 1 + 1e-9, ratios
 
 
-def test_runtime_layouts_match_brute_force_and_the_runtime_runs_them():
-    """The search the planner runs by default: only layouts partita's runtime runs (equal shares,
-    consecutive ranks), against brute force over those; check_layout accepts every plan."""
-    ratios = np.array(_check_against_oracle(QUICK_SEEDS, runtime_layouts_only=True))
+def test_every_share_matches_brute_force():
+    """``MixedRun.every_share``: the search tries every split of a micro-batch, as the oracle does."""
+    ratios = np.array(_check_against_oracle(QUICK_SEEDS, every_share=True))
     assert len(ratios) == len(QUICK_SEEDS)
     assert ratios.min() >= 1 - 1e-9 and ratios.max() <= 1 + 1e-9, ratios
-    for seed in QUICK_SEEDS:
-        found = best_mixed(mixed_instance(seed, runtime_layouts_only=True))[0]
-        assert all(s.replica_samples is None for s in found.stages), seed
-        check_layout(found)
-        check_even_shares(found)
+
+
+def test_the_search_offers_the_second_group_first():
+    """Type blocks in either order of the groups: a pipeline may start on the second (slow) group,
+    its ranks following the device groups (the runtime runs it: partita.runtime.layout)."""
+    run = mixed_instance(3)
+    first_on_second = [
+        c.kinds
+        for c in enumerate_mixed_configs(run, run.contexts[0].options)
+        if c.kinds[0].groups == (1,) and any(k.groups == (0,) for k in c.kinds[1:])
+    ]
+    assert first_on_second
+    ranks = run.cluster.assign_ranks([k.counts for k in first_on_second[0]])
+    assert min(ranks[0]) > min(ranks[-1])  # the first stage holds later ranks than a later stage
 
 
 @pytest.mark.slow  # the brute-force oracle over every kind tuple, share and split: minutes
@@ -103,15 +111,6 @@ def test_unequal_shares_follow_the_speeds():
             slow = [n for n, g in zip(stage.replica_samples, groups) if g == 1]
             if fast and slow:
                 assert min(fast) >= max(slow), (seed, stage.replica_samples)
-
-
-def test_the_trainer_refuses_unequal_shares_before_any_work(mlp):
-    """A plan whose replicas take unequal shares (planned with runtime_layouts_only=False, or edited)
-    is refused by name before any process group starts or the model is captured."""
-    plan = _mixed_plan()  # stage 0: shares (3, 3, 2)
-    with pytest.raises(InputError, match=r"unequal shares \[3, 3, 2\] .* does not run yet"):
-        partita.Trainer(mlp[0].model, plan, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
-    assert not torch.distributed.is_initialized()
 
 
 def test_cli_prints_both_baselines_and_the_idle_types(capsys, tmp_path):

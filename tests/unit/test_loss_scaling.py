@@ -227,3 +227,81 @@ def test_gpt2_with_padded_labels():
     ref_grads = dict(ref.named_parameters())
     for name, p in ex.model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-5, atol=1e-7)
+
+
+def _shared_grads(model, graph, batch, shares: tuple[int, ...], num_microbatches: int, cut: int | None = None):
+    """Every replica of a plan whose replicas take unequal ``shares`` of each micro-batch, run in
+    turn in this process (each replica its own stages, rewritten for it): its slices through the
+    stages, gradients summed over replicas and scaled as the trainer does."""
+    n = graph.num_nodes
+    cuts = [0, n] if cut is None else [0, cut, n]
+    groups = len(cuts) - 1
+    plan = manual_plan(
+        graph,
+        cuts,
+        schedule="gpipe",
+        num_rank_groups=groups,
+        replicas=(len(shares),) * groups,
+        num_microbatches=num_microbatches,
+        global_batch_size=BATCH,
+        replica_samples=[shares] * groups,
+    )
+    flat = flatten_inputs(graph, batch)
+    b = BATCH // num_microbatches
+    losses, scale, warnings = [], None, set()
+    for replica, size in enumerate(shares):
+        stages = split_graph(graph, plan.boundaries)
+        scaling = LossScaling(graph, plan, stages, stages, torch.device("cpu"), replica=replica)
+        scaling.update(flat)
+        first = sum(shares[:replica])
+        mine = []
+        for i in range(num_microbatches):
+            loss = run_sequential(stages, narrow_batch(graph, flat, i * b + first, size))
+            loss.backward()
+            mine.append(loss.detach())
+        losses.append(scaling.reported_loss(mine))  # this replica's part of the full-batch loss
+        scale = scaling.grad_scale
+        warnings.add(scaling.warning)
+    grads = {name: p.grad * scale for name, p in model.named_parameters()}
+    return float(sum(losses)), grads, warnings
+
+
+@pytest.mark.parametrize(
+    "kind", ["ce", "nll-weighted-smoothed", "masked", "masked-reciprocal", "sum", "numel", "mse", "combo"]
+)
+@pytest.mark.parametrize("shares,num_microbatches", [((3, 1), 2), ((1, 2, 5), 1), ((6, 2), 1)])
+def test_unequal_shares_weigh_each_slice_by_its_samples(kind, shares, num_microbatches):
+    """Replicas of unequal speed run 3 and 1 (or 1, 2 and 5) samples of each micro-batch: means over
+    a slice (mse, the numel mean, combo's mean and constant) are weighted by their samples, counts
+    over the global batch need nothing; the step equals full-batch training."""
+    model, graph, batch = _capture(kind)
+    ref_loss, ref_grads = _reference(model, batch)
+    loss, grads, warnings = _shared_grads(model, graph, batch, shares, num_microbatches)
+    assert warnings == {None}
+    assert loss == pytest.approx(ref_loss, rel=1e-6, abs=1e-7)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7, msg=f"{kind}: gradient of {name}")
+
+
+def test_unequal_shares_with_the_loss_cut_in_two():
+    """combo's cross-entropy before the cut, the rest after it; both stages with shares (3, 1)."""
+    model, graph, batch = _capture("combo")
+    ce = next(n.index for n in graph.nodes if n.target == "aten.cross_entropy_loss.default")
+    ref_loss, ref_grads = _reference(model, batch)
+    loss, grads, warnings = _shared_grads(model, graph, batch, (3, 1), 2, cut=ce + 1)
+    assert warnings == {None}
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7)
+
+
+def test_unequal_shares_without_weights_train_another_loss():
+    """The failure the weights prevent: mse slices of 3 and 1 samples averaged alike."""
+    model, graph, batch = _capture("mse")
+    _, ref_grads = _reference(model, batch)
+    flat = flatten_inputs(graph, batch)
+    stages = split_graph(graph, [0, graph.num_nodes])
+    for first, size in [(0, 3), (3, 1), (4, 3), (7, 1)]:
+        run_sequential(stages, narrow_batch(graph, flat, first, size)).backward()
+    diff = max(float((p.grad / 4 - ref_grads[n]).abs().max()) for n, p in model.named_parameters())
+    assert diff > 1e-4

@@ -564,3 +564,20 @@ def test_plan_simulation_rejects_a_table_at_the_wrong_microbatch_size():
         simulate(tiny_plan(cluster), tiny_costs(8), cluster)
     uniform_plan = tiny_plan(cluster, replicas=(1, 1))
     assert simulate(uniform_plan, tiny_costs(16), cluster).step_s > 0
+
+
+def test_unequal_shares_simulate_at_the_largest_share():
+    """Stage 1's replicas take 12 and 4 samples of each micro-batch of 16 (a manual plan on one type):
+    the stage waits for the replica with 12, so its costs are those at 12 samples."""
+    import dataclasses
+
+    cluster = Cluster(device="h100", num_devices=4, devices_per_node=2)
+    plan = tiny_plan(cluster)
+    shared = dataclasses.replace(
+        plan, stages=(plan.stages[0], dataclasses.replace(plan.stages[1], replica_samples=(12, 4)))
+    )
+    sizes = []
+    res = simulate(shared, lambda size: sizes.append(size) or tiny_costs(size), cluster, keep_timeline=False)
+    assert sorted(sizes) == [12, 16]
+    even = simulate(plan, tiny_costs, cluster, keep_timeline=False)
+    assert res.step_s > even.step_s

@@ -13,7 +13,7 @@ import torch
 import partita
 from partita.errors import InputError
 from partita.planning.manual import manual_plan
-from partita.runtime.layout import check_layout
+from partita.runtime.layout import check_layout, stage_shares
 from partita.runtime.numerics import NonFinitePolicy, describe, loss_findings
 from partita.runtime.stages import split_graph
 from partita.runtime.uneven import Layout, Transfer, boundary_layouts, check_uneven_boundaries, replica_slice, transfers
@@ -75,6 +75,41 @@ def test_manual_plan_refuses_replica_counts_the_runtime_cannot_run(mlp_graph, ba
         manual_plan(mlp_graph, cuts, **choices)
 
 
+def test_manual_plan_gives_replicas_unequal_shares(mlp_graph):
+    choices = dict(schedule="1f1b", num_rank_groups=2, replicas=(2, 2), num_microbatches=2, global_batch_size=8)
+    plan = manual_plan(mlp_graph, _half(mlp_graph), replica_samples=[(3, 1), None], **choices)
+    assert [s.replica_samples for s in plan.stages] == [(3, 1), None]
+    assert [s.ranks for s in plan.stages] == [(0, 1), (2, 3)]
+    assert not plan.uniform_replicas and plan.microbatch_size == 3  # the largest share
+    assert plan.options["replica_samples"] == [[3, 1], None]
+    assert plan_from_json(plan.to_json(), graph=mlp_graph) == plan
+    check_layout(plan)
+    even = manual_plan(mlp_graph, _half(mlp_graph), replica_samples=[(2, 2), None], **choices)
+    assert even == manual_plan(mlp_graph, _half(mlp_graph), **choices)  # equal shares are the even split
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(replica_samples=[(3, 1)]), r"replica_samples has 1 entries for 2 rank groups"),
+        (dict(replica_samples=[(2, 1), None]), r"replica_samples\[0\] is \(2, 1\).*2 ints >= 1 summing to .* 4"),
+        (dict(replica_samples=[(4, 0), None]), r"replica_samples\[0\] is \(4, 0\)"),
+        (dict(replica_samples=[None, (1, 1, 2)]), r"rank group 1 has 2 replicas, so give 2 ints"),
+        (dict(replica_samples="31"), r"replica_samples must be a sequence"),
+        (
+            dict(replica_samples=[(3, 1), None], schedule="interleaved1f1b", num_stages=4),
+            r"unequal shares, which run under schedule gpipe or 1f1b.*got interleaved1f1b, 4 stages on 2",
+        ),
+    ],
+)
+def test_manual_plan_refuses_shares_the_runtime_cannot_run(mlp_graph, bad, match):
+    choices = dict(schedule="1f1b", num_rank_groups=2, num_microbatches=2, global_batch_size=8, replicas=(2, 2)) | bad
+    num_stages = choices.pop("num_stages", 2)
+    cuts = [mlp_graph.num_nodes * k // num_stages for k in range(num_stages + 1)]
+    with pytest.raises(InputError, match=match):
+        manual_plan(mlp_graph, cuts, **choices)
+
+
 def test_layout_check_refuses_uneven_plans_it_cannot_run(mlp_graph):
     plan = manual_plan(
         mlp_graph,
@@ -86,8 +121,32 @@ def test_layout_check_refuses_uneven_plans_it_cannot_run(mlp_graph):
         global_batch_size=8,
     )
     gap = dataclasses.replace(plan, stages=(plan.stages[0], dataclasses.replace(plan.stages[1], ranks=(3,))))
-    with pytest.raises(InputError, match=r"stage 1 runs on rank group 1, ranks \[3\].*ranks \[2\].*manual_plan"):
+    with pytest.raises(InputError, match=r"ranks \[0, 1, 3\], but a job's ranks are 0 .. 2.*rank 2 runs no stage"):
         check_layout(gap)
+    unsorted = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], ranks=(1, 0)), plan.stages[1]))
+    with pytest.raises(InputError, match=r"stage 0 runs on rank group 0, ranks \[1, 0\].*ascending ranks"):
+        check_layout(unsorted)
+    # a stage may run on later ranks than the next one (ranks follow a mixed cluster's device groups)
+    check_layout(
+        dataclasses.replace(
+            plan, stages=tuple(dataclasses.replace(s, ranks=r) for s, r in zip(plan.stages, [(1, 2), (0,)]))
+        )
+    )
+    split = manual_plan(
+        mlp_graph,
+        _half(mlp_graph),
+        schedule="1f1b",
+        num_rank_groups=2,
+        replicas=2,
+        num_microbatches=2,
+        global_batch_size=8,
+        tensor_parallel=2,
+    )
+    shared = dataclasses.replace(
+        split, stages=(dataclasses.replace(split.stages[0], replica_samples=(3, 1)), split.stages[1])
+    )
+    with pytest.raises(InputError, match=r"unequal shares \[3, 1\].*tensor-parallel degree 2.*tensor_parallel=1"):
+        check_layout(shared)
     with pytest.raises(InputError, match=r"\[2, 1\] under zbv.*gpipe or 1f1b"):
         check_layout(dataclasses.replace(plan, schedule=partita.Schedule.ZBV))
 
@@ -97,42 +156,71 @@ def test_layout_check_refuses_uneven_plans_it_cannot_run(mlp_graph):
 
 def test_transfers_of_a_worked_example():
     # b = 6: senders hold [0, 3) and [3, 6); receivers [0, 2), [2, 4), [4, 6).
-    assert transfers(6, 2, 3) == (
+    assert transfers((3, 3), (2, 2, 2)) == (
         Transfer(sender=0, receiver=0, sender_offset=0, receiver_offset=0, num_samples=2, carries_whole=True),
         Transfer(sender=0, receiver=1, sender_offset=2, receiver_offset=0, num_samples=1, carries_whole=True),
         Transfer(sender=1, receiver=1, sender_offset=0, receiver_offset=1, num_samples=1, carries_whole=False),
         Transfer(sender=1, receiver=2, sender_offset=1, receiver_offset=0, num_samples=2, carries_whole=True),
     )
-    assert replica_slice(6, 3, 2) == (4, 2)
-    with pytest.raises(InputError, match="6 samples does not split evenly over 2 and 4 replicas: use a global batch"):
-        transfers(6, 2, 4)
+    assert replica_slice((2, 2, 2), 2) == (4, 2)
+    # unequal shares: a fast replica [0, 5) and a slow one [5, 6) feeding [0, 2), [2, 4), [4, 6)
+    assert transfers((5, 1), (2, 2, 2))[-2:] == (
+        Transfer(sender=0, receiver=2, sender_offset=4, receiver_offset=0, num_samples=1, carries_whole=True),
+        Transfer(sender=1, receiver=2, sender_offset=0, receiver_offset=1, num_samples=1, carries_whole=False),
+    )
+    assert replica_slice((5, 1), 1) == (5, 1)
+
+
+def test_stage_shares_split_a_microbatch_or_say_why_not(mlp_graph):
+    plan = manual_plan(
+        mlp_graph,
+        _half(mlp_graph),
+        schedule="1f1b",
+        num_rank_groups=2,
+        replicas=(2, 1),
+        num_microbatches=2,
+        global_batch_size=12,
+        replica_samples=[(5, 1), None],
+    )
+    assert [stage_shares(s, 6) for s in plan.stages] == [(5, 1), (6,)]
+    with pytest.raises(
+        InputError, match=r"micro-batch of 7 samples does not split evenly over the 2 replicas of stage 0"
+    ):
+        stage_shares(dataclasses.replace(plan.stages[0], replica_samples=None), 7)
+    with pytest.raises(InputError, match=r"stage 0 gives its 2 replicas the shares \[6, 0\].*at least one sample"):
+        stage_shares(dataclasses.replace(plan.stages[0], replica_samples=(6, 0)), 6)
+
+
+SHARES = [(1, 5), (5, 1), (2, 3, 1), (1, 1, 4), (4, 2), (1, 2, 1, 2)]
 
 
 @pytest.mark.parametrize(
-    "num_senders, num_receivers, b",
-    [(s, r, 6) for s, r in itertools.product([1, 2, 3, 6], repeat=2)]
-    + [(18, 54, 216), (54, 18, 216), (36, 72, 216)],  # counts of plans beyond 64 devices
+    "sender_shares, receiver_shares",
+    [((6 // s,) * s, (6 // r,) * r) for s, r in itertools.product([1, 2, 3, 6], repeat=2)]
+    + [((12,) * 18, (4,) * 54), ((4,) * 54, (12,) * 18), ((6,) * 36, (3,) * 72)]  # counts of plans beyond 64 devices
+    + list(itertools.product(SHARES, [(6,), (3, 3), (2, 2, 2), *SHARES])),  # unequal shares on one side or both
 )
-def test_routing_rebuilds_every_slice_and_returns_every_gradient(num_senders, num_receivers, b):
+def test_routing_rebuilds_every_slice_and_returns_every_gradient(sender_shares, receiver_shares):
     """Route a (b, 5) activation and its gradient as the executor does (narrow on one side, cat on
     the other); a tensor without batch dim reaches every receiver once, from its owner."""
+    b = sum(sender_shares)
     activation, gradient = torch.randn(b, 5), torch.randn(b, 5)
-    routes = transfers(b, num_senders, num_receivers)
+    routes = transfers(sender_shares, receiver_shares)
 
-    def own(x, replicas, replica):
-        start, size = replica_slice(b, replicas, replica)
+    def own(x, shares, replica):
+        start, size = replica_slice(shares, replica)
         return x[start : start + size]
 
-    for receiver in range(num_receivers):
+    for receiver in range(len(receiver_shares)):
         mine = [t for t in routes if t.receiver == receiver]
         assert [t.sender for t in mine] == sorted(t.sender for t in mine)
-        pieces = [own(activation, num_senders, t.sender).narrow(0, t.sender_offset, t.num_samples) for t in mine]
-        assert torch.equal(torch.cat(pieces), own(activation, num_receivers, receiver))
+        pieces = [own(activation, sender_shares, t.sender).narrow(0, t.sender_offset, t.num_samples) for t in mine]
+        assert torch.equal(torch.cat(pieces), own(activation, receiver_shares, receiver))
         assert sum(t.carries_whole for t in mine) == 1, "exactly one owner sends the whole tensors"
-    for sender in range(num_senders):
+    for sender in range(len(sender_shares)):
         mine = [t for t in routes if t.sender == sender]
-        pieces = [own(gradient, num_receivers, t.receiver).narrow(0, t.receiver_offset, t.num_samples) for t in mine]
-        assert torch.equal(torch.cat(pieces), own(gradient, num_senders, sender))
+        pieces = [own(gradient, receiver_shares, t.receiver).narrow(0, t.receiver_offset, t.num_samples) for t in mine]
+        assert torch.equal(torch.cat(pieces), own(gradient, sender_shares, sender))
 
 
 # ----------------------------------------------------------------------------- boundary layouts
@@ -160,15 +248,17 @@ def test_merged_batch_dims_are_refused_between_different_replica_counts(gpt2_gra
     expected = rf"'{sent.name}' \(256, 192\) between stage 0 \(2 replicas\) and stage 1.*cut the model elsewhere"
     with pytest.raises(InputError, match=expected):
         check_uneven_boundaries(gpt2_graph, plan, stages)
-    layouts = boundary_layouts(gpt2_graph, stages[0].spec.output_names, 0, 2, 2)
-    assert layouts[-1] is Layout.WHOLE  # equal counts: both sides hold the same samples
+    layouts = boundary_layouts(gpt2_graph, stages[0].spec.output_names, 0, (2, 2), (2, 2))
+    assert layouts[-1] is Layout.WHOLE  # equal shares: both sides hold the same samples
+    with pytest.raises(InputError, match=r"stage 0 \(2 replicas with shares \[3, 1\]\) and stage 1 \(2 replicas\)"):
+        boundary_layouts(gpt2_graph, stages[0].spec.output_names, 0, (3, 1), (2, 2))
 
 
 def test_per_sample_and_batchless_boundary_tensors_are_routed(gpt2_graph):
     cut = gpt2_graph.num_nodes // 3
     stages = split_graph(gpt2_graph, [0, cut, gpt2_graph.num_nodes])
     names = stages[0].spec.output_names
-    layouts = boundary_layouts(gpt2_graph, names, 0, 2, 1)
+    layouts = boundary_layouts(gpt2_graph, names, 0, (2, 2), (4,))
     infos = [gpt2_graph.node(name).outputs[0] for name in names]
     assert layouts == tuple(Layout.SLICED if i.batch_dim is not None else Layout.WHOLE for i in infos)
 
@@ -198,7 +288,33 @@ def test_layout_check_refuses_several_stages_per_group_and_a_batch_that_does_not
     )
     first, second, third = plan.stages
     shared = dataclasses.replace(plan, stages=(first, second, dataclasses.replace(third, ranks=(0, 1), rank_group=0)))
-    with pytest.raises(InputError, match=r"3 stages on 2 rank groups.*\[2, 1, 2\]: uneven plans run one stage"):
+    with pytest.raises(InputError, match=r"3 stages on 2 rank groups.*\[2, 1, 2\]: such plans run one stage"):
         check_layout(shared)
-    with pytest.raises(InputError, match=r"6 samples in 2 micro-batches.*over 2 replicas.*replica count \[1, 2\]"):
+    with pytest.raises(
+        InputError, match=r"micro-batch of 3 samples does not split evenly over the 2 replicas of stage 0"
+    ):
         check_layout(dataclasses.replace(plan, global_batch_size=6, microbatch_size=3))
+
+
+def test_the_trainer_refuses_shares_that_do_not_make_the_microbatch_before_any_work(mlp):
+    """A plan file edited to shares that do not sum to the micro-batch: refused by name before any
+    process group starts or the model is captured."""
+    import torch.distributed
+
+    ex, graph = mlp
+    plan = manual_plan(
+        graph,
+        _half(graph),
+        schedule="gpipe",
+        num_rank_groups=2,
+        replicas=(2, 1),
+        num_microbatches=2,
+        global_batch_size=8,
+        replica_samples=[(3, 1), None],
+    )
+    edited = dataclasses.replace(
+        plan, stages=(dataclasses.replace(plan.stages[0], replica_samples=(3, 3)), plan.stages[1])
+    )
+    with pytest.raises(InputError, match=r"stage 0 gives its 2 replicas the shares \[3, 3\] of a micro-batch of 4"):
+        partita.Trainer(ex.model, edited, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    assert not torch.distributed.is_initialized()
