@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
         if DIST in Path(item.path).parents:
             item.add_marker(pytest.mark.dist)
         item.add_marker(pytest.mark.xdist_group(launch_groups.get(item.nodeid, item.location[0])))
-    if config.getvalue("loadgroup"):  # the workers hand out groups in this order: the longest first
+    if getattr(config.option, "loadgroup", False):  # xdist hands the groups out in this order: longest first
         rank = {}
         for item in items:
             group = item.get_closest_marker("xdist_group").args[0]
@@ -54,10 +54,10 @@ def pytest_collection_finish(session):
     """Under ``--dist loadgroup`` every test's node id carries its group (pytest-xdist appends it):
     fail at once where it does not (a pytest that xdist cannot group), rather than run shared
     launches twice, once on each worker."""
-    if session.config.getvalue("loadgroup") and any("@" not in item.nodeid for item in session.items):
+    if getattr(session.config.option, "loadgroup", False) and any("@" not in item.nodeid for item in session.items):
         raise pytest.UsageError(
             f"pytest-xdist's --dist loadgroup has no effect under pytest {pytest.__version__}: install the "
-            "test extra's pytest (pyproject.toml) or run with TEST_WORKERS=1 / without -n"
+            "test extra's pytest (pyproject.toml), or run pytest without -n"
         )
 
 

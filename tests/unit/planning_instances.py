@@ -1,6 +1,8 @@
 """Random small planning instances and their brute-force optimum, shared by the search tests
 (test_search, test_uneven_search, test_plan_bounds)."""
 
+import os
+
 import numpy as np
 from oracle import brute_force
 
@@ -14,6 +16,12 @@ from partita.types import CostTable, OpGraph, OpNode, OptimizerKind, ParamInfo, 
 from partita.types.cluster import Cluster
 
 GiB = 2**30
+
+# How many random instances the brute-force checks of the searches solve (test_search,
+# test_uneven_search: seeds 0..N-1; test_hetero_search: 3/20 as many mixed ones). ``make test``
+# runs 80; the full sets run with PARTITA_BRUTE_FORCE_INSTANCES=200, and
+# bench/results/brute_force.md records such a run (the oracle is minutes per hundred instances).
+NUM_INSTANCES = int(os.environ.get("PARTITA_BRUTE_FORCE_INSTANCES", "80"))
 
 
 def random_instance(seed: int, num_nodes: tuple[int, int] = (2, 8)) -> PlanningContext:
