@@ -305,17 +305,30 @@ class MemoryBound:
                     best = np.minimum(best, state + weight * backward + (1 - weight) * step)
         return np.where(self.valid, best, np.inf)
 
-    @_memoized
     def half_sums(self, replicas: int, weight: float, maxima: bool, from_end: bool, pieces: int) -> np.ndarray:
         """[c, i]: the least sum of ``group_share`` over c ranges covering blocks [0, i) (or, from the
-        end, [i, K)), c = 0 .. pieces; inf where impossible. E_c[i] = min_j E_{c-1}[j] + g[j, i]."""
-        g = self.group_share(replicas, weight, maxima)
+        end, [i, K)), c = 0 .. pieces; inf where impossible. E_c[i] = min_j E_{c-1}[j] + g[j, i].
+        Row c does not depend on how many rows follow: the rows are remembered and extended when
+        more pieces are asked for (the bound asks for many depths per replica count)."""
+        remembered = self.__dict__.setdefault("_half_sums", {})
+        key = (replicas, weight, maxima, from_end)
         k = self.num_blocks
-        rows = np.full((pieces + 1, k + 1), np.inf)
-        rows[0, k if from_end else 0] = 0.0
-        for c in range(1, pieces + 1):
-            rows[c] = np.min(g + rows[c - 1][None, :], axis=1) if from_end else np.min(rows[c - 1][:, None] + g, axis=0)
-        return rows
+        rows = remembered.get(key)
+        if rows is None:
+            rows = np.full((1, k + 1), np.inf)
+            rows[0, k if from_end else 0] = 0.0
+        if len(rows) <= pieces:
+            g = self.group_share(replicas, weight, maxima)
+            done = len(rows)
+            rows = np.concatenate([rows, np.full((pieces + 1 - done, k + 1), np.inf)])
+            for c in range(done, min(pieces, k) + 1):  # c - 1 ranges cover c - 1 blocks at least: the rest is inf
+                if from_end:
+                    stop = k - c + 2
+                    rows[c] = np.min(g[:, :stop] + rows[c - 1][None, :stop], axis=1)
+                else:
+                    rows[c] = np.min(rows[c - 1][c - 1 :, None] + g[c - 1 :], axis=0)
+        remembered[key] = rows
+        return rows[: pieces + 1]
 
     @_memoized
     def groups_least(self, replicas: int, most_groups: int, stages_per_group: int) -> np.ndarray:
