@@ -61,6 +61,15 @@ CASES = {
 HISTORY = """\
 ## Before (same machine)
 
+- 2026-12-04, issue 27: interleaved 1F1B searched with 3 stages per rank group too (the table's
+  175B, 39B, 310B and 530B plans are such; 8.51 s predicted for 175B, 9.24, 27.50 and 40.81 s,
+  against 8.85, 9.33, 27.94 and 42.90 s with 2), with the configs' estimate lower bound counting
+  recomputation and the fill and drain exactly. Before that bound, at load 4-14 (other agents'
+  full test runs): 16.1 s (175B), 14.2, 32.4, 18.9, 22.6 and 14.9 s of search. CPU seconds of
+  ``partita.plan`` (tables + search, graph captured before, twice each), the code before
+  (ed7d5b5) / this table's: 175B 9.7, 8.3 / 9.4, 7.9; 1T 11.0, 6.9 / 11.4,
+  7.9; 530B 23.9, 19.7 / 20.4, 17.2. The previous table (10:01 UTC): 9.4 s (175B), 5.6, 15.5,
+  13.8, 18.3 and 8.6 s.
 - 2026-12-04, this table's code (issue 27: the vocabulary split over the tensor-parallel group
   at every hidden size, the analytic backward's traffic) on a VM that ran other agents' jobs on
   both cores (load 3-6; captures 1.5-2x slower than in the 12-02 table): a second full run minutes

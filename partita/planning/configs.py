@@ -39,7 +39,11 @@ class SearchOptions:
     optimizer: OptimizerKind
     precision: Precision
     sharding: Sharding | None  # None: each stage's level is searched
-    interleaved_virtual_stages: tuple[int, ...] = (2,)
+    # stages per rank group of interleaved 1F1B (torch's ScheduleInterleaved1F1B runs any count):
+    # 3 against 2 shrinks the fill and drain ((G - 1) / v of a group's load) and the first group's
+    # activations in flight (about 4G/3 micro-batches of its share, not 3G/2:
+    # partita.cost.memory.microbatches_in_flight), for more sends between stages
+    interleaved_virtual_stages: tuple[int, ...] = (2, 3)
     # the tensor-parallel degree of the costs searched (partita.planning.tensor_parallel): the
     # search places groups of this many devices, as if each were one device
     tensor_parallel: int = 1

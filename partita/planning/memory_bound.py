@@ -28,16 +28,22 @@ Three tests, on ``units`` (devices, or tensor-parallel groups of ``t`` devices; 
                (``D[i] = min_j D[j] + r_min[j, i] <= units``); beyond, the uneven search
                starts from the uniform search's plans (``uneven.seed_shapes``), so the uniform
                cover decides;
-    two stages per rank group (interleaved 1F1B, ZB-V; uniform): G rank groups hold 2G ranges, one
-               from each half of the chain (interleaved: g and G + g; ZB-V: g and 2G - 1 - g), so
-               the groups' memories sum to at least the additive parts of all ranges (state of the
-               parameters each range reads first, activations, boundaries, all gradients) plus the
-               per-range maxima (gathered parameters, working memory, first gradients, optimizer
-               temporaries) of the ranges of either half; the backward and the optimizer-step peak
-               are bounded apart (their larger one is at least either). With ``g`` those sums per
-               range, any plan of G groups needs ``min over splits of g-sums <= G L``
-               (``half_sums``: a DP over the first half from the start and the second from the end,
-               ``two_stage_least``).
+    several stages per rank group (interleaved 1F1B with v stages per group, ZB-V with 2; uniform):
+               G rank groups hold vG ranges, one from each chunk of G consecutive ranges
+               (interleaved: g, G + g, ..., (v - 1) G + g; ZB-V: g and 2G - 1 - g). A group needs
+               at least the additive parts of its ranges (state of the parameters each range reads
+               first, activations, boundaries, all gradients) plus the per-range maxima (gathered
+               parameters, working memory, first gradients, optimizer temporaries) of any one of
+               them (the group's maximum of each is at least that range's), so the groups'
+               memories sum to at least the additive parts of all ranges plus the per-range maxima
+               of the ranges of any one chunk; the backward and the optimizer-step peak are bounded
+               apart (their larger one is at least either). With ``g`` those sums per range, any
+               plan of G groups needs ``min over splits of g-sums <= G L``, for each chunk. The
+               first and the last chunk are taken: DPs over the chain from its start and from its
+               end (``half_sums``) give the least sums of c ranges with and without maxima for
+               every c at once, so each G costs one minimum over where the chunk ends or starts
+               (``groups_least``); a middle chunk would need a DP per G, and the chain's ends
+               (embedding, head) hold its largest maxima.
 
 ``M_r[j, i]`` is ``memory_from_totals`` on the exact totals of range [j, i) at the settings above,
 minimised over them. The bound never refuses what the search can find (tests/unit/test_memory_bound.py
@@ -66,11 +72,11 @@ from partita.types import RECOMPUTE_LEVELS, MemoryBreakdown, Precision, Recomput
 __all__ = ["BlockNeed", "MemoryBound", "divisors"]
 
 ONE_STAGE = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
-TWO_STAGES = (Schedule.INTERLEAVED_1F1B, Schedule.ZBV)
+SEVERAL_STAGES = (Schedule.INTERLEAVED_1F1B, Schedule.ZBV)
 # Per tensor, the bytes of b samples may round below b times one sample's by a few bytes (floor
 # and ceil divisions in partita.cost.table): this many bytes per node and sample are given up.
 _ROUNDING_BYTES = 8
-# Weights of the backward peak against the optimizer step's in the two-stage test.
+# Weights of the backward peak against the optimizer step's in the several-stage test.
 PEAK_WEIGHTS = (1.0, 0.0)
 # The range totals of ``BlockCosts.stage_totals`` that the bound's memory formula takes as they are
 # (the first gradients are set apart: the bound also takes their smallest).
@@ -171,19 +177,31 @@ class MemoryBound:
     # ------------------------------------------------------------------ the choices searched
 
     @functools.cached_property
+    def stages_per_group(self) -> tuple[int, ...]:
+        """The stage counts per rank group of the several-stage schedules searched (ZB-V: 2;
+        interleaved 1F1B: ``SearchOptions.interleaved_virtual_stages``), as ``configs._schedules``."""
+        counts = set()
+        for schedule in self.options.schedules:
+            if schedule is Schedule.ZBV:
+                counts.add(2)
+            elif schedule is Schedule.INTERLEAVED_1F1B:
+                counts.update(self.options.interleaved_virtual_stages)
+        return tuple(sorted(counts))
+
+    @functools.cached_property
     def recompute_modes(self) -> dict[bool, tuple[Recompute, ...]]:
-        """Recomputation levels of one-stage (False) and two-stage (True) schedules."""
+        """Recomputation levels of one-stage (False) and several-stage (True) schedules."""
         pinned = self.options.recompute
         modes = {}
-        for two, family in ((False, ONE_STAGE), (True, TWO_STAGES)):
+        for several, family in ((False, ONE_STAGE), (True, SEVERAL_STAGES)):
             allowed = [s for s in self.options.schedules if s in family]
             can = any(recompute_allowed(s) for s in allowed)
             if not allowed:
-                modes[two] = ()
+                modes[several] = ()
             elif pinned is not None:
-                modes[two] = (pinned,) if can or pinned is Recompute.NONE else ()
+                modes[several] = (pinned,) if can or pinned is Recompute.NONE else ()
             else:
-                modes[two] = RECOMPUTE_LEVELS if can else (Recompute.NONE,)
+                modes[several] = RECOMPUTE_LEVELS if can else (Recompute.NONE,)
         return modes
 
     def replica_counts(self, num_units: int) -> list[int]:
@@ -247,8 +265,8 @@ class MemoryBound:
         )
 
     @_memoized
-    def two_stage_share(self, replicas: int, weight: float, maxima: bool) -> np.ndarray:
-        """g[j, i]: range [j, i)'s least share of a two-stage rank group's memory (module docstring):
+    def group_share(self, replicas: int, weight: float, maxima: bool) -> np.ndarray:
+        """g[j, i]: range [j, i)'s least share of a several-stage rank group's memory (module docstring):
         its additive parts, with its per-range maxima when ``maxima``; the backward peak weighted
         ``weight`` and the optimizer step's ``1 - weight`` (the larger of the two peaks is at least
         any such mean, which, unlike the larger, adds up over ranges)."""
@@ -287,31 +305,47 @@ class MemoryBound:
                     best = np.minimum(best, state + weight * backward + (1 - weight) * step)
         return np.where(self.valid, best, np.inf)
 
-    @_memoized
     def half_sums(self, replicas: int, weight: float, maxima: bool, from_end: bool, pieces: int) -> np.ndarray:
-        """[c, i]: the least sum of ``two_stage_share`` over c ranges covering blocks [0, i) (or, from the
-        end, [i, K)), c = 0 .. pieces; inf where impossible. E_c[i] = min_j E_{c-1}[j] + g[j, i]."""
-        g = self.two_stage_share(replicas, weight, maxima)
+        """[c, i]: the least sum of ``group_share`` over c ranges covering blocks [0, i) (or, from the
+        end, [i, K)), c = 0 .. pieces; inf where impossible. E_c[i] = min_j E_{c-1}[j] + g[j, i].
+        Row c does not depend on how many rows follow: the rows are remembered and extended when
+        more pieces are asked for (the bound asks for many depths per replica count)."""
+        remembered = self.__dict__.setdefault("_half_sums", {})
+        key = (replicas, weight, maxima, from_end)
         k = self.num_blocks
-        rows = np.full((pieces + 1, k + 1), np.inf)
-        rows[0, k if from_end else 0] = 0.0
-        for c in range(1, pieces + 1):
-            rows[c] = np.min(g + rows[c - 1][None, :], axis=1) if from_end else np.min(rows[c - 1][:, None] + g, axis=0)
-        return rows
+        rows = remembered.get(key)
+        if rows is None:
+            rows = np.full((1, k + 1), np.inf)
+            rows[0, k if from_end else 0] = 0.0
+        if len(rows) <= pieces:
+            g = self.group_share(replicas, weight, maxima)
+            done = len(rows)
+            rows = np.concatenate([rows, np.full((pieces + 1 - done, k + 1), np.inf)])
+            for c in range(done, min(pieces, k) + 1):  # c - 1 ranges cover c - 1 blocks at least: the rest is inf
+                if from_end:
+                    stop = k - c + 2
+                    rows[c] = np.min(g[:, :stop] + rows[c - 1][None, :stop], axis=1)
+                else:
+                    rows[c] = np.min(rows[c - 1][c - 1 :, None] + g[c - 1 :], axis=0)
+        remembered[key] = rows
+        return rows[: pieces + 1]
 
     @_memoized
-    def two_stage_least(self, replicas: int, most_groups: int) -> np.ndarray:
-        """[G]: the least total memory of G two-stage rank groups of ``replicas`` replicas, G = 0 ..
-        ``most_groups``. The chain splits into a first half of G ranges and a second of as many, and
-        each rank group holds one range of each (interleaved: g and G + g; ZB-V: g and 2G - 1 - g),
-        so the groups' maxima sum to at least those of either half (the other half counted by its
-        additive parts alone)."""
+    def groups_least(self, replicas: int, most_groups: int, stages_per_group: int) -> np.ndarray:
+        """[G]: the least total memory of G rank groups of ``replicas`` replicas holding v =
+        ``stages_per_group`` stages each, G = 0 .. ``most_groups``. The chain splits into vG ranges,
+        and each rank group holds one range of each chunk of G consecutive ones (interleaved: g, G +
+        g, ...; ZB-V: g and 2G - 1 - g), so the groups' maxima sum to at least those of the first
+        chunk's ranges, and to at least those of the last chunk's (the other ranges counted by
+        their additive parts alone)."""
+        counts, rest = np.arange(most_groups + 1), (stages_per_group - 1) * most_groups
+        others = (stages_per_group - 1) * counts  # the ranges outside the chunk, for each G
         least = np.zeros(most_groups + 1)
         for weight in PEAK_WEIGHTS:
-            for first_has_maxima in (True, False):
-                head = self.half_sums(replicas, weight, first_has_maxima, False, most_groups)
-                tail = self.half_sums(replicas, weight, not first_has_maxima, True, most_groups)
-                least = np.maximum(least, np.min(head + tail, axis=1))
+            sums = functools.partial(self.half_sums, replicas, weight)  # (maxima, from_end, pieces)
+            first = sums(True, False, most_groups)[counts] + sums(False, True, rest)[others]
+            last = sums(False, False, rest)[others] + sums(True, True, most_groups)[counts]
+            least = np.maximum(least, np.maximum(first.min(axis=1), last.min(axis=1)))
         return least
 
     @_memoized
@@ -369,7 +403,7 @@ class MemoryBound:
         limit = self.options.memory_limit_bytes if limit_bytes is None else limit_bytes
         if max(self.block_needs(units), default=0.0) > limit:
             return False
-        return self.fits_one_stage(units, limit) or self.fits_two_stages(units, limit)
+        return self.fits_one_stage(units, limit) or self.fits_several_stages(units, limit)
 
     def fewest_units(self, limit: int, valid, most: int) -> int | None:
         """A count of units (at most ``most``) below which ``may_fit`` never holds at ``limit``: the
@@ -384,9 +418,9 @@ class MemoryBound:
                 ranges = self.fewest_ranges(r, limit)
                 if np.isfinite(ranges):
                     wanted.append((int(ranges) * r, r))
-            if self.recompute_modes[True] and k >= 4:
-                top = min(k // 2, most // r)
-                least = self.two_stage_least(r, top) if top >= 2 and self.blocks_fit_at(r, limit) else np.zeros(0)
+            for v in self.stages_per_group if self.recompute_modes[True] else ():
+                top = min(k // v, most // r)
+                least = self.groups_least(r, top, v) if top >= 2 and self.blocks_fit_at(r, limit) else np.zeros(0)
                 groups = [g for g in range(2, len(least)) if least[g] <= g * limit]
                 if groups:
                     wanted.append((min(groups) * r, r))
@@ -449,22 +483,19 @@ class MemoryBound:
             devices[i] = np.min(devices[:i] + least[:i, i])
         return float(devices[-1])
 
-    def fits_two_stages(self, units: int, limit: int) -> bool:
+    def fits_several_stages(self, units: int, limit: int) -> bool:
         if not self.recompute_modes[True]:
             return False
-        if Schedule.INTERLEAVED_1F1B in self.options.schedules and set(self.options.interleaved_virtual_stages) != {2}:
-            return True  # rank groups of more than two stages: not bounded here
         pinned = self.options.num_stages
-        for r in self.replica_counts(units):
-            most = min(units // r, self.num_blocks // 2)
-            groups = range(2, most + 1) if pinned is None else [pinned] if 2 <= pinned <= most else []
-            if not groups:
-                continue
-            if not self.blocks_fit_at(r, limit):
-                continue
-            least = self.two_stage_least(r, most)
-            if any(least[g] <= g * limit for g in groups):
-                return True
+        for v in self.stages_per_group:
+            for r in self.replica_counts(units):
+                most = min(units // r, self.num_blocks // v)
+                groups = range(2, most + 1) if pinned is None else [pinned] if 2 <= pinned <= most else []
+                if not groups or not self.blocks_fit_at(r, limit):
+                    continue
+                least = self.groups_least(r, most, v)
+                if any(least[g] <= g * limit for g in groups):
+                    return True
         return False
 
 

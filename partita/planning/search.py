@@ -405,12 +405,21 @@ def spread_state_bytes(
 
 
 def _estimate_lower_bound(blocks: BlockCosts, config: Config) -> float:
-    """A bound no candidate of ``config`` beats: with T the compute of the whole chain per micro-batch,
-    every rank-group load L_g >= its stages' compute, so max L_g >= T / G and sum L_g >= T, and
-    (m - 1) max L_g + sum L_g / v >= (m - 1) T / G + T / v (a hair lower, for rounding)."""
+    """A bound no candidate of ``config`` beats: with W the compute of the whole chain per
+    micro-batch, plus what the config's recomputation mode adds to every stage (``StageCosts``:
+    a fixed mode recomputes in every stage; None, the least level per stage, adds at least
+    nothing), every rank-group load L_g >= its stages' share of W, so max L_g >= W / G and sum
+    L_g >= W: one stage per group, (m - 1) max L_g + sum L_g >= (m - 1) W / G + W; v stages,
+    m max L_g + (G - 1) max L_g / v >= (m + (G - 1) / v) W / G (``estimate_step``; a hair
+    lower, for rounding)."""
     total = float(blocks.forward_s.sum() + blocks.backward_s.sum())
+    if config.recompute_mode is not None:
+        mode = config.recompute_mode
+        total += float(extra_backward_s(mode, blocks.forward_s.sum(), blocks.selective_recompute_s.sum()))
     m, g, v = config.num_microbatches, config.num_rank_groups, config.virtual_stages
-    return ((m - 1) * total / g + total / v) * (1 - 1e-9)
+    if v == 1:
+        return ((m - 1) * total / g + total) * (1 - 1e-9)
+    return (m + (g - 1) / v) * total / g * (1 - 1e-9)
 
 
 def _split_lower_bound(blocks: BlockCosts, config: Config, cache: SearchCache) -> float:

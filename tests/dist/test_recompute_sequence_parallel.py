@@ -1,8 +1,9 @@
 """Selective recomputation (``Recompute.SELECTIVE``) and sequence parallelism on gloo, against unsplit
 full-batch training (AdamW, clipped, 3 steps: losses and every parameter within 1e-5):
 
-- selective recomputation alone (one stage, two replicas), in a two-stage pipeline, and with tensor
-  parallelism of degree 2 (GPT-2, Llama, T5);
+- selective recomputation alone (one stage, two replicas), in a two-stage pipeline, under interleaved
+  1F1B with three stages per rank group (6 stages on 2 ranks), and with tensor parallelism of
+  degree 2 (GPT-2, Llama, T5);
 - sequence parallelism at tensor-parallel degree 2 (GPT-2, Llama, and BERT, whose masked-LM head
   runs whole on its gathered input), and at degree 2 x 2 pipeline stages (GPT-2 and Llama; Llama
   also with selective recomputation).
@@ -34,6 +35,16 @@ TWO_RANKS = [
     dict(label="gpt2-sp-tp2", model="gpt2", **SEQUENCE),
     dict(label="llama-sp-tp2", model="llama", **SEQUENCE),
     dict(label="bert-sp-tp2", model="bert", **SEQUENCE),
+    # interleaved 1F1B with three stages per rank group, as the planner may pick it at scale
+    dict(
+        label="gpt2-selective-interleaved-3x2",
+        model="gpt2",
+        num_stages=6,
+        num_rank_groups=2,
+        num_microbatches=4,
+        schedule="interleaved1f1b",
+        **SELECTIVE,
+    ),
 ]
 FOUR_RANKS = [
     dict(label="gpt2-sp-tp2-pp2", model="gpt2", **SEQUENCE, **PIPELINE),

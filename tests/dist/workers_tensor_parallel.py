@@ -24,7 +24,7 @@ def _plan(case: Case, config: dict):
         case.graph,
         [0, *cuts, n],
         schedule=config["schedule"],
-        num_rank_groups=config.get("num_rank_groups", s),  # ZBV, interleaved: two stages per rank group
+        num_rank_groups=config.get("num_rank_groups", s),  # ZBV, interleaved: several stages per rank group
         replicas=config["replicas"],
         num_microbatches=config["num_microbatches"],
         global_batch_size=case.batch_size,

@@ -5,15 +5,22 @@ import dataclasses
 
 import pytest
 from clusters import h100s
+from oracle import all_splits
+from planning_instances import random_instance
 
 import partita
+from partita.cost.memory import device_memory, microbatches_in_flight
 from partita.errors import InfeasiblePlanError
 from partita.planning import api, infeasible
+from partita.planning.configs import enumerate_configs
 from partita.planning.context import planning_context
 from partita.planning.degree_contexts import degree_contexts
 from partita.planning.driver import best_plan
 from partita.planning.infeasible import memory_bound
+from partita.planning.memory_bound import MemoryBound
 from partita.planning.options import PlanOptions
+from partita.planning.sharding import levels
+from partita.types import Schedule
 
 
 def _error(graph, cluster, batch=8, **pins) -> InfeasiblePlanError:
@@ -120,18 +127,87 @@ def test_what_the_search_tried_is_never_advised(mlp_graph):
 def test_the_bound_never_refuses_a_plan_the_search_finds(name, devices, pins, mlp_graph, gpt2_graph):
     """Soundness: a plan the search finds still fits with the memory limit set to its fullest
     device, so the bound must let that limit through (on each degree the plan could use)."""
-    graph = mlp_graph if name == "mlp" else gpt2_graph
+    _check_sound(mlp_graph if name == "mlp" else gpt2_graph, devices, pins)
+
+
+@pytest.mark.parametrize("virtual", [(3,), (2, 3)])
+def test_the_bound_never_refuses_interleaved_plans_of_three_stages_per_rank_group(virtual, gpt2_graph):
+    """The same on interleaved 1F1B with 3 stages per rank group, alone or beside 2: its fullest
+    group's memory passes the bound."""
+    pins = dict(schedules="interleaved1f1b", max_blocks=16)
+    found = _check_sound(gpt2_graph, 4, pins, interleaved_virtual_stages=virtual)
+    assert found and all(p.num_stages // p.num_rank_groups in virtual for p in found)
+    if virtual == (3,):
+        assert all(p.num_stages == 3 * p.num_rank_groups for p in found)
+
+
+def _check_sound(graph, devices: int, pins: dict, **knobs) -> list:
+    """The plans found on each degree, after checking the bound against each (``knobs``: SearchOptions')."""
     ctx = planning_context(graph, cluster=h100s(devices), global_batch_size=12, options=PlanOptions(**pins))
+    found = []
     for c in degree_contexts(ctx, None, uneven=pins.get("uniform_replicas") is False):
+        c = dataclasses.replace(c, options=dataclasses.replace(c.options, **knobs))
         p = best_plan(c)
         if p is None:  # e.g. interleaved schedules on a chain too short for them at this degree
             continue
+        found.append(p)
         fullest = max(s.memory_bytes for s in p.stages)
         tight = dataclasses.replace(c, options=dataclasses.replace(c.options, memory_limit_bytes=fullest))
-        assert memory_bound(tight).may_fit(), (name, devices, pins, c.options.tensor_parallel)
+        assert memory_bound(tight).may_fit(), (graph.fingerprint, devices, pins, c.options.tensor_parallel)
         small = dataclasses.replace(c, options=dataclasses.replace(c.options, memory_limit_bytes=fullest // 4))
         if not memory_bound(small).may_fit():  # what the bound refuses, the search cannot plan
             assert best_plan(small) is None
+    return found
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rank_groups_of_several_stages_hold_at_least_the_bound_on_every_split(seed):
+    """The several-stage bound's derivation checked on every plan shape: for every config of
+    interleaved 1F1B (2 and 3 stages per rank group) and ZB-V the search enumerates on a random
+    chain, and every split of its blocks, the exact memories of the G rank groups (each at its
+    least sharding level) sum to at least ``groups_least[G]``."""
+    ctx = random_instance(seed, (9, 12))
+    options = dataclasses.replace(
+        ctx.options,
+        num_devices=4,
+        max_microbatch_choices=3,
+        schedules=(Schedule.INTERLEAVED_1F1B, Schedule.ZBV),
+        interleaved_virtual_stages=(2, 3),
+    )
+    bound = MemoryBound(ctx.graph, ctx.chain, ctx.costs_at, options)
+    num_blocks, checked = len(ctx.chain) - 1, set()
+    for config in enumerate_configs(options, num_blocks):
+        g, v, r, m = config.num_rank_groups, config.virtual_stages, config.replicas, config.num_microbatches
+        least = bound.groups_least(r, num_blocks // v, v)[g]
+        table = ctx.costs_at(config.microbatch_size)
+        for split in all_splits(num_blocks, config.num_stages):
+            total = 0.0
+            for group in range(g):
+                ranges = [
+                    (ctx.chain[split[s]], ctx.chain[split[s + 1]])
+                    for s in range(config.num_stages)
+                    if config.rank_group_of(s) == group
+                ]
+                in_flight = microbatches_in_flight(config.schedule, m, g, group, v)
+                total += min(
+                    float(
+                        device_memory(
+                            table,
+                            ranges,
+                            in_flight=in_flight,
+                            optimizer=options.optimizer,
+                            recompute=config.recompute_mode,
+                            precision=options.precision,
+                            sharding=level,
+                            num_replicas=r,
+                            num_microbatches=m,
+                        ).total_bytes
+                    )
+                    for level in levels(options.sharding, r)
+                )
+            assert total >= least, (seed, config, split, total, least)
+        checked.add((config.schedule, v, g))
+    assert {(Schedule.INTERLEAVED_1F1B, 3, 2), (Schedule.INTERLEAVED_1F1B, 2, 2), (Schedule.ZBV, 2, 2)} <= checked
 
 
 @pytest.mark.slow  # an infeasible search with its checked fixes (about 8 s)

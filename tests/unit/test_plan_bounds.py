@@ -1,5 +1,6 @@
 """The refinement skips splits by lower bounds on the simulated step: check that the bounds hold."""
 
+import dataclasses
 import functools
 import itertools
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ from partita.planning.configs import Config, enumerate_configs
 from partita.planning.driver import best_plan
 from partita.planning.plan_builder import draft_lower_bound_s, draft_plan, fit_with_recompute, simulated
 from partita.planning.refine import split_bound
-from partita.planning.search import SearchCache, _split_lower_bound, search, search_config
+from partita.planning.search import SearchCache, _estimate_lower_bound, _split_lower_bound, search, search_config
 from partita.types import Recompute, Schedule
 
 
@@ -24,10 +25,11 @@ def configs(num_blocks: int, num_devices: int):
         (Schedule.GPIPE, 1),
         (Schedule.ONE_F_ONE_B, 1),
         (Schedule.INTERLEAVED_1F1B, 2),
+        (Schedule.INTERLEAVED_1F1B, 3),
         (Schedule.ZBV, 2),
     ):
         for g in range(1, num_devices + 1):
-            if g * v > num_blocks or (v == 2 and g == 1):
+            if g * v > num_blocks or (v > 1 and g == 1):
                 continue
             for m in (1, 2, 4, 8):
                 if schedule is Schedule.ONE_F_ONE_B and m < g:
@@ -173,6 +175,24 @@ def test_split_lower_bound_never_exceeds_an_estimate(seed):
             assert bound <= candidate.estimate_s, (config, bound, candidate.estimate_s)
             checked += 1
     assert checked > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_estimate_lower_bound_never_exceeds_an_estimate(seed):
+    """The pruned search stops at the first config (sorted by it) whose ``_estimate_lower_bound``
+    exceeds its bound: no candidate of any config, of any schedule, stage count per rank group
+    (interleaved 1F1B with 2 and 3) and recomputation mode, estimates below it."""
+    ctx = random_instance(seed, num_nodes=(6, 12))
+    options = dataclasses.replace(ctx.options, num_devices=4)
+    blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
+    k, checked = len(ctx.chain) - 1, set()
+    for config in enumerate_configs(options, k):
+        blocks = blocks_at(config.microbatch_size)
+        bound = _estimate_lower_bound(blocks, config)
+        for candidate in search_config(blocks, config, options, ctx.search_cluster):
+            assert bound <= candidate.estimate_s, (config, bound, candidate.estimate_s)
+            checked.add((config.virtual_stages, config.recompute_mode))
+    assert {(1, None), (2, Recompute.FULL), (3, Recompute.SELECTIVE)} <= checked, checked
 
 
 @pytest.mark.parametrize("seed", range(6))
