@@ -42,9 +42,10 @@ test: setup
 	$(VENV)/bin/ruff format --check partita tests bench
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
-# The edit loop: the unit and golden tests that start no process (the markers dist and slow left out).
+# The edit loop: the unit and golden tests that start no process (the markers dist and slow left
+# out), on the same two workers.
 test-fast: setup
-	$(PY) -m pytest -q -m "not dist and not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not dist and not slow" tests
 
 # The API reference, docs/api.md, generated from the public names' docstrings (the suite checks it is current).
 docs: setup
