@@ -17,9 +17,11 @@ Parts. Each runs on its own: one that fails is recorded in the report with its e
 
 1. trainer: ``partita.Trainer`` on one rank -- a process group of world size 1 made here (NCCL on
    CUDA, gloo on CPU; MASTER_ADDR/PORT set for it and restored after) -- with 1-stage plans (GPipe,
-   1F1B with recomputation: data parallel of 1) and 2-stage plans on one rank group (ZBV,
-   Interleaved1F1B), ``manual_plan(..., num_rank_groups=1)``, a few AdamW steps each on the zoo's
-   synthetic data: the loss must be finite and fall.
+   1F1B with full and with selective recomputation, GPipe under bf16 autocast: data parallel of 1)
+   and 2-stage plans on one rank group (ZBV, Interleaved1F1B), ``manual_plan(..., num_rank_groups=1)``,
+   a few AdamW steps each on the zoo's synthetic data: the loss must be finite and fall, and every
+   case of the fp32 model is compared with the unsplit model trained on the same batches (losses and
+   every parameter; under the same autocast for the bf16-precision case).
 2. per model, dtype and micro-batch size (GPT-2 medium: 24 layers x 1024, 16 heads, seq 1024;
    Llama-7B-shaped: 4 layers of hidden 4096, 32 heads, intermediate 11008, seq 1024; bf16 = the model
    cast with ``model.to(torch.bfloat16)`` before capture, because partita profiles and costs the
@@ -32,8 +34,9 @@ Parts. Each runs on its own: one that fails is recorded in the report with its e
       analytic roofline table of the catalog entry (``--analytic-device``, default ``h200``) and with
       the profiled table, each summed over the range. Error = (predicted - measured) / measured;
    c. memory: each quarter's training step -- k micro-batches forward, then their backwards, then
-      ``Adam.step`` (k in --in-flight), with and without recomputation (non-reentrant
-      ``torch.utils.checkpoint`` of the whole stage, as the runtime's StageRunner does) -- measured
+      ``Adam.step`` (k in --in-flight), with no, selective and full recomputation (non-reentrant
+      ``torch.utils.checkpoint`` of the whole stage, with the selective op policy for selective, as
+      the runtime's StageRunner does) -- measured
       with ``torch.cuda.max_memory_allocated`` (on CPU: the allocator's profiler events) against
       ``partita.cost.memory.device_memory(costs, [(start, stop)], in_flight=k, recompute=r,
       num_microbatches=k)`` on the analytic and on the profiled table.
@@ -85,6 +88,7 @@ MIB = 2**20
 REPORT_JSON, REPORT_MD, DEVICE_FILE = "gpu_check.json", "gpu_check.md", "calibrated_device.json"
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
 ANALYTIC_DTYPE = {"fp32": None, "tf32": "tfloat32", "bf16": None}  # None: each node's own dtype
+RECOMPUTE_LEVELS = ("none", "selective", "full")  # partita's Recompute levels, in the memory part
 LAYER_PREFIX = {"gpt2": "transformer.h.", "llama": "model.layers."}
 TRAINER_TIMEOUT_S = 180.0  # collective timeout of the trainer's groups: a hang ends instead of eating the session
 
@@ -111,11 +115,16 @@ class TrainerCase:
     num_stages: int
     num_microbatches: int
     dtype: str = "fp32"
-    recompute: bool = False
+    recompute: str = "none"  # a partita Recompute level
+    precision: str = "fp32"  # the plan's precision: "bf16" trains the fp32 model under bf16 autocast
 
     @property
     def name(self) -> str:
-        return f"{self.schedule}/{self.num_stages}st/{self.dtype}" + ("/recompute" if self.recompute else "")
+        return (
+            f"{self.schedule}/{self.num_stages}st/{self.dtype}"
+            + ("" if self.recompute == "none" else f"/{self.recompute}")
+            + ("" if self.precision == "fp32" else f"/autocast-{self.precision}")
+        )
 
 
 @dataclass(frozen=True)
@@ -190,12 +199,15 @@ def dry_settings(args: argparse.Namespace) -> Settings:
 
 
 def trainer_cases(dtypes: tuple[str, ...]) -> tuple[TrainerCase, ...]:
-    """One stage on the rank (GPipe; 1F1B with recomputation), two stages on it (ZBV, Interleaved1F1B)."""
+    """One stage on the rank (GPipe; 1F1B with full and with selective recomputation; GPipe under
+    bf16 autocast), two stages on it (ZBV, Interleaved1F1B)."""
     cases = (
         TrainerCase("gpipe", 1, 2),
-        TrainerCase("1f1b", 1, 2, recompute=True),
+        TrainerCase("1f1b", 1, 2, recompute="full"),
+        TrainerCase("1f1b", 1, 2, recompute="selective"),
         TrainerCase("zbv", 2, 4),
         TrainerCase("interleaved1f1b", 2, 4),
+        TrainerCase("gpipe", 1, 2, precision="bf16"),
     )
     return cases + ((TrainerCase("zbv", 2, 4, dtype="bf16"),) if "bf16" in dtypes else ())
 
@@ -647,15 +659,30 @@ def unique_bytes(tensors: Any) -> int:
     return sum(storages.values())
 
 
-def measure_step_memory(run: RangeRun, in_flight: int, recompute: bool, meter: PeakMeter) -> dict[str, int]:
+def measure_step_memory(run: RangeRun, in_flight: int, recompute: str, meter: PeakMeter) -> dict[str, int]:
     """Peak bytes of one training step of the range: ``in_flight`` micro-batches forward (each on its
     own copy of the received tensors), then their backwards, then ``Adam.step`` (states made by a
     step before; lr=0, so the model's shared weights stay as they are).
 
     Parts: at the start P parameters and buffers, O Adam states, X the received copies and the output
     gradient; B the peak of forwards + backwards above the start; G what is left after them (the
-    gradients); S the peak of ``Adam.step`` above that. Total = P + O + X + max(B, G + S)."""
-    from torch.utils.checkpoint import checkpoint
+    gradients); S the peak of ``Adam.step`` above that. Total = P + O + X + max(B, G + S).
+
+    ``recompute`` is a Recompute level, run as the runtime's StageRunner runs it: non-reentrant
+    checkpointing of the whole stage (full), with the selective op policy (selective), or none."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from partita.runtime.pipeline import selective_policy
+
+    def run_stage(*inputs: torch.Tensor) -> Any:
+        if recompute == "full":
+            return checkpoint(run.stage, *inputs, use_reentrant=False)
+        if recompute == "selective":
+            contexts = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+            return checkpoint(run.stage, *inputs, use_reentrant=False, context_fn=contexts)
+        return run.stage(*inputs)
 
     params = [p for p in run.stage.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=0.0)
@@ -670,7 +697,7 @@ def measure_step_memory(run: RangeRun, in_flight: int, recompute: bool, meter: P
         with torch.enable_grad():
             for received in copies:
                 inputs = [*received, *graph_inputs]
-                outputs.append(checkpoint(run.stage, *inputs, use_reentrant=False) if recompute else run.stage(*inputs))
+                outputs.append(run_stage(*inputs))
         for out, received in zip(outputs, copies):
             torch.autograd.backward(differentiable(out), run.grad_outputs or None)
             for t in received:
@@ -702,16 +729,16 @@ def measure_step_memory(run: RangeRun, in_flight: int, recompute: bool, meter: P
         clear()
 
 
-def predicted_memory(costs: Any, run: RangeRun, in_flight: int, recompute: bool) -> dict[str, int]:
+def predicted_memory(costs: Any, run: RangeRun, in_flight: int, recompute: str) -> dict[str, int]:
     from partita.cost.memory import device_memory
-    from partita.types import OptimizerKind
+    from partita.types import OptimizerKind, Recompute
 
     p = device_memory(
         costs,
         [(run.start, run.stop)],
         in_flight=in_flight,
         optimizer=OptimizerKind.ADAM,
-        recompute=recompute,
+        recompute=Recompute.parse(recompute),
         num_microbatches=in_flight,
     )
     return {
@@ -846,7 +873,7 @@ def run_config(
         meter = PeakMeter(device)
         for run in (r for r in runs if r.kind == "quarter"):
             for in_flight in settings.in_flight:
-                for recompute in (False, True):
+                for recompute in RECOMPUTE_LEVELS:
                     if time.perf_counter() > deadline:
                         config["errors"]["memory"] = "some rows skipped: time budget spent"
                         break
@@ -1034,6 +1061,7 @@ def run_trainer(
         report.check("trainer")
         entry["backend"] = backend
         by_dtype: dict[str, tuple[Built, Any, dict]] = {}
+        references: dict[str, tuple[list[float], dict]] = {}  # precision -> unsplit training's losses, state
         for case in settings.trainer_cases:
             if time.perf_counter() > deadline - 20:
                 report.data["trainer_rows"].append({"case": case.name, "error": "skipped: time budget"})
@@ -1045,6 +1073,7 @@ def run_trainer(
                 "microbatches": case.num_microbatches,
                 "dtype": case.dtype,
                 "recompute": case.recompute,
+                "precision": case.precision,
                 "global_batch": settings.trainer_batch,
                 "error": "did not finish (the process was killed or hung in this case)",
             }
@@ -1074,6 +1103,7 @@ def run_trainer(
                     num_microbatches=case.num_microbatches,
                     global_batch_size=settings.trainer_batch,
                     recompute=case.recompute,
+                    precision=case.precision,
                     cluster=_trainer_cluster(device),
                 )
                 if device.type == "cuda":
@@ -1094,6 +1124,19 @@ def run_trainer(
                     losses.append(float(trainer.step(*a, **kw)))
                     step_s.append(now(device) - start_s)
                 row["losses"] = losses
+                if case.dtype == "fp32":  # the fp32 model, trained in fp32 or under autocast
+                    state = trainer.gather_state_dict()
+                    if case.precision not in references:
+                        references[case.precision] = unsplit_training(built, initial, settings, case.precision, device)
+                    ref_losses, ref_state = references[case.precision]
+                    row["unsplit_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+                    row["unsplit_missing_keys"] = sorted(set(ref_state) ^ set(state))
+                    row["unsplit_param_diff"] = max(
+                        (state[k].double() - v.double()).abs().max().item()
+                        for k, v in ref_state.items()
+                        if v.numel() and k in state
+                    )
+                    del state
                 row["finite"] = all(math.isfinite(x) for x in losses)
                 row["falls"] = row["finite"] and losses[-1] < losses[0]
                 row["step_ms"] = 1e3 * statistics.median(step_s[1:] or step_s)
@@ -1110,10 +1153,36 @@ def run_trainer(
             report.write()
             log(f"  trainer {case.name}: {row.get('losses', row.get('error'))}")
         by_dtype.clear()
+        references.clear()
         bad = [r["case"] for r in report.data["trainer_rows"] if not r.get("falls")]  # failed and skipped too
         if bad:
             entry["status"] = "error"
             entry["error"] = f"loss not finite and falling (or the case failed) in: {', '.join(bad)}"
+
+
+def unsplit_training(
+    built: Built, initial: dict, settings: Settings, precision: str, device: torch.device
+) -> tuple[list[float], dict]:
+    """The unsplit model trained on the trainer cases' batches, whole batch at a time, with the same
+    optimizer and clipping, in fp32 or under ``torch.autocast`` to bf16 (``precision``): its losses
+    and final state (on the same device; the model is left at ``initial`` afterwards)."""
+    model = built.model
+    model.load_state_dict(initial)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.trainer_lr)
+    losses = []
+    for step in range(settings.trainer_steps):
+        a, kw, _ = built.make_batch(settings.trainer_batch, step)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = model(*a, **kw).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    del optimizer
+    model.load_state_dict(initial)
+    return losses, state
 
 
 def _trainer_cluster(device: torch.device) -> Any:
@@ -1323,6 +1392,10 @@ def run_calibrate(path: Path, out: Path | None) -> int:
 
 
 # ----------------------------------------------------------------------------- markdown
+
+
+def _e(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
 
 
 def _f(value: Any, digits: int = 2) -> str:
@@ -1540,21 +1613,22 @@ def _trainer_table(data: dict) -> list[str]:
         "",
         "## Trainer on one rank",
         "",
-        "| case | microbatches | global batch | losses | finite | falls | "
-        "step ms (median, first) | peak GiB | device |",
-        "|---|---:|---:|---|---|---|---|---:|---|",
+        "| case | microbatches | global batch | losses | finite | falls | max loss diff vs unsplit | "
+        "max param diff vs unsplit | step ms (median, first) | peak GiB | device |",
+        "|---|---:|---:|---|---|---|---:|---:|---|---:|---|",
     ]
     for r in data["trainer_rows"]:
         if "losses" not in r:
             lines.append(
                 f"| {r['case']} | {r.get('microbatches', '-')} | {r.get('global_batch', '-')} | "
-                f"{r.get('error', '-')} | | | | | |"
+                f"{r.get('error', '-')} | | | | | | | |"
             )
             continue
         losses = ", ".join(f"{x:.3f}" for x in r["losses"])
         lines.append(
             f"| {r['case']} | {r['microbatches']} | {r['global_batch']} | {losses} | {r['finite']} | "
-            f"{r['falls']} | {r['step_ms']:.1f}, {r['first_step_ms']:.0f} | {_f(r.get('peak_gib'))} | "
+            f"{r['falls']} | {_e(r.get('unsplit_loss_diff'))} | {_e(r.get('unsplit_param_diff'))} | "
+            f"{r['step_ms']:.1f}, {r['first_step_ms']:.0f} | {_f(r.get('peak_gib'))} | "
             f"{r.get('trainer_device')} |"
         )
     return lines
@@ -1661,7 +1735,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     # The trainer runs last: a hung collective or a broken CUDA context there cannot take the
     # measurements with it (they are written by then); it gets a reserve of the budget.
-    reserve_s = 0.0 if args.no_trainer else (20.0 if args.dry_run else 75.0)
+    reserve_s = 0.0 if args.no_trainer else (20.0 if args.dry_run else 120.0)
     run_models(report, settings, device, args, deadline - reserve_s, analytic_spec)
     with report.part("calibration"):
         report.check("calibration")
