@@ -36,7 +36,6 @@ planner its ``TensorParallelLayout`` keyed by canonical parameter names.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Collection, Mapping
 
 import torch.fx
@@ -52,6 +51,7 @@ from partita.capturing.tensor_parallel_propagation import (
 )
 from partita.errors import InputError
 from partita.types import OpGraph
+from partita.types.graph import graph_memo
 from partita.types.tensor_parallel import TensorParallelLayout
 
 __all__ = [
@@ -72,7 +72,7 @@ def find_layout(graph: OpGraph, degree: int) -> TensorParallelLayout:
     return whole_graph_layout(graph, whole_graph_analysis(graph, degree))
 
 
-@functools.lru_cache(maxsize=16)
+@graph_memo
 def whole_graph_analysis(graph: OpGraph, degree: int) -> TensorParallelAnalysis:
     """``analyze`` on the whole captured graph, whose stages return the loss alone (remembered per
     graph and degree: the planner asks for it with and without sequence parallelism; read-only)."""

@@ -131,19 +131,27 @@ def _measure(
         total=graph.num_nodes * (1 + warmup + repeats), desc="profiling", unit="node", disable=not progress
     ) as bar:
         recorder = _NodeInterpreter(gm, device, keep_values=True, bar=bar)
-        activation_bytes, owners = _record(recorder, flat_inputs, gm)
-        loss = recorder.env[recorder.fx_nodes[graph.loss_node]]
-        weight_share = _weight_shares(recorder, device, repeats, warmup)
-        runs, flat = [], flat_module(gm)
-        with _BackwardTimer(owners, graph.num_nodes, device) as backward_timer:
-            # Interleaved, so that a change in machine load (shared machines) hits the per-node
-            # and the whole-graph measurements alike and cancels out in the calibration.
-            for i in range(warmup + repeats):
-                forward_s = _time_forward(gm, flat_inputs, device, bar)
-                backward_s = backward_timer.run(loss, params)
-                whole_forward_s, whole_step_s = _time_whole(graph, flat, flat_inputs, params, device)
-                if i >= warmup:
-                    runs.append((forward_s, backward_s, whole_forward_s, whole_step_s))
+        try:
+            activation_bytes, owners = _record(recorder, flat_inputs, gm)
+            loss = recorder.env[recorder.fx_nodes[graph.loss_node]]
+            weight_share = _weight_shares(recorder, device, repeats, warmup)
+            runs, flat = [], flat_module(gm)
+            with _BackwardTimer(owners, graph.num_nodes, device) as backward_timer:
+                # Interleaved, so that a change in machine load (shared machines) hits the per-node
+                # and the whole-graph measurements alike and cancels out in the calibration.
+                for i in range(warmup + repeats):
+                    forward_s = _time_forward(gm, flat_inputs, device, bar)
+                    backward_s = backward_timer.run(loss, params)
+                    whole_forward_s, whole_step_s = _time_whole(graph, flat, flat_inputs, params, device)
+                    if i >= warmup:
+                        runs.append((forward_s, backward_s, whole_forward_s, whole_step_s))
+        finally:
+            # The recorded values' autograd graph holds _record's pack hook (every saved tensor
+            # keeps its hooks), and the hook holds the recorder, whose ``env`` holds the values:
+            # a cycle through C++ that Python's collector cannot see. Emptying ``env`` breaks it;
+            # before, every profiled graph's activations and parameters stayed allocated (on a
+            # GPU, until nothing more fit).
+            recorder.env.clear()
     medians = [np.median([run[k] for run in runs], axis=0) for k in range(4)]
     return _Measured(medians[0], medians[1], weight_share, activation_bytes, float(medians[2]), float(medians[3]))
 
@@ -247,7 +255,9 @@ def _record(recorder: _NodeInterpreter, flat_inputs: list, gm: torch.fx.GraphMod
         if key not in seen:  # every tensor stays alive during the run, so keys are never reused
             seen.add(key)
             activation_bytes[recorder.running] += t.untyped_storage().nbytes()
-        return t
+        # Detached: a node that saves its own output (softmax, tanh) would otherwise hold a tensor
+        # whose grad_fn is that node, a cycle through C++ that outlives the run (see _measure).
+        return t.detach()
 
     def claim(position: int, result: Any) -> None:
         # Autograd nodes reachable from this node's outputs and not claimed by an earlier FX

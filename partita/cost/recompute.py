@@ -24,7 +24,6 @@ the third.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -32,6 +31,7 @@ import numpy as np
 from partita.capturing.recompute import keeps_node
 from partita.cost.table import activation_bytes, value_bytes
 from partita.types import OpGraph, Precision, Recompute
+from partita.types.graph import graph_memo
 
 __all__ = ["SelectiveArrays", "extra_backward_s", "kept_mask", "selective_arrays"]
 
@@ -44,7 +44,7 @@ class SelectiveArrays(NamedTuple):
     selective_recompute_s: np.ndarray  # float64[n]
 
 
-@functools.lru_cache(maxsize=8)
+@graph_memo
 def kept_mask(graph: OpGraph) -> np.ndarray:
     """bool[n]: whether selective recomputation keeps node n's output (``keeps_node``; remembered per
     graph, read-only)."""

@@ -23,12 +23,12 @@ precision       the dtype values are computed in (``Precision``): under bf16 eve
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import numpy as np
 
 from partita.types import CostTable, OpGraph, OpNode, Precision, TensorInfo
+from partita.types.graph import graph_memo
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -221,7 +221,7 @@ def value_bytes(
     return values if shards is None else -(-values // np.asarray(shards, dtype=np.int64))
 
 
-@functools.lru_cache(maxsize=8)
+@graph_memo
 def _output_tensors(graph: OpGraph, precision: Precision) -> tuple[np.ndarray, ...]:
     """(node, bytes at the example batch, has a batch dim, halved in ``precision``) of every
     tensor output of the graph, one entry per tensor (a graph is immutable: computed once)."""
@@ -272,7 +272,7 @@ def cut_bytes(
     return np.cumsum(diff)[: num_nodes + 1]
 
 
-@functools.lru_cache(maxsize=8)
+@graph_memo
 def storage_roots(graph: OpGraph) -> tuple[int | None, ...]:
     """Per node, the root whose memory its value lives in: a node index, ``-(j + 1)`` for graph
     input j, or None for a view of a parameter or constant (nobody's activation). Remembered per
@@ -295,7 +295,7 @@ def storage_roots(graph: OpGraph) -> tuple[int | None, ...]:
 # ----------------------------------------------------------------------------- gradients
 
 
-@functools.lru_cache(maxsize=8)
+@graph_memo
 def requires_grad(graph: OpGraph) -> np.ndarray:
     """bool[n]: whether node n's value gets a gradient (so node n has a backward).
 
@@ -377,7 +377,7 @@ def backward_read_bytes(graph: OpGraph, microbatch_size: int, precision: Precisi
 _NODE, _INPUT, _MASK = 0, 1, 2  # kinds of storage root: a node's value, a graph input, a dropout mask
 
 
-@functools.lru_cache(maxsize=8)
+@graph_memo
 def _first_keepers(graph: OpGraph, precision: Precision) -> tuple[np.ndarray, ...]:
     """(keeper, kind, index, itemsize) of every storage root some node keeps for its backward, at the
     first node that keeps it (``activation_bytes``): the keeping node; ``_NODE`` (index: the node

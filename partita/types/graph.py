@@ -4,6 +4,8 @@ glossary in ``partita.types``)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -349,3 +351,27 @@ def check_input_dtypes(graph: OpGraph, flat: Sequence[Any], where: str) -> None:
                 f"there: the graph computes in the captured dtypes; pass {info.tensor.dtype} tensors "
                 f"({info.path or info.name}{how}), as in the example inputs"
             )
+
+
+def graph_memo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Remember ``fn(graph, *args)`` while ``graph`` lives (positional, hashable ``args``).
+
+    For what one graph's planning asks again and again (kept masks, storage roots, the
+    tensor-parallel analysis). An ``lru_cache`` would hold the graphs it was called with, and
+    through their exported program every parameter of their models: on a GPU, the weights of
+    models the user had dropped stayed allocated until the cache moved on. The memo here is
+    keyed weakly by the graph, so it goes with the graph; values must not hold the graph.
+    """
+    memo: weakref.WeakKeyDictionary[OpGraph, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+
+    @functools.wraps(fn)
+    def remembered(graph: OpGraph, *args: Any) -> Any:
+        values = memo.get(graph)
+        if values is None:
+            values = memo[graph] = {}
+        if args not in values:
+            values[args] = fn(graph, *args)
+        return values[args]
+
+    remembered.cache_clear = memo.clear  # type: ignore[attr-defined]
+    return remembered
