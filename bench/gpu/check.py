@@ -1013,6 +1013,9 @@ def run_models(
             del graph, built
             torch.backends.cuda.matmul.allow_tf32 = False
             free_memory()
+            if device.type == "cuda":  # what the part left allocated: a leak shows here first
+                entry["allocated_after_mib"] = round(torch.cuda.memory_allocated(device) / 2**20, 1)
+                log(f"  left allocated: {entry['allocated_after_mib']} MiB")
 
 
 # ----------------------------------------------------------------------------- trainer part
