@@ -40,6 +40,7 @@ from partita.checks import positive_int
 from partita.cost.memory import first_gradient_bytes
 from partita.errors import InputError
 from partita.types import CostTable, OpGraph
+from partita.types.graph import reads_samples
 
 __all__ = [
     "BlockCosts",
@@ -97,17 +98,24 @@ def per_sample_cuts(graph: OpGraph) -> np.ndarray:
     """bool[num_nodes + 1]: whether every tensor crossing cut c can be split by sample, so that
     the stages on its two sides may have different replica counts (``partita.planning.uneven``).
 
-    A crossing tensor splits by sample when it has no batch dim (sent whole) or its batch dim's
-    size is the batch itself. A batch dim of several batch entries merged (``(B*T, H)`` from a
-    reshape) may or may not be batch-major, which shapes do not tell: cuts it crosses are False
-    (the runtime refuses them between different replica counts). Conservative: a view that the
-    runtime would re-make in the next stage instead of sending counts as crossing.
+    A crossing tensor splits by sample when its batch dim's size is the batch itself, or when it
+    has no batch dim and does not read the samples (sent whole: Llama's rotary tables). A batch dim
+    of several batch entries merged (``(B*T, H)`` from a reshape) may or may not be batch-major,
+    which shapes do not tell; a tensor without batch dim computed from the samples (an auxiliary
+    loss summed across layers, ``types.graph.reads_samples``) holds one replica's samples only.
+    Cuts either crosses are False (the runtime refuses them between different replica counts).
+    Conservative: a view that the runtime would re-make in the next stage instead of sending
+    counts as crossing.
     """
     num_nodes = graph.num_nodes
+    reads = reads_samples(graph)
     blocked = np.zeros(num_nodes + 2, dtype=np.int64)  # difference array over cuts
     for node in graph.nodes:
         p, last = node.index, max(node.consumers, default=-1)
-        if last > p and any(t.merges_samples(graph.batch_size) for t in node.outputs):
+        unsplittable = any(
+            t.merges_samples(graph.batch_size) or (t.batch_dim is None and reads[p]) for t in node.outputs
+        )
+        if last > p and unsplittable:
             blocked[p + 1] += 1
             blocked[last + 1] -= 1
     return np.cumsum(blocked)[: num_nodes + 1] == 0

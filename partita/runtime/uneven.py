@@ -28,7 +28,10 @@ their layout:
   A batch dim whose size is a multiple of the sample count (merged dims, ``(B*T, H)``) is sent
   whole too when both sides have the same replicas and shares (then the slices coincide); when
   they differ the Trainer refuses the plan (``check_uneven_boundaries``): whether ``B*T`` is
-  batch-major is not knowable from shapes.
+  batch-major is not knowable from shapes. So is a tensor without batch dim computed from the
+  samples (``types.graph.reads_samples``: a reduction over the batch, such as an auxiliary loss
+  added up across layers): each sending replica holds its own samples' value, and a receiver
+  holding other samples would silently get the wrong one.
 
 The loss: replica ``j`` of the last stage computes its slice's loss. When that is a mean over
 its samples, the unsplit loss, the mean over ``B`` samples, is ``1/(m * r_last) * sum_{i, j} L_ij``
@@ -80,6 +83,7 @@ from partita.runtime.pipeline import StageMetadata, StageRunner, root_key
 from partita.runtime.precision import FP32, Compute
 from partita.runtime.stages import StageModule, narrow_batch
 from partita.types import OpGraph, Plan, TensorInfo
+from partita.types.graph import reads_samples
 from partita.types.schedule_orders import BACKWARD, FORWARD, rank_orders
 
 __all__ = [
@@ -162,16 +166,29 @@ def boundary_layouts(
     """The layout of each boundary tensor ``names`` (stage ``sender_index``'s outputs, its replicas
     holding ``sender_shares`` samples of each micro-batch, the next stage's ``receiver_shares``);
     InputError for a merged batch dim (``(B*T, H)``) crossing between replicas that hold different
-    samples, naming the tensor, the boundary and the fix."""
+    samples, and for a tensor without batch dim computed from the samples (``reads_samples``)
+    crossing between replicas that hold different samples, naming the tensor, the boundary and
+    the fix."""
     infos = output_infos(graph)
     same_slices = tuple(sender_shares) == tuple(receiver_shares)
+    reads = dict(zip((node.name for node in graph.nodes), reads_samples(graph)))
     layouts = []
     for name in names:
         info = infos[name]
         if info.batch_dim is not None and not info.merges_samples(graph.batch_size):
             layouts.append(Layout.SLICED)
-        elif info.batch_dim is None or same_slices:
+        elif same_slices or (info.batch_dim is None and not reads[name]):
             layouts.append(Layout.WHOLE)
+        elif info.batch_dim is None:
+            raise InputError(
+                f"boundary tensor {name!r} {tuple(info.shape)} between stage {sender_index} "
+                f"({_replicas(sender_shares)}) and stage {sender_index + 1} ({_replicas(receiver_shares)}) has no "
+                "batch dim but is computed from the samples (a reduction over the batch, such as an auxiliary "
+                "loss added up across layers): each replica of the sending stage holds its own samples' value, "
+                "and a receiving replica holding other samples would get a wrong one. Cut the model where this "
+                "value does not cross (before it is computed or after it is used) or give both stages the same "
+                "replicas and shares"
+            )
         else:
             raise InputError(
                 f"boundary tensor {name!r} {tuple(info.shape)} between stage {sender_index} ({_replicas(sender_shares)}) "

@@ -375,3 +375,20 @@ def graph_memo(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     remembered.cache_clear = memo.clear  # type: ignore[attr-defined]
     return remembered
+
+
+@graph_memo
+def reads_samples(graph: OpGraph) -> tuple[bool, ...]:
+    """Per node: whether its value is computed from the samples' data, i.e. from a graph input
+    with a batch dim through tensor values (not only through sizes: ``sym_size`` and SymInt
+    arithmetic give no tensor, so position ids from ``arange(seq_len)`` and Llama's rotary
+    tables do not read samples). A tensor without a batch dim that reads samples is a reduction
+    over the batch (an auxiliary loss added up across layers): each data-parallel replica
+    computes it from its own samples only."""
+    batched = {j for j, g in enumerate(graph.inputs) if g.tensor is not None and g.tensor.batch_dim is not None}
+    reads: list[bool] = []
+    for node in graph.nodes:
+        reads.append(
+            bool(node.outputs) and (any(j in batched for j in node.graph_inputs) or any(reads[p] for p in node.inputs))
+        )
+    return tuple(reads)

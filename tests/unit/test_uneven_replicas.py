@@ -263,6 +263,69 @@ def test_per_sample_and_batchless_boundary_tensors_are_routed(gpt2_graph):
     assert layouts == tuple(Layout.SLICED if i.batch_dim is not None else Layout.WHOLE for i in infos)
 
 
+class _AuxLoss(torch.nn.Module):
+    """A regulariser over the batch computed in the first layers and added to the loss at the end,
+    as a load-balancing loss summed across layers is: a 0-dim value that reads every sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        h = torch.relu(self.first(x))
+        aux = h.pow(2).mean()
+        out = self.head(torch.relu(self.second(h)))
+        return torch.nn.functional.mse_loss(out, y) + 0.01 * aux
+
+
+@pytest.fixture(scope="module")
+def aux_graph():
+    return partita.capture(_AuxLoss(), (torch.randn(8, 8), torch.randn(8, 1)))
+
+
+def test_a_batch_reduced_value_without_batch_dim_is_not_sent_between_other_slices(aux_graph):
+    """Sent whole, replica 0's mean over its own samples would reach a stage holding all of them:
+    a wrong loss and no gradient for replica 1's samples through it, silently."""
+    from partita.planning.chain import per_sample_cuts
+    from partita.types.graph import reads_samples
+
+    aux = next(n for n in aux_graph.nodes if n.target == "aten.mean.default")
+    assert aux.outputs[0].batch_dim is None and reads_samples(aux_graph)[aux.index]
+    cut = aux.index + 1  # aux crosses every cut up to the final add
+    assert not per_sample_cuts(aux_graph)[cut]  # the planner never changes replica counts there
+    plan = manual_plan(
+        aux_graph,
+        [0, cut, aux_graph.num_nodes],
+        schedule="1f1b",
+        num_rank_groups=2,
+        replicas=(2, 1),
+        num_microbatches=2,
+        global_batch_size=8,
+    )
+    stages = split_graph(aux_graph, plan.boundaries)
+    assert aux.name in stages[0].spec.output_names
+    expected = rf"'{aux.name}' \(\) between stage 0 \(2 replicas\) and stage 1 \(1 replica\) has no batch dim but is computed from the samples"
+    with pytest.raises(InputError, match=expected):
+        check_uneven_boundaries(aux_graph, plan, stages)
+    layouts = boundary_layouts(aux_graph, stages[0].spec.output_names, 0, (2, 2), (2, 2))
+    assert layouts[stages[0].spec.output_names.index(aux.name)] is Layout.WHOLE  # same samples on both sides
+
+
+def test_in_the_zoo_models_only_the_loss_reads_samples_without_a_batch_dim(gpt2_graph):
+    """Position ids from ``arange(seq_len)``, masks and tables made from sizes do not read the
+    samples, so the planner keeps every cut it had (the golden plans are unchanged)."""
+    from partita import examples
+    from partita.types.graph import reads_samples
+
+    ex = examples.build("llama", batch_size=8)
+    llama = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    for graph in (gpt2_graph, llama):
+        reads = reads_samples(graph)
+        batchless = [n.index for n in graph.nodes if n.outputs and n.outputs[0].batch_dim is None and reads[n.index]]
+        assert batchless == [graph.loss_node]
+        assert not reads[next(n.index for n in graph.nodes if n.target == "aten.arange.default")]
+
+
 # ----------------------------------------------------------------------------- messages
 
 
