@@ -8,6 +8,7 @@ one launch per world size, when a test first asks for one.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,20 @@ def launches(request, tmp_path_factory) -> SharedLaunches:
     shared = SharedLaunches(request.config.stash.get(WANTED, {}), tmp_path_factory.mktemp("launches"))
     request.config.stash[LAUNCHES] = shared
     return shared
+
+
+@pytest.fixture(scope="session")
+def machine_cache(tmp_path_factory) -> Path:
+    """One ``--cache-dir`` for the suite's CLI runs on this machine: its calibration (matmul speed,
+    gloo links, contention; about 17 s of a 2-process run) is measured by the first run and read by
+    the rest, as a user's runs share theirs. Cost tables are keyed by model, so each model's are
+    still measured. Shared by the pytest-xdist workers of one session (entries are written
+    atomically); a session's runs never see another session's. The runs that test measuring
+    itself (two nodes, each its own machine; the natural script's ranks) keep caches of their own."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "partita-cache"
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -8,7 +8,7 @@ import sys
 from dist_launch import REPO
 
 
-def _train(tmp_path, model: str, *options: str) -> tuple[list[float], str]:
+def _train(tmp_path, cache, model: str, *options: str) -> tuple[list[float], str]:
     losses = tmp_path / "losses.json"
     argv = [
         sys.executable,
@@ -23,7 +23,7 @@ def _train(tmp_path, model: str, *options: str) -> tuple[list[float], str]:
         "--losses-out",
         str(losses),
         "--cache-dir",
-        str(tmp_path / "cache"),
+        str(cache),
         *options,
     ]
     env = {
@@ -38,16 +38,17 @@ def _train(tmp_path, model: str, *options: str) -> tuple[list[float], str]:
     return json.loads(losses.read_text())["losses"], done.stdout
 
 
-def test_the_example_factory_trains_with_falling_loss(tmp_path):
-    losses, out = _train(tmp_path, "examples/own_model.py:build", "--global-batch", "16", "--lr", "1e-2")
+def test_the_example_factory_trains_with_falling_loss(tmp_path, machine_cache):
+    losses, out = _train(tmp_path, machine_cache, "examples/own_model.py:build", "--global-batch", "16", "--lr", "1e-2")
     assert len(losses) == 3 and losses[-1] < losses[0], losses
     assert "plan:" in out and "loss:" in out
 
 
-def test_hf_resnet_trains_as_a_1f1b_pipeline_of_two_microbatches(tmp_path):
+def test_hf_resnet_trains_as_a_1f1b_pipeline_of_two_microbatches(tmp_path, machine_cache):
     """An in-place residual add right after a cut, and BatchNorm per micro-batch slice (as documented)."""
     losses, out = _train(
         tmp_path,
+        machine_cache,
         "tests/dist/factories.py:hf_resnet",
         "--global-batch",
         "8",

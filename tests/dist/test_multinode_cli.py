@@ -84,7 +84,7 @@ def _finish(procs: list[subprocess.Popen], logs: list[Path]) -> list[str]:
     return [log.read_text() for log in logs]
 
 
-def test_two_nodes_plan_once_and_train_as_one_node(tmp_path):
+def test_two_nodes_plan_once_and_train_as_one_node(tmp_path, machine_cache):
     port = _rendezvous_port()
     logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "one-node.log"]
     nodes = [
@@ -92,12 +92,12 @@ def test_two_nodes_plan_once_and_train_as_one_node(tmp_path):
             logs[k],
             *("--nnodes", "2", "--nproc", "1", "--node-rank", str(k), "--rdzv-endpoint", f"127.0.0.1:{port}"),
             *("--losses-out", str(tmp_path / "two.json"), "--plan-out", str(tmp_path / "two-nodes-plan.json")),
-            *("--cache-dir", str(tmp_path / f"cache-node{k}")),
+            *("--cache-dir", str(tmp_path / f"cache-node{k}")),  # each node measures its own machine
         )
         for k in range(2)
     ]
     one_node = _start(
-        logs[2], "--nproc", "2", "--losses-out", str(tmp_path / "one.json"), "--cache-dir", str(tmp_path / "c1")
+        logs[2], "--nproc", "2", "--losses-out", str(tmp_path / "one.json"), "--cache-dir", str(machine_cache)
     )
     outputs = _finish([*nodes, one_node], logs)
     assert all(p.returncode == 0 for p in (*nodes, one_node)), "\n-----\n".join(out[-3000:] for out in outputs)

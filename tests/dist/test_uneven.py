@@ -180,7 +180,7 @@ def test_a_nonfinite_loss_names_its_slice_on_every_rank(results):
     assert "micro-batch 1 of replica 1 (samples 6-7 of the global batch) gave nan" in message, message
 
 
-def test_partita_train_plans_and_trains_on_three_processes(tmp_path):
+def test_partita_train_plans_and_trains_on_three_processes(tmp_path, machine_cache):
     """The command users run: plan for 3 processes with 2 pinned 1F1B stages (an uneven 2 + 1 or
     1 + 2 layout uses all three; a uniform one only two, and then only two processes start),
     build the model on meta in every rank, and train 3 steps."""
@@ -213,7 +213,7 @@ def test_partita_train_plans_and_trains_on_three_processes(tmp_path):
         "--plan-out",
         str(tmp_path / "plan.json"),
         "--cache-dir",
-        str(tmp_path / "cache"),
+        str(machine_cache),
     ]
     env = {
         **os.environ,

@@ -81,14 +81,23 @@ def _exact_batch(name: str, batch: tuple) -> tuple:
 
 
 def reference_run(
-    case: Case, optimizer, num_steps: int, *, max_grad_norm: float | None = None, lr_scheduler=None
+    case: Case,
+    optimizer,
+    num_steps: int,
+    *,
+    max_grad_norm: float | None = None,
+    lr_scheduler=None,
+    states_after: tuple[int, ...] = (),
 ) -> tuple[list[float], dict]:
-    """Unsplit full-batch training: the losses and the final state dict."""
+    """Unsplit full-batch training: the losses and the final state dict; with ``states_after``,
+    ``{k: the state after k steps, ..., "final": the final state}`` in its place."""
     model = copy.deepcopy(case.reference_model)
     opt = optimizer(model.parameters())
     sched = lr_scheduler(opt) if lr_scheduler else None
-    losses = []
+    losses, states = [], {}
     for step in range(num_steps):
+        if step in states_after:
+            states[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         opt.zero_grad(set_to_none=True)
         loss = case.loss(model, case.batches[step])
         loss.backward()
@@ -98,7 +107,8 @@ def reference_run(
         if sched:
             sched.step()
         losses.append(float(loss))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, ({**states, "final": final} if states_after else final)
 
 
 def max_diff(state: dict, reference: dict) -> tuple[float, str]:
@@ -959,9 +969,11 @@ def job_several(params: dict) -> dict:
     for label, target, job_params in params["jobs"]:
         module, _, function = target.partition(":")
         print(f"=== job {label} ({target})", flush=True)
+        started = time.perf_counter()
         torch.set_rng_state(INITIAL_RNG_STATE)
         results[label] = getattr(importlib.import_module(module), function)(job_params)
         dist.barrier()
+        print(f"=== job {label} took {time.perf_counter() - started:.1f} s", flush=True)
     return results
 
 

@@ -282,12 +282,11 @@ def job_sweep(params: dict) -> dict:
     from partita.types.plan_file import plan_from_json
 
     rank = int(os.environ["RANK"])
-    ex, _, batches = sweep_case()
-    initial = copy.deepcopy(ex.model)
+    ex, graph, batches = sweep_case()
+    model, initial = ex.model, copy.deepcopy(ex.model)
     results: dict[str, Any] = {}
     for key, text in params["plans"].items():
-        model = copy.deepcopy(initial)
-        graph = partita.capture(model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+        model.load_state_dict(initial.state_dict())  # every plan from the same weights, one capture
         plan = plan_from_json(text, graph=graph)
         trainer = partita.Trainer(model, plan, optimizer=adamw, graph=graph)
         losses = [trainer.step(tokens=b["tokens"], mask=b["mask"], target=b["target"]) for b in batches]

@@ -139,6 +139,7 @@ def job_tp(params: dict) -> dict:
 
     rank = int(os.environ["RANK"])
     results: dict[str, Any] = {}
+    cases: dict[str, Case] = {}  # one capture per model: each config starts from its initial weights
     for config in params["configs"]:
         label = config["label"]
         print(label, flush=True)
@@ -148,7 +149,10 @@ def job_tp(params: dict) -> dict:
         if config.get("vocab"):
             results[label] = _odd_vocabulary(config["vocab"], rank)
             continue
-        case = Case(config["model"])
+        if config["model"] not in cases:
+            cases[config["model"]] = Case(config["model"])
+        case = cases[config["model"]]
+        case.reset()
         plan = _plan(case, config)
         trainer = partita.Trainer(case.model, plan, optimizer=adamw, graph=case.graph, max_grad_norm=MAX_GRAD_NORM)
         losses = [_step(trainer, case.batches[k]) for k in range(STEPS)]
@@ -198,9 +202,11 @@ def job_tp(params: dict) -> dict:
             if rank == 0:
                 result[kind] = max_diff(reloaded, state)
         if rank == 0:
-            ref_losses, ref_state = reference_run(case, adamw, STEPS + 1, max_grad_norm=MAX_GRAD_NORM)
+            ref_losses, ref_states = reference_run(
+                case, adamw, STEPS + 1, max_grad_norm=MAX_GRAD_NORM, states_after=(STEPS,)
+            )
             result["ref_next_loss"] = ref_losses.pop()
-            _, ref_state = reference_run(case, adamw, STEPS, max_grad_norm=MAX_GRAD_NORM)
+            ref_state = ref_states[STEPS]  # after STEPS steps, as the trainer's state
             result.update(ref_losses=ref_losses, param=max_diff(state, ref_state))
             plain = copy.deepcopy(case.reference_model)
             load_into_model(plain, str(checkpoint))
