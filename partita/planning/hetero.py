@@ -36,7 +36,7 @@ from partita.planning.hetero_search import SMALL_DEVICES, MixedCandidate, search
 from partita.planning.hetero_simulate import simulate_mixed
 from partita.planning.options import PlanOptions
 from partita.planning.plan_builder import plan_key, with_result
-from partita.types import OpGraph, Plan, Recompute, SimResult
+from partita.types import OpGraph, Plan, SimResult
 from partita.types.cluster import Cluster
 
 __all__ = ["FASTEST_ONLY", "SLOWEST_EVERYWHERE", "MixedOutcome", "best_mixed", "plan_mixed"]
@@ -134,11 +134,6 @@ def best_mixed(run: MixedRun) -> tuple[Plan | None, str]:
     """The best simulated plan of the mixed search (None when it finds none, and why)."""
     options, small = run.contexts[0].options, run.cluster.num_devices <= SMALL_DEVICES
     user = run.options
-    if user.recompute is Recompute.SELECTIVE:
-        return None, (
-            "placing stages on device types was not searched: recompute=selective pins a level it does not "
-            "offer (its stages recompute fully or not at all)"
-        )
     if user.tensor_parallel not in (None, 1) or user.replicas is not None or user.uniform_replicas:
         pinned = [
             f"{name}={value}"

@@ -18,23 +18,27 @@ import torch
 import partita
 from partita.cost.comm import spans_nodes
 from partita.cost.memory import DeviceMemory, microbatches_in_flight
+from partita.cost.recompute import extra_backward_s
 from partita.planning.build import BuildMemo, module_range
 from partita.planning.device_groups import MixedRun
 from partita.planning.hetero_search import MixedCandidate, MixedConfig, StageKind
 from partita.planning.sharding import levels, step_overhead_s
-from partita.types import CostTable, Plan, Sharding, StagePlan
+from partita.types import RECOMPUTE_LEVELS, CostTable, Plan, Recompute, Sharding, StagePlan
 
 __all__ = ["fitting_mixed_draft", "mixed_draft", "mixed_total_compute_s"]
 
 
-def mixed_draft(run: MixedRun, candidate: MixedCandidate, recompute: Sequence[bool], method: str = "partita") -> Plan:
+def mixed_draft(
+    run: MixedRun, candidate: MixedCandidate, recompute: Sequence[Recompute], method: str = "partita"
+) -> Plan:
     """The Plan of ``candidate`` with ``recompute`` per stage, its step not yet simulated."""
     config = candidate.config
     nodes = [int(run.chain[b]) for b in candidate.boundaries]
     ranks = run.cluster.assign_ranks([kind.counts for kind in config.kinds])
     tied = _tied_stages(run, config, nodes)
     stages = tuple(
-        _stage(run, config, p, nodes, ranks[p], bool(recompute[p]), p in tied) for p in range(config.num_stages)
+        _stage(run, config, p, nodes, ranks[p], Recompute.parse(recompute[p]), p in tied)
+        for p in range(config.num_stages)
     )
     return Plan(
         graph_fingerprint=run.graph.fingerprint,
@@ -56,17 +60,22 @@ def mixed_draft(run: MixedRun, candidate: MixedCandidate, recompute: Sequence[bo
 
 def fitting_mixed_draft(run: MixedRun, candidate: MixedCandidate, method: str = "partita") -> Plan | None:
     """``mixed_draft`` that fits every device's memory: with the candidate's recomputation, else
-    (recomputation not pinned) recomputing the stages that do not fit; None when nothing fits."""
-    draft = mixed_draft(run, candidate, candidate.recompute, method)
-    if fits_mixed(run, draft):
-        return draft
-    if candidate.config.recompute_mode is not None:
-        return None
-    recompute = [r or not _stage_fits(run, s) for r, s in zip(candidate.recompute, draft.stages)]
-    if list(recompute) == list(candidate.recompute):
-        return None
+    (recomputation not pinned) each stage that does not fit at the next level up, until all fit
+    or a stage recomputes fully and still does not; None when nothing fits."""
+    recompute = list(candidate.recompute)
     draft = mixed_draft(run, candidate, recompute, method)
-    return draft if fits_mixed(run, draft) else None
+    while not fits_mixed(run, draft):
+        if candidate.config.recompute_mode is not None:
+            return None
+        raised = [
+            r if _stage_fits(run, s) or r is Recompute.FULL else RECOMPUTE_LEVELS[r.order + 1]
+            for r, s in zip(recompute, draft.stages)
+        ]
+        if raised == recompute:
+            return None
+        recompute = raised
+        draft = mixed_draft(run, candidate, recompute, method)
+    return draft
 
 
 def fits_mixed(run: MixedRun, plan: Plan) -> bool:
@@ -110,7 +119,7 @@ def _stage(
     p: int,
     nodes: Sequence[int],
     ranks: tuple[int, ...],
-    recompute: bool,
+    recompute: Recompute,
     tied: bool,
 ) -> StagePlan:
     kind, start, stop = config.kinds[p], nodes[p], nodes[p + 1]
@@ -122,7 +131,8 @@ def _stage(
     slowest = max(kind.groups, key=lambda g: (_compute_s(tables[g], start, stop), -g))
     table = tables[slowest]
     forward = float(table.forward_s[start:stop].sum())
-    backward = float(table.backward_s[start:stop].sum()) + (forward if recompute else 0.0)
+    selective = float(table.selective_recompute_s[start:stop].sum())
+    backward = float(table.backward_s[start:stop].sum()) + float(extra_backward_s(recompute, forward, selective))
     graph = run.graph
     return StagePlan(
         index=p,
@@ -159,7 +169,7 @@ def _level_and_memory(
     tables: dict[int, CostTable],
     node_range: tuple[int, int],
     in_flight: float,
-    recompute: bool,
+    recompute: Recompute,
     tied: bool,
     ranks: tuple[int, ...],
 ) -> tuple[Sharding, dict[int, DeviceMemory]]:

@@ -14,10 +14,9 @@ candidate   a config plus a split of the block chain into its stages (``MixedCan
 A kind's stage time (``KindCosts``): each device group's ``StageCosts`` (``partita.planning.search``:
 compute at its samples, sharding penalties, memory fit at its own memory limit) at the kind's
 total replica count, and the slowest of them: ``T[kind][j, i] = max_g T_g(samples[g])[j, i]``,
-``inf`` where any group's replica does not fit. Recomputation is one choice per stage (the
-runtime recomputes all its replicas or none): where every group fits without it, none; else
-recompute, if every group then fits. The levels are none and full (selective recomputation is
-not offered on mixed placements; ``partita.planning.hetero`` says so when it is pinned).
+``inf`` where any group's replica does not fit. Recomputation is one level per stage (the
+runtime runs all its replicas alike): the least of none, selective and full at which every
+group's replica fits, as the uniform search chooses it (``partita.planning.search``).
 
 Ranks follow the device groups (``Cluster.assign_ranks``): each group's devices in order, stage
 after stage. The job numbers the devices it starts densely, so a plan uses the cluster's first
@@ -66,7 +65,7 @@ from partita.planning.configs import Config, divisors, microbatch_counts, schedu
 from partita.planning.device_groups import MixedRun
 from partita.planning.partition import candidate_partitions
 from partita.planning.search import EXHAUSTIVE_BLOCKS, StageCosts
-from partita.types import Schedule
+from partita.types import RECOMPUTE_LEVELS, Recompute, Schedule
 
 __all__ = [
     "KindCosts",
@@ -120,7 +119,7 @@ class MixedConfig:
     schedule: Schedule
     num_microbatches: int
     kinds: tuple[StageKind, ...]  # one per stage, stage p on rank group p
-    recompute_mode: bool | None  # None: per stage, as needed; True/False: every stage
+    recompute_mode: Recompute | None  # None: per stage, the least level that fits; a level: every stage
 
     @property
     def num_stages(self) -> int:
@@ -134,7 +133,7 @@ class MixedConfig:
 class MixedCandidate:
     config: MixedConfig
     boundaries: tuple[int, ...]  # block positions, first 0, last K
-    recompute: tuple[bool, ...]  # per stage
+    recompute: tuple[Recompute, ...]  # per stage
     estimate_s: float
 
 
@@ -145,13 +144,13 @@ class KindCosts:
     """Stage time matrices of kinds at one micro-batch count and recompute mode: each group's
     ``StageCosts`` combined (module docstring), remembered per kind and activations in flight."""
 
-    def __init__(self, run: MixedRun, num_microbatches: int, mode: bool | None):
+    def __init__(self, run: MixedRun, num_microbatches: int, mode: Recompute | None):
         self.run, self.m, self.mode = run, num_microbatches, mode
         self._stage_costs: dict[tuple, StageCosts] = {}
         self._costs: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._send: dict[StageKind, np.ndarray] = {}
 
-    def stage_costs(self, group: int, samples: int, replicas: int, mixed: bool, mode: bool | None) -> StageCosts:
+    def stage_costs(self, group: int, samples: int, replicas: int, mixed: bool, mode: Recompute | None) -> StageCosts:
         """Group ``group``'s StageCosts at ``samples`` per replica and ``replicas`` replicas in all
         (``mixed``: the stage spans groups, so its collectives run over the mixed cluster's slowest links)."""
         key = (group, samples, replicas, mixed, mode)
@@ -163,28 +162,26 @@ class KindCosts:
         return self._stage_costs[key]
 
     def cost(self, kind: StageKind, in_flight: float) -> tuple[np.ndarray, np.ndarray]:
-        """(seconds per micro-batch with inf where a replica does not fit, recompute chosen) of every
-        block range as a stage of ``kind`` keeping ``in_flight`` micro-batches' activations."""
+        """(seconds per micro-batch with inf where a replica does not fit, the recomputation level
+        chosen as its ``Recompute.order``) of every block range as a stage of ``kind`` keeping
+        ``in_flight`` micro-batches' activations: the least level at which every group fits."""
         key = (kind, in_flight)
         if key in self._costs:
             return self._costs[key]
         mixed = len(kind.groups) > 1
-        modes = [self.mode] if self.mode is not None else [False, True]
-        times = {}
-        for mode in modes:
+        time, chosen = None, None
+        for mode in [self.mode] if self.mode is not None else RECOMPUTE_LEVELS:
             per_group = [
                 self.stage_costs(g, kind.samples[g], kind.num_replicas, mixed, mode).cost_at(in_flight)[0]
                 for g in kind.groups
             ]
-            times[mode] = np.maximum.reduce(per_group)
-        if self.mode is not None:
-            time = times[self.mode]
-            recompute = np.full(time.shape, bool(self.mode)) & np.isfinite(time)
-        else:
-            plain, again = times[False], times[True]
-            recompute = ~np.isfinite(plain) & np.isfinite(again)
-            time = np.where(recompute, again, plain)
-        self._costs[key] = (time, recompute)
+            at_level = np.maximum.reduce(per_group)
+            if time is None:
+                time, chosen = at_level, np.full(at_level.shape, mode.order, dtype=np.int8)
+            else:  # a level only where the levels before it do not fit
+                take = ~np.isfinite(time) & np.isfinite(at_level)
+                time, chosen = np.where(take, at_level, time), np.where(take, mode.order, chosen)
+        self._costs[key] = (time, chosen)
         return self._costs[key]
 
     def send(self, kind: StageKind) -> np.ndarray:
@@ -379,7 +376,7 @@ def search_config(run: MixedRun, config: MixedConfig, costs: KindCosts, keep: in
         stage_s = [float(times[p][boundaries[p], boundaries[p + 1]]) for p in range(s)]
         if not np.isfinite(sum(stage_s)):
             continue
-        recompute = tuple(bool(per_stage[p][1][boundaries[p], boundaries[p + 1]]) for p in range(s))
+        recompute = tuple(RECOMPUTE_LEVELS[int(per_stage[p][1][boundaries[p], boundaries[p + 1]])] for p in range(s))
         sends = sum(float(costs.send(config.kinds[p])[boundaries[p + 1]]) for p in range(s - 1))
         found.append(MixedCandidate(config, tuple(boundaries), recompute, estimate_mixed_step(m, stage_s) + sends))
     key = lambda c: (c.estimate_s, c.boundaries)  # noqa: E731
@@ -390,7 +387,7 @@ def search_mixed(run: MixedRun, options, *, keep_per_config: int = 3) -> list[Mi
     """Every config's best candidates, sorted by estimate (ties: a fixed key). On small chains
     (EXHAUSTIVE_BLOCKS) every split the DPs propose is kept."""
     exhaustive = run.num_blocks <= EXHAUSTIVE_BLOCKS
-    costs: dict[tuple[int, bool | None], KindCosts] = {}
+    costs: dict[tuple[int, Recompute | None], KindCosts] = {}
     found: list[MixedCandidate] = []
     for config in enumerate_mixed_configs(run, options):
         key = (config.num_microbatches, config.recompute_mode)

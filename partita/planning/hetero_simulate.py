@@ -22,7 +22,7 @@ from partita.cost import comm
 from partita.cost.analytic import optimizer_step_s
 from partita.planning.simulate import stages_pipeline_inputs
 from partita.planning.simulator import simulate_pipeline
-from partita.types import CostTable, Plan, Sharding, SimResult, StagePlan
+from partita.types import CostTable, Plan, Recompute, Sharding, SimResult, StagePlan
 from partita.types.cluster import Cluster
 from partita.types.schedule_orders import stage_rank_groups
 
@@ -67,7 +67,7 @@ class _Stand:
 
     start: int
     stop: int
-    recompute: bool
+    recompute: Recompute
     sharding: Sharding
     ranks: tuple[int, ...]
     num_replicas: int

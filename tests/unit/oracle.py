@@ -80,7 +80,8 @@ def brute_force_mixed(run, schedules, recompute_pinned, evaluate) -> Plan | None
     sample, a group's replicas alike), every tuple of those that uses the cluster's first devices
     (the job numbers them densely), and every split of the chain whose cuts between stages with
     different sample slices split by sample. ``evaluate(config, boundaries, recompute)`` returns
-    the simulated plan or None (does not fit); recomputation where a stage does not fit without it.
+    the simulated plan or None (does not fit); each stage at the least recomputation level (none,
+    selective, full) at which it fits.
     Every such layout runs on partita's runtime (unequal shares, the second group's stages first)."""
     from partita.planning.chain import per_sample_cuts
     from partita.planning.hetero_search import MixedConfig

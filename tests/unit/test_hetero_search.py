@@ -1,6 +1,8 @@
 """Planning over a mixed cluster (two device types): the mixed search against brute force on small
 instances (tests/unit/mixed_instances.py, oracle.brute_force_mixed), and partita.plan end to end."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from mixed_instances import mixed_instance, mixed_oracle
@@ -99,6 +101,46 @@ def test_plan_on_a_mixed_cluster_with_its_baselines(mlp_graph):
     assert p.to_json() == result.plan.to_json()
     again = plan_from_json(p.to_json())
     assert again == p and again.to_json() == p.to_json()
+
+
+# (activation scale, seed): instances whose activations outgrow memory, where the least level
+# that fits is selective for some stages and full for others (the rest keep everything)
+ACTIVATION_HEAVY = ((20, 9), (60, 9), (150, 7), (150, 16), (60, 3), (150, 5))
+
+
+def test_recomputation_levels_match_brute_force_on_activation_heavy_instances():
+    """Per stage the least of none, selective and full at which all its replicas fit, as the
+    brute force over every layout chooses it (mixed_instances.mixed_oracle)."""
+    from partita.types import Recompute
+
+    levels = set()
+    for scale, seed in ACTIVATION_HEAVY:
+        run = mixed_instance(seed, activation_scale=scale)
+        found, _ = best_mixed(run)
+        best = mixed_oracle(run)
+        assert found is not None and best is not None, (scale, seed)
+        assert found.predicted_step_s <= best.predicted_step_s * 1.01, (scale, seed)
+        check_layout(found)
+        levels |= {s.recompute for s in found.stages}
+    assert levels == {Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL}
+
+
+def test_selective_recomputation_pinned_on_a_mixed_cluster(gpt2_graph):
+    """A pinned level holds on every stage of a mixed plan (it was refused before), and costs its
+    recomputed time: each stage's backward is the plain backward plus its selective seconds."""
+    from partita.types import Recompute
+
+    cluster = Cluster(groups=[DeviceGroup("h100", 2, 8), DeviceGroup("a100-40gb", 2, 8)])
+    options = partita.PlanOptions(recompute="selective", num_stages=2, schedules="1f1b")
+    pinned = partita.plan(gpt2_graph, cluster=cluster, global_batch_size=16, options=options)
+    assert pinned.cluster.is_mixed and [s.recompute for s in pinned.stages] == [Recompute.SELECTIVE] * 2
+    check_layout(pinned)
+    kept = partita.plan(
+        gpt2_graph, cluster=cluster, global_batch_size=16, options=dataclasses.replace(options, recompute="none")
+    )
+    for a, b in zip(pinned.stages, kept.stages):
+        if (a.start, a.stop, a.ranks, a.replica_samples) == (b.start, b.stop, b.ranks, b.replica_samples):
+            assert a.backward_s > b.backward_s and a.memory_bytes < b.memory_bytes
 
 
 def test_unequal_shares_follow_the_speeds():
