@@ -12,10 +12,11 @@ __all__ = ["check_layout", "replica_microbatch_samples", "stage_shares"]
 
 def check_layout(plan: Plan) -> None:
     """InputError unless the runtime can run the plan's layout: a uniform pp x dp mesh with rank
-    group g on ranks [g*dp, (g+1)*dp), or an uneven plan (GPipe/1F1B, one stage per rank group,
-    replica counts and sample shares of its own per stage) whose stages hold ranks 0 .. N-1 between
-    them, each stage its own ascending ranks in any order of the stages (ranks follow the device
-    groups of a mixed cluster: the first stage may run on the second group)."""
+    group g on ranks [g*dp, (g+1)*dp) (``Plan.on_mesh``), or a plan for partita's own executor
+    (GPipe/1F1B, one stage per rank group, replica counts and sample shares of its own per stage)
+    whose stages hold ranks 0 .. N-1 between them, each stage its own ascending ranks in any order
+    of the stages (ranks follow the device groups of a mixed cluster: the first stage may run on
+    the second group, also when every stage has as many replicas)."""
     if plan.tensor_parallel > 1 and not all(s.even_shares for s in plan.stages):
         stage = next(s for s in plan.stages if not s.even_shares)
         raise InputError(
@@ -23,7 +24,7 @@ def check_layout(plan: Plan) -> None:
             f"under tensor-parallel degree {plan.tensor_parallel}: tensor parallelism runs on pp x dp x tp meshes, "
             "every replica with an equal share; re-plan with tensor_parallel=1, or give the replicas equal shares"
         )
-    if plan.uniform_replicas:
+    if plan.on_mesh:
         _check_uniform_layout(plan)
     else:
         _check_uneven_layout(plan)
@@ -75,11 +76,13 @@ def _check_uniform_layout(plan: Plan) -> None:
 
 def _check_uneven_layout(plan: Plan) -> None:
     counts = [s.num_replicas for s in plan.stages]
+    unequal = next((s for s in plan.stages if not s.even_shares), None)
     if len(set(counts)) > 1:
         what = f"different replica counts {counts}"
-    else:
-        unequal = next(s for s in plan.stages if not s.even_shares)
+    elif unequal is not None:
         what = f"unequal sample shares (stage {unequal.index}: {list(unequal.replica_samples)})"
+    else:
+        what = f"stages on ranks {[list(s.ranks) for s in plan.stages]}, off the pp x dp mesh's order"
     if plan.schedule not in UNEVEN_SCHEDULES:
         raise InputError(
             f"the plan gives its stages {what} under {plan.schedule.value}, which the runtime runs on uniform "

@@ -93,7 +93,7 @@ def init_topology(plan: Plan, *, collective_timeout_s: float | None = None) -> T
     common = dict(rank=rank, world_size=world, device=device, world_group=world_group, timeout=timeout)
     if plan.tensor_parallel > 1:
         return _tensor_parallel_topology(plan, common, timeout)
-    if plan.uniform_replicas:
+    if plan.on_mesh:
         from torch.distributed.device_mesh import init_device_mesh
 
         pp, dp = plan.num_rank_groups, plan.stages[0].num_replicas

@@ -109,7 +109,7 @@ def place_stages(
     its part of every weight tensor parallelism splits, then FSDP2 around the sharded stages --
     in that order, since each step replaces parameters the next one wraps."""
     all_stages = split_graph(graph, plan.boundaries)
-    if not plan.uniform_replicas:
+    if not plan.on_mesh:
         check_uneven_boundaries(graph, plan, all_stages)
     stages = [s for s in all_stages if plan.stages[s.spec.index].rank_group == topology.rank_group]
     built_on_meta = on_meta(model)  # then the weights materialized here are partita's own

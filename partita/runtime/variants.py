@@ -189,7 +189,7 @@ def variant_stages(
         for stage in stages:
             stage.to(device)
     rebind(stages, planned_stages)
-    if not plan.uniform_replicas:
+    if not plan.on_mesh:
         check_uneven_boundaries(graph, plan, stages)
     return graph, stages
 

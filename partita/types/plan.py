@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from partita.types.choices import Precision, Recompute, Schedule, Sharding
 from partita.types.cluster import Cluster
+from partita.types.schedule_orders import UNEVEN_SCHEDULES
 
 if TYPE_CHECKING:
     from partita.types.graph import OpGraph
@@ -165,6 +166,21 @@ class Plan:
         """Every stage on as many replicas, each running an equal share of every micro-batch: a pp x dp
         mesh (else partita's own executor runs it: ``partita.runtime.uneven``)."""
         return len({s.num_replicas for s in self.stages}) == 1 and all(s.even_shares for s in self.stages)
+
+    @property
+    def on_mesh(self) -> bool:
+        """Whether torch's pipelining runs it on a pp x dp (x tp) mesh: uniform replicas, rank group
+        ``g`` on ranks ``[g*dp*t, (g+1)*dp*t)``. A uniform GPipe or 1F1B plan of one stage per rank
+        group whose stages sit on other ranks (on a mixed cluster the second device group's stage
+        may come first) runs on partita's own executor, as uneven plans do (``partita.runtime.uneven``);
+        other schedules, several stages per rank group and tensor parallelism run on a mesh only
+        (``partita.runtime.layout.check_layout`` refuses them elsewhere)."""
+        if not self.uniform_replicas:
+            return False
+        if self.tensor_parallel > 1 or self.schedule not in UNEVEN_SCHEDULES or self.num_rank_groups != self.num_stages:
+            return True
+        width = self.stages[0].num_replicas
+        return all(s.ranks == tuple(range(s.rank_group * width, (s.rank_group + 1) * width)) for s in self.stages)
 
     @property
     def boundaries(self) -> tuple[int, ...]:

@@ -97,6 +97,21 @@ CONFIGS = [
         models=["gpt2", "gated-mse"],
     ),
 ]
+# Every stage on one replica, the slow group's first (rank 1, then rank 0): not a pp x dp mesh's order,
+# so partita's executor runs it (``Plan.on_mesh``), as a mixed plan with the second group first
+REVERSED = [
+    dict(
+        label=f"{schedule}-1x1-slow-group-first",
+        schedule=schedule,
+        replicas=(1, 1),
+        num_microbatches=2,
+        groups=[("h100", 1), ("a100-40gb", 1)],
+        group_counts=[(0, 1), (1, 0)],
+        models=["gpt2", "gated-mse"],
+    )
+    for schedule in ("gpipe", "1f1b")
+]
+REVERSED_KEYS = [f"{m}/{c['label']}" for c in REVERSED for m in c["models"]]
 NONFINITE = dict(
     label="gpipe-1x2-nonfinite", schedule="gpipe", replicas=(1, 2), num_microbatches=2, nonfinite=True, models=["gated"]
 )
@@ -135,6 +150,9 @@ SHARED_JOBS = {
         dict(models=ALL_MODELS, default_models=MODELS, configs=CONFIGS + [NONFINITE]),
         ("dir",),
     ),
+    "reversed_results": Job(
+        "workers:job_uneven", 2, 200, dict(models=["gpt2", "gated-mse"], configs=REVERSED), ("dir",)
+    ),
     "wide_results": Job(
         "workers:job_uneven", 5, 300, dict(models=WIDE_MODELS, configs=WIDE_CONFIGS, batch_size=12), ("dir",)
     ),
@@ -154,6 +172,16 @@ def wide_results(launches):
 @pytest.mark.parametrize("key", KEYS)
 def test_uneven_replicas_train_like_the_unsplit_model(results, key):
     check_like_unsplit(results, key)
+
+
+@pytest.fixture(scope="module")
+def reversed_results(launches):
+    return launches.results_of(__name__, "reversed_results")
+
+
+@pytest.mark.parametrize("key", REVERSED_KEYS)
+def test_stages_in_the_other_order_of_the_ranks_train_like_the_unsplit_model(reversed_results, key):
+    check_like_unsplit(reversed_results, key)
 
 
 @pytest.mark.parametrize("key", WIDE_KEYS)

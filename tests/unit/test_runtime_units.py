@@ -71,6 +71,8 @@ def test_manual_plan_rejects_inconsistent_choices(mlp, bad):
 
 
 def test_layout_check_refuses_misplaced_plans(mlp):
+    """Stages in the other order of the ranks run on partita's own executor under GPipe and 1F1B (a
+    mixed cluster's second device group first), and are refused where only a mesh runs the plan."""
     _, graph = mlp
     plan = manual_plan(
         graph, _cuts(graph, 2), schedule="gpipe", num_rank_groups=2, replicas=2, num_microbatches=2, global_batch_size=8
@@ -79,8 +81,22 @@ def test_layout_check_refuses_misplaced_plans(mlp):
         plan,
         stages=(dataclasses.replace(plan.stages[0], ranks=(2, 3)), dataclasses.replace(plan.stages[1], ranks=(0, 1))),
     )
-    with pytest.raises(InputError, match=r"ranks \[2, 3\]; gpipe places it on rank group 0, ranks \[0, 1\]"):
-        check_layout(swapped)
+    assert plan.on_mesh and not swapped.on_mesh and swapped.uniform_replicas
+    check_layout(swapped)  # partita.runtime.uneven runs it
+    interleaved = manual_plan(
+        graph, _cuts(graph, 4), schedule="interleaved1f1b", num_rank_groups=2, replicas=2, num_microbatches=2,
+        global_batch_size=8,
+    )  # fmt: skip
+    moved = dataclasses.replace(
+        interleaved,
+        stages=tuple(dataclasses.replace(s, ranks=tuple(5 - r for r in s.ranks)) for s in interleaved.stages),
+    )
+    assert moved.on_mesh  # only a mesh runs interleaved plans
+    with pytest.raises(InputError, match=r"interleaved1f1b places it on rank group 0, ranks \[0, 1\]"):
+        check_layout(moved)
+    gap = dataclasses.replace(swapped, stages=(swapped.stages[0], dataclasses.replace(swapped.stages[1], ranks=(0, 4))))
+    with pytest.raises(InputError, match=r"ranks \[0, 2, 3, 4\].*\(rank 1 runs no stage\)"):
+        check_layout(gap)
 
 
 def test_topology_needs_torchrun_environment(mlp, monkeypatch):
