@@ -1,14 +1,15 @@
 """The process groups of a plan's layout: which rank sits where, and the groups it talks over.
 
 Two layouts:
-- uniform: every stage has ``dp`` replicas. Rank group ``g`` holds ranks ``[g * dp, (g + 1) * dp)``
-  (``partita.planning.build.stage_ranks``) and the ranks form a pp x dp DeviceMesh (pp x dp x tp
-  with tensor parallelism); torch's pipelining schedules run each column of the mesh as one
-  pipeline (pipeline.py).
-- uneven: stage ``k`` has its own ``r_k`` replicas, or replicas with unequal sample shares (GPipe
-  or 1F1B, one stage per rank group), on ranks of its own: those after the earlier groups' in a
-  manual plan; on a mixed cluster, those of the device groups it runs on (layout.py). No mesh can
-  express it: stages exchange slices of micro-batches many-to-many (uneven.py).
+- uniform (``Plan.on_mesh``): every stage has ``dp`` replicas and rank group ``g`` holds ranks
+  ``[g * dp, (g + 1) * dp)`` (``partita.planning.build.stage_ranks``); the ranks form a pp x dp
+  DeviceMesh (pp x dp x tp with tensor parallelism); torch's pipelining schedules run each column
+  of the mesh as one pipeline (pipeline.py).
+- uneven: stage ``k`` has its own ``r_k`` replicas, or replicas with unequal sample shares, or its
+  ranks off the mesh's order (GPipe or 1F1B, one stage per rank group), on ranks of its own: those
+  after the earlier groups' in a manual plan; on a mixed cluster, those of the device groups it runs
+  on, the second group's stages possibly first (layout.py). No mesh expresses it: stages exchange
+  slices of micro-batches many-to-many (uneven.py).
 
 Glossary
 --------

@@ -3,10 +3,11 @@
 torch.distributed.pipelining runs one pipeline per column of a pp x dp mesh, where stage ``k``'s
 replica ``j`` talks to stage ``k + 1``'s replica ``j`` only. A plan such as "stage 0 on ranks
 (0, 1), stage 1 on rank (2,)" has no such columns, nor has one whose replicas take unequal shares
-of each micro-batch (replicas of unequal speed on a mixed cluster), so this module runs them: GPipe
-or 1F1B, one stage per rank group, point-to-point transfers between overlapping replicas. A
-stage's ranks may lie anywhere (``partita.runtime.layout``): on a mixed cluster they follow the
-device groups, so the first stage may run on the second group's ranks.
+of each micro-batch (replicas of unequal speed on a mixed cluster), nor one whose stages sit off the
+mesh's rank order (``Plan.on_mesh``), so this module runs them: GPipe or 1F1B, one stage per rank
+group, point-to-point transfers between overlapping replicas. A stage's ranks may lie anywhere
+(``partita.runtime.layout``): on a mixed cluster they follow the device groups, so the first stage
+may run on the second group's ranks, also when every stage has as many replicas.
 
 Semantics (what every rank computes)
 ------------------------------------

@@ -231,18 +231,23 @@ def _after_first(graph, target: str) -> int:
     return next(n.index for n in graph.nodes if n.target == target) + 1
 
 
-def test_merged_batch_dims_are_refused_between_different_replica_counts(gpt2_graph):
-    cut = _after_first(gpt2_graph, "aten.addmm.default")  # GPT-2's Conv1D: (B*T, 3C) before the view
+def _two_replicas_then_one(graph, cut: int):
+    """A 1F1B plan cut at ``cut``, stage 0 on 2 replicas and stage 1 on 1, and its stage modules."""
     plan = manual_plan(
-        gpt2_graph,
-        [0, cut, gpt2_graph.num_nodes],
+        graph,
+        [0, cut, graph.num_nodes],
         schedule="1f1b",
         num_rank_groups=2,
         replicas=(2, 1),
         num_microbatches=2,
         global_batch_size=8,
     )
-    stages = split_graph(gpt2_graph, plan.boundaries)
+    return plan, split_graph(graph, plan.boundaries)
+
+
+def test_merged_batch_dims_are_refused_between_different_replica_counts(gpt2_graph):
+    cut = _after_first(gpt2_graph, "aten.addmm.default")  # GPT-2's Conv1D: (B*T, 3C) before the view
+    plan, stages = _two_replicas_then_one(gpt2_graph, cut)
     sent = gpt2_graph.node(stages[0].spec.output_names[-1])
     assert sent.target == "aten.addmm.default" and sent.outputs[0].shape[0] == 8 * 32  # batch x sequence
     expected = rf"'{sent.name}' \(256, 192\) between stage 0 \(2 replicas\) and stage 1.*cut the model elsewhere"
@@ -293,16 +298,7 @@ def test_a_batch_reduced_value_without_batch_dim_is_not_sent_between_other_slice
     assert aux.outputs[0].batch_dim is None and reads_samples(aux_graph)[aux.index]
     cut = aux.index + 1  # aux crosses every cut up to the final add
     assert not per_sample_cuts(aux_graph)[cut]  # the planner never changes replica counts there
-    plan = manual_plan(
-        aux_graph,
-        [0, cut, aux_graph.num_nodes],
-        schedule="1f1b",
-        num_rank_groups=2,
-        replicas=(2, 1),
-        num_microbatches=2,
-        global_batch_size=8,
-    )
-    stages = split_graph(aux_graph, plan.boundaries)
+    plan, stages = _two_replicas_then_one(aux_graph, cut)
     assert aux.name in stages[0].spec.output_names
     expected = rf"'{aux.name}' \(\) between stage 0 \(2 replicas\) and stage 1 \(1 replica\) has no batch dim but is computed from the samples"
     with pytest.raises(InputError, match=expected):
