@@ -44,6 +44,8 @@ StageCost = Callable[[int], np.ndarray]  # stage index k -> (K+1, K+1) cost matr
 
 # Bounds per pass of min_sums_under: a (bounds, w, K+1) array per stage stays small.
 _BOUNDS_PER_PASS = 64
+# Elements of the (bounds, j, i) candidates one pass of _sum_step holds.
+_SUM_STEP_ELEMENTS = 1 << 20
 # Relative slack on the band widths: P's differences and the cost matrices' sums round apart.
 _BAND_SLACK = 1e-6
 # The band pays for its gathering when it is at most this share of the chain.
@@ -63,13 +65,16 @@ def _bottleneck_step(previous: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray
 
 def _sum_step(previous: np.ndarray, cost: np.ndarray, t_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One layer of the bounded-sum DP for several bounds: (F[k][i], argmin j) per bound, each
-    (T, K+1), from F[k-1] (T, K+1), cost[k-1] (K+1, K+1) and the bounds t_max (T,)."""
+    (T, K+1), from F[k-1] (T, K+1), cost[k-1] (K+1, K+1) and the bounds t_max (T,); the bounds
+    side by side, a few at a time (``_SUM_STEP_ELEMENTS``)."""
     value, best = np.empty_like(previous), np.empty(previous.shape, dtype=np.int64)
-    columns = np.arange(cost.shape[1])
-    for t, bound in enumerate(t_max):
-        candidates = previous[t][:, None] + np.where(cost <= bound, cost, np.inf)  # (j, i)
-        best[t] = np.argmin(candidates, axis=0)
-        value[t] = candidates[best[t], columns]
+    per_pass = max(1, _SUM_STEP_ELEMENTS // cost.size)
+    for first in range(0, len(t_max), per_pass):
+        rows = slice(first, first + per_pass)
+        bounded = np.where(cost[None] <= t_max[rows, None, None], cost[None], np.inf)  # (t, j, i)
+        candidates = previous[rows, :, None] + bounded
+        best[rows] = np.argmin(candidates, axis=1)  # the first minimum, the smallest j
+        value[rows] = candidates.min(axis=1)
     return value, best
 
 
