@@ -1,6 +1,7 @@
 """Random small mixed-cluster planning instances (two device types) and their brute-force optimum."""
 
 import dataclasses
+import functools
 
 import numpy as np
 from oracle import brute_force_mixed
@@ -47,6 +48,7 @@ def mixed_instance(
         ]
     )
 
+    @functools.cache
     def slow_costs(b: int):
         t = base.costs_at(b)
         return dataclasses.replace(

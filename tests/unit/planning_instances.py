@@ -1,6 +1,7 @@
 """Random small planning instances and their brute-force optimum, shared by the search tests
 (test_search, test_uneven_search, test_plan_bounds)."""
 
+import functools
 import os
 
 import numpy as np
@@ -84,6 +85,7 @@ def chain_instance(
         exported_program=None,
     )
 
+    @functools.cache  # one table per size, as the planner's cost sources keep them (BuildMemo knows tables by identity)
     def costs_at(b: int) -> CostTable:
         scale = b / 8
         kept = (activation * scale).astype(np.int64)
