@@ -6,7 +6,8 @@ evaluation (eval mode: dropout off, batch norm from running statistics), runs a 
 same model captured again (``OpGraph.recapture``) at that batch's shapes, split at the matching
 nodes into the plan's stages, with the first graph's tensors bound into its stages, so that one
 set of weights, buffers and optimizer state is trained whatever shape a step has. Each distinct
-shape is captured once (bucketing the lengths keeps them few).
+shape is captured once per graph and process, whichever trainer asks (bucketing the lengths keeps
+them few).
 
 Matching nodes: a stage boundary, the first node of a stage, is found in the variant by its
 (module, op, occurrence within that module) -- FX node names are no key, as removing dropout
@@ -18,6 +19,7 @@ nothing else); InputError otherwise.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -118,15 +120,45 @@ def recaptured(
         (args, kwargs, target), _ = call
     else:
         (args, kwargs), target = call, None
+    key = _call_key(narrowed, spec, training)
+    known = _RECAPTURED.setdefault(graph, {})
+    if key is not None and key in known:
+        return known[key]
     fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
     level = fake_tensor_log.level
     fake_tensor_log.setLevel(logging.CRITICAL)  # its traceback of a failed op: the caller names the batch
     try:
-        return graph.recapture(args, kwargs, target, training=training)
+        found = graph.recapture(args, kwargs, target, training=training)
     except InputError as e:  # capture's words are about "the example inputs": this is a batch
         raise CaptureError(str(e)) from e
     finally:
         fake_tensor_log.setLevel(level)
+    if key is not None:
+        known[key] = found
+    return found
+
+
+# The graphs ``recaptured`` made, per planned graph (weakly: they go with it) and call key. A graph
+# stands for its module as it was captured, and so do its variants: the trainers of one graph
+# (checkpoints loaded into fresh trainers, plans compared in one process) capture each shape once.
+_RECAPTURED: weakref.WeakKeyDictionary[OpGraph, dict[tuple, OpGraph]] = weakref.WeakKeyDictionary()
+
+
+def _call_key(leaves: Sequence[Any], spec: Any, training: bool) -> tuple | None:
+    """What a capture of these inputs depends on: the structure, each tensor's shape, dtype, device
+    and requires_grad (export traces fake tensors: values never enter the graph), every other leaf's
+    value; None when such a value is not hashable (then the model is captured again)."""
+    key: list[Any] = [str(spec), training]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            key.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
+            continue
+        try:
+            hash(x)
+        except TypeError:
+            return None
+        key.append((type(x), x))
+    return tuple(key)
 
 
 def mapped_boundaries(planned: OpGraph, variant: OpGraph, boundaries: Sequence[int]) -> tuple[int, ...]:

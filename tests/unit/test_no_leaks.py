@@ -71,3 +71,24 @@ def test_the_memo_remembers_per_graph_and_arguments(mlp_graph):
     nodes_times.cache_clear()
     nodes_times(mlp_graph, 2)
     assert calls == [2, 3, 2]
+
+
+def test_a_graph_captures_each_variant_once_and_lets_them_go_with_it():
+    """``variants.recaptured``: the trainers of one graph share its variants (one capture per shape
+    and mode), and the variants go with the graph (they hold the model)."""
+    from partita.runtime.variants import recaptured
+
+    ex = examples.build("gpt2", batch_size=4, seq_len=16)
+    graph = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    short = {k: v[:, :8] for k, v in ex.kwargs.items()}
+    first = recaptured(graph, ex.args, short, ex.target, samples=4)
+    assert recaptured(graph, ex.args, dict(short), ex.target, samples=4) is first
+    assert first.example_inputs[1]["input_ids"].shape == (4, 8)
+    evaluation = recaptured(graph, ex.args, short, ex.target, samples=4, training=False)
+    fewer = recaptured(graph, ex.args, short, ex.target, samples=2)
+    assert len({id(first), id(evaluation), id(fewer)}) == 3
+    assert fewer.example_inputs[1]["input_ids"].shape == (2, 8)
+    weights, variant = weakref.ref(next(ex.model.parameters())), weakref.ref(first)
+    del ex, graph, first, evaluation, fewer
+    gc.collect()
+    assert variant() is None and weights() is None
