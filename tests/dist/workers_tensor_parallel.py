@@ -131,6 +131,11 @@ def _on_meta(config: dict, directory: Path, rank: int) -> dict:
     return result
 
 
+# The cases of every tp job of this process (the 2-rank launch runs two): each config resets its
+# case to the initial weights, and the trainers of one graph share its recaptured variants.
+_CASES: dict[str, Case] = {}
+
+
 def job_tp(params: dict) -> dict:
     """Each config: STEPS clipped AdamW steps; losses and parameters against unsplit training; the
     share of each parameter this rank holds; a checkpoint loaded into the plain model."""
@@ -139,7 +144,7 @@ def job_tp(params: dict) -> dict:
 
     rank = int(os.environ["RANK"])
     results: dict[str, Any] = {}
-    cases: dict[str, Case] = {}  # one capture per model: each config starts from its initial weights
+    cases = _CASES  # one capture per model: each config starts from its initial weights
     for config in params["configs"]:
         label = config["label"]
         print(label, flush=True)
