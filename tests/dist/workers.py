@@ -54,11 +54,26 @@ class Case:
     def reset(self) -> None:
         """Back to the initial weights, in place (the graph reads these very Parameter objects)."""
         self.model.load_state_dict(self.initial)
+        self.model.train()
 
     def loss(self, model: torch.nn.Module, batch: tuple) -> torch.Tensor:
         args, kwargs, target = batch
         out = model(*args, **kwargs)
         return self.loss_fn(out, target) if self.loss_fn is not None else out.loss
+
+
+_SHARED_CASES: dict[tuple[str, int], Case] = {}
+
+
+def shared_case(name: str, batch_size: int = BATCH) -> Case:
+    """``Case(name, batch_size)``, built once per process and reset to its initial weights: the jobs of
+    a launch whose trainers only read the model's weights (they never change its modules) capture
+    each model once, and share the graph's variants."""
+    case = _SHARED_CASES.get((name, batch_size))
+    if case is None:
+        case = _SHARED_CASES[name, batch_size] = Case(name, batch_size)
+    case.reset()
+    return case
 
 
 def _exact_batch(name: str, batch: tuple) -> tuple:
@@ -81,6 +96,16 @@ def _exact_batch(name: str, batch: tuple) -> tuple:
 
 
 def reference_run(
+    case: Case, optimizer, num_steps: int, *, max_grad_norm: float | None = None, lr_scheduler=None
+) -> tuple[list[float], dict]:
+    """Unsplit full-batch training: the losses and the final state dict."""
+    losses, states = reference_states(
+        case, optimizer, num_steps, max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler
+    )
+    return losses, states["final"]
+
+
+def reference_states(
     case: Case,
     optimizer,
     num_steps: int,
@@ -89,8 +114,8 @@ def reference_run(
     lr_scheduler=None,
     states_after: tuple[int, ...] = (),
 ) -> tuple[list[float], dict]:
-    """Unsplit full-batch training: the losses and the final state dict; with ``states_after``,
-    ``{k: the state after k steps, ..., "final": the final state}`` in its place."""
+    """``reference_run`` that also keeps the state dict after each step count of ``states_after``:
+    the losses and ``{k: the state after k steps, ..., "final": the final state}``."""
     model = copy.deepcopy(case.reference_model)
     opt = optimizer(model.parameters())
     sched = lr_scheduler(opt) if lr_scheduler else None
@@ -107,8 +132,8 @@ def reference_run(
         if sched:
             sched.step()
         losses.append(float(loss))
-    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return losses, ({**states, "final": final} if states_after else final)
+    states["final"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, states
 
 
 def max_diff(state: dict, reference: dict) -> tuple[float, str]:
@@ -152,7 +177,7 @@ def job_one_step(params: dict) -> dict:
     rank = int(os.environ["RANK"])
     results: dict[str, Any] = {}
     for name in params["models"]:
-        case = Case(name)
+        case = shared_case(name)
         for config in params["configs"]:
             if name not in config.get("models", params["models"]):
                 continue
@@ -200,7 +225,7 @@ def job_checkpoint(params: dict) -> dict:
     rank = int(os.environ["RANK"])
     results: dict[str, Any] = {}
     for run in params["runs"]:
-        case = Case(run["model"])
+        case = shared_case(run["model"])
         ckpt = Path(params["dir"]) / run["label"]
         out: dict[str, Any] = {"losses": [], "resumed_at": [], "load_into_model": []}
         plans = run["plans"]
@@ -339,7 +364,7 @@ def job_meta_init(params: dict) -> dict:
     rank = int(os.environ["RANK"])
     results: dict[str, Any] = {}
     for name in params["models"]:
-        case = Case(name)
+        case = shared_case(name)
         seed = Path(params["dir"]) / f"{name}-seed"
         if rank == 0:
             save_seed(case.model, seed)
@@ -562,7 +587,7 @@ def _uneven_case(name: str, batch_size: int) -> Case:
         return GatedCase(mse=name == "gated-mse")
     if name.endswith("-padded"):
         return PaddedCase(name.removesuffix("-padded"))
-    return Case(name, batch_size)
+    return shared_case(name, batch_size)
 
 
 JOBS = {

@@ -21,7 +21,7 @@ import torch
 torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from workers import BATCH, Case, GatedCase, _train_step, max_diff, reference_run, sgd  # noqa: E402
+from workers import BATCH, Case, GatedCase, _train_step, max_diff, reference_run, sgd, shared_case  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -113,7 +113,7 @@ def job_schedules_by_shape(params: dict) -> dict:
 
     rank = int(os.environ["RANK"])
     cluster = partita.Cluster(device="cpu", num_devices=2, devices_per_node=2)
-    cases = {"reused": ReusedCase, "tied": lambda: Case("gpt2"), "gated": GatedCase}
+    cases = {"reused": ReusedCase, "tied": lambda: shared_case("gpt2"), "gated": GatedCase}
     results: dict[str, Any] = {}
     for shape, make_case in cases.items():
         case = make_case()

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from workers import JOBS, Case, adamw, legal_cut, main, max_diff, reference_run
+from workers import JOBS, Case, adamw, legal_cut, main, max_diff, reference_run, reference_states, shared_case
 
 STEPS, MAX_GRAD_NORM = 3, 0.5
 
@@ -109,7 +109,7 @@ def _on_meta(config: dict, directory: Path, rank: int) -> dict:
     from partita import examples
     from partita.runtime.materialize import meta_copies, save_seed
 
-    case = Case(config["model"])
+    case = shared_case(config["model"])
     seed = directory / f"seed-{config['label']}"
     if rank == 0:
         save_seed(case.model, seed)
@@ -131,11 +131,6 @@ def _on_meta(config: dict, directory: Path, rank: int) -> dict:
     return result
 
 
-# The cases of every tp job of this process (the 2-rank launch runs two): each config resets its
-# case to the initial weights, and the trainers of one graph share its recaptured variants.
-_CASES: dict[str, Case] = {}
-
-
 def job_tp(params: dict) -> dict:
     """Each config: STEPS clipped AdamW steps; losses and parameters against unsplit training; the
     share of each parameter this rank holds; a checkpoint loaded into the plain model."""
@@ -144,7 +139,6 @@ def job_tp(params: dict) -> dict:
 
     rank = int(os.environ["RANK"])
     results: dict[str, Any] = {}
-    cases = _CASES  # one capture per model: each config starts from its initial weights
     for config in params["configs"]:
         label = config["label"]
         print(label, flush=True)
@@ -154,10 +148,7 @@ def job_tp(params: dict) -> dict:
         if config.get("vocab"):
             results[label] = _odd_vocabulary(config["vocab"], rank)
             continue
-        if config["model"] not in cases:
-            cases[config["model"]] = Case(config["model"])
-        case = cases[config["model"]]
-        case.reset()
+        case = shared_case(config["model"])  # one capture per model, from its initial weights
         plan = _plan(case, config)
         trainer = partita.Trainer(case.model, plan, optimizer=adamw, graph=case.graph, max_grad_norm=MAX_GRAD_NORM)
         losses = [_step(trainer, case.batches[k]) for k in range(STEPS)]
@@ -207,7 +198,7 @@ def job_tp(params: dict) -> dict:
             if rank == 0:
                 result[kind] = max_diff(reloaded, state)
         if rank == 0:
-            ref_losses, ref_states = reference_run(
+            ref_losses, ref_states = reference_states(
                 case, adamw, STEPS + 1, max_grad_norm=MAX_GRAD_NORM, states_after=(STEPS,)
             )
             result["ref_next_loss"] = ref_losses.pop()
