@@ -31,8 +31,8 @@ Sample shares (``balanced_shares``): per vector of replica counts, the few split
 micro-batch whose slowest replica is fastest by the groups' time per sample (``SHARES_KEPT``,
 ``SMALL_SHARES_KEPT``), and the even split (for memory: the fast type's larger share may not fit).
 ``MixedRun.every_share`` tries every split instead (the brute-force oracle's space): on small
-clusters with large micro-batches that is several times the work (2 H100 + 4 V100 at batch 32:
-67 s against 15 s here), for the same plans on the oracle's instances
+clusters with large micro-batches that is several times the work (the zoo MLP on 2 H100 + 4 V100
+at batch 32, the whole ``plan_mixed``: 39 s against 9 s here), for the same plans on the oracle's instances
 (tests/unit/test_hetero_search.py).
 
 Configs: on small clusters and chains (``SMALL_DEVICES``, ``EXHAUSTIVE_BLOCKS``) every tuple of kinds
