@@ -19,7 +19,6 @@ nothing else); InputError otherwise.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +30,7 @@ from partita.errors import CaptureError, InputError
 from partita.runtime.stages import StageModule, split_graph
 from partita.runtime.uneven import check_uneven_boundaries
 from partita.types import OpGraph, Plan
+from partita.types.graph import graph_memo
 
 __all__ = [
     "captured_shapes",
@@ -121,7 +121,7 @@ def recaptured(
     else:
         (args, kwargs), target = call, None
     key = _call_key(narrowed, spec, training)
-    known = _RECAPTURED.setdefault(graph, {})
+    known = _recaptures(graph)
     if key is not None and key in known:
         return known[key]
     fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
@@ -138,10 +138,12 @@ def recaptured(
     return found
 
 
-# The graphs ``recaptured`` made, per planned graph (weakly: they go with it) and call key. A graph
-# stands for its module as it was captured, and so do its variants: the trainers of one graph
-# (checkpoints loaded into fresh trainers, plans compared in one process) capture each shape once.
-_RECAPTURED: weakref.WeakKeyDictionary[OpGraph, dict[tuple, OpGraph]] = weakref.WeakKeyDictionary()
+@graph_memo
+def _recaptures(graph: OpGraph) -> dict[tuple, OpGraph]:
+    """The graphs ``recaptured`` made of ``graph``, by call key (they go with it). A graph stands for
+    its module as it was captured, and so do its variants: the trainers of one graph (checkpoints
+    loaded into fresh trainers, plans compared in one process) capture each shape once."""
+    return {}
 
 
 def _call_key(leaves: Sequence[Any], spec: Any, training: bool) -> tuple | None:
