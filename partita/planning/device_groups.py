@@ -9,6 +9,12 @@ of the same range (``MixedRun.blocks_at``).
 
 The plan computes in one precision on every type (``mixed_precision``): bf16 when every type
 computes faster in it, else fp32 (a V100 has no bf16: a bf16 plan would run it at its fp32 rate).
+
+Tensor parallelism: a run at degree ``t`` (``degree_runs``) holds each group's context at that
+degree (``partita.planning.degree_contexts.with_layout``: one device's costs of a group of ``t``,
+the chain without the cuts inside a split region), and the search places tensor-parallel groups,
+not devices, on ``search_cluster`` (every device group in groups of ``t``). One degree for the
+whole plan: the runtime runs one tensor-parallel group size per job (``Plan.tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -28,11 +34,14 @@ from partita.errors import InputError
 from partita.planning.build import BuildMemo
 from partita.planning.chain import BlockCosts, block_costs
 from partita.planning.context import PlanningContext, planning_context
+from partita.planning.degree_contexts import degree_contexts, with_layout
 from partita.planning.options import PlanOptions, resolve_precision
+from partita.planning.tensor_parallel import check_degree, group_cluster
 from partita.types import CostTable, DeviceSpec, OpGraph, Precision
-from partita.types.cluster import Cluster
+from partita.types.cluster import Cluster, DeviceGroup
+from partita.types.tensor_parallel import TensorParallelLayout
 
-__all__ = ["MixedRun", "mixed_precision", "mixed_run", "slowest_cluster"]
+__all__ = ["MixedRun", "degree_runs", "mixed_precision", "mixed_run", "slowest_cluster"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +51,9 @@ class MixedRun:
     ``chain``, the options as given (precision resolved) and the plan-file options record.
     ``every_share``: the search tries every split of a micro-batch over a stage's replicas, not only
     the best balanced ones and the even one (``partita.planning.hetero_search``; for studies and
-    the brute-force tests: much slower on small clusters with large micro-batches)."""
+    the brute-force tests: much slower on small clusters with large micro-batches).
+    ``tensor_parallel``: devices per tensor-parallel group, with ``layout`` what a group splits
+    and ``unsharded`` the degree-1 run it was made from (``degree_runs``)."""
 
     graph: OpGraph
     cluster: Cluster
@@ -51,6 +62,32 @@ class MixedRun:
     global_batch_size: int
     resolved: dict
     every_share: bool = False
+    tensor_parallel: int = 1
+    layout: TensorParallelLayout | None = None
+    unsharded: MixedRun | None = None
+
+    @functools.cached_property
+    def search_cluster(self) -> Cluster:
+        """The cluster the search places its units on: ``cluster`` with every device group in
+        tensor-parallel groups (``partita.planning.tensor_parallel.group_cluster``); ``cluster`` at degree 1."""
+        t = self.tensor_parallel
+        if t == 1:
+            return self.cluster
+        shared = ("reserved_memory_fraction", "compute_slowdown", "collective_efficiency")
+        inter = ("inter_group_bandwidth_bytes_per_s", "inter_group_latency_s")
+        groups = []
+        for c in self.cluster.group_clusters:
+            units = group_cluster(c, t)
+            links = {f: getattr(c, f) for f in _LINKS}
+            groups.append(DeviceGroup(c.device, units.num_devices, units.devices_per_node, c.memory_bytes, **links))
+        return Cluster(
+            groups=groups, **{f: getattr(self.cluster, f) for f in shared}, **{f: getattr(self.cluster, f) for f in inter}
+        )
+
+    @property
+    def base(self) -> MixedRun:
+        """The degree-1 run (this one at degree 1)."""
+        return self if self.unsharded is None else self.unsharded
 
     @property
     def num_groups(self) -> int:
@@ -108,6 +145,55 @@ class MixedRun:
         return functools.lru_cache(maxsize=None)(line)
 
 
+_LINKS = (
+    "intra_node_bandwidth_bytes_per_s",
+    "inter_node_bandwidth_bytes_per_s",
+    "intra_node_latency_s",
+    "inter_node_latency_s",
+)
+
+
+def degree_runs(run: MixedRun) -> list[MixedRun]:
+    """The runs to search, one per tensor-parallel degree, smallest first: ``run`` (degree 1) and
+    one per degree whose groups tile every device group without crossing a node and whose layout
+    splits something (``partita.planning.degree_contexts``: with sequence parallelism where a
+    region splits by token), as the user's ``tensor_parallel`` and ``sequence_parallel`` allow.
+    InputError when a pinned degree cannot tile some device group (or splits nothing)."""
+    options = run.options
+    pinned = options.tensor_parallel
+    for c in run.cluster.group_clusters if pinned not in (None, 1) else ():
+        check_degree(pinned, c)  # a pinned degree must fit every device group
+    degrees = {pinned} if pinned is not None else {t for t in (1, 2, 4, 8) if _tiles_every_group(run.cluster, t)}
+    if degrees == {1} and options.sequence_parallel is None:
+        return [run]
+    found = []
+    for ctx in degree_contexts(run.contexts[0], pinned, sequence_parallel=options.sequence_parallel):
+        t = ctx.options.tensor_parallel
+        if t not in degrees:
+            continue
+        if t == 1:
+            found.append(run)
+            continue
+        contexts = [ctx, *(with_layout(other, ctx.layout) for other in run.contexts[1:])]
+        contexts = [contexts[0], *(dataclasses.replace(c, chain=ctx.chain) for c in contexts[1:])]
+        resolved = {**run.resolved, "tensor_parallel": t, "sequence_parallel": ctx.layout.sequence_parallel}
+        found.append(
+            dataclasses.replace(
+                run, contexts=tuple(contexts), resolved=resolved, tensor_parallel=t, layout=ctx.layout, unsharded=run
+            )
+        )
+    return found
+
+
+def _tiles_every_group(cluster: Cluster, degree: int) -> bool:
+    try:
+        for c in cluster.group_clusters:
+            check_degree(degree, c)
+    except InputError:
+        return False
+    return True
+
+
 def mixed_precision(pinned: Precision | None, cluster: Cluster) -> Precision:
     """The one precision of a plan over ``cluster``'s groups: the pinned one; else bf16 when every
     group's device computes faster in bf16 (``resolve_precision``), else fp32."""
@@ -153,9 +239,9 @@ def mixed_run(
 ) -> MixedRun:
     """Capture once (unless ``model`` is an OpGraph), then a degree-1 planning context per device
     group of ``cluster`` on its one-type cluster, all in ``mixed_precision`` and on the first
-    group's chain. The mixed search places no tensor-parallel groups, pins no replica count and
-    ignores ``uniform_replicas`` (``partita.planning.hetero`` says when that leaves it out); the
-    contexts are made without those pins. ``every_share``: ``MixedRun``'s."""
+    group's chain. The mixed search pins no replica count and ignores ``uniform_replicas``
+    (``partita.planning.hetero`` says when that leaves it out); the contexts are made without those
+    pins, and at degree 1 (``degree_runs`` makes the others). ``every_share``: ``MixedRun``'s."""
     if not isinstance(cluster, Cluster) or not cluster.is_mixed:
         raise InputError("mixed_run plans a cluster of several device groups: Cluster(groups=[...])")
     graph = (
@@ -164,7 +250,7 @@ def mixed_run(
         else capture(model, args, kwargs, loss_fn=loss_fn, target=target, batch_dims=batch_dims)
     )
     given = options.replace(precision=mixed_precision(options.precision, cluster))
-    per_group = given.replace(tensor_parallel=None, replicas=None, uniform_replicas=None)
+    per_group = given.replace(tensor_parallel=None, sequence_parallel=None, replicas=None, uniform_replicas=None)
     contexts = [
         planning_context(
             graph,

@@ -4,9 +4,10 @@
 kinds of plan compete, and the fastest simulated step wins (ties: the order below):
 
 - **mixed** (``best_mixed``): stages placed on device groups with per-stage replica counts and
-  unequal sample shares (``partita.planning.hetero_search``), built and checked per device type
-  (``hetero_build``) and simulated with every replica at its own type's speed
-  (``hetero_simulate``);
+  unequal sample shares (``partita.planning.hetero_search``), at every tensor-parallel degree that
+  tiles every device group (``device_groups.degree_runs``: a replica is then a group of ``t``
+  devices of one type), built and checked per device type (``hetero_build``) and simulated with
+  every replica at its own type's speed (``hetero_simulate``);
 - **fastest type only**: the one-type planner's best plan on the fastest group's devices alone
   (every schedule, tensor-parallel degree and sharding level it searches); a plan for that
   group's cluster, the other groups idle;
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from partita.errors import InfeasiblePlanError, InputError
-from partita.planning.device_groups import MixedRun, mixed_run, slowest_cluster
+from partita.planning.device_groups import MixedRun, degree_runs, mixed_run, slowest_cluster
 from partita.planning.hetero_build import fitting_mixed_draft
 from partita.planning.hetero_search import SMALL_DEVICES, MixedCandidate, search_mixed
 from partita.planning.hetero_simulate import simulate_mixed
@@ -59,21 +60,25 @@ SLOWEST_EVERYWHERE = "slowest type everywhere"
 
 @dataclass(frozen=True)
 class MixedOutcome:
-    """The plan, the two baselines' plans (None: nothing fits) and why not, and the run."""
+    """The plan, the two baselines' plans (None: nothing fits) and why not, and the run (degree 1)
+    with ``runs``, the run of each tensor-parallel degree searched."""
 
     plan: Plan
     baselines: dict[str, Plan | None]
     run: MixedRun
     baseline_reasons: dict[str, str] = field(default_factory=dict)
+    runs: dict[int, MixedRun] = field(default_factory=dict)
 
     def simulate(self, plan: Plan, *, keep_timeline: bool = True) -> SimResult | None:
-        """Simulate one of the outcome's plans on its own cluster (mixed: ``simulate_mixed``); None
-        for a plan with tensor parallelism (a baseline's: the run holds degree-1 costs and the mixed
-        simulator splits no matmuls; its predicted step is its one-type search's)."""
+        """Simulate one of the outcome's plans on its own cluster (mixed: ``simulate_mixed`` with the
+        costs of its tensor-parallel degree); None for a plan of a degree the outcome holds no costs
+        for, or a one-type plan with tensor parallelism (a baseline's: its predicted step is its
+        one-type search's)."""
+        runs = {1: self.run, **self.runs}
+        if plan.cluster.is_mixed and plan.tensor_parallel in runs:
+            return simulate_mixed(plan, runs[plan.tensor_parallel].costs_at, keep_timeline=keep_timeline)
         if plan.tensor_parallel > 1:
             return None
-        if plan.cluster.is_mixed:
-            return simulate_mixed(plan, self.run.costs_at, keep_timeline=keep_timeline)
         from partita.planning.simulate import simulate  # one-type plans: the plain simulator
 
         group = next(g for g, c in enumerate(self.run.cluster.group_clusters) if c == plan.cluster)
@@ -121,32 +126,33 @@ def plan_mixed(
     )
     everywhere = slowest_cluster(cluster, cluster.group_clusters[slowest].device)
     baselines[slowest_name], reasons[slowest_name] = _one_type(run, plan_one_type, everywhere, call, recast=True)
-    mixed, why_not = best_mixed(run)
+    runs = degree_runs(run)
+    found_mixed = [best_mixed(r) for r in runs]
+    mixed = min((p for p, _ in found_mixed if p is not None), key=plan_key, default=None)
+    why_not = "; ".join(dict.fromkeys(why for p, why in found_mixed if why))
     found = [p for p in (mixed, baselines[fastest_name], baselines[slowest_name]) if p is not None]
     if not found:
         raise _infeasible(run, names, why_not, reasons)
     best = min(found, key=plan_key)
     named = {name: None if p is None else dataclasses.replace(p, method=_method(name)) for name, p in baselines.items()}
-    return MixedOutcome(best, named, run, {k: v for k, v in reasons.items() if v})
+    by_degree = {r.tensor_parallel: r for r in runs}
+    return MixedOutcome(best, named, run, {k: v for k, v in reasons.items() if v}, by_degree)
 
 
 def best_mixed(run: MixedRun) -> tuple[Plan | None, str]:
-    """The best simulated plan of the mixed search (None when it finds none, and why)."""
-    options, small = run.contexts[0].options, run.cluster.num_devices <= SMALL_DEVICES
+    """The best simulated plan of the mixed search at ``run``'s tensor-parallel degree (None when it
+    finds none, and why)."""
+    options, small = run.contexts[0].options, run.search_cluster.num_devices <= SMALL_DEVICES
     user = run.options
-    if user.tensor_parallel not in (None, 1) or user.replicas is not None or user.uniform_replicas:
+    if user.replicas is not None or user.uniform_replicas:
         pinned = [
             f"{name}={value}"
-            for name, value in (
-                ("tensor_parallel", user.tensor_parallel),
-                ("replicas", user.replicas),
-                ("uniform_replicas", user.uniform_replicas),
-            )
-            if value not in (None, False, 1) or (name == "replicas" and value is not None)
+            for name, value in (("replicas", user.replicas), ("uniform_replicas", user.uniform_replicas))
+            if value not in (None, False)
         ]
         return None, (
             f"placing stages on device types was not searched: {', '.join(pinned)} pins what it cannot honour "
-            "(it runs no tensor parallelism, and its stages have their own replica counts and sample shares)"
+            "(its stages have their own replica counts and sample shares)"
         )
     plans: list[Plan] = []
     candidate_of = {}
@@ -163,7 +169,8 @@ def best_mixed(run: MixedRun) -> tuple[Plan | None, str]:
         if not small and len(plans) >= NUM_SIMULATED:
             break
     if not plans:
-        return None, "no placement of stages on the device types fits every device's memory"
+        at = f" at tensor-parallel degree {run.tensor_parallel}" if run.tensor_parallel > 1 else ""
+        return None, f"no placement of stages on the device types fits every device's memory{at}"
     return min((_refined(run, candidate_of[id(p)], p) for p in _best_per_config(plans, candidate_of)), key=plan_key), ""
 
 

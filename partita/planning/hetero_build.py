@@ -1,6 +1,7 @@
 """A mixed candidate as a Plan: ranks by device group, sample shares, memory per device type.
 
-Each stage's replicas run on the devices ``Cluster.assign_ranks`` gives its kind's counts; a stage
+Each stage's replicas run on the devices ``Cluster.assign_ranks`` gives its kind's counts (times
+the run's tensor-parallel degree ``t``: a replica is ``t`` consecutive ranks of one node); a stage
 whose replicas take unequal shares records them (``StagePlan.replica_samples``). Its memory is
 checked on every device group it runs on, at that group's share and memory limit; its sharding
 level is one for all its replicas (one FSDP2 unit): the fastest level that fits on every group
@@ -34,7 +35,8 @@ def mixed_draft(
     """The Plan of ``candidate`` with ``recompute`` per stage, its step not yet simulated."""
     config = candidate.config
     nodes = [int(run.chain[b]) for b in candidate.boundaries]
-    ranks = run.cluster.assign_ranks([kind.counts for kind in config.kinds])
+    t = run.tensor_parallel  # a replica is t consecutive ranks of one node (``MixedRun.search_cluster``)
+    ranks = run.cluster.assign_ranks([[c * t for c in kind.counts] for kind in config.kinds])
     tied = _tied_stages(run, config, nodes)
     stages = tuple(
         _stage(run, config, p, nodes, ranks[p], Recompute.parse(recompute[p]), p in tied)
@@ -91,15 +93,15 @@ def mixed_total_compute_s(run: MixedRun, config: MixedConfig) -> float:
     """Forward + backward seconds of a whole step's samples on one device of the plan's devices taken
     together: its devices / their summed speed (samples per second, each type at its share), so that
     ``total_compute_s / num_devices`` is the ideal step over every device the plan uses, each at its
-    own speed (the report's efficiency)."""
-    batch = run.global_batch_size
+    own speed (the report's efficiency). Under tensor parallelism, each device at degree 1."""
+    batch, t = run.global_batch_size, run.tensor_parallel
     speed, devices = 0.0, 0
     for g in range(run.num_groups):
-        count = config.devices_of_group(g)
+        count = config.devices_of_group(g) * t
         if not count:
             continue
         size = max(k.samples[g] for k in config.kinds if k.counts[g])
-        table = run.costs_at(g, size)
+        table = run.base.costs_at(g, size)
         speed += count * size / float(table.forward_s.sum() + table.backward_s.sum())
         devices += count
     return devices * batch / speed
@@ -155,6 +157,8 @@ def _stage(
         memory_breakdown=memory[fullest].breakdown(),
         replica_samples=None if len(set(kind.shares)) == 1 else kind.shares,
         memory_bytes_by_group=by_group,
+        tensor_parallel=run.tensor_parallel,
+        sequence_parallel=run.layout is not None and run.layout.sequence_parallel,
     )
 
 

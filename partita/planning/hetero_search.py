@@ -3,7 +3,7 @@
 Glossary
 --------
 kind        what runs one stage (``StageKind``): how many replicas on each device group
-            (``counts[g]``) and how many samples of each micro-batch one replica of each group
+            (``counts[g]``; a replica is a tensor-parallel group of ``run.tensor_parallel`` devices) and how many samples of each micro-batch one replica of each group
             runs (``samples[g]``); ``sum_g counts[g] * samples[g] = b``, the micro-batch. A kind on
             two groups gives the faster type's replicas more samples, so that no replica waits.
 config      (schedule, micro-batches m, one kind per stage, recompute mode): ``MixedConfig``.
@@ -157,7 +157,7 @@ class KindCosts:
         if key not in self._stage_costs:
             ctx = self.run.contexts[group]
             config = Config(replicas, 1, Schedule.GPIPE, 1, self.m, samples, mode)  # see StageCosts.cost_at
-            cluster = self.run.cluster if mixed else ctx.cluster
+            cluster = self.run.search_cluster if mixed else ctx.search_cluster
             self._stage_costs[key] = StageCosts(self.run.blocks_at(group, samples), config, ctx.options, cluster)
         return self._stage_costs[key]
 
@@ -235,7 +235,7 @@ def balanced_shares(run: MixedRun, counts: Sequence[int], microbatch: int, limit
 
 def _all_kinds(run: MixedRun, microbatch: int, one_replica: bool) -> list[StageKind]:
     """Every kind of a micro-batch of ``microbatch`` samples on the cluster (small clusters)."""
-    limits = [c.num_devices for c in run.cluster.group_clusters]
+    limits = [c.num_devices for c in run.search_cluster.group_clusters]
     kinds = []
     for counts in itertools.product(*(range(n + 1) for n in limits)):
         total = sum(counts)
@@ -249,7 +249,7 @@ def _all_kinds(run: MixedRun, microbatch: int, one_replica: bool) -> list[StageK
 def _uses_devices(run: MixedRun, kinds: Sequence[StageKind]) -> bool:
     """Whether the devices used are the cluster's first ones (module docstring): no group holds more
     than it has, and every group before the last one used is used whole."""
-    sizes = [c.num_devices for c in run.cluster.group_clusters]
+    sizes = [c.num_devices for c in run.search_cluster.group_clusters]
     used = [sum(k.counts[g] for k in kinds) for g in range(len(sizes))]
     last = max((g for g, u in enumerate(used) if u), default=0)
     return all(u <= n for u, n in zip(used, sizes)) and all(used[g] == sizes[g] for g in range(last))
@@ -261,7 +261,7 @@ def _every_tuple(
     """Every kind tuple of ``num_stages`` stages that uses the devices as ``_uses_devices`` says;
     None when there are more than MAX_KIND_TUPLES."""
     kinds = _all_kinds(run, microbatch, one_replica)
-    limits = [c.num_devices for c in run.cluster.group_clusters]
+    limits = [c.num_devices for c in run.search_cluster.group_clusters]
     found: list[tuple[StageKind, ...]] = []
 
     def extend(prefix: tuple[StageKind, ...], left: list[int]) -> bool:
@@ -282,7 +282,7 @@ def _family_tuples(
     run: MixedRun, num_stages: int, microbatch: int, one_replica: bool
 ) -> Iterator[tuple[StageKind, ...]]:
     """Mixed data parallelism and type blocks (module docstring) of ``num_stages`` stages."""
-    sizes = [c.num_devices for c in run.cluster.group_clusters]
+    sizes = [c.num_devices for c in run.search_cluster.group_clusters]
     num_groups, last = len(sizes), len(sizes) - 1
     # mixed data parallelism: each group's devices spread evenly over the stages
     if all(n % num_stages == 0 for n in sizes[:-1]):
@@ -333,7 +333,7 @@ def enumerate_mixed_configs(run: MixedRun, options) -> Iterator[MixedConfig]:
     first group's SearchOptions (schedules, pinned depth, micro-batches, recompute)."""
     batch, num_blocks = run.global_batch_size, run.num_blocks
     one_replica = run.graph.couples_samples is not None  # a loss over the whole batch: no split of it
-    small = run.cluster.num_devices <= SMALL_DEVICES and num_blocks <= EXHAUSTIVE_BLOCKS
+    small = run.search_cluster.num_devices <= SMALL_DEVICES and num_blocks <= EXHAUSTIVE_BLOCKS
     schedules = [s for s in MIXED_SCHEDULES if s in options.schedules]
     depths = [options.num_stages] if options.num_stages is not None else range(1, min(MAX_STAGES, num_blocks) + 1)
     modes = [options.recompute] if options.recompute is not None else [None]

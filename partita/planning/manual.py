@@ -87,7 +87,7 @@ def manual_plan(
         replica_samples: per rank group, the samples of each micro-batch that each of its
             replicas runs (``StagePlan.replica_samples``; at least one each, summing to
             ``global_batch_size / num_microbatches``), or None for an even split. Unequal shares
-            run under GPipe and 1F1B, one stage per rank group, without tensor parallelism.
+            run under GPipe and 1F1B, one stage per rank group.
 
     Raises InputError when the split, the schedule or the batch do not fit together.
     """
@@ -104,11 +104,11 @@ def manual_plan(
     counts = _replica_counts(replicas, schedule, num_rank_groups)
     t = positive_int(tensor_parallel, "tensor_parallel")
     shares = _replica_shares(replica_samples, counts, global_batch_size, num_microbatches)
-    if any(shares) and (schedule not in UNEVEN_SCHEDULES or num_stages != num_rank_groups or t != 1):
+    if any(shares) and (schedule not in UNEVEN_SCHEDULES or num_stages != num_rank_groups):
         raise InputError(
             f"replica_samples={[None if s is None else list(s) for s in shares]} gives replicas unequal shares, "
-            "which run under schedule gpipe or 1f1b with one stage per rank group and tensor_parallel=1 only "
-            f"(got {schedule.value}, {num_stages} stages on {num_rank_groups} rank groups, tensor_parallel={t}): "
+            "which run under schedule gpipe or 1f1b with one stage per rank group only "
+            f"(got {schedule.value}, {num_stages} stages on {num_rank_groups} rank groups): "
             "change those, or leave replica_samples out"
         )
     for r in sorted({r for r, s in zip(counts, shares) if s is None}):

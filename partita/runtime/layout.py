@@ -16,14 +16,8 @@ def check_layout(plan: Plan) -> None:
     (GPipe/1F1B, one stage per rank group, replica counts and sample shares of its own per stage)
     whose stages hold ranks 0 .. N-1 between them, each stage its own ascending ranks in any order
     of the stages (ranks follow the device groups of a mixed cluster: the first stage may run on
-    the second group, also when every stage has as many replicas)."""
-    if plan.tensor_parallel > 1 and not all(s.even_shares for s in plan.stages):
-        stage = next(s for s in plan.stages if not s.even_shares)
-        raise InputError(
-            f"stage {stage.index} gives its replicas unequal shares {list(stage.replica_samples)} of each micro-batch "
-            f"under tensor-parallel degree {plan.tensor_parallel}: tensor parallelism runs on pp x dp x tp meshes, "
-            "every replica with an equal share; re-plan with tensor_parallel=1, or give the replicas equal shares"
-        )
+    the second group, also when every stage has as many replicas). Either may hold tensor-parallel
+    groups: a replica is then ``tensor_parallel`` consecutive ranks (``StagePlan.replica_ranks``)."""
     if plan.on_mesh:
         _check_uniform_layout(plan)
     else:

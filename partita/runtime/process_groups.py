@@ -9,7 +9,8 @@ Two layouts:
   ranks off the mesh's order (GPipe or 1F1B, one stage per rank group), on ranks of its own: those
   after the earlier groups' in a manual plan; on a mixed cluster, those of the device groups it runs
   on, the second group's stages possibly first (layout.py). No mesh expresses it: stages exchange
-  slices of micro-batches many-to-many (uneven.py).
+  slices of micro-batches many-to-many (uneven.py). Under tensor parallelism each index's ranks do
+  so among themselves, and each replica's ``t`` ranks form a tensor-parallel group.
 
 Glossary
 --------
@@ -127,23 +128,24 @@ def init_topology(plan: Plan, *, collective_timeout_s: float | None = None) -> T
 
 
 def _tensor_parallel_topology(plan: Plan, common: dict, timeout: datetime.timedelta | None) -> Topology:
-    """A uniform plan of degree t on a pp x dp x tp mesh: rank = (group * dp + replica) * t + index."""
+    """A plan of degree t: the ranks of each index ``i`` in their groups run ``local_plan(plan, i)``
+    (``partita.runtime.tensor_parallel``) over a group of their own. On a mesh (``Plan.on_mesh``)
+    the pp x dp x tp mesh, rank = (group * dp + replica) * t + index; otherwise partita's executor,
+    with one group per stage and index (the stage's ranks of that index) and one per replica (its
+    t consecutive ranks)."""
+    t, rank = plan.tensor_parallel, common["rank"]
+    # one group per index, every rank creating all of them in the same order
+    slices = [new_group(list(range(i, plan.num_devices, t)), timeout) for i in range(t)]
+    tensor_parallel = dict(tensor_parallel=t, tp_index=rank % t, sequence_parallel=plan.sequence_parallel)
+    if not plan.on_mesh:
+        return _uneven_tensor_parallel_topology(plan, {**common, "world_group": slices[rank % t]}, tensor_parallel)
     from torch.distributed.device_mesh import init_device_mesh
 
-    if not plan.uniform_replicas:
-        raise InputError(
-            f"the plan has tensor-parallel degree {plan.tensor_parallel} and uneven replica counts "
-            f"{[s.num_replicas for s in plan.stages]}: tensor parallelism runs on pp x dp x tp meshes only; "
-            "re-plan with tensor_parallel=1 or with one replica count for every stage"
-        )
-    t, rank = plan.tensor_parallel, common["rank"]
     pp, dp = plan.num_rank_groups, plan.stages[0].num_replicas
     override = _mesh_timeouts(timeout, ("pp", "dp", "tp")) if timeout is not None else None
     mesh = init_device_mesh(
         common["device"].type, (pp, dp, t), mesh_dim_names=("pp", "dp", "tp"), backend_override=override
     )
-    # one group per index, every rank creating all of them in the same order
-    slices = [new_group(list(range(i, plan.num_devices, t)), timeout) for i in range(t)]
     return Topology(
         **{**common, "world_group": slices[rank % t]},
         num_rank_groups=pp,
@@ -153,10 +155,32 @@ def _tensor_parallel_topology(plan: Plan, common: dict, timeout: datetime.timede
         dp_group=mesh.get_group("dp"),
         pp_group=mesh.get_group("pp"),
         mesh=mesh,
-        tensor_parallel=t,
-        tp_index=rank % t,
         tp_group=mesh.get_group("tp"),
-        sequence_parallel=plan.sequence_parallel,
+        **tensor_parallel,
+    )
+
+
+def _uneven_tensor_parallel_topology(plan: Plan, common: dict, tensor_parallel: dict) -> Topology:
+    """Partita's executor under tensor parallelism (``_tensor_parallel_topology``): this rank's
+    stage, its replica (the index of its group of t ranks in the stage), the stage's ranks of this
+    rank's index as its data-parallel group, and its replica's ranks as its tensor-parallel group."""
+    t, rank, timeout = plan.tensor_parallel, common["rank"], common["timeout"]
+    dp_groups = {(s.index, i): new_group(list(s.ranks[i::t]), timeout) for s in plan.stages for i in range(t)}
+    tp_groups = {
+        (s.index, j): new_group(list(s.replica_ranks(j)), timeout) for s in plan.stages for j in range(s.num_replicas)
+    }
+    dist.barrier(group=common["world_group"])  # as the uneven layout does: a collective before any transfer
+    stage = next(s for s in plan.stages if rank in s.ranks)
+    position = stage.ranks.index(rank)
+    return Topology(
+        **common,
+        num_rank_groups=plan.num_rank_groups,
+        rank_group=stage.rank_group,
+        replica=position // t,
+        replicas=stage.num_replicas,
+        dp_group=dp_groups[stage.index, position % t],
+        tp_group=tp_groups[stage.index, position // t],
+        **tensor_parallel,
     )
 
 

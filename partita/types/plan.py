@@ -172,14 +172,14 @@ class Plan:
         """Whether torch's pipelining runs it on a pp x dp (x tp) mesh: uniform replicas, rank group
         ``g`` on ranks ``[g*dp*t, (g+1)*dp*t)``. A uniform GPipe or 1F1B plan of one stage per rank
         group whose stages sit on other ranks (on a mixed cluster the second device group's stage
-        may come first) runs on partita's own executor, as uneven plans do (``partita.runtime.uneven``);
-        other schedules, several stages per rank group and tensor parallelism run on a mesh only
-        (``partita.runtime.layout.check_layout`` refuses them elsewhere)."""
+        may come first) runs on partita's own executor, as uneven plans do (``partita.runtime.uneven``),
+        with or without tensor parallelism; other schedules and several stages per rank group run on
+        a mesh only (``partita.runtime.layout.check_layout`` refuses them elsewhere)."""
         if not self.uniform_replicas:
             return False
-        if self.tensor_parallel > 1 or self.schedule not in UNEVEN_SCHEDULES or self.num_rank_groups != self.num_stages:
+        if self.schedule not in UNEVEN_SCHEDULES or self.num_rank_groups != self.num_stages:
             return True
-        width = self.stages[0].num_replicas
+        width = len(self.stages[0].ranks)
         return all(s.ranks == tuple(range(s.rank_group * width, (s.rank_group + 1) * width)) for s in self.stages)
 
     @property

@@ -112,6 +112,49 @@ REVERSED = [
     for schedule in ("gpipe", "1f1b")
 ]
 REVERSED_KEYS = [f"{m}/{c['label']}" for c in REVERSED for m in c["models"]]
+# Tensor parallelism on partita's executor (4 ranks, issue 30): replicas are groups of 2 ranks of one
+# device type. Two stages of one group each, the A100s' stage first (ranks 2-3, then 0-1), with and
+# without sequence parallelism; one stage whose two groups (the H100s, the A100s) take 3 and 1
+# samples of each micro-batch, GPT-2's labels padded to a different length in every sample, its
+# checkpoint resumed under a plan of 2 x 2 ranks without tensor parallelism. Gradients clipped.
+TENSOR_PARALLEL = [
+    dict(
+        label="1f1b-1x1-tp2-slow-group-first",
+        schedule="1f1b",
+        replicas=(1, 1),
+        num_microbatches=2,
+        tensor_parallel=2,
+        groups=[("h100", 2), ("a100-40gb", 2)],
+        group_counts=[(0, 2), (2, 0)],
+        max_grad_norm=0.5,  # clipped: the gradient norm sums the split parameters' squares over each group
+        models=["gpt2", "llama"],
+    ),
+    dict(
+        label="gpipe-1x1-tp2-sp-slow-group-first",
+        schedule="gpipe",
+        replicas=(1, 1),
+        num_microbatches=2,
+        tensor_parallel=2,
+        sequence_parallel=True,
+        groups=[("h100", 2), ("a100-40gb", 2)],
+        group_counts=[(0, 2), (2, 0)],
+        models=["gpt2"],
+    ),
+    dict(
+        label="1f1b-2-tp2-shares",
+        schedule="1f1b",
+        replicas=(2,),
+        num_microbatches=2,
+        tensor_parallel=2,
+        replica_samples=[(3, 1)],
+        groups=[("h100", 2), ("a100-40gb", 2)],
+        max_grad_norm=0.5,
+        models=["gpt2-padded", "llama"],
+        # the checkpoint continues under a one-type plan without tensor parallelism
+        resume=dict(schedule="gpipe", replicas=(2, 2), num_microbatches=2),
+    ),
+]
+TENSOR_PARALLEL_KEYS = [f"{m}/{c['label']}" for c in TENSOR_PARALLEL for m in c["models"]]
 NONFINITE = dict(
     label="gpipe-1x2-nonfinite", schedule="gpipe", replicas=(1, 2), num_microbatches=2, nonfinite=True, models=["gated"]
 )
@@ -153,6 +196,9 @@ SHARED_JOBS = {
     "reversed_results": Job(
         "workers:job_uneven", 2, 200, dict(models=["gpt2", "gated-mse"], configs=REVERSED), ("dir",)
     ),
+    "tensor_parallel_results": Job(
+        "workers:job_uneven", 4, 300, dict(models=["gpt2", "gpt2-padded", "llama"], configs=TENSOR_PARALLEL), ("dir",)
+    ),
     "wide_results": Job(
         "workers:job_uneven", 5, 300, dict(models=WIDE_MODELS, configs=WIDE_CONFIGS, batch_size=12), ("dir",)
     ),
@@ -182,6 +228,18 @@ def reversed_results(launches):
 @pytest.mark.parametrize("key", REVERSED_KEYS)
 def test_stages_in_the_other_order_of_the_ranks_train_like_the_unsplit_model(reversed_results, key):
     check_like_unsplit(reversed_results, key)
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_results(launches):
+    return launches.results_of(__name__, "tensor_parallel_results")
+
+
+@pytest.mark.parametrize("key", TENSOR_PARALLEL_KEYS)
+def test_tensor_parallel_groups_on_device_groups_and_unequal_shares_train_like_the_unsplit_model(
+    tensor_parallel_results, key
+):
+    check_like_unsplit(tensor_parallel_results, key)
 
 
 @pytest.mark.parametrize("key", WIDE_KEYS)

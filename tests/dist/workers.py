@@ -470,13 +470,15 @@ def make_uneven_plan(case: Case, config: dict):
         recompute=config.get("recompute", False),
         sharding=config.get("sharding", "replicate"),
         replica_samples=config.get("replica_samples"),
+        tensor_parallel=config.get("tensor_parallel", 1),
+        sequence_parallel=config.get("sequence_parallel", False),
     )
 
 
 def on_device_groups(plan, groups: list, counts: list | None = None):
     """``plan`` on a mixed cluster of ``groups`` ((device, count) in rank order), through its plan
     file: a mixed-cluster plan whose stages sit on different device groups (the runtime runs every
-    rank on this CPU). ``counts``: each stage's replicas per device group, its ranks then following
+    rank on this CPU). ``counts``: each stage's devices per device group, its ranks then following
     the groups as the mixed planner places them (``Cluster.assign_ranks``: a stage on the second
     group may come first)."""
     import dataclasses
@@ -567,9 +569,8 @@ def job_uneven(params: dict) -> dict:
                 path = Path(params["dir"]) / key.replace("/", "-")
                 trainer.save_checkpoint(path)
                 case.reset()
-                trainer = partita.Trainer(
-                    case.model, make_uneven_plan(case, config["resume"]), optimizer=adamw, graph=case.graph
-                )
+                resumed = make_uneven_plan(case, config["resume"])
+                trainer = partita.Trainer(case.model, resumed, optimizer=adamw, graph=case.graph, max_grad_norm=clip)
                 trainer.load_checkpoint(path)
                 losses += [_train_step(trainer, batch) for batch in case.batches[3:5]]
             state = trainer.gather_state_dict()
