@@ -81,7 +81,9 @@ class MixedRun:
             links = {f: getattr(c, f) for f in _LINKS}
             groups.append(DeviceGroup(c.device, units.num_devices, units.devices_per_node, c.memory_bytes, **links))
         return Cluster(
-            groups=groups, **{f: getattr(self.cluster, f) for f in shared}, **{f: getattr(self.cluster, f) for f in inter}
+            groups=groups,
+            **{f: getattr(self.cluster, f) for f in shared},
+            **{f: getattr(self.cluster, f) for f in inter},
         )
 
     @property
@@ -161,8 +163,11 @@ def degree_runs(run: MixedRun) -> list[MixedRun]:
     InputError when a pinned degree cannot tile some device group (or splits nothing)."""
     options = run.options
     pinned = options.tensor_parallel
-    for c in run.cluster.group_clusters if pinned not in (None, 1) else ():
-        check_degree(pinned, c)  # a pinned degree must fit every device group
+    for g, c in enumerate(run.cluster.group_clusters if pinned not in (None, 1) else ()):
+        try:  # a pinned degree must tile every device group
+            check_degree(pinned, c)
+        except InputError as e:
+            raise InputError(f"device group {g} ({c.num_devices} x {c.device.name}): {e}") from None
     degrees = {pinned} if pinned is not None else {t for t in (1, 2, 4, 8) if _tiles_every_group(run.cluster, t)}
     if degrees == {1} and options.sequence_parallel is None:
         return [run]

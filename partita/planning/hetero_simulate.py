@@ -10,11 +10,16 @@ waits for the inter-group link), and the optimizer step ends with its slowest gr
 between stages moves each sender's share over the link between the two stages' devices (the
 inter-group link when they lie in different groups); the slowest sender's is the stage's.
 
+Under tensor parallelism (``Plan.tensor_parallel``) the tables are one device's of a group (its
+share of the work and the group's collectives, ``partita.cost.tensor_parallel``), a replica is a
+group, and the gradient collectives run one ring per index of the group, as on one type.
+
 A one-type cluster's plan gives the same inputs as ``partita.planning.simulate.pipeline_inputs``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -88,7 +93,9 @@ def mixed_pipeline_inputs(plan: Plan, costs: CostsByGroup) -> dict:
         for share in shares:
             group_cluster, first = cluster.group_clusters[share.group], cluster.group_first_ranks[share.group]
             local = tuple(r - first for r in share.ranks)  # ranks on the group's own cluster
-            compute = _Stand(stage.start, stage.stop, stage.recompute, Sharding.REPLICATE, local, 1)
+            compute = _Stand(
+                stage.start, stage.stop, stage.recompute, Sharding.REPLICATE, local, 1, stage.tensor_parallel
+            )
             table = costs(share.group, share.samples)
             one = stages_pipeline_inputs([compute], [table], [0], plan.schedule, 1, precision, optimizer, group_cluster)
             for name in fields[:-1]:
@@ -97,7 +104,15 @@ def mixed_pipeline_inputs(plan: Plan, costs: CostsByGroup) -> dict:
             trainable = _trainable_bytes(table, stage.start, stage.stop)
             step_s = optimizer_step_s(trainable / shards, optimizer, group_cluster.device, precision=precision)
             values["optimizer_s"].append(cluster.compute_slowdown * step_s)
-        whole = _Stand(stage.start, stage.stop, stage.recompute, stage.sharding, stage.ranks, stage.num_replicas)
+        whole = _Stand(
+            stage.start,
+            stage.stop,
+            stage.recompute,
+            stage.sharding,
+            stage.ranks,
+            stage.num_replicas,
+            stage.tensor_parallel,
+        )
         table = costs(shares[0].group, shares[0].samples)
         link = cluster if len(shares) > 1 else cluster.group_clusters[shares[0].group]
         ranks = (
@@ -133,7 +148,7 @@ def mixed_pipeline_inputs(plan: Plan, costs: CostsByGroup) -> dict:
 
 
 def _with_ranks(stand: _Stand, ranks: tuple[int, ...]) -> _Stand:
-    return _Stand(stand.start, stand.stop, stand.recompute, stand.sharding, ranks, stand.num_replicas)
+    return dataclasses.replace(stand, ranks=ranks)
 
 
 def _trainable_bytes(table: CostTable, start: int, stop: int) -> int:

@@ -79,7 +79,8 @@ def brute_force_mixed(run, schedules, recompute_pinned, evaluate) -> Plan | None
     each device group with every split of the micro-batch over them (each replica at least one
     sample, a group's replicas alike), every tuple of those that uses the cluster's first devices
     (the job numbers them densely), and every split of the chain whose cuts between stages with
-    different sample slices split by sample. ``evaluate(config, boundaries, recompute)`` returns
+    different sample slices split by sample (a replica: a tensor-parallel group of the run's degree).
+    ``evaluate(config, boundaries, recompute)`` returns
     the simulated plan or None (does not fit); each stage at the least recomputation level (none,
     selective, full) at which it fits.
     Every such layout runs on partita's runtime (unequal shares, the second group's stages first)."""
@@ -87,7 +88,8 @@ def brute_force_mixed(run, schedules, recompute_pinned, evaluate) -> Plan | None
     from partita.planning.hetero_search import MixedConfig
     from partita.types.schedule_orders import check_schedule
 
-    sizes = [c.num_devices for c in run.cluster.group_clusters]
+    units = run.search_cluster  # devices, or tensor-parallel groups at the run's degree
+    sizes = [c.num_devices for c in units.group_clusters]
     batch, num_blocks = run.global_batch_size, run.num_blocks
     cuttable = per_sample_cuts(run.graph)
     best = None
@@ -102,7 +104,7 @@ def brute_force_mixed(run, schedules, recompute_pinned, evaluate) -> Plan | None
                     continue  # runs as GPipe does
                 kinds = _every_kind(sizes, batch // m)
                 for kinds_tuple in itertools.product(kinds, repeat=num_stages):
-                    if not _dense_prefix(run.cluster, sizes, kinds_tuple):
+                    if not _dense_prefix(units, sizes, kinds_tuple):
                         continue
                     for mode in [recompute_pinned] if recompute_pinned is not None else [None]:
                         config = MixedConfig(schedule, m, kinds_tuple, mode)

@@ -184,3 +184,61 @@ def test_a_group_smaller_than_a_node_beside_a_full_node(mlp_graph):
     result = plan_with_baselines(mlp_graph, cluster=cluster, global_batch_size=8)
     assert all(p is not None for p in result.baselines.values()), result.baseline_reasons
     assert result.plan.predicted_step_s <= min(p.predicted_step_s for p in result.baselines.values())
+
+
+# GPT-2 tiny (149k parameters: 2.4 MB with AdamW's states) on devices of 1.5-3 MB: a pipeline of
+# tensor-parallel groups, one stage per device type, or (3 MB) the H100s alone
+TENSOR_PARALLEL_INSTANCES = ((2, 1_500_000), (2, 3_000_000), (4, 1_500_000))
+
+
+def _tiny_memory_run(graph, per_group: int, memory: int):
+    from partita.planning.device_groups import mixed_run
+
+    groups = [DeviceGroup(d, per_group, per_group, memory_bytes=memory) for d in ("h100", "a100-40gb")]
+    cluster = Cluster(groups=groups, reserved_memory_fraction=0.0)
+    options = partita.PlanOptions(costs="analytic", max_blocks=6)
+    return mixed_run(graph, cluster=cluster, global_batch_size=8, options=options)
+
+
+def test_tensor_parallel_mixed_search_matches_brute_force(gpt2_graph):
+    """At each degree above 1 that tiles both groups, a replica is a group of that many devices of one
+    type: the search's plan against the brute force over every layout of such groups."""
+    from partita.planning.device_groups import degree_runs
+
+    seen = set()
+    for per_group, memory in TENSOR_PARALLEL_INSTANCES:
+        runs = degree_runs(_tiny_memory_run(gpt2_graph, per_group, memory))
+        assert [r.tensor_parallel for r in runs] == [1, 2, 4][: 1 + per_group // 2]
+        for run in runs[1:]:
+            found, _ = best_mixed(run)
+            best = mixed_oracle(run)
+            assert found is not None and best is not None, (per_group, memory, run.tensor_parallel)
+            assert found.predicted_step_s == pytest.approx(best.predicted_step_s, rel=1e-9)
+            assert found.tensor_parallel == run.tensor_parallel and found.sequence_parallel
+            check_layout(found)
+            for stage in found.stages:  # each replica: t consecutive ranks of one device type and node
+                for j in range(stage.num_replicas):
+                    ranks = stage.replica_ranks(j)
+                    assert len({found.cluster.rank_to_node(r) for r in ranks}) == 1
+                    assert ranks == tuple(range(ranks[0], ranks[0] + run.tensor_parallel))
+            seen.add(len({found.cluster.group_of_rank(r) for s in found.stages for r in s.ranks}))
+    assert seen == {1, 2}  # plans on the H100s alone and over both types
+
+
+def test_partita_plan_searches_tensor_parallel_degrees_on_a_mixed_cluster(gpt2_graph):
+    """``partita.plan`` on a mixed cluster weighs the mixed search at each degree; a pinned degree holds
+    for the mixed plan and both baselines, and one that cannot tile a device group is refused by name."""
+    from partita.errors import InputError
+
+    run = _tiny_memory_run(gpt2_graph, 2, 1_500_000)
+    result = plan_with_baselines(run.graph, cluster=run.cluster, global_batch_size=8, options=run.options)
+    assert result.plan.method == "partita" and result.plan.tensor_parallel == 2, result.plan
+    check_layout(result.plan)
+    assert result.plan.predicted_step_s <= min(p.predicted_step_s for p in result.baselines.values() if p)
+    pinned = run.options.replace(tensor_parallel=2)
+    again = plan_with_baselines(run.graph, cluster=run.cluster, global_batch_size=8, options=pinned)
+    assert again.plan.to_json() == result.plan.to_json()
+    assert all(p.tensor_parallel == 2 for p in again.baselines.values() if p is not None)
+    uneven = Cluster(groups=[DeviceGroup("h100", 4, 4), DeviceGroup("a100-40gb", 2, 2)])
+    with pytest.raises(InputError, match=r"device group 1 \(2 x a100-40gb\): tensor_parallel=4 exceeds"):
+        partita.plan(run.graph, cluster=uneven, global_batch_size=8, options=run.options.replace(tensor_parallel=4))
