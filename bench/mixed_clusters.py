@@ -9,9 +9,13 @@ Columns, each a simulated step on the same cluster and global batch:
 
   partita      ``partita.plan`` on the mixed cluster: the best of the mixed search (stages placed
                on device types, unequal sample shares between replicas of unequal speed, stages
-               over both types, type blocks in either order of the groups) and the two baselines
+               over both types, type blocks in either order of the groups, at every
+               tensor-parallel degree that tiles both groups) and the two baselines
   fastest      the best plan on the fastest type's devices alone (the other type idle)
   slowest      the best plan over every device taken as the slowest type (its memory and links)
+  ideal        the mixed cluster's samples/s over the fastest type's alone if every device computed
+               at its type's speed with nothing in the way (``ideal_over_fastest``): what adding the
+               other type can give at most, were both used perfectly
   homog.       per peak FLOP/s, the mixed plan's samples/s against the best plan's on a cluster of
                the fastest type alone with about the same total peak (``homog_devices``): 1.00 means
                the mixed cluster uses its peak as well as a homogeneous one (HexiScale's measure)
@@ -38,7 +42,7 @@ import partita  # noqa: E402
 from partita import examples  # noqa: E402
 from partita.errors import InfeasiblePlanError  # noqa: E402
 from partita.planning.api import plan as plan_one_type  # noqa: E402
-from partita.planning.device_groups import mixed_run  # noqa: E402
+from partita.planning.device_groups import degree_runs, mixed_run  # noqa: E402
 from partita.planning.hetero import best_mixed, plan_mixed  # noqa: E402
 from partita.types.cluster import Cluster, DeviceGroup  # noqa: E402
 
@@ -77,6 +81,19 @@ def homog_devices(cluster: Cluster, device: str, precision: str) -> int:
     return max(8, 8 * round(peak_flops(cluster, precision) / peak_flops(one, precision)))
 
 
+def ideal_over_fastest(run, samples: int = 4) -> float:
+    """Every device computing at its own type's speed with nothing else in the way (no communication,
+    bubble or memory limit): the mixed cluster's samples/s over the fastest group's alone. Each
+    type's seconds per sample of a whole forward + backward at ``samples`` samples
+    (``MixedRun.seconds_per_sample``, degree 1)."""
+    seconds, rates = [], []
+    for g, c in enumerate(run.cluster.group_clusters):
+        fixed, per_sample = run.seconds_per_sample(g, samples)
+        seconds.append(fixed + per_sample * samples)
+        rates.append(c.num_devices * samples / seconds[-1])
+    return sum(rates) / rates[seconds.index(min(seconds))]
+
+
 def run_case(model: str, graph, cluster_name: str, groups, batch: int) -> dict:
     cluster = mixed_cluster(groups)
     start = time.perf_counter()
@@ -106,6 +123,7 @@ def run_case(model: str, graph, cluster_name: str, groups, batch: int) -> dict:
         else (batch / outcome.plan.predicted_step_s / peak_flops(cluster, precision))
         / (batch / homog.predicted_step_s / peak_flops(homog_cluster, precision)),
         planning_s=total_s,
+        ideal=ideal_over_fastest(outcome.run),
     )
 
 
@@ -117,8 +135,16 @@ def scale_case() -> dict:
     run = mixed_run(graph, cluster=cluster, global_batch_size=batch, options=OPTIONS)
     tables_s = time.perf_counter() - start
     start = time.perf_counter()
-    found, why = best_mixed(run)
-    search_s = time.perf_counter() - start
+    runs = degree_runs(run)
+    tables_s += time.perf_counter() - start
+    searched = []
+    for each in runs:  # the mixed search at each tensor-parallel degree, timed apart
+        start = time.perf_counter()
+        found, why = best_mixed(each)
+        searched.append((each.tensor_parallel, time.perf_counter() - start, found, why))
+    search_s = sum(seconds for _, seconds, _, _ in searched)
+    found = min((f for _, _, f, _ in searched if f is not None), key=lambda p: p.predicted_step_s, default=None)
+    why = "; ".join(w for _, _, _, w in searched if w)
     start = time.perf_counter()
     outcome = plan_mixed(graph, cluster=cluster, global_batch_size=batch, plan_one_type=plan_one_type, options=OPTIONS)
     whole_s = time.perf_counter() - start
@@ -130,6 +156,7 @@ def scale_case() -> dict:
         why=why,
         tables_s=tables_s,
         search_s=search_s,
+        by_degree=[(t, seconds) for t, seconds, _, _ in searched],
         whole_s=whole_s,
         outcome=outcome,
     )
@@ -167,8 +194,8 @@ def speedup(plan, baselines) -> str:
 def table(results: list[dict]) -> list[str]:
     lines = [
         "| model | cluster | batch | prec. | partita | fastest only | slowest everywhere "
-        "| partita vs better baseline | homog. (per peak) | plan s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| partita vs better baseline | ideal vs fastest only | homog. (per peak) | plan s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         base = (r["fastest"], r["slowest"])
@@ -176,7 +203,7 @@ def table(results: list[dict]) -> list[str]:
         lines.append(
             f"| {r['model']} | {r['cluster']} | {r['batch']} | {r['precision']} | {fmt_step(r['plan'])} "
             f"| {fmt_step(r['fastest'])} | {fmt_step(r['slowest'])} "
-            f"| {speedup(r['plan'], base)} | {homog} | {r['planning_s']:.1f} |"
+            f"| {speedup(r['plan'], base)} | {r['ideal']:.2f}x | {homog} | {r['planning_s']:.1f} |"
         )
     return lines
 
@@ -225,8 +252,12 @@ def write(path: str, results: list[dict], scale: dict | None) -> None:
             "",
             f"## Planning time on {groups} ({scale['model']}, global batch {scale['batch']})",
             "",
-            f"- planning contexts of both types (their cost tables are made as the search asks): {scale['tables_s']:.1f} s",
-            f"- mixed search (configs, stage DPs, simulation, refinement): {scale['search_s']:.1f} s (goal < 30 s)",
+            f"- planning contexts of both types at every degree (their cost tables are made as the search asks): "
+            f"{scale['tables_s']:.1f} s",
+            f"- mixed search (configs, stage DPs, simulation, refinement) at every tensor-parallel degree: "
+            f"{scale['search_s']:.1f} s (goal < 30 s; "
+            + ", ".join(f"degree {t}: {seconds:.1f} s" for t, seconds in scale["by_degree"])
+            + ")",
             f"- plan: {fmt_step(scale['plan'])} `{layout(scale['plan'])}` {scale['why']}",
             f"- the whole `partita.plan` (contexts, the mixed search and both baselines, each a one-type "
             f"search with tensor parallelism): {scale['whole_s']:.1f} s; its plan {fmt_step(scale['outcome'].plan)} "

@@ -166,7 +166,7 @@ def test_cli_prints_both_baselines_and_the_idle_types(capsys, tmp_path):
         "1",
         "--png",
         str(png),
-    ]  # the mixed simulator splits no matmuls
+    ]  # degree 1 pinned (the mixed search weighs every degree that tiles both groups otherwise)
     assert main(["plan", "mlp", "--devices", "2xh100,2xv100-32gb", *flags]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # simulated with each rank at its type's speed
     text = capsys.readouterr().out
