@@ -116,7 +116,8 @@ REVERSED_KEYS = [f"{m}/{c['label']}" for c in REVERSED for m in c["models"]]
 # device type. Two stages of one group each, the A100s' stage first (ranks 2-3, then 0-1), with and
 # without sequence parallelism; one stage whose two groups (the H100s, the A100s) take 3 and 1
 # samples of each micro-batch, GPT-2's labels padded to a different length in every sample, its
-# checkpoint resumed under a plan of 2 x 2 ranks without tensor parallelism. Gradients clipped.
+# checkpoint resumed under a plan of 2 x 2 ranks without tensor parallelism, and again fully sharded
+# over its replicas. Gradients clipped.
 TENSOR_PARALLEL = [
     dict(
         label="1f1b-1x1-tp2-slow-group-first",
@@ -152,6 +153,19 @@ TENSOR_PARALLEL = [
         models=["gpt2-padded", "llama"],
         # the checkpoint continues under a one-type plan without tensor parallelism
         resume=dict(schedule="gpipe", replicas=(2, 2), num_microbatches=2),
+    ),
+    # the same stage fully sharded (FSDP2) over its two replicas, one group per index
+    dict(
+        label="gpipe-2-tp2-shares-sharded",
+        schedule="gpipe",
+        replicas=(2,),
+        num_microbatches=2,
+        tensor_parallel=2,
+        replica_samples=[(1, 3)],
+        sharding="full_shard",
+        groups=[("h100", 2), ("a100-40gb", 2)],
+        max_grad_norm=0.5,
+        models=["llama"],
     ),
 ]
 TENSOR_PARALLEL_KEYS = [f"{m}/{c['label']}" for c in TENSOR_PARALLEL for m in c["models"]]
