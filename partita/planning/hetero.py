@@ -71,12 +71,12 @@ class MixedOutcome:
 
     def simulate(self, plan: Plan, *, keep_timeline: bool = True) -> SimResult | None:
         """Simulate one of the outcome's plans on its own cluster (mixed: ``simulate_mixed`` with the
-        costs of its tensor-parallel degree); None for a plan of a degree the outcome holds no costs
-        for, or a one-type plan with tensor parallelism (a baseline's: its predicted step is its
-        one-type search's)."""
-        runs = {1: self.run, **self.runs}
-        if plan.cluster.is_mixed and plan.tensor_parallel in runs:
-            return simulate_mixed(plan, runs[plan.tensor_parallel].costs_at, keep_timeline=keep_timeline)
+        costs of its tensor-parallel degree, ``_run_of``); None for a plan of a degree the outcome holds
+        no costs for, or a one-type plan with tensor parallelism (a baseline's: its predicted step is
+        its one-type search's)."""
+        costs = _run_of(plan, {1: self.run, **self.runs})
+        if plan.cluster.is_mixed and costs is not None:
+            return simulate_mixed(plan, costs.costs_at, keep_timeline=keep_timeline)
         if plan.tensor_parallel > 1:
             return None
         from partita.planning.simulate import simulate  # one-type plans: the plain simulator
@@ -116,26 +116,31 @@ def plan_mixed(
         every_share=every_share,
     )
     call = dict(args=args, kwargs=kwargs, loss_fn=loss_fn, target=target, batch_dims=batch_dims)
+    try:
+        runs, refused = degree_runs(run), ""
+    except InputError as e:  # a pinned degree that does not tile some group: the baselines may still plan
+        runs, refused = [], f"placing stages on device types was not searched: {e}"
+    by_degree = {r.tensor_parallel: r for r in runs}
     baselines, reasons = {}, {}
     speeds = _seconds_per_microbatch(run)
     fastest, slowest = min(speeds, key=lambda g: (speeds[g], g)), max(speeds, key=lambda g: (speeds[g], -g))
     names = [c.device.name for c in cluster.group_clusters]
     fastest_name, slowest_name = f"{FASTEST_ONLY} ({names[fastest]})", f"{SLOWEST_EVERYWHERE} ({names[slowest]})"
     baselines[fastest_name], reasons[fastest_name] = _one_type(
-        run, plan_one_type, cluster.group_clusters[fastest], call, recast=fastest == 0
+        run, by_degree, plan_one_type, cluster.group_clusters[fastest], call, recast=fastest == 0
     )
     everywhere = slowest_cluster(cluster, cluster.group_clusters[slowest].device)
-    baselines[slowest_name], reasons[slowest_name] = _one_type(run, plan_one_type, everywhere, call, recast=True)
-    runs = degree_runs(run)
+    baselines[slowest_name], reasons[slowest_name] = _one_type(
+        run, by_degree, plan_one_type, everywhere, call, recast=True
+    )
     found_mixed = [best_mixed(r) for r in runs]
     mixed = min((p for p, _ in found_mixed if p is not None), key=plan_key, default=None)
-    why_not = "; ".join(dict.fromkeys(why for p, why in found_mixed if why))
+    why_not = refused or "; ".join(dict.fromkeys(why for p, why in found_mixed if why))
     found = [p for p in (mixed, baselines[fastest_name], baselines[slowest_name]) if p is not None]
     if not found:
         raise _infeasible(run, names, why_not, reasons)
     best = min(found, key=plan_key)
     named = {name: None if p is None else dataclasses.replace(p, method=_method(name)) for name, p in baselines.items()}
-    by_degree = {r.tensor_parallel: r for r in runs}
     return MixedOutcome(best, named, run, {k: v for k, v in reasons.items() if v}, by_degree)
 
 
@@ -213,12 +218,15 @@ def _simulated(run: MixedRun, candidate: MixedCandidate) -> Plan | None:
     return None if draft is None else with_result(draft, simulate_mixed(draft, run.costs_at, keep_timeline=False))
 
 
-def _one_type(run: MixedRun, plan_one_type, cluster: Cluster, call: dict, *, recast: bool) -> tuple[Plan | None, str]:
+def _one_type(
+    run: MixedRun, runs: dict[int, MixedRun], plan_one_type, cluster: Cluster, call: dict, *, recast: bool
+) -> tuple[Plan | None, str]:
     """The one-type planner's best plan on ``cluster`` (None and the reason when nothing fits);
     ``recast``: as a plan on the mixed cluster (its ranks are the mixed cluster's first ones),
-    simulated there at each rank's own type; a plan with tensor parallelism keeps its one-type
-    prediction (the mixed simulator splits no matmuls): exact for the fastest group when it holds
-    the first ranks, and for the slowest type everywhere the step with every device that slow."""
+    simulated there at each rank's own type, with the costs of its tensor-parallel degree
+    (``runs``: the mixed search's run of each degree). A plan whose degree or sequence parallelism
+    no run has keeps its one-type prediction: exact for the fastest group when it holds the first
+    ranks, and for the slowest type everywhere the step with every device that slow."""
     try:
         found = plan_one_type(
             run.graph,
@@ -236,9 +244,19 @@ def _one_type(run: MixedRun, plan_one_type, cluster: Cluster, call: dict, *, rec
     if not recast:
         return found, ""
     on_mixed = dataclasses.replace(found, cluster=run.cluster)
-    if found.tensor_parallel > 1:  # the mixed simulator splits no matmuls: the one-type search's prediction
+    costs = _run_of(on_mixed, {1: run, **runs})
+    if costs is None:
         return on_mixed, ""
-    return with_result(on_mixed, simulate_mixed(on_mixed, run.costs_at, keep_timeline=False)), ""
+    return with_result(on_mixed, simulate_mixed(on_mixed, costs.costs_at, keep_timeline=False)), ""
+
+
+def _run_of(plan: Plan, runs: dict[int, MixedRun]) -> MixedRun | None:
+    """The run among ``runs`` (by tensor-parallel degree) whose costs are ``plan``'s: its degree,
+    splitting the same regions (with or without sequence parallelism); None when none is."""
+    found = runs.get(plan.tensor_parallel)
+    if found is None or (found.layout is not None and found.layout.sequence_parallel != plan.sequence_parallel):
+        return None
+    return found
 
 
 def _seconds_per_microbatch(run: MixedRun) -> dict[int, float]:

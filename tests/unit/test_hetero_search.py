@@ -227,8 +227,10 @@ def test_tensor_parallel_mixed_search_matches_brute_force(gpt2_graph):
 
 def test_partita_plan_searches_tensor_parallel_degrees_on_a_mixed_cluster(gpt2_graph):
     """``partita.plan`` on a mixed cluster weighs the mixed search at each degree; a pinned degree holds
-    for the mixed plan and both baselines, and one that cannot tile a device group is refused by name."""
+    for the mixed plan and both baselines, and one that cannot tile a device group is refused by name
+    for the mixed search (a baseline may still plan it)."""
     from partita.errors import InputError
+    from partita.planning.device_groups import degree_runs, mixed_run
 
     run = _tiny_memory_run(gpt2_graph, 2, 1_500_000)
     result = plan_with_baselines(run.graph, cluster=run.cluster, global_batch_size=8, options=run.options)
@@ -239,6 +241,11 @@ def test_partita_plan_searches_tensor_parallel_degrees_on_a_mixed_cluster(gpt2_g
     again = plan_with_baselines(run.graph, cluster=run.cluster, global_batch_size=8, options=pinned)
     assert again.plan.to_json() == result.plan.to_json()
     assert all(p.tensor_parallel == 2 for p in again.baselines.values() if p is not None)
+    # a pinned degree that cannot tile the A100s: the mixed search is refused by name, the H100s plan alone
     uneven = Cluster(groups=[DeviceGroup("h100", 4, 4), DeviceGroup("a100-40gb", 2, 2)])
     with pytest.raises(InputError, match=r"device group 1 \(2 x a100-40gb\): tensor_parallel=4 exceeds"):
-        partita.plan(run.graph, cluster=uneven, global_batch_size=8, options=run.options.replace(tensor_parallel=4))
+        degree_runs(
+            mixed_run(run.graph, cluster=uneven, global_batch_size=8, options=run.options.replace(tensor_parallel=4))
+        )
+    alone = partita.plan(run.graph, cluster=uneven, global_batch_size=8, options=run.options.replace(tensor_parallel=4))
+    assert alone.tensor_parallel == 4 and {uneven.group_of_rank(r) for s in alone.stages for r in s.ranks} == {0}
