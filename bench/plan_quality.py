@@ -269,7 +269,8 @@ def markdown(rows: list[dict], own: bool, command: str) -> str:
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
         f"- command: `{command}`",
         "- models captured on meta (example batch 2, default sequence length: GPT-2 1024 (13b: 2048), T5 512, "
-        "Llama 2048, Mixtral 1024; ViT 224x224) in float32, analytic costs at the device's float32 peak, Adam, 8 devices per "
+        "Llama 2048, Mixtral 1024; ViT 224x224), planned in partita's default precision (bf16 on the A100 and H100: "
+        "bf16 compute, fp32 master weights), analytic costs at the bf16 peak, Adam, 8 devices per "
         "node, 5% of memory reserved; `@N GiB`: memory per device set to N GiB",
         "- ratio = baseline's predicted step / partita's (> 1: partita faster). same: partita's config with the "
         "baseline's split; own: the baseline's split under its own best config. OOM: does not fit even with "
