@@ -36,9 +36,9 @@ from partita.planning.chain import BlockCosts, block_costs
 from partita.planning.context import PlanningContext, planning_context
 from partita.planning.degree_contexts import degree_contexts, with_layout
 from partita.planning.options import PlanOptions, resolve_precision
-from partita.planning.tensor_parallel import check_degree, group_cluster
+from partita.planning.tensor_parallel import candidate_degrees, check_degree, group_cluster
 from partita.types import CostTable, DeviceSpec, OpGraph, Precision
-from partita.types.cluster import Cluster, DeviceGroup
+from partita.types.cluster import Cluster
 from partita.types.tensor_parallel import TensorParallelLayout
 
 __all__ = ["MixedRun", "degree_runs", "mixed_precision", "mixed_run", "slowest_cluster"]
@@ -73,18 +73,15 @@ class MixedRun:
         t = self.tensor_parallel
         if t == 1:
             return self.cluster
+        groups = []
+        for group, c in zip(self.cluster.groups, self.cluster.group_clusters):
+            units = group_cluster(c, t)
+            groups.append(
+                dataclasses.replace(group, num_devices=units.num_devices, devices_per_node=units.devices_per_node)
+            )
         shared = ("reserved_memory_fraction", "compute_slowdown", "collective_efficiency")
         inter = ("inter_group_bandwidth_bytes_per_s", "inter_group_latency_s")
-        groups = []
-        for c in self.cluster.group_clusters:
-            units = group_cluster(c, t)
-            links = {f: getattr(c, f) for f in _LINKS}
-            groups.append(DeviceGroup(c.device, units.num_devices, units.devices_per_node, c.memory_bytes, **links))
-        return Cluster(
-            groups=groups,
-            **{f: getattr(self.cluster, f) for f in shared},
-            **{f: getattr(self.cluster, f) for f in inter},
-        )
+        return Cluster(groups=groups, **{f: getattr(self.cluster, f) for f in (*shared, *inter)})
 
     @property
     def base(self) -> MixedRun:
@@ -147,14 +144,6 @@ class MixedRun:
         return functools.lru_cache(maxsize=None)(line)
 
 
-_LINKS = (
-    "intra_node_bandwidth_bytes_per_s",
-    "inter_node_bandwidth_bytes_per_s",
-    "intra_node_latency_s",
-    "inter_node_latency_s",
-)
-
-
 def degree_runs(run: MixedRun) -> list[MixedRun]:
     """The runs to search, one per tensor-parallel degree, smallest first: ``run`` (degree 1) and
     one per degree whose groups tile every device group without crossing a node and whose layout
@@ -168,7 +157,8 @@ def degree_runs(run: MixedRun) -> list[MixedRun]:
             check_degree(pinned, c)
         except InputError as e:
             raise InputError(f"device group {g} ({c.num_devices} x {c.device.name}): {e}") from None
-    degrees = {pinned} if pinned is not None else {t for t in (1, 2, 4, 8) if _tiles_every_group(run.cluster, t)}
+    tiling = [set(candidate_degrees(c)) for c in run.cluster.group_clusters]
+    degrees = {pinned} if pinned is not None else set.intersection(*tiling)
     if degrees == {1} and options.sequence_parallel is None:
         return [run]
     found = []
@@ -188,15 +178,6 @@ def degree_runs(run: MixedRun) -> list[MixedRun]:
             )
         )
     return found
-
-
-def _tiles_every_group(cluster: Cluster, degree: int) -> bool:
-    try:
-        for c in cluster.group_clusters:
-            check_degree(degree, c)
-    except InputError:
-        return False
-    return True
 
 
 def mixed_precision(pinned: Precision | None, cluster: Cluster) -> Precision:
