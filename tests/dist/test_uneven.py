@@ -13,6 +13,8 @@ one stage take unequal sample shares (replicas of unequal speed): in the first s
 (each slice's loss weighted by its samples; GPT-2 with labels padded to a different length in every
 sample, BERT's ignored labels, GatedNet under a mean squared error, and a stage sharded by FSDP2), on
 5 ranks with shares on both sides of the cut, and with the first stage on the second device group.
+Replicas that are tensor-parallel groups of 2 ranks train the same way on partita's executor (4 and 6
+ranks: TENSOR_PARALLEL, TENSOR_PARALLEL_WIDE).
 """
 
 from __future__ import annotations
@@ -168,7 +170,23 @@ TENSOR_PARALLEL = [
         models=["llama"],
     ),
 ]
+# 6 ranks: stages of different replica counts of TP-2 groups (2 then 1; GPT-2's tied embedding in both),
+# recomputing selectively and fully on partita's executor
+TENSOR_PARALLEL_WIDE = [
+    dict(
+        label="1f1b-2x1-tp2-recompute",
+        schedule="1f1b",
+        replicas=(2, 1),
+        num_microbatches=2,
+        tensor_parallel=2,
+        recompute=["selective", "full"],
+        groups=[("h100", 4), ("a100-40gb", 2)],
+        max_grad_norm=0.5,
+        models=["gpt2"],
+    ),
+]
 TENSOR_PARALLEL_KEYS = [f"{m}/{c['label']}" for c in TENSOR_PARALLEL for m in c["models"]]
+TENSOR_PARALLEL_WIDE_KEYS = [f"{m}/{c['label']}" for c in TENSOR_PARALLEL_WIDE for m in c["models"]]
 NONFINITE = dict(
     label="gpipe-1x2-nonfinite", schedule="gpipe", replicas=(1, 2), num_microbatches=2, nonfinite=True, models=["gated"]
 )
@@ -213,6 +231,9 @@ SHARED_JOBS = {
     "tensor_parallel_results": Job(
         "workers:job_uneven", 4, 300, dict(models=["gpt2", "gpt2-padded", "llama"], configs=TENSOR_PARALLEL), ("dir",)
     ),
+    "tensor_parallel_wide_results": Job(
+        "workers:job_uneven", 6, 300, dict(models=["gpt2"], configs=TENSOR_PARALLEL_WIDE), ("dir",)
+    ),
     "wide_results": Job(
         "workers:job_uneven", 5, 300, dict(models=WIDE_MODELS, configs=WIDE_CONFIGS, batch_size=12), ("dir",)
     ),
@@ -249,11 +270,23 @@ def tensor_parallel_results(launches):
     return launches.results_of(__name__, "tensor_parallel_results")
 
 
+@pytest.fixture(scope="module")
+def tensor_parallel_wide_results(launches):
+    return launches.results_of(__name__, "tensor_parallel_wide_results")
+
+
 @pytest.mark.parametrize("key", TENSOR_PARALLEL_KEYS)
 def test_tensor_parallel_groups_on_device_groups_and_unequal_shares_train_like_the_unsplit_model(
     tensor_parallel_results, key
 ):
     check_like_unsplit(tensor_parallel_results, key)
+
+
+@pytest.mark.parametrize("key", TENSOR_PARALLEL_WIDE_KEYS)
+def test_tensor_parallel_stages_of_different_replica_counts_train_like_the_unsplit_model(
+    tensor_parallel_wide_results, key
+):
+    check_like_unsplit(tensor_parallel_wide_results, key)
 
 
 @pytest.mark.parametrize("key", WIDE_KEYS)
