@@ -21,7 +21,6 @@ import gc
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from partita.cost.local_machine import free_port
 from partita.report.format import fmt_replicas
 
 REPO = Path(__file__).resolve().parents[1]
@@ -203,12 +203,6 @@ class InUseSampler:
 
 
 # ----------------------------------------------------------------------------- ranks
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(script: Path, world_size: int, out_dir: Path, *, timeout_s: float, **params: Any) -> list[Any]:

@@ -6,6 +6,7 @@ A plan for this machine's CPU needs what no catalog knows:
 ``measure_gloo``        gloo send/recv bandwidth and latency between two processes, and the
                         share of that bandwidth a gloo all-reduce reaches
 ``measure_contention``  how much slower one rank computes while the other ranks compute too
+``free_port``           a port for a rendezvous of processes on this machine
 ``local_cluster``       the Cluster of ``num_devices`` CPU ranks made of the three
                         (``Cluster.local`` calls it)
 
@@ -27,6 +28,7 @@ import contextvars
 import dataclasses
 import json
 import os
+import random
 import select
 import site
 import socket
@@ -310,9 +312,7 @@ def measure_gloo(
 
 def _run_gloo_probe(num_bytes: int, repeats: int, num_pings: int, timeout_s: float) -> dict[str, float]:
     """Start ``_gloo_probe`` as ranks 0 and 1 and return rank 0's timings."""
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = _probe_env(num_threads=1)
     procs = [
         subprocess.Popen(
@@ -337,6 +337,38 @@ def _run_gloo_probe(num_bytes: int, repeats: int, num_pings: int, timeout_s: flo
         if p.returncode != 0:
             raise RuntimeError(f"the gloo probe failed (exit code {p.returncode}): {err[-2000:]}")
     return json.loads(outputs[0][0].strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nobody listens on now, below the kernel's ephemeral range.
+
+    A port from ``bind(0)`` lies inside that range, where the kernel hands out the local ports of
+    every outgoing connection: between the check and the moment a rank listens on it (seconds, while
+    the rank imports torch), another process's connection may take it, and the rank then fails with
+    EADDRINUSE. Below the range only another deliberate listener can; so the port is drawn at random
+    there (from the OS's entropy, not the seeded ``random``: processes seeded alike would draw alike),
+    and checked."""
+    low = _ephemeral_range()[0]
+    candidates = range(max(1024, low - 12000), low)
+    for port in random.SystemRandom().sample(candidates, min(64, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every one taken: let the OS pick
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux; its default elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _gloo_probe(rank: int, port: int, num_bytes: int, repeats: int, num_pings: int) -> None:

@@ -15,7 +15,6 @@ torch and partita start-up. tests/dist/conftest.py makes the session's ``launche
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,15 +24,10 @@ from typing import Any
 
 import torch
 
+from partita.cost.local_machine import free_port  # below the ephemeral ports: see its docstring
+
 WORKERS = Path(__file__).with_name("workers.py")
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now (the OS picks it; a small race is acceptable in tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(

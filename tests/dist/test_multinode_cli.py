@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_launch import REPO
+from dist_launch import REPO, free_port
 
 pytest.importorskip("transformers")
 
@@ -32,19 +32,6 @@ PINNED = [
     "--steps", str(STEPS), "--global-batch", "8", "--num-stages", "2", "--replicas", "1",
     "--microbatches", "2", "--schedule", "1f1b", "--tensor-parallel", "1", "--max-grad-norm", "0",
 ]  # fmt: skip
-
-
-def _rendezvous_port() -> int:
-    """A free port below the ephemeral range: the ports the OS hands out for bind(0) (gloo probes,
-    other jobs' rendezvous) cannot take it between this check and the launchers' bind."""
-    for port in random.sample(range(20000, 32000), 50):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-31999")
 
 
 def _env() -> dict:
@@ -85,7 +72,7 @@ def _finish(procs: list[subprocess.Popen], logs: list[Path]) -> list[str]:
 
 
 def test_two_nodes_plan_once_and_train_as_one_node(tmp_path, machine_cache):
-    port = _rendezvous_port()
+    port = free_port()
     logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "one-node.log"]
     nodes = [
         _start(
@@ -122,7 +109,7 @@ def test_a_node_whose_partner_never_starts_gives_up_after_the_rendezvous_timeout
         _start(
             log,
             *("--nnodes", "2", "--nproc", "1", "--node-rank", rank, "--rdzv-backend", backend),
-            *("--rdzv-endpoint", f"127.0.0.1:{_rendezvous_port()}", "--rdzv-timeout", "5"),
+            *("--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-timeout", "5"),
         )
         for log, rank, backend in zip(logs, ("0", "1"), ("c10d", "static"))
     ]

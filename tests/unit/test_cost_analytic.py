@@ -322,6 +322,29 @@ def test_local_cluster_measures_gloo(tmp_path, monkeypatch):
     assert Cluster.local(num_devices=1, cache_dir=tmp_path).compute_slowdown == 1.0  # one rank: nothing to share
 
 
+def test_free_port_lies_below_the_ephemeral_range_and_skips_taken_ports(monkeypatch):
+    """A rendezvous port from bind(0) can be taken by another process's outgoing connection before
+    the ranks listen on it (CI once failed so: EADDRINUSE); free_port draws below that range."""
+    import socket
+
+    low, _ = local_machine._ephemeral_range()
+    ports = {local_machine.free_port() for _ in range(20)}
+    assert all(max(1024, low - 12000) <= p < low for p in ports) and len(ports) > 1, ports
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", min(ports)))
+        taken.listen()
+        monkeypatch.setattr(local_machine, "_ephemeral_range", lambda: (min(ports) + 1, 60999))
+        monkeypatch.setattr(local_machine.random, "SystemRandom", lambda: _Reversed())
+        assert local_machine.free_port() == min(ports) - 1  # the taken one (drawn first) is skipped
+
+
+class _Reversed:
+    """A stand-in for random.SystemRandom whose sample is the candidates from the top down."""
+
+    def sample(self, population, k):
+        return list(reversed(population))[:k]
+
+
 def test_compute_slowdown_scales_every_compute_time_of_a_plan(tiny_gpt2):
     _, _, graph = tiny_gpt2
     costs = analytic_costs(graph, "h100", 2)
