@@ -18,7 +18,9 @@ Driver: for every config allowed by the options, build the stage-cost matrices (
 ``inf`` where the stage does not fit in memory) from the block costs at the config's micro-batch
 size, let :mod:`partita.planning.partition` propose splits (one per candidate bottleneck; every split
 for small chains with several stages per rank group, see EXHAUSTIVE_SPLITS), estimate
-each with a closed form (``estimate_step``; L_g: a rank group's time per micro-batch), and keep the best few; then the caller simulates them on the real schedule.
+each with a closed form (``estimate_step``; L_g: a rank group's time per micro-batch, plus the
+step's tail, ``step_tail_s``: the gradient all-reduce and optimizer step after the last backward),
+and keep the best few; then the caller simulates them on the real schedule.
 
 The options and the configs they allow are :mod:`partita.planning.configs`. Configs here give
 every rank group the same number of replicas; :mod:`partita.planning.uneven`
@@ -72,7 +74,8 @@ class StageCosts:
         self.config, self.options = config, options
         ranges = blocks.stage_totals  # config-independent: shared by every config at this size
         forward, backward = ranges["forward_s"], ranges["backward_s"]
-        self.forward, self.compute, self.valid = forward, ranges["compute_s"], ranges["valid"]
+        self.forward, self.backward = forward, backward
+        self.compute, self.valid = ranges["compute_s"], ranges["valid"]
         # seconds each recomputation level adds to a stage's backward per micro-batch
         self.extra = {level: extra_backward_s(level, forward, ranges["selective_recompute_s"]) for level in Recompute}
         self.unshared = ranges["valid"] & ~blocks.tied_matrix  # stages that may shard
@@ -80,36 +83,45 @@ class StageCosts:
         # Activation and gradient of the stage's output cross to the next stage once each.
         self.send = np.array([2 * p2p_time_s(float(c), cluster, same_node=True) for c in blocks.cut_bytes])
         self.levels = levels(options.sharding, config.replicas)
-        self.penalty = self._level_penalties(forward, backward, cluster)
+        self.tail = self._replicate_overhead(cluster)
+        self.penalty = self._level_penalties(cluster)
         self._cache: dict[tuple[float, Recompute, Sharding], np.ndarray] = {}
         self._memory: dict[tuple[Recompute, Sharding], MemoryByInFlight] = {}
         self._costs: dict[float, tuple[np.ndarray, np.ndarray]] = {}
         self._reach: dict[float, int] = {}
 
-    def _level_penalties(self, forward: np.ndarray, backward: np.ndarray, cluster) -> dict[Sharding, np.ndarray]:
-        """Per level, seconds per micro-batch its step overhead exceeds replicate's (>= 0)."""
+    def _replicate_overhead(self, cluster) -> np.ndarray:
+        """Seconds per step replicate's gradient all-reduce (what the last backward does not hide)
+        and the optimizer step add to each stage, once per step (``step_overhead_s``): the step's
+        tail (``step_tail_s``), and the base of the other levels' penalties."""
+        return self._overhead(Sharding.REPLICATE, cluster)
+
+    def _overhead(self, level: Sharding, cluster) -> np.ndarray:
         c, o = self.config, self.options
-        if len(self.levels) == 1 and self.levels[0] is Sharding.REPLICATE:
-            return {Sharding.REPLICATE: np.zeros_like(forward)}
         per_node, r = cluster.devices_per_node, c.replicas  # rank group g: ranks [g r, (g + 1) r)
         spans = any(g * r // per_node != ((g + 1) * r - 1) // per_node for g in range(c.num_rank_groups))
-        overhead = {
-            level: step_overhead_s(
-                level,
-                trainable_bytes=self.totals["trainable_bytes"],
-                forward_s=forward,
-                backward_s=backward,
-                num_microbatches=c.num_microbatches,
-                num_replicas=c.replicas,
-                precision=o.precision,
-                optimizer=o.optimizer,
-                cluster=cluster,
-                spans_nodes=spans,
-            )
-            for level in (Sharding.REPLICATE, *self.levels)
-        }
-        base = overhead[Sharding.REPLICATE]
-        return {level: np.maximum(0.0, overhead[level] - base) / c.num_microbatches for level in self.levels}
+        return step_overhead_s(
+            level,
+            trainable_bytes=self.totals["trainable_bytes"],
+            forward_s=self.forward,
+            backward_s=self.backward,
+            num_microbatches=c.num_microbatches,
+            num_replicas=c.replicas,
+            precision=o.precision,
+            optimizer=o.optimizer,
+            cluster=cluster,
+            spans_nodes=spans,
+        )
+
+    def _level_penalties(self, cluster) -> dict[Sharding, np.ndarray]:
+        """Per level, seconds per micro-batch its step overhead exceeds replicate's (>= 0): what
+        sharding adds to every micro-batch of the stage (replicate's own is the step's tail)."""
+        m = self.config.num_microbatches
+        penalty = {Sharding.REPLICATE: np.zeros_like(self.forward)}
+        for level in self.levels:
+            if level is not Sharding.REPLICATE:
+                penalty[level] = np.maximum(0.0, self._overhead(level, cluster) - self.tail) / m
+        return penalty
 
     def fits(self, in_flight: float, recompute: Recompute, level: Sharding = Sharding.REPLICATE) -> np.ndarray:
         key = (in_flight, recompute, level)
@@ -292,7 +304,8 @@ def _best_splits(
             RECOMPUTE_LEVELS[int(per_stage[s][1][boundaries[s], boundaries[s + 1]])] for s in range(num_stages)
         )
         sends = sum(float(costs.send[b]) for b in boundaries[1:-1])
-        found.append(Candidate(config, tuple(boundaries), recompute, estimate_step(config, times) + sends))
+        tail = step_tail_s(config, *_tails_and_backwards(costs, boundaries))
+        found.append(Candidate(config, tuple(boundaries), recompute, estimate_step(config, times) + sends + tail))
     key = lambda c: (c.estimate_s, c.boundaries)  # noqa: E731
     if every_split:
         found = heapq.nsmallest(SPLITS_KEPT, found, key=key)
@@ -312,6 +325,27 @@ def estimate_step(config: Config, stage_times: Sequence[float]) -> float:
     if v == 1:
         return float((m - 1) * loads.max() + loads.sum())
     return float(m * loads.max() + (g - 1) * loads.max() / v)
+
+
+def step_tail_s(config: Config, tails: Sequence[float], backwards: Sequence[float]) -> float:
+    """What the step adds after the last backward: each rank group's replicate overhead (exposed
+    gradient all-reduce and optimizer step, ``StageCosts.tail`` of its stages: ``tails``) runs once
+    its own last backward is done. With one stage per group (GPipe, 1F1B) stage s finishes that
+    backward the backwards of stages 0..s-1 (``backwards``, per micro-batch) before stage 0, which
+    ends the drain; with v stages per group every group works until near the end, so each group's
+    whole tail shows. The largest of these is the tail."""
+    if config.virtual_stages == 1:
+        ahead = np.concatenate(([0.0], np.cumsum(backwards[:-1])))
+        return float(max(0.0, np.max(np.asarray(tails) - ahead)))
+    loads = np.zeros(config.num_rank_groups)
+    for s, t in enumerate(tails):
+        loads[config.rank_group_of(s)] += t
+    return float(loads.max())
+
+
+def _tails_and_backwards(costs: StageCosts, boundaries: Sequence[int]) -> tuple[list[float], list[float]]:
+    pairs = list(zip(boundaries[:-1], boundaries[1:]))
+    return [float(costs.tail[j, i]) for j, i in pairs], [float(costs.backward[j, i]) for j, i in pairs]
 
 
 def search(

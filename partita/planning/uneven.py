@@ -40,7 +40,7 @@ from partita.cost.memory import microbatches_in_flight
 from partita.planning.chain import BlockCosts
 from partita.planning.configs import Candidate, Config, SearchOptions, divisors, microbatch_counts, schedule_accepts
 from partita.planning.partition import candidate_partitions
-from partita.planning.search import EXHAUSTIVE_BLOCKS, StageCosts, estimate_step
+from partita.planning.search import EXHAUSTIVE_BLOCKS, StageCosts, estimate_step, step_tail_s
 from partita.types import RECOMPUTE_LEVELS, Recompute, Schedule
 from partita.types.schedule_orders import UNEVEN_SCHEDULES
 
@@ -85,6 +85,8 @@ class _Shape:
         self.time: dict[int, list[np.ndarray]] = {}  # r -> per stage p: (K'+1, K'+1) seconds (inf: no fit)
         self.recompute: dict[int, list[np.ndarray]] = {}  # r -> per stage p: the level's order (``cost_at``)
         self.send: dict[int, np.ndarray] = {}  # r -> seconds to send each boundary's tensors (and gradients)
+        self.tail: dict[int, np.ndarray] = {}  # r -> replicate's step overhead of each range (``StageCosts.tail``)
+        self.backward: np.ndarray = np.empty(0)  # backward seconds per micro-batch of each range
         sub = np.ix_(positions, positions)
         for r in self.replica_counts:
             costs = stage_costs(r, num_microbatches, recompute_mode)
@@ -95,6 +97,7 @@ class _Shape:
             self.time[r] = [t[sub] for t, _ in per_stage]
             self.recompute[r] = [u[sub] for _, u in per_stage]
             self.send[r] = costs.send[positions]
+            self.tail[r], self.backward = costs.tail[sub], costs.backward[sub]
 
     def config(self, replicas: tuple[int, ...]) -> Config:
         fewest = min(replicas)
@@ -225,8 +228,11 @@ def _candidate(shape: _Shape, boundaries: list[int], full: tuple[int, ...], repl
         times.append(float(shape.time[r][p][a, b]))
         recompute.append(RECOMPUTE_LEVELS[int(shape.recompute[r][p][a, b])])
     sends = sum(float(shape.send[replicas[p]][boundaries[p + 1]]) for p in range(shape.num_stages - 1))
+    ranges = [(boundaries[p], boundaries[p + 1]) for p in range(shape.num_stages)]
+    tails = [float(shape.tail[r][a, b]) for r, (a, b) in zip(replicas, ranges)]
+    tail = step_tail_s(shape.config(replicas), tails, [float(shape.backward[a, b]) for a, b in ranges])
     config = shape.config(replicas)
-    return Candidate(config, full, tuple(recompute), estimate_step(config, times) + sends)
+    return Candidate(config, full, tuple(recompute), estimate_step(config, times) + sends + tail)
 
 
 # ----------------------------------------------------------------------------- DP
@@ -236,10 +242,11 @@ def _splits(shape: _Shape, num_devices: int, *, exhaustive: bool) -> Iterator[tu
     """(boundaries on the DP positions, replicas per stage) minimising the sum of stage times
     under each candidate bottleneck.
 
-    The estimate leaves out the gradient all-reduce (once per step, longer for more replicas of
-    more parameters) and the optimizer step, which the simulator adds: on short chains with few
-    replica vectors, every vector gets its own splits (the per-stage DP of ``partition``), so the
-    simulator ranks them all; otherwise the device-axis DP proposes one vector per bottleneck."""
+    The DP's sums leave out the gradient all-reduce (once per step, longer for more replicas of
+    more parameters) and the optimizer step, which a candidate's estimate adds only afterwards (the
+    step's tail, ``step_tail_s``): on short chains with few replica vectors, every vector gets its
+    own splits (the per-stage DP of ``partition``), so the simulator ranks them all; otherwise the
+    device-axis DP proposes one vector per bottleneck."""
     vectors = _replica_vectors(shape, num_devices) if exhaustive else None
     if vectors is not None and len(vectors) <= MAX_ENUMERATED_VECTORS:
         for replicas in vectors:
