@@ -118,8 +118,9 @@ REVERSED_KEYS = [f"{m}/{c['label']}" for c in REVERSED for m in c["models"]]
 # device type. Two stages of one group each, the A100s' stage first (ranks 2-3, then 0-1), with and
 # without sequence parallelism; one stage whose two groups (the H100s, the A100s) take 3 and 1
 # samples of each micro-batch, GPT-2's labels padded to a different length in every sample, its
-# checkpoint resumed under a plan of 2 x 2 ranks without tensor parallelism, and again fully sharded
-# over its replicas. Gradients clipped.
+# checkpoint resumed under a plan of 2 x 2 ranks without tensor parallelism, again fully sharded
+# over its replicas, and with sequence parallelism and sharded gradients and optimizer state.
+# Gradients clipped.
 TENSOR_PARALLEL = [
     dict(
         label="1f1b-1x1-tp2-slow-group-first",
@@ -168,6 +169,21 @@ TENSOR_PARALLEL = [
         groups=[("h100", 2), ("a100-40gb", 2)],
         max_grad_norm=0.5,
         models=["llama"],
+    ),
+    # unequal shares with sequence parallelism, gradients and optimizer state sharded (FSDP2's
+    # shard_grads_and_optimizer) over the replicas
+    dict(
+        label="1f1b-2-tp2-sp-shares-sharded-grads",
+        schedule="1f1b",
+        replicas=(2,),
+        num_microbatches=2,
+        tensor_parallel=2,
+        sequence_parallel=True,
+        replica_samples=[(3, 1)],
+        sharding="shard_grads_and_optimizer",
+        groups=[("h100", 2), ("a100-40gb", 2)],
+        max_grad_norm=0.5,
+        models=["gpt2-padded"],
     ),
 ]
 # 6 ranks: stages of different replica counts of TP-2 groups (2 then 1; GPT-2's tied embedding in both),
