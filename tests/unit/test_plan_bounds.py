@@ -1,5 +1,6 @@
 """The refinement skips splits by lower bounds on the simulated step: check that the bounds hold."""
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -137,18 +138,22 @@ def test_search_from_a_step_to_beat_cuts_the_same_list(seed):
 
 def test_shared_refinement_budget_goes_to_the_best_configs_of_all_degrees():
     """Above REFINE_ACROSS_DEGREES_ABOVE devices the degrees share NUM_REFINED configs: each degree
-    refines as many of its configs as are among the best NUM_REFINED of all (by simulated step)."""
+    refines as many of its uniform configs as are among the best NUM_REFINED uniform configs of all
+    (by simulated step); uneven configs (their own replica count per stage) take none of them."""
+    config = collections.namedtuple("config", "name stage_replicas")
 
     def simulated_of(steps_by_config):
         plans, candidate_of = [], {}
-        for config, steps in steps_by_config.items():
+        for name, steps in steps_by_config.items():
             for step in steps:
                 p = SimpleNamespace(predicted_step_s=step, num_devices=8, boundaries=(0, len(plans) + 1))
                 plans.append(p)
-                candidate_of[id(p)] = SimpleNamespace(config=config)
+                uneven = (1, 2) if name.startswith("e") else ()
+                candidate_of[id(p)] = SimpleNamespace(config=config(name, uneven))
         return driver.Simulated(plans, candidate_of, driver.NUM_REFINED, None)
 
-    fast = simulated_of({f"a{i}": [1.0 + i, 9.0] for i in range(4)})  # best steps 1, 2, 3, 4
+    # best steps 1, 2, 3, 4; the uneven e0 (0.7) is refined besides the budget (NUM_REFINED_UNEVEN)
+    fast = simulated_of({**{f"a{i}": [1.0 + i, 9.0] for i in range(4)}, "e0": [0.7]})
     slow = simulated_of({f"b{i}": [2.5 + i] for i in range(5)})  # 2.5, 3.5, 4.5, 5.5, 6.5
     none = simulated_of({"c": [50.0]})
     idle = simulated_of({"d": [0.5]})  # a context of idle-unit counts: its best config, outside the budget
