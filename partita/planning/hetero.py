@@ -44,9 +44,10 @@ __all__ = ["FASTEST_ONLY", "SLOWEST_EVERYWHERE", "MixedOutcome", "best_mixed", "
 
 # How many of the mixed search's best-estimated candidates are simulated (on clusters of at most
 # SMALL_DEVICES devices: all of them), best estimates first, until a candidate's estimate exceeds
-# the best simulated step by ESTIMATE_MARGIN: the estimate leaves out the gradient collectives and
-# the optimizer step, which the simulation adds, so a candidate estimated above a simulated step
-# rarely simulates below it (the oracle test, tests/unit/test_hetero_search.py, checks the result).
+# the best simulated step by ESTIMATE_MARGIN: the estimate is not the simulation (it takes each
+# stage at its slowest group's pace, the tail after the drain in closed form), so a candidate estimated
+# above a simulated step rarely simulates below it (the oracle test, tests/unit/test_hetero_search.py,
+# checks the result).
 NUM_SIMULATED = 32
 ESTIMATE_MARGIN = 1.3
 # The best simulated plans of this many configs are refined by moving boundaries, at most
@@ -189,8 +190,9 @@ def _best_per_config(plans: list[Plan], candidate_of: dict) -> list[Plan]:
 
 def _refined(run: MixedRun, candidate: MixedCandidate, plan: Plan) -> Plan:
     """Hill-climb the stage boundaries of ``candidate`` block by block, each move simulated, while the
-    step improves: the estimate that proposed the split leaves out the collectives and the optimizer
-    step (``partita.planning.refine`` does the same for one-type plans)."""
+    step improves: the estimate that proposed the split is not the simulation, and the stage DP
+    leaves out the collectives and the optimizer step (``partita.planning.refine`` does the same for
+    one-type plans)."""
     cuttable, k = run.cuttable, run.num_blocks
     kinds = candidate.config.kinds
     best, boundaries = plan, list(candidate.boundaries)

@@ -47,8 +47,9 @@ devices:
 Each config's stage split comes from the per-stage bottleneck DPs of ``partita.planning.partition``
 on its stages' time matrices; a cut between stages whose replicas hold different samples must
 split by sample (``MixedRun.cuttable``). The step is estimated as the uniform search does:
-``(m - 1) max_p t_p + sum_p t_p`` plus the sends (``estimate_mixed_step``); the best candidates
-are simulated (``partita.planning.hetero``).
+``(m - 1) max_p t_p + sum_p t_p`` plus the sends (``estimate_mixed_step``) and the step's tail
+(the exposed gradient all-reduce and optimizer step, ``pipeline_tail_s``); the best candidates are
+simulated (``partita.planning.hetero``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from partita.cost.memory import microbatches_in_flight
 from partita.planning.configs import Config, divisors, microbatch_counts, schedule_accepts
 from partita.planning.device_groups import MixedRun
 from partita.planning.partition import candidate_partitions
-from partita.planning.search import EXHAUSTIVE_BLOCKS, StageCosts
+from partita.planning.search import EXHAUSTIVE_BLOCKS, StageCosts, pipeline_tail_s
 from partita.types import RECOMPUTE_LEVELS, Recompute, Schedule
 
 __all__ = [
@@ -149,6 +150,7 @@ class KindCosts:
         self._stage_costs: dict[tuple, StageCosts] = {}
         self._costs: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._send: dict[StageKind, np.ndarray] = {}
+        self._tail: dict[StageKind, tuple[np.ndarray, np.ndarray]] = {}
 
     def stage_costs(self, group: int, samples: int, replicas: int, mixed: bool, mode: Recompute | None) -> StageCosts:
         """Group ``group``'s StageCosts at ``samples`` per replica and ``replicas`` replicas in all
@@ -183,6 +185,19 @@ class KindCosts:
                 time, chosen = np.where(take, at_level, time), np.where(take, mode.order, chosen)
         self._costs[key] = (time, chosen)
         return self._costs[key]
+
+    def tail(self, kind: StageKind) -> tuple[np.ndarray, np.ndarray]:
+        """(the step's tail of every block range as a stage of ``kind``: its slowest group's
+        replicate overhead, ``StageCosts.tail``; that group's backward seconds per micro-batch,
+        which the stages after it take before it, ``pipeline_tail_s``)."""
+        if kind not in self._tail:
+            mixed = len(kind.groups) > 1
+            per_group = [self.stage_costs(g, kind.samples[g], kind.num_replicas, mixed, self.mode) for g in kind.groups]
+            self._tail[kind] = (
+                np.maximum.reduce([c.tail for c in per_group]),
+                np.maximum.reduce([c.backward for c in per_group]),
+            )
+        return self._tail[kind]
 
     def send(self, kind: StageKind) -> np.ndarray:
         """Seconds to send a stage of ``kind``'s output at each block boundary (and its gradient
@@ -378,7 +393,14 @@ def search_config(run: MixedRun, config: MixedConfig, costs: KindCosts, keep: in
             continue
         recompute = tuple(RECOMPUTE_LEVELS[int(per_stage[p][1][boundaries[p], boundaries[p + 1]])] for p in range(s))
         sends = sum(float(costs.send(config.kinds[p])[boundaries[p + 1]]) for p in range(s - 1))
-        found.append(MixedCandidate(config, tuple(boundaries), recompute, estimate_mixed_step(m, stage_s) + sends))
+        ranges = [(boundaries[p], boundaries[p + 1]) for p in range(s)]
+        tails = [costs.tail(kind) for kind in config.kinds]  # (tail, backward) matrices per stage
+        tail = pipeline_tail_s(
+            [float(t[j, i]) for (t, _), (j, i) in zip(tails, ranges)],
+            [float(b[j, i]) for (_, b), (j, i) in zip(tails, ranges)],
+        )
+        estimate = estimate_mixed_step(m, stage_s) + sends + tail
+        found.append(MixedCandidate(config, tuple(boundaries), recompute, estimate))
     key = lambda c: (c.estimate_s, c.boundaries)  # noqa: E731
     return sorted(found, key=key) if keep is None else heapq.nsmallest(keep, found, key=key)
 

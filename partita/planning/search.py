@@ -335,12 +335,17 @@ def step_tail_s(config: Config, tails: Sequence[float], backwards: Sequence[floa
     ends the drain; with v stages per group every group works until near the end, so each group's
     whole tail shows. The largest of these is the tail."""
     if config.virtual_stages == 1:
-        ahead = np.concatenate(([0.0], np.cumsum(backwards[:-1])))
-        return float(max(0.0, np.max(np.asarray(tails) - ahead)))
+        return pipeline_tail_s(tails, backwards)
     loads = np.zeros(config.num_rank_groups)
     for s, t in enumerate(tails):
         loads[config.rank_group_of(s)] += t
     return float(loads.max())
+
+
+def pipeline_tail_s(tails: Sequence[float], backwards: Sequence[float]) -> float:
+    """``step_tail_s`` of a pipeline with one stage per rank group: ``max_s (tail_s - sum_{j<s} B_j)``."""
+    ahead = np.concatenate(([0.0], np.cumsum(backwards[:-1])))
+    return float(max(0.0, np.max(np.asarray(tails) - ahead)))
 
 
 def _tails_and_backwards(costs: StageCosts, boundaries: Sequence[int]) -> tuple[list[float], list[float]]:
