@@ -27,11 +27,12 @@ NUM_SIMULATED = 24
 NUM_REFINED = 6
 # Configs with their own replica count per stage (``partita.planning.uneven``) are simulated and
 # refined beside the uniform ones, not in their place: the uniform configs keep their NUM_SIMULATED
-# and NUM_REFINED, and the best NUM_REFINED_UNEVEN uneven configs are refined besides. So allowing
-# uneven counts (the default) never returns a slower plan than ``uniform_replicas=True``: once it
-# did, when uneven configs simulated a hair faster took the refinements from a uniform config that
-# refined to the best plan (bench/uneven_replicas.py, Llama-7B on 12 H100s: 2.03 s against 1.94 s).
-NUM_REFINED_UNEVEN = 2
+# and NUM_REFINED, and the uneven ones get as many again. So allowing uneven counts (the default)
+# never returns a slower plan than ``uniform_replicas=True``: once it did, when uneven configs
+# simulated a hair faster took the refinements from a uniform config that refined to the best plan
+# (bench/uneven_replicas.py, Llama-7B on 12 H100s: 2.03 s against 1.94 s). With as many of each
+# kind, the candidates simulated and the configs refined include those of the shared budget.
+NUM_REFINED_UNEVEN = NUM_REFINED
 
 # Above this many devices the NUM_REFINED configs are the best of all tensor-parallel degrees
 # together, not of each degree: the refinement (a hill-climb of stage boundaries, simulated
@@ -101,7 +102,7 @@ def simulated_candidates(
     if len(simulated) < num_simulated and sum(c.config.virtual_stages == 1 for c in candidates) >= num_simulated:
         candidates = search(blocks_at, ctx.options, ctx.search_cluster, num_blocks, cache=cache)
         simulated, candidate_of = _simulate_fitting(ctx, candidates, num_simulated)
-    _add_simulated(simulated, candidate_of, _simulate_fitting(ctx, uneven, num_simulated))
+    _add_simulated(simulated, candidate_of, _simulate_fitting(ctx, sorted(uneven, key=sort_key), num_simulated))
     _add_seeded_uneven(ctx, blocks_at, simulated, candidate_of)
     return Simulated(simulated, candidate_of, NUM_REFINED, blocks_at)
 
