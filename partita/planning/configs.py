@@ -138,6 +138,7 @@ class Candidate:
     boundaries: tuple[int, ...]  # block positions, first 0, last K
     recompute: tuple[Recompute, ...]  # per stage
     estimate_s: float
+    tail_s: float = 0.0  # the part of estimate_s after the last backward (``search.step_tail_s``)
 
 
 # ----------------------------------------------------------------------------- configs

@@ -305,7 +305,8 @@ def _best_splits(
         )
         sends = sum(float(costs.send[b]) for b in boundaries[1:-1])
         tail = step_tail_s(config, *_tails_and_backwards(costs, boundaries))
-        found.append(Candidate(config, tuple(boundaries), recompute, estimate_step(config, times) + sends + tail))
+        estimate = estimate_step(config, times) + sends + tail
+        found.append(Candidate(config, tuple(boundaries), recompute, estimate, tail))
     key = lambda c: (c.estimate_s, c.boundaries)  # noqa: E731
     if every_split:
         found = heapq.nsmallest(SPLITS_KEPT, found, key=key)
@@ -373,8 +374,9 @@ def search(
     from the smallest lower bound on their estimate, and once the bound is known a config whose
     lower bound exceeds it is skipped. The result equals the full list cut at ``bound``.
     ``cache`` (``SearchCache``): what an earlier search of the same run found, reused.
-    ``step_to_beat``: the step of a plan found elsewhere (another tensor-parallel degree), the
-    bound to start from: configs whose lower bound exceeds it cannot beat that plan.
+    ``step_to_beat``: the step of a plan found elsewhere (another tensor-parallel degree): configs
+    whose lower bound exceeds it cannot beat that plan, and are skipped; so are the candidates whose
+    estimate less its tail (``Candidate.tail_s``) exceeds it.
     """
     cache = SearchCache() if cache is None else cache
     configs = [
@@ -384,13 +386,13 @@ def search(
         configs.sort(key=lambda c: _estimate_lower_bound(blocks_at(c.microbatch_size), c))
     found: list[Candidate] = []
     best_v1: list[float] = []  # max-heap (negated) of the num_best smallest v = 1 estimates
-    bound = step_to_beat
+    bound = float("inf")
     for config in configs:
         blocks = blocks_at(config.microbatch_size)
-        if _estimate_lower_bound(blocks, config) > bound:
+        if _estimate_lower_bound(blocks, config) > min(bound, step_to_beat):
             break  # configs are sorted by this lower bound: every later one is pruned too
-        if config.virtual_stages == 1 and _split_lower_bound(blocks, config, cache) > bound:
-            continue  # none of its candidates would be kept: each estimate exceeds the bound
+        if config.virtual_stages == 1 and _split_lower_bound(blocks, config, cache) > min(bound, step_to_beat):
+            continue  # none of its candidates would be kept: each estimate (less its tail) exceeds the bound
         candidates = search_config(blocks_at(config.microbatch_size), config, options, cluster, cache)
         found.extend(candidates)
         if num_best is not None and config.virtual_stages == 1:
@@ -399,8 +401,11 @@ def search(
                 if len(best_v1) > num_best:
                     heapq.heappop(best_v1)
             if len(best_v1) == num_best:
-                bound = min(bound, -best_v1[0])
-    found = [c for c in found if c.estimate_s <= bound]
+                bound = -best_v1[0]
+    # Against another plan's simulated step, without the tail: the closed form overestimates it
+    # where several stages share a rank group (every group's whole tail counted), and a candidate
+    # estimated a little above a step found at another degree may still simulate below it.
+    found = [c for c in found if c.estimate_s <= bound and c.estimate_s - c.tail_s <= step_to_beat]
     found.sort(key=sort_key)
     return found
 

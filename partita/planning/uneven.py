@@ -232,7 +232,7 @@ def _candidate(shape: _Shape, boundaries: list[int], full: tuple[int, ...], repl
     tails = [float(shape.tail[r][a, b]) for r, (a, b) in zip(replicas, ranges)]
     tail = step_tail_s(shape.config(replicas), tails, [float(shape.backward[a, b]) for a, b in ranges])
     config = shape.config(replicas)
-    return Candidate(config, full, tuple(recompute), estimate_step(config, times) + sends + tail)
+    return Candidate(config, full, tuple(recompute), estimate_step(config, times) + sends + tail, tail)
 
 
 # ----------------------------------------------------------------------------- DP
