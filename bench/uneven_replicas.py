@@ -120,7 +120,7 @@ def markdown(rows: list[dict]) -> str:
         f"- machine: {machine_line()}; partita {partita.__version__}",
         f"- date: {now_utc()}",
         f"- command: `{command_line()}`",
-        "- models captured on meta, analytic costs (float32 peak), Adam, nodes of 8 devices (12 devices: 3 nodes of 4); "
+        "- models captured on meta, analytic costs in partita's default precision (bf16 on the A100 and H100), Adam, nodes of 8 devices (6 devices: one node; 12: 2 nodes of 6); "
         "`@N GiB`: memory per device",
         "- ratio = uniform step / uneven step (> 1: uneven faster). Layout `GxR...`: G rank groups with R replicas "
         "each (`2+1+3`: per rank group). `pipe`: schedules GPipe and 1F1B only. time: planning without capture, "
