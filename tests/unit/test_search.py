@@ -101,6 +101,47 @@ def test_the_estimate_of_data_parallel_configs_counts_the_gradient_collectives_a
     }
 
 
+@pytest.mark.parametrize("param_bytes", [(1e6, 4e8), (4e8, 1e6), (2e8, 2e8)])
+def test_the_estimate_of_pipelines_whose_step_is_mostly_the_tail(param_bytes):
+    """Two 1F1B stages of 2 and 4 replicas whose compute is small beside their parameters' all-reduce
+    and optimizer step (20-70% of the step): the closed form with the tail of each stage after its
+    last backward (``step_tail_s``), the large stage first, last or neither, is the simulated step
+    within 2% (without the tail, 20-70% short)."""
+    import functools
+
+    from planning_instances import chain_instance
+
+    from partita.planning.chain import block_costs
+    from partita.planning.plan_builder import plan_from_candidate
+    from partita.planning.search import search
+    from partita.types import Sharding
+
+    ctx = chain_instance(
+        np.array([1e-4, 1e-4]),
+        np.array(param_bytes),
+        np.full(2, 2**20),
+        np.array([0, 2**20, 0]),
+        1e-5,
+        8,
+        80 * 2**30,
+        "tail",
+        global_batch_size=64,
+    )
+    options = dataclasses.replace(
+        ctx.options, schedules=(Schedule.ONE_F_ONE_B,), num_stages=2, sharding=Sharding.REPLICATE
+    )
+    ctx = dataclasses.replace(ctx, options=options)
+    blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
+    checked = 0
+    for candidate in search(blocks_at, ctx.options, ctx.search_cluster, len(ctx.chain) - 1):
+        if candidate.config.replicas in (2, 4) and candidate.config.num_microbatches in (2, 8):
+            simulated = plan_from_candidate(ctx, candidate).predicted_step_s
+            assert candidate.tail_s > 0.2 * simulated, candidate
+            assert simulated == pytest.approx(candidate.estimate_s, rel=0.02), candidate.config
+            checked += 1
+    assert checked == 4
+
+
 def test_same_inputs_give_a_byte_identical_plan():
     a, b = best_plan(random_instance(3)), best_plan(random_instance(3))
     assert a is not None and plan_to_json(a) == plan_to_json(b)
