@@ -63,7 +63,7 @@ class Simulated:
 
     plans: list[Plan]
     candidate_of: dict  # id(plan) -> its Candidate
-    num_refined: int | None  # configs to refine (None: every one within REFINE_WITHIN)
+    num_refined: int | None  # uniform configs to refine (None: every config within REFINE_WITHIN)
     blocks_at: Callable[[int], BlockCosts]
 
     @property
@@ -74,8 +74,10 @@ class Simulated:
 def simulated_candidates(
     ctx: PlanningContext, *, num_simulated: int = NUM_SIMULATED, step_to_beat: float = float("inf")
 ) -> Simulated:
-    """Search the configs and simulate the best candidates (the first ``num_simulated`` that fit).
-    ``step_to_beat``: a step found elsewhere; the long-chain search skips configs that cannot beat it."""
+    """Search the configs and simulate the best candidates: on long chains the first
+    ``num_simulated`` uniform ones that fit, and as many uneven ones (NUM_REFINED_UNEVEN); on short
+    chains every one. ``step_to_beat``: a step found elsewhere; the long-chain search skips configs
+    that cannot beat it."""
     blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
     num_blocks = len(ctx.chain) - 1
     uneven = []

@@ -83,23 +83,20 @@ class StageCosts:
         # Activation and gradient of the stage's output cross to the next stage once each.
         self.send = np.array([2 * p2p_time_s(float(c), cluster, same_node=True) for c in blocks.cut_bytes])
         self.levels = levels(options.sharding, config.replicas)
-        self.tail = self._replicate_overhead(cluster)
+        self._spans = rank_groups_span_nodes(config, cluster)
+        # Seconds per step replicate's gradient all-reduce (what the last backward does not hide) and
+        # the optimizer step add to each stage, once per step: the step's tail (``step_tail_s``), and
+        # the base of the other levels' penalties.
+        self.tail = self._overhead(Sharding.REPLICATE, cluster)
         self.penalty = self._level_penalties(cluster)
         self._cache: dict[tuple[float, Recompute, Sharding], np.ndarray] = {}
         self._memory: dict[tuple[Recompute, Sharding], MemoryByInFlight] = {}
         self._costs: dict[float, tuple[np.ndarray, np.ndarray]] = {}
         self._reach: dict[float, int] = {}
 
-    def _replicate_overhead(self, cluster) -> np.ndarray:
-        """Seconds per step replicate's gradient all-reduce (what the last backward does not hide)
-        and the optimizer step add to each stage, once per step (``step_overhead_s``): the step's
-        tail (``step_tail_s``), and the base of the other levels' penalties."""
-        return self._overhead(Sharding.REPLICATE, cluster)
-
     def _overhead(self, level: Sharding, cluster) -> np.ndarray:
+        """``step_overhead_s`` of every stage range under ``level``."""
         c, o = self.config, self.options
-        per_node, r = cluster.devices_per_node, c.replicas  # rank group g: ranks [g r, (g + 1) r)
-        spans = any(g * r // per_node != ((g + 1) * r - 1) // per_node for g in range(c.num_rank_groups))
         return step_overhead_s(
             level,
             trainable_bytes=self.totals["trainable_bytes"],
@@ -110,7 +107,7 @@ class StageCosts:
             precision=o.precision,
             optimizer=o.optimizer,
             cluster=cluster,
-            spans_nodes=spans,
+            spans_nodes=self._spans,
         )
 
     def _level_penalties(self, cluster) -> dict[Sharding, np.ndarray]:
@@ -193,6 +190,14 @@ class StageCosts:
         return best
 
 
+def rank_groups_span_nodes(config: Config, cluster) -> bool:
+    """Whether some rank group of ``config`` (group g: units [g r, (g + 1) r), nodes of
+    ``devices_per_node`` units) crosses a node: ``partita.cost.comm.spans_nodes`` of every group
+    at once, in the search's units."""
+    per_node, r = cluster.devices_per_node, config.replicas
+    return any(g * r // per_node != ((g + 1) * r - 1) // per_node for g in range(config.num_rank_groups))
+
+
 # The memory totals of ``BlockCosts.stage_totals`` that ``memory_from_totals`` takes.
 _TOTALS = (
     "param_bytes",
@@ -223,9 +228,13 @@ class SearchCache:
         """The StageCosts of ``config``, shared with every config of the same micro-batch size,
         replicas, micro-batches, recompute mode and whether a rank group spans nodes: all that
         ``StageCosts`` depends on, since ``cost_at`` takes the stage's position from the caller."""
-        per_node, r = cluster.devices_per_node, config.replicas  # rank group g: units [g r, (g + 1) r)
-        spans = any(g * r // per_node != ((g + 1) * r - 1) // per_node for g in range(config.num_rank_groups))
-        key = (config.microbatch_size, r, config.num_microbatches, config.recompute_mode, spans)
+        key = (
+            config.microbatch_size,
+            config.replicas,
+            config.num_microbatches,
+            config.recompute_mode,
+            rank_groups_span_nodes(config, cluster),
+        )
         made = self._stage_costs.get(key)
         if made is None or made[0] is not blocks:
             made = self._stage_costs[key] = (blocks, StageCosts(blocks, config, options, cluster))
@@ -319,9 +328,7 @@ def estimate_step(config: Config, stage_times: Sequence[float]) -> float:
     """Closed-form step: ``(m - 1)·max_g L_g + sum_g L_g`` with one stage per rank group (exact
     for GPipe/1F1B without communication); with ``v`` stages per group the fill and drain
     shrink to ``(G - 1)·max_g L_g / v`` after the ``m`` rounds of the busiest group."""
-    loads = np.zeros(config.num_rank_groups)
-    for s, t in enumerate(stage_times):
-        loads[config.rank_group_of(s)] += t
+    loads = _per_rank_group(config, stage_times)
     m, v, g = config.num_microbatches, config.virtual_stages, config.num_rank_groups
     if v == 1:
         return float((m - 1) * loads.max() + loads.sum())
@@ -337,10 +344,15 @@ def step_tail_s(config: Config, tails: Sequence[float], backwards: Sequence[floa
     whole tail shows. The largest of these is the tail."""
     if config.virtual_stages == 1:
         return pipeline_tail_s(tails, backwards)
-    loads = np.zeros(config.num_rank_groups)
-    for s, t in enumerate(tails):
-        loads[config.rank_group_of(s)] += t
-    return float(loads.max())
+    return float(_per_rank_group(config, tails).max())
+
+
+def _per_rank_group(config: Config, per_stage: Sequence[float]) -> np.ndarray:
+    """The sum of ``per_stage`` over each rank group's stages."""
+    sums = np.zeros(config.num_rank_groups)
+    for s, value in enumerate(per_stage):
+        sums[config.rank_group_of(s)] += value
+    return sums
 
 
 def pipeline_tail_s(tails: Sequence[float], backwards: Sequence[float]) -> float:
