@@ -24,13 +24,14 @@ def stage_ranks(config: Config, tensor_parallel: int = 1) -> list[tuple[int, ...
     return consecutive_ranks([config.replicas_of(g) for g in range(config.num_rank_groups)], tensor_parallel)
 
 
-def consecutive_ranks(counts: Sequence[int], tensor_parallel: int = 1) -> list[tuple[int, ...]]:
-    """Ranks of rank groups with ``counts[g]`` replicas of ``tensor_parallel`` devices each:
-    consecutive, group g after groups 0 .. g-1, replica-major (``StagePlan.ranks``: each replica's
-    tensor-parallel group is ``tensor_parallel`` consecutive ranks from a multiple of it)."""
-    t = tensor_parallel
-    starts = [sum(counts[:g]) for g in range(len(counts))]
-    return [tuple(range(start * t, (start + r) * t)) for start, r in zip(starts, counts)]
+def consecutive_ranks(counts: Sequence[int], tensor_parallel: int | Sequence[int] = 1) -> list[tuple[int, ...]]:
+    """Ranks of rank groups with ``counts[g]`` replicas of ``tensor_parallel`` devices each (one
+    degree, or one per rank group): consecutive, group g after groups 0 .. g-1, replica-major
+    (``StagePlan.ranks``: each replica's tensor-parallel group is consecutive ranks)."""
+    degrees = [tensor_parallel] * len(counts) if isinstance(tensor_parallel, int) else list(tensor_parallel)
+    widths = [r * t for r, t in zip(counts, degrees)]
+    starts = [sum(widths[:g]) for g in range(len(counts))]
+    return [tuple(range(start, start + w)) for start, w in zip(starts, widths)]
 
 
 def stage_tables(costs: CostTable | Callable[[int], CostTable], config: Config) -> list[CostTable]:

@@ -59,7 +59,7 @@ def manual_plan(
     cluster: Cluster | Mapping[str, Any] | None = None,
     precision: Precision | str = Precision.FP32,
     sharding: Sharding | str | Sequence[Sharding | str] = Sharding.REPLICATE,
-    tensor_parallel: int = 1,
+    tensor_parallel: int | Sequence[int] = 1,
     sequence_parallel: bool = False,
     replica_samples: Sequence[Sequence[int] | None] | None = None,
 ) -> Plan:
@@ -80,10 +80,13 @@ def manual_plan(
         precision: "fp32" or "bf16" (``Plan.precision``).
         sharding: a ``Sharding`` level for all stages or one per stage; a stage with one replica
             must replicate.
-        tensor_parallel: devices per replica, splitting its matmuls (``Plan.tensor_parallel``);
-            the default cluster then has ``replicas x tensor_parallel`` CPU ranks per rank group.
+        tensor_parallel: devices per replica, splitting its matmuls (``StagePlan.tensor_parallel``),
+            for every rank group or one per rank group (stages on device types of their own:
+            GPipe and 1F1B only, one stage per rank group); the default cluster then has
+            ``replicas x tensor_parallel`` CPU ranks per rank group.
         sequence_parallel: the tensor-parallel groups also split, by token, the regions they leave
-            whole (``Plan.sequence_parallel``; needs ``tensor_parallel`` above 1).
+            whole (``Plan.sequence_parallel``; needs a degree above 1, and applies to the stages
+            that have one).
         replica_samples: per rank group, the samples of each micro-batch that each of its
             replicas runs (``StagePlan.replica_samples``; at least one each, summing to
             ``global_batch_size / num_microbatches``), or None for an even split. Unequal shares
@@ -102,7 +105,8 @@ def manual_plan(
         positive_int(value, name)
     check_schedule(schedule, num_microbatches, num_rank_groups, num_stages)
     counts = _replica_counts(replicas, schedule, num_rank_groups)
-    t = positive_int(tensor_parallel, "tensor_parallel")
+    degrees = _degrees(tensor_parallel, schedule, num_rank_groups, num_stages)
+    t = max(degrees)
     shares = _replica_shares(replica_samples, counts, global_batch_size, num_microbatches)
     if any(shares) and (schedule not in UNEVEN_SCHEDULES or num_stages != num_rank_groups):
         raise InputError(
@@ -129,25 +133,27 @@ def manual_plan(
             "is 1: give tensor_parallel=2 or more, or sequence_parallel=False"
         )
     groups = stage_rank_groups(schedule, num_rank_groups, num_stages)
-    ranks = consecutive_ranks(counts, t)
+    ranks = consecutive_ranks(counts, degrees)
     levels = _sharding_levels(sharding, [counts[g] for g in groups])
     stages = tuple(
         dataclasses.replace(
             _stage(graph, k, cuts[k], cuts[k + 1], groups[k], ranks[groups[k]], flags[k]),
             sharding=levels[k],
-            tensor_parallel=t,
-            sequence_parallel=sequence_parallel,
+            tensor_parallel=degrees[groups[k]],
+            sequence_parallel=sequence_parallel and degrees[groups[k]] > 1,
             replica_samples=shares[groups[k]],
         )
         for k in range(num_stages)
     )
     if cluster is None:
-        n = sum(counts) * t
+        n = sum(r * d for r, d in zip(counts, degrees))
         cluster = Cluster(device="cpu", num_devices=n, devices_per_node=n)
     elif not isinstance(cluster, Cluster):
         cluster = Cluster.from_dict(cluster)
-    if t > 1:
+    if len(set(degrees)) == 1 and t > 1:
         check_degree(t, cluster)
+    elif t > 1:
+        _check_groups_in_nodes(degrees, ranks, cluster)
     return Plan(
         graph_fingerprint=graph.fingerprint,
         cluster=cluster,
@@ -165,7 +171,7 @@ def manual_plan(
             "recompute": [level.value for level in flags],
             "precision": precision.value,
             "sharding": [level.value for level in levels],
-            "tensor_parallel": t,
+            "tensor_parallel": degrees[0] if len(set(degrees)) == 1 else list(degrees),
             "sequence_parallel": sequence_parallel,
             **({"replica_samples": [None if s is None else list(s) for s in shares]} if any(shares) else {}),
         },
@@ -175,6 +181,51 @@ def manual_plan(
         partita_version=_version(),
         torch_version=_torch_version(),
     )
+
+
+def _degrees(
+    tensor_parallel: int | Sequence[int], schedule: Schedule, num_rank_groups: int, num_stages: int
+) -> tuple[int, ...]:
+    """The tensor-parallel degree of each rank group; InputError naming the value when the runtime
+    cannot run it (degrees that differ run on partita's executor: GPipe or 1F1B, one stage per
+    rank group)."""
+    if isinstance(tensor_parallel, int) and not isinstance(tensor_parallel, bool):
+        return (positive_int(tensor_parallel, "tensor_parallel"),) * num_rank_groups
+    if isinstance(tensor_parallel, (str, bytes)) or not isinstance(tensor_parallel, Sequence):
+        raise InputError(
+            f"tensor_parallel must be an int or a sequence of one int per rank group, got {tensor_parallel!r}"
+        )
+    degrees = tuple(positive_int(d, "tensor_parallel") for d in tensor_parallel)
+    if len(degrees) != num_rank_groups:
+        raise InputError(
+            f"tensor_parallel={list(degrees)} has {len(degrees)} entries for {num_rank_groups} rank groups: "
+            "give one degree per rank group, or one int for all"
+        )
+    if len(set(degrees)) > 1 and (schedule not in UNEVEN_SCHEDULES or num_stages != num_rank_groups):
+        raise InputError(
+            f"tensor_parallel={list(degrees)} differs between rank groups, which runs under schedule gpipe or 1f1b "
+            f"with one stage per rank group only (got {schedule.value}, {num_stages} stages on {num_rank_groups} "
+            "rank groups): change those, or give every rank group the same degree"
+        )
+    return degrees
+
+
+def _check_groups_in_nodes(degrees: Sequence[int], ranks: Sequence[tuple[int, ...]], cluster: Cluster) -> None:
+    """Where degrees differ: each a power of two, and every tensor-parallel group in one node."""
+    for g, (d, group_ranks) in enumerate(zip(degrees, ranks)):
+        if d & (d - 1):
+            raise InputError(
+                f"tensor_parallel={d} (rank group {g}) is not a power of two: the split rules divide heads, features "
+                "and vocabularies in halves; use 1, 2, 4 or 8"
+            )
+        for j in range(0, len(group_ranks), d):
+            block = group_ranks[j : j + d]
+            if block[-1] >= cluster.num_devices or len({cluster.rank_to_node(r) for r in block}) > 1:
+                raise InputError(
+                    f"rank group {g}'s tensor-parallel group on ranks {list(block)} does not lie in one node of the "
+                    f"cluster ({cluster.num_devices} devices, {cluster.devices_per_node} per node): a group "
+                    "all-reduces activations in every layer; change the degrees or the cluster"
+                )
 
 
 def _replica_counts(replicas: int | Sequence[int], schedule: Schedule, num_rank_groups: int) -> tuple[int, ...]:

@@ -51,22 +51,30 @@ class GradientSync:
         world_group: dist.ProcessGroup | None = None,
         sharded: Collection[str] = (),
         group_sets: Sequence[tuple[int, ...]] | None = None,
+        spanning: Mapping[str, Sequence[int]] | None = None,
+        tp_index: int = 0,
         tp_split: Collection[str] = (),
-        tp_group: dist.ProcessGroup | None = None,
     ):
         self.params = dict(params)  # this rank's trainable parameters, canonical name -> Parameter
         # Read by sharded stages (sharding.py): FSDP2 reduce-scatters them over the replicas, and
         # each replica's shard is its own part of the norm.
         self.sharded = frozenset(sharded)
         self.scale = scale  # 1 / (num_microbatches * replicas of the last stage), or 1 (loss_scaling.py)
-        self.world_group = world_group  # the norm's all-reduce (None: the default group)
+        self.world_group = world_group  # the norm's all-reduce over all ranks (None: the default group)
+        # Tensor parallelism (tensor_parallel.py): `holders` are this rank's index's (its
+        # `local_plan`), `group_sets` the holder sets of every index, which all ranks create
+        # (default: those of `holders`). A weight read by stages of different degrees (`spanning`)
+        # is summed over all its holders, each replica's gradient (the same on every rank of its
+        # group) taken from the ranks of index 0 only. In the norm, a weight the group splits
+        # (`tp_split`) counts each index's part, any other weight only index 0's copy.
+        holders = {**holders, **(spanning or {})}
+        self.spanning = frozenset(spanning or ()) & frozenset(self.params)
+        self.tp_index, self.tp_split = tp_index, frozenset(tp_split)
         self.owned = [
-            name for name in self.params if name in self.sharded or min(holders[name]) == rank
+            name
+            for name in self.params
+            if (name in self.sharded or min(holders[name]) == rank) and (name in self.tp_split or tp_index == 0)
         ]  # once in the norm
-        # Split by tensor parallelism (tensor_parallel.py): every rank of the group holds its own
-        # part, so their squares are summed over `tp_group` too. `group_sets`: the holder sets of
-        # every tensor-parallel index, which all ranks create (default: those of `holders`).
-        self.tp_split, self.tp_group = frozenset(tp_split), tp_group
         self.buckets: list[tuple[dist.ProcessGroup, list[str]]] = []
         if group_sets is None:
             group_sets = sorted({tuple(h) for h in holders.values() if len(h) > 1})
@@ -81,6 +89,10 @@ class GradientSync:
         reduced: set[str] = set()
         for group, names in self.buckets:
             grads = [self._grad(name) for name in names]
+            if self.tp_index != 0:  # a copy of index 0's: left out of the sum (class docstring)
+                for name, g in zip(names, grads):
+                    if name in self.spanning:
+                        g.zero_()
             flat = torch.cat([g.reshape(-1) for g in grads])  # one collective per holder set
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             flat.mul_(self.scale)
@@ -100,17 +112,13 @@ class GradientSync:
         norm before clipping (on every rank).
         """
         device = next(iter(self.params.values())).device if self.params else _group_device(self.world_group)
-        squares = torch.zeros(2, dtype=torch.float64, device=device)  # (whole in the group, split by it)
+        squares = torch.zeros(1, dtype=torch.float64, device=device)
         for name in self.owned:
             grad = self.params[name].grad
             if grad is not None:
                 norm = torch.linalg.vector_norm(local_tensor(grad).detach(), dtype=torch.float32).double()
-                squares[int(name in self.tp_split)] += norm**2
+                squares += norm**2
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.world_group)
-        if self.tp_group is not None:
-            split = squares[1:].clone()
-            dist.all_reduce(split, op=dist.ReduceOp.SUM, group=self.tp_group)
-            squares[1:] = split
         total = squares.sum().sqrt().float()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.params.values():

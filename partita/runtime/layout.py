@@ -17,7 +17,8 @@ def check_layout(plan: Plan) -> None:
     whose stages hold ranks 0 .. N-1 between them, each stage its own ascending ranks in any order
     of the stages (ranks follow the device groups of a mixed cluster: the first stage may run on
     the second group, also when every stage has as many replicas). Either may hold tensor-parallel
-    groups: a replica is then ``tensor_parallel`` consecutive ranks (``StagePlan.replica_ranks``)."""
+    groups: a replica is then ``tensor_parallel`` consecutive ranks (``StagePlan.replica_ranks``), of
+    one degree on a mesh, of each stage's own on partita's executor."""
     if plan.on_mesh:
         _check_uniform_layout(plan)
     else:
@@ -69,10 +70,12 @@ def _check_uniform_layout(plan: Plan) -> None:
 
 
 def _check_uneven_layout(plan: Plan) -> None:
-    counts = [s.num_replicas for s in plan.stages]
+    counts, degrees = [s.num_replicas for s in plan.stages], [s.tensor_parallel for s in plan.stages]
     unequal = next((s for s in plan.stages if not s.even_shares), None)
     if len(set(counts)) > 1:
         what = f"different replica counts {counts}"
+    elif len(set(degrees)) > 1:
+        what = f"different tensor-parallel degrees {degrees}"
     elif unequal is not None:
         what = f"unequal sample shares (stage {unequal.index}: {list(unequal.replica_samples)})"
     else:

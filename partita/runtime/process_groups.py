@@ -61,12 +61,12 @@ class Topology:
     world_group: dist.ProcessGroup | None = None  # all ranks, with partita's timeout; None: the default group
     timeout: datetime.timedelta | None = None  # collective timeout of partita's groups; None: torch's default
     # Tensor parallelism (tensor_parallel.py): this rank's index in its group of `tensor_parallel`
-    # ranks and that group. Then `world_group` holds the ranks of this index only (the job that
-    # `local_plan` describes), and `rank`/`world_size` stay global.
+    # ranks (its stage's degree) and that group; the other fields describe the job that
+    # `local_plan` shows this index, and `rank`/`world_size`/`world_group` stay global.
     tensor_parallel: int = 1
     tp_index: int = 0
     tp_group: dist.ProcessGroup | None = None
-    sequence_parallel: bool = False  # the plan's: the tensor-parallel group also splits tokens
+    sequence_parallel: bool = False  # this rank's stage's: the tensor-parallel group also splits tokens
 
     @property
     def uniform(self) -> bool:
@@ -128,26 +128,23 @@ def init_topology(plan: Plan, *, collective_timeout_s: float | None = None) -> T
 
 
 def _tensor_parallel_topology(plan: Plan, common: dict, timeout: datetime.timedelta | None) -> Topology:
-    """A plan of degree t: the ranks of each index ``i`` in their groups run ``local_plan(plan, i)``
-    (``partita.runtime.tensor_parallel``) over a group of their own. On a mesh (``Plan.on_mesh``)
+    """A plan with tensor parallelism: the ranks of each index ``i`` in their groups run
+    ``local_plan(plan, i)`` (``partita.runtime.tensor_parallel``). On a mesh (``Plan.on_mesh``)
     the pp x dp x tp mesh, rank = (group * dp + replica) * t + index; otherwise partita's executor,
     with one group per stage and index (the stage's ranks of that index) and one per replica (its
-    t consecutive ranks)."""
-    t, rank = plan.tensor_parallel, common["rank"]
-    # one group per index, every rank creating all of them in the same order
-    slices = [new_group(list(range(i, plan.num_devices, t)), timeout) for i in range(t)]
-    tensor_parallel = dict(tensor_parallel=t, tp_index=rank % t, sequence_parallel=plan.sequence_parallel)
+    t consecutive ranks), each stage at its own degree."""
     if not plan.on_mesh:
-        return _uneven_tensor_parallel_topology(plan, {**common, "world_group": slices[rank % t]}, tensor_parallel)
+        return _uneven_tensor_parallel_topology(plan, common)
     from torch.distributed.device_mesh import init_device_mesh
 
+    t, rank = plan.tensor_parallel, common["rank"]
     pp, dp = plan.num_rank_groups, plan.stages[0].num_replicas
     override = _mesh_timeouts(timeout, ("pp", "dp", "tp")) if timeout is not None else None
     mesh = init_device_mesh(
         common["device"].type, (pp, dp, t), mesh_dim_names=("pp", "dp", "tp"), backend_override=override
     )
     return Topology(
-        **{**common, "world_group": slices[rank % t]},
+        **common,
         num_rank_groups=pp,
         rank_group=rank // (dp * t),
         replica=(rank // t) % dp,
@@ -156,22 +153,31 @@ def _tensor_parallel_topology(plan: Plan, common: dict, timeout: datetime.timede
         pp_group=mesh.get_group("pp"),
         mesh=mesh,
         tp_group=mesh.get_group("tp"),
-        **tensor_parallel,
+        tensor_parallel=t,
+        tp_index=rank % t,
+        sequence_parallel=plan.sequence_parallel,
     )
 
 
-def _uneven_tensor_parallel_topology(plan: Plan, common: dict, tensor_parallel: dict) -> Topology:
+def _uneven_tensor_parallel_topology(plan: Plan, common: dict) -> Topology:
     """Partita's executor under tensor parallelism (``_tensor_parallel_topology``): this rank's
     stage, its replica (the index of its group of t ranks in the stage), the stage's ranks of this
     rank's index as its data-parallel group, and its replica's ranks as its tensor-parallel group."""
-    t, rank, timeout = plan.tensor_parallel, common["rank"], common["timeout"]
-    dp_groups = {(s.index, i): new_group(list(s.ranks[i::t]), timeout) for s in plan.stages for i in range(t)}
+    rank, timeout = common["rank"], common["timeout"]
+    dp_groups = {
+        (s.index, i): new_group(list(s.ranks[i :: s.tensor_parallel]), timeout)
+        for s in plan.stages
+        for i in range(s.tensor_parallel)
+    }
     tp_groups = {
-        (s.index, j): new_group(list(s.replica_ranks(j)), timeout) for s in plan.stages for j in range(s.num_replicas)
+        (s.index, j): new_group(list(s.replica_ranks(j)), timeout)
+        for s in plan.stages
+        if s.tensor_parallel > 1
+        for j in range(s.num_replicas)
     }
     dist.barrier(group=common["world_group"])  # as the uneven layout does: a collective before any transfer
     stage = next(s for s in plan.stages if rank in s.ranks)
-    position = stage.ranks.index(rank)
+    t, position = stage.tensor_parallel, stage.ranks.index(rank)
     return Topology(
         **common,
         num_rank_groups=plan.num_rank_groups,
@@ -179,8 +185,10 @@ def _uneven_tensor_parallel_topology(plan: Plan, common: dict, tensor_parallel: 
         replica=position // t,
         replicas=stage.num_replicas,
         dp_group=dp_groups[stage.index, position % t],
-        tp_group=tp_groups[stage.index, position // t],
-        **tensor_parallel,
+        tp_group=tp_groups.get((stage.index, position // t)),
+        tensor_parallel=t,
+        tp_index=position % t,
+        sequence_parallel=stage.sequence_parallel,
     )
 
 

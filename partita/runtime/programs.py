@@ -48,6 +48,7 @@ class StepPrograms:
             runners=stages.runners,
             compute=compute,
             tensor_parallel=stages.tensor_parallel,
+            job_plan=stages.job_plan,
         )
         self._programs: dict[tuple[bool, Shapes], StepProgram] = {(True, self.captured_shapes): self.planned}
         # Samples per micro-batch that this rank's stages run (uniform: plan.microbatch_size; uneven:
@@ -114,4 +115,5 @@ class StepPrograms:
             runners=self.stages.runners if training else None,  # sharded stages: FSDP2 runs the variant's too
             compute=self.compute,
             tensor_parallel=self.stages.tensor_parallel,
+            job_plan=self.stages.job_plan,
         )

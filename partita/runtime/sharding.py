@@ -148,20 +148,20 @@ def standing_in(runners: Mapping[int, nn.Module], stages: Sequence[StageModule])
 
 def replica_mesh(plan: Plan, topology: Topology) -> Any:
     """The DeviceMesh of this rank's replica group, for FSDP2. Uniform plans: the ``dp`` axis of the
-    pp x dp mesh. Uneven plans: every rank creates a process group per sharded stage, in stage
-    order (torch.distributed requires all ranks to), and the stage's own ranks make a 1-D mesh of
-    theirs. Under tensor parallelism ``plan`` is this rank's index's (``local_plan``), and every
-    rank creates the groups of every index (a replica's ``t`` ranks are consecutive from a multiple
-    of ``t``, so index ``i``'s ranks of a stage are this index's moved by ``i - rank % t``).
-    Collective: call it on every rank."""
+    pp x dp mesh. Uneven plans (``plan`` the job's, every stage at its own tensor-parallel degree
+    ``t``): every rank creates a process group per sharded stage and index ``i < t`` (the stage's
+    ranks ``[i::t]``), in stage order (torch.distributed requires all ranks to), and this rank's
+    makes a 1-D mesh of its ranks. Collective: call it on every rank."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if topology.uniform:
         return topology.mesh["dp"]
-    t, mine = topology.tensor_parallel, None
+    mine = None
     for index in sorted(sharded_stages(plan)):
+        stage = plan.stages[index]
+        t = stage.tensor_parallel
         for i in range(t):
-            ranks = [r - r % t + i for r in plan.stages[index].ranks]
+            ranks = list(stage.ranks[i::t])
             group = new_group(ranks, topology.timeout)
             if topology.rank in ranks:
                 mine = DeviceMesh.from_group(group, topology.device.type, mesh=ranks)

@@ -41,14 +41,15 @@ __all__ = ["StageSet", "place_stages"]
 class StageSet:
     """What ``place_stages`` built for this rank (see the module docstring).
 
-    ``plan`` is the plan this rank runs (its tensor-parallel index's ``local_plan``);
-    ``runners``: stage index -> the FSDP2 module that runs a sharded stage; ``params``: this
+    ``plan`` is the plan this rank runs (its tensor-parallel index's ``local_plan``), ``job_plan``
+    the job's (every rank's, each stage at its own degree); ``runners``: stage index -> the FSDP2 module that runs a sharded stage; ``params``: this
     rank's trainable parameters by canonical name, each once; ``metadata``: the pipeline's static
     shapes, found on meta when the model was built there (None: found at the first step).
     """
 
     model: nn.Module
     plan: Plan
+    job_plan: Plan
     topology: Topology
     all_stages: list[StageModule]
     stages: list[StageModule]
@@ -102,12 +103,20 @@ class StageSet:
 
 
 def place_stages(
-    model: nn.Module, graph: OpGraph, plan: Plan, topology: Topology, compute: Compute, init_from: str | None
+    model: nn.Module,
+    graph: OpGraph,
+    plan: Plan,
+    topology: Topology,
+    compute: Compute,
+    init_from: str | None,
+    job_plan: Plan | None = None,
 ) -> StageSet:
-    """Split ``graph`` into ``plan``'s stages and make this rank's runnable: weights on its device
+    """Split ``graph`` into ``plan``'s stages (this rank's view of ``job_plan``, by default ``plan``
+    itself: ``partita.runtime.tensor_parallel.local_plan``) and make this rank's runnable: weights on its device
     (allocated and loaded from ``init_from`` for a model on meta: only what this rank reads), then
     its part of every weight tensor parallelism splits, then FSDP2 around the sharded stages --
     in that order, since each step replaces parameters the next one wraps."""
+    job_plan = plan if job_plan is None else job_plan
     all_stages = split_graph(graph, plan.boundaries)
     if not plan.on_mesh:
         check_uneven_boundaries(graph, plan, all_stages)
@@ -115,11 +124,12 @@ def place_stages(
     built_on_meta = on_meta(model)  # then the weights materialized here are partita's own
     metadata = _put_on_device(model, graph, plan, topology, compute, init_from, all_stages, stages)
     check_sharding(plan, all_stages)
-    tensor_parallel = start_tensor_parallel(graph, topology, all_stages, stages, release_whole=built_on_meta)
-    runners = sharded_runners(plan, stages, topology, compute)  # FSDP2 makes new (DTensor) parameters
+    tensor_parallel = start_tensor_parallel(graph, topology, all_stages, stages, job_plan, release_whole=built_on_meta)
+    runners = sharded_runners(job_plan, stages, topology, compute)  # FSDP2 makes new (DTensor) parameters
     return StageSet(
         model=model,
         plan=plan,
+        job_plan=job_plan,
         topology=topology,
         all_stages=all_stages,
         stages=stages,

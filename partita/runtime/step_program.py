@@ -40,7 +40,8 @@ class StepProgram:
     """``graph`` split into the plan's stages (``all_stages``), this rank's ``stages``, their
     ``loss_scaling`` (over ``accumulation_steps`` pipeline rounds per step), ``index_uses``
     (the inputs read as ids or labels, checked every step) and, with tensor parallelism, the
-    stages' layouts (this rank's stages rewritten to run on its group)."""
+    stages' layouts (this rank's stages rewritten to run on its group). ``plan`` is this rank's
+    view of ``job_plan`` (``partita.runtime.tensor_parallel.local_plan``)."""
 
     def __init__(
         self,
@@ -53,8 +54,10 @@ class StepProgram:
         runners: dict[int, nn.Module] | None = None,
         compute: Compute = FP32,
         tensor_parallel: TensorParallel | None = None,
+        job_plan: Plan | None = None,
     ):
         self.graph, self.plan, self.topology, self.all_stages = graph, plan, topology, all_stages
+        self.job_plan = plan if job_plan is None else job_plan  # every rank's (``plan``: this rank's view)
         if compute.low is not None:
             drop_dtype_assertions(all_stages)
         group = topology.rank_group
@@ -109,6 +112,8 @@ class StepProgram:
                 group=top.world_group,
                 compute=self.compute,
                 runner=self.runners.get(stage.spec.index),
+                job_plan=self.job_plan,
+                tp_index=top.tp_index,
             )
             return
         recompute = [plan.stages[s.spec.index].recompute for s in self.stages]

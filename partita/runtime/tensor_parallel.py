@@ -1,13 +1,14 @@
 """Tensor parallelism at run time: split the stages' weights over a group, rewrite their graphs.
 
-A plan of degree ``t`` (``Plan.tensor_parallel``) runs every stage replica on a group of ``t``
-ranks of one node (``StagePlan.ranks[j*t:(j+1)*t]`` for replica ``j``). The ranks with the same
-index ``i`` in their groups form a plan of their own (``local_plan``: ranks ``[i::t]``), which
-trains exactly as a plan without tensor parallelism -- pipelines, replicas, sharding, loss
+Stage ``k`` of degree ``t_k`` (``StagePlan.tensor_parallel``) runs every replica on a group of
+``t_k`` consecutive ranks of one node (``StagePlan.replica_ranks``). The ranks with index ``i`` in
+their groups see a plan of their own (``local_plan``: each stage's ranks of index ``i mod t_k``),
+which trains as a plan without tensor parallelism -- pipelines, replicas, sharding, loss
 scaling -- and the groups meet only inside the stages:
 
-* ``stage_analyses`` finds the layout of every stage's graph (``partita.capturing.tensor_parallel``);
-  a weight several stages read (tied embeddings) is split only where all of them split it alike;
+* ``stage_analyses`` finds the layout of every stage's graph at its degree
+  (``partita.capturing.tensor_parallel``); a weight several stages read (tied embeddings) is split
+  only where all of them split it alike, at one degree;
 * ``shard_parameters`` gives each stage this rank's part of every split weight (a new Parameter,
   before the optimizer and FSDP2 see it);
 * ``rewrite_stage`` (after the loss rewriting of loss_scaling.py) inserts the collectives of
@@ -16,10 +17,14 @@ scaling -- and the groups meet only inside the stages:
 Explicit collectives, not DTensor: the stage graphs stay plain tensors, so FSDP2, the
 pipelines, recomputation and bf16 autocast work on them unchanged, and a fused QKV projection
 (one weight holding query, key and value) splits by heads, which no DTensor placement expresses.
-Boundary tensors between stages are whole (replicated in the group): every rank of a group
-sends its copy along its own pipeline.
+Boundary tensors between stages are whole (replicated in the group), and so are their gradients:
+each rank of a group sends its copy along its own pipeline. Where the stages on both sides of a
+boundary have different degrees (stages on device types of their own, a mixed cluster's plan;
+partita's executor runs them), the receiving rank of index ``i`` takes the tensor from the sending
+rank of index ``i mod t_k`` and sends its gradient back to the sending ranks of the indices ``j``
+with ``j mod t_{k+1} = i`` (``partita.runtime.uneven``).
 
-Sequence parallelism (``Plan.sequence_parallel``; ``partita.capturing.sequence_parallel``) also
+Sequence parallelism (``StagePlan.sequence_parallel``; ``partita.capturing.sequence_parallel``) also
 splits the regions between them by token: row-parallel outputs are reduce-scattered, the inputs of
 column-parallel matmuls all-gathered, and a stage takes its part of a received value the whole
 graph splits, and gathers whole what it sends. Checkpoints and ``gather_state_dict`` hold whole tensors
@@ -53,7 +58,9 @@ __all__ = [
     "local_plan",
     "rewrite_stage",
     "shard_parameters",
+    "spanning_degrees",
     "stage_analyses",
+    "stage_degrees",
 ]
 
 aten = torch.ops.aten
@@ -63,14 +70,15 @@ _GROUPS: dict[int, dist.ProcessGroup] = {}  # key (an int in the FX graphs) -> g
 @dataclass(frozen=True, eq=False)
 class TensorParallel:
     """This rank's tensor-parallel group: ``degree`` ranks, this one ``index``-th; ``analyses``:
-    stage index -> the layout of that stage's graph (with its ``sequence`` analysis when
-    ``sequence_parallel``)."""
+    stage index -> the layout of that stage's graph, for every stage of a degree above 1 (each at
+    its own, ``degrees``; with its ``sequence`` analysis when ``sequence_parallel``)."""
 
     degree: int
     index: int
     group: dist.ProcessGroup | None
     analyses: Mapping[int, TensorParallelAnalysis]
     sequence_parallel: bool = False
+    degrees: Mapping[int, int] | None = None  # stage index -> its degree; None: ``degree`` for every stage
 
     @property
     def key(self) -> int:
@@ -78,16 +86,32 @@ class TensorParallel:
         return id(self.group)
 
     def shards(self) -> dict[str, ParamShard]:
-        """Canonical name -> how it is split, over every stage."""
-        return {name: s for a in self.analyses.values() for name, s in a.layout.params.items()}
+        """Canonical name -> how it is split, over every stage of this rank's degree (a weight read by
+        stages of different degrees is whole in all of them)."""
+        return {
+            name: s
+            for k, a in self.analyses.items()
+            if self.degree_of(k) == self.degree
+            for name, s in a.layout.params.items()
+        }
+
+    def degree_of(self, stage: int) -> int:
+        return self.degree if self.degrees is None else self.degrees[stage]
 
 
 def local_plan(plan: Plan, index: int) -> Plan:
-    """The plan the ranks of tensor-parallel index ``index`` run: each stage's ranks ``[index::t]``,
-    degree 1."""
-    t = plan.tensor_parallel
+    """The plan the ranks of tensor-parallel index ``index`` see: each stage's ranks of index
+    ``index mod`` its degree, degree 1. With one degree for every stage these views partition the
+    ranks; where degrees differ, a rank of index 1 in a group of 2 sees a stage of degree 1 whole,
+    as index 0 does (``partita.runtime.uneven`` sends such a stage's tensors to both)."""
     stages = tuple(
-        dataclasses.replace(s, ranks=s.ranks[index::t], tensor_parallel=1, sequence_parallel=False) for s in plan.stages
+        dataclasses.replace(
+            s,
+            ranks=s.ranks[index % s.tensor_parallel :: s.tensor_parallel],
+            tensor_parallel=1,
+            sequence_parallel=False,
+        )
+        for s in plan.stages
     )
     return dataclasses.replace(plan, stages=stages)
 
@@ -96,28 +120,35 @@ def local_plan(plan: Plan, index: int) -> Plan:
 
 
 def stage_analyses(
-    graph: OpGraph, stages: Sequence[StageModule], degree: int, sequence_parallel: bool = False
+    graph: OpGraph, stages: Sequence[StageModule], degree: int | Mapping[int, int], sequence_parallel: bool = False
 ) -> dict[int, TensorParallelAnalysis]:
-    """The layout of every stage's graph; a weight read by several stages is split only when every
-    one of them splits it the same way (their gradients are summed shard by shard). With
-    ``sequence_parallel`` each analysis has its ``sequence`` one, the received values that the
-    whole graph splits by token taken in part at the stage's start."""
+    """The layout of every stage's graph at its degree (``degree``: one for all, or stage index ->
+    degree; stages of degree 1 are not analysed, their weights stay whole); a weight read by
+    several stages is split only when every one of them splits it the same way at the same degree
+    (their gradients are summed shard by shard). With ``sequence_parallel`` each analysis has its
+    ``sequence`` one, the received values that the whole graph splits by token taken in part at
+    the stage's start."""
+    degrees = {s.spec.index: degree if isinstance(degree, int) else degree[s.spec.index] for s in stages}
+    split = [s for s in stages if degrees[s.spec.index] > 1]
     whole: set[str] = set()
     while True:
-        found = {s.spec.index: _analyze_stage(graph, s, degree, whole) for s in stages}
+        found = {s.spec.index: _analyze_stage(graph, s, degrees[s.spec.index], whole) for s in split}
         ways: dict[str, set] = {}
         for stage in stages:
-            layout = found[stage.spec.index].layout
+            k = stage.spec.index
+            layout = found[k].layout if k in found else None
             for name in stage.spec.param_names:
-                ways.setdefault(name, set()).add(layout.params.get(name))
+                shard = layout.params.get(name) if layout is not None else None
+                ways.setdefault(name, set()).add(None if shard is None else (degrees[k], shard))
         disagree = {name for name, w in ways.items() if len(w) > 1} - whole
         if not disagree:
             break
         whole |= disagree
     if sequence_parallel:
-        splits = whole_graph_splits(graph, degree)
-        for stage in stages:
-            found[stage.spec.index].sequence = _sequence_of_stage(stage, found[stage.spec.index], splits)
+        splits = {t: whole_graph_splits(graph, t) for t in sorted({degrees[s.spec.index] for s in split})}
+        for stage in split:
+            k = stage.spec.index
+            found[k].sequence = _sequence_of_stage(stage, found[k], splits[degrees[k]])
     return found
 
 
@@ -438,27 +469,41 @@ def start_tensor_parallel(
     topology: Any,
     all_stages: Sequence[StageModule],
     own: Sequence[StageModule],
+    job: Plan,
     *,
     release_whole: bool = False,
 ) -> TensorParallel | None:
-    """This rank's TensorParallel (None without tensor parallelism), with its stages' weights split
-    (``release_whole``: as ``shard_parameters`` takes it)."""
+    """This rank's TensorParallel (None when its stages have degree 1), with its stages' weights
+    split (``release_whole``: as ``shard_parameters`` takes it); ``job``: the whole plan (every
+    stage's degree)."""
     if topology.tensor_parallel == 1:
         return None
     degree, sequence = topology.tensor_parallel, topology.sequence_parallel
+    degrees = stage_degrees(job)
     tp = TensorParallel(
-        degree, topology.tp_index, topology.tp_group, stage_analyses(graph, all_stages, degree, sequence), sequence
+        degree,
+        topology.tp_index,
+        topology.tp_group,
+        stage_analyses(graph, all_stages, degrees, sequence),
+        sequence,
+        degrees,
     )
     shard_parameters(own, tp, release_whole=release_whole)
     return tp
 
 
+def stage_degrees(plan: Plan) -> dict[int, int]:
+    """Stage index -> its tensor-parallel degree."""
+    return {s.index: s.tensor_parallel for s in plan.stages}
+
+
 def program_layouts(tp: TensorParallel, graph: OpGraph, all_stages: Sequence[StageModule]) -> TensorParallel:
     """The TensorParallel of a program's stages (the planned graph after its loss rewriting, or a
     variant captured at other shapes), which must split the weights as the planned stages do."""
-    found = stage_analyses(graph, all_stages, tp.degree, tp.sequence_parallel)
+    degrees = tp.degrees if tp.degrees is not None else tp.degree
+    found = stage_analyses(graph, all_stages, degrees, tp.sequence_parallel)
     ours = tp.shards()
-    theirs = {name: s for a in found.values() for name, s in a.layout.params.items()}
+    theirs = dataclasses.replace(tp, analyses=found).shards()
     if theirs != ours:
         differ = sorted(set(ours.items()) ^ set(theirs.items()))[:3]
         raise InputError(
@@ -469,11 +514,29 @@ def program_layouts(tp: TensorParallel, graph: OpGraph, all_stages: Sequence[Sta
     return dataclasses.replace(tp, analyses=found)
 
 
-def holder_sets(full: Plan, holders_of: Any, stages: Sequence[StageModule]) -> list[tuple[int, ...]]:
-    """The sets of ranks that sum a gradient, over every tensor-parallel index, in one order."""
-    sets: set[tuple[int, ...]] = set()
+def spanning_degrees(full: Plan, stages: Sequence[StageModule]) -> dict[str, tuple[int, ...]]:
+    """The weights read by stages of different degrees (whole in all of them: ``stage_analyses``),
+    each with every rank holding it. Each replica's gradient is on all ranks of its group alike, so
+    the sum over holders takes it from the ranks of index 0 only (``GradientSync``)."""
+    degrees: dict[str, set[int]] = {}
+    ranks: dict[str, set[int]] = {}
+    for stage in stages:
+        planned = full.stages[stage.spec.index]
+        for name in stage.spec.param_names:
+            degrees.setdefault(name, set()).add(planned.tensor_parallel)
+            ranks.setdefault(name, set()).update(planned.ranks)
+    return {name: tuple(sorted(ranks[name])) for name, d in degrees.items() if len(d) > 1}
+
+
+def holder_sets(
+    full: Plan, holders_of: Any, stages: Sequence[StageModule], spanning: Mapping[str, tuple[int, ...]]
+) -> list[tuple[int, ...]]:
+    """The sets of ranks that sum a gradient, over every tensor-parallel index, in one order: each
+    index's holders of a weight (``local_plan``), and all holders of a weight of ``spanning``."""
+    sets: set[tuple[int, ...]] = {h for h in spanning.values() if len(h) > 1}
     for i in range(full.tensor_parallel):
-        sets |= {tuple(h) for h in holders_of(local_plan(full, i), stages).values() if len(h) > 1}
+        held = holders_of(local_plan(full, i), stages)
+        sets |= {tuple(h) for name, h in held.items() if len(h) > 1 and name not in spanning}
     return sorted(sets)
 
 
@@ -481,13 +544,16 @@ def tensor_parallel_sync(
     full: Plan, tp: TensorParallel | None, all_stages: Sequence[StageModule], holders_of: Any
 ) -> dict[str, Any]:
     """GradientSync's tensor-parallel arguments: every index's holder sets (all ranks create the
-    same groups), the split parameters and the group (their squares add up over it in the norm)."""
-    if tp is None:
+    same groups, whatever their own degree), the weights whose holders span degrees, this rank's
+    index and its split parameters (each index's part counts in the norm)."""
+    if full.tensor_parallel == 1:
         return {}
+    spanning = spanning_degrees(full, all_stages)
     return {
-        "group_sets": holder_sets(full, holders_of, all_stages),
-        "tp_split": set(tp.shards()),
-        "tp_group": tp.group,
+        "group_sets": holder_sets(full, holders_of, all_stages, spanning),
+        "spanning": spanning,
+        "tp_index": 0 if tp is None else tp.index,
+        "tp_split": set() if tp is None else set(tp.shards()),
     }
 
 

@@ -70,10 +70,12 @@ sharded over its replicas runs as an FSDP2 module, ZeRO-2-like or ZeRO-3 (shardi
 exact in the same sense as above: fp32 sharding equals unsplit training up to summation order,
 bf16 equals the unsplit model under the same autocast policy up to bf16 rounding.
 
-Tensor parallelism (``Plan.tensor_parallel = t``): each replica of a stage is a group of ``t``
+Tensor parallelism (``StagePlan.tensor_parallel = t``): each replica of a stage is a group of ``t``
 ranks that split its matmuls, embedding and LM head + loss (tensor_parallel.py); the ranks of one
 index in their groups run ``local_plan`` (``trainer.local_plan``; ``trainer.plan`` is the whole
-one) and meet only inside the stages. Exact as above: loss and parameters equal unsplit training.
+one) and meet only inside the stages. Stages of a mixed cluster's plan may have degrees of their
+own (partita's executor routes their boundaries). Exact as above: loss and parameters equal
+unsplit training.
 
 Gradient accumulation (``accumulation_steps=K``): a step takes ``K * plan.global_batch_size``
 samples, runs K pipeline rounds of ``plan.global_batch_size`` each, gradients accumulating, and
@@ -217,7 +219,7 @@ class Trainer:
         self.local_plan = local_plan(plan, self.topology.tp_index) if plan.tensor_parallel > 1 else plan
         self.compute = Compute(plan.precision, self.topology.device.type)  # fp32, or bf16 autocast (precision.py)
         self._stages: StageSet = place_stages(
-            model, self.graph, self.local_plan, self.topology, self.compute, init_from
+            model, self.graph, self.local_plan, self.topology, self.compute, init_from, job_plan=plan
         )
         self.optimizer = make_optimizer(optimizer, self._stages)
         self.lr_scheduler = make_scheduler(lr_scheduler, self.optimizer)
@@ -328,7 +330,7 @@ class Trainer:
         with torch.no_grad(), rng_and_buffers_restored(program.stages, self.topology.device), gathered(runners):
             losses = self._run_rounds(program, flat, forward_only=True)
         local = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
-        if losses:  # this rank runs the last stage
+        if losses and self.topology.tp_index == 0:  # this rank runs the last stage (once per replica)
             local[0] = program.loss_scaling.reported_loss(losses)
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.topology.world_group)
         return float(local.item())
@@ -473,7 +475,7 @@ class Trainer:
         same answer on every rank."""
         top = self.topology
         local = torch.zeros(2, dtype=torch.float32, device=top.device)  # (loss part, non-finite count)
-        if losses:  # this rank runs the last stage
+        if losses and top.tp_index == 0:  # this rank runs the last stage (once per replica)
             local[0] = program.loss_scaling.reported_loss(losses)
         grads = [local_tensor(p.grad) for p in self.params.values() if p.grad is not None]
         local[1] = count_nonfinite(losses, top.device) + count_nonfinite(grads, top.device)
@@ -486,7 +488,7 @@ class Trainer:
         step as taken without an update (``on_nonfinite="skip"``). The optimizer never steps here."""
         top, step = self.topology, self.num_steps + 1
         local = gradient_findings(self.params, self._stages.stages_of(), top.rank)
-        if losses:
+        if losses and top.tp_index == 0:  # once per replica of the last stage
             last = self.local_plan.num_stages - 1
             samples = [self._loss_samples(i) for i in range(len(losses))]
             local = loss_findings(losses, stage_index=last, replica=top.replica, rank=top.rank, samples=samples) + local

@@ -60,6 +60,12 @@ two ranks, messages go in micro-batch order, the tensors of one message in outpu
 both sides alike (NCCL ignores tags; gloo matches them). Sends are waited one exchange later
 (``_SendWindow``), so at most two actions' sent tensors are held for the wire.
 
+Tensor parallelism: every rank of a replica's group runs the stage on its index's view of the
+plan (``tensor_parallel.local_plan``) and holds the boundary tensors whole. Where the stages on both
+sides have different degrees (a mixed cluster's stages on device types of their own), a sending
+rank serves every receiving rank whose index maps to its own (``send_peers``), and likewise for
+the gradients going back.
+
 Receive buffers get their shapes from ``stage_metadata`` run on this replica's own slice size
 ``n_kj`` (the Trainer runs it on the first ``n_kj`` samples, or on meta tensors of that size):
 what stage ``k`` receives and sends at ``n_kj`` samples; a piece from or to a peer has the batch
@@ -95,6 +101,7 @@ __all__ = [
     "boundary_layouts",
     "check_uneven_boundaries",
     "replica_slice",
+    "send_peers",
     "transfers",
 ]
 
@@ -230,16 +237,27 @@ class _Side:
     """One boundary of this replica's stage, seen from this replica."""
 
     transfers: tuple[Transfer, ...]  # those with this replica, in the peers' sample order
-    peers: tuple[int, ...]  # the rank at the other end of each transfer
+    peers: tuple[int, ...]  # the rank at the other end of each transfer that this rank receives from
+    send_peers: tuple[tuple[int, ...], ...]  # per transfer, the ranks this rank sends to (``send_peers``)
     layouts: tuple[Layout, ...]  # per boundary tensor
     dims: tuple[int | None, ...]  # per boundary tensor: its batch dim
 
 
 def _side(
-    graph: OpGraph, plan: Plan, sender_index: int, names: Sequence[str], replica: int, *, receiving: bool
+    graph: OpGraph,
+    plan: Plan,
+    sender_index: int,
+    names: Sequence[str],
+    replica: int,
+    *,
+    receiving: bool,
+    job: Plan | None = None,
+    tp_index: int = 0,
 ) -> _Side:
     """The boundary between stages ``sender_index`` and ``sender_index + 1``, for ``replica`` of
-    the receiving (``receiving``) or the sending stage."""
+    the receiving (``receiving``) or the sending stage. ``plan`` is this rank's view
+    (``tensor_parallel.local_plan``) of ``job`` (default: ``plan`` itself), where it has index
+    ``tp_index`` in its replica's group."""
     sender, receiver = plan.stages[sender_index], plan.stages[sender_index + 1]
     shares = all_shares(plan)
     sent, received = shares[sender_index], shares[sender_index + 1]
@@ -249,9 +267,29 @@ def _side(
     return _Side(
         tuple(mine),
         tuple(peers),
+        send_peers(job or plan, sender_index, mine, tp_index, forward=not receiving),
         boundary_layouts(graph, names, sender_index, sent, received),
         tuple(infos[name].batch_dim for name in names),
     )
+
+
+def send_peers(
+    job: Plan, sender_index: int, mine: Sequence[Transfer], tp_index: int, *, forward: bool
+) -> tuple[tuple[int, ...], ...]:
+    """Per transfer of ``mine``, the ranks that this rank (index ``tp_index`` in its replica's
+    tensor-parallel group) sends to across the boundary after stage ``sender_index``: forward, the
+    receiving replica's ranks of the indices ``i`` with ``i mod t_send = tp_index``; backward, the
+    sending replica's ranks of the indices ``j`` with ``j mod t_recv = tp_index`` (the receiving
+    rank of index ``i`` takes its input from the sender of index ``i mod t_send``, and the sending
+    rank of index ``j`` its gradient from the receiver of index ``j mod t_recv``: the boundary
+    tensors and their gradients are whole on every rank of a group). One rank each at equal degrees."""
+    sender, receiver = job.stages[sender_index], job.stages[sender_index + 1]
+    t_send, t_recv = sender.tensor_parallel, receiver.tensor_parallel
+    if forward:
+        return tuple(
+            tuple(r for i, r in enumerate(receiver.replica_ranks(t.receiver)) if i % t_send == tp_index) for t in mine
+        )
+    return tuple(tuple(r for j, r in enumerate(sender.replica_ranks(t.sender)) if j % t_recv == tp_index) for t in mine)
 
 
 # ----------------------------------------------------------------------------- executor
@@ -268,7 +306,9 @@ class _InFlight:
 class UnevenExecutor:
     """Runs this rank's one stage of an uneven plan over the micro-batches of a step.
 
-    ``metadata`` describes the stage at this replica's own slice size ``n_kj`` (``stage_metadata``
+    ``plan`` is this rank's view (``tensor_parallel.local_plan``) of ``job_plan`` (default: ``plan``),
+    where it has index ``tp_index`` in its replica's tensor-parallel group: the view says whom it
+    receives from, the job whom it sends to (``send_peers``). ``metadata`` describes the stage at this replica's own slice size ``n_kj`` (``stage_metadata``
     run on ``n_kj`` samples): the shapes of what it receives and sends, batch dims included.
     """
 
@@ -283,6 +323,8 @@ class UnevenExecutor:
         group: dist.ProcessGroup | None = None,
         compute: Compute = FP32,
         runner: nn.Module | None = None,
+        job_plan: Plan | None = None,
+        tp_index: int = 0,
     ):
         spec, k = stage.spec, stage.spec.index
         self.graph, self.stage, self.metadata, self.device = graph, stage, metadata, device
@@ -294,8 +336,11 @@ class UnevenExecutor:
         self.sharded = runner is not None
         self.order = rank_orders(plan.schedule, plan.num_microbatches, plan.num_rank_groups, plan.num_stages)[k]
         self.last_backward = next((a for a in reversed(self.order) if a.kind == BACKWARD), None)
-        self.inbound = _side(graph, plan, k - 1, spec.input_names, replica, receiving=True) if k > 0 else None
-        self.outbound = None if spec.is_last else _side(graph, plan, k, spec.output_names, replica, receiving=False)
+        view = dict(job=job_plan, tp_index=tp_index)
+        self.inbound = _side(graph, plan, k - 1, spec.input_names, replica, receiving=True, **view) if k > 0 else None
+        self.outbound = (
+            None if spec.is_last else _side(graph, plan, k, spec.output_names, replica, receiving=False, **view)
+        )
 
     def step(self, flat: Sequence[Any], *, forward_only: bool = False) -> list[torch.Tensor]:
         """Forward and backward of every micro-batch in the schedule's order, ``flat`` being the
@@ -444,17 +489,14 @@ def _sends(
     """isend ops of this replica's ``tensors`` (outputs forward, input gradients backward), cut
     per transfer; None entries (no gradient) are not sent."""
     ops = []
-    for t, peer in zip(side.transfers, side.peers):
+    for t, peers in zip(side.transfers, side.send_peers):
         offset = t.sender_offset if kind == FORWARD else t.receiver_offset
         for p, (x, layout, dim) in enumerate(zip(tensors, side.layouts, side.dims)):
             if x is None or (layout is Layout.WHOLE and not t.carries_whole):
                 continue
-            piece = x.narrow(dim, offset, t.num_samples) if layout is Layout.SLICED else x
-            ops.append(
-                dist.P2POp(
-                    dist.isend, piece.contiguous(), peer, group=group, tag=_tag(microbatch, p, len(tensors), kind)
-                )
-            )
+            piece = (x.narrow(dim, offset, t.num_samples) if layout is Layout.SLICED else x).contiguous()
+            tag = _tag(microbatch, p, len(tensors), kind)
+            ops.extend(dist.P2POp(dist.isend, piece, peer, group=group, tag=tag) for peer in peers)
     return ops
 
 

@@ -145,13 +145,20 @@ class Plan:
 
     @property
     def tensor_parallel(self) -> int:
-        """The tensor-parallel degree, the same for every stage (1: none)."""
-        return self.stages[0].tensor_parallel
+        """The largest tensor-parallel degree of its stages (1: none). Stages of a plan for a mixed
+        cluster may have their own (``uniform_tensor_parallel``), each its device type's."""
+        return max(s.tensor_parallel for s in self.stages)
+
+    @property
+    def uniform_tensor_parallel(self) -> bool:
+        """Whether every stage has the same tensor-parallel degree (else partita's executor runs it)."""
+        return len({s.tensor_parallel for s in self.stages}) == 1
 
     @property
     def sequence_parallel(self) -> bool:
-        """Whether the tensor-parallel groups also split tokens (the same for every stage)."""
-        return self.stages[0].sequence_parallel
+        """Whether the tensor-parallel groups also split tokens (the same for every stage of a degree
+        above 1; stages of degree 1 have none)."""
+        return any(s.sequence_parallel for s in self.stages)
 
     @property
     def num_rank_groups(self) -> int:
@@ -169,13 +176,13 @@ class Plan:
 
     @property
     def on_mesh(self) -> bool:
-        """Whether torch's pipelining runs it on a pp x dp (x tp) mesh: uniform replicas, rank group
-        ``g`` on ranks ``[g*dp*t, (g+1)*dp*t)``. A uniform GPipe or 1F1B plan of one stage per rank
+        """Whether torch's pipelining runs it on a pp x dp (x tp) mesh: uniform replicas of one
+        tensor-parallel degree, rank group ``g`` on ranks ``[g*dp*t, (g+1)*dp*t)``. A uniform GPipe or 1F1B plan of one stage per rank
         group whose stages sit on other ranks (on a mixed cluster the second device group's stage
         may come first) runs on partita's own executor, as uneven plans do (``partita.runtime.uneven``),
         with or without tensor parallelism; other schedules and several stages per rank group run on
         a mesh only (``partita.runtime.layout.check_layout`` refuses them elsewhere)."""
-        if not self.uniform_replicas:
+        if not self.uniform_replicas or not self.uniform_tensor_parallel:
             return False
         if self.schedule not in UNEVEN_SCHEDULES or self.num_rank_groups != self.num_stages:
             return True

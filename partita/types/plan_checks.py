@@ -71,30 +71,26 @@ def _check_rank_groups(plan: Plan, source: str) -> None:
 
 
 def _check_tensor_parallel(plan: Plan, source: str) -> None:
-    """One degree for the whole plan (the runtime pipelines each tensor-parallel index on its own),
-    and every replica's group a block of consecutive ranks that starts at a multiple of the degree
-    and lies in one node (its all-reduces run on the intra-node link)."""
-    t = plan.stages[0].tensor_parallel
+    """Each stage's degree its own (a mixed cluster's stages take their device type's), sequence
+    parallelism the same for every stage of a degree above 1 (off at degree 1: plan_file), and every
+    replica's group a block of consecutive ranks in one node (its all-reduces run on the
+    intra-node link)."""
+    split = [s.sequence_parallel for s in plan.stages if s.tensor_parallel > 1]
     for k, s in enumerate(plan.stages):
-        if s.sequence_parallel != plan.stages[0].sequence_parallel:
+        t = s.tensor_parallel
+        if t > 1 and s.sequence_parallel != split[0]:
             raise PlanFileError(
-                f"{source}: stages[{k}].sequence_parallel differs from stages[0]'s: sequence parallelism is on or "
-                "off for the whole plan"
-            )
-        if s.tensor_parallel != t:
-            raise PlanFileError(
-                f"{source}: stages[{k}].tensor_parallel is {s.tensor_parallel} but stages[0]'s is {t}: every stage "
-                "of a plan has the same tensor-parallel degree"
+                f"{source}: stages[{k}].sequence_parallel differs from the other tensor-parallel stages': "
+                "sequence parallelism is on or off for every stage of a degree above 1"
             )
         for j in range(s.num_replicas):
             block = s.replica_ranks(j)
-            aligned = block[0] % t == 0 and block == tuple(range(block[0], block[0] + t))
+            consecutive = block == tuple(range(block[0], block[0] + t))
             nodes = {_node_of(plan.cluster, r) for r in block}
-            if not aligned or len(nodes) > 1:
+            if not consecutive or len(nodes) > 1:
                 raise PlanFileError(
                     f"{source}: stages[{k}] replica {j} runs on ranks {list(block)}, which is not a tensor-parallel "
-                    f"group of {t}: each replica's ranks are {t} consecutive ranks starting at a multiple of {t}, "
-                    "in one node"
+                    f"group of {t}: each replica's ranks are {t} consecutive ranks in one node"
                 )
 
 
@@ -136,7 +132,8 @@ def _recorded_and_executed(plan: Plan) -> list[tuple[str, Any, Any]]:
     def add(field: str, recorded: Any, executed: Any) -> None:
         found.append((field, recorded, executed))
 
-    add("tensor_parallel", options.get("tensor_parallel"), plan.tensor_parallel)
+    degrees = plan.tensor_parallel if plan.uniform_tensor_parallel else [s.tensor_parallel for s in stages]
+    add("tensor_parallel", options.get("tensor_parallel"), degrees)
     add("precision", options.get("precision"), plan.precision.value)
     add("num_microbatches", options.get("num_microbatches"), plan.num_microbatches)
     add("num_stages", options.get("num_stages"), plan.num_rank_groups)

@@ -14,7 +14,9 @@ one stage take unequal sample shares (replicas of unequal speed): in the first s
 sample, BERT's ignored labels, GatedNet under a mean squared error, and a stage sharded by FSDP2), on
 5 ranks with shares on both sides of the cut, and with the first stage on the second device group.
 Replicas that are tensor-parallel groups of 2 ranks train the same way on partita's executor (4 and 6
-ranks: TENSOR_PARALLEL, TENSOR_PARALLEL_WIDE).
+ranks: TENSOR_PARALLEL, TENSOR_PARALLEL_WIDE), and so do stages of different degrees on 4 ranks (a
+TP-2 stage beside two replicas of degree 1, either way round, GPT-2's tied embedding read at both
+degrees).
 """
 
 from __future__ import annotations
@@ -184,6 +186,35 @@ TENSOR_PARALLEL = [
         groups=[("h100", 2), ("a100-40gb", 2)],
         max_grad_norm=0.5,
         models=["gpt2-padded"],
+    ),
+]
+# stages of different tensor-parallel degrees (each device type its own, issue 30): a TP-2 group of H100s
+# then two A100 replicas without tensor parallelism (GPT-2's tied embedding read at degrees 2 and 1:
+# whole in both, its gradient summed over all holders), resumed under a plan without tensor parallelism;
+# and the other way round, the two replicas with unequal shares and the TP-2 stage sequence-parallel
+TENSOR_PARALLEL += [
+    dict(
+        label="1f1b-1x2-tp2-then-tp1",
+        schedule="1f1b",
+        replicas=(1, 2),
+        num_microbatches=2,
+        tensor_parallel=(2, 1),
+        groups=[("h100", 2), ("a100-40gb", 2)],
+        max_grad_norm=0.5,
+        models=["gpt2", "llama"],
+        resume=dict(schedule="gpipe", replicas=(2, 2), num_microbatches=2),
+    ),
+    dict(
+        label="gpipe-2x1-tp1-shares-then-tp2-sp",
+        schedule="gpipe",
+        replicas=(2, 1),
+        num_microbatches=2,
+        tensor_parallel=(1, 2),
+        sequence_parallel=True,
+        replica_samples=[(3, 1), None],
+        groups=[("a100-40gb", 2), ("h100", 2)],
+        max_grad_norm=0.5,
+        models=["gpt2-padded", "llama"],
     ),
 ]
 # 6 ranks: stages of different replica counts of TP-2 groups (2 then 1; GPT-2's tied embedding in both),

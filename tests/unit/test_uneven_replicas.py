@@ -377,3 +377,105 @@ def test_the_trainer_refuses_shares_that_do_not_make_the_microbatch_before_any_w
     with pytest.raises(InputError, match=r"stage 0 gives its 2 replicas the shares \[3, 3\] of a micro-batch of 4"):
         partita.Trainer(ex.model, edited, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     assert not torch.distributed.is_initialized()
+
+
+# ----------------------------------------------------------------------------- stages of different tensor-parallel degrees
+
+
+@pytest.mark.parametrize("degrees", [(2, 1), (1, 2), (2, 4), (4, 2), (2, 2)])
+def test_every_rank_across_a_boundary_of_two_degrees_gets_each_message_once(gpt2_graph, degrees):
+    """Stages of different degrees (a mixed cluster's types): what each rank receives (its view of the
+    plan, ``local_plan``) is exactly what the ranks on the other side send it (``send_peers``),
+    forward and backward, and every rank of both sides takes part."""
+    from partita.runtime.tensor_parallel import local_plan
+    from partita.runtime.uneven import send_peers
+
+    plan = manual_plan(
+        gpt2_graph,
+        [0, 80, gpt2_graph.num_nodes],
+        schedule="1f1b",
+        num_rank_groups=2,
+        replicas=(2, 1),
+        num_microbatches=2,
+        global_batch_size=8,
+        tensor_parallel=degrees,
+    )
+    assert [s.tensor_parallel for s in plan.stages] == list(degrees) and not plan.on_mesh
+    check_layout(plan)
+    sender, receiver = plan.stages
+    shares = [stage_shares(s, 4) for s in plan.stages]
+    pairs = transfers(*shares)
+    sent = {"forward": set(), "backward": set()}
+    received = {"forward": set(), "backward": set()}
+    for stage, forward in ((sender, True), (receiver, False)):
+        for position, rank in enumerate(stage.ranks):
+            index, replica = position % stage.tensor_parallel, position // stage.tensor_parallel
+            view = local_plan(plan, index)
+            mine = [t for t in pairs if (t.sender if forward else t.receiver) == replica]
+            for t, peers in zip(mine, send_peers(plan, 0, mine, index, forward=forward)):
+                sent["forward" if forward else "backward"].update((rank, peer, t) for peer in peers)
+            other = view.stages[1 if forward else 0]  # whom this rank receives from: its view says
+            for t in mine:
+                source = other.ranks[t.receiver if forward else t.sender]
+                received["backward" if forward else "forward"].add((source, rank, t))
+    assert sent == received
+    every = set(sender.ranks) | set(receiver.ranks)
+    assert {r for _, r, _ in received["forward"]} == set(receiver.ranks)
+    assert {r for _, r, _ in received["backward"]} == set(sender.ranks)
+    assert {r for r, _, _ in sent["forward"]} | {r for r, _, _ in sent["backward"]} <= every
+
+
+def test_manual_plans_take_a_degree_per_rank_group_under_gpipe_and_1f1b_only(gpt2_graph):
+    plan = manual_plan(
+        gpt2_graph,
+        [0, 80, gpt2_graph.num_nodes],
+        schedule="gpipe",
+        num_rank_groups=2,
+        replicas=(1, 2),
+        num_microbatches=2,
+        global_batch_size=8,
+        tensor_parallel=(2, 1),
+        sequence_parallel=True,
+    )
+    assert [s.ranks for s in plan.stages] == [(0, 1), (2, 3)]
+    assert [(s.tensor_parallel, s.sequence_parallel) for s in plan.stages] == [(2, True), (1, False)]
+    assert plan.tensor_parallel == 2 and plan.sequence_parallel and not plan.uniform_tensor_parallel
+    assert plan.options["tensor_parallel"] == [2, 1]
+    assert plan_from_json(plan.to_json()) == plan
+    common = dict(num_rank_groups=2, replicas=1, num_microbatches=2, global_batch_size=8)
+    with pytest.raises(InputError, match=r"tensor_parallel=\[2, 1, 1\] has 3 entries for 2 rank groups"):
+        manual_plan(gpt2_graph, [0, 80, gpt2_graph.num_nodes], schedule="1f1b", tensor_parallel=(2, 1, 1), **common)
+    with pytest.raises(InputError, match=r"differs between rank groups, which runs under schedule gpipe or 1f1b"):
+        manual_plan(
+            gpt2_graph,
+            [0, 40, 80, 120, gpt2_graph.num_nodes],
+            schedule="interleaved1f1b",
+            tensor_parallel=(2, 1),
+            **common,
+        )
+    nodes = partita.Cluster(device="cpu", num_devices=4, devices_per_node=2)
+    with pytest.raises(InputError, match=r"ranks \[1, 2\] does not lie in one node"):
+        manual_plan(
+            gpt2_graph, [0, 80, gpt2_graph.num_nodes], schedule="1f1b", tensor_parallel=(1, 2), cluster=nodes, **common
+        )
+
+
+def test_plan_files_refuse_sequence_parallelism_at_degree_1(gpt2_graph):
+    from partita.errors import PlanFileError
+    from partita.types.plan_file import plan_to_dict
+
+    plan = manual_plan(
+        gpt2_graph,
+        [0, 80, gpt2_graph.num_nodes],
+        schedule="1f1b",
+        num_rank_groups=2,
+        replicas=(1, 2),
+        num_microbatches=2,
+        global_batch_size=8,
+        tensor_parallel=(2, 1),
+        sequence_parallel=True,
+    )
+    data = plan_to_dict(plan)
+    data["stages"][1]["sequence_parallel"] = True
+    with pytest.raises(PlanFileError, match=r"stages\[1\].sequence_parallel is true, but its tensor_parallel is 1"):
+        plan_from_json(__import__("json").dumps(data))
