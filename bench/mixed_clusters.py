@@ -11,6 +11,9 @@ Columns, each a simulated step on the same cluster and global batch:
                on device types, unequal sample shares between replicas of unequal speed, stages
                over both types, type blocks in either order of the groups, at every
                tensor-parallel degree that tiles both groups) and the two baselines
+  one degree   partita's plan with one tensor-parallel degree for every stage (the mixed search's
+               runs of one degree and both baselines): what giving each device type a degree of its
+               own (``per_type_degree_runs``, next to the best degree) adds is its step / partita's
   fastest      the best plan on the fastest type's devices alone (the other type idle)
   slowest      the best plan over every device taken as the slowest type (its memory and links)
   ideal        the mixed cluster's samples/s over the fastest type's alone if every device computed
@@ -100,6 +103,8 @@ def run_case(model: str, graph, cluster_name: str, groups, batch: int) -> dict:
     outcome = plan_mixed(graph, cluster=cluster, global_batch_size=batch, plan_one_type=plan_one_type, options=OPTIONS)
     total_s = time.perf_counter() - start
     (fast_name, fast), (slow_name, slow) = outcome.baselines.items()
+    one_degree = [best_mixed(r)[0] for r in outcome.runs.values() if r.degrees is None] + [fast, slow]
+    one_degree = min((p for p in one_degree if p is not None), key=lambda p: p.predicted_step_s, default=None)
     fastest = fast_name[fast_name.index("(") + 1 : -1]  # "fastest type only (h100)"
     precision = outcome.plan.precision.value
     n = homog_devices(cluster, fastest, precision)
@@ -114,6 +119,7 @@ def run_case(model: str, graph, cluster_name: str, groups, batch: int) -> dict:
         batch=batch,
         precision=precision,
         plan=outcome.plan,
+        one_degree=one_degree,
         fastest=fast,
         slowest=slow,
         homog=homog,
@@ -186,6 +192,10 @@ def layout(plan) -> str:
     return head + " " + " ".join(parts)
 
 
+def _ratio(slower, plan) -> str:
+    return "-" if slower is None or plan is None else f"{slower.predicted_step_s / plan.predicted_step_s:.3f}x"
+
+
 def speedup(plan, baselines) -> str:
     found = [b.predicted_step_s for b in baselines if b is not None]
     return "-" if plan is None or not found else f"{min(found) / plan.predicted_step_s:.2f}x"
@@ -193,15 +203,16 @@ def speedup(plan, baselines) -> str:
 
 def table(results: list[dict]) -> list[str]:
     lines = [
-        "| model | cluster | batch | prec. | partita | fastest only | slowest everywhere "
+        "| model | cluster | batch | prec. | partita | one degree (vs partita) | fastest only | slowest everywhere "
         "| partita vs better baseline | ideal vs fastest only | homog. (per peak) | plan s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         base = (r["fastest"], r["slowest"])
         homog = "-" if r["per_peak"] is None else f"{r['per_peak']:.2f} ({r['homog_label']}: {fmt_step(r['homog'])})"
         lines.append(
             f"| {r['model']} | {r['cluster']} | {r['batch']} | {r['precision']} | {fmt_step(r['plan'])} "
+            f"| {fmt_step(r['one_degree'])} ({_ratio(r['one_degree'], r['plan'])}) "
             f"| {fmt_step(r['fastest'])} | {fmt_step(r['slowest'])} "
             f"| {speedup(r['plan'], base)} | {r['ideal']:.2f}x | {homog} | {r['planning_s']:.1f} |"
         )

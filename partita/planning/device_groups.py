@@ -13,14 +13,18 @@ computes faster in it, else fp32 (a V100 has no bf16: a bf16 plan would run it a
 Tensor parallelism: a run at degree ``t`` (``degree_runs``) holds each group's context at that
 degree (``partita.planning.degree_contexts.with_layout``: one device's costs of a group of ``t``,
 the chain without the cuts inside a split region), and the search places tensor-parallel groups,
-not devices, on ``search_cluster`` (every device group in groups of ``t``). One degree for the
-whole plan: the runtime runs one tensor-parallel group size per job (``Plan.tensor_parallel``).
+not devices, on ``search_cluster`` (every device group in groups of ``t``). A run may also give
+each device type a degree of its own (``MixedRun.degrees``: the fast type's stages at one, the
+slow type's at another, on the chain that both degrees allow); a stage then runs on one group
+only (a stage's replicas share one degree), and partita's executor routes the boundary between
+stages of different degrees (``partita.runtime.uneven``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +45,7 @@ from partita.types import CostTable, DeviceSpec, OpGraph, Precision
 from partita.types.cluster import Cluster
 from partita.types.tensor_parallel import TensorParallelLayout
 
-__all__ = ["MixedRun", "degree_runs", "mixed_precision", "mixed_run", "slowest_cluster"]
+__all__ = ["MixedRun", "degree_runs", "mixed_precision", "mixed_run", "per_type_degree_runs", "slowest_cluster"]
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,9 @@ class MixedRun:
     ``every_share``: the search tries every split of a micro-batch over a stage's replicas, not only
     the best balanced ones and the even one (``partita.planning.hetero_search``; for studies and
     the brute-force tests: much slower on small clusters with large micro-batches).
-    ``tensor_parallel``: devices per tensor-parallel group, with ``layout`` what a group splits
-    and ``unsharded`` the degree-1 run it was made from (``degree_runs``)."""
+    ``tensor_parallel``: devices per tensor-parallel group (the largest, where ``degrees`` gives
+    each device group its own), with ``layout`` what a group of that size splits and ``unsharded``
+    the degree-1 run it was made from (``degree_runs``)."""
 
     graph: OpGraph
     cluster: Cluster
@@ -65,17 +70,32 @@ class MixedRun:
     tensor_parallel: int = 1
     layout: TensorParallelLayout | None = None
     unsharded: MixedRun | None = None
+    degrees: tuple[int, ...] | None = None  # per device group, where they differ; None: tensor_parallel for all
+
+    def degree_of(self, group: int) -> int:
+        """The tensor-parallel degree of device group ``group``'s stages."""
+        return self.tensor_parallel if self.degrees is None else self.degrees[group]
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the tensor-parallel groups (of a degree above 1) also split tokens."""
+        return self.layout is not None and self.layout.sequence_parallel
+
+    @property
+    def key(self) -> int | tuple[int, ...]:
+        """The run's degree (one for all groups), or its degree per group where they differ."""
+        return self.tensor_parallel if self.degrees is None else self.degrees
 
     @functools.cached_property
     def search_cluster(self) -> Cluster:
         """The cluster the search places its units on: ``cluster`` with every device group in
-        tensor-parallel groups (``partita.planning.tensor_parallel.group_cluster``); ``cluster`` at degree 1."""
-        t = self.tensor_parallel
-        if t == 1:
+        tensor-parallel groups of its degree (``partita.planning.tensor_parallel.group_cluster``);
+        ``cluster`` at degree 1."""
+        if self.tensor_parallel == 1:
             return self.cluster
         groups = []
-        for group, c in zip(self.cluster.groups, self.cluster.group_clusters):
-            units = group_cluster(c, t)
+        for g, (group, c) in enumerate(zip(self.cluster.groups, self.cluster.group_clusters)):
+            units = group_cluster(c, self.degree_of(g))
             groups.append(
                 dataclasses.replace(group, num_devices=units.num_devices, devices_per_node=units.devices_per_node)
             )
@@ -149,7 +169,8 @@ def degree_runs(run: MixedRun) -> list[MixedRun]:
     one per degree whose groups tile every device group without crossing a node and whose layout
     splits something (``partita.planning.degree_contexts``: with sequence parallelism where a
     region splits by token), as the user's ``tensor_parallel`` and ``sequence_parallel`` allow.
-    InputError when a pinned degree cannot tile some device group (or splits nothing)."""
+    InputError when a pinned degree cannot tile some device group (or splits nothing).
+    ``per_type_degree_runs`` gives the groups degrees of their own."""
     options = run.options
     pinned = options.tensor_parallel
     for g, c in enumerate(run.cluster.group_clusters if pinned not in (None, 1) else ()):
@@ -175,6 +196,57 @@ def degree_runs(run: MixedRun) -> list[MixedRun]:
         found.append(
             dataclasses.replace(
                 run, contexts=tuple(contexts), resolved=resolved, tensor_parallel=t, layout=ctx.layout, unsharded=run
+            )
+        )
+    return found
+
+
+def per_type_degree_runs(run: MixedRun, best: int) -> list[MixedRun]:
+    """The runs that give the device groups degrees of their own (``MixedRun.degrees``) next to
+    ``best``, the degree of the best plan of one degree for all: every vector of ``best / 2``,
+    ``best`` and ``2 best`` with at least one group at ``best``, not all equal, each degree tiling its
+    group and splitting something (at 1: splitting nothing), as the user's ``sequence_parallel``
+    allows. None when a degree is pinned (every stage takes it). Each group's context at its
+    degree, all on the chain that every degree of the vector allows; sequence parallelism as the
+    largest degree's layout has it (a vector whose split degrees disagree on it is left out).
+
+    Next to ``best`` only: under the cost model a type's best degree is rarely far from the best
+    common one, and each vector is a search of its own (bench/results/mixed_clusters.md)."""
+    options = run.options
+    if options.tensor_parallel is not None or run.num_groups < 2:
+        return []
+    tiling = [set(candidate_degrees(c)) for c in run.cluster.group_clusters]
+    near = sorted({d for d in (best // 2, best, best * 2) if d >= 1})
+    layouts: dict[int, TensorParallelLayout | None] = {}
+    for d in near:
+        if d == 1:
+            if not options.sequence_parallel:
+                layouts[1] = None
+            continue
+        try:
+            layouts[d] = degree_contexts(run.contexts[0], d, sequence_parallel=options.sequence_parallel)[0].layout
+        except InputError:  # nothing splits over d devices
+            continue
+    choices = [[d for d in near if d in layouts and d in tiling[g]] for g in range(run.num_groups)]
+    found = []
+    for vector in itertools.product(*choices):
+        split = [layouts[d] for d in vector if d > 1]
+        if len(set(vector)) == 1 or best not in vector or len({layout.sequence_parallel for layout in split}) > 1:
+            continue
+        contexts = [ctx if d == 1 else with_layout(ctx, layouts[d]) for ctx, d in zip(run.contexts, vector)]
+        chain = functools.reduce(np.intersect1d, [np.asarray(c.chain) for c in contexts])
+        contexts = [dataclasses.replace(c, chain=chain) for c in contexts]
+        top = max(vector)
+        resolved = {**run.resolved, "tensor_parallel": None, "sequence_parallel": layouts[top].sequence_parallel}
+        found.append(
+            dataclasses.replace(
+                run,
+                contexts=tuple(contexts),
+                resolved=resolved,
+                tensor_parallel=top,
+                layout=layouts[top],
+                unsharded=run,
+                degrees=tuple(vector),
             )
         )
     return found

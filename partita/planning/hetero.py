@@ -6,8 +6,9 @@ kinds of plan compete, and the fastest simulated step wins (ties: the order belo
 - **mixed** (``best_mixed``): stages placed on device groups with per-stage replica counts and
   unequal sample shares (``partita.planning.hetero_search``), at every tensor-parallel degree that
   tiles every device group (``device_groups.degree_runs``: a replica is then a group of ``t``
-  devices of one type), built and checked per device type (``hetero_build``) and simulated with
-  every replica at its own type's speed (``hetero_simulate``);
+  devices of one type), then with each type at a degree of its own next to the best plan's
+  (``device_groups.per_type_degree_runs``), built and checked per device type (``hetero_build``)
+  and simulated with every replica at its own type's speed (``hetero_simulate``);
 - **fastest type only**: the one-type planner's best plan on the fastest group's devices alone
   (every schedule, tensor-parallel degree and sharding level it searches); a plan for that
   group's cluster, the other groups idle;
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from partita.errors import InfeasiblePlanError, InputError
-from partita.planning.device_groups import MixedRun, degree_runs, mixed_run, slowest_cluster
+from partita.planning.device_groups import MixedRun, degree_runs, mixed_run, per_type_degree_runs, slowest_cluster
 from partita.planning.hetero_build import fitting_mixed_draft
 from partita.planning.hetero_search import SMALL_DEVICES, MixedCandidate, search_mixed
 from partita.planning.hetero_simulate import simulate_mixed
@@ -62,13 +63,14 @@ SLOWEST_EVERYWHERE = "slowest type everywhere"
 @dataclass(frozen=True)
 class MixedOutcome:
     """The plan, the two baselines' plans (None: nothing fits) and why not, and the run (degree 1)
-    with ``runs``, the run of each tensor-parallel degree searched."""
+    with ``runs``, the run of each tensor-parallel degree searched (``MixedRun.key``: a degree, or a
+    degree per device group)."""
 
     plan: Plan
     baselines: dict[str, Plan | None]
     run: MixedRun
     baseline_reasons: dict[str, str] = field(default_factory=dict)
-    runs: dict[int, MixedRun] = field(default_factory=dict)
+    runs: dict[int | tuple[int, ...], MixedRun] = field(default_factory=dict)
 
     def simulate(self, plan: Plan, *, keep_timeline: bool = True) -> SimResult | None:
         """Simulate one of the outcome's plans on its own cluster (mixed: ``simulate_mixed`` with the
@@ -121,7 +123,7 @@ def plan_mixed(
         runs, refused = degree_runs(run), ""
     except InputError as e:  # a pinned degree that does not tile some group: the baselines may still plan
         runs, refused = [], f"placing stages on device types was not searched: {e}"
-    by_degree = {r.tensor_parallel: r for r in runs}
+    by_degree = {r.key: r for r in runs}
     baselines, reasons = {}, {}
     speeds = _seconds_per_microbatch(run)
     fastest, slowest = min(speeds, key=lambda g: (speeds[g], g)), max(speeds, key=lambda g: (speeds[g], -g))
@@ -136,6 +138,11 @@ def plan_mixed(
     )
     found_mixed = [best_mixed(r) for r in runs]
     mixed = min((p for p, _ in found_mixed if p is not None), key=plan_key, default=None)
+    if mixed is not None:  # then each device type at a degree of its own, next to the best one's
+        per_type = per_type_degree_runs(run, mixed.tensor_parallel)
+        by_degree.update({r.key: r for r in per_type})
+        found_mixed += [best_mixed(r) for r in per_type]
+        mixed = min((p for p, _ in found_mixed if p is not None), key=plan_key)
     why_not = refused or "; ".join(dict.fromkeys(why for p, why in found_mixed if why))
     found = [p for p in (mixed, baselines[fastest_name], baselines[slowest_name]) if p is not None]
     if not found:
@@ -176,6 +183,8 @@ def best_mixed(run: MixedRun) -> tuple[Plan | None, str]:
             break
     if not plans:
         at = f" at tensor-parallel degree {run.tensor_parallel}" if run.tensor_parallel > 1 else ""
+        if run.degrees is not None:
+            at = f" at tensor-parallel degrees {list(run.degrees)} (by device group)"
         return None, f"no placement of stages on the device types fits every device's memory{at}"
     return min((_refined(run, candidate_of[id(p)], p) for p in _best_per_config(plans, candidate_of)), key=plan_key), ""
 
@@ -221,7 +230,7 @@ def _simulated(run: MixedRun, candidate: MixedCandidate) -> Plan | None:
 
 
 def _one_type(
-    run: MixedRun, runs: dict[int, MixedRun], plan_one_type, cluster: Cluster, call: dict, *, recast: bool
+    run: MixedRun, runs: dict, plan_one_type, cluster: Cluster, call: dict, *, recast: bool
 ) -> tuple[Plan | None, str]:
     """The one-type planner's best plan on ``cluster`` (None and the reason when nothing fits);
     ``recast``: as a plan on the mixed cluster (its ranks are the mixed cluster's first ones),
@@ -252,13 +261,26 @@ def _one_type(
     return with_result(on_mixed, simulate_mixed(on_mixed, costs.costs_at, keep_timeline=False)), ""
 
 
-def _run_of(plan: Plan, runs: dict[int, MixedRun]) -> MixedRun | None:
-    """The run among ``runs`` (by tensor-parallel degree) whose costs are ``plan``'s: its degree,
-    splitting the same regions (with or without sequence parallelism); None when none is."""
-    found = runs.get(plan.tensor_parallel)
-    if found is None or (found.layout is not None and found.layout.sequence_parallel != plan.sequence_parallel):
+def _run_of(plan: Plan, runs: dict) -> MixedRun | None:
+    """The run among ``runs`` (by ``MixedRun.key``) whose costs are ``plan``'s: its degree (or each
+    device group's, where its stages' degrees differ), splitting the same regions (with or without
+    sequence parallelism); None when none is."""
+    if plan.uniform_tensor_parallel:
+        found = runs.get(plan.tensor_parallel)
+    else:
+        used = _group_degrees(plan)
+        found = next(
+            (r for r in runs.values() if r.degrees is not None and all(r.degrees[g] == d for g, d in used.items())),
+            None,
+        )
+    if found is None or (found.layout is not None and found.sequence_parallel != plan.sequence_parallel):
         return None
     return found
+
+
+def _group_degrees(plan: Plan) -> dict[int, int]:
+    """Device group -> the tensor-parallel degree of the plan's stages on it (the groups it uses)."""
+    return {plan.cluster.group_of_rank(r): s.tensor_parallel for s in plan.stages for r in s.ranks}
 
 
 def _seconds_per_microbatch(run: MixedRun) -> dict[int, float]:

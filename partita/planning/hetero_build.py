@@ -1,7 +1,7 @@
 """A mixed candidate as a Plan: ranks by device group, sample shares, memory per device type.
 
 Each stage's replicas run on the devices ``Cluster.assign_ranks`` gives its kind's counts (times
-the run's tensor-parallel degree ``t``: a replica is ``t`` consecutive ranks of one node); a stage
+its group's tensor-parallel degree ``t``: a replica is ``t`` consecutive ranks of one node); a stage
 whose replicas take unequal shares records them (``StagePlan.replica_samples``). Its memory is
 checked on every device group it runs on, at that group's share and memory limit; its sharding
 level is one for all its replicas (one FSDP2 unit): the fastest level that fits on every group
@@ -35,8 +35,8 @@ def mixed_draft(
     """The Plan of ``candidate`` with ``recompute`` per stage, its step not yet simulated."""
     config = candidate.config
     nodes = [int(run.chain[b]) for b in candidate.boundaries]
-    t = run.tensor_parallel  # a replica is t consecutive ranks of one node (``MixedRun.search_cluster``)
-    ranks = run.cluster.assign_ranks([[c * t for c in kind.counts] for kind in config.kinds])
+    # a replica is t consecutive ranks of one node, t its group's degree (``MixedRun.search_cluster``)
+    ranks = run.cluster.assign_ranks([[c * run.degree_of(g) for g, c in enumerate(k.counts)] for k in config.kinds])
     tied = _tied_stages(run, config, nodes)
     stages = tuple(
         _stage(run, config, p, nodes, ranks[p], Recompute.parse(recompute[p]), p in tied)
@@ -94,10 +94,10 @@ def mixed_total_compute_s(run: MixedRun, config: MixedConfig) -> float:
     together: its devices / their summed speed (samples per second, each type at its share), so that
     ``total_compute_s / num_devices`` is the ideal step over every device the plan uses, each at its
     own speed (the report's efficiency). Under tensor parallelism, each device at degree 1."""
-    batch, t = run.global_batch_size, run.tensor_parallel
+    batch = run.global_batch_size
     speed, devices = 0.0, 0
     for g in range(run.num_groups):
-        count = config.devices_of_group(g) * t
+        count = config.devices_of_group(g) * run.degree_of(g)
         if not count:
             continue
         size = max(k.samples[g] for k in config.kinds if k.counts[g])
@@ -157,8 +157,8 @@ def _stage(
         memory_breakdown=memory[fullest].breakdown(),
         replica_samples=None if len(set(kind.shares)) == 1 else kind.shares,
         memory_bytes_by_group=by_group,
-        tensor_parallel=run.tensor_parallel,
-        sequence_parallel=run.layout is not None and run.layout.sequence_parallel,
+        tensor_parallel=run.degree_of(kind.groups[0]),
+        sequence_parallel=run.sequence_parallel and run.degree_of(kind.groups[0]) > 1,
     )
 
 

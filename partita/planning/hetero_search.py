@@ -3,9 +3,11 @@
 Glossary
 --------
 kind        what runs one stage (``StageKind``): how many replicas on each device group
-            (``counts[g]``; a replica is a tensor-parallel group of ``run.tensor_parallel`` devices) and how many samples of each micro-batch one replica of each group
-            runs (``samples[g]``); ``sum_g counts[g] * samples[g] = b``, the micro-batch. A kind on
-            two groups gives the faster type's replicas more samples, so that no replica waits.
+            (``counts[g]``; a replica is a tensor-parallel group of ``run.degree_of(g)`` devices) and
+            how many samples of each micro-batch one replica of each group runs (``samples[g]``);
+            ``sum_g counts[g] * samples[g] = b``, the micro-batch. A kind on two groups gives the
+            faster type's replicas more samples, so that no replica waits; its groups have one
+            degree (a run that gives the groups degrees of their own has kinds of one group each).
 config      (schedule, micro-batches m, one kind per stage, recompute mode): ``MixedConfig``.
             GPipe or 1F1B, one stage per rank group (partita's executor runs them,
             ``partita.runtime.uneven``).
@@ -248,13 +250,19 @@ def balanced_shares(run: MixedRun, counts: Sequence[int], microbatch: int, limit
     return kept + even
 
 
+def _one_degree(run: MixedRun, counts: Sequence[int]) -> bool:
+    """Whether the groups of ``counts`` share one tensor-parallel degree (a stage's replicas do:
+    ``MixedRun.degrees``)."""
+    return len({run.degree_of(g) for g, c in enumerate(counts) if c}) <= 1
+
+
 def _all_kinds(run: MixedRun, microbatch: int, one_replica: bool) -> list[StageKind]:
     """Every kind of a micro-batch of ``microbatch`` samples on the cluster (small clusters)."""
     limits = [c.num_devices for c in run.search_cluster.group_clusters]
     kinds = []
     for counts in itertools.product(*(range(n + 1) for n in limits)):
         total = sum(counts)
-        if total == 0 or total > microbatch or (one_replica and total > 1):
+        if total == 0 or total > microbatch or (one_replica and total > 1) or not _one_degree(run, counts):
             continue
         limit = None if run.every_share else SMALL_SHARES_KEPT
         kinds.extend(StageKind(counts, s) for s in balanced_shares(run, counts, microbatch, limit))
@@ -302,7 +310,7 @@ def _family_tuples(
     # mixed data parallelism: each group's devices spread evenly over the stages
     if all(n % num_stages == 0 for n in sizes[:-1]):
         counts = tuple(n // num_stages for n in sizes[:-1]) + (sizes[-1] // num_stages,)
-        if sum(counts) and not (one_replica and sum(counts) > 1):
+        if sum(counts) and not (one_replica and sum(counts) > 1) and _one_degree(run, counts):
             for samples in balanced_shares(run, counts, microbatch, SHARES_KEPT):
                 yield (StageKind(counts, samples),) * num_stages
     # type blocks: group g runs stages_per_group[g] consecutive stages, in either order of the groups

@@ -158,17 +158,20 @@ def _trainable_bytes(table: CostTable, start: int, stop: int) -> int:
 
 def _sends(plan: Plan, shares_by_stage: list[list[GroupShare]], costs: CostsByGroup, groups) -> list[float]:
     """Per boundary: the slowest sender group's transfer of its share of the cut bytes to the next
-    stage (0 between stages of one rank group)."""
+    stage (0 between stages of one rank group). Between stages of different tensor-parallel degrees
+    a rank of the smaller group sends its copy to several of the larger (``partita.runtime.uneven``:
+    forward or, for the gradient, backward): the ratio of the degrees in copies on its link."""
     cluster, sends = plan.cluster, []
     for k in range(plan.num_stages - 1):
         if groups[k] == groups[k + 1]:
             sends.append(0.0)
             continue
         here, after = plan.stages[k], plan.stages[k + 1]
+        copies = max(here.tensor_parallel, after.tensor_parallel) // min(here.tensor_parallel, after.tensor_parallel)
         receivers = {s.group for s in shares_by_stage[k + 1]}
         slowest = 0.0
         for share in shares_by_stage[k]:
-            cut_bytes = float(costs(share.group, share.samples).cut_bytes[here.stop])
+            cut_bytes = copies * float(costs(share.group, share.samples).cut_bytes[here.stop])
             if receivers == {share.group}:  # within one group: that group's links
                 group_cluster, first = cluster.group_clusters[share.group], cluster.group_first_ranks[share.group]
                 same_node = group_cluster.rank_to_node(share.ranks[0] - first) == group_cluster.rank_to_node(

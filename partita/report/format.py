@@ -51,12 +51,14 @@ def fmt_replicas(plan) -> str:
 def fmt_layout(plan) -> str:
     """'4 rank groups x 2 replicas (8 devices)', with uneven replica counts '3 rank groups with
     2+1+4 replicas (7 devices)', with tensor parallelism '2 rank groups x 2 replicas x 2-way
-    tensor parallel (8 devices)', and sequence parallelism '... x 2-way tensor + sequence parallel'."""
+    tensor parallel (8 devices)', and sequence parallelism '... x 2-way tensor + sequence parallel'
+    (stages of different degrees: '1/2-way')."""
     joint = "x" if plan.uniform_replicas else "with"
     replicas = "replica" if plan.uniform_replicas and plan.stages[0].num_replicas == 1 else "replicas"
-    t = plan.stages[0].tensor_parallel
-    sequence = " + sequence" if getattr(plan.stages[0], "sequence_parallel", False) else ""
-    tensor_parallel = f" x {t}-way tensor{sequence} parallel" if t > 1 else ""
+    degrees = sorted({s.tensor_parallel for s in plan.stages})
+    t = "/".join(map(str, degrees))
+    sequence = " + sequence" if any(getattr(s, "sequence_parallel", False) for s in plan.stages) else ""
+    tensor_parallel = f" x {t}-way tensor{sequence} parallel" if degrees[-1] > 1 else ""
     return (
         f"{counted(plan.num_rank_groups, 'rank group')} {joint} {fmt_replicas(plan)} {replicas}{tensor_parallel} "
         f"({counted(plan.num_devices, 'device')})"

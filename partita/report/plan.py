@@ -133,12 +133,16 @@ def _memory_lines(plan: Plan) -> list[str]:
 
 
 def _layout(p: Plan) -> str:
-    """'2x4 tp2 sp grads+opt': rank groups x replicas, the tensor-parallel degree (when above 1; sp:
-    with sequence parallelism), and the sharding levels of replicated stages."""
+    """'2x4 tp2 sp grads+opt': rank groups x replicas, the tensor-parallel degree (when above 1; per
+    stage, 'tp4+2', where they differ; sp: with sequence parallelism), and the sharding levels of
+    replicated stages."""
     levels = sorted({fmt_sharding(s.sharding) for s in p.stages if s.num_replicas > 1})
     counts = "+".join(str(s.num_replicas) for s in p.stages[: p.num_rank_groups]) if not p.uniform_replicas else None
     shape = f"{p.num_rank_groups}x{counts or p.stages[0].num_replicas}"
-    parallel = [f"tp{p.tensor_parallel}"] + (["sp"] if p.sequence_parallel else []) if p.tensor_parallel > 1 else []
+    degrees = (
+        str(p.tensor_parallel) if p.uniform_tensor_parallel else "+".join(str(s.tensor_parallel) for s in p.stages)
+    )
+    parallel = [f"tp{degrees}"] + (["sp"] if p.sequence_parallel else []) if p.tensor_parallel > 1 else []
     parts = [shape, *parallel, "/".join(levels)]
     return " ".join(part for part in parts if part)
 

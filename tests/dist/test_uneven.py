@@ -16,7 +16,7 @@ sample, BERT's ignored labels, GatedNet under a mean squared error, and a stage 
 Replicas that are tensor-parallel groups of 2 ranks train the same way on partita's executor (4 and 6
 ranks: TENSOR_PARALLEL, TENSOR_PARALLEL_WIDE), and so do stages of different degrees on 4 ranks (a
 TP-2 stage beside two replicas of degree 1, either way round, GPT-2's tied embedding read at both
-degrees).
+degrees), also the mixed search's own such plan.
 """
 
 from __future__ import annotations
@@ -215,6 +215,15 @@ TENSOR_PARALLEL += [
         groups=[("a100-40gb", 2), ("h100", 2)],
         max_grad_norm=0.5,
         models=["gpt2-padded", "llama"],
+    ),
+    # the mixed search's own plan with the A100s at degree 1 and the H100s at 2 (planned here: its
+    # stages, shares, schedule and sequence parallelism are the planner's)
+    dict(
+        label="planned-tp2-h100-tp1-a100",
+        planned_degrees=(2, 1),
+        groups=[("h100", 2), ("a100-40gb", 2)],
+        max_grad_norm=0.5,
+        models=["gpt2", "llama"],
     ),
 ]
 # 6 ranks: stages of different replica counts of TP-2 groups (2 then 1; GPT-2's tied embedding in both),

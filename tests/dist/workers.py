@@ -475,6 +475,25 @@ def make_uneven_plan(case: Case, config: dict):
     )
 
 
+def planned_mixed_plan(case: Case, config: dict):
+    """The mixed search's best plan for ``case`` on the cluster of ``config["groups"]`` with each device
+    group at the degree of ``config["planned_degrees"]`` (``per_type_degree_runs``), through its plan file."""
+    from partita.planning.device_groups import mixed_run, per_type_degree_runs
+    from partita.planning.hetero import best_mixed
+    from partita.planning.options import PlanOptions
+    from partita.types.cluster import Cluster, DeviceGroup
+    from partita.types.plan_file import plan_from_json, plan_to_json
+
+    cluster = Cluster(groups=[DeviceGroup(device, count, count) for device, count in config["groups"]])
+    options = PlanOptions(costs="analytic", precision="fp32")
+    run = mixed_run(case.graph, cluster=cluster, global_batch_size=case.batch_size, options=options)
+    degrees = tuple(config["planned_degrees"])
+    chosen = next(r for r in per_type_degree_runs(run, max(degrees)) if r.degrees == degrees)
+    plan, why = best_mixed(chosen)
+    assert plan is not None and len({s.tensor_parallel for s in plan.stages}) > 1, (why, plan)
+    return plan_from_json(plan_to_json(plan))
+
+
 def on_device_groups(plan, groups: list, counts: list | None = None):
     """``plan`` on a mixed cluster of ``groups`` ((device, count) in rank order), through its plan
     file: a mixed-cluster plan whose stages sit on different device groups (the runtime runs every
@@ -555,8 +574,8 @@ def job_uneven(params: dict) -> dict:
             key = f"{name}/{config['label']}"
             print(key, flush=True)
             case.reset()
-            plan = make_uneven_plan(case, config)
-            if "groups" in config:
+            plan = planned_mixed_plan(case, config) if "planned_degrees" in config else make_uneven_plan(case, config)
+            if "groups" in config and "planned_degrees" not in config:
                 plan = on_device_groups(plan, config["groups"], config.get("group_counts"))
             if config.get("nonfinite"):
                 results[key] = {"raised": _nonfinite_message(case, plan)}

@@ -79,7 +79,8 @@ def brute_force_mixed(run, schedules, recompute_pinned, evaluate) -> Plan | None
     each device group with every split of the micro-batch over them (each replica at least one
     sample, a group's replicas alike), every tuple of those that uses the cluster's first devices
     (the job numbers them densely), and every split of the chain whose cuts between stages with
-    different sample slices split by sample (a replica: a tensor-parallel group of the run's degree).
+    different sample slices split by sample (a replica: a tensor-parallel group of its device group's
+    degree, ``MixedRun.degree_of``; a stage's replicas of one degree).
     ``evaluate(config, boundaries, recompute)`` returns
     the simulated plan or None (does not fit); each stage at the least recomputation level (none,
     selective, full) at which it fits.
@@ -102,7 +103,8 @@ def brute_force_mixed(run, schedules, recompute_pinned, evaluate) -> Plan | None
                     continue
                 if schedule is Schedule.ONE_F_ONE_B and num_stages == 1 and m == 1:
                     continue  # runs as GPipe does
-                kinds = _every_kind(sizes, batch // m)
+                # a stage's replicas share one tensor-parallel degree (a run may give each group its own)
+                kinds = [k for k in _every_kind(sizes, batch // m) if len({run.degree_of(g) for g in k.groups}) <= 1]
                 for kinds_tuple in itertools.product(kinds, repeat=num_stages):
                     if not _dense_prefix(units, sizes, kinds_tuple):
                         continue

@@ -225,6 +225,46 @@ def test_tensor_parallel_mixed_search_matches_brute_force(gpt2_graph):
     assert seen == {1, 2}  # plans on the H100s alone and over both types
 
 
+def test_per_type_degrees_match_brute_force(gpt2_graph):
+    """Each device type at a degree of its own (next to the best common degree): a stage runs on one
+    type, its replicas groups of that type's degree; the search's plan against the brute force over
+    every such layout, and the runtime runs it (one degree per stage, consecutive ranks per group)."""
+    from partita.planning.device_groups import per_type_degree_runs
+
+    seen = set()
+    for per_group, memory in TENSOR_PARALLEL_INSTANCES[:2]:
+        runs = per_type_degree_runs(_tiny_memory_run(gpt2_graph, per_group, memory), 2)
+        assert sorted(r.degrees for r in runs) == [(1, 2), (2, 1)]
+        for run in runs:
+            found, _ = best_mixed(run)
+            best = mixed_oracle(run)
+            assert (found is None) == (best is None), (per_group, memory, run.degrees)
+            if found is None:
+                continue
+            assert found.predicted_step_s == pytest.approx(best.predicted_step_s, rel=1e-9)
+            check_layout(found)
+            assert plan_from_json(found.to_json()) == found
+            for stage in found.stages:
+                (group,) = {found.cluster.group_of_rank(r) for r in stage.ranks}
+                assert stage.tensor_parallel == run.degrees[group]
+                assert stage.sequence_parallel == (stage.tensor_parallel > 1)
+                for j in range(stage.num_replicas):
+                    ranks = stage.replica_ranks(j)
+                    assert ranks == tuple(range(ranks[0], ranks[0] + stage.tensor_parallel))
+            seen.add(found.uniform_tensor_parallel)
+    assert False in seen  # some plan runs its stages at different degrees
+
+
+def test_per_type_degrees_are_searched_next_to_the_best_and_never_when_pinned(gpt2_graph):
+    from partita.planning.device_groups import per_type_degree_runs
+
+    run = _tiny_memory_run(gpt2_graph, 4, 3_000_000)
+    assert sorted(r.degrees for r in per_type_degree_runs(run, 2)) == [(1, 2), (2, 1), (2, 4), (4, 2)]
+    assert sorted(r.degrees for r in per_type_degree_runs(run, 4)) == [(2, 4), (4, 2)]
+    pinned = dataclasses.replace(run, options=run.options.replace(tensor_parallel=2))
+    assert per_type_degree_runs(pinned, 2) == []
+
+
 def test_partita_plan_searches_tensor_parallel_degrees_on_a_mixed_cluster(gpt2_graph):
     """``partita.plan`` on a mixed cluster weighs the mixed search at each degree; a pinned degree holds
     for the mixed plan and both baselines, and one that cannot tile a device group is refused by name
