@@ -3,7 +3,7 @@
 A group is ``COUNTxTYPE`` with an optional ``@MEMORY`` per device (``16xa100-80gb@40GiB``);
 ``TYPE`` is a catalog name or a device file. A group fills nodes of 8 devices, or one node when
 it holds fewer (``4xl4``). Several groups make a mixed cluster (``partita.types.cluster``); one
-group is the same as ``--devices COUNT --device-type TYPE``.
+group is the same as ``--devices COUNT --device-type TYPE`` without ``--nodes`` (``default_nodes``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from partita.errors import InputError
 from partita.types.cluster import Cluster, DeviceGroup
 
-__all__ = ["GroupSpec", "check_groups_flags", "devices_argument", "groups_cluster"]
+__all__ = ["GroupSpec", "check_groups_flags", "default_nodes", "devices_argument", "groups_cluster"]
 
 _GROUP = re.compile(r"^\s*(\d+)\s*x\s*([^@\s]+)\s*(?:@\s*(\S+))?\s*$", re.IGNORECASE)
 NODE_SIZE = 8  # devices per node of a group of at least this many (HGX/DGX nodes)
@@ -62,6 +62,20 @@ def groups_cluster(groups: tuple[GroupSpec, ...], parse_bytes: Callable[[str | N
     return Cluster(groups=made)
 
 
+def default_nodes(num_devices: int, device: str) -> int:
+    """Nodes of ``num_devices`` catalog devices when ``--nodes`` is not given: nodes of NODE_SIZE (one
+    node for fewer), as a device group fills them; InputError when they do not fill whole nodes."""
+    if num_devices <= NODE_SIZE:
+        return 1
+    if num_devices % NODE_SIZE:
+        lower = num_devices // NODE_SIZE * NODE_SIZE
+        raise InputError(
+            f"--devices {num_devices} of {device} do not fill nodes of {NODE_SIZE} devices (the default): give "
+            f"--nodes (each node then holds --devices / --nodes), or use --devices {lower} or {lower + NODE_SIZE}"
+        )
+    return num_devices // NODE_SIZE
+
+
 def check_groups_flags(args: argparse.Namespace) -> None:
     """InputError for the one-type flags beside ``--devices`` groups: they go into each group."""
     given = [
@@ -69,7 +83,7 @@ def check_groups_flags(args: argparse.Namespace) -> None:
         for flag, value, default in (
             ("--device-type", args.device_type, "cpu"),
             ("--memory", args.memory, None),
-            ("--nodes", args.nodes, 1),
+            ("--nodes", args.nodes, None),
         )
         if value != default
     ]

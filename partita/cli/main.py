@@ -11,7 +11,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from partita.cli.devices import check_groups_flags, groups_cluster
+from partita.cli.devices import check_groups_flags, default_nodes, groups_cluster
 from partita.cli.parser import DEFAULT_TRAIN_GLOBAL_BATCH, build_parser, joined_negative_numbers, parse_bytes
 from partita.errors import PartitaError
 from partita.planning.options import PlanOptions
@@ -106,10 +106,13 @@ def _plan(args: argparse.Namespace) -> int:
     from partita.planning.api import plan_with_baselines
     from partita.report.plan import plan_text
 
+    nodes = args.nodes
     if isinstance(args.devices, tuple):  # device groups: a mixed cluster (partita/cli/devices.py)
         check_groups_flags(args)
     else:
-        _check_nodes(args.nodes, args.devices, args.device_type)
+        if nodes is None:  # one node here; catalog devices fill nodes of 8, as device groups do
+            nodes = 1 if args.device_type == "cpu" else default_nodes(args.devices, args.device_type)
+        _check_nodes(nodes, args.devices, args.device_type)
     _check_batch_flags(args)
     example = _load(args)
     graph = _capture(example)
@@ -117,7 +120,7 @@ def _plan(args: argparse.Namespace) -> int:
     if isinstance(args.devices, tuple):
         cluster = groups_cluster(args.devices, parse_bytes)
     else:
-        cluster = _cluster(args, num_devices=args.devices, device_type=args.device_type, num_nodes=args.nodes)
+        cluster = _cluster(args, num_devices=args.devices, device_type=args.device_type, num_nodes=nodes)
     result = plan_with_baselines(
         graph,
         example.args,

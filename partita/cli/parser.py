@@ -180,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--nodes",
         type=int,
-        default=1,
-        help="number of nodes the devices are spread over (must divide --devices; 1 for cpu)",
+        default=None,
+        help="number of nodes the devices are spread over (must divide --devices; default: nodes of 8 catalog "
+        "devices, or one node for 8 or fewer, as device groups fill them; 1 for cpu)",
     )
     plan.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     _add_schedule(plan)

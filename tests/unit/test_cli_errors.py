@@ -136,6 +136,24 @@ def test_nodes_must_be_positive_and_divide_the_devices(monkeypatch, capsys):
     assert "--nodes 3 does not divide --devices 8" in _error(capsys)
     assert main(["plan", "mlp", "--devices", "2", "--global-batch", "8", "--nodes", "3"]) == 2
     assert "--nodes 3 with --device-type cpu: cpu plans are for this machine, one node" in _error(capsys)
+    # without --nodes, catalog devices fill nodes of 8 as a device group does: 12 do not
+    assert main(["plan", "mlp", "--devices", "12", "--device-type", "h100", "--global-batch", "12"]) == 2
+    assert "--devices 12 of h100 do not fill nodes of 8 devices (the default): give --nodes" in _error(capsys)
+
+
+def test_catalog_devices_fill_nodes_of_8_without_nodes(tmp_path):
+    """``--devices 16 --device-type h100`` is the cluster of ``--devices 16xh100``: two nodes of 8 (it
+    was one node of 16, NVLink between all of them, where HGX nodes hold 8)."""
+    from partita.types.plan_file import load_plan
+
+    paths = {}
+    for name, devices in (("count", ["--devices", "16", "--device-type", "h100"]), ("group", ["--devices", "16xh100"])):
+        paths[name] = tmp_path / f"{name}.json"
+        argv = ["plan", "mlp", *devices, "--global-batch", "16", "--costs", "analytic", "--out", str(paths[name])]
+        assert main(argv) == 0
+    count, group = (load_plan(str(paths[n])) for n in ("count", "group"))
+    assert count.cluster.devices_per_node == 8 and count.cluster.num_devices == 16
+    assert group.cluster.group_clusters[0].devices_per_node == 8
 
 
 # ----------------------------------------------------------------------------- ids and labels
