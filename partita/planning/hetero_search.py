@@ -400,7 +400,10 @@ def search_config(run: MixedRun, config: MixedConfig, costs: KindCosts, keep: in
         if not np.isfinite(sum(stage_s)):
             continue
         recompute = tuple(RECOMPUTE_LEVELS[int(per_stage[p][1][boundaries[p], boundaries[p + 1]])] for p in range(s))
-        sends = sum(float(costs.send(config.kinds[p])[boundaries[p + 1]]) for p in range(s - 1))
+        sends = sum(
+            _copies(run, config.kinds[p], config.kinds[p + 1]) * float(costs.send(config.kinds[p])[boundaries[p + 1]])
+            for p in range(s - 1)
+        )
         ranges = [(boundaries[p], boundaries[p + 1]) for p in range(s)]
         tails = [costs.tail(kind) for kind in config.kinds]  # (tail, backward) matrices per stage
         tail = pipeline_tail_s(
@@ -411,6 +414,13 @@ def search_config(run: MixedRun, config: MixedConfig, costs: KindCosts, keep: in
         found.append(MixedCandidate(config, tuple(boundaries), recompute, estimate))
     key = lambda c: (c.estimate_s, c.boundaries)  # noqa: E731
     return sorted(found, key=key) if keep is None else heapq.nsmallest(keep, found, key=key)
+
+
+def _copies(run: MixedRun, sender: StageKind, receiver: StageKind) -> int:
+    """Copies of a boundary tensor (or its gradient) a rank sends between stages of two degrees: their
+    ratio (``partita.planning.hetero_simulate``'s sends count them alike)."""
+    degrees = (run.degree_of(sender.groups[0]), run.degree_of(receiver.groups[0]))
+    return max(degrees) // min(degrees)
 
 
 def search_mixed(run: MixedRun, options, *, keep_per_config: int = 3) -> list[MixedCandidate]:

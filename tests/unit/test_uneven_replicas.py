@@ -425,11 +425,12 @@ def test_every_rank_across_a_boundary_of_two_degrees_gets_each_message_once(gpt2
     assert {r for r, _, _ in sent["forward"]} | {r for r, _, _ in sent["backward"]} <= every
 
 
-def test_manual_plans_take_a_degree_per_rank_group_under_gpipe_and_1f1b_only(gpt2_graph):
-    plan = manual_plan(
-        gpt2_graph,
-        [0, 80, gpt2_graph.num_nodes],
-        schedule="gpipe",
+def _tp2_then_two_replicas(graph, schedule: str = "gpipe"):
+    """A TP-2 sequence-parallel stage, then a stage of two replicas of degree 1."""
+    return manual_plan(
+        graph,
+        [0, 80, graph.num_nodes],
+        schedule=schedule,
         num_rank_groups=2,
         replicas=(1, 2),
         num_microbatches=2,
@@ -437,6 +438,10 @@ def test_manual_plans_take_a_degree_per_rank_group_under_gpipe_and_1f1b_only(gpt
         tensor_parallel=(2, 1),
         sequence_parallel=True,
     )
+
+
+def test_manual_plans_take_a_degree_per_rank_group_under_gpipe_and_1f1b_only(gpt2_graph):
+    plan = _tp2_then_two_replicas(gpt2_graph)
     assert [s.ranks for s in plan.stages] == [(0, 1), (2, 3)]
     assert [(s.tensor_parallel, s.sequence_parallel) for s in plan.stages] == [(2, True), (1, False)]
     assert plan.tensor_parallel == 2 and plan.sequence_parallel and not plan.uniform_tensor_parallel
@@ -464,18 +469,7 @@ def test_plan_files_refuse_sequence_parallelism_at_degree_1(gpt2_graph):
     from partita.errors import PlanFileError
     from partita.types.plan_file import plan_to_dict
 
-    plan = manual_plan(
-        gpt2_graph,
-        [0, 80, gpt2_graph.num_nodes],
-        schedule="1f1b",
-        num_rank_groups=2,
-        replicas=(1, 2),
-        num_microbatches=2,
-        global_batch_size=8,
-        tensor_parallel=(2, 1),
-        sequence_parallel=True,
-    )
-    data = plan_to_dict(plan)
+    data = plan_to_dict(_tp2_then_two_replicas(gpt2_graph, "1f1b"))
     data["stages"][1]["sequence_parallel"] = True
     with pytest.raises(PlanFileError, match=r"stages\[1\].sequence_parallel is true, but its tensor_parallel is 1"):
         plan_from_json(__import__("json").dumps(data))
