@@ -10,9 +10,11 @@ waits for the inter-group link), and the optimizer step ends with its slowest gr
 between stages moves each sender's share over the link between the two stages' devices (the
 inter-group link when they lie in different groups); the slowest sender's is the stage's.
 
-Under tensor parallelism (``Plan.tensor_parallel``) the tables are one device's of a group (its
-share of the work and the group's collectives, ``partita.cost.tensor_parallel``), a replica is a
-group, and the gradient collectives run one ring per index of the group, as on one type.
+Under tensor parallelism (``StagePlan.tensor_parallel``, each device type's own where they differ)
+the tables are one device's of a group (its share of the work and the group's collectives,
+``partita.cost.tensor_parallel``), a replica is a group, and the gradient collectives run one ring
+per index of the group, as on one type. Between stages of different degrees a rank sends as many
+copies as the ratio of the degrees (``_sends``).
 
 A one-type cluster's plan gives the same inputs as ``partita.planning.simulate.pipeline_inputs``.
 """

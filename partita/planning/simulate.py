@@ -240,6 +240,13 @@ def _tables_per_stage(plan: Plan, costs: Costs) -> list[CostTable]:
     """The CostTable of every stage at its per-replica micro-batch size: B / (m · replicas), or with
     unequal shares (``StagePlan.replica_samples``) the largest: on one device type the replica
     with the most samples is the slowest and the fullest, and the stage waits for it."""
+    if not plan.uniform_tensor_parallel:
+        raise InputError(
+            f"the plan's stages have different tensor-parallel degrees {[s.tensor_parallel for s in plan.stages]} "
+            "(a mixed cluster's types at their own): one cost table cannot time them; simulate it with the "
+            "costs of each device group at its degree (partita.planning.hetero_simulate.simulate_mixed, "
+            "MixedOutcome.simulate)"
+        )
     by_size: dict[int, CostTable] = {}
     tables = []
     for stage in plan.stages:

@@ -441,7 +441,11 @@ def _tp2_then_two_replicas(graph, schedule: str = "gpipe"):
 
 
 def test_manual_plans_take_a_degree_per_rank_group_under_gpipe_and_1f1b_only(gpt2_graph):
+    from partita.planning.simulate import simulate
+
     plan = _tp2_then_two_replicas(gpt2_graph)
+    with pytest.raises(InputError, match=r"different tensor-parallel degrees \[2, 1\] .*simulate_mixed"):
+        simulate(plan, lambda samples: pytest.fail("no cost table is read"))
     assert [s.ranks for s in plan.stages] == [(0, 1), (2, 3)]
     assert [(s.tensor_parallel, s.sequence_parallel) for s in plan.stages] == [(2, True), (1, False)]
     assert plan.tensor_parallel == 2 and plan.sequence_parallel and not plan.uniform_tensor_parallel
