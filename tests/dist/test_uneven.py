@@ -216,6 +216,31 @@ TENSOR_PARALLEL += [
         max_grad_norm=0.5,
         models=["gpt2-padded", "llama"],
     ),
+    # FSDP2 next to a stage of another degree: the two A100 replicas at degree 1 fully sharded after the
+    # H100s' TP-2 stage, and, the other way round, gradients and optimizer state sharded over unequal shares
+    dict(
+        label="1f1b-1x2-tp2-then-tp1-sharded",
+        schedule="1f1b",
+        replicas=(1, 2),
+        num_microbatches=2,
+        tensor_parallel=(2, 1),
+        sharding=["replicate", "full_shard"],
+        groups=[("h100", 2), ("a100-40gb", 2)],
+        max_grad_norm=0.5,
+        models=["llama"],
+    ),
+    dict(
+        label="gpipe-2x1-tp1-shares-sharded-grads-then-tp2",
+        schedule="gpipe",
+        replicas=(2, 1),
+        num_microbatches=2,
+        tensor_parallel=(1, 2),
+        replica_samples=[(1, 3), None],
+        sharding=["shard_grads_and_optimizer", "replicate"],
+        groups=[("a100-40gb", 2), ("h100", 2)],
+        max_grad_norm=0.5,
+        models=["llama"],
+    ),
     # the mixed search's own plan with the A100s at degree 1 and the H100s at 2 (planned here: its
     # stages, shares, schedule and sequence parallelism are the planner's)
     dict(
