@@ -6,7 +6,8 @@ Bytes in use (glibc ``mallinfo2``) relative to a reading before the model is bui
 resting between steps (after one step) and the peak of the next step (sampled every 0.5 ms), next
 to ``device_memory`` with analytic costs.
 
-Usage: torchrun --standalone --nproc-per-node 2 bench/probes/schedule_memory.py SCHEDULE NUM_MICROBATCHES
+Usage: torchrun --standalone --nproc-per-node 2 bench/probes/schedule_memory.py SCHEDULE NUM_MICROBATCHES [PRECISION]
+(PRECISION: fp32, the default, or bf16: autocast with fp32 master weights, costs in bf16)
 """
 
 import gc
@@ -28,10 +29,11 @@ from partita.cost.analytic import analytic_costs  # noqa: E402
 from partita.cost.memory import device_memory, microbatches_in_flight  # noqa: E402
 from partita.planning.manual import manual_plan  # noqa: E402
 from partita.runtime.materialize import meta_copies, save_seed  # noqa: E402
-from partita.types import OptimizerKind  # noqa: E402
+from partita.types import OptimizerKind, Precision  # noqa: E402
 
 MIB = 2**20
 schedule, m = sys.argv[1], int(sys.argv[2])
+precision = Precision.parse(sys.argv[3] if len(sys.argv) > 3 else "fp32")
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 name, seed = "gpt2-L8-H512", os.path.join(os.environ.get("TMPDIR", "/tmp"), "partita-probe-seed-L8")
@@ -53,6 +55,7 @@ plan = manual_plan(
     num_rank_groups=2,
     num_microbatches=m,
     global_batch_size=16,
+    precision=precision.value,
 )
 trainer = partita.Trainer(
     ex.model, plan, graph=graph, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), init_from=seed
@@ -64,12 +67,14 @@ resting = malloc_in_use() - base
 with InUseSampler() as sampler:
     trainer.step(*a, **k)
 peak = sampler.peak - base
-costs = analytic_costs(graph, "cpu", 16 // m)
+costs = analytic_costs(graph, "cpu", 16 // m, precision=precision)
 ranges = [(st.start, st.stop) for st in plan.stages if st.rank_group == rank]
 in_flight = microbatches_in_flight(plan.schedule, m, 2, rank, s // 2)
-mem = device_memory(costs, ranges, in_flight=in_flight, optimizer=OptimizerKind.ADAM, num_microbatches=m)
+mem = device_memory(
+    costs, ranges, in_flight=in_flight, optimizer=OptimizerKind.ADAM, num_microbatches=m, precision=precision
+)
 line = (
-    f"{schedule} m={m} rank {rank}: capture {captured / MIB:.0f}, resting {resting / MIB:.0f}, peak {peak / MIB:.0f} "
+    f"{schedule} m={m} {precision.value} rank {rank}: capture {captured / MIB:.0f}, resting {resting / MIB:.0f}, peak {peak / MIB:.0f} "
     f"MiB | predicted {mem.total_bytes / MIB:.0f} = P {mem.param_bytes / MIB:.0f} + O {mem.optimizer_bytes / MIB:.0f}"
     f" + max(A {mem.activation_bytes / MIB:.0f} + C {mem.comm_buffer_bytes / MIB:.0f} + W "
     f"{mem.working_bytes / MIB:.0f} + G {mem.grad_bytes / MIB:.0f}, G + S)"

@@ -4,6 +4,7 @@ memory = parameters + optimizer state (incl. master weights)
        + max(backward peak, optimizer-step peak)
 backward peak = gathered parameter copies (sharded stages)
               + activations kept for backward x micro-batches in flight (schedule-dependent)
+              + one set of bf16 weight copies (bf16 plans)
               + communication buffers + a working-memory peak
               + the gradients alive by then: all of them when some micro-batch's backward
                 ran before the activation peak (1F1B steady state), else only the first one
@@ -22,9 +23,11 @@ states per parameter and ``r`` replicas of the stage::
     full_shard                G gathered         1/r              k/r         1 / 1/r
 
 bf16 (the runtime's autocast, partita/runtime/precision.py) keeps these fp32 parameters and adds
-autocast's bf16 copies of the weights each forward reads, saved for its backward: 1/2 (G/2 under
-full_shard) per micro-batch in flight, counted with the activations (one set at a time when the
-stage recomputes). Sharded stages gather fp32 parameters in bf16 plans too (the runtime's
+autocast's bf16 copies of the weights the forwards read, saved for their backward, counted with the
+activations: a device whose stages keep their activations casts each weight once per step and
+every micro-batch in flight shares that copy (1/2, at every sharding level: each stage's gathered
+weights are cast once); a recomputing one casts afresh and holds one set at a time while a
+micro-batch's backward rebuilds it (1/2, G/2 under full_shard). Sharded stages gather fp32 parameters in bf16 plans too (the runtime's
 MixedPrecisionPolicy keeps param_dtype fp32), so gathered copies and their traffic are fp32.
 
 Gradients are fp32 (the reduce dtype) and accumulate unsharded over the step's micro-batches:
@@ -276,7 +279,7 @@ def memory_from_totals(
     else:
         persistent_params = 1 * param_bytes
         gathered_bytes = 0 * trainable_bytes
-    copies = _weight_copies(precision, sharding, num_replicas, trainable_bytes, gathered_trainable_bytes)
+    copies = _weight_copies(precision, recompute, sharding, num_replicas, trainable_bytes, gathered_trainable_bytes)
 
     def kept_with(count: Any) -> Any:  # kept for backward with ``count`` micro-batches in flight
         return _kept_bytes(count, recompute, activation_bytes, stage_input_bytes, copies, saved_bytes, recomputed_bytes)
@@ -305,12 +308,20 @@ def memory_from_totals(
 
 
 def _weight_copies(
-    precision: Precision, sharding: Sharding, num_replicas: int, trainable_bytes: Any, gathered_trainable_bytes: Any
+    precision: Precision,
+    recompute: Recompute,
+    sharding: Sharding,
+    num_replicas: int,
+    trainable_bytes: Any,
+    gathered_trainable_bytes: Any,
 ) -> Any:
-    """bf16: autocast's bf16 copies of the weights a forward reads, saved for its backward, one set
-    per micro-batch in flight (one at a time when the stage recomputes); 0 in fp32."""
+    """bf16: autocast's bf16 copies of the weights the forwards read, saved for their backward: one
+    set for the step without recomputation (shared by the micro-batches in flight), else one set at
+    a time, of the gathered unit under full_shard (module docstring); 0 in fp32."""
     if precision is not Precision.BF16:
         return 0 * trainable_bytes
+    if recompute is Recompute.NONE:
+        return 0.5 * trainable_bytes
     sharded = sharding is not Sharding.REPLICATE and num_replicas > 1
     gathered = trainable_bytes if gathered_trainable_bytes is None else gathered_trainable_bytes
     return 0.5 * (gathered if sharded else trainable_bytes)
@@ -325,11 +336,11 @@ def _kept_bytes(
     saved_bytes: Any = None,
     recomputed_bytes: Any = None,
 ) -> Any:
-    """Activations (and bf16 weight copies) kept for backward with ``in_flight`` micro-batches:
-    each keeps ``kept_per_microbatch`` (and, without recomputation, its weight copies); a
-    recomputing stage rebuilds one micro-batch's at a time (``rebuilt_bytes``, one set of copies)."""
+    """Activations and bf16 weight copies kept for backward with ``in_flight`` micro-batches: each
+    keeps ``kept_per_microbatch``, beside one set of copies (the step's, without recomputation; a
+    recomputing stage's while it rebuilds one micro-batch's tensors, ``rebuilt_bytes``)."""
     if recompute is Recompute.NONE:
-        return np.ceil(in_flight * (activation_bytes + copies))
+        return np.ceil(in_flight * activation_bytes) + np.ceil(copies)
     per_microbatch = kept_per_microbatch(recompute, activation_bytes, stage_input_bytes, saved_bytes)
     rebuilt = rebuilt_bytes(recompute, activation_bytes, recomputed_bytes)
     return np.ceil(in_flight * per_microbatch) + rebuilt + np.ceil(copies)
@@ -385,6 +396,7 @@ class MemoryByInFlight:
         at_zero = memory_from_totals(in_flight=0, **totals)
         self._copies = _weight_copies(
             totals.get("precision", Precision.FP32),
+            Recompute.parse(totals["recompute"]),
             totals.get("sharding", Sharding.REPLICATE),
             totals.get("num_replicas", 1),
             totals["trainable_bytes"],

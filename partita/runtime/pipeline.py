@@ -105,7 +105,8 @@ class StageRunner(nn.Module):
     def forward(self, *received: torch.Tensor, **root_inputs: Any) -> Any:
         stage = self.stand_in or self.stage
         inputs = (*received, *(root_inputs[root_key(j)] for j in stage.graph_input_indices))
-        with self.compute.context():  # checkpoint's recomputation restores it too
+        # checkpoint's recomputation restores the autocast state too
+        with self.compute.context(recomputes=self.recompute is not Recompute.NONE):
             if self.recompute is Recompute.FULL:
                 out = checkpoint(stage, *inputs, use_reentrant=False)
             elif self.recompute is Recompute.SELECTIVE:

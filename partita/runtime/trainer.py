@@ -293,7 +293,7 @@ class Trainer:
         self.grad_sync.scale = program.loss_scaling.grad_scale
         doing = "the pipeline's transfers between stages"
         try:
-            with self._step_rng():
+            with self._step_rng(), self.compute.step_context():  # one bf16 copy of each weight per step
                 losses = self._run_rounds(program, flat)
             doing = "the all-reduce of gradients over their holders"
             self.grad_sync.reduce_and_scale()

@@ -114,6 +114,26 @@ BF16 = [
     dict(label="lm-pp2", model="tiny_lm", levels=["replicate", "replicate"], num_stages=2, replicas=1),
     dict(label="gpt2-pp2", model="gpt2", levels=["replicate", "replicate"], num_stages=2, replicas=1),
     dict(label="gpt2-zero3", model="gpt2", levels=["full_shard"], num_stages=1, replicas=2),
+    # autocast's weight casts shared by the micro-batches of a step under the zero-bubble schedule's
+    # split backward, and cast afresh by recomputing stages (partita/runtime/precision.py)
+    dict(
+        label="gpt2-zbv",
+        model="gpt2",
+        levels=["replicate"] * 4,
+        num_stages=4,
+        rank_groups=2,
+        replicas=1,
+        schedule="zbv",
+        num_microbatches=4,
+    ),
+    dict(
+        label="gpt2-pp2-recompute",
+        model="gpt2",
+        levels=["replicate", "replicate"],
+        num_stages=2,
+        replicas=1,
+        recompute=["selective", "full"],
+    ),
 ]
 for config in BF16:
     config.setdefault("num_microbatches", 2)

@@ -34,7 +34,17 @@ def _case(name: str) -> tuple[torch.nn.Module, list[dict]]:
     return model, batches
 
 
-def _sharded_plan(graph, levels: list[str], *, num_stages: int, replicas: int, num_microbatches: int, schedule: str):
+def _sharded_plan(
+    graph,
+    levels: list[str],
+    *,
+    num_stages: int,
+    replicas: int,
+    num_microbatches: int,
+    schedule: str,
+    rank_groups: int | None = None,
+    recompute: list[str] | None = None,
+):
     from partita.planning.manual import manual_plan
     from partita.types import Sharding
 
@@ -45,10 +55,11 @@ def _sharded_plan(graph, levels: list[str], *, num_stages: int, replicas: int, n
         graph,
         [0, *cuts, n],
         schedule=schedule,
-        num_rank_groups=num_stages,
+        num_rank_groups=rank_groups or num_stages,
         replicas=replicas,
         num_microbatches=num_microbatches,
         global_batch_size=BATCH,
+        **({} if recompute is None else dict(recompute=recompute)),
     )
     stages = tuple(dataclasses.replace(s, sharding=Sharding(level)) for s, level in zip(plan.stages, levels))
     return dataclasses.replace(plan, stages=stages)
@@ -164,6 +175,8 @@ def job_bf16(params: dict) -> dict:
             replicas=config["replicas"],
             num_microbatches=config["num_microbatches"],
             schedule=config["schedule"],
+            rank_groups=config.get("rank_groups"),
+            recompute=config.get("recompute"),
         )
         plan = dataclasses.replace(plan, precision=Precision.BF16)
         trainer = partita.Trainer(model, plan, optimizer=adamw, graph=graph, max_grad_norm=MAX_GRAD_NORM)

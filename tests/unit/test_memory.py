@@ -10,7 +10,7 @@ from partita.cost.memory import (
     memory_from_totals,
     microbatches_in_flight,
 )
-from partita.types import CostTable, OptimizerKind, Precision, Schedule, Sharding
+from partita.types import CostTable, OptimizerKind, Precision, Recompute, Schedule, Sharding
 
 MiB = 2**20
 
@@ -113,7 +113,7 @@ def test_recompute_keeps_stage_inputs_plus_one_microbatch():
     assert mem.optimizer_bytes == 0
 
 
-def test_bf16_keeps_fp32_master_weights_and_a_bf16_copy_per_microbatch_in_flight():
+def test_bf16_keeps_fp32_master_weights_and_one_bf16_copy_of_the_weights_per_step():
     kw = dict(optimizer=OptimizerKind.ADAM, precision=Precision.BF16)
     mem = device_memory(mlp_costs(), [(2, 3)], in_flight=1, **kw)
     three = device_memory(mlp_costs(), [(2, 3)], in_flight=3, **kw)
@@ -121,10 +121,18 @@ def test_bf16_keeps_fp32_master_weights_and_a_bf16_copy_per_microbatch_in_flight
     assert mem.param_bytes == master  # the fp32 parameters are the master weights
     assert mem.optimizer_bytes == 2 * master  # Adam m, v
     assert mem.grad_bytes == master  # fp32 gradients (the reduce dtype)
-    # autocast's bf16 copy of the weights, saved for backward by every micro-batch in flight
+    # autocast's bf16 copy of the weights, cast once per step and shared by the micro-batches in flight
     fp32 = device_memory(mlp_costs(), [(2, 3)], in_flight=1, optimizer=OptimizerKind.ADAM)
     assert mem.activation_bytes - fp32.activation_bytes == master // 2
-    assert three.activation_bytes == 3 * mem.activation_bytes
+    assert three.activation_bytes == 3 * (mem.activation_bytes - master // 2) + master // 2
+    # sharded: each stage's gathered weights are cast once too, whole; recomputing: one set at a time
+    sharded = dict(sharding=Sharding.FULL_SHARD, num_replicas=2)
+    for recompute in (Recompute.NONE, Recompute.FULL):
+        bf16 = device_memory(mlp_costs(), [(2, 3)], in_flight=3, recompute=recompute, **sharded, **kw)
+        full = device_memory(
+            mlp_costs(), [(2, 3)], in_flight=3, recompute=recompute, **sharded, optimizer=OptimizerKind.ADAM
+        )
+        assert bf16.activation_bytes - full.activation_bytes == master // 2
 
 
 def test_replicas_add_an_allreduce_bucket():
