@@ -27,8 +27,9 @@ autocast's bf16 copies of the weights the forwards read, saved for their backwar
 activations: a device whose stages keep their activations casts each weight once per step and
 every micro-batch in flight shares that copy (1/2, at every sharding level: each stage's gathered
 weights are cast once); a recomputing one casts afresh and holds one set at a time while a
-micro-batch's backward rebuilds it (1/2, G/2 under full_shard). Sharded stages gather fp32 parameters in bf16 plans too (the runtime's
-MixedPrecisionPolicy keeps param_dtype fp32), so gathered copies and their traffic are fp32.
+micro-batch's backward rebuilds it (1/2, G/2 under full_shard). Sharded stages gather fp32
+parameters in bf16 plans too (the runtime's MixedPrecisionPolicy keeps param_dtype fp32), so
+gathered copies and their traffic are fp32.
 
 Gradients are fp32 (the reduce dtype) and accumulate unsharded over the step's micro-batches:
 the sharded levels reduce-scatter them once, after the last backward, as torch's pipelining

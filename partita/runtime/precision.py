@@ -14,9 +14,8 @@ copy for its backward. Autocast caches the casts of leaf tensors until the outer
 region exits; with one region per stage forward, that drops them at the end of each forward, and
 every micro-batch in flight holds its own bf16 copy of the stage's weights (a GPT layer of hidden
 size 20,480 at tensor-parallel degree 8: 1.3 GB, twice what it keeps of one sample of 2,048 tokens
-without recomputation). ``step_context`` holds one region open
-over the whole step, so the micro-batches of a stage that keeps its activations share one copy,
-cast once per step (the weights do not change before the optimizer step, after the region). The
+without recomputation). ``step_context`` holds one region open over the whole step, so the
+micro-batches of a stage that keeps its activations share one copy, cast once per step (the weights do not change before the optimizer step, after the region). The
 values are the same casts, so the numbers are bit for bit those of a cast per micro-batch. A
 recomputing stage casts without the cache: its forward saves nothing, and its recomputation,
 which torch may run on another thread (the autograd engine's, on GPUs), holds one copy at a time.
