@@ -145,7 +145,11 @@ class StageMetadata:
 
 
 def stage_metadata(
-    stages: Sequence[StageModule], flat_microbatch: Sequence[Any], device: torch.device, compute: Compute = FP32
+    stages: Sequence[StageModule],
+    flat_microbatch: Sequence[Any],
+    device: torch.device,
+    compute: Compute = FP32,
+    run: Callable[[StageModule, Sequence[Any], Sequence[Any]], Any] | None = None,
 ) -> list[StageMetadata]:
     """The metadata of every stage of the plan, from one real micro-batch.
 
@@ -154,14 +158,17 @@ def stage_metadata(
     The RNG state and every buffer are restored afterwards, so training continues exactly as if
     this run had not happened (BatchNorm statistics, dropout streams). Stage outputs are detached
     between stages, so only one stage's activations are alive at a time. Stages run in ``compute``'s
-    precision, and record the dtypes their runners send (precision.py).
+    precision, and record the dtypes their runners send (precision.py). ``run(stage, received,
+    graph_inputs)`` runs one stage where calling it does not do (stages that exchange parts of
+    their boundary values: ``partita.runtime.tensor_parallel.run_whole``).
     """
     metadata = []
     received: tuple[torch.Tensor, ...] = ()
     with rng_and_buffers_restored(stages, device):
         for stage in stages:
             with compute.context():
-                out = stage(*received, *stage.graph_inputs(flat_microbatch))
+                graph_inputs = stage.graph_inputs(flat_microbatch)
+                out = stage(*received, *graph_inputs) if run is None else run(stage, received, graph_inputs)
             outputs = (out,) if stage.spec.is_last else tuple(compute.boundary(t) for t in out)
             complete = _split_backward_complete(stage, received, outputs)
             outputs = tuple(_detached(t) for t in outputs)

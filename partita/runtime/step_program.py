@@ -8,6 +8,7 @@ one -- is built at its first use, from one micro-batch of the shapes it runs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from partita.runtime.precision import FP32, Compute, drop_dtype_assertions
 from partita.runtime.process_groups import Topology
 from partita.runtime.sharding import standing_in, whole_backward_stages
 from partita.runtime.stages import StageModule, narrow_batch
-from partita.runtime.tensor_parallel import TensorParallel, program_layouts, rewrite_stage
+from partita.runtime.tensor_parallel import TensorParallel, program_layouts, rewrite_stage, run_whole
 from partita.runtime.uneven import UnevenExecutor
 from partita.types import OpGraph, Plan
 
@@ -96,10 +97,14 @@ class StepProgram:
         if metadata is None:
             for runner in self.runners.values():  # the stages read whole parameters, not shards
                 runner.unshard()
-            metadata = stage_metadata(self.all_stages, flat_microbatch, top.device, self.compute)
+            run = None
+            if self.tensor_parallel is not None and self.tensor_parallel.parts_sent:
+                run = self._run_whole
+            metadata = stage_metadata(self.all_stages, flat_microbatch, top.device, self.compute, run)
             for runner in self.runners.values():
                 runner.reshard()
-        self._metadata = metadata
+        self._metadata = self._as_sent(metadata)
+        metadata = self._metadata
         if not top.uniform:
             stage = self.stages[0]  # uneven plans run one stage per rank group
             self._executor = UnevenExecutor(
@@ -133,6 +138,27 @@ class StepProgram:
         # The schedule cuts `target` into micro-batches and hands them to the loss function,
         # which ignores them: the last stage computes the loss itself.
         self._dummy_target = torch.zeros(plan.num_microbatches, device=top.device)
+
+    def _run_whole(self, stage: StageModule, received: Sequence[Any], graph_inputs: Sequence[Any]) -> Any:
+        """A stage in ``stage_metadata``'s run: this rank's (rewritten, exchanging parts) on whole values."""
+        if stage not in self.stages:
+            return stage(*received, *graph_inputs)
+        return run_whole(self.tensor_parallel, stage, received, graph_inputs)
+
+    def _as_sent(self, metadata: list[StageMetadata]) -> list[StageMetadata]:
+        """``metadata`` (whole boundary values) with the values that travel in part at their parts' shapes."""
+        tp = self.tensor_parallel
+        if tp is None or not tp.parts_sent:
+            return metadata
+        result = []
+        for stage, meta in zip(self.all_stages, metadata):
+            spec = stage.spec
+            received = tp.boundary_shapes(spec.index, spec.input_names, meta.input_args, sent=False)
+            sent = meta.output_args
+            if not spec.is_last:
+                sent = tp.boundary_shapes(spec.index, spec.output_names, meta.output_args, sent=True)
+            result.append(dataclasses.replace(meta, input_args=received, output_args=sent))
+        return result
 
     def run(self, local: list, *, forward_only: bool = False) -> list[torch.Tensor]:
         """Forward and backward of every micro-batch of one pipeline round (``forward_only``: the

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -71,7 +71,8 @@ _GROUPS: dict[int, dist.ProcessGroup] = {}  # key (an int in the FX graphs) -> g
 class TensorParallel:
     """This rank's tensor-parallel group: ``degree`` ranks, this one ``index``-th; ``analyses``:
     stage index -> the layout of that stage's graph, for every stage of a degree above 1 (each at
-    its own, ``degrees``; with its ``sequence`` analysis when ``sequence_parallel``)."""
+    its own, ``degrees``; with its ``sequence`` analysis when ``sequence_parallel``); ``parts_sent``:
+    the boundary values that travel in part (``boundary_parts``)."""
 
     degree: int
     index: int
@@ -79,6 +80,7 @@ class TensorParallel:
     analyses: Mapping[int, TensorParallelAnalysis]
     sequence_parallel: bool = False
     degrees: Mapping[int, int] | None = None  # stage index -> its degree; None: ``degree`` for every stage
+    parts_sent: Mapping[tuple[int, str], TokenSplit] = field(default_factory=dict)
 
     @property
     def key(self) -> int:
@@ -97,6 +99,25 @@ class TensorParallel:
 
     def degree_of(self, stage: int) -> int:
         return self.degree if self.degrees is None else self.degrees[stage]
+
+    def sent_in_part(self, stage: int) -> dict[str, TokenSplit]:
+        """Value name -> token split, of what stage ``stage`` sends to the next in part."""
+        return {name: split for (k, name), split in self.parts_sent.items() if k == stage}
+
+    def boundary_shapes(self, stage: int, names: Sequence[str], tensors: Sequence[Any], *, sent: bool) -> tuple:
+        """``tensors`` (the boundary values ``names`` of ``stage`` at their whole shapes: what it
+        receives, or with ``sent`` what it sends) as they travel: the parts of those sent in part
+        (empty tensors of the part's shape, same dtype, device and ``requires_grad``)."""
+        parts = self.sent_in_part(stage if sent else stage - 1)
+        out = []
+        for name, t in zip(names, tensors):
+            split = parts.get(name)
+            if split is not None:
+                shape = list(t.shape)
+                shape[split.dim] //= self.degree_of(stage)
+                t = torch.empty(shape, dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
+            out.append(t)
+        return tuple(out)
 
 
 def local_plan(plan: Plan, index: int) -> Plan:
@@ -149,6 +170,34 @@ def stage_analyses(
         for stage in split:
             k = stage.spec.index
             found[k].sequence = _sequence_of_stage(stage, found[k], splits[degrees[k]])
+    return found
+
+
+def boundary_parts(
+    all_stages: Sequence[StageModule], analyses: Mapping[int, TensorParallelAnalysis], degrees: Mapping[int, int]
+) -> dict[tuple[int, str], TokenSplit]:
+    """(sending stage, value name) -> token split, of the boundary values that travel in part: where
+    stages ``k`` and ``k + 1`` run sequence parallelism at one degree, ``k`` holds the value split by
+    token (it would gather it whole to send it) and ``k + 1`` takes the same part of it at its start
+    (it would slice it again). Each rank then sends and receives its own tokens, as Megatron-LM does:
+    the transfer and the received tensor that the stage keeps shrink by the degree, and neither the
+    gather nor the slice runs. Any other boundary value travels whole, in particular between stages of
+    different degrees (``partita.runtime.uneven`` sends one rank's copy to several)."""
+    by_index = {s.spec.index: s for s in all_stages}
+    found: dict[tuple[int, str], TokenSplit] = {}
+    for k, stage in sorted(by_index.items()):
+        after = by_index.get(k + 1)
+        here, there = analyses.get(k), analyses.get(k + 1)
+        if after is None or here is None or there is None or here.sequence is None or there.sequence is None:
+            continue
+        if degrees[k] != degrees[k + 1]:
+            continue
+        output = next(n for n in stage.graph_module.graph.nodes if n.op == "output")
+        sent = [node.name for node in output.args[0]]  # the boundary_tensor wrapper of each output
+        for name, node_name in zip(stage.spec.output_names, sent):
+            mine, theirs = here.sequence.whole_gathers.get(node_name), there.sequence.sources.get(name)
+            if mine is not None and theirs is not None and (mine.dim, mine.inner) == (theirs.dim, theirs.inner):
+                found[(k, name)] = theirs
     return found
 
 
@@ -308,6 +357,28 @@ def embedding_scattered(
     return reduce_scatter_out(partial, dim, inner, key)
 
 
+def run_whole(tp: TensorParallel, stage: StageModule, received: Sequence[Any], graph_inputs: Sequence[Any]) -> Any:
+    """Run a rewritten ``stage`` on whole boundary values and return whole ones: its received values
+    that travel in part sliced to this rank's, the outputs sent in part gathered whole. What
+    ``stage_metadata`` needs, which runs every stage in sequence (this rank's rewritten ones among
+    the others, whole) and records the whole shapes (``TensorParallel.boundary_shapes`` makes
+    the parts')."""
+    k = stage.spec.index
+    arriving = tp.sent_in_part(k - 1) if k > 0 else {}
+    received = [
+        scatter_tokens(x, split.dim, split.inner, tp.key) if (split := arriving.get(name)) is not None else x
+        for name, x in zip(stage.spec.input_names, received)
+    ]
+    out = stage(*received, *graph_inputs)
+    if stage.spec.is_last:
+        return out
+    leaving = tp.sent_in_part(k)
+    return tuple(
+        gather_tokens(x, split.dim, split.inner, tp.key) if (split := leaving.get(name)) is not None else x
+        for name, x in zip(stage.spec.output_names, out)
+    )
+
+
 def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
     """Insert the collectives of the stage's layout into its graph (in place, recompiled), and those
     of its sequence parallelism (``TensorParallelAnalysis.sequence``) where the plan has it."""
@@ -358,7 +429,11 @@ def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
             classes = analysis.vocab[name]
             node.target, node.args, node.kwargs = cross_entropy, (args[0], args[1], reduction, ignore, classes, key), {}
     if sequence is not None:
-        _rewrite_sequence(g, nodes, sequence, key, tp.degree)
+        k = stage.spec.index
+        received_in_part = set(tp.sent_in_part(k - 1)) if k > 0 else set()
+        sent = tp.sent_in_part(k)
+        positions = {i for i, name in enumerate(stage.spec.output_names) if name in sent}
+        _rewrite_sequence(g, nodes, sequence, key, tp.degree, received_in_part, positions)
     sharded = set(analysis.states) | (set(sequence.states) if sequence is not None else set())
     for node in list(g.nodes):  # shape assertions of split values would name the whole sizes
         if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_tensor_metadata.default":
@@ -368,13 +443,22 @@ def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
     gm.recompile()
 
 
-def _rewrite_sequence(g: torch.fx.Graph, nodes: dict, sequence: Any, key: int, degree: int) -> None:
+def _rewrite_sequence(
+    g: torch.fx.Graph,
+    nodes: dict,
+    sequence: Any,
+    key: int,
+    degree: int,
+    received_in_part: set[str],
+    sent_in_part: set[int],
+) -> None:
     """Sequence parallelism's part of ``rewrite_stage`` besides the row-parallel outputs, embeddings and
-    column inputs: received values taken in part, whole operands sliced to this rank's tokens or
-    (broadcast over them) their gradients summed, views resized, outputs gathered whole."""
+    column inputs: received values taken in part (those in ``received_in_part`` arrive so), whole
+    operands sliced to this rank's tokens or (broadcast over them) their gradients summed, views
+    resized, outputs gathered whole (except those at the positions ``sent_in_part``, sent as they are)."""
     for name, split in sequence.sources.items():
         node = nodes[name]
-        if node.op != "placeholder":
+        if node.op != "placeholder" or name in received_in_part:
             continue
         users = list(node.users)
         with g.inserting_after(node):  # stage graphs interleave received placeholders with their wrappers
@@ -408,8 +492,10 @@ def _rewrite_sequence(g: torch.fx.Graph, nodes: dict, sequence: Any, key: int, d
         node = nodes[name]
         _set_operand(node, position, whole_of(_operand(node, position), split))
     output = next(n for n in g.nodes if n.op == "output")
+    kept_in_part = {output.args[0][i].name for i in sent_in_part}  # boundary_tensor wrappers
     for name, split in sequence.whole_gathers.items():
-        output.replace_input_with(nodes[name], whole_of(nodes[name], split))
+        if name not in kept_in_part:
+            output.replace_input_with(nodes[name], whole_of(nodes[name], split))
 
 
 def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None) -> None:
@@ -480,14 +566,9 @@ def start_tensor_parallel(
         return None
     degree, sequence = topology.tensor_parallel, topology.sequence_parallel
     degrees = stage_degrees(job)
-    tp = TensorParallel(
-        degree,
-        topology.tp_index,
-        topology.tp_group,
-        stage_analyses(graph, all_stages, degrees, sequence),
-        sequence,
-        degrees,
-    )
+    analyses = stage_analyses(graph, all_stages, degrees, sequence)
+    parts = boundary_parts(all_stages, analyses, degrees) if sequence else {}
+    tp = TensorParallel(degree, topology.tp_index, topology.tp_group, analyses, sequence, degrees, parts)
     shard_parameters(own, tp, release_whole=release_whole)
     return tp
 
@@ -511,7 +592,10 @@ def program_layouts(tp: TensorParallel, graph: OpGraph, all_stages: Sequence[Sta
             f"than the planned one ({differ} ...): pad the batches to the planned shapes, or plan with "
             "tensor_parallel=1"
         )
-    return dataclasses.replace(tp, analyses=found)
+    parts = {}
+    if tp.sequence_parallel:
+        parts = boundary_parts(all_stages, found, {s.spec.index: tp.degree_of(s.spec.index) for s in all_stages})
+    return dataclasses.replace(tp, analyses=found, parts_sent=parts)
 
 
 def spanning_degrees(full: Plan, stages: Sequence[StageModule]) -> dict[str, tuple[int, ...]]:

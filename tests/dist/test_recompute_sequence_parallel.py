@@ -114,6 +114,30 @@ def _check(results: list, config: dict) -> None:
         assert all(r[label]["token_sources"] for r in results), [r[label]["token_sources"] for r in results]
     else:
         assert not mine["token_sources"]
+    _check_boundaries(config, results)
+
+
+def _check_boundaries(config: dict, results: list) -> None:
+    """Between stages with sequence parallelism the residual stream travels in part: each rank sends
+    its tokens (the sizes along the token dim: the captured one over the degree), and what a stage
+    sends has the shapes its successor receives."""
+    label = config["label"]
+    parts = [p for r in results for p in r[label]["parts"]]
+    if config.get("sequence_parallel") and config["num_stages"] > 1:
+        assert all(r[label]["parts_sent"] for r in results), [r[label]["parts_sent"] for r in results]
+        assert any(captured == inner for _, captured, inner, _ in parts), f"{label}: no value of the sequence sent in part"
+        for sent, captured, inner, degree in parts:
+            assert captured != inner or sent * degree == captured, (label, parts)
+    else:
+        assert not parts and not any(r[label]["parts_sent"] for r in results)
+    shapes = {}
+    for r in results:
+        shapes.update(r[label]["boundary_shapes"])
+    for key, sent in shapes.items():
+        if key.startswith("sent "):
+            k = int(key.split()[1])
+            received = shapes.get(f"received {k + 1}")
+            assert received is None or received == sent, (label, k, sent, received)
 
 
 @pytest.mark.parametrize("config", TWO_RANKS, ids=[c["label"] for c in TWO_RANKS])

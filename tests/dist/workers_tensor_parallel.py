@@ -131,6 +131,35 @@ def _on_meta(config: dict, directory: Path, rank: int) -> dict:
     return result
 
 
+def _boundary_shapes(trainer) -> dict[str, list]:
+    """"received k" / "sent k" -> the shapes of what this rank's stage k receives and sends."""
+    program = trainer._programs.planned
+    shapes: dict[str, list] = {}
+    for stage in program.stages:
+        meta = program._metadata[stage.spec.index]
+        shapes[f"received {stage.spec.index}"] = [list(t.shape) for t in meta.input_args]
+        if not stage.spec.is_last:
+            shapes[f"sent {stage.spec.index}"] = [list(t.shape) for t in meta.output_args]
+    return shapes
+
+
+def _parts(trainer, graph) -> list[tuple]:
+    """(size along the token dim sent, captured size along it, the split's inner, degree) of each
+    value this rank's stages send in part."""
+    tp, program = trainer.tensor_parallel, trainer._programs.planned
+    captured = {n.name: getattr(n.meta.get("val"), "shape", None) for n in graph.graph_module.graph.nodes}
+    found = []
+    for stage in program.stages if tp is not None else ():
+        sent = tp.sent_in_part(stage.spec.index)
+        for position, name in enumerate(stage.spec.output_names if not stage.spec.is_last else ()):
+            if name in sent:
+                shape = program._metadata[stage.spec.index].output_args[position].shape
+                dim = sent[name].dim
+                whole = captured[name][dim]
+                found.append((int(shape[dim]), whole if isinstance(whole, int) else None, sent[name].inner, tp.degree))
+    return found
+
+
 def job_tp(params: dict) -> dict:
     """Each config: STEPS clipped AdamW steps; losses and parameters against unsplit training; the
     share of each parameter this rank holds; a checkpoint loaded into the plain model."""
@@ -166,6 +195,11 @@ def job_tp(params: dict) -> dict:
                 if tp is not None and tp.sequence_parallel
                 for name in tp.analyses[s.spec.index].sequence.sources
             ),
+            # the boundary values sent in part (sequence parallelism on both sides), with the shapes
+            # this rank's stages send and receive
+            "parts_sent": sorted(f"{k}:{name}" for k, name in tp.parts_sent) if tp is not None else [],
+            "boundary_shapes": _boundary_shapes(trainer),
+            "parts": _parts(trainer, case.graph),
             "losses": losses,
             "held": held,
             "whole": whole,
