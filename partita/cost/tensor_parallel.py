@@ -29,9 +29,9 @@ column-parallel matmuls (``gathered_nodes``: those matmuls keep that copy for th
 the partial output of a row-parallel matmul (whole until it is reduce-scattered: what selective
 recomputation keeps of it). Its collectives are single ring passes, ``t - 1`` steps of ``b / t``
 bytes each, ``(t - 1) α + (t - 1)/t · b / β`` (``layout.forward_passes`` / ``backward_passes``), which
-replace the all-reduces of the row-parallel outputs and column-parallel inputs. Boundary tensors
-between stages stay whole (the runtime gathers what it sends), so cut bytes are tensor
-parallelism's alone; the gathers at stage boundaries are left out.
+replace the all-reduces of the row-parallel outputs and column-parallel inputs. A token-split value
+crosses a stage boundary as each device's tokens (``cut_bytes``; the runtime's ``boundary_parts``),
+where the next stage has the same degree; to another degree it travels whole (``whole_cut_bytes``).
 
 Every device of the group runs the same work, so one table describes each of them. Reduction
 counts are elements at the graph's example batch size; they are activations (the output of a
@@ -81,8 +81,9 @@ def tensor_parallel_costs(
     split = np.zeros(graph.num_nodes, dtype=bool)
     split[[position[name] for name in layout.sharded_nodes | layout.sequence_nodes if name in position]] = True
     shards = np.where(split, t, 1)  # the work
-    tensor_parts = np.where(split_values(graph, layout), t, 1)  # the values (boundaries: tensor parallelism's)
+    tensor_parts = np.where(split_values(graph, layout), t, 1)  # the values tensor parallelism splits
     parts, saved_parts = _token_parts(graph, layout, tensor_parts)
+    sent_parts = _sent_parts(graph, layout, tensor_parts)
     forward_ar, backward_ar = reduction_times_s(costs, graph, layout, cluster)
     b, precision = costs.microbatch_size, Precision.parse(costs.precision)
     held = activation_bytes(graph, b, precision, parts)
@@ -104,7 +105,8 @@ def tensor_parallel_costs(
         backward_weight_s=np.asarray(costs.backward_weight_s) / shards,
         activation_bytes=held,
         output_bytes=output_bytes(graph, b, precision, parts),
-        cut_bytes=cut_bytes(graph, b, precision, tensor_parts),
+        cut_bytes=cut_bytes(graph, b, precision, sent_parts),
+        whole_cut_bytes=cut_bytes(graph, b, precision, tensor_parts),
         param_bytes=np.where(split_params, -(-param_bytes // t), param_bytes),
         tensor_parallel=t,
         saved_bytes=selective.saved_bytes,
@@ -121,6 +123,17 @@ def split_values(graph: OpGraph, layout: TensorParallelLayout) -> np.ndarray:
     reduce-scattered by token, ``sequence_nodes``)."""
     reduced = set(layout.forward_reductions) | (layout.sharded_nodes & layout.sequence_nodes)
     return np.array([n.name in layout.sharded_nodes and n.name not in reduced for n in graph.nodes], dtype=bool)
+
+
+def _sent_parts(graph: OpGraph, layout: TensorParallelLayout, tensor_parts: np.ndarray) -> np.ndarray:
+    """Parts of each node's value a device sends to the next stage at a cut after it: under sequence
+    parallelism its tokens of a token-split value (``partita.runtime.tensor_parallel.boundary_parts``:
+    stages of one degree exchange those in part), the whole of any other (tensor parallelism's split
+    values never cross a legal cut)."""
+    if not layout.sequence_parallel:
+        return tensor_parts
+    tokens = np.array([n.name in layout.sequence_nodes for n in graph.nodes], dtype=bool)
+    return np.where(tokens, layout.degree, tensor_parts)
 
 
 def _token_parts(graph: OpGraph, layout: TensorParallelLayout, tensor_parts: np.ndarray) -> tuple:

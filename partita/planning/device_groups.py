@@ -235,7 +235,7 @@ def per_type_degree_runs(run: MixedRun, best: int) -> list[MixedRun]:
             continue
         contexts = [ctx if d == 1 else with_layout(ctx, layouts[d]) for ctx, d in zip(run.contexts, vector)]
         chain = functools.reduce(np.intersect1d, [np.asarray(c.chain) for c in contexts])
-        contexts = [dataclasses.replace(c, chain=chain) for c in contexts]
+        contexts = [dataclasses.replace(c, chain=chain, costs_at=_sending_whole(c.costs_at)) for c in contexts]
         top = max(vector)
         resolved = {**run.resolved, "tensor_parallel": None, "sequence_parallel": layouts[top].sequence_parallel}
         found.append(
@@ -250,6 +250,15 @@ def per_type_degree_runs(run: MixedRun, best: int) -> list[MixedRun]:
             )
         )
     return found
+
+
+def _sending_whole(costs_at: Callable[[int], CostTable]) -> Callable[[int], CostTable]:
+    """``costs_at`` with every boundary value sent whole (``CostTable.whole_cut_bytes``): a stage
+    meets stages of other degrees, which exchange whole tensors, and the search costs a stage before
+    it knows its neighbours (an upper bound where both sides share a degree and exchange parts)."""
+    return functools.lru_cache(maxsize=None)(
+        lambda b: dataclasses.replace(costs_at(b), cut_bytes=costs_at(b).whole_cut_bytes)
+    )
 
 
 def mixed_precision(pinned: Precision | None, cluster: Cluster) -> Precision:

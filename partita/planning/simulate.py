@@ -103,7 +103,8 @@ def pipeline_inputs(
     moves the trainable parameter bytes of the range over the stage's replicas (one ring per
     tensor-parallel index, side by side, each over a device's shard), a sharded stage's
     all-gather their bytes in the plan's precision (``_collectives``); the send to the next stage moves
-    ``cut_bytes[stop]`` between the two stages' first ranks; the optimizer step moves the range's
+    ``cut_bytes[stop]`` (``whole_cut_bytes`` to a stage of another tensor-parallel degree) between the
+    two stages' first ranks; the optimizer step moves the range's
     trainable parameters (a sharded stage: its shard) and states over the device's memory
     bandwidth (``optimizer_step_s``, slowed by ``cluster.compute_slowdown`` like the compute).
     """
@@ -153,7 +154,9 @@ def stages_pipeline_inputs(
             send.append(0.0)
             continue
         same_node = cluster.rank_to_node(here.ranks[0]) == cluster.rank_to_node(after.ranks[0])
-        send.append(comm.p2p_time_s(float(tables[k].cut_bytes[here.stop]), cluster, same_node=same_node))
+        alike = here.tensor_parallel == after.tensor_parallel  # else whole tensors (CostTable.whole_cut_bytes)
+        sent = tables[k].cut_bytes if alike else tables[k].whole_cut_bytes
+        send.append(comm.p2p_time_s(float(sent[here.stop]), cluster, same_node=same_node))
     return PipelineInputs(
         schedule=schedule,
         num_microbatches=num_microbatches,

@@ -29,7 +29,12 @@ class CostTable:
         output_bytes[n]       bytes of node n's outputs (0 for views).
         cut_bytes[c]          bytes of every tensor produced before cut c and read at or after
                               it (skip connections included; graph inputs excluded, since every
-                              rank has the batch).
+                              rank has the batch): what one device sends at cut c, and what the
+                              next stage keeps of it.
+        whole_cut_bytes[c]    the same when the stage after the cut does not split its values as
+                              this table does (another tensor-parallel degree, or none): under
+                              sequence parallelism stages of one degree exchange each device's
+                              tokens (cut_bytes), others the whole tensors. cut_bytes by default.
         param_bytes[p]        bytes of parameter p (in its own dtype).
         param_trainable[p]    whether p gets a gradient and optimizer state (False for buffers).
         param_uses[p]         sorted node positions that read parameter p.
@@ -70,9 +75,12 @@ class CostTable:
     saved_bytes: Any = None
     recomputed_bytes: Any = None
     selective_recompute_s: Any = None
+    whole_cut_bytes: Any = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: fill what a hand-made table leaves out, once
+        if self.whole_cut_bytes is None:
+            set_(self, "whole_cut_bytes", self.cut_bytes)
         if self.saved_bytes is None:
             set_(self, "saved_bytes", np.asarray(self.activation_bytes, dtype=np.int64))
         if self.recomputed_bytes is None:
