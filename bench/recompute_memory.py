@@ -2,12 +2,13 @@
 against the memory model.
 
 GPT-2 of hidden ``--hidden`` (512: 8 heads), ``--layers`` layers (4), vocabulary 8192, 128 tokens,
-global batch 16, AdamW, fp32, eager attention, on 2 gloo ranks:
+global batch 16, AdamW, fp32, eager attention, on gloo ranks:
 
 - recomputation: 2 stages of equal node counts, GPipe with 4 micro-batches of 4 samples (every
   micro-batch in flight at the peak), every stage at one level: none, selective, full.
 - sequence parallelism: 1 stage on a tensor-parallel group of 2, GPipe with 4 micro-batches, without
-  and with ``sequence_parallel`` (recomputation none).
+  and with ``sequence_parallel`` (recomputation none); and 2 stages (split before the middle layer) of
+  a group of 2 each, on 4 ranks, where the residual stream crosses the boundary as each rank's tokens.
 
 Predicted: the planner's memory model for that stage on that rank (``partita.cost.memory.device_memory``
 on the analytic cost table at the micro-batch size, tensor-parallel costs at degree 2: what
@@ -19,6 +20,7 @@ parent writes, after a warm-up run of the same code on a tiny GPT-2). Also the r
 steps (parameters, gradients, optimizer state, the captured graph's bookkeeping).
 
 Usage: python bench/recompute_memory.py [--hidden 512] [--layers 4] [--out bench/results/recompute_memory.md]
+       [--only "tp2 + sp x 2 stages"]
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ NOTES = [
 
 
 def cases(args) -> list[dict]:
-    """(label, plan options) of every measured run; all on 2 ranks."""
+    """(label, plan options) of every measured run: on 2 ranks, the last on 4."""
     found = [
         dict(label=f"recompute {level}", num_stages=2, tensor_parallel=1, recompute=level)
         for level in ("none", "selective", "full")
@@ -78,16 +80,26 @@ def cases(args) -> list[dict]:
         )
         for sp in (False, True)
     ]
+    # two stages of a group of 2 each (4 ranks): the residual stream crosses the boundary as each rank's tokens
+    found.append(
+        dict(label="tp2 + sp x 2 stages", num_stages=2, tensor_parallel=2, recompute="none", sequence_parallel=True)
+    )
     return found
 
 
 def make_plan(graph, case: dict):
     from partita.planning.manual import manual_plan
 
+    from partita.planning.chain import layer_boundaries
+
     n, s = graph.num_nodes, case["num_stages"]
+    boundaries = [n * k // s for k in range(s + 1)]
+    if case["tensor_parallel"] > 1 and s == 2:  # a cut outside the split regions: the middle layer's first node
+        layers = layer_boundaries(graph)
+        boundaries = [0, layers[len(layers) // 2], n]
     return manual_plan(
         graph,
-        [n * k // s for k in range(s + 1)],
+        boundaries,
         schedule="gpipe",
         num_rank_groups=s,
         num_microbatches=NUM_MICROBATCHES,
@@ -140,7 +152,8 @@ def measure(case: dict, args, log) -> dict:
     plan.save(path)
     save_seed(build_example(name, GLOBAL_BATCH).model, seed)  # in the parent: not measured
     started = time.perf_counter()
-    results = run_ranks(Path(__file__), 2, work, timeout_s=args.timeout, model=name, plan=path, seed=seed)
+    ranks = case["num_stages"] * case["tensor_parallel"]
+    results = run_ranks(Path(__file__), ranks, work, timeout_s=args.timeout, model=name, plan=path, seed=seed)
     predicted = predicted_bytes(graph, plan)
     log(
         f"{case['label']}: measured "
@@ -232,7 +245,7 @@ def write_markdown(path: Path, args, header: str, rows: list[dict], started: flo
         f"- date: {now_utc()}; {header}",
         f"- model: GPT-2, {args.layers} layers, hidden {args.hidden} ({args.hidden // 64} heads), vocabulary 8192, "
         f"128 tokens, eager attention, global batch {GLOBAL_BATCH}, GPipe with {NUM_MICROBATCHES} micro-batches "
-        "(all in flight at the peak), AdamW, fp32, 2 gloo ranks.",
+        "(all in flight at the peak), AdamW, fp32, 2 gloo ranks (4 for two stages of tensor parallelism).",
         "- predicted: `device_memory` on the analytic cost table at the micro-batch size (tensor-parallel costs "
         "at degree 2), per rank. measured: glibc's bytes in use (`mallinfo2`, sampled every 0.5 ms) over 2 steps "
         "after a warm-up step, less their value before the model was built; `resting`: the same between steps.",
@@ -271,6 +284,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "partita-recompute")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "recompute_memory.md")
+    parser.add_argument("--only", type=lambda text: text.split(","), help="labels of the runs to measure (a trial)")
     args = parser.parse_args()
     started = time.perf_counter()
     header = machine_line()
@@ -278,7 +292,7 @@ def main() -> None:
     def log(text: str) -> None:
         print(f"[{time.perf_counter() - started:6.0f} s] {text}", flush=True)
 
-    rows = [measure(case, args, log) for case in cases(args)]
+    rows = [measure(case, args, log) for case in cases(args) if args.only is None or case["label"] in args.only]
     write_markdown(args.out, args, header, rows, started)
     log(f"wrote {args.out}")
 
