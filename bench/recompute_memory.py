@@ -88,9 +88,8 @@ def cases(args) -> list[dict]:
 
 
 def make_plan(graph, case: dict):
-    from partita.planning.manual import manual_plan
-
     from partita.planning.chain import layer_boundaries
+    from partita.planning.manual import manual_plan
 
     n, s = graph.num_nodes, case["num_stages"]
     boundaries = [n * k // s for k in range(s + 1)]
