@@ -55,6 +55,11 @@ EXHAUSTIVE_BLOCKS = 16
 EXHAUSTIVE_SPLITS = 512
 SPLIT_MARGIN = 0.10
 SPLITS_KEPT = 32
+# Bytes of matrices the StageCosts a planning run remembers may hold (``SearchCache``): each holds
+# (K+1)^2 matrices per sharding level, recomputation level and micro-batch count in flight, 2 MB
+# each at K = 514 blocks, and a 1T model on 64 interleaved rank groups at max_blocks=256 made
+# hundreds of them (beyond 24 GB). The least recently used are dropped and rebuilt when asked again.
+STAGE_COSTS_BUDGET_BYTES = 1 << 30
 
 
 # ----------------------------------------------------------------------------- stage costs
@@ -119,6 +124,13 @@ class StageCosts:
             if level is not Sharding.REPLICATE:
                 penalty[level] = np.maximum(0.0, self._overhead(level, cluster) - self.tail) / m
         return penalty
+
+    def nbytes(self) -> int:
+        """Bytes of the matrices this StageCosts made (those of its BlockCosts are shared)."""
+        arrays = [*self.extra.values(), *self.penalty.values(), self.tail, *self._cache.values()]
+        arrays += [a for pair in self._costs.values() for a in pair]
+        arrays += [a for memory in self._memory.values() for a in vars(memory).values() if isinstance(a, np.ndarray)]
+        return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))
 
     def fits(self, in_flight: float, recompute: Recompute, level: Sharding = Sharding.REPLICATE) -> np.ndarray:
         key = (in_flight, recompute, level)
@@ -220,9 +232,11 @@ class SearchCache:
     ``StageCosts`` by what they depend on (``stage_costs``), and each config's candidates
     (``best_plan`` may search twice: pruned, then in full)."""
 
-    def __init__(self) -> None:
-        self._stage_costs: dict[tuple, tuple[BlockCosts, StageCosts]] = {}
+    def __init__(self, budget_bytes: int | None = None) -> None:
+        self._stage_costs: dict[tuple, tuple[BlockCosts, StageCosts]] = {}  # least recently used first
+        self._memo: dict[tuple, tuple[BlockCosts, float | bool]] = {}  # bottleneck floors, may_fit answers
         self.candidates: dict[Config, list[Candidate]] = {}
+        self.budget_bytes = STAGE_COSTS_BUDGET_BYTES if budget_bytes is None else budget_bytes
 
     def stage_costs(self, blocks: BlockCosts, config: Config, options: SearchOptions, cluster) -> StageCosts:
         """The StageCosts of ``config``, shared with every config of the same micro-batch size,
@@ -235,31 +249,44 @@ class SearchCache:
             config.recompute_mode,
             rank_groups_span_nodes(config, cluster),
         )
-        made = self._stage_costs.get(key)
+        made = self._stage_costs.pop(key, None)
         if made is None or made[0] is not blocks:
-            made = self._stage_costs[key] = (blocks, StageCosts(blocks, config, options, cluster))
+            self._trim()
+            made = (blocks, StageCosts(blocks, config, options, cluster))
+        self._stage_costs[key] = made  # now the most recently used
         return made[1]
+
+    def _trim(self) -> None:
+        """Drop the least recently used StageCosts until the rest hold at most ``budget_bytes`` of
+        matrices (one is rebuilt alike when asked for again: only planning time changes)."""
+        held = [made[1].nbytes() for made in self._stage_costs.values()]
+        total = sum(held)
+        for key, nbytes in zip(list(self._stage_costs), held):
+            if total <= self.budget_bytes:
+                break
+            del self._stage_costs[key]
+            total -= nbytes
 
     def bottleneck_floor(self, blocks: BlockCosts, num_stages: int) -> float:
         """The smallest max compute (F + B per micro-batch) over the splits of the chain into
         ``num_stages`` stages: no stage of any config costs less than its compute, so no split of
         any config at this micro-batch size has a smaller bottleneck (remembered per size and depth)."""
         key = ("bottleneck floor", id(blocks), num_stages)
-        made = self._stage_costs.get(key)
+        made = self._memo.get(key)
         if made is None or made[0] is not blocks:
             ranges = blocks.stage_totals
             compute = np.where(ranges["valid"], ranges["compute_s"], np.inf)
             value = min_bottleneck(lambda s: compute, blocks.num_blocks, num_stages, ranges["work_prefix_s"])
-            made = self._stage_costs[key] = (blocks, value)
+            made = self._memo[key] = (blocks, value)
         return made[1]
 
     def may_fit(self, blocks: BlockCosts, config: Config, options: SearchOptions) -> bool:
         """``_may_fit``, remembered by what it depends on (configs differ mostly in schedule and m)."""
         sharded = config.replicas > 1 and options.sharding is not Sharding.REPLICATE
         key = ("may fit", config.microbatch_size, config.num_rank_groups, config.replicas if sharded else 1)
-        made = self._stage_costs.get(key)
+        made = self._memo.get(key)
         if made is None or made[0] is not blocks:
-            made = self._stage_costs[key] = (blocks, _may_fit(blocks, config, options))
+            made = self._memo[key] = (blocks, _may_fit(blocks, config, options))
         return made[1]
 
 

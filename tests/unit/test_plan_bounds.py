@@ -220,3 +220,23 @@ def test_neighbour_bounds_equal_the_bounds_one_by_one(seed):
             assert fresh.neighbours(block_to_node_boundaries(ctx.chain, here), splits) == [bound(s) for s in splits]
             compared += len(splits)
     assert compared > 0
+
+
+def test_a_search_cache_over_its_budget_drops_stage_costs_and_finds_the_same_candidates():
+    """``SearchCache`` keeps its StageCosts within a byte budget (a 1T model at fine blocks made
+    more than 24 GB of them): at budget 0 it holds only the one in use, and every config's
+    candidates are those of an unbounded cache (a dropped StageCosts is rebuilt alike)."""
+    ctx = random_instance(3, num_nodes=(6, 12))
+    options = dataclasses.replace(ctx.options, num_devices=4)
+    blocks_at = functools.lru_cache(maxsize=None)(lambda b: block_costs(ctx.costs_at(b), ctx.chain))
+    k = len(ctx.chain) - 1
+    unbounded, tight = SearchCache(), SearchCache(budget_bytes=0)
+    searched = 0
+    for config in enumerate_configs(options, k):
+        blocks = blocks_at(config.microbatch_size)
+        want = search_config(blocks, config, options, ctx.search_cluster, unbounded)
+        got = search_config(blocks, config, options, ctx.search_cluster, tight)
+        assert got == want, config
+        assert len(tight._stage_costs) <= 1
+        searched += 1
+    assert searched > 10 and len(unbounded._stage_costs) > 1
