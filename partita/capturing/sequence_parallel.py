@@ -19,7 +19,8 @@ Found on the graph, without model code. A *region* grows from its sources:
 * to its exits: the input of a column-parallel matmul (all-gathered, its backward reduce-scattered),
   and a graph output or an operation that runs whole (a matmul tensor parallelism left whole, an
   operation without a rule such as a loss): all-gathered whole there, its backward keeping this
-  device's part (what runs whole runs alike on every device; boundary tensors stay whole).
+  device's part (what runs whole runs alike on every device; the runtime sends a stage's output
+  in part where the next stage takes that same part: ``partita.runtime.tensor_parallel.boundary_parts``).
 
 A whole value that meets a split one is sliced to this device's tokens (its gradient all-gathered);
 one broadcast over the tokens (a norm's weight, a bias) gets its gradient summed over the group,

@@ -18,7 +18,8 @@ Explicit collectives, not DTensor: the stage graphs stay plain tensors, so FSDP2
 pipelines, recomputation and bf16 autocast work on them unchanged, and a fused QKV projection
 (one weight holding query, key and value) splits by heads, which no DTensor placement expresses.
 Boundary tensors between stages are whole (replicated in the group), and so are their gradients:
-each rank of a group sends its copy along its own pipeline. Where the stages on both sides of a
+each rank of a group sends its copy along its own pipeline (under sequence parallelism, see below,
+a token-split one crosses in part). Where the stages on both sides of a
 boundary have different degrees (stages on device types of their own, a mixed cluster's plan;
 partita's executor runs them), the receiving rank of index ``i`` takes the tensor from the sending
 rank of index ``i mod t_k`` and sends its gradient back to the sending ranks of the indices ``j``
@@ -27,7 +28,8 @@ with ``j mod t_{k+1} = i`` (``partita.runtime.uneven``).
 Sequence parallelism (``StagePlan.sequence_parallel``; ``partita.capturing.sequence_parallel``) also
 splits the regions between them by token: row-parallel outputs are reduce-scattered, the inputs of
 column-parallel matmuls all-gathered, and a stage takes its part of a received value the whole
-graph splits, and gathers whole what it sends. Checkpoints and ``gather_state_dict`` hold whole tensors
+graph splits, and gathers whole what it sends -- except between two stages of one degree that
+both split the value alike, which exchange each rank's tokens (``boundary_parts``). Checkpoints and ``gather_state_dict`` hold whole tensors
 under the original names (``gather_full``), so any plan, or the plain model, loads them.
 """
 
