@@ -6,7 +6,8 @@ full-batch training (AdamW, clipped, 3 steps: losses and every parameter within 
   degree 2 (GPT-2, Llama, T5);
 - sequence parallelism at tensor-parallel degree 2 (GPT-2, Llama, and BERT, whose masked-LM head
   runs whole on its gathered input), and at degree 2 x 2 pipeline stages (GPT-2 and Llama; Llama
-  also with selective recomputation).
+  also with selective recomputation, and Llama built on meta from a seed checkpoint); between stages
+  the residual stream travels as each rank's tokens.
 
 Each run's checkpoint loads into the plain model (and into trainers of the same plan and of one
 without tensor parallelism), and ``evaluate()`` on a shorter sequence gives the unsplit model's
@@ -70,7 +71,10 @@ FOUR_RANKS = [
         schedule="interleaved1f1b",
     ),
 ]
-for config in TWO_RANKS + FOUR_RANKS:
+# the model built on meta, each rank loading its parts from a seed checkpoint: the pipeline's shapes
+# are found on meta before the stages are split, then reshaped for the values that cross in part
+ON_META = dict(label="llama-sp-tp2-pp2-meta", model="llama", meta=True, **SEQUENCE, **PIPELINE)
+for config in TWO_RANKS + FOUR_RANKS + [ON_META]:
     config.setdefault("tensor_parallel", 1)
     config.setdefault("num_stages", 1)
     config.setdefault("replicas", 1)
@@ -81,7 +85,7 @@ for config in TWO_RANKS + FOUR_RANKS:
 # the launches (fixture name -> job): shared with the other jobs of their world size (tests/dist/conftest.py)
 SHARED_JOBS = {
     "two": Job("workers_tensor_parallel:job_tp", 2, 900, dict(configs=TWO_RANKS), ("checkpoints",)),
-    "four": Job("workers_tensor_parallel:job_tp", 4, 900, dict(configs=FOUR_RANKS), ("checkpoints",)),
+    "four": Job("workers_tensor_parallel:job_tp", 4, 900, dict(configs=[*FOUR_RANKS, ON_META]), ("checkpoints",)),
 }
 
 
@@ -148,3 +152,13 @@ def test_on_two_ranks_equals_unsplit_training(two, config):
 @pytest.mark.parametrize("config", FOUR_RANKS, ids=[c["label"] for c in FOUR_RANKS])
 def test_on_four_ranks_equals_unsplit_training(four, config):
     _check(four, config)
+
+
+def test_a_model_built_on_meta_sends_parts_and_equals_unsplit_training(four):
+    label = ON_META["label"]
+    mine = four[0][label]
+    assert mine["param"][0] <= TOLERANCE, mine["param"]
+    for got, want in zip(mine["losses"], mine["ref_losses"], strict=True):
+        assert abs(got - want) <= TOLERANCE, (mine["losses"], mine["ref_losses"])
+    parts = [p for r in four for p in r[label]["parts"]]
+    assert any(captured == inner and sent * degree == captured for sent, captured, inner, degree in parts), parts

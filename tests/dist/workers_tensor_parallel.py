@@ -125,6 +125,7 @@ def _on_meta(config: dict, directory: Path, rank: int) -> dict:
     result: dict[str, Any] = {"losses": [_step(trainer, case.batches[k]) for k in range(STEPS)]}
     state = trainer.gather_state_dict()
     result["held"] = sum(p.numel() for p in trainer.params.values())
+    result["parts"] = _parts(trainer, graph)
     if rank == 0:
         ref_losses, ref_state = reference_run(case, adamw, STEPS, max_grad_norm=MAX_GRAD_NORM)
         result.update(ref_losses=ref_losses, param=max_diff(state, ref_state))
