@@ -160,7 +160,7 @@ def stage_metadata(
     between stages, so only one stage's activations are alive at a time. Stages run in ``compute``'s
     precision, and record the dtypes their runners send (precision.py). ``run(stage, received,
     graph_inputs)`` runs one stage where calling it does not do (stages that exchange parts of
-    their boundary values: ``partita.runtime.tensor_parallel.run_whole``).
+    their boundary values: ``partita.runtime.tensor_parallel_rewrite.run_whole``).
     """
     metadata = []
     received: tuple[torch.Tensor, ...] = ()

@@ -30,7 +30,8 @@ from partita.runtime.precision import FP32, Compute, drop_dtype_assertions
 from partita.runtime.process_groups import Topology
 from partita.runtime.sharding import standing_in, whole_backward_stages
 from partita.runtime.stages import StageModule, narrow_batch
-from partita.runtime.tensor_parallel import TensorParallel, program_layouts, rewrite_stage, run_whole
+from partita.runtime.tensor_parallel import TensorParallel, program_layouts
+from partita.runtime.tensor_parallel_rewrite import rewrite_stage, run_whole
 from partita.runtime.uneven import UnevenExecutor
 from partita.types import OpGraph, Plan
 

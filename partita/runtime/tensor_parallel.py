@@ -11,8 +11,9 @@ scaling -- and the groups meet only inside the stages:
   only where all of them split it alike, at one degree;
 * ``shard_parameters`` gives each stage this rank's part of every split weight (a new Parameter,
   before the optimizer and FSDP2 see it);
-* ``rewrite_stage`` (after the loss rewriting of loss_scaling.py) inserts the collectives of
-  ``tensor_parallel_ops`` into the stage graph and divides the size arguments of the views.
+* ``rewrite_stage`` (``tensor_parallel_rewrite.py``, after the loss rewriting of loss_scaling.py)
+  inserts the collectives of ``tensor_parallel_ops`` into the stage graph and divides the size
+  arguments of the views.
 
 Explicit collectives, not DTensor: the stage graphs stay plain tensors, so FSDP2, the
 pipelines, recomputation and bf16 autocast work on them unchanged, and a fused QKV projection
@@ -48,7 +49,6 @@ from torch import nn
 from partita.capturing.sequence_parallel import TokenSplit, analyze_sequence, whole_graph_splits
 from partita.capturing.tensor_parallel import TensorParallelAnalysis, analyze
 from partita.errors import InputError
-from partita.runtime import tensor_parallel_ops as ops
 from partita.runtime.stages import StageModule, boundary_tensor, contiguous_grad
 from partita.types import OpGraph, Plan
 from partita.types.tensor_parallel import ParamShard
@@ -58,14 +58,13 @@ __all__ = [
     "gather_full",
     "local_part",
     "local_plan",
-    "rewrite_stage",
+    "process_group",
     "shard_parameters",
     "spanning_degrees",
     "stage_analyses",
     "stage_degrees",
 ]
 
-aten = torch.ops.aten
 _GROUPS: dict[int, dist.ProcessGroup] = {}  # key (an int in the FX graphs) -> group
 
 
@@ -86,6 +85,8 @@ class TensorParallel:
 
     @property
     def key(self) -> int:
+        """The group as FX graphs name it (an int: a ProcessGroup has no source form); ``process_group``
+        gives it back."""
         _GROUPS[id(self.group)] = self.group
         return id(self.group)
 
@@ -120,6 +121,11 @@ class TensorParallel:
                 t = torch.empty(shape, dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
             out.append(t)
         return tuple(out)
+
+
+def process_group(key: int) -> dist.ProcessGroup:
+    """The group of a ``TensorParallel.key`` (how the rewritten stage graphs find theirs)."""
+    return _GROUPS[key]
 
 
 def local_plan(plan: Plan, index: int) -> Plan:
@@ -293,260 +299,6 @@ def shard_parameters(stages: Sequence[StageModule], tp: TensorParallel, *, relea
         stage.rebind(local)
     for t in whole if release_whole else ():
         t.data = t.new_zeros(()).expand(t.shape)
-
-
-# ----------------------------------------------------------------------------- graph rewriting
-
-
-def copy_in(x: torch.Tensor, key: int) -> torch.Tensor:
-    return ops.copy_to_group(x, _GROUPS[key])
-
-
-def reduce_out(x: torch.Tensor, key: int) -> torch.Tensor:
-    return ops.reduce_from_group(x, _GROUPS[key])
-
-
-def scatter_in(x: torch.Tensor, dim: int, blocks: int, key: int) -> torch.Tensor:
-    return ops.scatter_to_group(x, dim, blocks, _GROUPS[key])
-
-
-def embedding(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int, key: int) -> torch.Tensor:
-    group = _GROUPS[key]
-    start = dist.get_rank(group) * weight.shape[0] if weight.device.type != "meta" else 0
-    return ops.vocab_parallel_embedding(weight, ids, start, padding_idx, group)
-
-
-def cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int, classes: int, key: int
-) -> Any:
-    group = _GROUPS[key]
-    start = dist.get_rank(group) * logits.shape[-1] if logits.device.type != "meta" else 0
-    held = min(logits.shape[-1], max(classes - start, 0))  # a padded last part: the real columns only
-    if held < logits.shape[-1]:
-        logits = logits.narrow(-1, 0, held)
-    return ops.vocab_parallel_cross_entropy(logits, target, start, reduction, ignore_index, group)
-
-
-def scatter_tokens(x: torch.Tensor, dim: int, inner: int, key: int) -> torch.Tensor:
-    """This rank's tokens of a whole ``x`` (``TokenSplit``: dim ``dim`` viewed as ``(-1, inner)``)."""
-    return ops.scatter_to_group(x, dim, x.shape[dim] // inner, _GROUPS[key])
-
-
-def gather_tokens(x: torch.Tensor, dim: int, inner: int, key: int) -> torch.Tensor:
-    """The whole of a token-split ``x``, for a consumer that computes whole (backward: this rank's part)."""
-    group = _GROUPS[key]
-    return ops.gather_from_group(x, dim, x.shape[dim] * dist.get_world_size(group) // inner, group)
-
-
-def gather_column(x: torch.Tensor, dim: int, inner: int, key: int) -> torch.Tensor:
-    """The whole of a token-split ``x`` for column-parallel matmuls (backward: reduce-scatter)."""
-    group = _GROUPS[key]
-    return ops.gather_for_column(x, dim, x.shape[dim] * dist.get_world_size(group) // inner, group)
-
-
-def reduce_scatter_out(x: torch.Tensor, dim: int, inner: int, key: int) -> torch.Tensor:
-    """This rank's tokens of the sum of the group's partial ``x`` (a row-parallel matmul's output)."""
-    return ops.reduce_scatter_to_group(x, dim, x.shape[dim] // inner, _GROUPS[key])
-
-
-def embedding_scattered(
-    weight: torch.Tensor, ids: torch.Tensor, padding_idx: int, dim: int, inner: int, key: int
-) -> torch.Tensor:
-    """A vocab-parallel embedding whose output is reduce-scattered by token (not all-reduced)."""
-    group = _GROUPS[key]
-    start = dist.get_rank(group) * weight.shape[0] if weight.device.type != "meta" else 0
-    partial = ops.vocab_parallel_embedding_partial(weight, ids, start, padding_idx)
-    return reduce_scatter_out(partial, dim, inner, key)
-
-
-def run_whole(tp: TensorParallel, stage: StageModule, received: Sequence[Any], graph_inputs: Sequence[Any]) -> Any:
-    """Run a rewritten ``stage`` on whole boundary values and return whole ones: its received values
-    that travel in part sliced to this rank's, the outputs sent in part gathered whole. What
-    ``stage_metadata`` needs, which runs every stage in sequence (this rank's rewritten ones among
-    the others, whole) and records the whole shapes (``TensorParallel.boundary_shapes`` makes
-    the parts')."""
-    k = stage.spec.index
-    arriving = tp.sent_in_part(k - 1) if k > 0 else {}
-    received = [
-        scatter_tokens(x, split.dim, split.inner, tp.key) if (split := arriving.get(name)) is not None else x
-        for name, x in zip(stage.spec.input_names, received)
-    ]
-    out = stage(*received, *graph_inputs)
-    if stage.spec.is_last:
-        return out
-    leaving = tp.sent_in_part(k)
-    return tuple(
-        gather_tokens(x, split.dim, split.inner, tp.key) if (split := leaving.get(name)) is not None else x
-        for name, x in zip(stage.spec.output_names, out)
-    )
-
-
-def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
-    """Insert the collectives of the stage's layout into its graph (in place, recompiled), and those
-    of its sequence parallelism (``TensorParallelAnalysis.sequence``) where the plan has it."""
-    analysis = tp.analyses[stage.spec.index]
-    if analysis.layout.is_trivial:
-        return
-    sequence = analysis.sequence if tp.sequence_parallel else None
-    gm = stage.graph_module
-    g = gm.graph
-    nodes = {n.name: n for n in g.nodes}
-    key = tp.key
-    for name in sorted(analysis.copies):
-        x = nodes[name]
-        columns = [u for u in x.users if analysis.kinds.get(u.name) == "column"]
-        split = sequence.column_gathers.get(name) if sequence is not None else None
-        with g.inserting_after(x):  # the input of column-parallel matmuls: copied, or gathered by token
-            if split is None:
-                copied = g.call_function(copy_in, (x, key))
-            else:
-                copied = g.call_function(gather_column, (x, split.dim, split.inner, key))
-        for user in columns:
-            user.replace_input_with(x, copied)
-    for (name, position), (dim, blocks) in analysis.scatters.items():
-        node = nodes[name]
-        value = _operand(node, position)
-        with g.inserting_before(node):
-            part = g.call_function(scatter_in, (value, dim, blocks, key))
-        _set_operand(node, position, part)
-    for name, (position, element) in analysis.resized.items():
-        node = nodes[name]
-        node.update_arg(position, _divided(node.args[position], element, tp.degree))
-    for name, kind in analysis.kinds.items():
-        node = nodes[name]
-        split = sequence.sources.get(name) if sequence is not None else None
-        if kind == "row":
-            _row(g, node, key, split)
-        elif kind == "vocab_embedding":
-            padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-            if split is None:  # looked up where held and all-reduced: the output is whole
-                node.target, node.args, node.kwargs = embedding, (node.args[0], node.args[1], padding, key), {}
-            else:  # reduce-scattered: this rank's tokens
-                args = (node.args[0], node.args[1], padding, split.dim, split.inner, key)
-                node.target, node.args, node.kwargs = embedding_scattered, args, {}
-        elif kind == "vocab_cross_entropy":
-            args = list(node.args) + [None] * (6 - len(node.args))
-            reduction = args[3] if args[3] is not None else node.kwargs.get("reduction", 1)
-            ignore = args[4] if args[4] is not None else node.kwargs.get("ignore_index", -100)
-            classes = analysis.vocab[name]
-            node.target, node.args, node.kwargs = cross_entropy, (args[0], args[1], reduction, ignore, classes, key), {}
-    if sequence is not None:
-        k = stage.spec.index
-        received_in_part = set(tp.sent_in_part(k - 1)) if k > 0 else set()
-        sent = tp.sent_in_part(k)
-        positions = {i for i, name in enumerate(stage.spec.output_names) if name in sent}
-        _rewrite_sequence(g, nodes, sequence, key, tp.degree, received_in_part, positions)
-    sharded = set(analysis.states) | (set(sequence.states) if sequence is not None else set())
-    for node in list(g.nodes):  # shape assertions of split values would name the whole sizes
-        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_tensor_metadata.default":
-            if isinstance(node.args[0], torch.fx.Node) and node.args[0].name in sharded:
-                g.erase_node(node)
-    g.lint()
-    gm.recompile()
-
-
-def _rewrite_sequence(
-    g: torch.fx.Graph,
-    nodes: dict,
-    sequence: Any,
-    key: int,
-    degree: int,
-    received_in_part: set[str],
-    sent_in_part: set[int],
-) -> None:
-    """Sequence parallelism's part of ``rewrite_stage`` besides the row-parallel outputs, embeddings and
-    column inputs: received values taken in part (those in ``received_in_part`` arrive so), whole
-    operands sliced to this rank's tokens or (broadcast over them) their gradients summed, views
-    resized, outputs gathered whole (except those at the positions ``sent_in_part``, sent as they are)."""
-    for name, split in sequence.sources.items():
-        node = nodes[name]
-        if node.op != "placeholder" or name in received_in_part:
-            continue
-        users = list(node.users)
-        with g.inserting_after(node):  # stage graphs interleave received placeholders with their wrappers
-            part = g.call_function(scatter_tokens, (node, split.dim, split.inner, key))
-        for user in users:
-            user.replace_input_with(node, part)
-    for (name, position), split in sequence.scatters.items():
-        node = nodes[name]
-        with g.inserting_before(node):
-            part = g.call_function(scatter_tokens, (_operand(node, position), split.dim, split.inner, key))
-        _set_operand(node, position, part)
-    for name, position in sorted(sequence.broadcasts):
-        node = nodes[name]
-        with g.inserting_before(node):
-            summed = g.call_function(copy_in, (_operand(node, position), key))
-        _set_operand(node, position, summed)
-    for name, dim in sequence.resized.items():
-        node = nodes[name]
-        sizes = list(node.args[1])
-        sizes[dim] //= degree
-        node.update_arg(1, sizes)
-    gathered: dict[torch.fx.Node, torch.fx.Node] = {}  # one gather per value, whatever its whole consumers
-
-    def whole_of(value: torch.fx.Node, split: Any) -> torch.fx.Node:
-        if value not in gathered:
-            with g.inserting_after(value):
-                gathered[value] = g.call_function(gather_tokens, (value, split.dim, split.inner, key))
-        return gathered[value]
-
-    for (name, position), split in sequence.gathers.items():
-        node = nodes[name]
-        _set_operand(node, position, whole_of(_operand(node, position), split))
-    output = next(n for n in g.nodes if n.op == "output")
-    kept_in_part = {output.args[0][i].name for i in sent_in_part}  # boundary_tensor wrappers
-    for name, split in sequence.whole_gathers.items():
-        if name not in kept_in_part:
-            output.replace_input_with(nodes[name], whole_of(nodes[name], split))
-
-
-def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None) -> None:
-    """Row-parallel matmul: the partial products are summed over the group, then the bias added.
-    With sequence parallelism (``split``, a ``TokenSplit``) the sum is reduce-scattered by token and
-    the bias's gradient, each rank's tokens' part, summed over the group."""
-    name = getattr(node.target, "overloadpacket", None).__name__
-    bias = None
-    if name == "linear":
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        node.args, node.kwargs = (node.args[0], node.args[1]), {}
-    elif name == "addmm":
-        bias = node.args[0]
-        node.target, node.args, node.kwargs = aten.mm.default, (node.args[1], node.args[2]), {}
-    with g.inserting_after(node):
-        if split is None:
-            reduced = g.call_function(reduce_out, (node, key))
-        else:
-            reduced = g.call_function(reduce_scatter_out, (node, split.dim, split.inner, key))
-    out = reduced
-    if bias is not None:
-        if split is not None:
-            with g.inserting_after(reduced):
-                bias = g.call_function(copy_in, (bias, key))
-        with g.inserting_after(bias if split is not None else reduced):
-            out = g.call_function(aten.add.Tensor, (reduced, bias))
-    node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not reduced)
-
-
-def _operand(node: torch.fx.Node, position: int) -> Any:
-    if position < len(node.args):
-        return node.args[position]
-    return list(node.kwargs.values())[position - len(node.args)]
-
-
-def _set_operand(node: torch.fx.Node, position: int, value: Any) -> None:
-    if position < len(node.args):
-        node.update_arg(position, value)
-    else:
-        node.update_kwarg(list(node.kwargs)[position - len(node.args)], value)
-
-
-def _divided(value: Any, element: int | None, degree: int) -> Any:
-    """A size argument over the group: divided, rounded up (a padded last part)."""
-    if element is None:
-        return -(-value // degree) if isinstance(value, int) else [-(-v // degree) for v in value]
-    sizes = list(value)
-    sizes[element] = -(-sizes[element] // degree)
-    return sizes
 
 
 # ----------------------------------------------------------------------------- the trainer's part

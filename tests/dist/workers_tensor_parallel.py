@@ -57,6 +57,7 @@ def _odd_vocabulary(vocab: int, rank: int) -> dict:
 
     import partita
     from partita.runtime import tensor_parallel as T
+    from partita.runtime.tensor_parallel_rewrite import rewrite_stage
     from partita.runtime.stages import flatten_inputs, split_graph
 
     torch.manual_seed(0)
@@ -85,7 +86,7 @@ def _odd_vocabulary(vocab: int, rank: int) -> dict:
     analyses = T.stage_analyses(graph, [stage], 2)
     tp = T.TensorParallel(2, rank, dist.group.WORLD, analyses)
     T.shard_parameters([stage], tp)
-    T.rewrite_stage(stage, tp)
+    rewrite_stage(stage, tp)
     loss = stage(*stage.graph_inputs(flatten_inputs(graph, (), batch, None)))
     loss.backward()
     shards = tp.shards()
