@@ -414,6 +414,10 @@ class MemoryByInFlight:
         self._totals = totals
         self._recompute = Recompute.parse(totals["recompute"])
 
+    def nbytes(self) -> int:
+        """Bytes of the arrays it evaluated once (not those of the totals it was given)."""
+        return sum(v.nbytes for k, v in vars(self).items() if k != "_totals" and isinstance(v, np.ndarray))
+
     def _kept(self, in_flight: Any) -> Any:
         t = self._totals
         return _kept_bytes(

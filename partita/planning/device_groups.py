@@ -256,9 +256,13 @@ def _sending_whole(costs_at: Callable[[int], CostTable]) -> Callable[[int], Cost
     """``costs_at`` with every boundary value sent whole (``CostTable.whole_cut_bytes``): a stage
     meets stages of other degrees, which exchange whole tensors, and the search costs a stage before
     it knows its neighbours (an upper bound where both sides share a degree and exchange parts)."""
-    return functools.lru_cache(maxsize=None)(
-        lambda b: dataclasses.replace(costs_at(b), cut_bytes=costs_at(b).whole_cut_bytes)
-    )
+
+    @functools.cache
+    def whole(microbatch_size: int) -> CostTable:
+        table = costs_at(microbatch_size)
+        return dataclasses.replace(table, cut_bytes=table.whole_cut_bytes)
+
+    return whole
 
 
 def mixed_precision(pinned: Precision | None, cluster: Cluster) -> Precision:

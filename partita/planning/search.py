@@ -129,8 +129,8 @@ class StageCosts:
         """Bytes of the matrices this StageCosts made (those of its BlockCosts are shared)."""
         arrays = [*self.extra.values(), *self.penalty.values(), self.tail, *self._cache.values()]
         arrays += [a for pair in self._costs.values() for a in pair]
-        arrays += [a for memory in self._memory.values() for a in vars(memory).values() if isinstance(a, np.ndarray)]
-        return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))
+        made = sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))
+        return made + sum(memory.nbytes() for memory in self._memory.values())
 
     def fits(self, in_flight: float, recompute: Recompute, level: Sharding = Sharding.REPLICATE) -> np.ndarray:
         key = (in_flight, recompute, level)

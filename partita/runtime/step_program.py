@@ -98,14 +98,11 @@ class StepProgram:
         if metadata is None:
             for runner in self.runners.values():  # the stages read whole parameters, not shards
                 runner.unshard()
-            run = None
-            if self.tensor_parallel is not None and self.tensor_parallel.parts_sent:
-                run = self._run_whole
+            run = self._run_whole if self.tensor_parallel is not None else None
             metadata = stage_metadata(self.all_stages, flat_microbatch, top.device, self.compute, run)
             for runner in self.runners.values():
                 runner.reshard()
-        self._metadata = self._as_sent(metadata)
-        metadata = self._metadata
+        metadata = self._metadata = self._as_sent(metadata)
         if not top.uniform:
             stage = self.stages[0]  # uneven plans run one stage per rank group
             self._executor = UnevenExecutor(
