@@ -10,6 +10,7 @@ seeds) and ``infeasible`` (what would fit when nothing does).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,9 +186,10 @@ def _best_or_raise(contexts: list[PlanningContext]) -> tuple[Plan, PlanningConte
     variants = idle_unit_contexts(fitting)
     base_of = {id(variant): ctx for variant, ctx in variants}
     searched = [*fitting, *(variant for variant, _ in variants)]
+    started = time.monotonic()
     found = best_of_contexts(searched) if searched else []  # the degrees refine what can win
     if not found:
-        raise infeasible_error(contexts, bounds)
+        raise infeasible_error(contexts, bounds, searched_s=time.monotonic() - started)
     best, chosen = min(found, key=lambda pair: plan_key(pair[0]))
     return best, base_of.get(id(chosen), chosen)
 
