@@ -6,13 +6,16 @@ sequence 2048) on A100-80GB in nodes of 8, bf16, AdamW, analytic costs, captured
 
   1t-3072-tp1   1T (128 layers, hidden 25600) on 3,072 GPUs, batch 3072, tensor_parallel=1 pinned
   530b-64       530B (105 layers, hidden 20480) on 64 GPUs, batch 2520, every degree searched
+  1t-3072-zbv   1T on 3,072 GPUs, batch 3072, schedules=("zbv",) pinned: the bound lets it through,
+                the search finds nothing (ZBV never recomputes), and the fixes are checked by
+                planning with them, within the checks' budget (``partita.planning.infeasible``)
 
 For each: capture (torch.export on meta), then ``partita.plan`` until it raises InfeasiblePlanError
 (context, memory bound, the error's checked fixes), timed separately; the error's text; and each fix
 the error names, checked again here by re-running the bound with it applied. ``--plan-fix CASE ...``
 also plans those cases with their first fix (the full search; minutes on these shapes).
 
-Usage: python bench/infeasible_time.py [--cases 1t-3072-tp1 530b-64] [--plan-fix 1t-3072-tp1]
+Usage: python bench/infeasible_time.py [--cases 1t-3072-tp1 530b-64 1t-3072-zbv] [--plan-fix 1t-3072-tp1]
        [--out bench/results/infeasible_time.md]
 """
 
@@ -49,6 +52,7 @@ class Case:
     gpus: int
     global_batch: int
     tensor_parallel: int | None
+    schedules: tuple[str, ...] | None = None
 
 
 CASES = {
@@ -56,6 +60,7 @@ CASES = {
     for c in (
         Case("1t-3072-tp1", "1008.0B", 3072, 3072, 1),
         Case("530b-64", "529.6B", 64, 2520, None),
+        Case("1t-3072-zbv", "1008.0B", 3072, 3072, None, ("zbv",)),
     )
 }
 
@@ -70,6 +75,8 @@ def run_case(case: Case, plan_fix: bool) -> dict:
     capture_s = time.perf_counter() - started
     cluster = partita.Cluster(device="a100-80gb", num_devices=case.gpus, devices_per_node=8)
     options = partita.PlanOptions(costs="analytic", tensor_parallel=case.tensor_parallel)
+    if case.schedules is not None:
+        options = options.replace(schedules=case.schedules)
     started = time.perf_counter()
     try:
         partita.plan(graph, cluster=cluster, global_batch_size=case.global_batch, options=options)
@@ -126,7 +133,7 @@ def markdown(rows: list[dict], command: str) -> str:
         "InfeasiblePlanError (context, memory bound, the error with its checked fixes). Each fix is checked "
         "again here: the bound re-run with it applied (a fresh planning context) lets the request through.",
         "",
-        f"| case | parameters | GPUs | batch | TP pinned | capture | answer | < {TARGET_S:.0f} s | refused without search "
+        f"| case | parameters | GPUs | batch | pinned | capture | answer | < {TARGET_S:.0f} s | refused without search "
         "| binding | fixes (checked by) | fixes re-checked |",
         "|---|---:|---:|---:|---:|---:|---:|:-:|:-:|---|---|:-:|",
     ]
@@ -135,7 +142,7 @@ def markdown(rows: list[dict], command: str) -> str:
         fixes = "; ".join(f"`{_changes(f)}` ({f.checked_by})" for f in e.fixes) if e else "plan found"
         rechecked = "yes" if e and all(ok for _, ok in r["checks"]) else "no"
         lines.append(
-            f"| {c.name} | {r['params'] / 1e9:.0f} B | {c.gpus:,} | {c.global_batch} | {c.tensor_parallel or '-'} "
+            f"| {c.name} | {r['params'] / 1e9:.0f} B | {c.gpus:,} | {c.global_batch} | {_pins(c)} "
             f"| {r['capture_s']:.0f} s | {r['answer_s']:.1f} s | {'yes' if r['answer_s'] < TARGET_S else 'no'} "
             f"| {'yes' if e and e.refused_by_bound else 'no'} | {e.binding if e else '-'} | {fixes} | {rechecked} |"
         )
@@ -151,8 +158,19 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pins(case: Case) -> str:
+    pins = [f"TP {case.tensor_parallel}"] if case.tensor_parallel else []
+    pins += [f"schedules {'/'.join(case.schedules)}"] if case.schedules else []
+    return ", ".join(pins) or "-"
+
+
 def _changes(fix) -> str:
-    return ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in fix.changes.items())
+    def shown(value) -> str:
+        if isinstance(value, tuple):
+            return "/".join(shown(v) for v in value)
+        return str(getattr(value, "value", value))
+
+    return ", ".join(f"{k}={shown(v)}" for k, v in fix.changes.items())
 
 
 def main(argv: list[str] | None = None) -> int:
