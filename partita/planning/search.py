@@ -194,11 +194,17 @@ class StageCosts:
 
     def _fastest(self, in_flight: float, recompute: Recompute) -> np.ndarray:
         """Compute + the smallest penalty over the levels that fit (inf where none does). A stage
-        that shares a tied weight with another stage only replicates (``BlockCosts.tied_matrix``)."""
+        that shares a tied weight with another stage only replicates (``BlockCosts.tied_matrix``),
+        under a pinned level too (as ``partita.planning.build`` places it; ``partita.plan`` refuses a
+        plan where the pin then shards no stage). Before, a pin other than replicate left such a
+        stage no level: a tied GPT on several stages had no plan, and the error blamed memory."""
         best = np.full(self.valid.shape, np.inf)
         for level in self.levels:
             ok = self.fits(in_flight, recompute, level) & (self.valid if level is Sharding.REPLICATE else self.unshared)
             best = np.where(ok, np.minimum(best, self.compute + self.penalty[level]), best)
+        if Sharding.REPLICATE not in self.levels:  # a pinned level: the stages that cannot take it replicate
+            ok = self.fits(in_flight, recompute, Sharding.REPLICATE) & self.valid & ~self.unshared
+            best = np.where(ok, np.minimum(best, self.compute), best)
         return best
 
 

@@ -258,8 +258,8 @@ def test_costly_fixes_are_not_searched_when_the_bound_cannot_answer(gpt2_graph, 
     cluster, pins = h100s(4, memory=1_160_000), {"max_blocks": 16, "schedules": "zbv", "tensor_parallel": 1}
     err = _error(gpt2_graph, cluster, 64, **pins)
     assert not err.refused_by_bound and searched
-    request = 4 * 16  # devices x blocks
-    assert all(ctx.options.num_devices * (len(ctx.chain) - 1) <= request for ctx in searched)
+    request = 4 * 16**2  # devices x blocks squared
+    assert all(ctx.options.num_devices * (len(ctx.chain) - 1) ** 2 <= request for ctx in searched)
     options = {f.option for f in err.fixes}
     assert "schedules" in options and not {"num_devices", "max_blocks"} & options
     assert all(f.checked_by == "search" for f in err.fixes)

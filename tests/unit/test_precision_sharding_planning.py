@@ -12,11 +12,13 @@ from partita.cost.analytic import analytic_costs
 from partita.cost.memory import device_memory
 from partita.errors import InputError, PlanFileError
 from partita.planning.baselines import fsdp_plan
-from partita.planning.chain import coarsen
-from partita.planning.configs import SearchOptions
-from partita.planning.context import PlanningContext
+from partita.planning.chain import block_costs, coarsen
+from partita.planning.configs import SearchOptions, enumerate_configs
+from partita.planning.context import PlanningContext, planning_context
+from partita.planning.degree_contexts import degree_contexts
 from partita.planning.driver import best_plan
 from partita.planning.options import PlanOptions, resolve_precision
+from partita.planning.search import SearchCache
 from partita.planning.simulator import simulate_pipeline
 from partita.types import (
     CostTable,
@@ -454,6 +456,7 @@ def test_stages_sharing_a_tied_weight_replicate_even_when_sharding_is_pinned():
         ex = examples.build(name, batch_size=8)
         graph = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
         if tied:
+            gpt2 = graph
             with pytest.raises(
                 InputError, match=r"sharding='full_shard' is pinned, but the best plan .* shards no stage"
             ):
@@ -461,3 +464,17 @@ def test_stages_sharing_a_tied_weight_replicate_even_when_sharding_is_pinned():
             continue
         plan = partita.plan(graph, cluster=cluster, global_batch_size=16, options=options)
         assert {s.sharding for s in plan.stages} == {Sharding.FULL_SHARD}, name
+    # three stages: the middle one holds no tied weight and takes the pin, the others replicate
+    six = Cluster(device="h100", num_devices=6, devices_per_node=6)
+    three = dataclasses.replace(options, num_stages=3)
+    plan = partita.plan(gpt2, cluster=six, global_batch_size=16, options=three)
+    assert [s.sharding for s in plan.stages] == [Sharding.REPLICATE, Sharding.FULL_SHARD, Sharding.REPLICATE]
+    # and the search itself times a tied stage as replicated: it gave such a stage no level under a
+    # pin, so on long chains (GPT 145B on 1,536 A100s) no split fitted and the error blamed memory
+    (ctx,) = degree_contexts(planning_context(gpt2, cluster=six, global_batch_size=16, options=three), 1)
+    blocks = block_costs(ctx.costs_at(2), ctx.chain)
+    config = next(c for c in enumerate_configs(ctx.options, blocks.num_blocks) if c.microbatch_size == 2)
+    costs = SearchCache().stage_costs(blocks, config, ctx.options, ctx.search_cluster)
+    time_s, _ = costs.cost_at(1.0)
+    first = [i for i in range(1, blocks.num_blocks) if blocks.tied_matrix[0, i]]  # stages holding the embedding
+    assert first and np.isfinite(time_s[0, first[: len(first) // 2]]).all()
