@@ -274,3 +274,27 @@ def test_no_fix_is_searched_past_the_checks_budget(gpt2_graph, monkeypatch):
     monkeypatch.setattr(infeasible, "best_plan", lambda *a, **k: pytest.fail("a fix was searched"))
     err = _error(gpt2_graph, h100s(4, memory=1_160_000), 64, max_blocks=16, schedules="zbv")
     assert not err.fixes and "not checked, since planning with them takes long here" in str(err)
+
+
+def test_a_size_found_by_a_bisection_cut_short_is_not_called_the_least(gpt2_graph, monkeypatch):
+    """More memory or devices found while some smaller size went unchecked (the budget spent) is
+    named as a size that fits, not as the least one ("at least")."""
+    ctx = planning_context(
+        gpt2_graph, cluster=h100s(4, memory=1_160_000), global_batch_size=64, options=PlanOptions(max_blocks=16)
+    )
+    contexts = degree_contexts(ctx, 1)
+    checker = infeasible._Checker(contexts, [memory_bound(c) for c in contexts], False, budget_s=0.0)
+    limit = contexts[0].options.memory_limit_bytes
+
+    def fits_scaled(devices=None, usable=None):  # sizes from twice today's fit; the rest went unchecked
+        size = devices if devices is not None else usable
+        if size >= (16 if devices is not None else 2 * limit):
+            return "search"
+        checker.unchecked += 1
+        return None
+
+    monkeypatch.setattr(checker, "fits_scaled", fits_scaled)
+    (memory,) = checker.more_memory()
+    (devices,) = checker.more_devices()
+    assert "(less not checked)" in memory.text and "at least" not in memory.text
+    assert "fewer not checked" in devices.text and "at least" not in devices.text
