@@ -26,7 +26,6 @@ tensor-parallel degree) are never offered as fixes.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -35,19 +34,27 @@ from typing import Any
 
 import numpy as np
 
-from partita.errors import InfeasiblePlanError, InputError
+from partita.errors import InfeasiblePlanError
 from partita.planning.build import module_range
-from partita.planning.chain import block_costs, coarsen
+from partita.planning.chain import block_costs
 from partita.planning.context import PlanningContext
-from partita.planning.degree_contexts import with_layout
 from partita.planning.driver import best_plan
+from partita.planning.infeasible_variants import (
+    memory_for_usable,
+    valid_device_count,
+    with_batch,
+    with_blocks,
+    with_degree,
+    with_devices,
+    with_memory,
+    with_options,
+    with_precision,
+)
 from partita.planning.memory_bound import BlockNeed, MemoryBound
 from partita.planning.options import recompute_allowed
 from partita.planning.search import spread_state_bytes
-from partita.planning.tensor_parallel import DEGREES, check_degree, find_layout, split_crossings
-from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
+from partita.planning.tensor_parallel import DEGREES
 from partita.types import OptimizerKind, Precision, Recompute, Schedule
-from partita.types.cluster import Cluster
 from partita.units import fmt_bytes
 
 __all__ = ["Fix", "infeasible_error", "memory_bound"]
@@ -313,12 +320,12 @@ class _Checker:
         """``fits`` for more devices or memory: the contexts' own bounds answer at the new sizes."""
         for ctx, bound in zip(self.contexts, self.bounds):
             if devices is not None:
-                make = lambda c=ctx: _with_devices(c, devices)  # noqa: E731
+                make = lambda c=ctx: with_devices(c, devices)  # noqa: E731
                 if make() is None:
                     continue
                 units = devices // ctx.options.tensor_parallel
             else:
-                make, units = (lambda c=ctx: _with_memory(c, usable)), None  # noqa: E731
+                make, units = (lambda c=ctx: with_memory(c, usable)), None  # noqa: E731
             answer = lambda b=bound, u=units: (b.applies, not b.applies or b.may_fit(u, usable))  # noqa: E731
             how = self._verdict(make, answer)
             if how:
@@ -327,7 +334,7 @@ class _Checker:
 
     def option(self, name: str, value: Any, text: str, *, extra: dict | None = None) -> list[Fix]:
         changes = {name: value, **(extra or {})}
-        how = self.fits([_with_options(c, **changes) for c in self.contexts])
+        how = self.fits([with_options(c, **changes) for c in self.contexts])
         return [Fix(changes, text, how)] if how else []
 
     @functools.cached_property
@@ -354,7 +361,7 @@ class _Checker:
         """The largest other degree that fits (the most saving: the likeliest to fit in full)."""
         base = self.contexts[0].unsharded or self.contexts[0]
         for degree in sorted((d for d in DEGREES if d != pinned), reverse=True):
-            how = self.fits([_with_degree(base, degree)])
+            how = self.fits([with_degree(base, degree)])
             if how:
                 text = f"tensor_parallel={degree} (or leave it unpinned: the search tries every degree)"
                 return [Fix({"tensor_parallel": degree}, text, how)]
@@ -368,7 +375,7 @@ class _Checker:
         for blocks in candidates:
             if blocks <= current:
                 continue
-            how = self.fits([_with_blocks(c, blocks) for c in self.contexts])
+            how = self.fits([with_blocks(c, blocks) for c in self.contexts])
             if how:
                 return [Fix({"max_blocks": blocks}, f"max_blocks={blocks} (finer blocks; today {current})", how)]
         return []
@@ -382,7 +389,7 @@ class _Checker:
     def more_devices(self) -> list[Fix]:
         base = self.contexts[0]
         start = self.fewest_devices_by_bound if self.refused else None
-        valid = _valid_device_count(base.cluster, max(c.options.tensor_parallel for c in self.contexts))
+        valid = valid_device_count(base.cluster, max(c.options.tensor_parallel for c in self.contexts))
         start = start or valid(base.cluster.num_devices + 1)
         most = base.cluster.num_devices * _MOST_DEVICES_FACTOR
         fits = lambda n: self.fits_scaled(devices=n)  # noqa: E731
@@ -406,7 +413,7 @@ class _Checker:
         if found is None:
             return []
         usable, how = found
-        memory = _memory_for_usable(base.cluster, usable)
+        memory = memory_for_usable(base.cluster, usable)
         text = f"use devices with at least {fmt_bytes(memory)} ({memory} bytes) of memory"
         if self.unchecked > unchecked:  # some smaller size went unchecked: not the least
             text = f"use devices with {fmt_bytes(memory)} ({memory} bytes) of memory (less not checked)"
@@ -418,14 +425,14 @@ class _Checker:
         unit = (o.num_microbatches or 1) * (o.replicas or 1)
         candidate = batch // 2 // unit * unit
         while candidate >= unit and candidate > 0:
-            how = self.fits([_with_batch(c, candidate) for c in self.contexts])
+            how = self.fits([with_batch(c, candidate) for c in self.contexts])
             if how:
                 return [Fix({"global_batch_size": candidate}, f"a global batch of {candidate} (today {batch})", how)]
             candidate = candidate // 2 // unit * unit
         return []
 
     def precision_bf16(self) -> list[Fix]:
-        how = self.fits([_with_precision(c) for c in self.contexts])
+        how = self.fits([with_precision(c) for c in self.contexts])
         return [Fix({"precision": Precision.BF16}, "precision='bf16' (half-size activations)", how)] if how else []
 
 
@@ -464,7 +471,7 @@ def _smallest_fitting(fits: Callable[[int], str | None], start: int, most: int, 
 def _fewest_devices(ctx: PlanningContext, bound: MemoryBound) -> int | None:
     """The fewest devices (more than today's) with which ``bound`` lets ``ctx`` through."""
     t, cluster = ctx.options.tensor_parallel, ctx.cluster
-    valid = _valid_device_count(cluster, t)
+    valid = valid_device_count(cluster, t)
 
     def valid_units(units: int, r: int) -> int | None:
         count = -(-units // r) * r
@@ -478,118 +485,3 @@ def _fewest_devices(ctx: PlanningContext, bound: MemoryBound) -> int | None:
     most = ctx.options.num_devices * _MOST_DEVICES_FACTOR
     units = bound.fewest_units(ctx.options.memory_limit_bytes, valid_units, most)
     return None if units is None else units * t
-
-
-# ----------------------------------------------------------------------------- variants
-
-
-def _with_options(ctx: PlanningContext, **changes) -> PlanningContext:
-    return dataclasses.replace(ctx, options=dataclasses.replace(ctx.options, **changes))
-
-
-def _with_devices(ctx: PlanningContext, devices: int) -> PlanningContext | None:
-    t = ctx.options.tensor_parallel
-    cluster = dataclasses.replace(ctx.cluster, num_devices=devices)
-    try:
-        check_degree(t, cluster, replicas=ctx.options.replicas, num_stages=ctx.options.num_stages)
-    except InputError:
-        return None
-    # beyond UNEVEN_MAX_DEVICES the uneven search starts from uniform plans: a uniform trial decides
-    uniform = ctx.options.uniform_replicas or devices > UNEVEN_MAX_DEVICES
-    options = dataclasses.replace(ctx.options, num_devices=devices // t, uniform_replicas=uniform)
-    return dataclasses.replace(ctx, cluster=cluster, options=options)
-
-
-def _with_memory(ctx: PlanningContext, usable: int) -> PlanningContext:
-    return _with_options(ctx, memory_limit_bytes=usable)
-
-
-def _with_degree(base: PlanningContext, degree: int) -> PlanningContext | None:
-    """The context of ``degree`` made from the degree-1 ``base`` (None: the cluster or the model
-    cannot split that way)."""
-    try:
-        check_degree(degree, base.cluster, replicas=base.options.replicas, num_stages=base.options.num_stages)
-    except InputError:
-        return None
-    if degree == 1:
-        return base
-    layout = find_layout(base.graph, degree, sequence_parallel=base.resolved.get("sequence_parallel") is not False)
-    if layout.sequence_parallel and not layout.sequence_nodes:  # no region splits by token
-        layout = find_layout(base.graph, degree)
-    return None if layout.is_trivial else with_layout(base, layout)
-
-
-def _reference_microbatch(ctx: PlanningContext, batch: int) -> int:
-    """The micro-batch size whose costs ``planning_context`` coarsens the graph with."""
-    return max(1, min(ctx.graph.batch_size, batch // ctx.cluster.num_devices or 1))
-
-
-def _rechained(ctx: PlanningContext, max_blocks: int, batch: int) -> np.ndarray:
-    """The chain a run with ``max_blocks`` and global batch ``batch`` coarsens (as ``planning_context``)."""
-    base = ctx.unsharded or ctx
-    reference = _reference_microbatch(ctx, batch)
-    chain = coarsen(ctx.graph, base.costs_at(reference), max_blocks=max_blocks)
-    return chain if ctx.layout is None else chain[~split_crossings(ctx.graph, ctx.layout)[chain]]
-
-
-def _with_blocks(ctx: PlanningContext, max_blocks: int) -> PlanningContext:
-    chain = _rechained(ctx, max_blocks, ctx.options.global_batch_size)
-    return dataclasses.replace(ctx, chain=chain, resolved={**ctx.resolved, "max_blocks": max_blocks})
-
-
-def _with_batch(ctx: PlanningContext, batch: int) -> PlanningContext:
-    chain = ctx.chain
-    if _reference_microbatch(ctx, batch) != _reference_microbatch(ctx, ctx.options.global_batch_size):
-        chain = _rechained(ctx, int(ctx.resolved.get("max_blocks") or 128), batch)
-    return dataclasses.replace(ctx, chain=chain, options=dataclasses.replace(ctx.options, global_batch_size=batch))
-
-
-def _with_precision(ctx: PlanningContext) -> PlanningContext | None:
-    """``ctx`` in bf16 (analytic costs only: the profiler measures fp32)."""
-    from partita.planning.context import planning_context
-    from partita.planning.options import PlanOptions
-
-    if ctx.resolved.get("costs") != "analytic":
-        return None
-    r = ctx.resolved
-    base = ctx.unsharded or ctx
-    options = PlanOptions(
-        schedules=tuple(base.options.schedules),
-        num_stages=r.get("num_stages"),
-        replicas=r.get("replicas"),
-        num_microbatches=r.get("num_microbatches"),
-        recompute=r.get("recompute"),
-        uniform_replicas=base.options.uniform_replicas,
-        optimizer=base.options.optimizer,
-        precision="bf16",
-        sharding=r.get("sharding"),
-        costs="analytic",
-        max_blocks=int(r.get("max_blocks") or 128),
-    )
-    try:
-        again = planning_context(
-            ctx.graph, cluster=base.cluster, global_batch_size=base.options.global_batch_size, options=options
-        )
-    except InputError:
-        return None
-    return again if ctx.layout is None else with_layout(again, ctx.layout)
-
-
-def _valid_device_count(cluster: Cluster, tensor_parallel: int = 1):
-    """Round a device count up to one the cluster can have (whole nodes beyond one node) and
-    that holds whole tensor-parallel groups (a degree that divides a node's devices, as
-    ``check_degree`` has made sure)."""
-
-    def valid(count: int) -> int:
-        per_node, t = cluster.devices_per_node, tensor_parallel
-        return -(-count // t) * t if count <= per_node else -(-count // per_node) * per_node
-
-    return valid
-
-
-def _memory_for_usable(cluster: Cluster, usable: int) -> int:
-    """The least device memory whose usable part (less the reserved fraction) is ``usable``."""
-    memory = int(usable / (1 - cluster.reserved_memory_fraction)) + 1
-    while dataclasses.replace(cluster, memory_bytes=memory).usable_memory_bytes < usable:
-        memory += 1
-    return memory

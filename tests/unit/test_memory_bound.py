@@ -236,8 +236,8 @@ def test_when_the_state_cannot_spread_neither_blocks_nor_batch_are_tried(gpt2_gr
     def never(*args, **kwargs):
         raise AssertionError("tried")
 
-    monkeypatch.setattr(infeasible, "_with_blocks", never)
-    monkeypatch.setattr(infeasible, "_with_batch", never)
+    monkeypatch.setattr(infeasible, "with_blocks", never)
+    monkeypatch.setattr(infeasible, "with_batch", never)
     err = _error(gpt2_graph, cluster, tensor_parallel=1)
     assert {f.option for f in err.fixes} == {"num_devices", "memory_bytes"}
     monkeypatch.undo()
