@@ -2,7 +2,8 @@
 every level trains like unsplit full-batch training (AdamW, clipped, 3 steps, the second on a batch
 padded to a shorter length than the plan's: the model captured again runs through the same FSDP2
 modules), each rank keeping a 1/r shard; checkpoints written sharded load into a replicated trainer and into the plain model;
-tied weights across a sharded stage are refused."""
+tied weights across a sharded stage are refused, and train exactly on replicated stages around
+one that is sharded."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ FOUR_RANKS = [
         replicas=2,
     ),
     dict(label="gpt2-pp2-tied", model="gpt2", levels=["full_shard", "full_shard"], num_stages=2, replicas=2),
+    # GPT-2's tied embedding and LM head on replicated stages 0 and 2 (rank 0, rank 3), the stage
+    # between them fully sharded over ranks 1 and 2: what the planner offers under a pinned level
+    dict(
+        label="gpt2-tied-around-sharded",
+        model="gpt2",
+        levels=["replicate", "full_shard", "replicate"],
+        num_stages=3,
+        replicas=[1, 2, 1],
+        num_microbatches=4,
+    ),
 ]
 UNEVEN = [  # stage 0 on rank 0, stage 1 sharded over ranks 1 and 2 (partita's uneven executor)
     dict(label="lm-uneven-zero3", model="tiny_lm", levels=["replicate", "full_shard"], replicas=[1, 2]),
@@ -102,6 +113,21 @@ def test_a_sharded_stage_of_an_uneven_plan_trains_like_the_unsplit_model(uneven,
     assert mine["loaded_plain"][0] <= TOLERANCE and mine["loaded_replicated"][0] == 0.0
     assert abs(mine["eval"] - mine["ref_eval"]) <= TOLERANCE, (mine["eval"], mine["ref_eval"])
     assert all(r[label]["train_programs"] == 2 for r in results), "a step at a shorter length ran its own graph"
+
+
+def test_tied_stages_replicated_around_a_sharded_stage_train_like_the_unsplit_model(four):
+    label = "gpt2-tied-around-sharded"
+    mine = four[0][label]
+    assert "refused" not in mine, mine.get("refused")
+    diff, where = mine["param"]
+    assert diff <= TOLERANCE, f"{label}: parameter {where} differs from unsplit training's by {diff:.3g}"
+    for got, want in zip(mine["losses"], mine["ref_losses"], strict=True):
+        assert abs(got - want) <= TOLERANCE, (label, mine["losses"], mine["ref_losses"])
+    assert all(r[label]["losses"] == mine["losses"] for r in four)
+    assert not mine["shards"] and not four[3][label]["shards"], "ranks 0 and 3 replicate the tied stages"
+    assert four[1][label]["shards"] and four[2][label]["shards"], "ranks 1 and 2 hold shards of stage 1"
+    assert mine["loaded_plain"][0] <= TOLERANCE and mine["loaded_replicated"][0] == 0.0
+    assert abs(mine["eval"] - mine["ref_eval"]) <= TOLERANCE, (mine["eval"], mine["ref_eval"])
 
 
 def test_tied_weights_across_a_sharded_stage_are_refused(four):
