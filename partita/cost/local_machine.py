@@ -23,9 +23,11 @@ this one's gloo probe do.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -50,6 +52,7 @@ from partita.types.devices import get_device, machine_memory_bytes
 
 __all__ = [
     "LOCAL_RESERVED_MEMORY_FRACTION",
+    "init_default_group",
     "local_cluster",
     "local_cpu_spec",
     "machine_memory_bytes",
@@ -156,6 +159,31 @@ def job_world_size() -> int:
         return 1
 
 
+def init_default_group(*args: Any, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group(*args, **kwargs)``, destroyed at interpreter exit:
+    a script that never calls ``destroy_process_group`` (partita initialised the group for it)
+    otherwise leaves the group to the interpreter's teardown, which now and then aborts a rank after
+    training ("terminate called without an active exception", exit -6 under torchrun). Left alone
+    when the caller destroyed it, and after an uncaught exception (its peers may be blocked in a
+    collective: exit at once)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(*args, **kwargs)
+    _register_teardown()
+
+
+@functools.cache
+def _register_teardown() -> None:
+    atexit.register(_destroy_default_group)
+
+
+def _destroy_default_group() -> None:
+    import torch.distributed as dist
+
+    if getattr(sys, "last_value", None) is None and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def measured_on_rank_zero(measure: Callable[[], Cluster]) -> Cluster:
     """``measure()`` in a process of its own; in a job of several processes, on rank 0 only, its
     Cluster given to every rank (one broadcast). The process group is initialised from torchrun's
@@ -167,7 +195,7 @@ def measured_on_rank_zero(measure: Callable[[], Cluster]) -> Cluster:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group()
+        init_default_group()
     box: list[Any] = [None]
     failure: BaseException | None = None
     if dist.get_rank() == 0:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from partita.cost.local_machine import init_default_group
 from partita.errors import InputError, PartitaError
 from partita.runtime.layout import check_layout
 from partita.runtime.plan_digest import check_same_plan
@@ -208,7 +209,7 @@ def init_process_group(
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing and num_devices == 1:
             # A one-device plan in a plain `python script.py`: a world of one, rendezvous in this process.
-            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, **options)
+            init_default_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, **options)
         elif missing:
             n = num_devices if num_devices is not None else "N"
             raise InputError(
@@ -217,7 +218,7 @@ def init_process_group(
                 "also runs without torchrun)"
             )
         else:
-            dist.init_process_group("nccl" if cuda else "gloo", **options)
+            init_default_group("nccl" if cuda else "gloo", **options)
     elif timeout is not None:
         world_group = new_group(None, timeout)
     if not cuda:
