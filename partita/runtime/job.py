@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from partita.cost.local_machine import alone_on_this_rank, job_world_size
+from partita.cost.job_ranks import alone_on_this_rank, job_world_size
 from partita.errors import InputError, PlanFileError
 from partita.planning import api as planning_api
 from partita.planning.options import PlanOptions

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from partita.cost.local_machine import init_default_group
+from partita.cost.job_ranks import init_default_group
 from partita.errors import InputError, PartitaError
 from partita.runtime.layout import check_layout
 from partita.runtime.plan_digest import check_same_plan
