@@ -56,12 +56,15 @@ def job_world_size() -> int:
 
 
 def init_default_group(*args: Any, **kwargs: Any) -> None:
-    """``torch.distributed.init_process_group(*args, **kwargs)``, destroyed at interpreter exit:
-    a script that never calls ``destroy_process_group`` (partita initialised the group for it)
-    otherwise leaves the group to the interpreter's teardown, which now and then aborts a rank after
-    training ("terminate called without an active exception", exit -6 under torchrun). Left alone
-    when the caller destroyed it, and after an uncaught exception (its peers may be blocked in a
-    collective: exit at once)."""
+    """``torch.distributed.init_process_group(*args, **kwargs)``, destroyed at interpreter exit.
+
+    A script that never calls ``destroy_process_group`` (partita initialised the group for it) leaves
+    the group to the interpreter's finalization, where gloo's worker threads may still hold work
+    objects with tensors whose release needs the GIL: a rank now and then aborts after training
+    ("terminate called without an active exception", exit -6 under torchrun; pytorch/pytorch#190489,
+    and #179291 proposed this same handler in torch). Left alone when the caller destroyed it, and
+    after an uncaught exception: its peers may be blocked in a collective, and destroying the group
+    would wait on them (torchtitan destroys it only after a clean run for that reason)."""
     import torch.distributed as dist
 
     dist.init_process_group(*args, **kwargs)
