@@ -30,7 +30,7 @@ from partita.planning.chain import coarsen, legal_cuts, per_sample_cuts
 from partita.planning.configs import SearchOptions
 from partita.planning.options import CostSource, PlanOptions, resolve_precision
 from partita.planning.tensor_parallel import check_degree, group_cluster, split_crossings
-from partita.types import CostTable, OpGraph, Precision, Sharding
+from partita.types import CostTable, OpGraph, Precision, Schedule, Sharding
 from partita.types.cluster import Cluster
 from partita.types.tensor_parallel import TensorParallelLayout
 from partita.types.whole_batch import coupling_words
@@ -107,6 +107,7 @@ def planning_context(
     check_batch_divisible(global_batch_size, options.num_microbatches, options.replicas)
     if options.tensor_parallel is not None:
         check_degree(options.tensor_parallel, cluster, replicas=options.replicas, num_stages=options.num_stages)
+    _check_pinned_devices(options, cluster)
     graph = (
         model
         if isinstance(model, OpGraph)
@@ -118,6 +119,7 @@ def planning_context(
         options = whole_batch_options(options, graph)
     precision = resolve_precision(options.precision, cluster.device)
     _check_sharding_pin(options, cluster)
+    _check_schedules_pin(options, cluster)
     search_options = SearchOptions.from_plan_options(
         options,
         num_devices=cluster.num_devices,
@@ -247,6 +249,49 @@ def _check_sharding_pin(options: PlanOptions, cluster: Cluster) -> None:
             f"sharding={options.sharding.value!r} shards a stage over its replicas, but {why}: "
             "unpin sharding (or pin 'replicate'), or plan with several replicas per stage"
         )
+
+
+def _check_pinned_devices(options: PlanOptions, cluster: Cluster) -> None:
+    """InputError when the pinned stages and replicas need more devices than the cluster has, at any
+    tensor-parallel degree (``check_degree`` checks a pinned degree's): no memory makes that fit."""
+    units = (options.replicas or 1) * (options.num_stages or 1)
+    if units > cluster.num_devices:
+        pinned = " x ".join(
+            f"{name}={value}"
+            for name, value in (("num_stages", options.num_stages), ("replicas", options.replicas))
+            if value
+        )
+        raise InputError(
+            f"{pinned} needs at least {units} devices (one per replica of each rank group), but the cluster has "
+            f"{cluster.num_devices}: pin fewer stages or replicas, or plan on at least {units} devices"
+        )
+
+
+def _check_schedules_pin(options: PlanOptions, cluster: Cluster) -> None:
+    """InputError when only schedules of several stages per rank group are allowed (interleaved
+    1F1B, ZB-V: a pipeline of at least 2 rank groups) and the pins leave room for one rank group:
+    no plan of any memory could run, so memory is not the cause to name."""
+    if any(s in (Schedule.GPIPE, Schedule.ONE_F_ONE_B) for s in options.schedules):
+        return
+    degree, replicas = options.tensor_parallel or 1, options.replicas or 1
+    if options.num_stages == 1:
+        why = "num_stages=1 pins one rank group"
+    elif cluster.num_devices == 1:
+        why = "the cluster has one device"
+    elif cluster.num_devices // (degree * replicas) < 2:
+        pinned = " x ".join(
+            f"{name}={value}"
+            for name, value in (("tensor_parallel", options.tensor_parallel), ("replicas", options.replicas))
+            if value
+        )
+        why = f"{pinned} makes all {cluster.num_devices} devices one rank group"
+    else:
+        return
+    names = ", ".join(repr(s.value) for s in options.schedules)
+    raise InputError(
+        f"schedules=({names},) run several stages on each rank group, in a pipeline of at least 2 rank "
+        f"groups, but {why}: allow 'gpipe' or '1f1b' (or unpin schedules), or plan over at least 2 rank groups"
+    )
 
 
 def _cost_source(costs: CostSource, graph: OpGraph, cluster: Cluster, precision: Precision) -> CostSource:

@@ -229,6 +229,48 @@ def test_a_pinned_sharding_level_is_applied_or_refused(mlp, capsys):
         check_sharding_applied(unsharded, PlanOptions(sharding="full_shard"))
 
 
+# ----------------------------------------------------------------------------- pinned schedules
+
+
+@pytest.mark.parametrize(
+    ("devices", "pins", "why"),
+    [
+        (1, {"schedules": ("zbv",)}, "the cluster has one device"),
+        (1, {"schedules": ("interleaved1f1b",), "recompute": "full"}, "the cluster has one device"),
+        (4, {"schedules": ("zbv", "interleaved1f1b"), "num_stages": 1}, "num_stages=1 pins one rank group"),
+        (2, {"schedules": ("zbv",), "replicas": 2}, "replicas=2 makes all 2 devices one rank group"),
+        (2, {"schedules": ("zbv",), "tensor_parallel": 2}, "tensor_parallel=2 makes all 2 devices one rank group"),
+    ],
+)
+def test_schedules_of_several_stages_per_group_on_one_rank_group_are_refused(gpt2_graph, devices, pins, why):
+    """Interleaved 1F1B and ZB-V need a pipeline of 2 or more rank groups: on one, the request is
+    refused for that reason (before, the memory bound's error blamed memory for a 150 K-parameter
+    model: "no pipeline of stages that fit covers the model")."""
+    with pytest.raises(InputError, match=re.escape(why) + r": allow 'gpipe' or '1f1b'"):
+        partita.plan(gpt2_graph, cluster=h100s(devices), global_batch_size=8, options=PlanOptions(**pins))
+
+
+@pytest.mark.parametrize(
+    ("pins", "text"),
+    [
+        ({"num_stages": 4}, "num_stages=4 needs at least 4 devices"),
+        ({"num_stages": 2, "replicas": 2}, "num_stages=2 x replicas=2 needs at least 4 devices"),
+    ],
+)
+def test_stages_and_replicas_pinned_past_the_devices_are_refused(mlp_graph, pins, text):
+    """Without a pinned degree too (``check_degree`` checks that case): before, the search's error
+    blamed memory ("every split the search tried exceeds 75.7 GiB") for a 15 K-parameter model."""
+    with pytest.raises(InputError, match=re.escape(text) + r" .* but the cluster has 2"):
+        partita.plan(mlp_graph, cluster=h100s(2), global_batch_size=32, options=PlanOptions(**pins))
+
+
+def test_schedules_of_several_stages_per_group_plan_over_two_rank_groups(gpt2_graph):
+    plan = partita.plan(gpt2_graph, cluster=h100s(2), global_batch_size=8, options=PlanOptions(schedules=("zbv",)))
+    assert plan.schedule.value == "zbv" and plan.num_rank_groups == 2, plan.summary()
+    mixed = PlanOptions(schedules=("zbv", "gpipe"))  # one schedule of one stage per group: planned
+    assert partita.plan(gpt2_graph, cluster=h100s(1), global_batch_size=8, options=mixed).schedule.value == "gpipe"
+
+
 # ----------------------------------------------------------------------------- resumes and checkpoints
 
 
