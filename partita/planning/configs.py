@@ -32,7 +32,7 @@ class SearchOptions:
     memory_limit_bytes: int  # usable per device
     schedules: tuple[Schedule, ...]
     num_stages: int | None  # rank groups (pipeline depth in devices)
-    replicas: int | None  # devices per rank group
+    replicas: int | None  # replicas per rank group (each of tensor_parallel devices)
     uniform_replicas: bool  # False: also search uneven replica counts (partita.planning.uneven)
     num_microbatches: int | None
     recompute: Recompute | None
@@ -95,7 +95,7 @@ class SearchOptions:
 
 @dataclass(frozen=True)
 class Config:
-    replicas: int  # devices per rank group; with stage_replicas, the fewest of them
+    replicas: int  # replicas per rank group; with stage_replicas, the fewest of them
     num_rank_groups: int
     schedule: Schedule
     virtual_stages: int

@@ -36,9 +36,10 @@ class PlanOptions:
     """What ``partita.plan`` may choose, and what the user pinned.
 
     ``schedules``: the schedules searched (default: all; one name or Schedule pins it).
-    ``num_stages``: pipeline depth in rank groups. ``replicas``: devices per rank group (pins
-    the same count for every stage). ``num_microbatches``: pins that. ``recompute``: the
-    recomputation level of every stage, "none", "selective" or "full" (True / False: full / none);
+    ``num_stages``: pipeline depth in rank groups. ``replicas``: data-parallel replicas per rank
+    group, each a group of ``tensor_parallel`` devices (pins the same count for every stage).
+    ``num_microbatches``: pins that. ``recompute``: the recomputation level of every stage,
+    "none", "selective" or "full" (True / False: full / none);
     None: each stage takes the least level with which it fits (``Recompute``).
     ``uniform_replicas``: True restricts the search to pp x dp meshes, False asks for
     per-stage replica counts explicitly, None searches them where the search can (see
