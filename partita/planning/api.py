@@ -24,7 +24,7 @@ from partita.planning.context import PlanningContext, planning_context
 from partita.planning.degree_contexts import degree_contexts
 from partita.planning.driver import best_of_contexts
 from partita.planning.hetero import MixedOutcome, plan_mixed
-from partita.planning.infeasible import infeasible_error, memory_bound
+from partita.planning.infeasible import has_shape, infeasible_error, memory_bound
 from partita.planning.options import PlanOptions
 from partita.planning.plan_builder import plan_key
 from partita.types import OpGraph, Plan, Sharding
@@ -189,7 +189,9 @@ def _best_or_raise(contexts: list[PlanningContext]) -> tuple[Plan, PlanningConte
     started = time.monotonic()
     found = best_of_contexts(searched) if searched else []  # the degrees refine what can win
     if not found:
-        raise infeasible_error(contexts, bounds, searched_s=time.monotonic() - started)
+        every = [*contexts, *(variant for variant, _ in idle_unit_contexts(contexts))]
+        shapeless = not any(has_shape(c) for c in every)
+        raise infeasible_error(contexts, bounds, searched_s=time.monotonic() - started, shapeless=shapeless)
     best, chosen = min(found, key=lambda pair: plan_key(pair[0]))
     return best, base_of.get(id(chosen), chosen)
 

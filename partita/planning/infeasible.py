@@ -37,6 +37,7 @@ import numpy as np
 from partita.errors import InfeasiblePlanError
 from partita.planning.build import module_range
 from partita.planning.chain import block_costs
+from partita.planning.configs import enumerate_configs
 from partita.planning.context import PlanningContext
 from partita.planning.driver import best_plan
 from partita.planning.infeasible_variants import (
@@ -54,10 +55,11 @@ from partita.planning.memory_bound import BlockNeed, MemoryBound
 from partita.planning.options import recompute_allowed
 from partita.planning.search import spread_state_bytes
 from partita.planning.tensor_parallel import DEGREES
+from partita.planning.uneven import enumerate_shapes
 from partita.types import OptimizerKind, Precision, Recompute, Schedule
 from partita.units import fmt_bytes
 
-__all__ = ["Fix", "infeasible_error", "memory_bound"]
+__all__ = ["Fix", "has_shape", "infeasible_error", "memory_bound"]
 
 # Fixes are also checked by planning with them when the search is cheap: at most this many devices
 # (tensor-parallel groups), and this many devices times blocks of the chain.
@@ -96,13 +98,19 @@ def memory_bound(ctx: PlanningContext) -> MemoryBound:
 
 
 def infeasible_error(
-    contexts: Sequence[PlanningContext], bounds: Sequence[MemoryBound] | None = None, *, searched_s: float = 0.0
+    contexts: Sequence[PlanningContext],
+    bounds: Sequence[MemoryBound] | None = None,
+    *,
+    searched_s: float = 0.0,
+    shapeless: bool = False,
 ) -> InfeasiblePlanError:
     """Why no context (one per tensor-parallel degree) has a plan, and what would fit, checked.
     ``searched_s``: seconds the search that found nothing took (the checks may spend twice as long).
+    ``shapeless``: no context has a pipeline shape the pins allow (``has_shape``), so memory is not
+    the cause.
 
     Attributes of the error: ``refused_by_bound`` (True: answered without searching),
-    ``binding`` ("block", "pipeline" or "search": which constraint binds), ``fixes`` (``Fix``),
+    ``binding`` ("block", "pipeline", "search" or "pins": which constraint binds), ``fixes`` (``Fix``),
     ``min_devices`` and ``min_memory_bytes`` (the fewest devices and the least memory per device
     found to fit, None when not found)."""
     bounds = list(bounds) if bounds is not None else [memory_bound(c) for c in contexts]
@@ -110,18 +118,25 @@ def infeasible_error(
     checker = _Checker(list(contexts), bounds, refused, budget_s=max(_CHECKS_BUDGET_S, 2 * searched_s))
     # describe the degree with the most savings (the largest): the one closest to fitting
     ctx, bound = contexts[-1], bounds[-1]
-    binding, cause = _cause(ctx, bound, refused, checker)
+    binding, cause = ("pins", _PINS_SENTENCE) if shapeless else _cause(ctx, bound, refused, checker)
     fixes = _fixes(checker)
     base = contexts[0]
     units = ", ".join(str(c.options.tensor_parallel) for c in contexts)
     degree_text = f"tensor-parallel degree {units}" if len(contexts) == 1 else f"tensor-parallel degrees {units}"
     head = (
-        f"no plan fits {base.cluster.num_devices:,} device(s) with {fmt_bytes(base.options.memory_limit_bytes)} "
-        f"usable each ({base.cluster.device.name}; {base.graph.num_parameters:,} parameters, optimizer "
+        f"no plan {'of' if shapeless else 'fits'} {base.cluster.num_devices:,} device(s) with "
+        f"{fmt_bytes(base.options.memory_limit_bytes)} usable each ({base.cluster.device.name}; "
+        f"{base.graph.num_parameters:,} parameters, optimizer "
         f"{base.options.optimizer.value}, {base.options.precision.value}, {degree_text}, global batch "
         f"{base.options.global_batch_size})"
     )
-    how = "the memory bound refuses it without searching" if refused else "the search found no split that fits"
+    how = (
+        "the pinned options allow no pipeline of these devices"
+        if shapeless
+        else "the memory bound refuses it without searching"
+        if refused
+        else "the search found no split that fits"
+    )
     if fixes:
         advice = "would fit, each checked" + (
             " (by planning with it)"
@@ -147,6 +162,21 @@ def infeasible_error(
 
 
 # ----------------------------------------------------------------------------- the cause
+
+_PINS_SENTENCE = (
+    "together they leave no pipeline shape to search, whatever the memory per device (a schedule of several "
+    "stages per rank group needs 2 or more groups, a pinned sharding level 2 or more replicas in a group, "
+    "1F1B as many micro-batches as stages, each pinned count its own devices)"
+)
+
+
+def has_shape(ctx: PlanningContext) -> bool:
+    """Whether the context's options allow any pipeline shape to search, memory aside: a uniform
+    config (``enumerate_configs``) or, where the replicas may differ, an uneven shape."""
+    num_blocks = len(ctx.chain) - 1
+    if next(enumerate_configs(ctx.options, num_blocks), None) is not None:
+        return True
+    return not ctx.options.uniform_replicas and next(enumerate_shapes(ctx.options, num_blocks), None) is not None
 
 
 def _cause(ctx: PlanningContext, bound: MemoryBound, refused: bool, checker: _Checker) -> tuple[str, str]:

@@ -264,6 +264,18 @@ def test_stages_and_replicas_pinned_past_the_devices_are_refused(mlp_graph, pins
         partita.plan(mlp_graph, cluster=h100s(2), global_batch_size=32, options=PlanOptions(**pins))
 
 
+def test_pins_that_leave_no_pipeline_shape_name_the_pins_not_memory(gpt2_graph):
+    """Interleaved 1F1B (2+ rank groups) and full_shard (2+ replicas per group) on 2 units of
+    tensor_parallel=2: no shape at any memory. Before, the error said every split the search tried
+    exceeded 75.7 GiB, for a 150 K-parameter model."""
+    options = PlanOptions(schedules=("interleaved1f1b",), tensor_parallel=2, sharding="full_shard")
+    with pytest.raises(partita.InfeasiblePlanError, match="the pinned options allow no pipeline") as caught:
+        partita.plan(gpt2_graph, cluster=h100s(4), global_batch_size=8, options=options)
+    err = caught.value
+    assert err.binding == "pins" and "exceeds" not in str(err), str(err)
+    assert {f.option for f in err.fixes} >= {"sharding", "schedules"}, [f.text for f in err.fixes]
+
+
 def test_schedules_of_several_stages_per_group_plan_over_two_rank_groups(gpt2_graph):
     plan = partita.plan(gpt2_graph, cluster=h100s(2), global_batch_size=8, options=PlanOptions(schedules=("zbv",)))
     assert plan.schedule.value == "zbv" and plan.num_rank_groups == 2, plan.summary()
