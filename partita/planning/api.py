@@ -27,6 +27,7 @@ from partita.planning.hetero import MixedOutcome, plan_mixed
 from partita.planning.infeasible import has_shape, infeasible_error, memory_bound
 from partita.planning.options import PlanOptions
 from partita.planning.plan_builder import plan_key
+from partita.planning.sharding import shards_as_pinned
 from partita.types import OpGraph, Plan, Sharding
 from partita.types.cluster import Cluster
 
@@ -162,15 +163,16 @@ def _mixed(model, args, kwargs, cluster, global_batch_size, loss_fn, target, opt
 
 
 def check_sharding_applied(plan: Plan, options: PlanOptions) -> None:
-    """InputError when a pinned sharding level other than replicate shards no stage of the best plan
-    (the search leaves out one replica per rank group, but stages that share a weight with another
-    stage always replicate): a pin is never dropped without a word."""
+    """InputError when a pinned sharding level other than replicate shards no stage of ``plan``, the
+    best that fits (the search keeps only plans with the level, so ``_refuse_unshardable`` passes the
+    best found without that requirement: stages that share a weight with another stage always
+    replicate): a pin is never dropped without a word."""
     pinned = options.sharding
-    if pinned is None or pinned is Sharding.REPLICATE or any(s.sharding is pinned for s in plan.stages):
+    if shards_as_pinned(plan, pinned):
         return
     shape = ", ".join(f"stage {s.index}: {s.num_replicas} replica(s)" for s in plan.stages)
     raise InputError(
-        f"sharding={pinned.value!r} is pinned, but the best plan that fits shards no stage ({shape}): stages "
+        f"sharding={pinned.value!r} is pinned, but no plan that fits shards a stage (the best: {shape}): stages "
         "that share a weight with another stage (tied embeddings) always replicate; pin replicas and num_stages "
         "so that a stage without tied weights has several replicas, or unpin sharding"
     )
@@ -191,9 +193,22 @@ def _best_or_raise(contexts: list[PlanningContext]) -> tuple[Plan, PlanningConte
     if not found:
         every = [*contexts, *(variant for variant, _ in idle_unit_contexts(contexts))]
         shapeless = not any(has_shape(c) for c in every)
+        if not shapeless and searched and contexts[0].options.sharding not in (None, Sharding.REPLICATE):
+            _refuse_unshardable(searched)
         raise infeasible_error(contexts, bounds, searched_s=time.monotonic() - started, shapeless=shapeless)
     best, chosen = min(found, key=lambda pair: plan_key(pair[0]))
     return best, base_of.get(id(chosen), chosen)
+
+
+def _refuse_unshardable(searched: list[PlanningContext]) -> None:
+    """InputError when plans fit but none has the pinned sharding level (their stages all share a
+    weight with another stage): searched again without that requirement, memory not being the cause."""
+    relaxed = [
+        dataclasses.replace(c, options=dataclasses.replace(c.options, sharding_must_apply=False)) for c in searched
+    ]
+    found = best_of_contexts(relaxed)
+    if found:
+        check_sharding_applied(min(found, key=lambda pair: plan_key(pair[0]))[0], searched[0].options)
 
 
 def idle_unit_contexts(contexts: list[PlanningContext]) -> list[tuple[PlanningContext, PlanningContext]]:

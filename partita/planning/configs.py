@@ -54,6 +54,10 @@ class SearchOptions:
     idle_units: bool = False
     max_microbatch_choices: int = 6
     candidates_per_config: int = 3
+    # True: a plan of partita's own must honour a pinned sharding level other than replicate (some
+    # stage has it; ``plan_builder.honours_pins``); False, only to tell why none does
+    # (``partita.planning.api``): the fastest plans may all hold tied weights on every stage
+    sharding_must_apply: bool = True
 
     def __post_init__(self) -> None:
         if self.recompute is not None:  # a bool pins full / none

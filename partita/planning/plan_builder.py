@@ -20,6 +20,7 @@ from partita.cost.recompute import extra_backward_s
 from partita.planning.build import block_to_node_boundaries, build_plan, fits, total_compute_s
 from partita.planning.configs import Candidate
 from partita.planning.context import PlanningContext
+from partita.planning.sharding import shards_as_pinned
 from partita.planning.simulate import simulate_plan
 from partita.types import RECOMPUTE_LEVELS, CostTable, Plan, Recompute, StagePlan
 
@@ -50,7 +51,17 @@ def finish_plan(ctx: PlanningContext, config, node_boundaries, recompute, method
     if not routable(ctx, config, node_boundaries):
         return None
     p = draft_plan(ctx, config, node_boundaries, recompute, method)
-    return simulated(ctx, p) if fits(p, ctx.options.memory_limit_bytes) else None
+    return simulated(ctx, p) if fits(p, ctx.options.memory_limit_bytes) and honours_pins(ctx, p, method) else None
+
+
+def honours_pins(ctx: PlanningContext, plan: Plan, method: str) -> bool:
+    """Whether a plan of partita's own (``method``; the baselines' splits keep theirs) honours the
+    pinned sharding level: stages sharing a weight with another stage replicate under any pin
+    (``build.py``), so a plan whose every such stage does is not one the user asked for, and a
+    slower plan that shards a stage must win over it."""
+    if method != "partita" or not ctx.options.sharding_must_apply:
+        return True
+    return shards_as_pinned(plan, ctx.options.sharding)
 
 
 def draft_plan(ctx: PlanningContext, config, node_boundaries, recompute, method: str) -> Plan:
@@ -149,7 +160,7 @@ def fitting_draft(
     final = [s.recompute for s in draft.stages]
     if step_to_beat is not None and cannot_beat(draft_lower_bound_s(ctx, config, draft, final), step_to_beat):
         return None
-    return draft
+    return draft if honours_pins(ctx, draft, method) else None
 
 
 def step_lower_bound_s(config, compute_s: Sequence[float], forward_s: Sequence[float] | None = None) -> float:

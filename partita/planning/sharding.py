@@ -31,7 +31,7 @@ from partita.cost.analytic import optimizer_step_s
 from partita.cost.memory import ALLREDUCE_BUCKET_BYTES
 from partita.types import Cluster, OptimizerKind, Precision, Sharding
 
-__all__ = ["LEVELS", "collective_times_s", "levels", "step_overhead_s"]
+__all__ = ["LEVELS", "collective_times_s", "levels", "shards_as_pinned", "step_overhead_s"]
 
 LEVELS = (Sharding.REPLICATE, Sharding.SHARD_GRADS_AND_OPTIMIZER, Sharding.FULL_SHARD)  # least sharded first
 
@@ -42,6 +42,13 @@ def levels(pinned: Sharding | None, num_replicas: int) -> tuple[Sharding, ...]:
     if num_replicas == 1:
         return (Sharding.REPLICATE,)
     return LEVELS if pinned is None else (pinned,)
+
+
+def shards_as_pinned(plan: Any, pinned: Sharding | None) -> bool:
+    """Whether ``plan`` honours a pinned sharding level: some stage has it, or the pin is replicate
+    or none. Stages sharing a weight with another stage (tied embeddings) always replicate, so a
+    plan whose every stage does honours no other level (``partita.planning.api`` refuses it)."""
+    return pinned is None or pinned is Sharding.REPLICATE or any(s.sharding is pinned for s in plan.stages)
 
 
 def collective_times_s(

@@ -182,6 +182,21 @@ def test_a_pinned_sharding_level_without_replicas_is_refused():
         )
 
 
+def test_a_pinned_sharding_level_is_honoured_by_a_slower_plan_when_the_fastest_cannot_shard():
+    """GPT-2 (tied embedding and LM head), TP 2, two rank groups of two replicas on 12 H100s: the
+    fastest plan (1F1B, two stages, both holding the tied weight) replicates every stage; a ZB-V plan
+    whose middle stages hold no tied weight shards them. Before, the search took the fastest and the
+    pin was refused ("the best plan that fits shards no stage"), while the infeasible checker had found
+    the ZB-V plan."""
+    ex = examples.build("gpt2", batch_size=8)
+    graph = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    options = PlanOptions(costs="analytic", tensor_parallel=2, sharding="full_shard", num_stages=2)
+    plan = partita.plan(graph, cluster=Cluster(device="h100", num_devices=12, devices_per_node=2),
+                        global_batch_size=32, options=options)  # fmt: skip
+    assert any(s.sharding is Sharding.FULL_SHARD for s in plan.stages), plan.summary()
+    assert plan.num_rank_groups == 2 and plan.tensor_parallel == 2
+
+
 def test_measured_costs_in_bf16_are_refused():
     ex = examples.build("mlp-tiny", batch_size=8)
     with pytest.raises(InputError, match="profiler measures the captured dtype"):
@@ -458,7 +473,7 @@ def test_stages_sharing_a_tied_weight_replicate_even_when_sharding_is_pinned():
         if tied:
             gpt2 = graph
             with pytest.raises(
-                InputError, match=r"sharding='full_shard' is pinned, but the best plan .* shards no stage"
+                InputError, match=r"sharding='full_shard' is pinned, but no plan that fits shards a stage"
             ):
                 partita.plan(graph, cluster=cluster, global_batch_size=16, options=options)
             continue
