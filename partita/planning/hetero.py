@@ -38,6 +38,7 @@ from partita.planning.hetero_search import SMALL_DEVICES, MixedCandidate, search
 from partita.planning.hetero_simulate import simulate_mixed
 from partita.planning.options import PlanOptions
 from partita.planning.plan_builder import plan_key, with_result
+from partita.planning.sharding import shards_as_pinned
 from partita.types import OpGraph, Plan, SimResult
 from partita.types.cluster import Cluster
 
@@ -170,10 +171,13 @@ def best_mixed(run: MixedRun) -> tuple[Plan | None, str]:
     plans: list[Plan] = []
     candidate_of = {}
     best_s = float("inf")
+    unsharded = 0  # candidates that fit but shard no stage under a pinned level (tied weights)
     for candidate in search_mixed(run, options):
         if candidate.estimate_s > best_s * ESTIMATE_MARGIN:
             break  # sorted by estimate: no later candidate is likely to beat the best simulated step
-        found = _simulated(run, candidate)
+        found = _simulated(run, candidate, any_sharding=True)
+        if found is not None and not shards_as_pinned(found, user.sharding):
+            unsharded, found = unsharded + 1, None
         if found is None:
             continue
         plans.append(found)
@@ -185,6 +189,11 @@ def best_mixed(run: MixedRun) -> tuple[Plan | None, str]:
         at = f" at tensor-parallel degree {run.tensor_parallel}" if run.tensor_parallel > 1 else ""
         if run.degrees is not None:
             at = f" at tensor-parallel degrees {list(run.degrees)} (by device group)"
+        if unsharded:
+            return None, (
+                f"no placement of stages on the device types{at} that fits has a stage with "
+                f"sharding={user.sharding.value!r} (stages that share a weight with another stage replicate)"
+            )
         return None, f"no placement of stages on the device types fits every device's memory{at}"
     return min((_refined(run, candidate_of[id(p)], p) for p in _best_per_config(plans, candidate_of)), key=plan_key), ""
 
@@ -224,9 +233,14 @@ def _refined(run: MixedRun, candidate: MixedCandidate, plan: Plan) -> Plan:
     return best
 
 
-def _simulated(run: MixedRun, candidate: MixedCandidate) -> Plan | None:
+def _simulated(run: MixedRun, candidate: MixedCandidate, *, any_sharding: bool = False) -> Plan | None:
+    """The candidate's plan, simulated; None when it does not fit, or (unless ``any_sharding``) when
+    it shards no stage under a pinned sharding level: a pin is never dropped (stages sharing a weight
+    with another replicate under any level, so a slower plan that shards must win)."""
     draft = fitting_mixed_draft(run, candidate)
-    return None if draft is None else with_result(draft, simulate_mixed(draft, run.costs_at, keep_timeline=False))
+    if draft is None or not (any_sharding or shards_as_pinned(draft, run.options.sharding)):
+        return None
+    return with_result(draft, simulate_mixed(draft, run.costs_at, keep_timeline=False))
 
 
 def _one_type(

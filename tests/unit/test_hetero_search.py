@@ -291,3 +291,23 @@ def test_partita_plan_searches_tensor_parallel_degrees_on_a_mixed_cluster(gpt2_g
         )
     alone = partita.plan(run.graph, cluster=uneven, global_batch_size=8, options=run.options.replace(tensor_parallel=4))
     assert alone.tensor_parallel == 4 and {uneven.group_of_rank(r) for s in alone.stages for r in s.ranks} == {0}
+
+
+def test_a_pinned_sharding_level_is_honoured_on_a_mixed_cluster():
+    """GPT-2 (tied embedding and LM head) on 2 H100s beside 2 A100s with full_shard pinned: before,
+    the mixed search's plan replicated every stage (the tied stages replicate under any level) and
+    the pin was silently dropped; now the best plan that shards a stage wins."""
+    from partita import examples
+
+    ex = examples.build("gpt2", batch_size=8)
+    graph = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    cluster = Cluster(
+        groups=(
+            DeviceGroup(device="h100", num_devices=2, devices_per_node=2),
+            DeviceGroup(device="a100-80gb", num_devices=2, devices_per_node=2),
+        )
+    )
+    for pins in ({}, {"num_stages": 2}):
+        options = partita.PlanOptions(costs="analytic", sharding="full_shard", **pins)
+        plan = partita.plan(graph, cluster=cluster, global_batch_size=16, options=options)
+        assert any(s.sharding.value == "full_shard" for s in plan.stages), (pins, plan.summary())
