@@ -28,9 +28,10 @@ from partita.errors import InputError
 from partita.planning.build import BuildMemo
 from partita.planning.chain import coarsen, legal_cuts, per_sample_cuts
 from partita.planning.configs import SearchOptions
+from partita.planning.memory_bound import ONE_STAGE
 from partita.planning.options import CostSource, PlanOptions, resolve_precision
 from partita.planning.tensor_parallel import check_degree, group_cluster, split_crossings
-from partita.types import CostTable, OpGraph, Precision, Schedule, Sharding
+from partita.types import CostTable, OpGraph, Precision, Sharding
 from partita.types.cluster import Cluster
 from partita.types.tensor_parallel import TensorParallelLayout
 from partita.types.whole_batch import coupling_words
@@ -256,11 +257,7 @@ def _check_pinned_devices(options: PlanOptions, cluster: Cluster) -> None:
     tensor-parallel degree (``check_degree`` checks a pinned degree's): no memory makes that fit."""
     units = (options.replicas or 1) * (options.num_stages or 1)
     if units > cluster.num_devices:
-        pinned = " x ".join(
-            f"{name}={value}"
-            for name, value in (("num_stages", options.num_stages), ("replicas", options.replicas))
-            if value
-        )
+        pinned = _pinned_text(options, "num_stages", "replicas")
         raise InputError(
             f"{pinned} needs at least {units} devices (one per replica of each rank group), but the cluster has "
             f"{cluster.num_devices}: pin fewer stages or replicas, or plan on at least {units} devices"
@@ -271,7 +268,7 @@ def _check_schedules_pin(options: PlanOptions, cluster: Cluster) -> None:
     """InputError when only schedules of several stages per rank group are allowed (interleaved
     1F1B, ZB-V: a pipeline of at least 2 rank groups) and the pins leave room for one rank group:
     no plan of any memory could run, so memory is not the cause to name."""
-    if any(s in (Schedule.GPIPE, Schedule.ONE_F_ONE_B) for s in options.schedules):
+    if any(s in ONE_STAGE for s in options.schedules):
         return
     degree, replicas = options.tensor_parallel or 1, options.replicas or 1
     if options.num_stages == 1:
@@ -279,11 +276,7 @@ def _check_schedules_pin(options: PlanOptions, cluster: Cluster) -> None:
     elif cluster.num_devices == 1:
         why = "the cluster has one device"
     elif cluster.num_devices // (degree * replicas) < 2:
-        pinned = " x ".join(
-            f"{name}={value}"
-            for name, value in (("tensor_parallel", options.tensor_parallel), ("replicas", options.replicas))
-            if value
-        )
+        pinned = _pinned_text(options, "tensor_parallel", "replicas")
         why = f"{pinned} makes all {cluster.num_devices} devices one rank group"
     else:
         return
@@ -292,6 +285,11 @@ def _check_schedules_pin(options: PlanOptions, cluster: Cluster) -> None:
         f"schedules=({names},) run several stages on each rank group, in a pipeline of at least 2 rank "
         f"groups, but {why}: allow 'gpipe' or '1f1b' (or unpin schedules), or plan over at least 2 rank groups"
     )
+
+
+def _pinned_text(options: PlanOptions, *names: str) -> str:
+    """The pinned ones of ``names`` as a user writes them: ``num_stages=2 x replicas=2``."""
+    return " x ".join(f"{name}={getattr(options, name)}" for name in names if getattr(options, name))
 
 
 def _cost_source(costs: CostSource, graph: OpGraph, cluster: Cluster, precision: Precision) -> CostSource:
