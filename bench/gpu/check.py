@@ -1134,8 +1134,8 @@ def run_trainer(
                     ref_losses, ref_state = references[case.precision]
                     row["unsplit_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
                     row["unsplit_missing_keys"] = sorted(set(ref_state) ^ set(state))
-                    row["unsplit_param_diff"] = max(
-                        (state[k].double() - v.double()).abs().max().item()
+                    row["unsplit_param_diff"] = max(  # gather_state_dict gives CPU tensors
+                        (state[k].double() - v.double().cpu()).abs().max().item()
                         for k, v in ref_state.items()
                         if v.numel() and k in state
                     )
@@ -1621,10 +1621,11 @@ def _trainer_table(data: dict) -> list[str]:
         "|---|---:|---:|---|---|---|---:|---:|---|---:|---|",
     ]
     for r in data["trainer_rows"]:
-        if "losses" not in r:
+        if "error" in r:  # failed before or after its steps: the losses it got, then the error
+            losses = ", ".join(f"{x:.3f}" for x in r.get("losses", []))
             lines.append(
                 f"| {r['case']} | {r.get('microbatches', '-')} | {r.get('global_batch', '-')} | "
-                f"{r.get('error', '-')} | | | | | | | |"
+                f"{losses + '; ' if losses else ''}{r['error']} | | | | | | | |"
             )
             continue
         losses = ", ".join(f"{x:.3f}" for x in r["losses"])
