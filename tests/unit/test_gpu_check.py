@@ -156,6 +156,25 @@ def test_markdown_report(dry_run):
         assert needle in text, needle
 
 
+def test_trainer_table_shows_a_case_that_failed_after_its_steps():
+    """The H100 run's rows: a case whose losses were recorded before it failed (comparing with the
+    unsplit model) once broke the whole markdown report with a KeyError."""
+    script = _load_script()
+    rows = [
+        {
+            "case": "gpipe/1st/fp32",
+            "microbatches": 2,
+            "global_batch": 8,
+            "losses": [11.04, 9.44],
+            "error": "RuntimeError: devices",
+        },
+        {"case": "zbv/2st/fp32", "error": "skipped: time budget"},
+    ]
+    text = "\n".join(script._trainer_table({"trainer_rows": rows}))
+    assert "| gpipe/1st/fp32 | 2 | 8 | 11.040, 9.440; RuntimeError: devices |" in text
+    assert "| zbv/2st/fp32 | - | - | skipped: time budget |" in text
+
+
 def test_calibrate_from_the_json(dry_run, tmp_path, capsys):
     from partita.types.devices import load_device_file
 
