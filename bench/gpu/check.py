@@ -1131,7 +1131,8 @@ def run_trainer(
                     state = trainer.gather_state_dict()
                     if case.precision not in references:
                         references[case.precision] = unsplit_training(built, initial, settings, case.precision, device)
-                    ref_losses, ref_state = references[case.precision]
+                    ref_losses, ref_state, ref_step_s = references[case.precision]
+                    row["unsplit_step_ms"] = 1e3 * statistics.median(ref_step_s[1:] or ref_step_s)
                     row["unsplit_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
                     row["unsplit_missing_keys"] = sorted(set(ref_state) ^ set(state))
                     row["unsplit_param_diff"] = max(  # gather_state_dict gives CPU tensors
@@ -1165,27 +1166,30 @@ def run_trainer(
 
 def unsplit_training(
     built: Built, initial: dict, settings: Settings, precision: str, device: torch.device
-) -> tuple[list[float], dict]:
+) -> tuple[list[float], dict, list[float]]:
     """The unsplit model trained on the trainer cases' batches, whole batch at a time, with the same
-    optimizer and clipping, in fp32 or under ``torch.autocast`` to bf16 (``precision``): its losses
-    and final state (on the same device; the model is left at ``initial`` afterwards)."""
+    optimizer and clipping, in fp32 or under ``torch.autocast`` to bf16 (``precision``): its losses,
+    final state (on the same device; the model is left at ``initial`` afterwards) and the seconds of
+    each step, timed as the Trainer's are (what partita's runtime adds is the difference)."""
     model = built.model
     model.load_state_dict(initial)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.trainer_lr)
-    losses = []
+    losses, step_s = [], []
     for step in range(settings.trainer_steps):
         a, kw, _ = built.make_batch(settings.trainer_batch, step)
+        start_s = now(device)
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = model(*a, **kw).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
+        step_s.append(now(device) - start_s)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     del optimizer
     model.load_state_dict(initial)
-    return losses, state
+    return losses, state, step_s
 
 
 def _trainer_cluster(device: torch.device) -> Any:
@@ -1617,22 +1621,22 @@ def _trainer_table(data: dict) -> list[str]:
         "## Trainer on one rank",
         "",
         "| case | microbatches | global batch | losses | finite | falls | max loss diff vs unsplit | "
-        "max param diff vs unsplit | step ms (median, first) | peak GiB | device |",
-        "|---|---:|---:|---|---|---|---:|---:|---|---:|---|",
+        "max param diff vs unsplit | step ms (median, first) | unsplit step ms | peak GiB | device |",
+        "|---|---:|---:|---|---|---|---:|---:|---|---:|---:|---|",
     ]
     for r in data["trainer_rows"]:
         if "error" in r:  # failed before or after its steps: the losses it got, then the error
             losses = ", ".join(f"{x:.3f}" for x in r.get("losses", []))
             lines.append(
                 f"| {r['case']} | {r.get('microbatches', '-')} | {r.get('global_batch', '-')} | "
-                f"{losses + '; ' if losses else ''}{r['error']} | | | | | | | |"
+                f"{losses + '; ' if losses else ''}{r['error']} | | | | | | | | |"
             )
             continue
         losses = ", ".join(f"{x:.3f}" for x in r["losses"])
         lines.append(
             f"| {r['case']} | {r['microbatches']} | {r['global_batch']} | {losses} | {r['finite']} | "
             f"{r['falls']} | {_e(r.get('unsplit_loss_diff'))} | {_e(r.get('unsplit_param_diff'))} | "
-            f"{r['step_ms']:.1f}, {r['first_step_ms']:.0f} | {_f(r.get('peak_gib'))} | "
+            f"{r['step_ms']:.1f}, {r['first_step_ms']:.0f} | {_f(r.get('unsplit_step_ms'), 1)} | {_f(r.get('peak_gib'))} | "
             f"{r.get('trainer_device')} |"
         )
     return lines

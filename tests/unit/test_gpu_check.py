@@ -173,6 +173,8 @@ def test_trainer_table_shows_a_case_that_failed_after_its_steps():
     text = "\n".join(script._trainer_table({"trainer_rows": rows}))
     assert "| gpipe/1st/fp32 | 2 | 8 | 11.040, 9.440; RuntimeError: devices |" in text
     assert "| zbv/2st/fp32 | - | - | skipped: time budget |" in text
+    widths = {line.count("|") for line in text.splitlines() if line.startswith("|")}
+    assert len(widths) == 1, text  # every row as wide as the header
 
 
 def test_calibrate_from_the_json(dry_run, tmp_path, capsys):
