@@ -180,7 +180,7 @@ def enumerate_configs(options: SearchOptions, num_blocks: int) -> Iterator[Confi
 
 def _schedules(options: SearchOptions, num_groups: int) -> Iterator[tuple[Schedule, int]]:
     for schedule in options.schedules:
-        if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        if schedule.one_stage_per_rank_group:
             yield schedule, 1
         elif num_groups > 1:
             vs = options.interleaved_virtual_stages if schedule is Schedule.INTERLEAVED_1F1B else (2,)

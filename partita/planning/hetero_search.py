@@ -69,6 +69,7 @@ from partita.planning.device_groups import MixedRun
 from partita.planning.partition import candidate_partitions
 from partita.planning.search import EXHAUSTIVE_BLOCKS, StageCosts, pipeline_tail_s
 from partita.types import RECOMPUTE_LEVELS, Recompute, Schedule
+from partita.types.schedule_orders import UNEVEN_SCHEDULES
 
 __all__ = [
     "KindCosts",
@@ -81,7 +82,7 @@ __all__ = [
     "search_mixed",
 ]
 
-MIXED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+MIXED_SCHEDULES = UNEVEN_SCHEDULES  # run by partita.runtime.uneven (module docstring)
 MAX_STAGES = 8
 # Clusters of at most this many devices (on chains of at most EXHAUSTIVE_BLOCKS blocks) try every
 # tuple of kinds, with every share, up to MAX_KIND_TUPLES per (schedule, stages, micro-batches).

@@ -71,8 +71,8 @@ from partita.types import RECOMPUTE_LEVELS, MemoryBreakdown, Precision, Recomput
 
 __all__ = ["BlockNeed", "MemoryBound", "divisors"]
 
-ONE_STAGE = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
-SEVERAL_STAGES = (Schedule.INTERLEAVED_1F1B, Schedule.ZBV)
+ONE_STAGE = tuple(s for s in Schedule if s.one_stage_per_rank_group)
+SEVERAL_STAGES = tuple(s for s in Schedule if not s.one_stage_per_rank_group)
 # Per tensor, the bytes of b samples may round below b times one sample's by a few bytes (floor
 # and ceil divisions in partita.cost.table): this many bytes per node and sample are given up.
 _ROUNDING_BYTES = 8

@@ -27,6 +27,11 @@ class Schedule(str, enum.Enum):
         """Fixed number of stages each rank holds (None: chosen by the plan)."""
         return {Schedule.GPIPE: 1, Schedule.ONE_F_ONE_B: 1, Schedule.ZBV: 2}.get(self)
 
+    @property
+    def one_stage_per_rank_group(self) -> bool:
+        """GPipe and 1F1B: each rank group holds one stage (the others hold several)."""
+        return self.virtual_stages_per_rank == 1
+
     @classmethod
     def parse(cls, value: Schedule | str) -> Schedule:
         """``"1F1B"``, ``"interleaved-1f1b"``, ``Schedule.ZBV`` -> the member; InputError otherwise."""

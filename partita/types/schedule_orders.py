@@ -55,7 +55,7 @@ KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 # The schedules whose stages may have different replica counts (one stage per rank group): the
 # runtime runs them with its own per-rank orders (``partita.runtime.uneven``), the planner searches
 # them (``partita.planning.uneven``).
-UNEVEN_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+UNEVEN_SCHEDULES = tuple(s for s in Schedule if s.one_stage_per_rank_group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +92,7 @@ def check_schedule(schedule: Schedule, num_microbatches: int, num_rank_groups: i
     m, g, s = num_microbatches, num_rank_groups, num_stages
     for name, value in (("num_microbatches", m), ("num_rank_groups", g), ("num_stages", s)):
         positive_int(value, name)
-    if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B) and s != g:
+    if schedule.one_stage_per_rank_group and s != g:
         raise InputError(
             f"{schedule.value} runs one stage per rank group, got {s} stages on {g} rank groups: "
             f"use interleaved1f1b for several stages per rank group"
