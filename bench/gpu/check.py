@@ -27,7 +27,9 @@ Parts. Each runs on its own: one that fails is recorded in the report with its e
    cast with ``model.to(torch.bfloat16)`` before capture, because partita profiles and costs the
    captured graph in the dtypes it was captured in; tf32 = the fp32 graph with TF32 matmuls, costed
    with ``analytic_costs(..., dtype="tfloat32")``):
-   a. profile: ``partita.cost.profiler.profile(graph, inputs, microbatch_size=b)`` on the device;
+   a. profile: ``partita.cost.profiler.profile(graph, inputs, microbatch_size=b)`` on the device; its
+      per-node times, summed per operator against the roofline terms, give each operator's implied
+      compute and memory efficiency (``op_types.py``: which kind of op the catalog's values miss);
    b. time: each stage range -- the whole graph, halves and quarters cut at layer starts, the middle
       layer alone -- runs as a stage module (``split_graph``) on the real boundary tensors; forward and
       backward are timed apart (synchronised, medians of round-robin rounds) and compared with the
@@ -77,12 +79,15 @@ from typing import Any
 _ROOT = Path(__file__).resolve().parents[2]
 if (_ROOT / "partita" / "__init__.py").is_file() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
+if str(Path(__file__).resolve().parent) not in sys.path:  # its sibling modules, however it is loaded
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GPU machine has no network
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.utils._pytree as pytree  # noqa: E402
+from op_types import op_type_table  # noqa: E402
 
 MIB = 2**20
 REPORT_JSON, REPORT_MD, DEVICE_FILE = "gpu_check.json", "gpu_check.md", "calibrated_device.json"
@@ -806,6 +811,7 @@ def run_config(
         max(np.abs(rebuilt_f - analytic.forward_s).max(), np.abs(rebuilt_b - analytic.backward_s).max()) / scale
     )
     config["terms"] = {k: _compact(v) for k, v in terms.items()}
+    config["targets"] = [node.target for node in graph.nodes]
     config["analytic_whole_ms"] = 1e3 * float(analytic.forward_s.sum() + analytic.backward_s.sum())
 
     args, kwargs, target = built.make_batch(mb, 0)
@@ -830,6 +836,10 @@ def run_config(
             )
             config["profile"] = {k: float(v) for k, v in measured.calibration.items()}
             config["profile"]["device"] = measured.device
+            config["profiled_nodes"] = {
+                "forward_s": _compact(measured.forward_s),
+                "backward_s": _compact(measured.backward_s),
+            }
         except Exception as e:  # noqa: BLE001 - the range timings below do not need it
             config["errors"]["profile"] = f"{type(e).__name__}: {e}"
             log(f"  profile failed: {config['errors']['profile']}")
@@ -1448,7 +1458,14 @@ def render_markdown(data: dict) -> str:
                 + (f"; {p['error']}" if p.get("error") else "")
             )
         lines.append(f"| {p['name']} | {p['status']} | {p['seconds']} | {notes} |")
-    lines += _config_table(data) + _time_summary(data) + _time_table(data) + _memory_table(data) + _trainer_table(data)
+    lines += (
+        _config_table(data)
+        + _time_summary(data)
+        + _time_table(data)
+        + op_type_table(data)
+        + _memory_table(data)
+        + _trainer_table(data)
+    )
     lines += ["", "## Calibration", ""]
     lines += calibration_text(data["calibration"]) if data.get("calibration") else ["(not run yet)"]
     failures = [p for p in data["parts"] if p.get("traceback")] + [

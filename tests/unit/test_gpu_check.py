@@ -177,6 +177,59 @@ def test_trainer_table_shows_a_case_that_failed_after_its_steps():
     assert len(widths) == 1, text  # every row as wide as the header
 
 
+def test_time_per_operator(dry_run):
+    """Each profiled configuration keeps every node's target and profiled times; summed per operator,
+    they are the profiled table's total, and the report lists the operators."""
+    out, data, _ = dry_run
+    sys.path.insert(0, str(SCRIPT.parent))
+    from op_types import op_type_rows
+
+    profiled = [c for c in data["configs"] if c.get("profiled_nodes")]
+    assert profiled
+    for config in profiled:
+        assert len(config["targets"]) == config["num_nodes"] == len(config["profiled_nodes"]["forward_s"])
+        rows = op_type_rows(config)
+        total = sum(config["profiled_nodes"]["forward_s"]) + sum(config["profiled_nodes"]["backward_s"])
+        assert math.isclose(sum(r["measured_ms"] for r in rows), 1e3 * total, rel_tol=1e-9)
+        assert {"mm", "addmm", "matmul", "linear"} & {r["op"] for r in rows}
+    assert "## Time per operator" in (out / "gpu_check.md").read_text()
+
+
+def test_implied_efficiencies_per_operator():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from op_types import op_type_rows
+
+    config = {
+        "model": "m",
+        "dtype": "bf16",
+        "microbatch_size": 1,
+        "targets": ["aten.mm.default", "aten.add.Tensor", "aten.mm.default", "aten.view.default"],
+        "terms": {
+            "c_f": [1e-3, 0.0, 3e-3, 0.0],
+            "m_f": [1e-4, 2e-3, 1e-4, 0.0],
+            "n_f": [1, 1, 1, 1],
+            "c_b": [2e-3, 0.0, 6e-3, 0.0],
+            "m_b": [2e-4, 2e-3, 2e-4, 0.0],
+            "n_b": [2, 1, 2, 0],
+        },
+        "profiled_nodes": {"forward_s": [2e-3, 4e-3, 6e-3, 1e-5], "backward_s": [4e-3, 2e-3, 12e-3, 0.0]},
+    }
+    rows = {(r["op"], r["direction"]): r for r in op_type_rows(config)}
+    assert set(rows) == {
+        ("mm", "forward"),
+        ("mm", "backward"),
+        ("add", "forward"),
+        ("add", "backward"),
+        ("view", "forward"),
+    }
+    assert math.isclose(rows[("mm", "forward")]["compute_efficiency"], 0.5)  # 4 ms of FLOPs in 8 ms
+    assert math.isclose(rows[("mm", "backward")]["compute_efficiency"], 0.5)
+    assert math.isclose(rows[("add", "forward")]["memory_efficiency"], 0.5)
+    assert math.isclose(rows[("add", "backward")]["memory_efficiency"], 1.0)
+    assert math.isclose(rows[("view", "forward")]["us_per_op"], 10.0)
+    assert rows[("mm", "forward")]["nodes"] == 2
+
+
 def test_calibrate_from_the_json(dry_run, tmp_path, capsys):
     from partita.types.devices import load_device_file
 
