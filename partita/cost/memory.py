@@ -12,7 +12,10 @@ backward peak = gathered parameter copies (sharded stages)
                 between steps) -- or, when every forward runs first, the start of the second
                 micro-batch's backward if that is higher: one micro-batch fewer kept, but every
                 gradient made (its rebuilt tensors too, under recomputation)
-step peak     = the gradients the optimizer reads (a shard when sharded) + its temporaries
+step peak     = the gradients the optimizer reads (a shard when sharded) + its temporaries: on a
+                GPU, torch's default (foreach) step makes one state's worth at once (one copy of
+                the trainable parameters, or of their shard); on the CPU, its single-tensor step
+                makes about twice the largest parameter (``steps_foreach``)
 
 Per trainable byte of the parameters in their own (captured, fp32) dtype, with ``k`` optimizer
 states per parameter and ``r`` replicas of the stage::
@@ -209,6 +212,7 @@ def device_memory(
         num_replicas=num_replicas,
         num_microbatches=num_microbatches,
         gathered_trainable_bytes=largest_unit if sharding is Sharding.FULL_SHARD else None,
+        foreach_step=steps_foreach(costs.device),
     )
 
 
@@ -245,6 +249,7 @@ def memory_from_totals(
     gathered_trainable_bytes: Any = None,
     saved_bytes: Any = None,
     recomputed_bytes: Any = None,
+    foreach_step: bool = False,
 ) -> DeviceMemory:
     """The memory formula on totals of a device's node ranges. Works element-wise on numpy
     arrays too, so the search evaluates every candidate stage at once with the same formula.
@@ -263,6 +268,7 @@ def memory_from_totals(
     time (None: all of them). The table in the module docstring gives the formulas. ``recompute``:
     the level (a bool means full or none); saved_bytes, recomputed_bytes: selective recomputation's
     totals (per micro-batch, ``partita.cost.recompute``), needed at that level only.
+    foreach_step: the optimizer steps every parameter at once (``steps_foreach``: on GPUs).
     """
     recompute = Recompute.parse(recompute)
     if recompute is Recompute.SELECTIVE:
@@ -301,7 +307,9 @@ def memory_from_totals(
         comm_buffer_bytes=_as_int(comm_buffer_bytes),
         # an operation's output and its gradient coexist in backward
         working_bytes=_as_int(2 * largest_output_bytes),
-        optimizer_step_bytes=_as_int(_step_temporaries(optimizer, largest_param_bytes, shards)),
+        optimizer_step_bytes=_as_int(
+            _step_temporaries(optimizer, largest_param_bytes, trainable_bytes, shards, foreach_step)
+        ),
         backward_grad_bytes=backward_grad_bytes,
         gathered_param_bytes=_as_int(gathered_bytes),
         step_grad_bytes=_as_int(np.ceil(trainable_bytes / shards)) if sharded else None,
@@ -439,10 +447,26 @@ class MemoryByInFlight:
         return self._persistent + np.maximum(self._fixed + kept + grads, self._step_peak)
 
 
-def _step_temporaries(optimizer: OptimizerKind, largest_param_bytes: Any, shards: int) -> Any:
-    """About twice the largest parameter (fp32) that one single-tensor step updates: its shard when sharded."""
+def steps_foreach(device: str) -> bool:
+    """Whether torch's optimizers step all of a device's parameters at once on ``device`` (a
+    catalog name or a device file's): their default implementation is foreach on GPUs (CUDA
+    tensors and FSDP2's DTensors of them) and single-tensor on the CPU
+    (``torch.optim.optimizer._default_to_fused_or_foreach``). Every device but ``cpu`` is a GPU."""
+    return device != "cpu"
+
+
+def _step_temporaries(
+    optimizer: OptimizerKind, largest_param_bytes: Any, trainable_bytes: Any, shards: int, foreach_step: bool
+) -> Any:
+    """The optimizer step's temporaries (fp32), over a shard when sharded. Foreach: one state's
+    worth, all at once (Adam's ``_foreach_sqrt`` of its second moments; measured on an H100:
+    bench/results/gpu/README.md); single-tensor: about twice the largest parameter, one at a time
+    (measured on the CPU: bench/results/cost_accuracy.md). Momentum SGD's step, in place unless it
+    decays weights, is charged as Adam's: an upper bound."""
     if optimizer.states_per_parameter == 0:
         return 0 * largest_param_bytes  # plain SGD updates in place
+    if foreach_step:
+        return np.ceil(trainable_bytes / shards)
     return np.ceil(2 * largest_param_bytes / shards)
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partita.checks import positive_int
-from partita.cost.memory import first_gradient_bytes
+from partita.cost.memory import first_gradient_bytes, steps_foreach
 from partita.errors import InputError
 from partita.types import CostTable, OpGraph
 from partita.types.graph import reads_samples
@@ -355,6 +355,7 @@ class BlockCosts:
     saved_bytes: np.ndarray
     recomputed_bytes: np.ndarray
     selective_recompute_s: np.ndarray
+    foreach_step: bool = False  # the optimizer's step on this device (``partita.cost.memory.steps_foreach``)
 
     @property
     def num_blocks(self) -> int:
@@ -392,6 +393,7 @@ class BlockCosts:
             largest_output_bytes=range_max(self.max_output_bytes),
             largest_param_bytes=range_max(self.max_param_bytes),
             first_grad_bytes=range_last(self.last_grad_bytes),
+            foreach_step=self.foreach_step,
         )
 
 
@@ -449,6 +451,7 @@ def block_costs(costs: CostTable, boundaries) -> BlockCosts:
         selective_recompute_s=per_block(costs.selective_recompute_s, np.float64),
         max_output_bytes=np.maximum.reduceat(np.asarray(costs.output_bytes, dtype=np.int64), starts),
         cut_bytes=np.asarray(costs.cut_bytes, dtype=np.int64)[b],
+        foreach_step=steps_foreach(costs.device),
         **params,
     )
 

@@ -379,7 +379,8 @@ class _Checker:
             k, units, o = blocks.num_blocks, ctx.options.num_devices, ctx.options
             params, trainable = int(blocks.param_bytes_matrix[0, k]), int(blocks.trainable_bytes_matrix[0, k])
             if any(
-                spread_state_bytes(params, trainable, units // r, r, r > 1, o) <= o.memory_limit_bytes
+                spread_state_bytes(params, trainable, units // r, r, r > 1, o, foreach_step=blocks.foreach_step)
+                <= o.memory_limit_bytes
                 for r in range(1, units + 1)
             ):
                 return True

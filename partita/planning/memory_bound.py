@@ -90,6 +90,7 @@ _RANGE_TOTALS = (
     "boundary_bytes",
     "largest_output_bytes",
     "largest_param_bytes",
+    "foreach_step",
 )
 # What a bound computes from the cost tables alone (shared by bounds that differ in options only).
 _TABLE_FIELDS = (
@@ -286,8 +287,12 @@ class MemoryBound:
             copies_add, copies_max = (0 * own, half * held) if full else (half * own, 0 * own)
             bucket = np.minimum(held, ALLREDUCE_BUCKET_BYTES) if r > 1 and not sharded else 0 * own
             fixed_max = (held if full else 0) + copies_max + bucket + 2 * self.totals["largest_output_bytes"]
-            temporaries = 2 * self.totals["largest_param_bytes"] / s if k else 0 * own
-            step = own / s + use * temporaries
+            if not k:
+                step = own / s
+            elif self.totals["foreach_step"]:  # one state's worth (partita.cost.memory): it adds up
+                step = 2 * own / s
+            else:
+                step = own / s + use * 2 * self.totals["largest_param_bytes"] / s
             for rc in self.recompute_modes[True]:
                 for drained in (True, False):
                     first_input = samples.stage_input if drained else self.totals["stage_input_bytes"]

@@ -228,6 +228,7 @@ _TOTALS = (
     "largest_output_bytes",
     "largest_param_bytes",
     "first_grad_bytes",
+    "foreach_step",
 )
 
 # ----------------------------------------------------------------------------- driver
@@ -462,17 +463,26 @@ def _may_fit(blocks: BlockCosts, config: Config, options: SearchOptions) -> bool
     k = blocks.num_blocks
     sharded = config.replicas > 1 and options.sharding is not Sharding.REPLICATE
     params, trainable = int(blocks.param_bytes_matrix[0, k]), int(blocks.trainable_bytes_matrix[0, k])
-    return spread_state_bytes(params, trainable, config.num_rank_groups, config.replicas, sharded, options) <= (
-        options.memory_limit_bytes
+    spread = spread_state_bytes(
+        params, trainable, config.num_rank_groups, config.replicas, sharded, options, foreach_step=blocks.foreach_step
     )
+    return spread <= options.memory_limit_bytes
 
 
 def spread_state_bytes(
-    param_bytes: int, trainable_bytes: int, num_rank_groups: int, replicas: int, sharded: bool, options: SearchOptions
+    param_bytes: int,
+    trainable_bytes: int,
+    num_rank_groups: int,
+    replicas: int,
+    sharded: bool,
+    options: SearchOptions,
+    *,
+    foreach_step: bool,
 ) -> int:
     """``_may_fit``'s memory: the whole model's parameters, gradients and optimizer state spread
     evenly over ``num_rank_groups`` groups of ``replicas`` (``sharded``: state sharded over them,
-    nothing gathered), with no activations."""
+    nothing gathered), with no activations; ``foreach_step``: ``BlockCosts.foreach_step`` (a
+    foreach step's temporaries are a share of the state as well)."""
     g = num_rank_groups
     memory = memory_from_totals(
         param_bytes=param_bytes // g,
@@ -489,6 +499,7 @@ def spread_state_bytes(
         sharding=Sharding.FULL_SHARD if sharded else Sharding.REPLICATE,
         num_replicas=replicas if sharded else 1,
         gathered_trainable_bytes=0,
+        foreach_step=foreach_step,
     )
     return int(memory.total_bytes)
 

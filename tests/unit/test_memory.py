@@ -56,6 +56,32 @@ def test_whole_model_on_one_device_with_adam():
     assert mem.total_bytes == (trainable + 8) + 2 * trainable + trainable + 8 * MiB
 
 
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_on_a_gpu_the_optimizer_step_makes_one_state_at_once(replicas):
+    """torch's default step on GPUs is foreach: Adam's ``_foreach_sqrt`` of the second moments is one
+    copy of every trainable parameter (of the shard when sharded), as measured on an H100
+    (bench/results/gpu/README.md); on the CPU, single-tensor, about twice the largest parameter."""
+    import dataclasses
+
+    from partita.cost.memory import steps_foreach
+
+    trainable = 4 * MiB + 4096 + 40960 + 40
+    sharding = Sharding.SHARD_GRADS_AND_OPTIMIZER if replicas > 1 else Sharding.REPLICATE
+    cpu, gpu = mlp_costs(), dataclasses.replace(mlp_costs(), device="h100")
+    on = {
+        table.device: device_memory(
+            table, [(0, 4)], in_flight=1, optimizer=OptimizerKind.ADAM, sharding=sharding, num_replicas=replicas
+        )
+        for table in (cpu, gpu)
+    }
+    assert on["h100"].optimizer_step_bytes == -(-trainable // replicas)
+    assert on["cpu"].optimizer_step_bytes == 2 * 4 * MiB // replicas
+    if replicas == 1:  # the step peaks above backward here: the total follows the temporaries
+        assert on["h100"].total_bytes - on["cpu"].total_bytes == trainable - 2 * 4 * MiB
+    assert steps_foreach("a100-80gb") and steps_foreach("my-gpu-file") and not steps_foreach("cpu")
+    assert device_memory(gpu, [(0, 4)], in_flight=1, optimizer=OptimizerKind.NONE).optimizer_step_bytes == 0
+
+
 def test_backward_peak_wins_when_activations_dominate():
     mem = device_memory(mlp_costs(), [(1, 4)], in_flight=8, optimizer=OptimizerKind.ADAM)
     backward = mem.activation_bytes + mem.comm_buffer_bytes + mem.working_bytes + mem.grad_bytes
@@ -171,7 +197,8 @@ def test_microbatches_in_flight(schedule, m, ranks, v, expected):
 @pytest.mark.parametrize("precision", list(Precision))
 @pytest.mark.parametrize("sharding", list(Sharding))
 @pytest.mark.parametrize("recompute", [False, True])
-def test_memory_by_in_flight_equals_the_formula_byte_for_byte(precision, sharding, recompute):
+@pytest.mark.parametrize("foreach_step", [False, True])
+def test_memory_by_in_flight_equals_the_formula_byte_for_byte(precision, sharding, recompute, foreach_step):
     rng = np.random.default_rng(7)
     shape = (9, 9)
     trainable = rng.integers(0, 2**33, shape)
@@ -190,6 +217,7 @@ def test_memory_by_in_flight_equals_the_formula_byte_for_byte(precision, shardin
         sharding=sharding,
         num_replicas=3,
         num_microbatches=6,
+        foreach_step=foreach_step,
     )
     by_in_flight = MemoryByInFlight(**totals)
     for in_flight in (0, 1, 2.5, 5, 6, 7.25, 12):  # below, at and above the micro-batch count

@@ -227,6 +227,7 @@ def test_when_the_state_cannot_spread_neither_blocks_nor_batch_are_tried(gpt2_gr
             r,
             r > 1,
             ctx.options,
+            foreach_step=blocks.foreach_step,
         )
         for r in range(1, 5)
     )
