@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +38,7 @@ import numpy as np
 from partita.checks import positive_int
 from partita.cost.memory import first_gradient_bytes, steps_foreach
 from partita.errors import InputError
+from partita.planning.range_matrices import range_last, range_max, range_sums
 from partita.types import CostTable, OpGraph
 from partita.types.graph import reads_samples
 
@@ -395,34 +395,6 @@ class BlockCosts:
             first_grad_bytes=range_last(self.last_grad_bytes),
             foreach_step=self.foreach_step,
         )
-
-
-def range_sums(values: Sequence[float]) -> np.ndarray:
-    """out[j, i]: the sum of values[j:i] (negative below the diagonal: callers mask j >= i)."""
-    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
-    return prefix[None, :] - prefix[:, None]
-
-
-def range_last(values: Sequence[float]) -> np.ndarray:
-    """out[j, i]: the last non-zero value among values[j:i] (0 if none, and where i <= j)."""
-    v = np.asarray(values, dtype=np.float64)
-    k = len(v)
-    # last[i]: position of the last non-zero value before i (-1: none); the range [j, i) has one iff last >= j
-    positions = np.where(v != 0, np.arange(k), -1)
-    last = np.concatenate([[-1], np.maximum.accumulate(positions)]) if k else np.array([-1])
-    j = np.arange(k + 1)[:, None]
-    inside = (last[None, :] >= j) & (j < np.arange(k + 1)[None, :])
-    return np.where(inside, v[np.maximum(last, 0)][None, :] if k else 0.0, 0.0)
-
-
-def range_max(values: Sequence[float]) -> np.ndarray:
-    """out[j, i]: the largest of values[j:i] (0 where i <= j)."""
-    v = np.asarray(values, dtype=np.float64)
-    k = len(v)
-    out = np.zeros((k + 1, k + 1))
-    for j in range(k):
-        out[j, j + 1 :] = np.maximum.accumulate(v[j:])
-    return out
 
 
 def block_costs(costs: CostTable, boundaries) -> BlockCosts:

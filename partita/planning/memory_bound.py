@@ -63,8 +63,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from partita.cost.memory import ALLREDUCE_BUCKET_BYTES, memory_from_totals
-from partita.planning.chain import block_costs, range_sums
+from partita.planning.chain import block_costs
 from partita.planning.options import recompute_allowed
+from partita.planning.range_matrices import range_sums
 from partita.planning.sharding import levels
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
 from partita.types import RECOMPUTE_LEVELS, MemoryBreakdown, Precision, Recompute, Schedule, Sharding
