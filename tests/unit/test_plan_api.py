@@ -150,23 +150,23 @@ def test_a_graph_with_a_static_batch_is_refused():
         partita.plan(graph, cluster=h100s(2), global_batch_size=8)
 
 
-def _fits(graph, memory, **pins):
+def _fits(graph, memory, batch=8, **pins):
     from partita.planning.context import planning_context
     from partita.planning.driver import best_plan
 
     options = PlanOptions(uniform_replicas=True, costs="analytic", **pins)
-    ctx = planning_context(graph, cluster=h100s(2, memory=memory), global_batch_size=8, options=options)
+    ctx = planning_context(graph, cluster=h100s(2, memory=memory), global_batch_size=batch, options=options)
     return best_plan(ctx) is not None
 
 
-def _smallest_memory(graph, **pins) -> int:
+def _smallest_memory(graph, batch=8, **pins) -> int:
     """Smallest memory per device (to 1%) with which a plan fits 2 devices."""
     low, high = 2**16, 2**16
-    while not _fits(graph, high, **pins):
+    while not _fits(graph, high, batch, **pins):
         low, high = high, high * 2
     while high > low * 1.01:
         mid = (low + high) // 2
-        low, high = (low, mid) if _fits(graph, mid, **pins) else (mid, high)
+        low, high = (low, mid) if _fits(graph, mid, batch, **pins) else (mid, high)
     return high
 
 
@@ -184,18 +184,19 @@ def test_zbv_never_recomputes_and_says_so_when_nothing_fits_without(gpt2):
     """ZBV keeps recomputed activations alive between its I and W passes (bench/results/e2e_memory.md),
     so the search never recomputes under it; with only ZBV allowed, a memory that needs
     recomputation is infeasible, and the error points to 1F1B with recomputation. (Replicated fp32
-    stages: ZBV's two virtual stages per rank group could fit by full sharding instead.)"""
+    stages: ZBV's two virtual stages per rank group could fit by full sharding instead.) A batch of
+    256: activations, not the optimizer step (one copy of the parameters on a GPU), set the peak."""
     _, graph = gpt2
-    pins = dict(sharding="replicate", precision="fp32")
-    with_recompute = _smallest_memory(graph, schedules=["1f1b"], recompute=True, **pins)
-    zbv = _smallest_memory(graph, schedules=["zbv"], **pins)
+    pins, batch = dict(sharding="replicate", precision="fp32"), 256
+    with_recompute = _smallest_memory(graph, batch, schedules=["1f1b"], recompute=True, **pins)
+    zbv = _smallest_memory(graph, batch, schedules=["zbv"], **pins)
     assert with_recompute < zbv / 1.02
     memory = (with_recompute + zbv) // 2
     cluster = h100s(2, memory=memory)
-    p = partita.plan(graph, cluster=cluster, global_batch_size=8, options=PlanOptions(recompute=True, **pins))
+    p = partita.plan(graph, cluster=cluster, global_batch_size=batch, options=PlanOptions(recompute=True, **pins))
     assert p.schedule is not Schedule.ZBV and any(s.recompute for s in p.stages)
     with pytest.raises(InfeasiblePlanError, match="'1f1b' or 'interleaved1f1b' with recomputation") as info:
-        partita.plan(graph, cluster=cluster, global_batch_size=8, options=PlanOptions(schedules="zbv", **pins))
+        partita.plan(graph, cluster=cluster, global_batch_size=batch, options=PlanOptions(schedules="zbv", **pins))
     assert info.value.min_memory_bytes > memory
 
 
