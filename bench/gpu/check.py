@@ -1074,7 +1074,7 @@ def run_trainer(
         report.check("trainer")
         entry["backend"] = backend
         by_dtype: dict[str, tuple[Built, Any, dict]] = {}
-        references: dict[str, tuple[list[float], dict]] = {}  # precision -> unsplit training's losses, state
+        references: dict[str, tuple[list[float], dict, list[float]]] = {}  # precision -> unsplit losses, state, step s
         for case in settings.trainer_cases:
             if time.perf_counter() > deadline - 20:
                 report.data["trainer_rows"].append({"case": case.name, "error": "skipped: time budget"})

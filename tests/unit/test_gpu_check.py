@@ -61,6 +61,14 @@ def _load_script():
     return module
 
 
+def _load_sibling(name: str):
+    """A module beside the script (``bench/gpu/NAME.py``), loaded from its file."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_every_part_ran_and_the_injected_failure_is_recorded(dry_run):
     out, data, stdout = dry_run
     for name in ("gpu_check.json", "gpu_check.md", "calibrated_device.json"):
@@ -137,6 +145,7 @@ def test_trainer_losses_fall_on_one_rank(dry_run):
             assert r["unsplit_missing_keys"] == [], r
             tolerance = 1e-5 if r["precision"] == "fp32" else 1e-2  # bf16 products round differently
             assert r["unsplit_loss_diff"] < tolerance and r["unsplit_param_diff"] < tolerance, r
+            assert r["unsplit_step_ms"] > 0, r  # timed as the Trainer's step is
 
 
 def test_markdown_report(dry_run):
@@ -181,8 +190,7 @@ def test_time_per_operator(dry_run):
     """Each profiled configuration keeps every node's target and profiled times; summed per operator,
     they are the profiled table's total, and the report lists the operators."""
     out, data, _ = dry_run
-    sys.path.insert(0, str(SCRIPT.parent))
-    from op_types import op_type_rows
+    op_type_rows = _load_sibling("op_types").op_type_rows
 
     profiled = [c for c in data["configs"] if c.get("profiled_nodes")]
     assert profiled
@@ -196,8 +204,7 @@ def test_time_per_operator(dry_run):
 
 
 def test_implied_efficiencies_per_operator():
-    sys.path.insert(0, str(SCRIPT.parent))
-    from op_types import op_type_rows
+    op_type_rows = _load_sibling("op_types").op_type_rows
 
     config = {
         "model": "m",
