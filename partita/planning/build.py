@@ -144,7 +144,7 @@ def rank_group_memory(
     memo = BuildMemo() if memo is None else memo
     result = {}
     groups, per_group = memo.layout(config, options, cluster)
-    shared = _groups_sharing_parameters(tables, ranges_by_group, memo)
+    shared = groups_sharing_parameters(tables, ranges_by_group, memo)
     m = config.num_microbatches
     for g, ranges in ranges_by_group.items():
         in_flight, replicas, spans = per_group[g]
@@ -212,7 +212,7 @@ def _group_level(group: _Group, config: Config, options: SearchOptions, allowed,
     return GroupMemory(memory[level], level, int(memory[level].total_bytes), memory[level].breakdown())
 
 
-def _groups_sharing_parameters(
+def groups_sharing_parameters(
     tables: Sequence[CostTable], ranges_by_group: Mapping[int, list], memo: BuildMemo
 ) -> set[int]:
     """Rank groups with a stage that reads a trainable parameter another stage reads too (tied

@@ -12,6 +12,7 @@ from partita.planning.baselines import same_config
 from partita.planning.chain import BlockCosts, block_costs
 from partita.planning.configs import Candidate
 from partita.planning.context import PlanningContext
+from partita.planning.group_fit import fitting_candidate
 from partita.planning.plan_builder import cannot_beat, plan_from_candidate, plan_key
 from partita.planning.refine import BaselineSeeds, refine
 from partita.planning.search import SearchCache, config_step_floor, search, sort_key
@@ -145,10 +146,13 @@ def _simulate_fitting(ctx: PlanningContext, candidates: Sequence[Candidate], lim
     """Plans of the first ``limit`` candidates that fit (all: None), and the candidate of each plan.
 
     Candidates whose rank groups hold several stages passed the search's per-stage memory check
-    only; the exact check can reject them, so keep going until ``limit`` plans fit."""
+    only; the exact check can reject them: such a candidate's split is moved until every rank
+    group fits (``partita.planning.group_fit``), and the search goes on until ``limit`` plans fit."""
     simulated, candidate_of = [], {}
     for candidate in candidates:
         p = plan_from_candidate(ctx, candidate)
+        if p is None and (moved := fitting_candidate(ctx, candidate)) is not None:
+            candidate, p = moved, plan_from_candidate(ctx, moved)
         if p is not None:
             simulated.append(p)
             candidate_of[id(p)] = candidate

@@ -188,18 +188,25 @@ def min_sums_under(
     t_maxes: Sequence[float],
     work: np.ndarray | None = None,
     reach: Sequence[int] | None = None,
+    *,
+    squares: bool = False,
 ) -> list[list[int] | None]:
     """``min_sum_under`` for each bound of ``t_maxes``, the bounds of one pass side by side, on
     the band of the largest bound when ``work`` is given, and at most the widest ``reach``
-    (module docstring)."""
+    (module docstring). ``squares``: minimise the sum of the squared stage times instead, the
+    most even split under each bound (stages that share a cost matrix share its square)."""
     if not covers(reach, num_blocks):
         return [None] * len(t_maxes)
     result: list[list[int] | None] = []
     costs = [stage_cost(k) for k in range(num_stages)]
+    if squares:
+        squared: dict[int, np.ndarray] = {}
+        costs = [squared.setdefault(id(c), np.square(c)) for c in costs]
     widest = num_blocks if reach is None else min(num_blocks, max(reach))
     for first in range(0, len(t_maxes), _BOUNDS_PER_PASS):
-        bounds = np.asarray(t_maxes[first : first + _BOUNDS_PER_PASS], dtype=np.float64)
-        width = min(widest, band_width(work, float(bounds.max()))) if work is not None else widest
+        unsquared = np.asarray(t_maxes[first : first + _BOUNDS_PER_PASS], dtype=np.float64)
+        width = min(widest, band_width(work, float(unsquared.max()))) if work is not None else widest
+        bounds = np.square(unsquared) if squares else unsquared
         bands: dict[int, _Band] = {}
         value = np.full((len(bounds), num_blocks + 1), np.inf)
         value[:, 0] = 0.0
@@ -258,15 +265,24 @@ def candidate_partitions(
     exhaustive: bool,
     work: np.ndarray | None = None,
     reach: Sequence[int] | None = None,
+    even: bool = False,
 ) -> list[list[int]]:
     """Distinct optimal-sum splits, one per candidate bottleneck, in order of increasing bound.
     ``work``: prefix sums below every stage's cost; ``reach``: per stage, the most blocks a finite
-    entry of its cost spans (module docstring: the banded DPs, Reach)."""
+    entry of its cost spans (module docstring: the banded DPs, Reach). ``even``: also, after
+    them, the most even split under the smallest bound (least sum of squared stage times): where
+    several stages share a device (interleaved 1F1B, ZB-V) its load is their sum, which the sum
+    DP leaves to its ties (it may keep many stages at the bound and make others tiny). Under
+    every bound it found the same plans for bench/plan_time.py's rows and plan_quality.py's
+    Llama-7B ZB-V row, and the DPs took 1.5 s of 175B's search (profiled) instead of 1.2 s."""
     seen: set[tuple[int, ...]] = set()
     result = []
     floors = bottleneck_candidates(stage_cost, num_blocks, num_stages, exhaustive=exhaustive, work=work, reach=reach)
     bounds = [t * (1 + 1e-12) for t in floors]
-    for boundaries in min_sums_under(stage_cost, num_blocks, num_stages, bounds, work, reach):
+    splits = min_sums_under(stage_cost, num_blocks, num_stages, bounds, work, reach)
+    if even:
+        splits += min_sums_under(stage_cost, num_blocks, num_stages, bounds[:1], work, reach, squares=True)
+    for boundaries in splits:
         if boundaries is not None and tuple(boundaries) not in seen:
             seen.add(tuple(boundaries))
             result.append(boundaries)

@@ -16,11 +16,13 @@ measures by how much). ``enumerate_configs`` yields no ZBV config with recomputa
 
 Driver: for every config allowed by the options, build the stage-cost matrices (time, with
 ``inf`` where the stage does not fit in memory) from the block costs at the config's micro-batch
-size, let :mod:`partita.planning.partition` propose splits (one per candidate bottleneck; every split
-for small chains with several stages per rank group, see EXHAUSTIVE_SPLITS), estimate
+size, let :mod:`partita.planning.partition` propose splits (one per candidate bottleneck, and with
+several stages per rank group also the most even split under each; every split for small chains
+with several stages per rank group, see EXHAUSTIVE_SPLITS), estimate
 each with a closed form (``estimate_step``; L_g: a rank group's time per micro-batch, plus the
 step's tail, ``step_tail_s``: the gradient all-reduce and optimizer step after the last backward),
-and keep the best few; then the caller simulates them on the real schedule.
+and keep the best few; then the caller simulates them on the real schedule (moving the splits
+whose rank groups, several stages each, overfill: :mod:`partita.planning.group_fit`).
 
 The options and the configs they allow are :mod:`partita.planning.configs`. Configs here give
 every rank group the same number of replicas; :mod:`partita.planning.uneven`
@@ -337,7 +339,9 @@ def _best_splits(
         splits = ([0, *inner, k] for inner in itertools.combinations(range(1, k), num_stages - 1))
     else:
         work = blocks.stage_totals["work_prefix_s"]  # every stage costs at least its compute: the banded DPs
-        splits = candidate_partitions(stage_time, k, num_stages, exhaustive=exhaustive, work=work, reach=reach)
+        splits = candidate_partitions(
+            stage_time, k, num_stages, exhaustive=exhaustive, work=work, reach=reach, even=config.virtual_stages > 1
+        )
     found = []
     for boundaries in splits:
         times = [float(per_stage[s][0][boundaries[s], boundaries[s + 1]]) for s in range(num_stages)]
