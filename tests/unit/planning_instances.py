@@ -1,6 +1,7 @@
 """Random small planning instances and their brute-force optimum, shared by the search tests
 (test_search, test_uneven_search, test_plan_bounds)."""
 
+import dataclasses
 import functools
 import os
 
@@ -13,7 +14,7 @@ from partita.planning.configs import SearchOptions
 from partita.planning.context import PlanningContext
 from partita.planning.options import PlanOptions
 from partita.planning.plan_builder import finish_plan
-from partita.types import CostTable, OpGraph, OpNode, OptimizerKind, ParamInfo, Precision, TensorInfo
+from partita.types import CostTable, OpGraph, OpNode, OptimizerKind, ParamInfo, Precision, Schedule, TensorInfo
 from partita.types.cluster import Cluster
 
 GiB = 2**30
@@ -119,6 +120,21 @@ def chain_instance(
     )
     chain = coarsen(graph, costs_at(8))
     return PlanningContext(graph, cluster, options, costs_at, list(chain), {})
+
+
+def head_heavy_instance(memory_gib: float, schedules=(Schedule.ZBV,)) -> PlanningContext:
+    """40 equal layers whose last one holds a 1 GiB head: ZB-V's rank group 0 holds the first
+    stage and the last, whose head the search's per-stage memory check sees apart from it."""
+    k, MiB = 40, 2**20
+    forward = np.full(k, 4e-3)
+    forward[-1] = 6e-3
+    params = np.full(k, 64 * MiB)
+    params[-1] = 1024 * MiB
+    activation = np.full(k, 96 * MiB)
+    activation[-1] = 64 * MiB
+    cut = np.concatenate([[0], np.full(k - 1, 8 * MiB), [0]])
+    ctx = chain_instance(forward, params, activation, cut, 1e-4, 4, int(memory_gib * GiB), "head", global_batch_size=32)
+    return dataclasses.replace(ctx, options=dataclasses.replace(ctx.options, schedules=schedules))
 
 
 def oracle(ctx: PlanningContext):

@@ -1,10 +1,7 @@
 """Splits of interleaved and ZB-V configs whose rank groups overfill are moved until they fit
 (partita.planning.group_fit), so the search keeps such configs."""
 
-import dataclasses
-
-import numpy as np
-from planning_instances import GiB, chain_instance
+from planning_instances import head_heavy_instance
 
 from partita.planning.build import block_to_node_boundaries
 from partita.planning.chain import block_costs
@@ -14,23 +11,6 @@ from partita.planning.group_fit import GroupFit, fitting_candidate
 from partita.planning.plan_builder import plan_from_candidate
 from partita.planning.search import search_config
 from partita.types import Schedule
-
-MiB = 2**20
-
-
-def _head_heavy(memory_gib: float, schedules=(Schedule.ZBV,)):
-    """40 equal layers whose last one holds a 1 GiB head: ZB-V's rank group 0 holds the first
-    stage and the last, whose head the search's per-stage memory check sees apart from it."""
-    k = 40
-    forward = np.full(k, 4e-3)
-    forward[-1] = 6e-3
-    params = np.full(k, 64 * MiB)
-    params[-1] = 1024 * MiB
-    activation = np.full(k, 96 * MiB)
-    activation[-1] = 64 * MiB
-    cut = np.concatenate([[0], np.full(k - 1, 8 * MiB), [0]])
-    ctx = chain_instance(forward, params, activation, cut, 1e-4, 4, int(memory_gib * GiB), "head", global_batch_size=32)
-    return dataclasses.replace(ctx, options=dataclasses.replace(ctx.options, schedules=schedules))
 
 
 def _zbv_config(ctx, groups: int, m: int):
@@ -42,7 +22,7 @@ def _zbv_config(ctx, groups: int, m: int):
 
 
 def test_overfilling_zbv_splits_are_moved_until_every_rank_group_fits():
-    ctx = _head_heavy(5.75)
+    ctx = head_heavy_instance(5.75)
     config = _zbv_config(ctx, 4, 16)
     candidates = search_config(
         block_costs(ctx.costs_at(config.microbatch_size), ctx.chain), config, ctx.options, ctx.search_cluster
@@ -59,7 +39,7 @@ def test_overfilling_zbv_splits_are_moved_until_every_rank_group_fits():
 
 def test_the_group_memory_is_the_plans_own():
     """GroupFit's memory of a rank group is what the plan built from the split shows for it."""
-    ctx = _head_heavy(16.0)
+    ctx = head_heavy_instance(16.0)
     config = _zbv_config(ctx, 2, 16)
     candidate = search_config(
         block_costs(ctx.costs_at(config.microbatch_size), ctx.chain), config, ctx.options, ctx.search_cluster
@@ -76,14 +56,14 @@ def test_the_group_memory_is_the_plans_own():
 def test_zbv_is_planned_where_only_a_moved_split_fits():
     """Before the splits were moved, no ZB-V plan was found at 5.75 GiB (the search's candidates
     all overfilled a rank group)."""
-    ctx = _head_heavy(5.75)
+    ctx = head_heavy_instance(5.75)
     plan = best_plan(ctx)
     assert plan is not None and plan.schedule is Schedule.ZBV
     assert max(s.memory_bytes for s in plan.stages) <= ctx.options.memory_limit_bytes
 
 
 def test_one_stage_per_group_is_left_alone():
-    ctx = _head_heavy(16.0, schedules=(Schedule.ONE_F_ONE_B,))
+    ctx = head_heavy_instance(16.0, schedules=(Schedule.ONE_F_ONE_B,))
     config = next(c for c in enumerate_configs(ctx.options, len(ctx.chain) - 1) if c.num_rank_groups == 2)
     candidate = search_config(
         block_costs(ctx.costs_at(config.microbatch_size), ctx.chain), config, ctx.options, ctx.search_cluster
