@@ -61,6 +61,15 @@ CASES = {
 HISTORY = """\
 ## Before (same machine)
 
+- 2026-12-05 22:01-23:43 UTC, rank groups of interleaved/ZB-V splits moved until they fit
+  (`partita/planning/group_fit.py`), the most even split proposed for them
+  (`partition.candidate_partitions(even=True)`) and, for the best config, baseline splits within 5%
+  of its refined plan refined too (`refine.SEED_MARGIN`): 7.1 s (175B), 5.3, 16.3, 10.8, 15.4 and 7.9 s. The code before (930c5e4), run
+  at 22:01: 6.4 s (175B), 5.0, 14.5, 10.2, 15.9 and 7.4 s of search, the same plans (76B 10.08 s
+  predicted, now 10.07 s). Intermediate versions: the even split under every bound 9.1 s (175B);
+  the repair before it gave up on groups that overflow by more than the others have left 17.8 s
+  (175B) and 31.3 s (530B); the seed margin for every refined config 25.0 s (76B; 25.5 s with a second
+  refinement start for the best config besides). Those were changed or dropped for that.
 - 2026-12-04, issue 27: interleaved 1F1B searched with 3 stages per rank group too (the table's
   175B, 39B, 310B and 530B plans are such; 8.51 s predicted for 175B, 9.24, 27.50 and 40.81 s,
   against 8.85, 9.33, 27.94 and 42.90 s with 2), with the configs' estimate lower bound counting

@@ -14,7 +14,7 @@ from partita.planning.configs import Candidate
 from partita.planning.context import PlanningContext
 from partita.planning.group_fit import fitting_candidate
 from partita.planning.plan_builder import cannot_beat, plan_from_candidate, plan_key
-from partita.planning.refine import BaselineSeeds, refine
+from partita.planning.refine import SEED_MARGIN, BaselineSeeds, refine
 from partita.planning.search import SearchCache, config_step_floor, search, sort_key
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
 from partita.planning.uneven import search_uneven, seed_shapes
@@ -211,7 +211,10 @@ def _refine_best(
             refined.append(p)
             continue
         best = refine(ctx, candidate_of[id(p)], p)
-        refined.append(min([best, *([] if seeds_hopeless else seeds.refined(config, best))], key=plan_key))
+        margin = SEED_MARGIN if p is to_refine[0] else 0.0
+        refined.append(
+            min([best, *([] if seeds_hopeless else seeds.refined(config, best, margin=margin))], key=plan_key)
+        )
     return min(refined, key=plan_key)
 
 
