@@ -149,7 +149,7 @@ def rank_group_memory(
     for g, ranges in ranges_by_group.items():
         in_flight, replicas, spans = per_group[g]
         ranges, recompute = tuple(ranges), recompute_by_group[g]
-        allowed = levels(options.sharding, replicas) if g not in shared else (Sharding.REPLICATE,)
+        allowed = group_levels(options, replicas, shares_parameters=g in shared)
         key = ("group", ranges, in_flight, recompute, replicas, m, allowed, spans, len(groups[g]), id(options))
         result[g] = memo.get(
             tables[g],
@@ -164,6 +164,12 @@ def rank_group_memory(
             memo,
         )
     return result
+
+
+def group_levels(options: SearchOptions, replicas: int, *, shares_parameters: bool) -> tuple[Sharding, ...]:
+    """The sharding levels a rank group of ``replicas`` may take: replicate only when a stage of it
+    shares a trainable parameter with another stage (``groups_sharing_parameters``)."""
+    return (Sharding.REPLICATE,) if shares_parameters else tuple(levels(options.sharding, replicas))
 
 
 class GroupMemory(NamedTuple):

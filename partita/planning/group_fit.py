@@ -29,11 +29,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from partita.planning.build import block_to_node_boundaries, groups_sharing_parameters, stage_tables
+from partita.planning.build import block_to_node_boundaries, group_levels, groups_sharing_parameters, stage_tables
 from partita.planning.configs import Candidate
 from partita.planning.context import PlanningContext
-from partita.planning.sharding import levels
-from partita.types import Recompute, Sharding
+from partita.types import Recompute
 
 MOVES = (-2, -1, 1, 2)  # blocks one inner boundary moves by
 
@@ -84,7 +83,7 @@ class GroupFit:
         key = (group, ranges)
         if key not in self._bytes:
             in_flight, replicas, _ = self.per_group[group]
-            allowed = (Sharding.REPLICATE,) if group in self.shared else levels(self.ctx.options.sharding, replicas)
+            allowed = group_levels(self.ctx.options, replicas, shares_parameters=group in self.shared)
             self._bytes[key] = min(
                 int(
                     self.ctx.build_memo.device_memory(

@@ -50,11 +50,10 @@ class BaselineSeeds:
         """The refinements of the baselines' splits under ``config`` that start at most ``margin``
         (a fraction) behind ``to_beat``; with none, only those that beat it."""
         same = same_config(config)
-        found = []
+        found, limit = [], to_beat.predicted_step_s * (1 + margin)
         for boundaries in self.splits(same).values():
             if boundaries is None:
                 continue
-            limit = to_beat.predicted_step_s * (1 + margin)
             seed = fit_with_recompute(
                 self.ctx, same, boundaries, "partita", mode=same.recompute_mode, step_to_beat=limit
             )
