@@ -7,7 +7,7 @@ global batch 16, AdamW, fp32, eager attention, on gloo ranks:
 - recomputation: 2 stages of equal node counts, GPipe with 4 micro-batches of 4 samples (every
   micro-batch in flight at the peak), every stage at one level: none, selective, full.
 - sequence parallelism: 1 stage on a tensor-parallel group of 2, GPipe with 4 micro-batches, without
-  and with ``sequence_parallel`` (recomputation none); and 2 stages (split before the middle layer) of
+  and with ``sequence_parallel`` (recomputation none), and with both and selective recomputation; and 2 stages (split before the middle layer) of
   a group of 2 each, on 4 ranks, where the residual stream crosses the boundary as each rank's tokens.
 
 Predicted: the planner's memory model for that stage on that rank (``partita.cost.memory.device_memory``
@@ -80,6 +80,12 @@ def cases(args) -> list[dict]:
         )
         for sp in (False, True)
     ]
+    # selective under sequence parallelism: row-parallel matmuls kept fused with their reduce-scatters
+    found.append(
+        dict(
+            label="tp2 + sp + selective", num_stages=1, tensor_parallel=2, recompute="selective", sequence_parallel=True
+        )
+    )
     # two stages of a group of 2 each (4 ranks): the residual stream crosses the boundary as each rank's tokens
     found.append(
         dict(label="tp2 + sp x 2 stages", num_stages=2, tensor_parallel=2, recompute="none", sequence_parallel=True)

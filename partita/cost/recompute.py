@@ -60,18 +60,15 @@ def selective_arrays(
     precision: Precision = Precision.FP32,
     shards: np.ndarray | None = None,
     measured_activation_bytes: Any = None,
-    saved_shards: np.ndarray | None = None,
 ) -> SelectiveArrays:
     """The selective arrays of ``graph`` at ``microbatch_size``, in ``precision`` (``shards`` as
-    ``partita.cost.table.value_bytes`` takes it; ``saved_shards`` for the kept outputs, when they
-    differ: default ``shards``), from the table's ``forward_s``.
+    ``partita.cost.table.value_bytes`` takes it), from the table's ``forward_s``.
 
     ``measured_activation_bytes``: a profiled table's activation bytes; the rebuilt part of each
     node's is then its modelled share (``R / A`` of the model), as ``partita.cost.tensor_parallel``
     scales measured bytes."""
     kept = kept_mask(graph)
-    saved_shards = shards if saved_shards is None else saved_shards
-    saved = np.where(kept, value_bytes(graph, microbatch_size, precision, saved_shards), 0)
+    saved = np.where(kept, value_bytes(graph, microbatch_size, precision, shards), 0)
     rebuilt = activation_bytes(graph, microbatch_size, precision, shards, skip=kept)
     if measured_activation_bytes is not None:
         whole = np.asarray(activation_bytes(graph, microbatch_size, precision, shards), dtype=np.float64)

@@ -25,9 +25,11 @@ all-reduces that costs. Each device of the group then runs, per micro-batch:
 
 Sequence parallelism (``layout.sequence_parallel``) also splits the regions between, by token:
 the values and work of ``sequence_nodes`` divide by ``t`` too, except the copies gathered whole for
-column-parallel matmuls (``gathered_nodes``: those matmuls keep that copy for their backward) and
-the partial output of a row-parallel matmul (whole until it is reduce-scattered: what selective
-recomputation keeps of it). Its collectives are single ring passes, ``t - 1`` steps of ``b / t``
+column-parallel matmuls (``gathered_nodes``: those matmuls keep that copy for their backward).
+A row-parallel matmul's partial output is whole until it is reduce-scattered, but nothing keeps
+it: backward does not read it, and selective recomputation keeps the matmul fused with its
+reduce-scatter (``partita.runtime.tensor_parallel_ops.matmul_reduce_scatter``), i.e. this device's
+tokens of the sum, and runs neither again. Its collectives are single ring passes, ``t - 1`` steps of ``b / t``
 bytes each, ``(t - 1) α + (t - 1)/t · b / β`` (``layout.forward_passes`` / ``backward_passes``), which
 replace the all-reduces of the row-parallel outputs and column-parallel inputs. A token-split value
 crosses a stage boundary as each device's tokens (``cut_bytes``; the runtime's ``boundary_parts``),
@@ -54,7 +56,7 @@ import dataclasses
 import numpy as np
 
 from partita.cost import comm
-from partita.cost.recompute import selective_arrays
+from partita.cost.recompute import kept_mask, selective_arrays
 from partita.cost.table import activation_bytes, cut_bytes, output_bytes, storage_roots
 from partita.errors import InputError
 from partita.types import Cluster, CostTable, OpGraph, Precision
@@ -82,7 +84,7 @@ def tensor_parallel_costs(
     split[[position[name] for name in layout.sharded_nodes | layout.sequence_nodes if name in position]] = True
     shards = np.where(split, t, 1)  # the work
     tensor_parts = np.where(split_values(graph, layout), t, 1)  # the values tensor parallelism splits
-    parts, saved_parts = _token_parts(graph, layout, tensor_parts)
+    parts = _token_parts(graph, layout, tensor_parts)
     sent_parts = _sent_parts(graph, layout, tensor_parts)
     forward_ar, backward_ar = reduction_times_s(costs, graph, layout, cluster)
     b, precision = costs.microbatch_size, Precision.parse(costs.precision)
@@ -93,9 +95,11 @@ def tensor_parallel_costs(
         ratio = np.divide(held, whole, out=1.0 / parts, where=whole > 0)
         held = np.where(whole > 0, np.round(kept * ratio), np.ceil(kept * ratio)).astype(np.int64)
     # Selective recomputation keeps the parts of the kept outputs, and runs the group's forward
-    # all-reduces again (each follows a kept matmul, whose output is not recomputed: added apart).
+    # collectives again (each follows a kept matmul, whose output is not recomputed: added apart),
+    # but for the reduce-scatters fused with their row-parallel matmuls, kept as one op.
     measured = None if costs.source == "analytic" else held
-    selective = selective_arrays(graph, b, costs.forward_s, precision, parts, measured, saved_parts)
+    selective = selective_arrays(graph, b, costs.forward_s, precision, parts, measured)
+    rerun = np.where(_fused_rows(graph, layout), 0.0, forward_ar)
     split_params = np.array([name in layout.params for name in costs.param_names], dtype=bool)
     param_bytes = np.asarray(costs.param_bytes, dtype=np.int64)
     return dataclasses.replace(
@@ -111,7 +115,7 @@ def tensor_parallel_costs(
         tensor_parallel=t,
         saved_bytes=selective.saved_bytes,
         recomputed_bytes=selective.recomputed_bytes,
-        selective_recompute_s=np.asarray(costs.selective_recompute_s) / shards + forward_ar,
+        selective_recompute_s=np.asarray(costs.selective_recompute_s) / shards + rerun,
     )
 
 
@@ -136,21 +140,28 @@ def _sent_parts(graph: OpGraph, layout: TensorParallelLayout, tensor_parts: np.n
     return np.where(tokens, layout.degree, tensor_parts)
 
 
-def _token_parts(graph: OpGraph, layout: TensorParallelLayout, tensor_parts: np.ndarray) -> tuple:
-    """(parts of each node's value a device holds, the same for what selective recomputation keeps):
-    ``tensor_parts`` and the token-split values, except the storage of values gathered whole for
-    column-parallel matmuls (kept whole by them); what is kept of a row-parallel matmul is its whole
-    partial output."""
+def _token_parts(graph: OpGraph, layout: TensorParallelLayout, tensor_parts: np.ndarray) -> np.ndarray:
+    """Parts of each node's value a device holds: ``tensor_parts`` and the token-split values, except
+    the storage of values gathered whole for column-parallel matmuls (kept whole by them)."""
     if not layout.sequence_parallel:
-        return tensor_parts, tensor_parts
+        return tensor_parts
     tokens = np.array([n.name in layout.sequence_nodes for n in graph.nodes], dtype=bool)
     parts = np.where(tokens, layout.degree, tensor_parts)
     roots = storage_roots(graph)
     for n in graph.nodes:
         if n.name in layout.gathered_nodes and roots[n.index] is not None and roots[n.index] >= 0:
             parts[roots[n.index]] = 1
+    return parts
+
+
+def _fused_rows(graph: OpGraph, layout: TensorParallelLayout) -> np.ndarray:
+    """bool[n]: the row-parallel matmuls that selective recomputation keeps fused with their
+    reduce-scatter (under sequence parallelism: ``sharded_nodes`` whose output is token-split),
+    whose collective it therefore does not run again."""
+    if not layout.sequence_parallel:
+        return np.zeros(graph.num_nodes, dtype=bool)
     rows = np.array([n.name in layout.sharded_nodes and n.name in layout.sequence_nodes for n in graph.nodes])
-    return parts, np.where(rows, 1, parts)
+    return rows & kept_mask(graph)
 
 
 def reduction_times_s(

@@ -40,6 +40,7 @@ __all__ = [
     "scatter_to_group",
     "gather_from_group",
     "reduce_scatter_to_group",
+    "matmul_reduce_scatter",
     "gather_for_column",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
@@ -82,6 +83,25 @@ def reduce_scatter_to_group(x: torch.Tensor, dim: int, blocks: int, group: Group
     of every rank's ``x``; backward all-gathers the gradient parts. Where tensor parallelism
     all-reduces a row-parallel matmul's partial output, sequence parallelism keeps one part of it."""
     return _ReduceScatterToGroup.apply(x, dim, blocks, group)
+
+
+def matmul_reduce_scatter(
+    x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group: Group
+) -> torch.Tensor:
+    """``reduce_scatter_to_group(x @ (weight.T if transposed else weight), dim, blocks, group)`` as one
+    dispatched op, ``partita::matmul_reduce_scatter``: a row-parallel matmul under sequence
+    parallelism (``transposed``: ``linear``'s ``(out, in)`` weight; else ``mm``/``matmul``'s ``(in, out)``).
+
+    Selective recomputation keeps the outputs of the ops its policy names, as dispatched
+    (``partita.capturing.recompute``). Kept as two ops, the matmul's output is the group's whole
+    partial product (``degree`` times what this rank ends with) and the reduce-scatter runs again
+    in the recomputation; kept as one, the cache holds this rank's tokens of the sum, and the
+    recomputation neither multiplies nor communicates. Under autocast both operands are cast to
+    bfloat16 before the op (``torch.library.register_autocast``: afresh, without autocast's cache
+    of weight casts, as the runtime's recomputing stages cast). The same products and sums as the
+    two ops; the backward all-gathers the output gradient and forms both operand gradients."""
+    name = group if isinstance(group, str) else group.group_name
+    return torch.ops.partita.matmul_reduce_scatter(x, weight, transposed, _normalized_dim(dim, x), blocks, name)
 
 
 def gather_for_column(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
@@ -251,6 +271,52 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # where, not a product: a mean over zero targets sends an infinite grad_loss to ignored rows
         grad_rows = torch.where(valid, grad_loss, 0).unsqueeze(1)  # (M, 1)
         return (softmax * grad_rows).to(logits.dtype), None, None, None, None
+
+
+# ----------------------------------------------------------------------------- the fused custom op
+
+
+@torch.library.custom_op("partita::matmul_reduce_scatter", mutates_args=())
+def _matmul_reduce_scatter(
+    x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group_name: str
+) -> torch.Tensor:
+    return _reduce_scatter_parts(_matmul(x, weight, transposed), dim, blocks, group_name)
+
+
+@_matmul_reduce_scatter.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group_name: str) -> torch.Tensor:
+    product = _matmul(x, weight, transposed)
+    shape = list(product.shape)
+    shape[dim] //= dist.get_world_size(_process_group(group_name))
+    return product.new_empty(shape)
+
+
+def _matmul_reduce_scatter_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    x, weight, transposed, dim, blocks, group_name = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.transposed, ctx.layout = transposed, (dim, blocks, group_name)
+
+
+def _matmul_reduce_scatter_backward(ctx, grad: torch.Tensor):
+    x, weight = ctx.saved_tensors
+    whole = _gather_parts(grad, *ctx.layout)  # the reduce-scatter's backward
+    rows = whole.reshape(-1, whole.shape[-1])  # matmul folds the leading dims into one mm
+    grad_x = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        grad_x = rows.mm(weight if ctx.transposed else weight.t()).view(x.shape)
+    if ctx.needs_input_grad[1]:
+        flat_x = x.reshape(-1, x.shape[-1])
+        grad_weight = rows.t().mm(flat_x) if ctx.transposed else flat_x.t().mm(rows)
+    return grad_x, grad_weight, None, None, None, None
+
+
+_matmul_reduce_scatter.register_autograd(_matmul_reduce_scatter_backward, setup_context=_matmul_reduce_scatter_context)
+for _device_type in ("cpu", "cuda"):
+    torch.library.register_autocast("partita::matmul_reduce_scatter", _device_type, torch.bfloat16)
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    return torch.matmul(x, weight.t() if transposed else weight)
 
 
 # ----------------------------------------------------------------------------- helpers

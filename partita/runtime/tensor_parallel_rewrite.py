@@ -79,6 +79,14 @@ def reduce_scatter_out(x: torch.Tensor, dim: int, inner: int, key: int) -> torch
     return ops.reduce_scatter_to_group(x, dim, x.shape[dim] // inner, process_group(key))
 
 
+def matmul_reduce_scatter_out(
+    x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, inner: int, key: int
+) -> torch.Tensor:
+    """``reduce_scatter_out`` of the row-parallel ``x @ weight`` (``weight.T``: ``transposed``), as one op
+    (``ops.matmul_reduce_scatter``: what selective recomputation keeps is this rank's tokens)."""
+    return ops.matmul_reduce_scatter(x, weight, transposed, dim, x.shape[dim] // inner, process_group(key))
+
+
 def embedding_scattered(
     weight: torch.Tensor, ids: torch.Tensor, padding_idx: int, dim: int, inner: int, key: int
 ) -> torch.Tensor:
@@ -111,9 +119,12 @@ def run_whole(tp: TensorParallel, stage: StageModule, received: Sequence[Any], g
     )
 
 
-def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
+def rewrite_stage(stage: StageModule, tp: TensorParallel, *, selective: bool = False) -> None:
     """Insert the collectives of the stage's layout into its graph (in place, recompiled), and those
-    of its sequence parallelism (``TensorParallelAnalysis.sequence``) where the plan has it."""
+    of its sequence parallelism (``TensorParallelAnalysis.sequence``) where the plan has it.
+    ``selective``: the stage recomputes selectively; its row-parallel matmuls under sequence
+    parallelism then run fused with their reduce-scatter (``matmul_reduce_scatter_out``), so that
+    the recomputation keeps their token parts and runs neither again."""
     analysis = tp.analyses[stage.spec.index]
     if analysis.layout.is_trivial:
         return
@@ -146,7 +157,7 @@ def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
         node = nodes[name]
         split = sequence.sources.get(name) if sequence is not None else None
         if kind == "row":
-            _row(g, node, key, split)
+            _row(g, node, key, split, fused=selective)
         elif kind == "vocab_embedding":
             padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
             if split is None:  # looked up where held and all-reduced: the output is whole
@@ -230,10 +241,11 @@ def _rewrite_sequence(
             output.replace_input_with(nodes[name], whole_of(nodes[name], split))
 
 
-def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None) -> None:
+def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None, *, fused: bool = False) -> None:
     """Row-parallel matmul: the partial products are summed over the group, then the bias added.
     With sequence parallelism (``split``, a ``TokenSplit``) the sum is reduce-scattered by token and
-    the bias's gradient, each rank's tokens' part, summed over the group."""
+    the bias's gradient, each rank's tokens' part, summed over the group; ``fused``: the matmul and
+    its reduce-scatter become one node (``matmul_reduce_scatter_out``)."""
     name = getattr(node.target, "overloadpacket", None).__name__
     bias = None
     if name == "linear":
@@ -242,11 +254,15 @@ def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None) ->
     elif name == "addmm":
         bias = node.args[0]
         node.target, node.args, node.kwargs = aten.mm.default, (node.args[1], node.args[2]), {}
-    with g.inserting_after(node):
-        if split is None:
-            reduced = g.call_function(reduce_out, (node, key))
-        else:
-            reduced = g.call_function(reduce_scatter_out, (node, split.dim, split.inner, key))
+    if split is not None and fused:  # a token dim of the product: x's, which has the same leading dims
+        node.target, node.args = matmul_reduce_scatter_out, (*node.args, name == "linear", split.dim, split.inner, key)
+        reduced = node
+    else:
+        with g.inserting_after(node):
+            if split is None:
+                reduced = g.call_function(reduce_out, (node, key))
+            else:
+                reduced = g.call_function(reduce_scatter_out, (node, split.dim, split.inner, key))
     out = reduced
     if bias is not None:
         if split is not None:
@@ -254,7 +270,8 @@ def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None) ->
                 bias = g.call_function(copy_in, (bias, key))
         with g.inserting_after(bias if split is not None else reduced):
             out = g.call_function(aten.add.Tensor, (reduced, bias))
-    node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not reduced)
+    if out is not node:
+        node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not reduced and user is not out)
 
 
 def _operand(node: torch.fx.Node, position: int) -> Any:

@@ -5,7 +5,8 @@ full-batch training (AdamW, clipped, 3 steps: losses and every parameter within 
   1F1B with three stages per rank group (6 stages on 2 ranks), and with tensor parallelism of
   degree 2 (GPT-2, Llama, T5);
 - sequence parallelism at tensor-parallel degree 2 (GPT-2, Llama, and BERT, whose masked-LM head
-  runs whole on its gathered input), and at degree 2 x 2 pipeline stages (GPT-2 and Llama; Llama
+  runs whole on its gathered input; GPT-2 also with selective recomputation, its row-parallel
+  matmuls fused with their reduce-scatters), and at degree 2 x 2 pipeline stages (GPT-2 and Llama; Llama
   also with selective recomputation, and Llama built on meta from a seed checkpoint); between stages
   the residual stream travels as each rank's tokens.
 
@@ -34,6 +35,7 @@ TWO_RANKS = [
     dict(label="gpt2-selective-tp2", model="gpt2", tensor_parallel=2, **SELECTIVE),
     dict(label="llama-selective-tp2", model="llama", tensor_parallel=2, **SELECTIVE),
     dict(label="gpt2-sp-tp2", model="gpt2", **SEQUENCE),
+    dict(label="gpt2-sp-selective-tp2", model="gpt2", **SEQUENCE, **SELECTIVE),  # addmm fused with its reduce-scatter
     dict(label="llama-sp-tp2", model="llama", **SEQUENCE),
     dict(label="bert-sp-tp2", model="bert", **SEQUENCE),
     # interleaved 1F1B with three stages per rank group, as the planner may pick it at scale

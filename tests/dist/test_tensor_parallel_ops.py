@@ -103,6 +103,67 @@ def case_scatter_gather(group, rank: int, degree: int) -> list:
     return out
 
 
+def case_matmul_reduce_scatter(group, rank: int, degree: int) -> list:
+    """The fused row-parallel matmul + reduce-scatter against the two ops it replaces (forward and both
+    operand gradients, ``mm`` and ``linear`` weights, tokens on dim 0 or 1 in blocks), and under
+    selective recomputation: the policy keeps its output, so backward neither multiplies nor
+    communicates again, and the gradients stay those of the unchecked run."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from partita.runtime import tensor_parallel_ops as ops
+    from partita.runtime.pipeline import selective_policy
+
+    g = torch.Generator().manual_seed(6)
+    out = []
+    for transposed, dim, blocks in [(False, 0, 1), (True, 1, 2), (False, 1, 3)]:
+        tag = f"transposed={transposed} dim={dim} blocks={blocks}"
+        shape = [4, 5, 3]
+        shape[dim] = blocks * degree * 2
+        x = torch.randn(shape, generator=g, dtype=F64)  # this rank's features of the contraction
+        weight = torch.randn((7, 3) if transposed else (3, 7), generator=g, dtype=F64)
+        out_shape = [*shape[:-1], 7]
+        out_shape[dim] //= degree
+        upstream = torch.randn(out_shape, generator=g, dtype=F64)
+
+        ref_x, ref_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        ref = ops.reduce_scatter_to_group(ref_x @ (ref_w.T if transposed else ref_w), dim, blocks, group)
+        (ref * upstream).sum().backward()
+        fused_x, fused_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        fused = ops.matmul_reduce_scatter(fused_x, fused_w, transposed, dim, blocks, group)
+        (fused * upstream).sum().backward()
+        out += [(f"fused {tag}", fused.detach(), ref.detach())]
+        out += [(f"fused {tag} input gradient", fused_x.grad, ref_x.grad)]
+        out += [(f"fused {tag} weight gradient", fused_w.grad, ref_w.grad)]
+
+    runs = []
+    matmul = ops._matmul
+
+    def counted(*args):
+        runs.append(1)
+        return matmul(*args)
+
+    def layer(x, weight):  # recomputed around the kept fused op
+        return torch.tanh(ops.matmul_reduce_scatter(torch.sin(x), weight, False, 0, 1, group))
+
+    x, weight = torch.randn(2 * degree, 3, generator=g, dtype=F64), torch.randn(3, 4, generator=g, dtype=F64)
+    ref_x, ref_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    layer(ref_x, ref_w).sum().backward()
+    sel_x, sel_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    contexts = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    ops._matmul = counted
+    try:
+        loss = checkpoint(layer, sel_x, sel_w, use_reentrant=False, context_fn=contexts).sum()
+        forward_runs = len(runs)
+        loss.backward()
+    finally:
+        ops._matmul = matmul
+    out += [("selective: runs in forward", forward_runs, 1), ("selective: not again in backward", len(runs), 1)]
+    out += [("selective: input gradient", sel_x.grad, ref_x.grad), ("selective: weight gradient", sel_w.grad, ref_w.grad)]
+    return out
+
+
 def case_embedding(group, rank: int, degree: int) -> list:
     from partita.runtime import tensor_parallel_ops as ops
 
@@ -272,6 +333,7 @@ def case_fx(group, rank: int, degree: int) -> list:
 CASES = {
     "copy_and_reduce": case_copy_and_reduce,
     "scatter_gather": case_scatter_gather,
+    "matmul_reduce_scatter": case_matmul_reduce_scatter,
     "embedding": case_embedding,
     "cross_entropy": case_cross_entropy,
     "fx": case_fx,

@@ -17,7 +17,9 @@ from partita import examples
 from partita.capturing.sequence_parallel import find_sequence_layout
 from partita.capturing.tensor_parallel import find_layout
 from partita.cost.analytic import analytic_costs
-from partita.cost.tensor_parallel import tensor_parallel_costs
+from partita.cost.recompute import kept_mask
+from partita.cost.table import value_bytes
+from partita.cost.tensor_parallel import reduction_times_s, tensor_parallel_costs
 from partita.errors import PlanFileError
 from partita.planning.options import PlanOptions
 from partita.types import Cluster
@@ -108,6 +110,29 @@ def test_costs_divide_the_split_regions_and_count_their_collectives():
     norm = next(n.index for n in graph.nodes if n.target == "aten.rsqrt.default")
     assert tokens.forward_s[norm] < plain.forward_s[norm]  # half the tokens' work
     assert tokens.backward_s.sum() > 0 and np.isfinite(tokens.forward_s).all()
+
+
+def test_selective_recomputation_keeps_the_token_part_of_row_parallel_outputs():
+    """The runtime fuses a row-parallel matmul with its reduce-scatter in a selectively recomputed stage
+    (``matmul_reduce_scatter``): what is kept of it is this device's tokens of the sum, and its
+    collective is not run again; the column-parallel inputs' all-gathers are (their matmuls'
+    backward reads the gathered copies, which the recomputation rebuilds)."""
+    graph = _graph("llama")
+    cluster = Cluster(device="h100", num_devices=2)
+    table = analytic_costs(graph, "h100", 2)
+    plain = find_layout(graph, 2)
+    layout = find_sequence_layout(graph, 2)
+    tokens = tensor_parallel_costs(table, graph, layout, cluster)
+    forward, _ = reduction_times_s(table, graph, layout, cluster)
+    kept, whole = kept_mask(graph), value_bytes(graph, 2)
+    rows = [n.index for n in graph.nodes if n.name in plain.forward_reductions and kept[n.index]]
+    gathers = [n.index for n in graph.nodes if n.name in layout.forward_passes and not kept[n.index]]
+    assert rows and gathers
+    for k in rows:  # the whole partial product: whole[k]
+        assert tokens.saved_bytes[k] * 2 == whole[k], graph.nodes[k].name
+        assert forward[k] > 0 and tokens.selective_recompute_s[k] == 0  # kept whole: nothing runs again
+    for k in gathers:
+        assert tokens.selective_recompute_s[k] >= forward[k] > 0
 
 
 def test_the_planner_pins_or_searches_it():
