@@ -227,6 +227,22 @@ def coarsen(graph: OpGraph, costs: CostTable, *, max_blocks: int = 256) -> np.nd
     raise AssertionError("with one wanted block only the layer starts are required")
 
 
+DEFAULT_MAX_BLOCKS = 128
+
+
+def default_max_blocks(graph: OpGraph) -> int:
+    """``DEFAULT_MAX_BLOCKS``, or for a model of more layers than those blocks keep every layer start of
+    (``_required_layer_starts``: an eighth of the blocks left around the layers) the least count
+    that keeps them all, so that a stage may hold any number of layers. At 128 blocks a GPT of 128
+    layers kept every other layer start, and no plan of 64 rank groups x 2 stages of one layer
+    (interleaved 1F1B, as Megatron-LM interleaves its 1T model) could be searched."""
+    num_layers = len(np.intersect1d(layer_boundaries(graph), np.flatnonzero(legal_cuts(graph))))
+    blocks = DEFAULT_MAX_BLOCKS
+    while num_layers > blocks - max(2, blocks // 8):
+        blocks += 1
+    return blocks
+
+
 def _required_layer_starts(layers: np.ndarray, max_blocks: int) -> np.ndarray:
     """The layer starts ``coarsen`` requires: every one while they leave an eighth of the blocks
     (at least two) for what lies around the layers (embeddings, a head, costly nodes); else every

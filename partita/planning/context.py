@@ -26,7 +26,7 @@ from partita.cost.profiler import profile
 from partita.cost.table import contended
 from partita.errors import InputError
 from partita.planning.build import BuildMemo
-from partita.planning.chain import coarsen, legal_cuts, per_sample_cuts
+from partita.planning.chain import coarsen, default_max_blocks, legal_cuts, per_sample_cuts
 from partita.planning.configs import SearchOptions
 from partita.planning.memory_bound import ONE_STAGE
 from partita.planning.options import CostSource, PlanOptions, resolve_precision
@@ -136,7 +136,8 @@ def planning_context(
         inputs = graph.example_inputs  # a graph alone: profile it on the inputs it was captured from
     costs_at = _costs_provider(graph, cluster, source, inputs, options.cache_dir, precision)
     reference = costs_at(_reference_microbatch(graph, global_batch_size, cluster.num_devices))
-    chain = coarsen(graph, reference, max_blocks=options.max_blocks)
+    max_blocks = options.max_blocks or default_max_blocks(graph)
+    chain = coarsen(graph, reference, max_blocks=max_blocks)
     resolved = {  # the plan file's "options": what was pinned, and what the search was allowed
         "schedules": [s.value for s in options.schedules],
         "num_stages": options.num_stages,
@@ -150,7 +151,7 @@ def planning_context(
         "tensor_parallel": options.tensor_parallel,
         "sequence_parallel": options.sequence_parallel,
         "costs": source.value,
-        "max_blocks": options.max_blocks,
+        "max_blocks": max_blocks,
         "memory_limit_bytes": search_options.memory_limit_bytes,
     }
     return PlanningContext(graph, cluster, search_options, costs_at, chain, resolved)

@@ -41,6 +41,7 @@ from partita.planning.configs import enumerate_configs
 from partita.planning.context import PlanningContext
 from partita.planning.driver import best_plan
 from partita.planning.infeasible_variants import (
+    max_blocks_of,
     memory_for_usable,
     valid_device_count,
     with_batch,
@@ -401,7 +402,7 @@ class _Checker:
     def finer_blocks(self) -> list[Fix]:
         base = self.contexts[0]
         finest = int(np.count_nonzero(base.legal_cuts)) - 1
-        current = int(base.resolved.get("max_blocks") or len(base.chain) - 1)
+        current = max_blocks_of(base)
         candidates = [b for b in (current * 2, current * 4, current * 8) if b < finest] + [finest]
         for blocks in candidates:
             if blocks <= current:

@@ -78,6 +78,11 @@ def rechained(ctx: PlanningContext, max_blocks: int, batch: int) -> np.ndarray:
     return chain if ctx.layout is None else chain[~split_crossings(ctx.graph, ctx.layout)[chain]]
 
 
+def max_blocks_of(ctx: PlanningContext) -> int:
+    """The ``max_blocks`` the run coarsened its chain with (a context made by hand: its chain's blocks)."""
+    return int(ctx.resolved.get("max_blocks") or len(ctx.chain) - 1)
+
+
 def with_blocks(ctx: PlanningContext, max_blocks: int) -> PlanningContext:
     chain = rechained(ctx, max_blocks, ctx.options.global_batch_size)
     return dataclasses.replace(ctx, chain=chain, resolved={**ctx.resolved, "max_blocks": max_blocks})
@@ -86,7 +91,7 @@ def with_blocks(ctx: PlanningContext, max_blocks: int) -> PlanningContext:
 def with_batch(ctx: PlanningContext, batch: int) -> PlanningContext:
     chain = ctx.chain
     if reference_microbatch(ctx, batch) != reference_microbatch(ctx, ctx.options.global_batch_size):
-        chain = rechained(ctx, int(ctx.resolved.get("max_blocks") or 128), batch)
+        chain = rechained(ctx, max_blocks_of(ctx), batch)
     return dataclasses.replace(ctx, chain=chain, options=dataclasses.replace(ctx.options, global_batch_size=batch))
 
 
@@ -110,7 +115,7 @@ def with_precision(ctx: PlanningContext) -> PlanningContext | None:
         precision="bf16",
         sharding=r.get("sharding"),
         costs="analytic",
-        max_blocks=int(r.get("max_blocks") or 128),
+        max_blocks=max_blocks_of(ctx),
     )
     try:
         again = planning_context(

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from partita.checks import optional_positive_int, parse_choice, positive_int
+from partita.checks import optional_positive_int, parse_choice
 from partita.errors import InputError
 from partita.types import DeviceSpec, OptimizerKind, Precision, Recompute, Schedule, Sharding
 
@@ -55,7 +55,9 @@ class PlanOptions:
     (``partita.planning.tensor_parallel``). ``sequence_parallel``: whether the tensor-parallel
     groups also split, by token, the regions they leave whole (norms, dropout, residual additions:
     their activations divide by the degree; ``partita.capturing.sequence_parallel``); None: on
-    wherever a degree's layout splits a region by token (``partita.planning.tensor_parallel``). ``costs``: where costs come from. ``max_blocks``: how finely the graph is coarsened into a chain of blocks.
+    wherever a degree's layout splits a region by token (``partita.planning.tensor_parallel``). ``costs``: where costs come from. ``max_blocks``: how finely the graph is coarsened into a chain of blocks;
+    None: 128, or as many as keep a boundary at every layer start of a deeper model
+    (``partita.planning.chain.default_max_blocks``).
     ``cache_dir``: where profiles and calibrations are cached (default: the user cache folder).
     """
 
@@ -71,7 +73,7 @@ class PlanOptions:
     tensor_parallel: int | None = None
     sequence_parallel: bool | None = None
     costs: CostSource = CostSource.AUTO
-    max_blocks: int = 128
+    max_blocks: int | None = None
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -79,7 +81,7 @@ class PlanOptions:
         set_(self, "schedules", _parse_schedules(self.schedules))
         for name in ("num_stages", "replicas", "num_microbatches", "tensor_parallel"):
             set_(self, name, optional_positive_int(getattr(self, name), name))
-        set_(self, "max_blocks", positive_int(self.max_blocks, "max_blocks"))
+        set_(self, "max_blocks", optional_positive_int(self.max_blocks, "max_blocks"))
         for name in ("uniform_replicas", "sequence_parallel"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be True, False or None (searched), got {getattr(self, name)!r}")

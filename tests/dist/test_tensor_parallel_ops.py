@@ -137,6 +137,22 @@ def case_matmul_reduce_scatter(group, rank: int, degree: int) -> list:
         out += [(f"fused {tag} input gradient", fused_x.grad, ref_x.grad)]
         out += [(f"fused {tag} weight gradient", fused_w.grad, ref_w.grad)]
 
+    # under bf16 autocast: both operands cast as autocast casts mm's (the gradients reach the fp32 leaves)
+    x, weight = torch.randn(2 * degree, 3, 5, generator=g), torch.randn(5, 4, generator=g)
+    upstream = torch.randn(2, 3, 4, generator=g, dtype=torch.bfloat16)
+    grads = []
+    for fused in (False, True):
+        leaf_x, leaf_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fused:
+                y = ops.matmul_reduce_scatter(leaf_x, leaf_w, False, 0, 1, group)
+            else:
+                y = ops.reduce_scatter_to_group(leaf_x @ leaf_w, 0, 1, group)
+        (y * upstream).sum().backward()
+        grads.append((y.detach(), leaf_x.grad, leaf_w.grad))
+    out += [("autocast: output dtype", grads[1][0].dtype, torch.bfloat16)]
+    out += [(f"autocast: {what}", mine, ref) for what, mine, ref in zip(("output", "x grad", "w grad"), *grads[::-1])]
+
     runs = []
     matmul = ops._matmul
 

@@ -384,3 +384,27 @@ def test_coarsen_requires_whole_layers_also_when_they_outnumber_half_the_blocks(
     assert len(_required_layer_starts(starts, 1)) == 0
     for max_blocks in (2, 3, 8, 20, 64):
         assert len(_required_layer_starts(many, max_blocks)) <= max(max_blocks // 2, max_blocks - 2)
+
+
+def _stack(num_layers: int) -> OpGraph:
+    """A chain of ``num_layers`` two-node layers ("layers.i") between an embedding and a head."""
+    specs = [dict(name="embed", graph_inputs=(0,), module_path="embed")]
+    for i in range(num_layers):
+        first = len(specs)
+        specs.append(dict(name=f"mm{i}", inputs=(first - 1,), module_path=f"layers.{i}.mm"))
+        specs.append(dict(name=f"act{i}", inputs=(first,), module_path=f"layers.{i}.act"))
+    specs.append(dict(name="head", inputs=(len(specs) - 1,), module_path="head"))
+    return make_graph(specs)
+
+
+def test_the_default_block_count_keeps_every_layer_start_of_a_deep_model():
+    """128 blocks up to 112 layers; beyond, the least count whose chain still starts a block at every
+    layer (a 1T GPT's 128 layers on 64 rank groups x 2 interleaved stages of one layer each)."""
+    assert chain.default_max_blocks(_stack(112)) == chain.DEFAULT_MAX_BLOCKS
+    deep = _stack(140)
+    blocks = chain.default_max_blocks(deep)
+    assert 140 + max(2, blocks // 8) == blocks  # the least: an eighth left around the layers
+    costs = analytic_costs(deep, "cpu", 2)
+    starts = layer_boundaries(deep)
+    assert len(starts) == 140 and set(starts) <= set(coarsen(deep, costs, max_blocks=blocks).tolist())
+    assert not set(starts) <= set(coarsen(deep, costs, max_blocks=chain.DEFAULT_MAX_BLOCKS).tolist())
