@@ -61,6 +61,11 @@ CASES = {
 HISTORY = """\
 ## Before (same machine)
 
+- 2026-12-06 01:36 UTC (this table): selective recomputation under sequence parallelism keeps each
+  row-parallel matmul's token part (fused with its reduce-scatter), and the default chain of a model
+  deeper than 112 layers starts a block at every layer (1T: 147 blocks, was 128). 1T 7.9 -> 17.4 s
+  of search, to the 64 x 2 interleaved plan (75.17 s predicted, was 76.57 s in 1F1B); 530B
+  15.4 -> 12.2 s (39.66 s predicted, was 40.15); the other plans the same.
 - 2026-12-05 22:01-23:43 UTC, rank groups of interleaved/ZB-V splits moved until they fit
   (`partita/planning/group_fit.py`), the most even split proposed for them
   (`partition.candidate_partitions(even=True)`) and, for the best config, baseline splits within 5%
