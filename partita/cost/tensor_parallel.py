@@ -28,10 +28,11 @@ the values and work of ``sequence_nodes`` divide by ``t`` too, except the copies
 column-parallel matmuls (``gathered_nodes``: those matmuls keep that copy for their backward).
 A row-parallel matmul's partial output is whole until it is reduce-scattered, but nothing keeps
 it: backward does not read it, and selective recomputation keeps the matmul fused with its
-reduce-scatter (``partita.runtime.tensor_parallel_ops.matmul_reduce_scatter``), i.e. this device's
-tokens of the sum, and runs neither again. Its collectives are single ring passes, ``t - 1`` steps of ``b / t``
-bytes each, ``(t - 1) α + (t - 1)/t · b / β`` (``layout.forward_passes`` / ``backward_passes``), which
-replace the all-reduces of the row-parallel outputs and column-parallel inputs. A token-split value
+reduce-scatter (``partita.runtime.tensor_parallel_ops.matmul_reduce_scatter``), i.e. this
+device's tokens of the sum, and runs neither again. Its collectives are single ring passes,
+``t - 1`` steps of ``b / t`` bytes each, ``(t - 1) α + (t - 1)/t · b / β``
+(``layout.forward_passes`` / ``backward_passes``), which replace the all-reduces of the
+row-parallel outputs and column-parallel inputs. A token-split value
 crosses a stage boundary as each device's tokens (``cut_bytes``; the runtime's ``boundary_parts``),
 where the next stage has the same degree; to another degree it travels whole (``whole_cut_bytes``).
 
