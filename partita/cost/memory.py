@@ -199,7 +199,9 @@ def device_memory(
         trainable_bytes=int(param_bytes[held_trainable].sum()),
         activation_bytes=int(sum(costs.activation_bytes[start:stop].sum() for start, stop in ranges)),
         saved_bytes=int(sum(costs.saved_bytes[start:stop].sum() for start, stop in ranges)),
-        recomputed_bytes=int(sum(costs.recomputed_bytes[start:stop].sum() for start, stop in ranges)),
+        rebuilding_bytes=_selective_rebuilding(costs, ranges)
+        if Recompute.parse(recompute) is Recompute.SELECTIVE
+        else None,
         stage_input_bytes=int(sum(costs.cut_bytes[start] for start, _ in ranges)),
         boundary_bytes=sum(int(costs.cut_bytes[start]) + int(costs.cut_bytes[stop]) for start, stop in ranges),
         largest_output_bytes=max((int(costs.output_bytes[a:b].max()) for a, b in ranges if b > a), default=0),
@@ -248,7 +250,7 @@ def memory_from_totals(
     first_grad_bytes: Any = None,
     gathered_trainable_bytes: Any = None,
     saved_bytes: Any = None,
-    recomputed_bytes: Any = None,
+    rebuilding_bytes: Any = None,
     foreach_step: bool = False,
 ) -> DeviceMemory:
     """The memory formula on totals of a device's node ranges. Works element-wise on numpy
@@ -266,13 +268,16 @@ def memory_from_totals(
     largest_param_bytes, first_grad_bytes: in the parameters' own dtype (fp32); the rest in
     ``precision``. gathered_trainable_bytes: under full_shard, the trainable bytes gathered at a
     time (None: all of them). The table in the module docstring gives the formulas. ``recompute``:
-    the level (a bool means full or none); saved_bytes, recomputed_bytes: selective recomputation's
-    totals (per micro-batch, ``partita.cost.recompute``), needed at that level only.
+    the level (a bool means full or none); saved_bytes: selective recomputation's kept outputs (per
+    micro-batch, ``partita.cost.recompute``), needed at that level only; rebuilding_bytes: what one
+    micro-batch holds beyond what it keeps while its backward rebuilds (None: ``rebuilt_bytes`` of
+    the totals, exact for one range; ``device_memory`` gives the largest of its ranges' under
+    selective recomputation: one stage rebuilds at a time).
     foreach_step: the optimizer steps every parameter at once (``steps_foreach``: on GPUs).
     """
     recompute = Recompute.parse(recompute)
     if recompute is Recompute.SELECTIVE:
-        assert saved_bytes is not None and recomputed_bytes is not None, "selective needs saved and recomputed bytes"
+        assert saved_bytes is not None, "selective needs the saved bytes"
     sharded = sharding is not Sharding.REPLICATE and num_replicas > 1
     shards = num_replicas if sharded else 1
     gathered = trainable_bytes if gathered_trainable_bytes is None else gathered_trainable_bytes
@@ -289,7 +294,7 @@ def memory_from_totals(
     copies = _weight_copies(precision, recompute, sharding, num_replicas, trainable_bytes, gathered_trainable_bytes)
 
     def kept_with(count: Any) -> Any:  # kept for backward with ``count`` micro-batches in flight
-        return _kept_bytes(count, recompute, activation_bytes, stage_input_bytes, copies, saved_bytes, recomputed_bytes)
+        return _kept_bytes(count, recompute, activation_bytes, stage_input_bytes, copies, saved_bytes, rebuilding_bytes)
 
     kept, backward_grad_bytes = kept_with(in_flight), None
     comm_buffer_bytes = 1 * boundary_bytes  # the received input and the output gradient of the micro-batch
@@ -343,7 +348,7 @@ def _kept_bytes(
     stage_input_bytes: Any,
     copies: Any,
     saved_bytes: Any = None,
-    recomputed_bytes: Any = None,
+    rebuilt: Any = None,
 ) -> Any:
     """Activations and bf16 weight copies kept for backward with ``in_flight`` micro-batches: each
     keeps ``kept_per_microbatch``, beside one set of copies (the step's, without recomputation; a
@@ -351,7 +356,7 @@ def _kept_bytes(
     if recompute is Recompute.NONE:
         return np.ceil(in_flight * activation_bytes) + np.ceil(copies)
     per_microbatch = kept_per_microbatch(recompute, activation_bytes, stage_input_bytes, saved_bytes)
-    rebuilt = rebuilt_bytes(recompute, activation_bytes, recomputed_bytes)
+    rebuilt = rebuilt_bytes(recompute, activation_bytes, saved_bytes) if rebuilt is None else rebuilt
     return np.ceil(in_flight * per_microbatch) + rebuilt + np.ceil(copies)
 
 
@@ -364,12 +369,25 @@ def kept_per_microbatch(level: Recompute, activation: Any, stage_input: Any, sav
     return 1 * activation
 
 
-def rebuilt_bytes(level: Recompute, activation: Any, recomputed: Any) -> Any:
-    """Bytes the backward of one micro-batch rebuilds, alive until it has used them."""
+def _selective_rebuilding(costs: CostTable, ranges: Sequence[tuple[int, int]]) -> int:
+    """The largest ``rebuilt_bytes`` of selectively recomputed ``ranges``: one rebuilds at a time."""
+    return max(
+        (
+            int(rebuilt_bytes(Recompute.SELECTIVE, costs.activation_bytes[a:b].sum(), costs.saved_bytes[a:b].sum()))
+            for a, b in ranges
+        ),
+        default=0,
+    )
+
+
+def rebuilt_bytes(level: Recompute, activation: Any, saved: Any) -> Any:
+    """Bytes one micro-batch holds beyond what it keeps while its backward rebuilds and uses its
+    tensors (``partita.cost.recompute``: selective drops the kept outputs backward does not read
+    as it rebuilds the rest); works on arrays."""
     if level is Recompute.FULL:
         return 1 * activation
     if level is Recompute.SELECTIVE:
-        return 1 * recomputed
+        return np.maximum(activation - saved, 0)
     return 0 * activation
 
 
@@ -435,7 +453,7 @@ class MemoryByInFlight:
             t["stage_input_bytes"],
             self._copies,
             t.get("saved_bytes"),
-            t.get("recomputed_bytes"),
+            t.get("rebuilding_bytes"),
         )
 
     def total_bytes(self, in_flight: float) -> Any:

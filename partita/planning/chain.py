@@ -339,8 +339,8 @@ class BlockCosts:
     Arrays (numpy, per micro-batch, like the CostTable they come from):
         boundaries[b]              node position (cut) of boundary b.
         forward_s[k], backward_s[k], backward_weight_s[k], activation_bytes[k], saved_bytes[k],
-        recomputed_bytes[k], selective_recompute_s[k]
-                                   sums over the nodes of block k (the last three: selective
+        selective_recompute_s[k]
+                                   sums over the nodes of block k (the last two: selective
                                    recomputation's, ``partita.cost.recompute``).
         max_output_bytes[k]        largest new output of one node of block k (working memory).
         max_param_bytes[k]         largest trainable parameter a node of block k reads (the
@@ -369,7 +369,6 @@ class BlockCosts:
     trainable_bytes_matrix: np.ndarray
     tied_matrix: np.ndarray
     saved_bytes: np.ndarray
-    recomputed_bytes: np.ndarray
     selective_recompute_s: np.ndarray
     foreach_step: bool = False  # the optimizer's step on this device (``partita.cost.memory.steps_foreach``)
 
@@ -403,7 +402,6 @@ class BlockCosts:
             selective_recompute_s=range_sums(self.selective_recompute_s),
             activation_bytes=range_sums(self.activation_bytes),
             saved_bytes=range_sums(self.saved_bytes),
-            recomputed_bytes=range_sums(self.recomputed_bytes),
             stage_input_bytes=cut[j],
             boundary_bytes=cut[j] + cut[i],
             largest_output_bytes=range_max(self.max_output_bytes),
@@ -435,7 +433,6 @@ def block_costs(costs: CostTable, boundaries) -> BlockCosts:
         backward_weight_s=per_block(costs.backward_weight_s, np.float64),
         activation_bytes=per_block(costs.activation_bytes, np.int64),
         saved_bytes=per_block(costs.saved_bytes, np.int64),
-        recomputed_bytes=per_block(costs.recomputed_bytes, np.int64),
         selective_recompute_s=per_block(costs.selective_recompute_s, np.float64),
         max_output_bytes=np.maximum.reduceat(np.asarray(costs.output_bytes, dtype=np.int64), starts),
         cut_bytes=np.asarray(costs.cut_bytes, dtype=np.int64)[b],

@@ -86,7 +86,6 @@ _RANGE_TOTALS = (
     "trainable_bytes",
     "activation_bytes",
     "saved_bytes",
-    "recomputed_bytes",
     "stage_input_bytes",
     "boundary_bytes",
     "largest_output_bytes",
@@ -299,9 +298,10 @@ class MemoryBound:
                     first_input = samples.stage_input if drained else self.totals["stage_input_bytes"]
                     if rc is Recompute.FULL:
                         kept = first_input + self.totals["activation_bytes"]
-                    elif rc is Recompute.SELECTIVE:
+                    elif rc is Recompute.SELECTIVE:  # I + S, or I + max(A, S) while rebuilding: a maximum
                         saved = samples.saved if drained else self.totals["saved_bytes"]
-                        kept = first_input + saved + self.totals["recomputed_bytes"]
+                        activation = samples.activation if drained else self.totals["activation_bytes"]
+                        kept = first_input + (np.maximum(activation, saved) if maxima else saved)
                     else:
                         kept = samples.activation if drained else self.totals["activation_bytes"]
                     grads_add = 0 * own if drained else own

@@ -224,7 +224,6 @@ _TOTALS = (
     "trainable_bytes",
     "activation_bytes",
     "saved_bytes",
-    "recomputed_bytes",
     "stage_input_bytes",
     "boundary_bytes",
     "largest_output_bytes",

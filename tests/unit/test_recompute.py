@@ -70,13 +70,13 @@ def test_selective_arrays_are_consistent(captured, name):
 
 
 def test_memory_per_level():
-    """in flight f = 3, A = 10, I = 2, S = 4, R = 7 MiB (optimizer-free, nothing else)."""
+    """in flight f = 3, A = 10, I = 2, S = 4 MiB (optimizer-free, nothing else). Selective: the
+    micro-batch being rebuilt holds I + A, the others I + S; with S > A, I + S throughout."""
     totals = dict(
         param_bytes=0,
         trainable_bytes=0,
         activation_bytes=10 * MiB,
         saved_bytes=4 * MiB,
-        recomputed_bytes=7 * MiB,
         stage_input_bytes=2 * MiB,
         boundary_bytes=0,
         largest_output_bytes=0,
@@ -85,7 +85,9 @@ def test_memory_per_level():
     )
     kept = {level: memory_from_totals(recompute=level, **totals).activation_bytes for level in Recompute}
     assert kept[Recompute.NONE] == 30 * MiB  # f A
-    assert kept[Recompute.SELECTIVE] == (3 * (2 + 4) + 7) * MiB  # f (I + S) + R
+    assert kept[Recompute.SELECTIVE] == (3 * (2 + 4) + 10 - 4) * MiB  # f (I + S) + max(A - S, 0)
+    many_kept = memory_from_totals(recompute="selective", **{**totals, "saved_bytes": 12 * MiB}).activation_bytes
+    assert many_kept == 3 * (2 + 12) * MiB
     assert kept[Recompute.FULL] == (3 * 2 + 10) * MiB  # f I + A
     assert memory_from_totals(recompute=True, **totals).activation_bytes == kept[Recompute.FULL]
 
