@@ -1,5 +1,7 @@
 """Memory model: exact numbers for a hand-made MLP cost table, and in-flight counts per schedule."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -137,6 +139,17 @@ def test_recompute_keeps_stage_inputs_plus_one_microbatch():
     mem = device_memory(costs, [(1, 4)], in_flight=3, optimizer=OptimizerKind.NONE, recompute=True)
     assert mem.activation_bytes == 3 * 256 * 1024 + (2 * 256 * 1024 + 2560)
     assert mem.optimizer_bytes == 0
+
+
+def test_a_selective_group_rebuilds_one_stage_at_a_time():
+    """Two selective ranges on one device (a rank group's stages): each micro-batch in flight keeps
+    I + S of both, and the one being rebuilt holds max(A - S, 0) more, of one range: the largest."""
+    costs = dataclasses.replace(mlp_costs(), saved_bytes=np.array([256 * 1024, 0, 2560, 0]))
+    ranges = [(0, 2), (2, 4)]
+    mem = device_memory(costs, ranges, in_flight=2, optimizer=OptimizerKind.NONE, recompute="selective")
+    kept = 2 * ((0 + 256 * 1024) + (256 * 1024 + 2560))  # 2 x (I + S) of both ranges
+    rebuilt = max(2 * 256 * 1024 - 256 * 1024, (256 * 1024 + 2560) - 2560)  # max over ranges of A - S
+    assert mem.activation_bytes == kept + rebuilt
 
 
 def test_bf16_keeps_fp32_master_weights_and_one_bf16_copy_of_the_weights_per_step():
