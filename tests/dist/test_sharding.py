@@ -160,6 +160,17 @@ BF16 = [
         replicas=1,
         recompute=["selective", "full"],
     ),
+    # tensor + sequence parallelism with selective recomputation: the row-parallel matmuls run fused
+    # with their reduce-scatters (partita::matmul_reduce_scatter), cast by its autocast rule
+    dict(
+        label="gpt2-tp2-sp-selective",
+        model="gpt2",
+        levels=["replicate"],
+        num_stages=1,
+        replicas=1,
+        tensor_parallel=2,
+        recompute=["selective"],
+    ),
 ]
 for config in BF16:
     config.setdefault("num_microbatches", 2)

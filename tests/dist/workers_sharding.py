@@ -44,6 +44,7 @@ def _sharded_plan(
     schedule: str,
     rank_groups: int | None = None,
     recompute: list[str] | None = None,
+    tensor_parallel: int = 1,
 ):
     from partita.planning.manual import manual_plan
     from partita.types import Sharding
@@ -60,6 +61,7 @@ def _sharded_plan(
         num_microbatches=num_microbatches,
         global_batch_size=BATCH,
         **({} if recompute is None else dict(recompute=recompute)),
+        **({} if tensor_parallel == 1 else dict(tensor_parallel=tensor_parallel, sequence_parallel=True)),
     )
     stages = tuple(dataclasses.replace(s, sharding=Sharding(level)) for s, level in zip(plan.stages, levels))
     return dataclasses.replace(plan, stages=stages)
@@ -177,6 +179,7 @@ def job_bf16(params: dict) -> dict:
             schedule=config["schedule"],
             rank_groups=config.get("rank_groups"),
             recompute=config.get("recompute"),
+            tensor_parallel=config.get("tensor_parallel", 1),
         )
         plan = dataclasses.replace(plan, precision=Precision.BF16)
         trainer = partita.Trainer(model, plan, optimizer=adamw, graph=graph, max_grad_norm=MAX_GRAD_NORM)
