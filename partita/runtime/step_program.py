@@ -33,7 +33,7 @@ from partita.runtime.stages import StageModule, narrow_batch
 from partita.runtime.tensor_parallel import TensorParallel, program_layouts
 from partita.runtime.tensor_parallel_rewrite import rewrite_stage, run_whole
 from partita.runtime.uneven import UnevenExecutor
-from partita.types import OpGraph, Plan, Recompute
+from partita.types import OpGraph, Plan
 
 __all__ = ["StepProgram"]
 
@@ -77,8 +77,7 @@ class StepProgram:
         # after the loss rewriting: the vocab-parallel cross-entropy takes over its (sum) reduction
         self.tensor_parallel = None if tensor_parallel is None else program_layouts(tensor_parallel, graph, all_stages)
         for stage in self.stages if self.tensor_parallel is not None else ():
-            selective = plan.stages[stage.spec.index].recompute is Recompute.SELECTIVE
-            rewrite_stage(stage, self.tensor_parallel, selective=selective)
+            rewrite_stage(stage, self.tensor_parallel)
         self.root_indices = sorted({j for s in self.stages for j in s.graph_input_indices})
         self._schedule: Any = None  # uniform plans: the torch schedule
         self._executor: UnevenExecutor | None = None  # uneven plans

@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup, ReduceOp
 
 from partita.errors import InputError
+from partita.runtime import collective_matmul
 
 __all__ = [
     "copy_to_group",
@@ -99,8 +100,15 @@ def matmul_reduce_scatter(
     recomputation neither multiplies nor communicates. Under autocast both operands are cast to
     bfloat16 before the op (``torch.library.register_autocast``: afresh, without autocast's cache
     of weight casts, as the runtime's recomputing stages cast). The same products and sums as the
-    two ops; the backward all-gathers the output gradient and forms both operand gradients."""
+    two ops, computed block by block with the ring's transfers in between
+    (``partita.runtime.collective_matmul``); the backward all-gathers the output gradient the same
+    way and forms the operand gradients the autograd engine will use.
+
+    The weight enters through a view: the engine can then say whether it will use the weight's
+    gradient (of a leaf it cannot, under ``torch.autograd.grad``), which a zero-bubble schedule's
+    input-gradient pass does not."""
     name = group if isinstance(group, str) else group.group_name
+    weight = weight.view_as(weight) if weight.requires_grad else weight
     return torch.ops.partita.matmul_reduce_scatter(x, weight, transposed, _normalized_dim(dim, x), blocks, name)
 
 
@@ -280,12 +288,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def _matmul_reduce_scatter(
     x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group_name: str
 ) -> torch.Tensor:
-    return _reduce_scatter_parts(_matmul(x, weight, transposed), dim, blocks, group_name)
+    if not _communicates(x, group_name):  # a group of one: the sum is this rank's product
+        return _local_part(collective_matmul.matmul(x, weight, transposed), dim, blocks, group_name)
+    return collective_matmul.matmul_reduce_scatter(x, weight, transposed, dim, blocks, _process_group(group_name))
 
 
 @_matmul_reduce_scatter.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group_name: str) -> torch.Tensor:
-    product = _matmul(x, weight, transposed)
+    product = collective_matmul.matmul(x, weight, transposed)
     shape = list(product.shape)
     shape[dim] //= dist.get_world_size(_process_group(group_name))
     return product.new_empty(shape)
@@ -299,12 +309,20 @@ def _matmul_reduce_scatter_context(ctx, inputs: tuple, output: torch.Tensor) -> 
 
 def _matmul_reduce_scatter_backward(ctx, grad: torch.Tensor):
     x, weight = ctx.saved_tensors
-    whole = _gather_parts(grad, *ctx.layout)  # the reduce-scatter's backward
+    needs = collective_matmul.needed_gradients(ctx, 2)
+    dim, blocks, group_name = ctx.layout
+    if _communicates(grad, group_name):
+        group = _process_group(group_name)
+        grad_x, grad_weight = collective_matmul.matmul_reduce_scatter_backward(
+            grad, x, weight, ctx.transposed, dim, blocks, group, needs
+        )
+        return grad_x, grad_weight, None, None, None, None
+    whole = _gather_parts(grad, *ctx.layout)  # a group of one: the reduce-scatter's backward is the identity
     rows = whole.reshape(-1, whole.shape[-1])  # matmul folds the leading dims into one mm
     grad_x = grad_weight = None
-    if ctx.needs_input_grad[0]:
+    if needs[0]:
         grad_x = rows.mm(weight if ctx.transposed else weight.t()).view(x.shape)
-    if ctx.needs_input_grad[1]:
+    if needs[1]:
         flat_x = x.reshape(-1, x.shape[-1])
         grad_weight = rows.t().mm(flat_x) if ctx.transposed else flat_x.t().mm(rows)
     return grad_x, grad_weight, None, None, None, None
@@ -313,10 +331,6 @@ def _matmul_reduce_scatter_backward(ctx, grad: torch.Tensor):
 _matmul_reduce_scatter.register_autograd(_matmul_reduce_scatter_backward, setup_context=_matmul_reduce_scatter_context)
 for _device_type in ("cpu", "cuda"):
     torch.library.register_autocast("partita::matmul_reduce_scatter", _device_type, torch.bfloat16)
-
-
-def _matmul(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
-    return torch.matmul(x, weight.t() if transposed else weight)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -119,12 +119,12 @@ def run_whole(tp: TensorParallel, stage: StageModule, received: Sequence[Any], g
     )
 
 
-def rewrite_stage(stage: StageModule, tp: TensorParallel, *, selective: bool = False) -> None:
+def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
     """Insert the collectives of the stage's layout into its graph (in place, recompiled), and those
-    of its sequence parallelism (``TensorParallelAnalysis.sequence``) where the plan has it.
-    ``selective``: the stage recomputes selectively; its row-parallel matmuls under sequence
-    parallelism then run fused with their reduce-scatter (``matmul_reduce_scatter_out``), so that
-    the recomputation keeps their token parts and runs neither again."""
+    of its sequence parallelism (``TensorParallelAnalysis.sequence``) where the plan has it. Under
+    sequence parallelism each row-parallel matmul runs fused with its reduce-scatter
+    (``matmul_reduce_scatter_out``): the transfers overlap the matmul, and selective recomputation
+    keeps the token parts and runs neither again."""
     analysis = tp.analyses[stage.spec.index]
     if analysis.layout.is_trivial:
         return
@@ -157,7 +157,7 @@ def rewrite_stage(stage: StageModule, tp: TensorParallel, *, selective: bool = F
         node = nodes[name]
         split = sequence.sources.get(name) if sequence is not None else None
         if kind == "row":
-            _row(g, node, key, split, fused=selective)
+            _row(g, node, key, split)
         elif kind == "vocab_embedding":
             padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
             if split is None:  # looked up where held and all-reduced: the output is whole
@@ -241,11 +241,11 @@ def _rewrite_sequence(
             output.replace_input_with(nodes[name], whole_of(nodes[name], split))
 
 
-def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None, *, fused: bool = False) -> None:
+def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None) -> None:
     """Row-parallel matmul: the partial products are summed over the group, then the bias added.
-    With sequence parallelism (``split``, a ``TokenSplit``) the sum is reduce-scattered by token and
-    the bias's gradient, each rank's tokens' part, summed over the group; ``fused``: the matmul and
-    its reduce-scatter become one node (``matmul_reduce_scatter_out``)."""
+    With sequence parallelism (``split``, a ``TokenSplit``) the matmul and the reduce-scatter of its
+    sum by token are one node (``matmul_reduce_scatter_out``), and the bias's gradient, each rank's
+    tokens' part, is summed over the group."""
     name = getattr(node.target, "overloadpacket", None).__name__
     bias = None
     if name == "linear":
@@ -254,15 +254,12 @@ def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None, *,
     elif name == "addmm":
         bias = node.args[0]
         node.target, node.args, node.kwargs = aten.mm.default, (node.args[1], node.args[2]), {}
-    if split is not None and fused:  # a token dim of the product: x's, which has the same leading dims
+    if split is not None:  # a token dim of the product: x's, which has the same leading dims
         node.target, node.args = matmul_reduce_scatter_out, (*node.args, name == "linear", split.dim, split.inner, key)
         reduced = node
     else:
         with g.inserting_after(node):
-            if split is None:
-                reduced = g.call_function(reduce_out, (node, key))
-            else:
-                reduced = g.call_function(reduce_scatter_out, (node, split.dim, split.inner, key))
+            reduced = g.call_function(reduce_out, (node, key))
     out = reduced
     if bias is not None:
         if split is not None:

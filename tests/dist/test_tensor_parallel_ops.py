@@ -112,6 +112,7 @@ def case_matmul_reduce_scatter(group, rank: int, degree: int) -> list:
 
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+    from partita.runtime import collective_matmul
     from partita.runtime import tensor_parallel_ops as ops
     from partita.runtime.pipeline import selective_policy
 
@@ -154,7 +155,7 @@ def case_matmul_reduce_scatter(group, rank: int, degree: int) -> list:
     out += [(f"autocast: {what}", mine, ref) for what, mine, ref in zip(("output", "x grad", "w grad"), *grads[::-1])]
 
     runs = []
-    matmul = ops._matmul
+    matmul = collective_matmul.matmul
 
     def counted(*args):
         runs.append(1)
@@ -168,16 +169,49 @@ def case_matmul_reduce_scatter(group, rank: int, degree: int) -> list:
     layer(ref_x, ref_w).sum().backward()
     sel_x, sel_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
     contexts = functools.partial(create_selective_checkpoint_contexts, selective_policy)
-    ops._matmul = counted
+    collective_matmul.matmul = counted
     try:
         loss = checkpoint(layer, sel_x, sel_w, use_reentrant=False, context_fn=contexts).sum()
         forward_runs = len(runs)
         loss.backward()
     finally:
-        ops._matmul = matmul
-    out += [("selective: runs in forward", forward_runs, 1), ("selective: not again in backward", len(runs), 1)]
+        collective_matmul.matmul = matmul
+    # one matmul per block of the ring
+    out += [("selective: runs in forward", forward_runs, degree), ("selective: not again in backward", len(runs), degree)]
     out += [("selective: input gradient", sel_x.grad, ref_x.grad), ("selective: weight gradient", sel_w.grad, ref_w.grad)]
-    return out
+    return out + _zero_bubble_passes(group, degree, layer, g)
+
+
+def _zero_bubble_passes(group, degree: int, layer, g: torch.Generator) -> list:
+    """The fused op under a zero-bubble schedule's two backward passes (torch.distributed.pipelining's
+    ``stage_backward_input`` then ``stage_backward_weight``): each forms only its own gradient, and
+    the two are those of one whole backward."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from partita.runtime import collective_matmul
+
+    x, weight = torch.randn(2 * degree, 3, generator=g, dtype=F64), torch.randn(3, 4, generator=g, dtype=F64)
+    ref_x, ref_w = x.clone().requires_grad_(), torch.nn.Parameter(weight.clone())
+    layer(ref_x, ref_w).sum().backward()
+    zb_x, zb_w = x.clone().requires_grad_(), torch.nn.Parameter(weight.clone())
+    asked = []
+    backward = collective_matmul.matmul_reduce_scatter_backward
+
+    def recorded(*args):
+        asked.append(args[-1])
+        return backward(*args)
+
+    collective_matmul.matmul_reduce_scatter_backward = recorded
+    try:
+        _, param_groups = stage_backward_input([layer(zb_x, zb_w).sum()], None, [zb_x], iter([zb_w]))
+        stage_backward_weight(iter([zb_w]), param_groups)
+    finally:
+        collective_matmul.matmul_reduce_scatter_backward = backward
+    return [
+        ("zero bubble: gradients formed in each pass", asked, [(True, False), (False, True)]),
+        ("zero bubble: input gradient", zb_x.grad, ref_x.grad),
+        ("zero bubble: weight gradient", zb_w.grad, ref_w.grad),
+    ]
 
 
 def case_embedding(group, rank: int, degree: int) -> list:
