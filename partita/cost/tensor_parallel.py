@@ -57,10 +57,12 @@ import dataclasses
 import numpy as np
 
 from partita.cost import comm
+from partita.cost.collective_matmul import decomposes, fused_row_seconds
 from partita.cost.recompute import kept_mask, selective_arrays
-from partita.cost.table import activation_bytes, cut_bytes, output_bytes, storage_roots
+from partita.cost.table import activation_bytes, cut_bytes, output_bytes, storage_roots, value_bytes
 from partita.errors import InputError
 from partita.types import Cluster, CostTable, OpGraph, Precision
+from partita.types.devices import resolve_device
 from partita.types.tensor_parallel import TensorParallelLayout
 
 __all__ = ["reduction_times_s", "split_values", "tensor_parallel_costs"]
@@ -100,14 +102,31 @@ def tensor_parallel_costs(
     # but for the reduce-scatters fused with their row-parallel matmuls, kept as one op.
     measured = None if costs.source == "analytic" else held
     selective = selective_arrays(graph, b, costs.forward_s, precision, parts, measured)
-    rerun = np.where(_fused_rows(graph, layout), 0.0, forward_ar)
+    rows = _fused_rows(graph, layout)
+    rerun = np.where(rows, 0.0, forward_ar)
+    flops = np.array([n.flops for n in graph.nodes], dtype=np.float64) * b / graph.batch_size
+    whole_output = output_bytes(graph, b, precision)
+    ring = rows & decomposes(flops / (t * t), whole_output / t)  # one device's share, one token block of it
+    forward_s, backward_s = np.asarray(costs.forward_s) / shards, np.asarray(costs.backward_s) / shards
+    backward_weight_s = np.asarray(costs.backward_weight_s) / shards
+    fused = fused_row_seconds(
+        forward_s=forward_s,
+        backward_s=backward_s,
+        backward_weight_s=backward_weight_s,
+        forward_ring_s=forward_ar,
+        backward_ring_s=backward_ar,
+        output_block_bytes=whole_output / t,
+        input_block_bytes=_input_bytes(graph, b, precision, tensor_parts) / t,
+        degree=t,
+        device=resolve_device(cluster.device),
+    )
     split_params = np.array([name in layout.params for name in costs.param_names], dtype=bool)
     param_bytes = np.asarray(costs.param_bytes, dtype=np.int64)
     return dataclasses.replace(
         costs,
-        forward_s=np.asarray(costs.forward_s) / shards + forward_ar,
-        backward_s=np.asarray(costs.backward_s) / shards + backward_ar,
-        backward_weight_s=np.asarray(costs.backward_weight_s) / shards,
+        forward_s=forward_s + np.where(ring, fused.forward, forward_ar),
+        backward_s=backward_s + np.where(ring, fused.backward, backward_ar),
+        backward_weight_s=backward_weight_s,
         activation_bytes=held,
         output_bytes=output_bytes(graph, b, precision, parts),
         cut_bytes=cut_bytes(graph, b, precision, sent_parts),
@@ -156,13 +175,21 @@ def _token_parts(graph: OpGraph, layout: TensorParallelLayout, tensor_parts: np.
 
 
 def _fused_rows(graph: OpGraph, layout: TensorParallelLayout) -> np.ndarray:
-    """bool[n]: the row-parallel matmuls that selective recomputation keeps fused with their
-    reduce-scatter (under sequence parallelism: ``sharded_nodes`` whose output is token-split),
-    whose collective it therefore does not run again."""
+    """bool[n]: the row-parallel matmuls the runtime runs fused with their reduce-scatter (under
+    sequence parallelism: ``sharded_nodes`` whose output is token-split, and matmuls), which
+    selective recomputation keeps as one op, running neither again, and whose collectives overlap
+    their blocks where those are large enough (``partita.cost.collective_matmul``)."""
     if not layout.sequence_parallel:
         return np.zeros(graph.num_nodes, dtype=bool)
     rows = np.array([n.name in layout.sharded_nodes and n.name in layout.sequence_nodes for n in graph.nodes])
     return rows & kept_mask(graph)
+
+
+def _input_bytes(graph: OpGraph, microbatch_size: int, precision: Precision, parts: np.ndarray) -> np.ndarray:
+    """float64[n]: bytes one device holds of each node's first input (0 for none), ``parts`` as
+    ``partita.cost.table.value_bytes`` takes ``shards``."""
+    values = value_bytes(graph, microbatch_size, precision, parts)
+    return np.array([float(values[n.inputs[0]]) if n.inputs else 0.0 for n in graph.nodes])
 
 
 def reduction_times_s(

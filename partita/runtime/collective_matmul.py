@@ -13,17 +13,18 @@ forward     rank ``r`` computes the partial product of block ``r - 1`` first, se
             at step ``k`` adds the partial it received to its own of block ``r - 1 - k``: after
             ``t - 1`` steps it holds the sum of its own block (the reduce-scatter's result).
 backward    the output gradient's blocks travel around the ring (an all-gather); while one is in
-            flight the device multiplies the one it holds, into its rows of the input gradient
-            and into the weight gradient.
+            flight the device multiplies the one it holds into its rows of the input gradient.
+            The weight gradient is one matmul of the gathered gradient after the ring.
 
-The same products and sums as the two ops (the weight gradient summed block by block, the
-partials in ring order). Blocks are the block layout of ``partita.runtime.tensor_parallel_ops``:
+The same products and sums as the two ops (the partials summed in ring order). Blocks are the block layout of ``partita.runtime.tensor_parallel_ops``:
 rank ``c``'s tokens are part ``c`` of each of ``blocks`` blocks of ``dim``.
 
 Zero-bubble schedules compute a stage's input gradients and its weight gradients in two passes
 (``torch.distributed.pipelining``'s ``stage_backward_input`` / ``stage_backward_weight``), each
 running this op's backward with the other operand's gradient unused: the backward computes only
-what the autograd engine will use (``needed_gradients``), so neither pass multiplies twice.
+what the autograd engine will use (``needed_gradients``), so neither pass multiplies twice. The
+input pass keeps the gathered gradient for the weight pass, as those schedules keep an unfused
+matmul's output gradient between the two.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["matmul", "matmul_reduce_scatter", "matmul_reduce_scatter_backward", "needed_gradients"]
+__all__ = ["gather_gradient", "matmul", "matmul_reduce_scatter", "needed_gradients", "weight_gradient"]
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -62,55 +63,44 @@ def matmul_reduce_scatter(
     return held.flatten(dim, dim + 1)  # (..., blocks, part, ...) -> this rank's tokens
 
 
-def matmul_reduce_scatter_backward(
+def gather_gradient(
     grad: torch.Tensor,
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     transposed: bool,
     dim: int,
     blocks: int,
     group: ProcessGroup,
-    needs: tuple[bool, bool],
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(input gradient, weight gradient) of ``matmul_reduce_scatter`` from this rank's tokens of the
-    output gradient, ``None`` where ``needs`` says the gradient is not wanted (``needed_gradients``).
-
-    The input gradient's rows are formed block by block while the next block travels. The weight
-    gradient, with the input gradient, is one matmul of the gathered gradient after the ring (the
-    same sums as the unfused op); alone (a zero-bubble schedule's weight pass) it is summed block by
-    block as the blocks arrive, in float32 for bfloat16 and float16 blocks."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output gradient of every token, all-gathered around the ring from this rank's tokens
+    ``grad``, and, with a ``weight``, the input gradient, whose rows each block forms while the next
+    block travels: ``(gathered gradient, input gradient or None)``. The weight gradient is then one
+    matmul of the gathered gradient (``weight_gradient``), the same sums as the unfused op's."""
     degree, rank = dist.get_world_size(group), dist.get_rank(group)
-    parts = _parts(x, dim, blocks, degree)
     right, left = _neighbours(group, rank, degree)
-    grad_x = torch.empty_like(x) if needs[0] else None
     held = grad.unflatten(dim, (blocks, -1)).contiguous()  # (..., blocks, part, ..., out): block ``rank``
-    gathered = None
-    if needs[0] and needs[1]:
-        gathered = held.new_empty((*x.shape[:-1], held.shape[-1]))
-    grad_weight = None
+    gathered = held.new_empty((*x.shape[:-1], held.shape[-1]))
+    grad_x = torch.empty_like(x) if weight is not None else None
     for k in range(degree):
         source = rank - k  # whose tokens ``held`` is
         requests = []
         if k < degree - 1:
             received = torch.empty_like(held)
             requests = _exchange(held, received, right, left, group)
+        _parts(gathered, dim, blocks, degree)(source).copy_(held)
         if grad_x is not None:
             _parts(grad_x, dim, blocks, degree)(source).copy_(torch.matmul(held, weight if transposed else weight.t()))
-        if gathered is not None:
-            _parts(gathered, dim, blocks, degree)(source).copy_(held)
-        elif needs[1]:
-            block = _weight_gradient(held, parts(source), transposed)
-            summed = torch.promote_types(block.dtype, torch.float32)
-            grad_weight = block.to(summed) if grad_weight is None else grad_weight.add_(block)
         for request in requests:
             request.wait()
         if k < degree - 1:
             held = received
-    if gathered is not None:
-        grad_weight = _weight_gradient(gathered, x, transposed)
-    elif grad_weight is not None:
-        grad_weight = grad_weight.to(weight.dtype)
-    return grad_x, grad_weight
+    return gathered, grad_x
+
+
+def weight_gradient(grad: torch.Tensor, x: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The weight's gradient from the output gradient ``grad`` and the input ``x`` of the same tokens."""
+    rows, inputs = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    return rows.t().mm(inputs) if transposed else inputs.t().mm(rows)
 
 
 def needed_gradients(ctx, count: int) -> tuple[bool, ...]:
@@ -139,12 +129,6 @@ def _parts(x: torch.Tensor, dim: int, blocks: int, degree: int) -> Callable[[int
     """rank -> that rank's tokens of the whole ``x``, as a view ``(..., blocks, part, ...)``."""
     viewed = x.unflatten(dim, (blocks, degree, -1))
     return lambda rank: viewed.select(dim + 1, rank % degree)
-
-
-def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """The weight's gradient from the output gradient ``grad`` and the input ``x`` of the same tokens."""
-    rows, inputs = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-    return rows.t().mm(inputs) if transposed else inputs.t().mm(rows)
 
 
 def _neighbours(group: ProcessGroup, rank: int, degree: int) -> tuple[int, int]:

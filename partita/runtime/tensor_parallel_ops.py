@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup, ReduceOp
 
+from partita.cost.collective_matmul import decomposes
 from partita.errors import InputError
 from partita.runtime import collective_matmul
 
@@ -288,8 +289,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def _matmul_reduce_scatter(
     x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group_name: str
 ) -> torch.Tensor:
-    if not _communicates(x, group_name):  # a group of one: the sum is this rank's product
-        return _local_part(collective_matmul.matmul(x, weight, transposed), dim, blocks, group_name)
+    if not _decomposes(x, weight, transposed, group_name):  # whole, then reduce-scattered
+        return _reduce_scatter_parts(collective_matmul.matmul(x, weight, transposed), dim, blocks, group_name)
     return collective_matmul.matmul_reduce_scatter(x, weight, transposed, dim, blocks, _process_group(group_name))
 
 
@@ -309,23 +310,37 @@ def _matmul_reduce_scatter_context(ctx, inputs: tuple, output: torch.Tensor) -> 
 
 def _matmul_reduce_scatter_backward(ctx, grad: torch.Tensor):
     x, weight = ctx.saved_tensors
-    needs = collective_matmul.needed_gradients(ctx, 2)
+    needs_x, needs_weight = collective_matmul.needed_gradients(ctx, 2)
     dim, blocks, group_name = ctx.layout
-    if _communicates(grad, group_name):
-        group = _process_group(group_name)
-        grad_x, grad_weight = collective_matmul.matmul_reduce_scatter_backward(
-            grad, x, weight, ctx.transposed, dim, blocks, group, needs
-        )
-        return grad_x, grad_weight, None, None, None, None
-    whole = _gather_parts(grad, *ctx.layout)  # a group of one: the reduce-scatter's backward is the identity
-    rows = whole.reshape(-1, whole.shape[-1])  # matmul folds the leading dims into one mm
     grad_x = grad_weight = None
-    if needs[0]:
-        grad_x = rows.mm(weight if ctx.transposed else weight.t()).view(x.shape)
-    if needs[1]:
-        flat_x = x.reshape(-1, x.shape[-1])
-        grad_weight = rows.t().mm(flat_x) if ctx.transposed else flat_x.t().mm(rows)
+    gathered = getattr(ctx, "gathered", None)  # kept by a zero-bubble input pass for its weight pass
+    if gathered is None and (needs_x or needs_weight):
+        if _decomposes(x, weight, ctx.transposed, group_name):
+            group = _process_group(group_name)
+            gathered, grad_x = collective_matmul.gather_gradient(
+                grad, x, weight if needs_x else None, ctx.transposed, dim, blocks, group
+            )
+        else:  # all-gathered whole (a group of one: the identity)
+            gathered = _gather_parts(grad, dim, blocks, group_name)
+            grad_x = gathered.matmul(weight if ctx.transposed else weight.t()) if needs_x else None
+    if needs_weight:
+        grad_weight = collective_matmul.weight_gradient(gathered, x, ctx.transposed)
+        ctx.gathered = None
+    elif ctx.needs_input_grad[1]:  # the engine forms the weight's gradient in a later pass
+        ctx.gathered = gathered
     return grad_x, grad_weight, None, None, None, None
+
+
+def _decomposes(x: torch.Tensor, weight: torch.Tensor, transposed: bool, group_name: str) -> bool:
+    """Whether the op runs block by block around the ring (``partita.cost.collective_matmul.decomposes``,
+    the cost model's rule): in a group of several, with blocks large enough."""
+    if not _communicates(x, group_name):
+        return False
+    degree = dist.get_world_size(_process_group(group_name))
+    out_features = weight.shape[0 if transposed else 1]
+    block_rows = x.numel() // x.shape[-1] // degree
+    block_flops = 2 * block_rows * x.shape[-1] * out_features
+    return bool(decomposes(block_flops, block_rows * out_features * x.element_size()))
 
 
 _matmul_reduce_scatter.register_autograd(_matmul_reduce_scatter_backward, setup_context=_matmul_reduce_scatter_context)

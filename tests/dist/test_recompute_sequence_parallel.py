@@ -5,10 +5,12 @@ full-batch training (AdamW, clipped, 3 steps: losses and every parameter within 
   1F1B with three stages per rank group (6 stages on 2 ranks), and with tensor parallelism of
   degree 2 (GPT-2, Llama, T5);
 - sequence parallelism at tensor-parallel degree 2 (GPT-2, Llama, and BERT, whose masked-LM head
-  runs whole on its gathered input; GPT-2 also with selective recomputation, its row-parallel
+  runs whole on its gathered input; GPT-2 also with selective recomputation, which keeps its row-parallel
   matmuls fused with their reduce-scatters), and at degree 2 x 2 pipeline stages (GPT-2 and Llama; Llama
   also with selective recomputation, and Llama built on meta from a seed checkpoint); between stages
-  the residual stream travels as each rank's tokens.
+  the residual stream travels as each rank's tokens. Most of them compute the fused row-parallel
+  matmuls block by block around the ring (``RING``), the others whole, as these small models do by
+  default.
 
 Each run's checkpoint loads into the plain model (and into trainers of the same plan and of one
 without tensor parallelism), and ``evaluate()`` on a shorter sequence gives the unsplit model's
@@ -25,6 +27,9 @@ TOLERANCE = 1e-5
 
 SELECTIVE = dict(recompute="selective")
 SEQUENCE = dict(tensor_parallel=2, sequence_parallel=True)
+# the row-parallel matmuls computed block by block around the ring, as at scale (workers_tensor_parallel's
+# ``ring``: these models' blocks are below partita.cost.collective_matmul's thresholds)
+RING = dict(ring=True)
 PIPELINE = dict(num_stages=2, num_microbatches=2, schedule="1f1b")
 TWO_RANKS = [
     dict(label="gpt2-selective-dp2", model="gpt2", replicas=2, num_microbatches=2, **SELECTIVE),
@@ -35,8 +40,8 @@ TWO_RANKS = [
     dict(label="gpt2-selective-tp2", model="gpt2", tensor_parallel=2, **SELECTIVE),
     dict(label="llama-selective-tp2", model="llama", tensor_parallel=2, **SELECTIVE),
     dict(label="gpt2-sp-tp2", model="gpt2", **SEQUENCE),
-    dict(label="gpt2-sp-selective-tp2", model="gpt2", **SEQUENCE, **SELECTIVE),  # addmm fused with its reduce-scatter
-    dict(label="llama-sp-tp2", model="llama", **SEQUENCE),
+    dict(label="gpt2-sp-selective-tp2", model="gpt2", **SEQUENCE, **SELECTIVE, **RING),  # addmm fused with its reduce-scatter
+    dict(label="llama-sp-tp2", model="llama", **SEQUENCE, **RING),
     dict(label="bert-sp-tp2", model="bert", **SEQUENCE),
     # interleaved 1F1B with three stages per rank group, as the planner may pick it at scale
     dict(
@@ -50,13 +55,14 @@ TWO_RANKS = [
     ),
 ]
 FOUR_RANKS = [
-    dict(label="gpt2-sp-tp2-pp2", model="gpt2", **SEQUENCE, **PIPELINE),
-    dict(label="llama-sp-selective-tp2-pp2", model="llama", **SEQUENCE, **PIPELINE, **SELECTIVE),
+    dict(label="gpt2-sp-tp2-pp2", model="gpt2", **SEQUENCE, **PIPELINE, **RING),
+    dict(label="llama-sp-selective-tp2-pp2", model="llama", **SEQUENCE, **PIPELINE, **SELECTIVE, **RING),
     # the schedules the planner also picks with tensor and sequence parallelism (two stages per rank group)
     dict(
         label="gpt2-sp-tp2-zbv",
         model="gpt2",
         **SEQUENCE,
+        **RING,
         num_stages=4,
         num_rank_groups=2,
         num_microbatches=4,
@@ -67,6 +73,7 @@ FOUR_RANKS = [
         model="llama",
         **SEQUENCE,
         **SELECTIVE,
+        **RING,
         num_stages=4,
         num_rank_groups=2,
         num_microbatches=4,
@@ -120,6 +127,8 @@ def _check(results: list, config: dict) -> None:
         assert all(r[label]["token_sources"] for r in results), [r[label]["token_sources"] for r in results]
     else:
         assert not mine["token_sources"]
+    ring_calls = [r[label]["ring_calls"] for r in results]  # the fused matmuls computed around the ring
+    assert all(ring_calls) if config.get("ring") else not any(ring_calls), ring_calls
     _check_boundaries(config, results)
 
 

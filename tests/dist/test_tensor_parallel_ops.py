@@ -104,6 +104,23 @@ def case_scatter_gather(group, rank: int, degree: int) -> list:
 
 
 def case_matmul_reduce_scatter(group, rank: int, degree: int) -> list:
+    """``_matmul_reduce_scatter_checks`` computed block by block around the ring (every block counts
+    as large enough) and whole (these blocks are below the thresholds)."""
+    import partita.cost.collective_matmul as collective_costs
+
+    default = (collective_costs.RING_MIN_BLOCK_FLOPS, collective_costs.RING_MIN_BLOCK_BYTES)
+    out = []
+    try:
+        for ring in (True, False):
+            collective_costs.RING_MIN_BLOCK_FLOPS, collective_costs.RING_MIN_BLOCK_BYTES = (0, 0) if ring else default
+            checks = _matmul_reduce_scatter_checks(group, rank, degree, ring)
+            out += [(f"{'ring' if ring else 'whole'}: {label}", got, want) for label, got, want in checks]
+    finally:
+        collective_costs.RING_MIN_BLOCK_FLOPS, collective_costs.RING_MIN_BLOCK_BYTES = default
+    return out
+
+
+def _matmul_reduce_scatter_checks(group, rank: int, degree: int, ring: bool) -> list:
     """The fused row-parallel matmul + reduce-scatter against the two ops it replaces (forward and both
     operand gradients, ``mm`` and ``linear`` weights, tokens on dim 0 or 1 in blocks), and under
     selective recomputation: the policy keeps its output, so backward neither multiplies nor
@@ -176,16 +193,23 @@ def case_matmul_reduce_scatter(group, rank: int, degree: int) -> list:
         loss.backward()
     finally:
         collective_matmul.matmul = matmul
-    # one matmul per block of the ring
-    out += [("selective: runs in forward", forward_runs, degree), ("selective: not again in backward", len(runs), degree)]
-    out += [("selective: input gradient", sel_x.grad, ref_x.grad), ("selective: weight gradient", sel_w.grad, ref_w.grad)]
-    return out + _zero_bubble_passes(group, degree, layer, g)
+    runs_in_forward = degree if ring else 1  # one matmul per block of the ring
+    out += [
+        ("selective: runs in forward", forward_runs, runs_in_forward),
+        ("selective: not again in backward", len(runs), runs_in_forward),
+    ]
+    out += [
+        ("selective: input gradient", sel_x.grad, ref_x.grad),
+        ("selective: weight gradient", sel_w.grad, ref_w.grad),
+    ]
+    return out + _zero_bubble_passes(group, degree, layer, g, ring)
 
 
-def _zero_bubble_passes(group, degree: int, layer, g: torch.Generator) -> list:
+def _zero_bubble_passes(group, degree: int, layer, g: torch.Generator, ring: bool) -> list:
     """The fused op under a zero-bubble schedule's two backward passes (torch.distributed.pipelining's
-    ``stage_backward_input`` then ``stage_backward_weight``): each forms only its own gradient, and
-    the two are those of one whole backward."""
+    ``stage_backward_input`` then ``stage_backward_weight``): the input pass gathers the gradient once
+    and forms the input gradient, the weight pass forms the weight gradient from what the input pass
+    kept, without communicating; together the gradients of one whole backward."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     from partita.runtime import collective_matmul
@@ -194,21 +218,28 @@ def _zero_bubble_passes(group, degree: int, layer, g: torch.Generator) -> list:
     ref_x, ref_w = x.clone().requires_grad_(), torch.nn.Parameter(weight.clone())
     layer(ref_x, ref_w).sum().backward()
     zb_x, zb_w = x.clone().requires_grad_(), torch.nn.Parameter(weight.clone())
-    asked = []
-    backward = collective_matmul.matmul_reduce_scatter_backward
+    events = []
+    originals = collective_matmul.gather_gradient, collective_matmul.weight_gradient
 
-    def recorded(*args):
-        asked.append(args[-1])
-        return backward(*args)
+    def gather(*args):
+        events.append(("gather", "with the input gradient" if args[2] is not None else "alone"))
+        return originals[0](*args)
 
-    collective_matmul.matmul_reduce_scatter_backward = recorded
+    def weight_gradient(*args):
+        events.append(("weight gradient",))
+        return originals[1](*args)
+
+    collective_matmul.gather_gradient, collective_matmul.weight_gradient = gather, weight_gradient
     try:
         _, param_groups = stage_backward_input([layer(zb_x, zb_w).sum()], None, [zb_x], iter([zb_w]))
+        events.append(("input pass done",))
         stage_backward_weight(iter([zb_w]), param_groups)
     finally:
-        collective_matmul.matmul_reduce_scatter_backward = backward
+        collective_matmul.gather_gradient, collective_matmul.weight_gradient = originals
+    gathered = [("gather", "with the input gradient")] if ring else []  # whole: one all-gather
+    want = [*gathered, ("input pass done",), ("weight gradient",)]
     return [
-        ("zero bubble: gradients formed in each pass", asked, [(True, False), (False, True)]),
+        ("zero bubble: what each pass runs", events, want),
         ("zero bubble: input gradient", zb_x.grad, ref_x.grad),
         ("zero bubble: weight gradient", zb_w.grad, ref_w.grad),
     ]

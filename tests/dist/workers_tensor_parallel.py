@@ -3,6 +3,7 @@ split over tensor-parallel groups, against unsplit full-batch training on rank 0
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -165,90 +166,120 @@ def _parts(trainer, graph) -> list[tuple]:
 def job_tp(params: dict) -> dict:
     """Each config: STEPS clipped AdamW steps; losses and parameters against unsplit training; the
     share of each parameter this rank holds; a checkpoint loaded into the plain model."""
-    import partita
-    from partita.runtime.checkpoint import load_into_model
-
     rank = int(os.environ["RANK"])
     results: dict[str, Any] = {}
     for config in params["configs"]:
         label = config["label"]
         print(label, flush=True)
-        if config.get("meta"):
-            results[label] = _on_meta(config, Path(params["checkpoints"]), rank)
-            continue
-        if config.get("vocab"):
-            results[label] = _odd_vocabulary(config["vocab"], rank)
-            continue
-        case = shared_case(config["model"])  # one capture per model, from its initial weights
-        plan = _plan(case, config)
-        trainer = partita.Trainer(case.model, plan, optimizer=adamw, graph=case.graph, max_grad_norm=MAX_GRAD_NORM)
-        losses = [_step(trainer, case.batches[k]) for k in range(STEPS)]
-        state = trainer.gather_state_dict()
-        held = sum(p.numel() for p in trainer.params.values())
-        whole = sum(p.numel() for p in case.reference_model.parameters())
-        tp = trainer.tensor_parallel
-        result: dict[str, Any] = {
-            "model": config["model"],
-            "recompute": [s.recompute.value for s in plan.stages],
-            # the regions this rank's stages split by token (sequence parallelism's sources)
-            "token_sources": sorted(
-                name
-                for s in trainer.stages
-                if tp is not None and tp.sequence_parallel
-                for name in tp.analyses[s.spec.index].sequence.sources
-            ),
-            # the boundary values sent in part (sequence parallelism on both sides), with the shapes
-            # this rank's stages send and receive
-            "parts_sent": sorted(f"{k}:{name}" for k, name in tp.parts_sent) if tp is not None else [],
-            "boundary_shapes": _boundary_shapes(trainer),
-            "parts": _parts(trainer, case.graph),
-            "losses": losses,
-            "held": held,
-            "whole": whole,
-            "split": sorted(tp.shards()) if tp is not None else [],
-            "rejected": {k: v for a in tp.analyses.values() for k, v in a.layout.rejected.items()} if tp else {},
-        }
-        short = _shorter(case.batches[0])  # eval mode at another length: a graph captured again, split alike
-        args, kwargs, target = short
-        result["eval_short"] = trainer.evaluate(*args, **kwargs, **({"target": target} if target is not None else {}))
-        checkpoint = Path(params["checkpoints"]) / f"tp-{label}"
-        trainer.save_checkpoint(str(checkpoint))
-        # the checkpoint into a trainer of the same plan from the initial weights, and into one
-        # without tensor parallelism (its replicas on the same ranks)
-        for kind, degree in (("loaded_tp", config["tensor_parallel"]), ("loaded_other", 1)):
-            case.reset()
-            other = _plan(
-                case,
-                {
-                    **config,
-                    "tensor_parallel": degree,
-                    "replicas": config["replicas"] * config["tensor_parallel"] // degree,
-                },
-            )
-            fresh = partita.Trainer(case.model, other, optimizer=adamw, graph=case.graph, max_grad_norm=MAX_GRAD_NORM)
-            fresh.load_checkpoint(str(checkpoint))
-            reloaded = fresh.gather_state_dict()
-            if kind == "loaded_tp":  # and it trains on as the original would
-                next_loss = _step(fresh, case.batches[STEPS])
-                result["next_loss"] = next_loss
-            if rank == 0:
-                result[kind] = max_diff(reloaded, state)
-        if rank == 0:
-            ref_losses, ref_states = reference_states(
-                case, adamw, STEPS + 1, max_grad_norm=MAX_GRAD_NORM, states_after=(STEPS,)
-            )
-            result["ref_next_loss"] = ref_losses.pop()
-            ref_state = ref_states[STEPS]  # after STEPS steps, as the trainer's state
-            result.update(ref_losses=ref_losses, param=max_diff(state, ref_state))
-            plain = copy.deepcopy(case.reference_model)
-            load_into_model(plain, str(checkpoint))
-            trained = copy.deepcopy(case.reference_model)
-            trained.load_state_dict(ref_state)
-            with torch.no_grad():
-                result["ref_eval_short"] = float(case.loss(trained.eval(), short))
-            result["loaded_plain"] = max_diff(dict(plain.state_dict()), ref_state)
-        results[label] = result
+        with _ring_blocks(config.get("ring", False)) as ring_calls:
+            results[label] = _train_config(config, params, rank)
+        results[label]["ring_calls"] = len(ring_calls)
     return results
+
+
+@contextlib.contextmanager
+def _ring_blocks(ring: bool):
+    """``ring``: every fused row-parallel matmul (sequence parallelism) runs block by block around the
+    ring, as at scale; these models' blocks are far below ``RING_MIN_BLOCK_FLOPS`` and ``RING_MIN_BLOCK_BYTES``, so they run whole.
+    Yields a list that gets an item per forward the ring runs."""
+    import partita.cost.collective_matmul as collective_costs
+    from partita.runtime import collective_matmul
+
+    default = (collective_costs.RING_MIN_BLOCK_FLOPS, collective_costs.RING_MIN_BLOCK_BYTES)
+    forward = collective_matmul.matmul_reduce_scatter
+    calls: list[int] = []
+
+    def counted(*args):
+        calls.append(1)
+        return forward(*args)
+
+    collective_costs.RING_MIN_BLOCK_FLOPS, collective_costs.RING_MIN_BLOCK_BYTES = (0, 0) if ring else default
+    collective_matmul.matmul_reduce_scatter = counted
+    try:
+        yield calls
+    finally:
+        collective_costs.RING_MIN_BLOCK_FLOPS, collective_costs.RING_MIN_BLOCK_BYTES = default
+        collective_matmul.matmul_reduce_scatter = forward
+
+
+def _train_config(config: dict, params: dict, rank: int) -> dict:
+    import partita
+    from partita.runtime.checkpoint import load_into_model
+
+    label = config["label"]
+    if config.get("meta"):
+        return _on_meta(config, Path(params["checkpoints"]), rank)
+    if config.get("vocab"):
+        return _odd_vocabulary(config["vocab"], rank)
+    case = shared_case(config["model"])  # one capture per model, from its initial weights
+    plan = _plan(case, config)
+    trainer = partita.Trainer(case.model, plan, optimizer=adamw, graph=case.graph, max_grad_norm=MAX_GRAD_NORM)
+    losses = [_step(trainer, case.batches[k]) for k in range(STEPS)]
+    state = trainer.gather_state_dict()
+    held = sum(p.numel() for p in trainer.params.values())
+    whole = sum(p.numel() for p in case.reference_model.parameters())
+    tp = trainer.tensor_parallel
+    result: dict[str, Any] = {
+        "model": config["model"],
+        "recompute": [s.recompute.value for s in plan.stages],
+        # the regions this rank's stages split by token (sequence parallelism's sources)
+        "token_sources": sorted(
+            name
+            for s in trainer.stages
+            if tp is not None and tp.sequence_parallel
+            for name in tp.analyses[s.spec.index].sequence.sources
+        ),
+        # the boundary values sent in part (sequence parallelism on both sides), with the shapes
+        # this rank's stages send and receive
+        "parts_sent": sorted(f"{k}:{name}" for k, name in tp.parts_sent) if tp is not None else [],
+        "boundary_shapes": _boundary_shapes(trainer),
+        "parts": _parts(trainer, case.graph),
+        "losses": losses,
+        "held": held,
+        "whole": whole,
+        "split": sorted(tp.shards()) if tp is not None else [],
+        "rejected": {k: v for a in tp.analyses.values() for k, v in a.layout.rejected.items()} if tp else {},
+    }
+    short = _shorter(case.batches[0])  # eval mode at another length: a graph captured again, split alike
+    args, kwargs, target = short
+    result["eval_short"] = trainer.evaluate(*args, **kwargs, **({"target": target} if target is not None else {}))
+    checkpoint = Path(params["checkpoints"]) / f"tp-{label}"
+    trainer.save_checkpoint(str(checkpoint))
+    # the checkpoint into a trainer of the same plan from the initial weights, and into one
+    # without tensor parallelism (its replicas on the same ranks)
+    for kind, degree in (("loaded_tp", config["tensor_parallel"]), ("loaded_other", 1)):
+        case.reset()
+        other = _plan(
+            case,
+            {
+                **config,
+                "tensor_parallel": degree,
+                "replicas": config["replicas"] * config["tensor_parallel"] // degree,
+            },
+        )
+        fresh = partita.Trainer(case.model, other, optimizer=adamw, graph=case.graph, max_grad_norm=MAX_GRAD_NORM)
+        fresh.load_checkpoint(str(checkpoint))
+        reloaded = fresh.gather_state_dict()
+        if kind == "loaded_tp":  # and it trains on as the original would
+            next_loss = _step(fresh, case.batches[STEPS])
+            result["next_loss"] = next_loss
+        if rank == 0:
+            result[kind] = max_diff(reloaded, state)
+    if rank == 0:
+        ref_losses, ref_states = reference_states(
+            case, adamw, STEPS + 1, max_grad_norm=MAX_GRAD_NORM, states_after=(STEPS,)
+        )
+        result["ref_next_loss"] = ref_losses.pop()
+        ref_state = ref_states[STEPS]  # after STEPS steps, as the trainer's state
+        result.update(ref_losses=ref_losses, param=max_diff(state, ref_state))
+        plain = copy.deepcopy(case.reference_model)
+        load_into_model(plain, str(checkpoint))
+        trained = copy.deepcopy(case.reference_model)
+        trained.load_state_dict(ref_state)
+        with torch.no_grad():
+            result["ref_eval_short"] = float(case.loss(trained.eval(), short))
+        result["loaded_plain"] = max_diff(dict(plain.state_dict()), ref_state)
+    return result
 
 
 JOBS.update({"tp": job_tp})

@@ -113,8 +113,8 @@ def test_costs_divide_the_split_regions_and_count_their_collectives():
 
 
 def test_selective_recomputation_keeps_the_token_part_of_row_parallel_outputs():
-    """The runtime fuses a row-parallel matmul with its reduce-scatter in a selectively recomputed stage
-    (``matmul_reduce_scatter``): what is kept of it is this device's tokens of the sum, and its
+    """The runtime fuses a row-parallel matmul with its reduce-scatter (``matmul_reduce_scatter``):
+    what selective recomputation keeps of it is this device's tokens of the sum, and its
     collective is not run again; the column-parallel inputs' all-gathers are (their matmuls'
     backward reads the gathered copies, which the recomputation rebuilds)."""
     graph = _graph("llama")
@@ -133,6 +133,75 @@ def test_selective_recomputation_keeps_the_token_part_of_row_parallel_outputs():
         assert forward[k] > 0 and tokens.selective_recompute_s[k] == 0  # kept whole: nothing runs again
     for k in gathers:
         assert tokens.selective_recompute_s[k] >= forward[k] > 0
+
+
+def test_fused_row_parallel_matmuls_add_the_overlapped_ring_the_others_their_whole_collectives(monkeypatch):
+    """The row-parallel matmuls, fused with their reduce-scatters, add what ``fused_row_seconds`` says
+    of their ring to forward and to the backward's input pass (blocks this small run whole unless
+    every block counts as large enough); every other node its collectives whole."""
+    import partita.cost.collective_matmul as collective_costs
+    from partita.cost.collective_matmul import fused_row_seconds
+    from partita.cost.table import output_bytes
+    from partita.types.devices import get_device
+
+    graph = _graph("llama")
+    cluster = Cluster(device="h100", num_devices=4)
+    table = analytic_costs(graph, "h100", 2)
+    layout = find_sequence_layout(graph, 4)
+    whole = tensor_parallel_costs(table, graph, layout, cluster)
+    monkeypatch.setattr(collective_costs, "RING_MIN_BLOCK_FLOPS", 0)
+    monkeypatch.setattr(collective_costs, "RING_MIN_BLOCK_BYTES", 0)
+    tokens = tensor_parallel_costs(table, graph, layout, cluster)
+    forward, backward = reduction_times_s(table, graph, layout, cluster)
+    rows = [n.index for n in graph.nodes if n.name in find_layout(graph, 4).forward_reductions]
+    rows = [k for k in rows if kept_mask(graph)[k]]
+    others = [n.index for n in graph.nodes if forward[n.index] > 0 and n.index not in rows]
+    assert rows and others
+    for k in rows:
+        x = graph.nodes[k].inputs[0]
+        alone = fused_row_seconds(
+            forward_s=table.forward_s[k : k + 1] / 4,
+            backward_s=table.backward_s[k : k + 1] / 4,
+            backward_weight_s=table.backward_weight_s[k : k + 1] / 4,
+            forward_ring_s=forward[k : k + 1],
+            backward_ring_s=backward[k : k + 1],
+            output_block_bytes=output_bytes(graph, 2)[k : k + 1] / 4,
+            input_block_bytes=np.array([value_bytes(graph, 2)[x] / 4 / 4]),  # features split, then one block
+            degree=4,
+            device=get_device("h100"),
+        )
+        np.testing.assert_allclose(tokens.forward_s[k], table.forward_s[k] / 4 + alone.forward[0])
+        np.testing.assert_allclose(tokens.backward_s[k], table.backward_s[k] / 4 + alone.backward[0])
+        np.testing.assert_allclose(tokens.backward_weight_s[k], table.backward_weight_s[k] / 4)  # as unfused
+        # at the default threshold these blocks run whole: the matmul, then the reduce-scatter
+        np.testing.assert_allclose(whole.forward_s[k], table.forward_s[k] / 4 + forward[k])
+        np.testing.assert_allclose(whole.backward_s[k], table.backward_s[k] / 4 + backward[k])
+    for k in others:
+        np.testing.assert_allclose(tokens.forward_s[k], table.forward_s[k] / 4 + forward[k])
+
+
+def test_fused_row_seconds_hide_the_ring_behind_longer_blocks():
+    from partita.cost.collective_matmul import fused_row_seconds
+    from partita.types.devices import get_device
+
+    device = get_device("h100")
+    zero = np.zeros(2)
+    seconds = fused_row_seconds(
+        forward_s=np.array([8.0, 1.0]),
+        backward_s=np.array([16.0, 2.0]),
+        backward_weight_s=np.array([8.0, 1.0]),
+        forward_ring_s=np.array([3.0, 3.0]),
+        backward_ring_s=np.array([3.0, 3.0]),
+        output_block_bytes=zero,
+        input_block_bytes=zero,
+        degree=4,
+        device=device,
+    )
+    # blocks of 2 s against steps of 1 s: only the kernels' launches; blocks of 0.25 s: 3 x 0.75 s more
+    launch = device.op_overhead_s
+    np.testing.assert_allclose(seconds.forward, [3 * 2 * launch, 3 * (0.75 + 2 * launch)])
+    # backward: the input-gradient part's blocks (16 - 8 and 2 - 1 s) hide the gradient's all-gather
+    np.testing.assert_allclose(seconds.backward, [3 * 3 * launch, 3 * (0.75 + 3 * launch)])
 
 
 def test_the_planner_pins_or_searches_it():
