@@ -16,7 +16,9 @@ backward    the output gradient's blocks travel around the ring (an all-gather);
             flight the device multiplies the one it holds into its rows of the input gradient.
             The weight gradient is one matmul of the gathered gradient after the ring.
 
-The same products and sums as the two ops (the partials summed in ring order). Blocks are the block layout of ``partita.runtime.tensor_parallel_ops``:
+The same products and sums as the two ops (the partials summed in ring order). The op
+(``partita.runtime.tensor_parallel_ops.matmul_reduce_scatter``) computes this way only blocks
+large enough to gain (``partita.cost.collective_matmul.decomposes``, the rule the cost model applies). Blocks are the block layout of ``partita.runtime.tensor_parallel_ops``:
 rank ``c``'s tokens are part ``c`` of each of ``blocks`` blocks of ``dim``.
 
 Zero-bubble schedules compute a stage's input gradients and its weight gradients in two passes

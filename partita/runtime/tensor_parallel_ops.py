@@ -101,9 +101,11 @@ def matmul_reduce_scatter(
     recomputation neither multiplies nor communicates. Under autocast both operands are cast to
     bfloat16 before the op (``torch.library.register_autocast``: afresh, without autocast's cache
     of weight casts, as the runtime's recomputing stages cast). The same products and sums as the
-    two ops, computed block by block with the ring's transfers in between
-    (``partita.runtime.collective_matmul``); the backward all-gathers the output gradient the same
-    way and forms the operand gradients the autograd engine will use.
+    two ops. Where its token blocks are large enough (``partita.cost.collective_matmul.decomposes``,
+    the cost model's rule) they are computed one at a time with the ring's transfers in between
+    (``partita.runtime.collective_matmul``), and the backward all-gathers the output gradient the
+    same way; else the op multiplies whole, then reduce-scatters. It forms the operand gradients
+    the autograd engine will use.
 
     The weight enters through a view: the engine can then say whether it will use the weight's
     gradient (of a leaf it cannot, under ``torch.autograd.grad``), which a zero-bubble schedule's
