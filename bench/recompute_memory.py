@@ -7,8 +7,10 @@ global batch 16, AdamW, fp32, eager attention, on gloo ranks:
 - recomputation: 2 stages of equal node counts, GPipe with 4 micro-batches of 4 samples (every
   micro-batch in flight at the peak), every stage at one level: none, selective, full.
 - sequence parallelism: 1 stage on a tensor-parallel group of 2, GPipe with 4 micro-batches, without
-  and with ``sequence_parallel`` (recomputation none), and with both and selective recomputation; and 2 stages (split before the middle layer) of
-  a group of 2 each, on 4 ranks, where the residual stream crosses the boundary as each rank's tokens.
+  and with ``sequence_parallel`` (recomputation none), with both and selective recomputation, and with
+  the row-parallel matmuls computed block by block around the ring (``ring``: forced, as at scale);
+  and 2 stages (split before the middle layer) of a group of 2 each, on 4 ranks, where the residual
+  stream crosses the boundary as each rank's tokens.
 
 Predicted: the planner's memory model for that stage on that rank (``partita.cost.memory.device_memory``
 on the analytic cost table at the micro-batch size, tensor-parallel costs at degree 2: what
@@ -86,6 +88,13 @@ def cases(args) -> list[dict]:
             label="tp2 + sp + selective", num_stages=1, tensor_parallel=2, recompute="selective", sequence_parallel=True
         )
     )
+    # the row-parallel matmuls computed block by block around the ring, as at scale (forced: this
+    # model's blocks are below partita.cost.collective_matmul's thresholds, so it runs them whole)
+    found.append(
+        dict(
+            label="tp2 + sp, ring", num_stages=1, tensor_parallel=2, recompute="none", sequence_parallel=True, ring=True
+        )
+    )
     # two stages of a group of 2 each (4 ranks): the residual stream crosses the boundary as each rank's tokens
     found.append(
         dict(label="tp2 + sp x 2 stages", num_stages=2, tensor_parallel=2, recompute="none", sequence_parallel=True)
@@ -158,7 +167,16 @@ def measure(case: dict, args, log) -> dict:
     save_seed(build_example(name, GLOBAL_BATCH).model, seed)  # in the parent: not measured
     started = time.perf_counter()
     ranks = case["num_stages"] * case["tensor_parallel"]
-    results = run_ranks(Path(__file__), ranks, work, timeout_s=args.timeout, model=name, plan=path, seed=seed)
+    results = run_ranks(
+        Path(__file__),
+        ranks,
+        work,
+        timeout_s=args.timeout,
+        model=name,
+        plan=path,
+        seed=seed,
+        ring=case.get("ring", False),
+    )
     predicted = predicted_bytes(graph, plan)
     log(
         f"{case['label']}: measured "
@@ -182,6 +200,11 @@ def worker(out_dir: Path) -> None:
     dist.init_process_group("gloo")
     import partita
     from partita.runtime.materialize import meta_copies
+
+    if params["ring"]:  # every fused row-parallel matmul's blocks count as large enough
+        import partita.cost.collective_matmul as collective_costs
+
+        collective_costs.RING_MIN_BLOCK_FLOPS = collective_costs.RING_MIN_BLOCK_BYTES = 0
 
     def train(name: str, plan, seed: str, num_steps: int, base: int = 0, sampler_from: int | None = None) -> dict:
         """``num_steps`` steps; from step ``sampler_from`` on, the peak of the bytes in use less ``base``."""
