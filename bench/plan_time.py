@@ -61,7 +61,12 @@ CASES = {
 HISTORY = """\
 ## Before (same machine)
 
-- 2026-12-06 01:36 UTC (this table): selective recomputation under sequence parallelism keeps each
+- 2026-12-06 05:52 UTC (this table): every row-parallel matmul under sequence parallelism runs fused
+  with its reduce-scatter, around the ring where its blocks are large (`partita/cost/collective_matmul.py`).
+  Search 7.5 s (175B), 6.5, 17.8, 10.6, 13.2 and 20.3 s against 6.8, 5.4, 16.7, 10.5, 12.2 and 17.4 s
+  before (captures 6-39% slower too: the machine was busier); 310B to TP 8 x 20 x 12 (25.11 s
+  predicted, was 25.54), 530B 39.66 -> 39.48 s, 1T 75.17 -> 74.83 s, 39.1B 9.20 -> 9.17 s (m=48).
+- 2026-12-06 01:36 UTC: selective recomputation under sequence parallelism keeps each
   row-parallel matmul's token part (fused with its reduce-scatter), and the default chain of a model
   deeper than 112 layers starts a block at every layer (1T: 147 blocks, was 128). 1T 7.9 -> 17.4 s
   of search, to the 64 x 2 interleaved plan (75.17 s predicted, was 76.57 s in 1F1B); 530B
