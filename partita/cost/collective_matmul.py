@@ -32,13 +32,21 @@ a transfer is in flight; NCCL's point-to-point kernels take a few of the GPU's S
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from partita.types import DeviceSpec
 
-__all__ = ["RING_MIN_BLOCK_BYTES", "RING_MIN_BLOCK_FLOPS", "FusedRowSeconds", "decomposes", "fused_row_seconds"]
+__all__ = [
+    "RING_MIN_BLOCK_BYTES",
+    "RING_MIN_BLOCK_FLOPS",
+    "FusedRowSeconds",
+    "block_of",
+    "decomposes",
+    "fused_row_seconds",
+]
 
 # Per step the ring adds two kernel launches (5 us each on the catalog's GPUs) and memory traffic
 # of about half the step's transfer (HBM is ~7x NVLink), and hides the shorter of the step's
@@ -48,6 +56,14 @@ __all__ = ["RING_MIN_BLOCK_BYTES", "RING_MIN_BLOCK_FLOPS", "FusedRowSeconds", "d
 # then the reduce-scatter (on a CPU, gloo's round trips would cost more still).
 RING_MIN_BLOCK_FLOPS = 2**33
 RING_MIN_BLOCK_BYTES = 8 * 2**20
+
+
+def block_of(x_shape: tuple[int, ...], out_features: int, degree: int, element_size: int) -> tuple[int, int]:
+    """(FLOPs, output bytes) of one token block of a row-parallel matmul on one device of ``degree``:
+    ``x_shape`` the device's input (every token, its part of the features), ``out_features`` the
+    weight's. What the runtime measures on its tensors; the cost model's per-node arrays equal it."""
+    rows = math.prod(x_shape[:-1]) // degree
+    return 2 * rows * x_shape[-1] * out_features, rows * out_features * element_size
 
 
 def decomposes(block_flops: Any, block_output_bytes: Any) -> Any:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup, ReduceOp
 
-from partita.cost.collective_matmul import decomposes
+from partita.cost.collective_matmul import block_of, decomposes
 from partita.errors import InputError
 from partita.runtime import collective_matmul
 
@@ -340,9 +340,7 @@ def _decomposes(x: torch.Tensor, weight: torch.Tensor, transposed: bool, group_n
         return False
     degree = dist.get_world_size(_process_group(group_name))
     out_features = weight.shape[0 if transposed else 1]
-    block_rows = x.numel() // x.shape[-1] // degree
-    block_flops = 2 * block_rows * x.shape[-1] * out_features
-    return bool(decomposes(block_flops, block_rows * out_features * x.element_size()))
+    return bool(decomposes(*block_of(tuple(x.shape), out_features, degree, x.element_size())))
 
 
 _matmul_reduce_scatter.register_autograd(_matmul_reduce_scatter_backward, setup_context=_matmul_reduce_scatter_context)

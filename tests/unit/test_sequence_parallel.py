@@ -180,6 +180,29 @@ def test_fused_row_parallel_matmuls_add_the_overlapped_ring_the_others_their_who
         np.testing.assert_allclose(tokens.forward_s[k], table.forward_s[k] / 4 + forward[k])
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_cost_model_sizes_the_blocks_as_the_runtime_does(name):
+    """Which row-parallel matmuls run around the ring is one rule (``decomposes``) on one block's FLOPs
+    and output bytes: the cost model takes them from the graph's node FLOPs and output bytes, the
+    runtime from its tensors' shapes (``block_of``); both give the same numbers at any micro-batch."""
+    from partita.cost.collective_matmul import block_of
+    from partita.cost.table import output_bytes
+
+    graph, degree, microbatch = _graph(name), 2, 3
+    layout = find_sequence_layout(graph, degree)
+    rows = [n for n in graph.nodes if n.name in layout.sharded_nodes and n.name in layout.sequence_nodes]
+    rows = [n for n in rows if kept_mask(graph)[n.index]]
+    assert rows
+    scale = microbatch / graph.batch_size
+    for node in rows:
+        x = graph.nodes[node.inputs[0]].outputs[0]
+        local = [s * microbatch // graph.batch_size if d == x.batch_dim else s for d, s in enumerate(x.shape)]
+        local[-1] //= degree  # the device's part of the contracted features
+        runtime = block_of(tuple(local), node.outputs[0].shape[-1], degree, 4)
+        model = (node.flops * scale / degree**2, output_bytes(graph, microbatch)[node.index] / degree)
+        assert model == pytest.approx(runtime), node.name
+
+
 def test_fused_row_seconds_hide_the_ring_behind_longer_blocks():
     from partita.cost.collective_matmul import fused_row_seconds
     from partita.types.devices import get_device
