@@ -17,8 +17,9 @@ graph's nodes, before that decomposition: ``keeps_node`` names the nodes whose d
 policy keeps, by the same rule. Both are defined here, side by side, so that they cannot drift.
 
 Under sequence parallelism the runtime runs each row-parallel matmul and its reduce-scatter as one
-op (``matmul_reduce_scatter``, ``partita.runtime.tensor_parallel_ops``), which the policy keeps: its output is the device's tokens of the sum, not the whole partial
-product, and the recomputation does not run the collective again. On the captured graph that is
+op (``matmul_reduce_scatter``, ``partita.runtime.tensor_parallel_ops``), which the policy keeps:
+its output is the device's tokens of the sum, not the whole partial product, and the
+recomputation does not run the collective again. On the captured graph that is
 the row-parallel matmul node itself (kept by ``keeps_node``); ``partita.cost.tensor_parallel``
 counts its kept bytes as the token part.
 

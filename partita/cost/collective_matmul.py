@@ -23,8 +23,8 @@ backward    the ring is the output gradient's all-gather (``backward_ring_s``), 
             gradient its input pass gathered).
 
 Only matmuls whose blocks are large enough are cut (``decomposes``: ``RING_MIN_BLOCK_FLOPS`` and
-``RING_MIN_BLOCK_BYTES`` per block, the rule the runtime applies); the others run whole and reduce-scatter after, their
-collectives serial as ``partita.cost.tensor_parallel`` counts them.
+``RING_MIN_BLOCK_BYTES`` per block, the rule the runtime applies); the others run whole and
+reduce-scatter after, their collectives serial as ``partita.cost.tensor_parallel`` counts them.
 
 Assumed, not measured (no GPU has run it): a block's matmul runs at the rate of the whole one while
 a transfer is in flight; NCCL's point-to-point kernels take a few of the GPU's SMs.
@@ -48,11 +48,11 @@ __all__ = [
     "fused_row_seconds",
 ]
 
-# Per step the ring adds two kernel launches (5 us each on the catalog's GPUs) and memory traffic
-# of about half the step's transfer (HBM is ~7x NVLink), and hides the shorter of the step's
-# transfer and the block's matmul: it pays only where both take well over 20 us. A block output of
-# 8 MiB takes 35 us over an A100's NVLink (240 GB/s) and 8.6 GFLOP (2**33) of matmul 40 us at the
-# catalog's 70% of its bf16 peak (12 us on an H100). Below either the op runs whole: the matmul,
+# Per step the ring adds two or three kernel launches (5 us each on the catalog's GPUs) and memory
+# traffic of half the step's transfer or more (the catalog's HBM is ~7x its NVLink), and hides the
+# shorter of the step's transfer and the block's matmul: it pays only where both take well over
+# 20 us. A block output of 8 MiB takes 33 us over the catalog's A100 NVLink and 8.6 GFLOP (2**33)
+# of matmul 39 us at its 70% of the bf16 peak (12 us on an H100). Below either the op runs whole: the matmul,
 # then the reduce-scatter (on a CPU, gloo's round trips would cost more still).
 RING_MIN_BLOCK_FLOPS = 2**33
 RING_MIN_BLOCK_BYTES = 8 * 2**20

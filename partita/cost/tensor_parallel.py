@@ -109,23 +109,27 @@ def tensor_parallel_costs(
     ring = rows & decomposes(flops / (t * t), whole_output / t)  # one device's share, one token block of it
     forward_s, backward_s = np.asarray(costs.forward_s) / shards, np.asarray(costs.backward_s) / shards
     backward_weight_s = np.asarray(costs.backward_weight_s) / shards
-    fused = fused_row_seconds(
-        forward_s=forward_s,
-        backward_s=backward_s,
-        backward_weight_s=backward_weight_s,
-        forward_ring_s=forward_ar,
-        backward_ring_s=backward_ar,
-        output_block_bytes=whole_output / t,
-        input_block_bytes=_input_bytes(graph, b, precision, tensor_parts) / t,
-        degree=t,
-        device=resolve_device(cluster.device),
-    )
+    forward_added, backward_added = forward_ar, backward_ar  # the collectives, serial
+    if ring.any():  # those of the matmuls run around the ring overlap their blocks
+        fused = fused_row_seconds(
+            forward_s=forward_s,
+            backward_s=backward_s,
+            backward_weight_s=backward_weight_s,
+            forward_ring_s=forward_ar,
+            backward_ring_s=backward_ar,
+            output_block_bytes=whole_output / t,
+            input_block_bytes=_input_bytes(graph, b, precision, tensor_parts) / t,
+            degree=t,
+            device=resolve_device(cluster.device),
+        )
+        forward_added = np.where(ring, fused.forward, forward_ar)
+        backward_added = np.where(ring, fused.backward, backward_ar)
     split_params = np.array([name in layout.params for name in costs.param_names], dtype=bool)
     param_bytes = np.asarray(costs.param_bytes, dtype=np.int64)
     return dataclasses.replace(
         costs,
-        forward_s=forward_s + np.where(ring, fused.forward, forward_ar),
-        backward_s=backward_s + np.where(ring, fused.backward, backward_ar),
+        forward_s=forward_s + forward_added,
+        backward_s=backward_s + backward_added,
         backward_weight_s=backward_weight_s,
         activation_bytes=held,
         output_bytes=output_bytes(graph, b, precision, parts),

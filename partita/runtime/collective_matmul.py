@@ -18,8 +18,9 @@ backward    the output gradient's blocks travel around the ring (an all-gather);
 
 The same products and sums as the two ops (the partials summed in ring order). The op
 (``partita.runtime.tensor_parallel_ops.matmul_reduce_scatter``) computes this way only blocks
-large enough to gain (``partita.cost.collective_matmul.decomposes``, the rule the cost model applies). Blocks are the block layout of ``partita.runtime.tensor_parallel_ops``:
-rank ``c``'s tokens are part ``c`` of each of ``blocks`` blocks of ``dim``.
+large enough to gain (``partita.cost.collective_matmul.decomposes``, the rule the cost model
+applies). Blocks are the block layout of ``partita.runtime.tensor_parallel_ops``: rank ``c``'s
+tokens are part ``c`` of each of ``blocks`` blocks of ``dim``.
 
 Zero-bubble schedules compute a stage's input gradients and its weight gradients in two passes
 (``torch.distributed.pipelining``'s ``stage_backward_input`` / ``stage_backward_weight``), each
@@ -82,16 +83,18 @@ def gather_gradient(
     right, left = _neighbours(group, rank, degree)
     held = grad.unflatten(dim, (blocks, -1)).contiguous()  # (..., blocks, part, ..., out): block ``rank``
     gathered = held.new_empty((*x.shape[:-1], held.shape[-1]))
+    gathered_parts = _parts(gathered, dim, blocks, degree)
     grad_x = torch.empty_like(x) if weight is not None else None
+    grad_x_parts = _parts(grad_x, dim, blocks, degree) if grad_x is not None else None
     for k in range(degree):
         source = rank - k  # whose tokens ``held`` is
         requests = []
         if k < degree - 1:
             received = torch.empty_like(held)
             requests = _exchange(held, received, right, left, group)
-        _parts(gathered, dim, blocks, degree)(source).copy_(held)
-        if grad_x is not None:
-            _parts(grad_x, dim, blocks, degree)(source).copy_(torch.matmul(held, weight if transposed else weight.t()))
+        gathered_parts(source).copy_(held)
+        if grad_x_parts is not None:
+            grad_x_parts(source).copy_(torch.matmul(held, weight if transposed else weight.t()))
         for request in requests:
             request.wait()
         if k < degree - 1:
