@@ -42,6 +42,8 @@ TWO_RANKS = [
     dict(label="gpt2-sp-tp2", model="gpt2", **SEQUENCE),
     dict(label="gpt2-sp-selective-tp2", model="gpt2", **SEQUENCE, **SELECTIVE, **RING),  # addmm fused with its reduce-scatter
     dict(label="llama-sp-tp2", model="llama", **SEQUENCE, **RING),
+    # full recomputation runs the ring again in backward, as it re-runs every forward collective
+    dict(label="gpt2-sp-full-tp2", model="gpt2", **SEQUENCE, recompute="full", **RING),
     dict(label="bert-sp-tp2", model="bert", **SEQUENCE),
     # interleaved 1F1B with three stages per rank group, as the planner may pick it at scale
     dict(
