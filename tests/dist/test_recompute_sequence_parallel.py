@@ -7,7 +7,8 @@ full-batch training (AdamW, clipped, 3 steps: losses and every parameter within 
 - sequence parallelism at tensor-parallel degree 2 (GPT-2, Llama, and BERT, whose masked-LM head
   runs whole on its gathered input; GPT-2 also with selective recomputation, which keeps its row-parallel
   matmuls fused with their reduce-scatters), and at degree 2 x 2 pipeline stages (GPT-2 and Llama; Llama
-  also with selective recomputation, and Llama built on meta from a seed checkpoint); between stages
+  also with selective recomputation, and Llama built on meta from a seed checkpoint), and two TP-2
+  replicas sharding gradients and optimizer state (Llama); between stages
   the residual stream travels as each rank's tokens. Most of them compute the fused row-parallel
   matmuls block by block around the ring (``RING``), the others whole, as these small models do by
   default.
@@ -58,6 +59,16 @@ TWO_RANKS = [
 ]
 FOUR_RANKS = [
     dict(label="gpt2-sp-tp2-pp2", model="gpt2", **SEQUENCE, **PIPELINE, **RING),
+    # two replicas of a TP-2 group sharding gradients and optimizer state (FSDP2), as the 310B plan does
+    dict(
+        label="llama-sp-tp2-zero2-dp2",
+        model="llama",
+        **SEQUENCE,
+        replicas=2,
+        num_microbatches=2,
+        sharding="shard_grads_and_optimizer",
+        **RING,
+    ),
     dict(label="llama-sp-selective-tp2-pp2", model="llama", **SEQUENCE, **PIPELINE, **SELECTIVE, **RING),
     # the schedules the planner also picks with tensor and sequence parallelism (two stages per rank group)
     dict(
