@@ -42,8 +42,11 @@ class SearchOptions:
     # stages per rank group of interleaved 1F1B (torch's ScheduleInterleaved1F1B runs any count):
     # 3 against 2 shrinks the fill and drain ((G - 1) / v of a group's load) and the first group's
     # activations in flight (about 4G/3 micro-batches of its share, not 3G/2:
-    # partita.cost.memory.microbatches_in_flight), for more sends between stages
-    interleaved_virtual_stages: tuple[int, ...] = (2, 3)
+    # partita.cost.memory.microbatches_in_flight), for more sends between stages. 5: Megatron's
+    # 530B GPT (105 layers) on 21 groups of 5 one-layer stages, 37.96 s against 39.48 s for its
+    # best plan of 35 groups x 3 (bench/scale_prediction.py); 4 and 6-8 found no faster plan for
+    # any row of that bench and took 1T's search from 25 to 30-32 s
+    interleaved_virtual_stages: tuple[int, ...] = (2, 3, 5)
     # the tensor-parallel degree of the costs searched (partita.planning.tensor_parallel): the
     # search places groups of this many devices, as if each were one device
     tensor_parallel: int = 1
