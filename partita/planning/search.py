@@ -364,19 +364,11 @@ def _best_splits(
 def estimate_step(config: Config, stage_times: Sequence[float]) -> float:
     """Closed-form step: ``(m - 1)·max_g L_g + sum_g L_g`` with one stage per rank group (exact
     for GPipe/1F1B without communication); with ``v`` stages per group the fill and drain
-    shrink to ``(G - 1)·max_g L_g / v`` after the ``m`` rounds of the busiest group (interleaved
-    1F1B). ZB-V fills them with the weight-gradient passes (Qi et al., "Zero Bubble Pipeline
-    Parallelism", ICLR 2024: its bubble is about ``(G - 1)(F + B - 2W)`` of a stage, near none
-    when a backward splits evenly into input and weight gradients), so its estimate is the
-    ``m`` rounds alone: with the interleaved term, 145B's best ZB-V plan (bench/_megatron.py,
-    21 groups, m = 128) was estimated at 17.12 s and simulated at 16.15 s, 6% apart, and the
-    search dropped it against other degrees' plans simulated at 16.39 s."""
+    shrink to ``(G - 1)·max_g L_g / v`` after the ``m`` rounds of the busiest group."""
     loads = _per_rank_group(config, stage_times)
     m, v, g = config.num_microbatches, config.virtual_stages, config.num_rank_groups
     if v == 1:
         return float((m - 1) * loads.max() + loads.sum())
-    if config.schedule is Schedule.ZBV:
-        return float(m * loads.max())
     return float(m * loads.max() + (g - 1) * loads.max() / v)
 
 
@@ -433,7 +425,8 @@ def search(
     ``cache`` (``SearchCache``): what an earlier search of the same run found, reused.
     ``step_to_beat``: the step of a plan found elsewhere (another tensor-parallel degree): configs
     whose lower bound exceeds it cannot beat that plan, and are skipped; so are the candidates whose
-    estimate less its tail (``Candidate.tail_s``) exceeds it.
+    estimate less its tail (``Candidate.tail_s``) exceeds it, for ZB-V less the fill and drain
+    that its weight-gradient passes fill as well (``rounds_s``).
     """
     cache = SearchCache() if cache is None else cache
     configs = [
@@ -446,8 +439,11 @@ def search(
     bound = float("inf")
     for config in configs:
         blocks = blocks_at(config.microbatch_size)
-        if _estimate_lower_bound(blocks, config) > min(bound, step_to_beat):
+        floor = _estimate_lower_bound(blocks, config)
+        if floor > bound:
             break  # configs are sorted by this lower bound: every later one is pruned too
+        if floor * _rounds_share(config) > step_to_beat:
+            continue  # none of its candidates would be kept (``rounds_s``)
         if config.virtual_stages == 1 and _split_lower_bound(blocks, config, cache) > min(bound, step_to_beat):
             continue  # none of its candidates would be kept: each estimate (less its tail) exceeds the bound
         candidates = search_config(blocks_at(config.microbatch_size), config, options, cluster, cache)
@@ -462,7 +458,7 @@ def search(
     # Against another plan's simulated step, without the tail: the closed form overestimates it
     # where several stages share a rank group (every group's whole tail counted), and a candidate
     # estimated a little above a step found at another degree may still simulate below it.
-    found = [c for c in found if c.estimate_s <= bound and c.estimate_s - c.tail_s <= step_to_beat]
+    found = [c for c in found if c.estimate_s <= bound and rounds_s(c) <= step_to_beat]
     found.sort(key=sort_key)
     return found
 
@@ -521,8 +517,8 @@ def _estimate_lower_bound(blocks: BlockCosts, config: Config) -> float:
     a fixed mode recomputes in every stage; None, the least level per stage, adds at least
     nothing), every rank-group load L_g >= its stages' share of W, so max L_g >= W / G and sum
     L_g >= W: one stage per group, (m - 1) max L_g + sum L_g >= (m - 1) W / G + W; v stages,
-    m max L_g + (G - 1) max L_g / v >= (m + (G - 1) / v) W / G, ZB-V m max L_g >= m W / G
-    (``estimate_step``; a hair lower, for rounding)."""
+    m max L_g + (G - 1) max L_g / v >= (m + (G - 1) / v) W / G (``estimate_step``; a hair
+    lower, for rounding)."""
     total = float(blocks.forward_s.sum() + blocks.backward_s.sum())
     if config.recompute_mode is not None:
         mode = config.recompute_mode
@@ -530,9 +526,26 @@ def _estimate_lower_bound(blocks: BlockCosts, config: Config) -> float:
     m, g, v = config.num_microbatches, config.num_rank_groups, config.virtual_stages
     if v == 1:
         return ((m - 1) * total / g + total) * (1 - 1e-9)
-    if config.schedule is Schedule.ZBV:
-        return m * total / g * (1 - 1e-9)
     return (m + (g - 1) / v) * total / g * (1 - 1e-9)
+
+
+def rounds_s(candidate: Candidate) -> float:
+    """What ``search`` holds against a step found elsewhere: the estimate less its tail, and for
+    ZB-V less interleaved 1F1B's fill and drain too, ``m / (m + (G - 1) / v)`` of it. ZB-V fills
+    those with its weight-gradient passes (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
+    2024: a bubble of about ``(G - 1)(F + B - 2W)``, near none when a backward splits evenly into
+    input and weight gradients), which the closed form does not model: 145B's best ZB-V candidate
+    (bench/_megatron.py, TP 4, 21 groups, m = 128) was estimated at 17.12 s and simulated at
+    16.15 s, and was dropped against another degree's plan simulated at 16.39 s."""
+    return (candidate.estimate_s - candidate.tail_s) * _rounds_share(candidate.config)
+
+
+def _rounds_share(config: Config) -> float:
+    """``m / (m + (G - 1) / v)`` for ZB-V, else 1 (``rounds_s``)."""
+    if config.schedule is not Schedule.ZBV:
+        return 1.0
+    m = config.num_microbatches
+    return m / (m + (config.num_rank_groups - 1) / config.virtual_stages)
 
 
 def _split_lower_bound(blocks: BlockCosts, config: Config, cache: SearchCache) -> float:

@@ -12,11 +12,19 @@ from planning_instances import random_instance
 from partita.planning import driver, plan_builder, refine
 from partita.planning.build import block_to_node_boundaries
 from partita.planning.chain import block_costs
-from partita.planning.configs import Config, enumerate_configs
+from partita.planning.configs import Candidate, Config, enumerate_configs
 from partita.planning.driver import best_plan
 from partita.planning.plan_builder import draft_lower_bound_s, draft_plan, fit_with_recompute, simulated
 from partita.planning.refine import split_bound
-from partita.planning.search import SearchCache, _estimate_lower_bound, _split_lower_bound, search, search_config
+from partita.planning.search import (
+    SearchCache,
+    _estimate_lower_bound,
+    _split_lower_bound,
+    estimate_step,
+    rounds_s,
+    search,
+    search_config,
+)
 from partita.types import Recompute, Schedule
 
 
@@ -123,8 +131,10 @@ def test_config_floors_never_exceed_a_plan_of_the_config(seed):
 def test_search_from_a_step_to_beat_cuts_the_same_list(seed):
     """``search(step_to_beat=s)`` (the bound another tensor-parallel degree hands on) returns the
     pruned search's list cut at s, by each estimate less its tail (the gradient collectives and
-    optimizer step, which the closed form may overestimate): no config it skips has such a
-    candidate at or below s."""
+    optimizer step, which the closed form may overestimate), for ZB-V less its fill and drain too
+    (``rounds_s``): no config it skips has such a candidate at or below s. It may keep more ZB-V
+    candidates under s than that list (whose estimates are above the full search's bound, set by
+    the one-stage-per-group configs that the pruned search skips), never fewer."""
     import functools
 
     ctx = random_instance(seed)
@@ -133,10 +143,14 @@ def test_search_from_a_step_to_beat_cuts_the_same_list(seed):
     full = search(blocks_at, ctx.options, ctx.search_cluster, k, num_best=4)
     assert full
     assert all(0 < c.tail_s < c.estimate_s for c in full)  # the optimizer step, at least
-    estimates = sorted(c.estimate_s - c.tail_s for c in full)
+    estimates = sorted(rounds_s(c) for c in full)
     for step in (estimates[0] * 0.5, estimates[0], estimates[len(estimates) // 2], estimates[-1], float("inf")):
         pruned = search(blocks_at, ctx.options, ctx.search_cluster, k, num_best=4, step_to_beat=step)
-        assert pruned == [c for c in full if c.estimate_s - c.tail_s <= step], step
+        kept = [c for c in full if rounds_s(c) <= step]
+        assert all(c in pruned for c in kept), step
+        extra = [c for c in pruned if c not in kept]
+        assert all(rounds_s(c) <= step and c.config.schedule is Schedule.ZBV for c in extra), step
+        assert [c for c in pruned if c not in extra] == kept, step  # in the same order
 
 
 def test_shared_refinement_budget_goes_to_the_best_configs_of_all_degrees():
@@ -240,3 +254,23 @@ def test_a_search_cache_over_its_budget_drops_stage_costs_and_finds_the_same_can
         assert len(tight._stage_costs) <= 1
         searched += 1
     assert searched > 10 and len(unbounded._stage_costs) > 1
+
+
+def test_rounds_against_other_plans_leave_out_zbv_fill_and_drain():
+    """``rounds_s``: the estimate less its tail; for ZB-V also less interleaved 1F1B's fill and
+    drain, ``(G - 1) / v`` of a group's load, which its weight-gradient passes fill."""
+    zbv = Config(
+        replicas=2,
+        num_rank_groups=5,
+        schedule=Schedule.ZBV,
+        virtual_stages=2,
+        num_microbatches=12,
+        microbatch_size=1,
+        recompute_mode=Recompute.NONE,
+    )
+    interleaved = dataclasses.replace(zbv, schedule=Schedule.INTERLEAVED_1F1B)
+    load, tail = 0.25, 0.5  # one group's time per micro-batch; what follows the last backward
+    estimate = estimate_step(zbv, [load / 2] * 10) + tail
+    assert estimate == pytest.approx((12 + 4 / 2) * load + tail)
+    assert rounds_s(Candidate(zbv, (), (), estimate, tail)) == pytest.approx(12 * load)
+    assert rounds_s(Candidate(interleaved, (), (), estimate, tail)) == pytest.approx(estimate - tail)
