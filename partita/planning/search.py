@@ -426,7 +426,7 @@ def search(
     ``step_to_beat``: the step of a plan found elsewhere (another tensor-parallel degree): configs
     whose lower bound exceeds it cannot beat that plan, and are skipped; so are the candidates whose
     estimate less its tail (``Candidate.tail_s``) exceeds it, for ZB-V less the fill and drain
-    that its weight-gradient passes fill as well (``rounds_s``).
+    that its weight-gradient passes fill as well (``rounds_s``) among the configs searched.
     """
     cache = SearchCache() if cache is None else cache
     configs = [
@@ -439,11 +439,8 @@ def search(
     bound = float("inf")
     for config in configs:
         blocks = blocks_at(config.microbatch_size)
-        floor = _estimate_lower_bound(blocks, config)
-        if floor > bound:
+        if _estimate_lower_bound(blocks, config) > min(bound, step_to_beat):
             break  # configs are sorted by this lower bound: every later one is pruned too
-        if floor * _rounds_share(config) > step_to_beat:
-            continue  # none of its candidates would be kept (``rounds_s``)
         if config.virtual_stages == 1 and _split_lower_bound(blocks, config, cache) > min(bound, step_to_beat):
             continue  # none of its candidates would be kept: each estimate (less its tail) exceeds the bound
         candidates = search_config(blocks_at(config.microbatch_size), config, options, cluster, cache)
@@ -536,16 +533,15 @@ def rounds_s(candidate: Candidate) -> float:
     2024: a bubble of about ``(G - 1)(F + B - 2W)``, near none when a backward splits evenly into
     input and weight gradients), which the closed form does not model: 145B's best ZB-V candidate
     (bench/_megatron.py, TP 4, 21 groups, m = 128) was estimated at 17.12 s and simulated at
-    16.15 s, and was dropped against another degree's plan simulated at 16.39 s."""
-    return (candidate.estimate_s - candidate.tail_s) * _rounds_share(candidate.config)
-
-
-def _rounds_share(config: Config) -> float:
-    """``m / (m + (G - 1) / v)`` for ZB-V, else 1 (``rounds_s``)."""
-    if config.schedule is not Schedule.ZBV:
-        return 1.0
-    m = config.num_microbatches
-    return m / (m + (config.num_rank_groups - 1) / config.virtual_stages)
+    16.15 s, and was dropped against another degree's plan simulated at 16.39 s. Configs are still
+    skipped by their estimate's bound (``_estimate_lower_bound``): a ZB-V one that it skips may
+    have such a candidate, but lowering that bound for ZB-V had 175B's search (bench/plan_time.py)
+    try twice the configs."""
+    rounds, config = candidate.estimate_s - candidate.tail_s, candidate.config
+    if config.schedule is Schedule.ZBV:
+        m = config.num_microbatches
+        rounds *= m / (m + (config.num_rank_groups - 1) / config.virtual_stages)
+    return rounds
 
 
 def _split_lower_bound(blocks: BlockCosts, config: Config, cache: SearchCache) -> float:
