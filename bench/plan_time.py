@@ -61,7 +61,15 @@ CASES = {
 HISTORY = """\
 ## Before (same machine)
 
-- 2026-12-06 05:52 UTC (this table): every row-parallel matmul under sequence parallelism runs fused
+- 2026-12-06 08:50 UTC (this table): interleaved 1F1B also with 5 stages per rank group, and ZB-V
+  candidates held against other degrees' steps without the fill and drain (``search.rounds_s``).
+  Search 9.9 s (175B), 8.3, 22.7, 13.6, 17.0 and 28.4 s (1T); captures 8-30% slower than the run
+  below (a slower hour). The cost in one period, old code (de913b1) and new alternating, tables +
+  search in CPU seconds: 175B 12.0, 10.4, 10.9, 10.1 s against 14.4, 13.1, 13.0, 10.2 s (+17%); 1T
+  28.5, 27.3 s against 28.9, 32.7 s (+10%, beside another benchmark). 530B to TP 8 x 21 x 15, 105
+  stages (37.96 s predicted, was 39.48), 39.1B to TP 4 x 4 x 32 (9.05 s, was 9.17); the rest the same.
+  175B and 1T are near their goals (10 s, 30 s) on this machine's slow hours.
+- 2026-12-06 05:52 UTC: every row-parallel matmul under sequence parallelism runs fused
   with its reduce-scatter, around the ring where its blocks are large (`partita/cost/collective_matmul.py`).
   Search 7.5 s (175B), 6.5, 17.8, 10.6, 13.2 and 20.3 s against 6.8, 5.4, 16.7, 10.5, 12.2 and 17.4 s
   before (captures 6-39% slower too: the machine was busier); 310B to TP 8 x 20 x 12 (25.11 s
