@@ -2,7 +2,7 @@
 full-batch training (AdamW, clipped, 3 steps: losses and every parameter within 1e-5):
 
 - selective recomputation alone (one stage, two replicas), in a two-stage pipeline, under interleaved
-  1F1B with three stages per rank group (6 stages on 2 ranks), and with tensor parallelism of
+  1F1B with three and five stages per rank group (6 and 10 stages on 2 ranks), and with tensor parallelism of
   degree 2 (GPT-2, Llama, T5);
 - sequence parallelism at tensor-parallel degree 2 (GPT-2, Llama, and BERT, whose masked-LM head
   runs whole on its gathered input; GPT-2 also with selective recomputation, which keeps its row-parallel
@@ -51,6 +51,16 @@ TWO_RANKS = [
         label="gpt2-selective-interleaved-3x2",
         model="gpt2",
         num_stages=6,
+        num_rank_groups=2,
+        num_microbatches=4,
+        schedule="interleaved1f1b",
+        **SELECTIVE,
+    ),
+    # and with five, as the planner picks it for 530B (21 rank groups x 5 one-layer stages)
+    dict(
+        label="gpt2-interleaved-5x2",
+        model="gpt2",
+        num_stages=10,
         num_rank_groups=2,
         num_microbatches=4,
         schedule="interleaved1f1b",
