@@ -19,7 +19,8 @@ policy keeps, by the same rule. Both are defined here, side by side, so that the
 Under sequence parallelism the runtime runs each row-parallel matmul and its reduce-scatter as one
 op (``matmul_reduce_scatter``, ``partita.runtime.tensor_parallel_ops``), which the policy keeps:
 its output is the device's tokens of the sum, not the whole partial product, and the
-recomputation does not run the collective again. On the captured graph that is
+recomputation does not run the collective again; so it keeps a column-parallel matmul run with
+its input's all-gather (``all_gather_matmul``), whose all-gather is not run again either. On the captured graph that is
 the row-parallel matmul node itself (kept by ``keeps_node``); ``partita.cost.tensor_parallel``
 counts its kept bytes as the token part.
 
@@ -47,6 +48,7 @@ KEPT_DISPATCHED_OPS = frozenset(
         "_flash_attention_forward",
         "_efficient_attention_forward",
         "matmul_reduce_scatter",  # partita's row-parallel matmul + reduce-scatter (partita.runtime.tensor_parallel_ops)
+        "all_gather_matmul",  # its all-gather + column-parallel matmul
     }
 )
 

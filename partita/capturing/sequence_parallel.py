@@ -84,7 +84,8 @@ class SequenceParallelAnalysis:
     ``states``: every value split along its tokens. ``sources``: row-parallel matmuls and
     vocab-parallel embeddings whose outputs are reduce-scattered, and stage inputs taken in part.
     ``column_gathers``: split values all-gathered for column-parallel matmuls (their backward
-    reduce-scatters). ``whole_gathers``: split values all-gathered whole for a graph output.
+    reduce-scatters); ``column_matmuls`` those matmuls, by the value they read (``fused_columns``:
+    the values read by one only, which the runtime all-gathers inside it). ``whole_gathers``: split values all-gathered whole for a graph output.
     ``gathers``: (node, argument position) -> the split of an operand all-gathered whole for an
     operation that runs whole (a matmul tensor parallelism left whole, one without a rule).
     ``scatters``: (node, argument position) -> the token split to slice a whole operand to.
@@ -96,6 +97,7 @@ class SequenceParallelAnalysis:
     states: dict[str, TokenSplit] = field(default_factory=dict)
     sources: dict[str, TokenSplit] = field(default_factory=dict)
     column_gathers: dict[str, TokenSplit] = field(default_factory=dict)
+    column_matmuls: dict[str, list[str]] = field(default_factory=dict)
     whole_gathers: dict[str, TokenSplit] = field(default_factory=dict)
     gathers: dict[tuple[str, int], TokenSplit] = field(default_factory=dict)
     scatters: dict[tuple[str, int], TokenSplit] = field(default_factory=dict)
@@ -106,6 +108,14 @@ class SequenceParallelAnalysis:
     @property
     def is_trivial(self) -> bool:
         return not self.sources
+
+    @property
+    def fused_columns(self) -> dict[str, str]:
+        """Gathered value -> the one column-parallel matmul that reads it: the runtime runs the two
+        as one op (``partita.runtime.tensor_parallel_ops.all_gather_matmul``), keeping this device's
+        tokens for backward. A value several matmuls read (Llama's query, key and value
+        projections) is gathered once, apart, and kept whole."""
+        return {x: matmuls[0] for x, matmuls in self.column_matmuls.items() if len(matmuls) == 1}
 
 
 def analyze_sequence(
@@ -210,6 +220,7 @@ class _Propagation:
             if split_inputs != [x]:
                 raise _Failure(origins, f"{node.name}: a column-parallel matmul reads a token-split weight")
             self.found.column_gathers[x.name] = self.states[x]
+            self.found.column_matmuls.setdefault(x.name, []).append(node.name)
             return
         if name in NEUTRAL_OPS:
             return
@@ -435,10 +446,17 @@ def sequence_layout_fields(graph: torch.fx.Graph, tp: TensorParallelAnalysis, sp
             forward.pop(name, None)
             add(forward_passes, name, fx_read.numel(nodes[name]))
             add(backward_passes, name, fx_read.numel(nodes[name]))
+    fused = sp.fused_columns
     for name in sp.column_gathers:  # all-gathered; backward reduce-scatters instead of all-reducing
         backward.pop(name, None)
-        add(forward_passes, name, fx_read.numel(nodes[name]))
-        add(backward_passes, name, fx_read.numel(nodes[name]))
+        elements = fx_read.numel(nodes[name])
+        if name in fused:  # by its matmul, which gathers it again in backward, in the same ring steps
+            add(forward_passes, fused[name], elements)
+            add(backward_passes, fused[name], elements)
+            add(backward_passes, fused[name], elements)
+        else:
+            add(forward_passes, name, elements)
+            add(backward_passes, name, elements)
     gathered = set(sp.whole_gathers)
     operands = {(n.name, p): v for n in graph.nodes for p, v in fx_read.tensor_positions(n)}
     gathered |= {operands[use].name for use in sp.gathers}
@@ -454,7 +472,8 @@ def sequence_layout_fields(graph: torch.fx.Graph, tp: TensorParallelAnalysis, sp
     return dict(
         sequence_parallel=True,
         sequence_nodes=frozenset(sp.states),
-        gathered_nodes=frozenset(sp.column_gathers) | frozenset(gathered),
+        gathered_nodes=frozenset(set(sp.column_gathers) - set(fused)) | frozenset(gathered),
+        fused_gathers=fused,
         forward_reductions=forward,
         backward_reductions=backward,
         backward_fixed_reductions=fixed,

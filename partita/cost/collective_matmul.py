@@ -1,4 +1,6 @@
-"""What a row-parallel matmul fused with its reduce-scatter costs (``partita.runtime.collective_matmul``).
+"""What a tensor-parallel matmul fused with its sequence-parallel collective costs
+(``partita.runtime.collective_matmul``): a row-parallel one with its reduce-scatter, a column-parallel
+one with its input's all-gather.
 
 The runtime computes the matmul in ``t`` token blocks around the ring of the group, each ring step's
 transfer running while the next block computes. With ``C`` the matmul's seconds on one device
@@ -22,6 +24,18 @@ backward    the ring is the output gradient's all-gather (``backward_ring_s``), 
             unfused: ``backward_weight_s`` is unchanged (a zero-bubble schedule's weight pass reads the
             gradient its input pass gathered).
 
+A column-parallel matmul fused with its input's all-gather (``fused_column_seconds``) runs the same
+formula with its own rings and kernels:
+
+forward     the ring is the input's all-gather, ``C`` the node's forward; a step adds a block's
+            matmul and the copy of its rows into the product (two output blocks).
+backward    the ring is the input gradient's reduce-scatter with the input's blocks riding its
+            steps (the op keeps only this device's tokens; the weight gradient needs them all):
+            two ring passes of the input's size, ``C`` the input-gradient part; a step adds a
+            block's matmul, its output-gradient block copied out (two output blocks), the addition
+            of the received partial (three input blocks) and the copy of the received input block
+            into the gathered input (two input blocks).
+
 Only matmuls whose blocks are large enough are cut (``decomposes``: ``RING_MIN_BLOCK_FLOPS`` and
 ``RING_MIN_BLOCK_BYTES`` per block, the rule the runtime applies); the others run whole and
 reduce-scatter after, their collectives serial as ``partita.cost.tensor_parallel`` counts them.
@@ -42,9 +56,11 @@ from partita.types import DeviceSpec
 __all__ = [
     "RING_MIN_BLOCK_BYTES",
     "RING_MIN_BLOCK_FLOPS",
-    "FusedRowSeconds",
+    "FusedSeconds",
     "block_of",
+    "column_block_of",
     "decomposes",
+    "fused_column_seconds",
     "fused_row_seconds",
 ]
 
@@ -66,15 +82,22 @@ def block_of(x_shape: tuple[int, ...], out_features: int, degree: int, element_s
     return 2 * rows * x_shape[-1] * out_features, rows * out_features * element_size
 
 
-def decomposes(block_flops: Any, block_output_bytes: Any) -> Any:
-    """Whether a fused row-parallel matmul whose token blocks take ``block_flops`` and make
-    ``block_output_bytes`` each (on one device) is computed block by block around the ring; else
-    whole, then reduce-scattered. Element-wise."""
-    flops, output = np.asarray(block_flops), np.asarray(block_output_bytes)
-    return (flops >= RING_MIN_BLOCK_FLOPS) & (output >= RING_MIN_BLOCK_BYTES)
+def column_block_of(x_shape: tuple[int, ...], out_features: int, element_size: int) -> tuple[int, int]:
+    """(FLOPs, input bytes) of one token block of a column-parallel matmul on one device: ``x_shape``
+    the device's input (its tokens, every feature: one block), ``out_features`` its weight's part."""
+    rows = math.prod(x_shape[:-1])
+    return 2 * rows * x_shape[-1] * out_features, rows * x_shape[-1] * element_size
 
 
-class FusedRowSeconds(NamedTuple):
+def decomposes(block_flops: Any, block_bytes: Any) -> Any:
+    """Whether a fused matmul whose token blocks take ``block_flops`` and send ``block_bytes`` each
+    per ring step (on one device: a row-parallel block's output, a column-parallel one's input) is
+    computed block by block around the ring; else whole, its collective before or after. Element-wise."""
+    flops, sent = np.asarray(block_flops), np.asarray(block_bytes)
+    return (flops >= RING_MIN_BLOCK_FLOPS) & (sent >= RING_MIN_BLOCK_BYTES)
+
+
+class FusedSeconds(NamedTuple):
     """Seconds each fused node adds to its matmul, float64[n] each (its weight pass adds none)."""
 
     forward: np.ndarray
@@ -92,20 +115,46 @@ def fused_row_seconds(
     input_block_bytes: np.ndarray,
     degree: int,
     device: DeviceSpec,
-) -> FusedRowSeconds:
+) -> FusedSeconds:
     """The seconds the fused op adds to each node's matmul (module docstring), from one device's
     matmul seconds (``forward_s``, ``backward_s``, ``backward_weight_s``), its ring passes and the bytes
     of one token block of its output and of its input, all float64[n]; ``degree`` > 1."""
-    steps = degree - 1
     memory_rate = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
     copies = 2 * (input_block_bytes + output_block_bytes)
     forward_kernels = 2 * device.op_overhead_s + (copies + output_block_bytes) / memory_rate
     backward_kernels = 3 * device.op_overhead_s + copies / memory_rate
-
-    def added(ring_s: np.ndarray, compute_s: np.ndarray, kernels_s: np.ndarray) -> np.ndarray:
-        return steps * (np.maximum(0.0, ring_s / steps - compute_s / degree) + kernels_s)
-
-    return FusedRowSeconds(
-        added(forward_ring_s, forward_s, forward_kernels),
-        added(backward_ring_s, backward_s - backward_weight_s, backward_kernels),
+    return FusedSeconds(
+        _ring_added(forward_ring_s, forward_s, forward_kernels, degree),
+        _ring_added(backward_ring_s, backward_s - backward_weight_s, backward_kernels, degree),
     )
+
+
+def fused_column_seconds(
+    *,
+    forward_s: np.ndarray,
+    backward_s: np.ndarray,
+    backward_weight_s: np.ndarray,
+    forward_ring_s: np.ndarray,
+    backward_ring_s: np.ndarray,
+    output_block_bytes: np.ndarray,
+    input_block_bytes: np.ndarray,
+    degree: int,
+    device: DeviceSpec,
+) -> FusedSeconds:
+    """``fused_row_seconds`` for column-parallel matmuls fused with their input's all-gather (module
+    docstring): ``forward_ring_s`` the all-gather's pass, ``backward_ring_s`` the backward's two
+    (the input gradient's reduce-scatter and the input's all-gather, in the same steps)."""
+    memory_rate = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
+    forward_kernels = 2 * device.op_overhead_s + 2 * output_block_bytes / memory_rate
+    backward_traffic = 2 * output_block_bytes + 5 * input_block_bytes
+    backward_kernels = 3 * device.op_overhead_s + backward_traffic / memory_rate
+    return FusedSeconds(
+        _ring_added(forward_ring_s, forward_s, forward_kernels, degree),
+        _ring_added(backward_ring_s, backward_s - backward_weight_s, backward_kernels, degree),
+    )
+
+
+def _ring_added(ring_s: np.ndarray, compute_s: np.ndarray, kernels_s: np.ndarray, degree: int) -> np.ndarray:
+    """``(t - 1) · (max(0, m - C / t) + k)``: what the ring adds to a matmul of ``compute_s`` seconds."""
+    steps = degree - 1
+    return steps * (np.maximum(0.0, ring_s / steps - compute_s / degree) + kernels_s)

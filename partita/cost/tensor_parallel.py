@@ -29,7 +29,11 @@ column-parallel matmuls (``gathered_nodes``: those matmuls keep that copy for th
 A row-parallel matmul's partial output is whole until it is reduce-scattered, but nothing keeps
 it: backward does not read it, and selective recomputation keeps the matmul fused with its
 reduce-scatter (``partita.runtime.tensor_parallel_ops.matmul_reduce_scatter``), i.e. this
-device's tokens of the sum, and runs neither again. Its collectives are single ring passes,
+device's tokens of the sum, and runs neither again. A column-parallel matmul that alone reads a
+gathered value (``layout.fused_gathers``) runs fused with that all-gather
+(``all_gather_matmul``): it keeps the value's token part for backward, where it gathers it again
+beside the input gradient's reduce-scatter (one more ring pass, ``layout.backward_passes``), and
+selective recomputation runs neither again. Its collectives are single ring passes,
 ``t - 1`` steps of ``b / t`` bytes each, ``(t - 1) α + (t - 1)/t · b / β``
 (``layout.forward_passes`` / ``backward_passes``), which replace the all-reduces of the
 row-parallel outputs and column-parallel inputs. A token-split value
@@ -57,7 +61,7 @@ import dataclasses
 import numpy as np
 
 from partita.cost import comm
-from partita.cost.collective_matmul import decomposes, fused_row_seconds
+from partita.cost.collective_matmul import decomposes, fused_column_seconds, fused_row_seconds
 from partita.cost.recompute import kept_mask, selective_arrays
 from partita.cost.table import activation_bytes, cut_bytes, output_bytes, storage_roots, value_bytes
 from partita.errors import InputError
@@ -102,28 +106,35 @@ def tensor_parallel_costs(
     # but for the reduce-scatters fused with their row-parallel matmuls, kept as one op.
     measured = None if costs.source == "analytic" else held
     selective = selective_arrays(graph, b, costs.forward_s, precision, parts, measured)
-    rows = _fused_rows(graph, layout)
-    rerun = np.where(rows, 0.0, forward_ar)
+    rows, columns = _fused_rows(graph, layout), _fused_columns(graph, layout)
+    rerun = np.where(rows | columns, 0.0, forward_ar)
     flops = np.array([n.flops for n in graph.nodes], dtype=np.float64) * b / graph.batch_size
     whole_output = output_bytes(graph, b, precision)
-    ring = rows & decomposes(flops / (t * t), whole_output / t)  # one device's share, one token block of it
+    gathered_input = _gathered_input_bytes(graph, layout, b, precision)
+    # one device's share of the work, one token block of it, and what a ring step sends
+    row_ring = rows & decomposes(flops / (t * t), whole_output / t)
+    column_ring = columns & decomposes(flops / (t * t), gathered_input / t)
     forward_s, backward_s = np.asarray(costs.forward_s) / shards, np.asarray(costs.backward_s) / shards
     backward_weight_s = np.asarray(costs.backward_weight_s) / shards
     forward_added, backward_added = forward_ar, backward_ar  # the collectives, serial
-    if ring.any():  # those of the matmuls run around the ring overlap their blocks
-        fused = fused_row_seconds(
-            forward_s=forward_s,
-            backward_s=backward_s,
-            backward_weight_s=backward_weight_s,
-            forward_ring_s=forward_ar,
-            backward_ring_s=backward_ar,
-            output_block_bytes=whole_output / t,
-            input_block_bytes=_input_bytes(graph, b, precision, tensor_parts) / t,
-            degree=t,
-            device=resolve_device(cluster.device),
-        )
-        forward_added = np.where(ring, fused.forward, forward_ar)
-        backward_added = np.where(ring, fused.backward, backward_ar)
+    rings = dict(
+        forward_s=forward_s,
+        backward_s=backward_s,
+        backward_weight_s=backward_weight_s,
+        forward_ring_s=forward_ar,
+        backward_ring_s=backward_ar,
+        output_block_bytes=whole_output / t,
+        degree=t,
+        device=resolve_device(cluster.device),
+    )
+    if row_ring.any():  # those of the matmuls run around the ring overlap their blocks
+        fused = fused_row_seconds(**rings, input_block_bytes=_input_bytes(graph, b, precision, tensor_parts) / t)
+        forward_added = np.where(row_ring, fused.forward, forward_added)
+        backward_added = np.where(row_ring, fused.backward, backward_added)
+    if column_ring.any():
+        fused = fused_column_seconds(**rings, input_block_bytes=gathered_input / t)
+        forward_added = np.where(column_ring, fused.forward, forward_added)
+        backward_added = np.where(column_ring, fused.backward, backward_added)
     split_params = np.array([name in layout.params for name in costs.param_names], dtype=bool)
     param_bytes = np.asarray(costs.param_bytes, dtype=np.int64)
     return dataclasses.replace(
@@ -187,6 +198,27 @@ def _fused_rows(graph: OpGraph, layout: TensorParallelLayout) -> np.ndarray:
         return np.zeros(graph.num_nodes, dtype=bool)
     rows = np.array([n.name in layout.sharded_nodes and n.name in layout.sequence_nodes for n in graph.nodes])
     return rows & kept_mask(graph)
+
+
+def _fused_columns(graph: OpGraph, layout: TensorParallelLayout) -> np.ndarray:
+    """bool[n]: the column-parallel matmuls the runtime runs fused with their input's all-gather
+    (``layout.fused_gathers``), whose collectives are theirs: selective recomputation keeps the op's
+    output and runs neither again; their rings overlap their blocks where those are large enough."""
+    matmuls = set(layout.fused_gathers.values())
+    return np.array([n.name in matmuls for n in graph.nodes], dtype=bool)
+
+
+def _gathered_input_bytes(
+    graph: OpGraph, layout: TensorParallelLayout, microbatch_size: int, precision: Precision
+) -> np.ndarray:
+    """float64[n]: the whole bytes of the input each fused column-parallel matmul all-gathers (0 elsewhere)."""
+    position = {n.name: n.index for n in graph.nodes}
+    values = value_bytes(graph, microbatch_size, precision)
+    out = np.zeros(graph.num_nodes)
+    for gathered, matmul in layout.fused_gathers.items():
+        if gathered in position and matmul in position:
+            out[position[matmul]] = float(values[position[gathered]])
+    return out
 
 
 def _input_bytes(graph: OpGraph, microbatch_size: int, precision: Precision, parts: np.ndarray) -> np.ndarray:

@@ -16,6 +16,13 @@ backward    the output gradient's blocks travel around the ring (an all-gather);
             flight the device multiplies the one it holds into its rows of the input gradient.
             The weight gradient is one matmul of the gathered gradient after the ring.
 
+Its adjoint, a column-parallel matmul fused with the all-gather of its input (``all_gather_matmul``),
+runs the other way round: every rank's tokens of ``x`` travel around the ring while the device
+multiplies the block it holds; its backward reduce-scatters the input gradient as the forward
+above does, every rank's tokens of ``x`` riding the same ring steps (``reduce_scatter_gathering``:
+the op keeps only this rank's tokens for backward, as Megatron-LM's sequence parallelism does, and
+the weight gradient needs all of them).
+
 The same products and sums as the two ops (the partials summed in ring order). The op
 (``partita.runtime.tensor_parallel_ops.matmul_reduce_scatter``) computes this way only blocks
 large enough to gain (``partita.cost.collective_matmul.decomposes``, the rule the cost model
@@ -38,7 +45,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["gather_gradient", "matmul", "matmul_reduce_scatter", "needed_gradients", "weight_gradient"]
+__all__ = [
+    "all_gather_matmul",
+    "gather_gradient",
+    "matmul",
+    "matmul_reduce_scatter",
+    "needed_gradients",
+    "reduce_scatter_gathering",
+    "weight_gradient",
+]
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -52,18 +67,44 @@ def matmul_reduce_scatter(
     """This rank's tokens of the sum over ``group`` of every rank's ``matmul(x, weight, transposed)``,
     the ring steps overlapping the block matmuls (module docstring). ``x`` holds every token; ``dim``
     (not the last) is split, in ``blocks`` blocks, over the group."""
-    degree, rank = dist.get_world_size(group), dist.get_rank(group)
-    parts = _parts(x, dim, blocks, degree)
-    right, left = _neighbours(group, rank, degree)
-    held = matmul(parts(rank - 1), weight, transposed)
-    for k in range(1, degree):
-        received = torch.empty_like(held)
-        requests = _exchange(held, received, right, left, group)
-        partial = matmul(parts(rank - 1 - k), weight, transposed)  # while the held sum travels
-        for request in requests:
-            request.wait()
-        held = received.add_(partial)
-    return held.flatten(dim, dim + 1)  # (..., blocks, part, ...) -> this rank's tokens
+    return _reduce_scatter_ring(x, weight, transposed, dim, blocks, group, None)[0]
+
+
+def reduce_scatter_gathering(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    transposed: bool,
+    dim: int,
+    blocks: int,
+    group: ProcessGroup,
+    riding: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``matmul_reduce_scatter`` with every rank's tokens of ``riding`` (this rank's: ``riding``, the
+    same token layout) sent along in its ring steps: ``(this rank's tokens of the sum, riding whole)``."""
+    summed, gathered = _reduce_scatter_ring(x, weight, transposed, dim, blocks, group, riding)
+    assert gathered is not None
+    return summed, gathered
+
+
+def all_gather_matmul(
+    x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group: ProcessGroup
+) -> torch.Tensor:
+    """``matmul(every rank's tokens of x, weight, transposed)``: ``x`` is this rank's tokens (block
+    layout along ``dim``, not the last), which travel around the ring while the device multiplies
+    the block it holds into its rows of the product (module docstring)."""
+    degree = dist.get_world_size(group)
+    out_features = weight.shape[0 if transposed else 1]
+    shape = list(x.shape[:-1]) + [out_features]
+    shape[dim] *= degree
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    product = x.new_empty(shape, dtype=dtype)
+    rows = _parts(product, dim, blocks, degree)
+
+    def multiply(source: int, held: torch.Tensor) -> None:
+        rows(source).copy_(matmul(held, weight, transposed))
+
+    _around_ring(x, dim, blocks, group, multiply)
+    return product
 
 
 def gather_gradient(
@@ -79,26 +120,18 @@ def gather_gradient(
     ``grad``, and, with a ``weight``, the input gradient, whose rows each block forms while the next
     block travels: ``(gathered gradient, input gradient or None)``. The weight gradient is then one
     matmul of the gathered gradient (``weight_gradient``), the same sums as the unfused op's."""
-    degree, rank = dist.get_world_size(group), dist.get_rank(group)
-    right, left = _neighbours(group, rank, degree)
-    held = grad.unflatten(dim, (blocks, -1)).contiguous()  # (..., blocks, part, ..., out): block ``rank``
-    gathered = held.new_empty((*x.shape[:-1], held.shape[-1]))
+    degree = dist.get_world_size(group)
+    gathered = grad.new_empty((*x.shape[:-1], grad.shape[-1]))
     gathered_parts = _parts(gathered, dim, blocks, degree)
     grad_x = torch.empty_like(x) if weight is not None else None
     grad_x_parts = _parts(grad_x, dim, blocks, degree) if grad_x is not None else None
-    for k in range(degree):
-        source = rank - k  # whose tokens ``held`` is
-        requests = []
-        if k < degree - 1:
-            received = torch.empty_like(held)
-            requests = _exchange(held, received, right, left, group)
+
+    def place(source: int, held: torch.Tensor) -> None:
         gathered_parts(source).copy_(held)
         if grad_x_parts is not None:
             grad_x_parts(source).copy_(torch.matmul(held, weight if transposed else weight.t()))
-        for request in requests:
-            request.wait()
-        if k < degree - 1:
-            held = received
+
+    _around_ring(grad, dim, blocks, group, place)
     return gathered, grad_x
 
 
@@ -130,6 +163,71 @@ def needed_gradients(ctx, count: int) -> tuple[bool, ...]:
 # ----------------------------------------------------------------------------- helpers
 
 
+def _reduce_scatter_ring(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    transposed: bool,
+    dim: int,
+    blocks: int,
+    group: ProcessGroup,
+    riding: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``matmul_reduce_scatter``'s ring, and ``riding`` gathered whole in its steps (None without)."""
+    degree, rank = dist.get_world_size(group), dist.get_rank(group)
+    parts = _parts(x, dim, blocks, degree)
+    right, left = _neighbours(group, rank, degree)
+    held = matmul(parts(rank - 1), weight, transposed)
+    gathered = gathered_parts = None
+    if riding is not None:
+        riding_held = riding.unflatten(dim, (blocks, -1)).contiguous()
+        gathered = _whole_like(riding, degree, dim)
+        gathered_parts = _parts(gathered, dim, blocks, degree)
+        gathered_parts(rank).copy_(riding_held)
+    for k in range(1, degree):
+        received = torch.empty_like(held)
+        pairs = [(held, received)]
+        if riding is not None:
+            riding_received = torch.empty_like(riding_held)
+            pairs.append((riding_held, riding_received))
+        requests = _exchange(pairs, right, left, group)
+        partial = matmul(parts(rank - 1 - k), weight, transposed)  # while the held sum travels
+        for request in requests:
+            request.wait()
+        held = received.add_(partial)
+        if riding is not None:
+            riding_held = riding_received
+            gathered_parts(rank - k).copy_(riding_held)
+    return held.flatten(dim, dim + 1), gathered  # (..., blocks, part, ...) -> this rank's tokens
+
+
+def _around_ring(
+    local: torch.Tensor, dim: int, blocks: int, group: ProcessGroup, each: Callable[[int, torch.Tensor], None]
+) -> None:
+    """Pass every rank's tokens ``local`` (this rank's) around the ring: ``each(source, held)`` for the
+    tokens of every rank ``source`` in turn, this rank's first, viewed ``(..., blocks, part, ...)``,
+    while the next rank's travel."""
+    degree, rank = dist.get_world_size(group), dist.get_rank(group)
+    right, left = _neighbours(group, rank, degree)
+    held = local.unflatten(dim, (blocks, -1)).contiguous()  # (..., blocks, part, ...): block ``rank``
+    for k in range(degree):
+        requests = []
+        if k < degree - 1:
+            received = torch.empty_like(held)
+            requests = _exchange([(held, received)], right, left, group)
+        each(rank - k, held)
+        for request in requests:
+            request.wait()
+        if k < degree - 1:
+            held = received
+
+
+def _whole_like(local: torch.Tensor, degree: int, dim: int) -> torch.Tensor:
+    """An uninitialized tensor of the shape of every rank's tokens of ``local`` together."""
+    shape = list(local.shape)
+    shape[dim] *= degree
+    return local.new_empty(shape)
+
+
 def _parts(x: torch.Tensor, dim: int, blocks: int, degree: int) -> Callable[[int], torch.Tensor]:
     """rank -> that rank's tokens of the whole ``x``, as a view ``(..., blocks, part, ...)``."""
     viewed = x.unflatten(dim, (blocks, degree, -1))
@@ -142,8 +240,10 @@ def _neighbours(group: ProcessGroup, rank: int, degree: int) -> tuple[int, int]:
 
 
 def _exchange(
-    sent: torch.Tensor, received: torch.Tensor, right: int, left: int, group: ProcessGroup
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], right: int, left: int, group: ProcessGroup
 ) -> list[dist.Work]:
-    """Start sending ``sent`` to ``right`` and receiving ``received`` from ``left``."""
-    operations = [dist.P2POp(dist.isend, sent, right, group), dist.P2POp(dist.irecv, received, left, group)]
+    """Start sending each pair's first tensor to ``right`` and receiving its second from ``left``."""
+    operations = []
+    for sent, received in pairs:
+        operations += [dist.P2POp(dist.isend, sent, right, group), dist.P2POp(dist.irecv, received, left, group)]
     return dist.batch_isend_irecv(operations)

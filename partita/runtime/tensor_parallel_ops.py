@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup, ReduceOp
 
-from partita.cost.collective_matmul import block_of, decomposes
+from partita.cost.collective_matmul import block_of, column_block_of, decomposes
 from partita.errors import InputError
 from partita.runtime import collective_matmul
 
@@ -44,6 +44,7 @@ __all__ = [
     "reduce_scatter_to_group",
     "matmul_reduce_scatter",
     "gather_for_column",
+    "all_gather_matmul",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
 ]
@@ -121,6 +122,29 @@ def gather_for_column(x: torch.Tensor, dim: int, blocks: int, group: Group) -> t
     rank's matmul gives a partial gradient of the whole input (``copy_to_group``'s all-reduce, kept
     in part)."""
     return _GatherForColumn.apply(x, dim, blocks, group)
+
+
+def all_gather_matmul(
+    x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group: Group
+) -> torch.Tensor:
+    """``gather_for_column(x, dim, blocks, group) @ (weight.T if transposed else weight)`` as one
+    dispatched op, ``partita::all_gather_matmul``: a column-parallel matmul under sequence
+    parallelism, the adjoint of ``matmul_reduce_scatter`` (``x`` this rank's tokens; the product has
+    every token and this rank's output features).
+
+    It keeps only this rank's tokens of ``x`` for backward, as Megatron-LM's sequence parallelism
+    does (``1 / degree`` of the gathered copy the two ops keep), and all-gathers them again there
+    for the weight gradient, beside the input gradient's reduce-scatter. Selective recomputation
+    keeps its output and runs neither the matmul nor the all-gather again. Where its token blocks
+    are large enough (``partita.cost.collective_matmul.decomposes``) the forward multiplies each
+    rank's block while the next travels around the ring, and the backward's reduce-scatter runs
+    block by block with ``x``'s blocks riding its ring steps
+    (``partita.runtime.collective_matmul``); else each collective runs whole. Cast under autocast,
+    weight view and zero-bubble passes as ``matmul_reduce_scatter``'s: the input pass keeps the
+    gathered ``x`` for the weight pass."""
+    name = group if isinstance(group, str) else group.group_name
+    weight = weight.view_as(weight) if weight.requires_grad else weight
+    return torch.ops.partita.all_gather_matmul(x, weight, transposed, _normalized_dim(dim, x), blocks, name)
 
 
 def vocab_parallel_embedding(
@@ -346,6 +370,65 @@ def _decomposes(x: torch.Tensor, weight: torch.Tensor, transposed: bool, group_n
 _matmul_reduce_scatter.register_autograd(_matmul_reduce_scatter_backward, setup_context=_matmul_reduce_scatter_context)
 for _device_type in ("cpu", "cuda"):
     torch.library.register_autocast("partita::matmul_reduce_scatter", _device_type, torch.bfloat16)
+
+
+@torch.library.custom_op("partita::all_gather_matmul", mutates_args=())
+def _all_gather_matmul(
+    x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group_name: str
+) -> torch.Tensor:
+    if not _column_decomposes(x, weight, transposed, group_name):  # all-gathered whole, then multiplied
+        return collective_matmul.matmul(_gather_parts(x, dim, blocks, group_name), weight, transposed)
+    return collective_matmul.all_gather_matmul(x, weight, transposed, dim, blocks, _process_group(group_name))
+
+
+@_all_gather_matmul.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group_name: str) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] *= dist.get_world_size(_process_group(group_name))
+    return collective_matmul.matmul(x.new_empty(shape), weight, transposed)
+
+
+def _all_gather_matmul_backward(ctx, grad: torch.Tensor):
+    x, weight = ctx.saved_tensors
+    needs_x, needs_weight = collective_matmul.needed_gradients(ctx, 2)
+    dim, blocks, group_name = ctx.layout
+    transposed = ctx.transposed
+    grad_x = grad_weight = None
+    gathered = getattr(ctx, "gathered", None)  # kept by a zero-bubble input pass for its weight pass
+    riding = x if gathered is None and ctx.needs_input_grad[1] else None  # the weight gradient's, now or later
+    if needs_x:
+        if _column_decomposes(x, weight, transposed, group_name):
+            group = _process_group(group_name)
+            if riding is None:
+                grad_x = collective_matmul.matmul_reduce_scatter(grad, weight, not transposed, dim, blocks, group)
+            else:
+                grad_x, gathered = collective_matmul.reduce_scatter_gathering(
+                    grad, weight, not transposed, dim, blocks, group, riding
+                )
+        else:
+            product = collective_matmul.matmul(grad, weight, not transposed)
+            grad_x = _reduce_scatter_parts(product, dim, blocks, group_name)
+    if gathered is None and riding is not None:  # whole (or no input gradient to ride with)
+        gathered = _gather_parts(x, dim, blocks, group_name)
+    if needs_weight:
+        grad_weight = collective_matmul.weight_gradient(grad, gathered, transposed)
+        ctx.gathered = None
+    elif ctx.needs_input_grad[1]:  # the engine forms the weight's gradient in a later pass
+        ctx.gathered = gathered
+    return grad_x, grad_weight, None, None, None, None
+
+
+def _column_decomposes(x: torch.Tensor, weight: torch.Tensor, transposed: bool, group_name: str) -> bool:
+    """Whether the column-parallel op runs block by block around the ring (the cost model's rule)."""
+    if not _communicates(x, group_name):
+        return False
+    out_features = weight.shape[0 if transposed else 1]
+    return bool(decomposes(*column_block_of(tuple(x.shape), out_features, x.element_size())))
+
+
+_all_gather_matmul.register_autograd(_all_gather_matmul_backward, setup_context=_matmul_reduce_scatter_context)
+for _device_type in ("cpu", "cuda"):
+    torch.library.register_autocast("partita::all_gather_matmul", _device_type, torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -87,6 +87,16 @@ def matmul_reduce_scatter_out(
     return ops.matmul_reduce_scatter(x, weight, transposed, dim, x.shape[dim] // inner, process_group(key))
 
 
+def gather_matmul_out(
+    x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, inner: int, key: int
+) -> torch.Tensor:
+    """The column-parallel ``gather_column(x) @ weight`` (``weight.T``: ``transposed``) as one op
+    (``ops.all_gather_matmul``: it keeps this rank's tokens of ``x`` for backward)."""
+    group = process_group(key)
+    blocks = x.shape[dim] * dist.get_world_size(group) // inner
+    return ops.all_gather_matmul(x, weight, transposed, dim, blocks, group)
+
+
 def embedding_scattered(
     weight: torch.Tensor, ids: torch.Tensor, padding_idx: int, dim: int, inner: int, key: int
 ) -> torch.Tensor:
@@ -123,8 +133,9 @@ def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
     """Insert the collectives of the stage's layout into its graph (in place, recompiled), and those
     of its sequence parallelism (``TensorParallelAnalysis.sequence``) where the plan has it. Under
     sequence parallelism each row-parallel matmul runs fused with its reduce-scatter
-    (``matmul_reduce_scatter_out``): the transfers overlap the matmul, and selective recomputation
-    keeps the token parts and runs neither again."""
+    (``matmul_reduce_scatter_out``), and a column-parallel matmul that alone reads a value with the
+    all-gather of that value (``gather_matmul_out``): the transfers overlap the matmul, and
+    selective recomputation keeps the token parts and runs neither again."""
     analysis = tp.analyses[stage.spec.index]
     if analysis.layout.is_trivial:
         return
@@ -133,10 +144,14 @@ def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
     g = gm.graph
     nodes = {n.name: n for n in g.nodes}
     key = tp.key
+    fused = sequence.fused_columns if sequence is not None else {}
     for name in sorted(analysis.copies):
         x = nodes[name]
         columns = [u for u in x.users if analysis.kinds.get(u.name) == "column"]
         split = sequence.column_gathers.get(name) if sequence is not None else None
+        if name in fused:  # gathered by its one matmul
+            _column(g, nodes[fused[name]], key, split)
+            continue
         with g.inserting_after(x):  # the input of column-parallel matmuls: copied, or gathered by token
             if split is None:
                 copied = g.call_function(copy_in, (x, key))
@@ -269,6 +284,26 @@ def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None) ->
             out = g.call_function(aten.add.Tensor, (reduced, bias))
     if out is not node:
         node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not reduced and user is not out)
+
+
+def _column(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any) -> None:
+    """Column-parallel matmul on this rank's tokens of its input: the all-gather and the matmul are
+    one node (``gather_matmul_out``), its (split) bias added after."""
+    name = getattr(node.target, "overloadpacket", None).__name__
+    bias = None
+    if name == "linear":
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        x, weight = node.args[0], node.args[1]
+    elif name == "addmm":
+        bias, x, weight = node.args[0], node.args[1], node.args[2]
+    else:  # mm, matmul
+        x, weight = node.args[0], node.args[1]
+    node.target, node.kwargs = gather_matmul_out, {}
+    node.args = (x, weight, name == "linear", split.dim, split.inner, key)
+    if bias is not None:
+        with g.inserting_after(node):
+            out = g.call_function(aten.add.Tensor, (node, bias))
+        node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
 
 
 def _operand(node: torch.fx.Node, position: int) -> Any:

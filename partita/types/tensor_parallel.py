@@ -46,7 +46,9 @@ class TensorParallelLayout:
     Sequence parallelism (``sequence_parallel``; ``partita.capturing.sequence_parallel``) also splits
     the regions between them by token: ``sequence_nodes`` are the nodes whose values and work divide
     by ``degree`` that way; ``gathered_nodes`` the split values all-gathered whole for column-parallel
-    matmuls (which keep that whole copy for their backward). Its collectives are single ring passes
+    matmuls (which keep that whole copy for their backward) or for operations that run whole;
+    ``fused_gathers`` split value -> the one column-parallel matmul that reads it, which gathers it
+    itself (its collectives are that matmul's, and it keeps the value's part for backward). Its collectives are single ring passes
     (a reduce-scatter or an all-gather; an all-reduce is two): ``forward_passes`` /
     ``backward_passes``, node name -> the elements of each pass after that node's forward or in its
     backward; the all-reduces they replace are gone from ``forward_reductions`` /
@@ -64,6 +66,7 @@ class TensorParallelLayout:
     sequence_parallel: bool = False
     sequence_nodes: frozenset[str] = frozenset()
     gathered_nodes: frozenset[str] = frozenset()
+    fused_gathers: Mapping[str, str] = field(default_factory=dict)
     forward_passes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     backward_passes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     backward_fixed_passes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)

@@ -10,8 +10,8 @@ full-batch training (AdamW, clipped, 3 steps: losses and every parameter within 
   also with selective recomputation, and Llama built on meta from a seed checkpoint), and two TP-2
   replicas sharding gradients and optimizer state (Llama); between stages
   the residual stream travels as each rank's tokens. Most of them compute the fused row-parallel
-  matmuls block by block around the ring (``RING``), the others whole, as these small models do by
-  default.
+  matmuls, and the column-parallel ones fused with their input's all-gather, block by block around
+  the ring (``RING``), the others whole, as these small models do by default.
 
 Each run's checkpoint loads into the plain model (and into trainers of the same plan and of one
 without tensor parallelism), and ``evaluate()`` on a shorter sequence gives the unsplit model's
@@ -152,6 +152,9 @@ def _check(results: list, config: dict) -> None:
         assert not mine["token_sources"]
     ring_calls = [r[label]["ring_calls"] for r in results]  # the fused matmuls computed around the ring
     assert all(ring_calls) if config.get("ring") else not any(ring_calls), ring_calls
+    # and the column-parallel ones that gather their input (GPT-2's every one, Llama's LM head alone)
+    column_calls = [r[label]["column_ring_calls"] for r in results]
+    assert any(column_calls) if config.get("ring") else not any(column_calls), column_calls
     _check_boundaries(config, results)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from cases_all_gather_matmul import case_all_gather_matmul
 from dist_launch import Job
 
 TIMEOUT_S = 120
@@ -347,6 +348,8 @@ def case_meta(group, rank: int, degree: int) -> list:
         record("scatter", ops.scatter_to_group(x, 1, 3, group), x, (2, 6, 5), (2, 6 * degree, 5))
         x = torch.empty(2, 6, 5, **meta)
         record("gather", ops.gather_from_group(x, -2, 3, group), x, (2, 6 * degree, 5), (2, 6, 5))
+        x, weight = torch.empty(2, 6, 5, **meta), torch.empty(5, 4, **meta)
+        record("all-gather matmul", ops.all_gather_matmul(x, weight, False, 1, 3, group), x, (2, 6 * degree, 4), (2, 6, 5))
         weight, ids = torch.empty(5, 4, **meta), torch.zeros(3, 7, dtype=torch.long, device="meta")
         record("embedding", ops.vocab_parallel_embedding(weight, ids, 5 * rank, 2, group), weight, (3, 7, 4), (5, 4))
         target = torch.zeros(13, dtype=torch.long, device="meta")
@@ -415,6 +418,7 @@ CASES = {
     "copy_and_reduce": case_copy_and_reduce,
     "scatter_gather": case_scatter_gather,
     "matmul_reduce_scatter": case_matmul_reduce_scatter,
+    "all_gather_matmul": case_all_gather_matmul,
     "embedding": case_embedding,
     "cross_entropy": case_cross_entropy,
     "fx": case_fx,

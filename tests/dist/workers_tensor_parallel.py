@@ -173,33 +173,39 @@ def job_tp(params: dict) -> dict:
         print(label, flush=True)
         with _ring_blocks(config.get("ring", False)) as ring_calls:
             results[label] = _train_config(config, params, rank)
-        results[label]["ring_calls"] = len(ring_calls)
+        results[label]["ring_calls"] = ring_calls.count("row")
+        results[label]["column_ring_calls"] = ring_calls.count("column")
     return results
 
 
 @contextlib.contextmanager
 def _ring_blocks(ring: bool):
-    """``ring``: every fused row-parallel matmul (sequence parallelism) runs block by block around the
-    ring, as at scale; these models' blocks are far below ``RING_MIN_BLOCK_FLOPS`` and ``RING_MIN_BLOCK_BYTES``, so they run whole.
-    Yields a list that gets an item per forward the ring runs."""
+    """``ring``: every fused row- and column-parallel matmul (sequence parallelism) runs block by block
+    around the ring, as at scale; these models' blocks are far below ``RING_MIN_BLOCK_FLOPS`` and
+    ``RING_MIN_BLOCK_BYTES``, so they run whole. Yields a list that gets "row" or "column" per forward
+    the ring runs."""
     import partita.cost.collective_matmul as collective_costs
     from partita.runtime import collective_matmul
 
     default = (collective_costs.RING_MIN_BLOCK_FLOPS, collective_costs.RING_MIN_BLOCK_BYTES)
-    forward = collective_matmul.matmul_reduce_scatter
-    calls: list[int] = []
+    forwards = collective_matmul.matmul_reduce_scatter, collective_matmul.all_gather_matmul
+    calls: list[str] = []
 
-    def counted(*args):
-        calls.append(1)
-        return forward(*args)
+    def counted(kind: str, forward):
+        def run(*args):
+            calls.append(kind)
+            return forward(*args)
+
+        return run
 
     collective_costs.RING_MIN_BLOCK_FLOPS, collective_costs.RING_MIN_BLOCK_BYTES = (0, 0) if ring else default
-    collective_matmul.matmul_reduce_scatter = counted
+    collective_matmul.matmul_reduce_scatter = counted("row", forwards[0])
+    collective_matmul.all_gather_matmul = counted("column", forwards[1])
     try:
         yield calls
     finally:
         collective_costs.RING_MIN_BLOCK_FLOPS, collective_costs.RING_MIN_BLOCK_BYTES = default
-        collective_matmul.matmul_reduce_scatter = forward
+        collective_matmul.matmul_reduce_scatter, collective_matmul.all_gather_matmul = forwards
 
 
 def _train_config(config: dict, params: dict, rank: int) -> dict:

@@ -4,8 +4,10 @@ and the plan file. Numerics: tests/dist/test_recompute_sequence_parallel.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import math
 
 import numpy as np
 import pytest
@@ -53,8 +55,31 @@ def test_gpt2_merged_token_dim_of_conv1d_is_split_by_its_sequence_factor():
     """GPT-2's Conv1D multiplies (B*T, H) rows: its region's split follows T (16 of them) through views."""
     graph = _graph("gpt2")
     tokens = find_sequence_layout(graph, 2)
-    addmm = [n for n in graph.nodes if n.target == "aten.addmm.default" and n.name in tokens.forward_passes]
+    columns = set(tokens.fused_gathers.values())
+    addmm = [
+        n
+        for n in graph.nodes
+        if n.target == "aten.addmm.default" and n.name in tokens.forward_passes and n.name not in columns
+    ]
     assert addmm and all(n.name in tokens.sequence_nodes for n in addmm)
+
+
+@pytest.mark.parametrize(("name", "fused", "apart"), [("gpt2", 5, 0), ("llama", 1, 4)])
+def test_a_column_parallel_matmul_alone_on_its_input_gathers_it_itself(name, fused, apart):
+    """GPT-2's fused QKV projection, first MLP matmul and LM head each read their norm's output alone:
+    each all-gathers it inside (``fused_gathers``), its collectives counted at the matmul (the forward's
+    all-gather, and in backward the input gradient's reduce-scatter and the input gathered again),
+    the value not kept whole. Llama's query, key and value projections (and its gate and up
+    projections) share theirs: gathered once, apart; its LM head gathers its own."""
+    graph = _graph(name)
+    tokens = find_sequence_layout(graph, 2)
+    assert len(tokens.fused_gathers) == fused
+    shared = [v for v in tokens.gathered_nodes if any(c in tokens.sharded_nodes for c in _consumers(graph, v))]
+    assert len(shared) == apart
+    for value, matmul in tokens.fused_gathers.items():
+        elements = math.prod(graph.node(value).outputs[0].shape)
+        assert value not in tokens.gathered_nodes and value not in tokens.forward_passes
+        assert tokens.forward_passes[matmul] == (elements,) and tokens.backward_passes[matmul] == (elements, elements)
 
 
 def test_a_matmul_left_whole_runs_on_its_gathered_input():
@@ -67,6 +92,10 @@ def test_a_matmul_left_whole_runs_on_its_gathered_input():
     source = graph.nodes[dense.inputs[0]].name
     assert source in tokens.sequence_nodes and source in tokens.gathered_nodes
     assert source in tokens.forward_passes  # its all-gather
+
+
+def _consumers(graph, name: str) -> list[str]:
+    return [graph.nodes[c].name for c in graph.node(name).consumers]
 
 
 class _Mixer(nn.Module):
@@ -140,7 +169,7 @@ def test_fused_row_parallel_matmuls_add_the_overlapped_ring_the_others_their_who
     of their ring to forward and to the backward's input pass (blocks this small run whole unless
     every block counts as large enough); every other node its collectives whole."""
     import partita.cost.collective_matmul as collective_costs
-    from partita.cost.collective_matmul import fused_row_seconds
+    from partita.cost.collective_matmul import fused_column_seconds, fused_row_seconds
     from partita.cost.table import output_bytes
     from partita.types.devices import get_device
 
@@ -155,8 +184,9 @@ def test_fused_row_parallel_matmuls_add_the_overlapped_ring_the_others_their_who
     forward, backward = reduction_times_s(table, graph, layout, cluster)
     rows = [n.index for n in graph.nodes if n.name in find_layout(graph, 4).forward_reductions]
     rows = [k for k in rows if kept_mask(graph)[k]]
-    others = [n.index for n in graph.nodes if forward[n.index] > 0 and n.index not in rows]
-    assert rows and others
+    columns = [graph.node(m).index for m in layout.fused_gathers.values()]
+    others = [n.index for n in graph.nodes if forward[n.index] > 0 and n.index not in rows + columns]
+    assert rows and columns and others
     for k in rows:
         x = graph.nodes[k].inputs[0]
         alone = fused_row_seconds(
@@ -176,8 +206,53 @@ def test_fused_row_parallel_matmuls_add_the_overlapped_ring_the_others_their_who
         # at the default threshold these blocks run whole: the matmul, then the reduce-scatter
         np.testing.assert_allclose(whole.forward_s[k], table.forward_s[k] / 4 + forward[k])
         np.testing.assert_allclose(whole.backward_s[k], table.backward_s[k] / 4 + backward[k])
+    for gathered, matmul in layout.fused_gathers.items():
+        k, x = graph.node(matmul).index, graph.node(gathered).index
+        alone = fused_column_seconds(
+            forward_s=table.forward_s[k : k + 1] / 4,
+            backward_s=table.backward_s[k : k + 1] / 4,
+            backward_weight_s=table.backward_weight_s[k : k + 1] / 4,
+            forward_ring_s=forward[k : k + 1],
+            backward_ring_s=backward[k : k + 1],
+            output_block_bytes=output_bytes(graph, 2)[k : k + 1] / 4,
+            input_block_bytes=np.array([value_bytes(graph, 2)[x] / 4]),  # one block of the whole input
+            degree=4,
+            device=get_device("h100"),
+        )
+        assert backward[k] == pytest.approx(2 * forward[k])  # the reduce-scatter and the input gathered again
+        np.testing.assert_allclose(tokens.forward_s[k], table.forward_s[k] / 4 + alone.forward[0])
+        np.testing.assert_allclose(tokens.backward_s[k], table.backward_s[k] / 4 + alone.backward[0])
+        np.testing.assert_allclose(whole.forward_s[k], table.forward_s[k] / 4 + forward[k])
+        np.testing.assert_allclose(whole.backward_s[k], table.backward_s[k] / 4 + backward[k])
+        assert whole.selective_recompute_s[k] == table.selective_recompute_s[k] / 4  # kept: no collective again
     for k in others:
         np.testing.assert_allclose(tokens.forward_s[k], table.forward_s[k] / 4 + forward[k])
+
+
+def test_a_fused_column_keeps_its_input_part_and_the_runtime_sizes_its_blocks_alike():
+    """GPT-2's column-parallel matmuls gather their inputs themselves: those inputs are kept as the
+    device's tokens (the unfused gather kept them whole), and the runtime's block rule
+    (``column_block_of`` on its tensors) reads the same FLOPs and bytes as the cost model's."""
+    from partita.cost.collective_matmul import column_block_of
+
+    graph, degree, microbatch = _graph("gpt2"), 2, 3
+    cluster = Cluster(device="h100", num_devices=degree)
+    table = analytic_costs(graph, "h100", microbatch)
+    layout = find_sequence_layout(graph, degree)
+    tokens = tensor_parallel_costs(table, graph, layout, cluster)
+    apart = dataclasses.replace(
+        layout, fused_gathers={}, gathered_nodes=layout.gathered_nodes | set(layout.fused_gathers)
+    )
+    unfused = tensor_parallel_costs(table, graph, apart, cluster)
+    assert tokens.activation_bytes.sum() < unfused.activation_bytes.sum()
+    scale = microbatch / graph.batch_size
+    for gathered, matmul in layout.fused_gathers.items():
+        x, node = graph.node(gathered).outputs[0], graph.node(matmul)
+        local = [s * microbatch // graph.batch_size if d == x.batch_dim else s for d, s in enumerate(x.shape)]
+        local[len(local) - 2] //= degree  # this device's tokens: of (B*T, C) rows, of (B, T, C) the LM head's
+        runtime = column_block_of(tuple(local), node.outputs[0].shape[-1] // degree, 4)
+        model = (node.flops * scale / degree**2, value_bytes(graph, microbatch)[graph.node(gathered).index] / degree)
+        assert model == pytest.approx(runtime), matmul
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
