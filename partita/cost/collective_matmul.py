@@ -24,17 +24,18 @@ backward    the ring is the output gradient's all-gather (``backward_ring_s``), 
             unfused: ``backward_weight_s`` is unchanged (a zero-bubble schedule's weight pass reads the
             gradient its input pass gathered).
 
-A column-parallel matmul fused with its input's all-gather (``fused_column_seconds``) runs the same
-formula with its own rings and kernels:
+A column-parallel matmul fused with its input's all-gather (``fused_column_seconds``) keeps only this
+device's tokens of its input for backward:
 
-forward     the ring is the input's all-gather, ``C`` the node's forward; a step adds a block's
-            matmul and the copy of its rows into the product (two output blocks).
-backward    the ring is the input gradient's reduce-scatter with the input's blocks riding its
-            steps (the op keeps only this device's tokens; the weight gradient needs them all):
-            two ring passes of the input's size, ``C`` the input-gradient part; a step adds a
-            block's matmul, its output-gradient block copied out (two output blocks), the addition
-            of the received partial (three input blocks) and the copy of the received input block
-            into the gathered input (two input blocks).
+forward     where its blocks are large enough, the same formula with the all-gather's ring and
+            ``C`` the node's forward; a step adds a block's matmul and the copy of its rows into
+            the product (two blocks of the output: this device's tokens of its features). Else the
+            all-gather, then the matmul.
+backward    the kept tokens' all-gather (``G``, for the weight gradient) runs while the input
+            gradient's product (``C``, the input-gradient part) is formed, then that product is
+            reduce-scattered (``R``): ``R + max(0, G - C)``, blocks or not. (Overlapping ``R`` with the
+            weight gradient, as Megatron-LM does, would not survive a zero-bubble schedule, whose
+            weight pass runs later; it is not done.)
 
 Only matmuls whose blocks are large enough are cut (``decomposes``: ``RING_MIN_BLOCK_FLOPS`` and
 ``RING_MIN_BLOCK_BYTES`` per block, the rule the runtime applies); the others run whole and
@@ -137,21 +138,19 @@ def fused_column_seconds(
     forward_ring_s: np.ndarray,
     backward_ring_s: np.ndarray,
     output_block_bytes: np.ndarray,
-    input_block_bytes: np.ndarray,
     degree: int,
     device: DeviceSpec,
 ) -> FusedSeconds:
-    """``fused_row_seconds`` for column-parallel matmuls fused with their input's all-gather (module
-    docstring): ``forward_ring_s`` the all-gather's pass, ``backward_ring_s`` the backward's two
-    (the input gradient's reduce-scatter and the input's all-gather, in the same steps)."""
+    """The seconds column-parallel matmuls fused with their input's all-gather add (module docstring):
+    ``forward`` around the ring (for the nodes whose blocks are large enough), ``backward`` at any
+    block size. ``forward_ring_s`` the all-gather's pass, ``backward_ring_s`` the backward's two
+    (the kept tokens' all-gather and the input gradient's reduce-scatter, of the same elements);
+    ``output_block_bytes`` this device's tokens of its output, all float64[n]."""
     memory_rate = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
     forward_kernels = 2 * device.op_overhead_s + 2 * output_block_bytes / memory_rate
-    backward_traffic = 2 * output_block_bytes + 5 * input_block_bytes
-    backward_kernels = 3 * device.op_overhead_s + backward_traffic / memory_rate
-    return FusedSeconds(
-        _ring_added(forward_ring_s, forward_s, forward_kernels, degree),
-        _ring_added(backward_ring_s, backward_s - backward_weight_s, backward_kernels, degree),
-    )
+    each_pass = backward_ring_s / 2
+    overlapped = np.maximum(0.0, each_pass - (backward_s - backward_weight_s))
+    return FusedSeconds(_ring_added(forward_ring_s, forward_s, forward_kernels, degree), each_pass + overlapped)
 
 
 def _ring_added(ring_s: np.ndarray, compute_s: np.ndarray, kernels_s: np.ndarray, degree: int) -> np.ndarray:

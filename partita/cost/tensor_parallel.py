@@ -32,8 +32,8 @@ reduce-scatter (``partita.runtime.tensor_parallel_ops.matmul_reduce_scatter``), 
 device's tokens of the sum, and runs neither again. A column-parallel matmul that alone reads a
 gathered value (``layout.fused_gathers``) runs fused with that all-gather
 (``all_gather_matmul``): it keeps the value's token part for backward, where it gathers it again
-beside the input gradient's reduce-scatter (one more ring pass, ``layout.backward_passes``), and
-selective recomputation runs neither again. Its collectives are single ring passes,
+while the input gradient's product is formed (one more ring pass, ``layout.backward_passes``,
+overlapped: ``partita.cost.collective_matmul``), and selective recomputation runs neither again. Its collectives are single ring passes,
 ``t - 1`` steps of ``b / t`` bytes each, ``(t - 1) α + (t - 1)/t · b / β``
 (``layout.forward_passes`` / ``backward_passes``), which replace the all-reduces of the
 row-parallel outputs and column-parallel inputs. A token-split value
@@ -131,10 +131,10 @@ def tensor_parallel_costs(
         fused = fused_row_seconds(**rings, input_block_bytes=_input_bytes(graph, b, precision, tensor_parts) / t)
         forward_added = np.where(row_ring, fused.forward, forward_added)
         backward_added = np.where(row_ring, fused.backward, backward_added)
-    if column_ring.any():
-        fused = fused_column_seconds(**rings, input_block_bytes=gathered_input / t)
+    if columns.any():  # a block of a column-parallel output: this device's tokens and features
+        fused = fused_column_seconds(**dict(rings, output_block_bytes=whole_output / (t * t)))
         forward_added = np.where(column_ring, fused.forward, forward_added)
-        backward_added = np.where(column_ring, fused.backward, backward_added)
+        backward_added = np.where(columns, fused.backward, backward_added)
     split_params = np.array([name in layout.params for name in costs.param_names], dtype=bool)
     param_bytes = np.asarray(costs.param_bytes, dtype=np.int64)
     return dataclasses.replace(

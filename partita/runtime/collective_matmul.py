@@ -18,10 +18,8 @@ backward    the output gradient's blocks travel around the ring (an all-gather);
 
 Its adjoint, a column-parallel matmul fused with the all-gather of its input (``all_gather_matmul``),
 runs the other way round: every rank's tokens of ``x`` travel around the ring while the device
-multiplies the block it holds; its backward reduce-scatters the input gradient as the forward
-above does, every rank's tokens of ``x`` riding the same ring steps (``reduce_scatter_gathering``:
-the op keeps only this rank's tokens for backward, as Megatron-LM's sequence parallelism does, and
-the weight gradient needs all of them).
+multiplies the block it holds into its rows of the product. (Its backward needs no blocks:
+``partita.runtime.tensor_parallel_ops.all_gather_matmul``.)
 
 The same products and sums as the two ops (the partials summed in ring order). The op
 (``partita.runtime.tensor_parallel_ops.matmul_reduce_scatter``) computes this way only blocks
@@ -51,7 +49,6 @@ __all__ = [
     "matmul",
     "matmul_reduce_scatter",
     "needed_gradients",
-    "reduce_scatter_gathering",
     "weight_gradient",
 ]
 
@@ -67,23 +64,18 @@ def matmul_reduce_scatter(
     """This rank's tokens of the sum over ``group`` of every rank's ``matmul(x, weight, transposed)``,
     the ring steps overlapping the block matmuls (module docstring). ``x`` holds every token; ``dim``
     (not the last) is split, in ``blocks`` blocks, over the group."""
-    return _reduce_scatter_ring(x, weight, transposed, dim, blocks, group, None)[0]
-
-
-def reduce_scatter_gathering(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    transposed: bool,
-    dim: int,
-    blocks: int,
-    group: ProcessGroup,
-    riding: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``matmul_reduce_scatter`` with every rank's tokens of ``riding`` (this rank's: ``riding``, the
-    same token layout) sent along in its ring steps: ``(this rank's tokens of the sum, riding whole)``."""
-    summed, gathered = _reduce_scatter_ring(x, weight, transposed, dim, blocks, group, riding)
-    assert gathered is not None
-    return summed, gathered
+    degree, rank = dist.get_world_size(group), dist.get_rank(group)
+    parts = _parts(x, dim, blocks, degree)
+    right, left = _neighbours(group, rank, degree)
+    held = matmul(parts(rank - 1), weight, transposed)
+    for k in range(1, degree):
+        received = torch.empty_like(held)
+        requests = _exchange(held, received, right, left, group)
+        partial = matmul(parts(rank - 1 - k), weight, transposed)  # while the held sum travels
+        for request in requests:
+            request.wait()
+        held = received.add_(partial)
+    return held.flatten(dim, dim + 1)  # (..., blocks, part, ...) -> this rank's tokens
 
 
 def all_gather_matmul(
@@ -163,43 +155,6 @@ def needed_gradients(ctx, count: int) -> tuple[bool, ...]:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _reduce_scatter_ring(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    transposed: bool,
-    dim: int,
-    blocks: int,
-    group: ProcessGroup,
-    riding: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``matmul_reduce_scatter``'s ring, and ``riding`` gathered whole in its steps (None without)."""
-    degree, rank = dist.get_world_size(group), dist.get_rank(group)
-    parts = _parts(x, dim, blocks, degree)
-    right, left = _neighbours(group, rank, degree)
-    held = matmul(parts(rank - 1), weight, transposed)
-    gathered = gathered_parts = None
-    if riding is not None:
-        riding_held = riding.unflatten(dim, (blocks, -1)).contiguous()
-        gathered = _whole_like(riding, degree, dim)
-        gathered_parts = _parts(gathered, dim, blocks, degree)
-        gathered_parts(rank).copy_(riding_held)
-    for k in range(1, degree):
-        received = torch.empty_like(held)
-        pairs = [(held, received)]
-        if riding is not None:
-            riding_received = torch.empty_like(riding_held)
-            pairs.append((riding_held, riding_received))
-        requests = _exchange(pairs, right, left, group)
-        partial = matmul(parts(rank - 1 - k), weight, transposed)  # while the held sum travels
-        for request in requests:
-            request.wait()
-        held = received.add_(partial)
-        if riding is not None:
-            riding_held = riding_received
-            gathered_parts(rank - k).copy_(riding_held)
-    return held.flatten(dim, dim + 1), gathered  # (..., blocks, part, ...) -> this rank's tokens
-
-
 def _around_ring(
     local: torch.Tensor, dim: int, blocks: int, group: ProcessGroup, each: Callable[[int, torch.Tensor], None]
 ) -> None:
@@ -213,19 +168,12 @@ def _around_ring(
         requests = []
         if k < degree - 1:
             received = torch.empty_like(held)
-            requests = _exchange([(held, received)], right, left, group)
+            requests = _exchange(held, received, right, left, group)
         each(rank - k, held)
         for request in requests:
             request.wait()
         if k < degree - 1:
             held = received
-
-
-def _whole_like(local: torch.Tensor, degree: int, dim: int) -> torch.Tensor:
-    """An uninitialized tensor of the shape of every rank's tokens of ``local`` together."""
-    shape = list(local.shape)
-    shape[dim] *= degree
-    return local.new_empty(shape)
 
 
 def _parts(x: torch.Tensor, dim: int, blocks: int, degree: int) -> Callable[[int], torch.Tensor]:
@@ -240,10 +188,8 @@ def _neighbours(group: ProcessGroup, rank: int, degree: int) -> tuple[int, int]:
 
 
 def _exchange(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], right: int, left: int, group: ProcessGroup
+    sent: torch.Tensor, received: torch.Tensor, right: int, left: int, group: ProcessGroup
 ) -> list[dist.Work]:
-    """Start sending each pair's first tensor to ``right`` and receiving its second from ``left``."""
-    operations = []
-    for sent, received in pairs:
-        operations += [dist.P2POp(dist.isend, sent, right, group), dist.P2POp(dist.irecv, received, left, group)]
+    """Start sending ``sent`` to ``right`` and receiving ``received`` from ``left``."""
+    operations = [dist.P2POp(dist.isend, sent, right, group), dist.P2POp(dist.irecv, received, left, group)]
     return dist.batch_isend_irecv(operations)

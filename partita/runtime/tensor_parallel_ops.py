@@ -26,6 +26,8 @@ vocab range  the rows (embedding) or columns (logits) ``[vocab_start, vocab_star
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -133,15 +135,14 @@ def all_gather_matmul(
     every token and this rank's output features).
 
     It keeps only this rank's tokens of ``x`` for backward, as Megatron-LM's sequence parallelism
-    does (``1 / degree`` of the gathered copy the two ops keep), and all-gathers them again there
-    for the weight gradient, beside the input gradient's reduce-scatter. Selective recomputation
-    keeps its output and runs neither the matmul nor the all-gather again. Where its token blocks
-    are large enough (``partita.cost.collective_matmul.decomposes``) the forward multiplies each
-    rank's block while the next travels around the ring, and the backward's reduce-scatter runs
-    block by block with ``x``'s blocks riding its ring steps
-    (``partita.runtime.collective_matmul``); else each collective runs whole. Cast under autocast,
-    weight view and zero-bubble passes as ``matmul_reduce_scatter``'s: the input pass keeps the
-    gathered ``x`` for the weight pass."""
+    does (``1 / degree`` of the gathered copy the two ops keep); its backward starts their
+    all-gather for the weight gradient, forms the input gradient's product meanwhile (Megatron's
+    overlap), then reduce-scatters it. Selective recomputation keeps its output and runs neither
+    the matmul nor the all-gather again. Where its token blocks are large enough
+    (``partita.cost.collective_matmul.decomposes``) the forward multiplies each rank's block while
+    the next travels around the ring (``partita.runtime.collective_matmul``); else it gathers,
+    then multiplies. Cast under autocast, weight view and zero-bubble passes as
+    ``matmul_reduce_scatter``'s: the input pass keeps the gathered ``x`` for the weight pass."""
     name = group if isinstance(group, str) else group.group_name
     weight = weight.view_as(weight) if weight.requires_grad else weight
     return torch.ops.partita.all_gather_matmul(x, weight, transposed, _normalized_dim(dim, x), blocks, name)
@@ -392,26 +393,18 @@ def _all_gather_matmul_backward(ctx, grad: torch.Tensor):
     x, weight = ctx.saved_tensors
     needs_x, needs_weight = collective_matmul.needed_gradients(ctx, 2)
     dim, blocks, group_name = ctx.layout
-    transposed = ctx.transposed
     grad_x = grad_weight = None
     gathered = getattr(ctx, "gathered", None)  # kept by a zero-bubble input pass for its weight pass
-    riding = x if gathered is None and ctx.needs_input_grad[1] else None  # the weight gradient's, now or later
-    if needs_x:
-        if _column_decomposes(x, weight, transposed, group_name):
-            group = _process_group(group_name)
-            if riding is None:
-                grad_x = collective_matmul.matmul_reduce_scatter(grad, weight, not transposed, dim, blocks, group)
-            else:
-                grad_x, gathered = collective_matmul.reduce_scatter_gathering(
-                    grad, weight, not transposed, dim, blocks, group, riding
-                )
-        else:
-            product = collective_matmul.matmul(grad, weight, not transposed)
-            grad_x = _reduce_scatter_parts(product, dim, blocks, group_name)
-    if gathered is None and riding is not None:  # whole (or no input gradient to ride with)
-        gathered = _gather_parts(x, dim, blocks, group_name)
+    gathering = None
+    if gathered is None and ctx.needs_input_grad[1]:  # the weight gradient's, now or later
+        gathering = _start_gathering(x, dim, blocks, group_name)
+    if needs_x:  # while the kept tokens are gathered
+        product = collective_matmul.matmul(grad, weight, not ctx.transposed)
+        grad_x = _reduce_scatter_parts(product, dim, blocks, group_name)
+    if gathering is not None:
+        gathered = gathering()
     if needs_weight:
-        grad_weight = collective_matmul.weight_gradient(grad, gathered, transposed)
+        grad_weight = collective_matmul.weight_gradient(grad, gathered, ctx.transposed)
         ctx.gathered = None
     elif ctx.needs_input_grad[1]:  # the engine forms the weight's gradient in a later pass
         ctx.gathered = gathered
@@ -477,17 +470,28 @@ def _local_part(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.T
 
 def _gather_parts(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
     """The full tensor from every rank's ``_local_part`` ``x``: all-gather, then interleave the blocks."""
+    return _start_gathering(x, dim, blocks, group)()
+
+
+def _start_gathering(x: torch.Tensor, dim: int, blocks: int, group: Group) -> Callable[[], torch.Tensor]:
+    """Start ``_gather_parts`` (the all-gather runs while the caller computes); call the result for
+    the full tensor."""
     pg = _process_group(group)
     degree = dist.get_world_size(pg)
     if x.shape[dim] % blocks:
         raise InputError(f"a local part of size {x.shape[dim]} along dim {dim} does not hold {blocks} equal blocks")
     x = x.contiguous()
     parts = [x] if degree == 1 else [torch.empty_like(x) for _ in range(degree)]
-    if _communicates(x, group):
-        dist.all_gather(parts, x, group=pg)
-    # each part (..., blocks * part, ...) -> (..., blocks, part, ...), stacked as (..., blocks, degree, part, ...)
-    stacked = torch.stack([p.unflatten(dim, (blocks, -1)) for p in parts], dim=dim + 1)
-    return stacked.flatten(dim, dim + 2)
+    work = dist.all_gather(parts, x, group=pg, async_op=True) if _communicates(x, group) else None
+
+    def finish() -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        # each part (..., blocks * part, ...) -> (..., blocks, part, ...), stacked as (..., blocks, degree, part, ...)
+        stacked = torch.stack([p.unflatten(dim, (blocks, -1)) for p in parts], dim=dim + 1)
+        return stacked.flatten(dim, dim + 2)
+
+    return finish
 
 
 def _reduce_scatter_parts(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:

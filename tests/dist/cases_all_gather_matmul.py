@@ -21,7 +21,7 @@ def case_all_gather_matmul(group, rank: int, degree: int) -> list:
     try:
         for ring in (True, False):
             collective_costs.RING_MIN_BLOCK_FLOPS, collective_costs.RING_MIN_BLOCK_BYTES = (0, 0) if ring else default
-            checks = _checks(group, degree, ring) + _zero_bubble_passes(group, degree, ring)
+            checks = _checks(group, degree, ring) + _zero_bubble_passes(group, degree)
             out += [(f"{'ring' if ring else 'whole'}: {label}", got, want) for label, got, want in checks]
     finally:
         collective_costs.RING_MIN_BLOCK_FLOPS, collective_costs.RING_MIN_BLOCK_BYTES = default
@@ -114,10 +114,10 @@ def _checks(group, degree: int, ring: bool) -> list:
     ]
 
 
-def _zero_bubble_passes(group, degree: int, ring: bool) -> list:
-    """Under a zero-bubble schedule's two backward passes: the input pass reduce-scatters the input
-    gradient and gathers the kept tokens once (in the same ring steps, or whole), the weight pass
-    forms the weight gradient from them without communicating; together one whole backward's."""
+def _zero_bubble_passes(group, degree: int) -> list:
+    """Under a zero-bubble schedule's two backward passes: the input pass gathers the kept tokens
+    once (and reduce-scatters the input gradient), the weight pass forms the weight gradient from
+    them without communicating; together one whole backward's."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     from partita.runtime import collective_matmul
@@ -131,32 +131,24 @@ def _zero_bubble_passes(group, degree: int, ring: bool) -> list:
     zb_x, zb_w = x.clone().requires_grad_(), torch.nn.Parameter(weight.clone())
     loss = layer(zb_x, zb_w).sum()
     events = []
-    originals = collective_matmul.reduce_scatter_gathering, collective_matmul.weight_gradient, ops._gather_parts
-
-    def riding(*args):
-        events.append(("reduce-scatter, the input riding",))
-        return originals[0](*args)
+    originals = collective_matmul.weight_gradient, ops._start_gathering
 
     def weight_gradient(*args):
         events.append(("weight gradient",))
-        return originals[1](*args)
+        return originals[0](*args)
 
     def gather(*args):
-        events.append(("all-gather whole",))
-        return originals[2](*args)
+        events.append(("all-gather of the kept tokens",))
+        return originals[1](*args)
 
-    collective_matmul.reduce_scatter_gathering, collective_matmul.weight_gradient, ops._gather_parts = (
-        riding,
-        weight_gradient,
-        gather,
-    )
+    collective_matmul.weight_gradient, ops._start_gathering = weight_gradient, gather
     try:
         _, param_groups = stage_backward_input([loss], None, [zb_x], iter([zb_w]))
         events.append(("input pass done",))
         stage_backward_weight(iter([zb_w]), param_groups)
     finally:
-        collective_matmul.reduce_scatter_gathering, collective_matmul.weight_gradient, ops._gather_parts = originals
-    gathered = ("reduce-scatter, the input riding",) if ring else ("all-gather whole",)
+        collective_matmul.weight_gradient, ops._start_gathering = originals
+    gathered = ("all-gather of the kept tokens",)
     return [
         ("zero bubble: what each pass runs", events, [gathered, ("input pass done",), ("weight gradient",)]),
         ("zero bubble: input gradient", zb_x.grad, ref_x.grad),
