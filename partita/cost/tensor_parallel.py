@@ -31,9 +31,11 @@ it: backward does not read it, and selective recomputation keeps the matmul fuse
 reduce-scatter (``partita.runtime.tensor_parallel_ops.matmul_reduce_scatter``), i.e. this
 device's tokens of the sum, and runs neither again. A column-parallel matmul that alone reads a
 gathered value (``layout.fused_gathers``) runs fused with that all-gather
-(``all_gather_matmul``): it keeps the value's token part for backward, where it gathers it again
-while the input gradient's product is formed (one more ring pass, ``layout.backward_passes``,
-overlapped: ``partita.cost.collective_matmul``), and selective recomputation runs neither again. Its collectives are single ring passes,
+(``all_gather_matmul``), and selective recomputation runs neither again. Where its blocks run
+around the ring it keeps the value's token part for backward, where it gathers it again while the
+input gradient's product is formed (the second of its ``layout.backward_passes``, overlapped:
+``partita.cost.collective_matmul``); where they run whole it keeps the gathered value whole, and
+its backward only reduce-scatters. Its collectives are single ring passes,
 ``t - 1`` steps of ``b / t`` bytes each, ``(t - 1) α + (t - 1)/t · b / β``
 (``layout.forward_passes`` / ``backward_passes``), which replace the all-reduces of the
 row-parallel outputs and column-parallel inputs. A token-split value
@@ -57,6 +59,7 @@ splits evenly; smaller matmuls reaching a lower share of the peak is not modelle
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 import numpy as np
 
@@ -91,10 +94,18 @@ def tensor_parallel_costs(
     split[[position[name] for name in layout.sharded_nodes | layout.sequence_nodes if name in position]] = True
     shards = np.where(split, t, 1)  # the work
     tensor_parts = np.where(split_values(graph, layout), t, 1)  # the values tensor parallelism splits
-    parts = _token_parts(graph, layout, tensor_parts)
+    b, precision = costs.microbatch_size, Precision.parse(costs.precision)
+    rows, columns = _fused_rows(graph, layout), _fused_columns(graph, layout)
+    flops = np.array([n.flops for n in graph.nodes], dtype=np.float64) * b / graph.batch_size
+    whole_output = output_bytes(graph, b, precision)
+    gathered_input = _gathered_input_bytes(graph, layout, b, precision)
+    # one device's share of the work, one token block of it, and what a ring step sends
+    row_ring = rows & decomposes(flops / (t * t), whole_output / t)
+    column_ring = columns & decomposes(flops / (t * t), gathered_input / t)
+    kept_whole = layout.gathered_nodes | {g for g, m in layout.fused_gathers.items() if not column_ring[position[m]]}
+    parts = _token_parts(graph, layout, tensor_parts, kept_whole)
     sent_parts = _sent_parts(graph, layout, tensor_parts)
     forward_ar, backward_ar = reduction_times_s(costs, graph, layout, cluster)
-    b, precision = costs.microbatch_size, Precision.parse(costs.precision)
     held = activation_bytes(graph, b, precision, parts)
     if costs.source != "analytic":  # measured: scaled by the modelled share, node by node
         whole = np.asarray(activation_bytes(graph, b, precision), dtype=np.float64)
@@ -106,14 +117,7 @@ def tensor_parallel_costs(
     # but for the reduce-scatters fused with their row-parallel matmuls, kept as one op.
     measured = None if costs.source == "analytic" else held
     selective = selective_arrays(graph, b, costs.forward_s, precision, parts, measured)
-    rows, columns = _fused_rows(graph, layout), _fused_columns(graph, layout)
     rerun = np.where(rows | columns, 0.0, forward_ar)
-    flops = np.array([n.flops for n in graph.nodes], dtype=np.float64) * b / graph.batch_size
-    whole_output = output_bytes(graph, b, precision)
-    gathered_input = _gathered_input_bytes(graph, layout, b, precision)
-    # one device's share of the work, one token block of it, and what a ring step sends
-    row_ring = rows & decomposes(flops / (t * t), whole_output / t)
-    column_ring = columns & decomposes(flops / (t * t), gathered_input / t)
     forward_s, backward_s = np.asarray(costs.forward_s) / shards, np.asarray(costs.backward_s) / shards
     backward_weight_s = np.asarray(costs.backward_weight_s) / shards
     forward_added, backward_added = forward_ar, backward_ar  # the collectives, serial
@@ -134,7 +138,8 @@ def tensor_parallel_costs(
     if columns.any():  # a block of a column-parallel output: this device's tokens and features
         fused = fused_column_seconds(**dict(rings, output_block_bytes=whole_output / (t * t)))
         forward_added = np.where(column_ring, fused.forward, forward_added)
-        backward_added = np.where(columns, fused.backward, backward_added)
+        # where they run whole they keep the gathered input: their backward reduce-scatters alone
+        backward_added = np.where(column_ring, fused.backward, np.where(columns, backward_ar / 2, backward_added))
     split_params = np.array([name in layout.params for name in costs.param_names], dtype=bool)
     param_bytes = np.asarray(costs.param_bytes, dtype=np.int64)
     return dataclasses.replace(
@@ -175,16 +180,20 @@ def _sent_parts(graph: OpGraph, layout: TensorParallelLayout, tensor_parts: np.n
     return np.where(tokens, layout.degree, tensor_parts)
 
 
-def _token_parts(graph: OpGraph, layout: TensorParallelLayout, tensor_parts: np.ndarray) -> np.ndarray:
+def _token_parts(
+    graph: OpGraph, layout: TensorParallelLayout, tensor_parts: np.ndarray, kept_whole: Collection[str]
+) -> np.ndarray:
     """Parts of each node's value a device holds: ``tensor_parts`` and the token-split values, except
-    the storage of values gathered whole for column-parallel matmuls (kept whole by them)."""
+    the storage of the values gathered whole that are kept so (``kept_whole``: those gathered for
+    column-parallel matmuls or operations that run whole, and the inputs of fused column-parallel
+    matmuls whose blocks run whole)."""
     if not layout.sequence_parallel:
         return tensor_parts
     tokens = np.array([n.name in layout.sequence_nodes for n in graph.nodes], dtype=bool)
     parts = np.where(tokens, layout.degree, tensor_parts)
     roots = storage_roots(graph)
     for n in graph.nodes:
-        if n.name in layout.gathered_nodes and roots[n.index] is not None and roots[n.index] >= 0:
+        if n.name in kept_whole and roots[n.index] is not None and roots[n.index] >= 0:
             parts[roots[n.index]] = 1
     return parts
 

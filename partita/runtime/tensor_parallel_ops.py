@@ -134,18 +134,19 @@ def all_gather_matmul(
     parallelism, the adjoint of ``matmul_reduce_scatter`` (``x`` this rank's tokens; the product has
     every token and this rank's output features).
 
-    It keeps only this rank's tokens of ``x`` for backward, as Megatron-LM's sequence parallelism
-    does (``1 / degree`` of the gathered copy the two ops keep); its backward starts their
-    all-gather for the weight gradient, forms the input gradient's product meanwhile (Megatron's
-    overlap), then reduce-scatters it. Selective recomputation keeps its output and runs neither
-    the matmul nor the all-gather again. Where its token blocks are large enough
-    (``partita.cost.collective_matmul.decomposes``) the forward multiplies each rank's block while
-    the next travels around the ring (``partita.runtime.collective_matmul``); else it gathers,
-    then multiplies. Cast under autocast, weight view and zero-bubble passes as
+    Where its token blocks are large enough (``partita.cost.collective_matmul.decomposes``) the
+    forward multiplies each rank's block while the next travels around the ring
+    (``partita.runtime.collective_matmul``), and the op keeps only this rank's tokens of ``x`` for
+    backward, as Megatron-LM's sequence parallelism does (``1 / degree`` of the gathered copy);
+    its backward starts their all-gather for the weight gradient, forms the input gradient's
+    product meanwhile (Megatron's overlap), then reduce-scatters it. Else it gathers, then
+    multiplies, and keeps the gathered copy (a second, non-differentiable output): small
+    collectives are latency-bound, so gathering again would cost as much as the first. Selective
+    recomputation keeps its outputs and runs neither the matmul nor the all-gather again. Cast under autocast, weight view and zero-bubble passes as
     ``matmul_reduce_scatter``'s: the input pass keeps the gathered ``x`` for the weight pass."""
     name = group if isinstance(group, str) else group.group_name
     weight = weight.view_as(weight) if weight.requires_grad else weight
-    return torch.ops.partita.all_gather_matmul(x, weight, transposed, _normalized_dim(dim, x), blocks, name)
+    return torch.ops.partita.all_gather_matmul(x, weight, transposed, _normalized_dim(dim, x), blocks, name)[0]
 
 
 def vocab_parallel_embedding(
@@ -376,25 +377,41 @@ for _device_type in ("cpu", "cuda"):
 @torch.library.custom_op("partita::all_gather_matmul", mutates_args=())
 def _all_gather_matmul(
     x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group_name: str
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the product, the gathered input kept for backward: empty where the ring ran)."""
     if not _column_decomposes(x, weight, transposed, group_name):  # all-gathered whole, then multiplied
-        return collective_matmul.matmul(_gather_parts(x, dim, blocks, group_name), weight, transposed)
-    return collective_matmul.all_gather_matmul(x, weight, transposed, dim, blocks, _process_group(group_name))
+        gathered = _gather_parts(x, dim, blocks, group_name)
+        return collective_matmul.matmul(gathered, weight, transposed), gathered
+    product = collective_matmul.all_gather_matmul(x, weight, transposed, dim, blocks, _process_group(group_name))
+    return product, x.new_empty(0)
 
 
 @_all_gather_matmul.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group_name: str) -> torch.Tensor:
+def _(
+    x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     shape = list(x.shape)
     shape[dim] *= dist.get_world_size(_process_group(group_name))
-    return collective_matmul.matmul(x.new_empty(shape), weight, transposed)
+    gathered = x.new_empty(shape)
+    kept = x.new_empty(0) if _column_decomposes(x, weight, transposed, group_name) else gathered
+    return collective_matmul.matmul(gathered, weight, transposed), kept
 
 
-def _all_gather_matmul_backward(ctx, grad: torch.Tensor):
-    x, weight = ctx.saved_tensors
+def _all_gather_matmul_context(ctx, inputs: tuple, output: tuple) -> None:
+    x, weight, transposed, dim, blocks, group_name = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.transposed, ctx.layout = transposed, (dim, blocks, group_name)
+
+
+def _all_gather_matmul_backward(ctx, grad: torch.Tensor, _: torch.Tensor):
+    x, weight, kept = ctx.saved_tensors
     needs_x, needs_weight = collective_matmul.needed_gradients(ctx, 2)
     dim, blocks, group_name = ctx.layout
     grad_x = grad_weight = None
     gathered = getattr(ctx, "gathered", None)  # kept by a zero-bubble input pass for its weight pass
+    if gathered is None and kept.numel():  # gathered whole in forward and kept
+        gathered = kept
     gathering = None
     if gathered is None and ctx.needs_input_grad[1]:  # the weight gradient's, now or later
         gathering = _start_gathering(x, dim, blocks, group_name)
@@ -419,7 +436,7 @@ def _column_decomposes(x: torch.Tensor, weight: torch.Tensor, transposed: bool, 
     return bool(decomposes(*column_block_of(tuple(x.shape), out_features, x.element_size())))
 
 
-_all_gather_matmul.register_autograd(_all_gather_matmul_backward, setup_context=_matmul_reduce_scatter_context)
+_all_gather_matmul.register_autograd(_all_gather_matmul_backward, setup_context=_all_gather_matmul_context)
 for _device_type in ("cpu", "cuda"):
     torch.library.register_autocast("partita::all_gather_matmul", _device_type, torch.bfloat16)
 

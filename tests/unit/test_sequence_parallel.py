@@ -223,28 +223,35 @@ def test_fused_row_parallel_matmuls_add_the_overlapped_ring_the_others_their_who
         assert alone.backward[0] == pytest.approx(forward[k] + max(0.0, forward[k] - input_part))
         np.testing.assert_allclose(tokens.forward_s[k], table.forward_s[k] / 4 + alone.forward[0])
         np.testing.assert_allclose(whole.forward_s[k], table.forward_s[k] / 4 + forward[k])
-        for costs in (tokens, whole):  # its backward overlaps the gather at any block size
-            np.testing.assert_allclose(costs.backward_s[k], table.backward_s[k] / 4 + alone.backward[0])
+        np.testing.assert_allclose(tokens.backward_s[k], table.backward_s[k] / 4 + alone.backward[0])
+        # run whole, it kept the gathered input: the backward's reduce-scatter alone
+        np.testing.assert_allclose(whole.backward_s[k], table.backward_s[k] / 4 + forward[k])
         assert whole.selective_recompute_s[k] == table.selective_recompute_s[k] / 4  # kept: no collective again
     for k in others:
         np.testing.assert_allclose(tokens.forward_s[k], table.forward_s[k] / 4 + forward[k])
 
 
-def test_a_fused_column_keeps_its_input_part_and_the_runtime_sizes_its_blocks_alike():
-    """GPT-2's column-parallel matmuls gather their inputs themselves: those inputs are kept as the
-    device's tokens (the unfused gather kept them whole), and the runtime's block rule
+def test_a_fused_column_keeps_its_input_part_around_the_ring_and_the_runtime_sizes_its_blocks_alike(monkeypatch):
+    """GPT-2's column-parallel matmuls gather their inputs themselves: where their blocks run around
+    the ring those inputs are kept as the device's tokens, where they run whole (these blocks, by
+    default) whole, as the unfused gather kept them; and the runtime's block rule
     (``column_block_of`` on its tensors) reads the same FLOPs and bytes as the cost model's."""
+    import partita.cost.collective_matmul as collective_costs
     from partita.cost.collective_matmul import column_block_of
 
     graph, degree, microbatch = _graph("gpt2"), 2, 3
     cluster = Cluster(device="h100", num_devices=degree)
     table = analytic_costs(graph, "h100", microbatch)
     layout = find_sequence_layout(graph, degree)
-    tokens = tensor_parallel_costs(table, graph, layout, cluster)
-    apart = dataclasses.replace(
-        layout, fused_gathers={}, gathered_nodes=layout.gathered_nodes | set(layout.fused_gathers)
+    gathered = layout.gathered_nodes | set(layout.fused_gathers)
+    unfused = tensor_parallel_costs(
+        table, graph, dataclasses.replace(layout, fused_gathers={}, gathered_nodes=gathered), cluster
     )
-    unfused = tensor_parallel_costs(table, graph, apart, cluster)
+    whole = tensor_parallel_costs(table, graph, layout, cluster)
+    np.testing.assert_array_equal(whole.activation_bytes, unfused.activation_bytes)
+    monkeypatch.setattr(collective_costs, "RING_MIN_BLOCK_FLOPS", 0)
+    monkeypatch.setattr(collective_costs, "RING_MIN_BLOCK_BYTES", 0)
+    tokens = tensor_parallel_costs(table, graph, layout, cluster)
     assert tokens.activation_bytes.sum() < unfused.activation_bytes.sum()
     scale = microbatch / graph.batch_size
     for gathered, matmul in layout.fused_gathers.items():
