@@ -153,7 +153,8 @@ def tensor_parallel_costs(
         whole_cut_bytes=cut_bytes(graph, b, precision, tensor_parts),
         param_bytes=np.where(split_params, -(-param_bytes // t), param_bytes),
         tensor_parallel=t,
-        saved_bytes=selective.saved_bytes,
+        # a fused column-parallel matmul run whole keeps its gathered input beside its output
+        saved_bytes=selective.saved_bytes + np.where(columns & ~column_ring, gathered_input, 0).astype(np.int64),
         recomputed_bytes=selective.recomputed_bytes,
         selective_recompute_s=np.asarray(costs.selective_recompute_s) / shards + rerun,
     )

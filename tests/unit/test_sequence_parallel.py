@@ -235,7 +235,8 @@ def test_a_fused_column_keeps_its_input_part_around_the_ring_and_the_runtime_siz
     """GPT-2's column-parallel matmuls gather their inputs themselves: where their blocks run around
     the ring those inputs are kept as the device's tokens, where they run whole (these blocks, by
     default) whole, as the unfused gather kept them; and the runtime's block rule
-    (``column_block_of`` on its tensors) reads the same FLOPs and bytes as the cost model's."""
+    (``column_block_of`` on its tensors) reads the same FLOPs and bytes as the cost model's. Under
+    selective recomputation the op run whole keeps its gathered input beside its output."""
     import partita.cost.collective_matmul as collective_costs
     from partita.cost.collective_matmul import column_block_of
 
@@ -253,6 +254,10 @@ def test_a_fused_column_keeps_its_input_part_around_the_ring_and_the_runtime_siz
     monkeypatch.setattr(collective_costs, "RING_MIN_BLOCK_BYTES", 0)
     tokens = tensor_parallel_costs(table, graph, layout, cluster)
     assert tokens.activation_bytes.sum() < unfused.activation_bytes.sum()
+    for value, matmul in layout.fused_gathers.items():  # selective recomputation keeps the op's outputs
+        k, gathered_bytes = graph.node(matmul).index, value_bytes(graph, microbatch)[graph.node(value).index]
+        assert whole.saved_bytes[k] == unfused.saved_bytes[k] + gathered_bytes  # and the gathered input
+        assert tokens.saved_bytes[k] == unfused.saved_bytes[k]  # the ring's: its output alone
     scale = microbatch / graph.batch_size
     for gathered, matmul in layout.fused_gathers.items():
         x, node = graph.node(gathered).outputs[0], graph.node(matmul)
