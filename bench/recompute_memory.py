@@ -8,7 +8,8 @@ global batch 16, AdamW, fp32, eager attention, on gloo ranks:
   micro-batch in flight at the peak), every stage at one level: none, selective, full.
 - sequence parallelism: 1 stage on a tensor-parallel group of 2, GPipe with 4 micro-batches, without
   and with ``sequence_parallel`` (recomputation none), with both and selective recomputation, and with
-  the row-parallel matmuls computed block by block around the ring (``ring``: forced, as at scale);
+  the fused row- and column-parallel matmuls computed block by block around the ring (``ring``: forced,
+  as at scale; the column-parallel ones then keep their input's token part);
   and 2 stages (split before the middle layer) of a group of 2 each, on 4 ranks, where the residual
   stream crosses the boundary as each rank's tokens.
 
@@ -88,8 +89,9 @@ def cases(args) -> list[dict]:
             label="tp2 + sp + selective", num_stages=1, tensor_parallel=2, recompute="selective", sequence_parallel=True
         )
     )
-    # the row-parallel matmuls computed block by block around the ring, as at scale (forced: this
-    # model's blocks are below partita.cost.collective_matmul's thresholds, so it runs them whole)
+    # the fused matmuls computed block by block around the ring, as at scale (forced: this model's
+    # blocks are below partita.cost.collective_matmul's thresholds, so it runs them whole); the
+    # column-parallel ones then keep their input's token part
     found.append(
         dict(
             label="tp2 + sp, ring", num_stages=1, tensor_parallel=2, recompute="none", sequence_parallel=True, ring=True
@@ -124,8 +126,11 @@ def make_plan(graph, case: dict):
     )
 
 
-def predicted_bytes(graph, plan) -> list[int]:
-    """The memory model's peak of each rank (rank order), as the planner computes it for this split."""
+def predicted_bytes(graph, plan, ring: bool = False) -> list[int]:
+    """The memory model's peak of each rank (rank order), as the planner computes it for this split;
+    ``ring``: with every fused matmul's blocks counted as large enough, as the ranks ran them (a
+    column-parallel one then keeps its input's token part, not the gathered whole)."""
+    import partita.cost.collective_matmul as collective_costs
     from partita.cost.analytic import analytic_costs
     from partita.cost.memory import device_memory, microbatches_in_flight
     from partita.types import OptimizerKind
@@ -136,7 +141,12 @@ def predicted_bytes(graph, plan) -> list[int]:
         from partita.planning.tensor_parallel import find_layout
 
         layout = find_layout(graph, plan.tensor_parallel, sequence_parallel=plan.sequence_parallel)
-        costs = tensor_parallel_costs(costs, graph, layout, plan.cluster)
+        default = (collective_costs.RING_MIN_BLOCK_FLOPS, collective_costs.RING_MIN_BLOCK_BYTES)
+        collective_costs.RING_MIN_BLOCK_FLOPS, collective_costs.RING_MIN_BLOCK_BYTES = (0, 0) if ring else default
+        try:
+            costs = tensor_parallel_costs(costs, graph, layout, plan.cluster)
+        finally:
+            collective_costs.RING_MIN_BLOCK_FLOPS, collective_costs.RING_MIN_BLOCK_BYTES = default
     by_rank = {}
     for s in plan.stages:
         memory = device_memory(
@@ -177,7 +187,7 @@ def measure(case: dict, args, log) -> dict:
         seed=seed,
         ring=case.get("ring", False),
     )
-    predicted = predicted_bytes(graph, plan)
+    predicted = predicted_bytes(graph, plan, case.get("ring", False))
     log(
         f"{case['label']}: measured "
         + " / ".join(f"{r['peak'] / MIB:.0f}" for r in results)
@@ -201,7 +211,7 @@ def worker(out_dir: Path) -> None:
     import partita
     from partita.runtime.materialize import meta_copies
 
-    if params["ring"]:  # every fused row-parallel matmul's blocks count as large enough
+    if params["ring"]:  # every fused matmul's blocks count as large enough
         import partita.cost.collective_matmul as collective_costs
 
         collective_costs.RING_MIN_BLOCK_FLOPS = collective_costs.RING_MIN_BLOCK_BYTES = 0

@@ -399,8 +399,9 @@ def _(
 
 def _all_gather_matmul_context(ctx, inputs: tuple, output: tuple) -> None:
     x, weight, transposed, dim, blocks, group_name = inputs
-    ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(x, weight, output[1])
+    kept = output[1]
+    ctx.mark_non_differentiable(kept)
+    ctx.save_for_backward(x if not kept.numel() else x.new_empty(0), weight, kept)  # one copy of the tokens
     ctx.transposed, ctx.layout = transposed, (dim, blocks, group_name)
 
 
