@@ -31,11 +31,12 @@ it: backward does not read it, and selective recomputation keeps the matmul fuse
 reduce-scatter (``partita.runtime.tensor_parallel_ops.matmul_reduce_scatter``), i.e. this
 device's tokens of the sum, and runs neither again. A column-parallel matmul that alone reads a
 gathered value (``layout.fused_gathers``) runs fused with that all-gather
-(``all_gather_matmul``), and selective recomputation runs neither again. Where its blocks run
-around the ring it keeps the value's token part for backward, where it gathers it again while the
-input gradient's product is formed (the second of its ``layout.backward_passes``, overlapped:
-``partita.cost.collective_matmul``); where they run whole it keeps the gathered value whole, and
-its backward only reduce-scatters. Its collectives are single ring passes,
+(``all_gather_matmul``) where its blocks run around the ring: it keeps the value's token part for
+backward, where it gathers it again while the input gradient's product is formed (the second of
+its ``layout.backward_passes``, overlapped: ``partita.cost.collective_matmul``), and selective
+recomputation runs neither again. Where its blocks are smaller the two run apart, as above (the
+matmul keeps the gathered value whole, its backward only reduce-scatters, selective
+recomputation gathers again); its collectives are still counted at the matmul. Its collectives are single ring passes,
 ``t - 1`` steps of ``b / t`` bytes each, ``(t - 1) α + (t - 1)/t · b / β``
 (``layout.forward_passes`` / ``backward_passes``), which replace the all-reduces of the
 row-parallel outputs and column-parallel inputs. A token-split value
@@ -117,7 +118,7 @@ def tensor_parallel_costs(
     # but for the reduce-scatters fused with their row-parallel matmuls, kept as one op.
     measured = None if costs.source == "analytic" else held
     selective = selective_arrays(graph, b, costs.forward_s, precision, parts, measured)
-    rerun = np.where(rows | columns, 0.0, forward_ar)
+    rerun = np.where(rows | column_ring, 0.0, forward_ar)  # small column blocks: the gather runs apart
     forward_s, backward_s = np.asarray(costs.forward_s) / shards, np.asarray(costs.backward_s) / shards
     backward_weight_s = np.asarray(costs.backward_weight_s) / shards
     forward_added, backward_added = forward_ar, backward_ar  # the collectives, serial
@@ -153,8 +154,7 @@ def tensor_parallel_costs(
         whole_cut_bytes=cut_bytes(graph, b, precision, tensor_parts),
         param_bytes=np.where(split_params, -(-param_bytes // t), param_bytes),
         tensor_parallel=t,
-        # a fused column-parallel matmul run whole keeps its gathered input beside its output
-        saved_bytes=selective.saved_bytes + np.where(columns & ~column_ring, gathered_input, 0).astype(np.int64),
+        saved_bytes=selective.saved_bytes,
         recomputed_bytes=selective.recomputed_bytes,
         selective_recompute_s=np.asarray(costs.selective_recompute_s) / shards + rerun,
     )

@@ -129,24 +129,28 @@ def gather_for_column(x: torch.Tensor, dim: int, blocks: int, group: Group) -> t
 def all_gather_matmul(
     x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group: Group
 ) -> torch.Tensor:
-    """``gather_for_column(x, dim, blocks, group) @ (weight.T if transposed else weight)`` as one
-    dispatched op, ``partita::all_gather_matmul``: a column-parallel matmul under sequence
-    parallelism, the adjoint of ``matmul_reduce_scatter`` (``x`` this rank's tokens; the product has
-    every token and this rank's output features).
+    """``gather_for_column(x, dim, blocks, group) @ (weight.T if transposed else weight)``: a
+    column-parallel matmul under sequence parallelism, the adjoint of ``matmul_reduce_scatter``
+    (``x`` this rank's tokens; the product has every token and this rank's output features).
 
-    Where its token blocks are large enough (``partita.cost.collective_matmul.decomposes``) the
-    forward multiplies each rank's block while the next travels around the ring
-    (``partita.runtime.collective_matmul``), and the op keeps only this rank's tokens of ``x`` for
-    backward, as Megatron-LM's sequence parallelism does (``1 / degree`` of the gathered copy);
-    its backward starts their all-gather for the weight gradient, forms the input gradient's
-    product meanwhile (Megatron's overlap), then reduce-scatters it. Else it gathers, then
-    multiplies, and keeps the gathered copy (a second, non-differentiable output): small
-    collectives are latency-bound, so gathering again would cost as much as the first. Selective
-    recomputation keeps its outputs and runs neither the matmul nor the all-gather again. Cast under autocast, weight view and zero-bubble passes as
-    ``matmul_reduce_scatter``'s: the input pass keeps the gathered ``x`` for the weight pass."""
+    Where its token blocks are large enough (``partita.cost.collective_matmul.decomposes``) it is
+    one dispatched op, ``partita::all_gather_matmul``: the forward multiplies each rank's block
+    while the next travels around the ring (``partita.runtime.collective_matmul``); it keeps only
+    this rank's tokens of ``x`` for backward, as Megatron-LM's sequence parallelism does
+    (``1 / degree`` of the gathered copy), and its backward starts their all-gather for the weight
+    gradient, forms the input gradient's product meanwhile (Megatron's overlap), then
+    reduce-scatters it. Selective recomputation keeps its output and runs neither the matmul nor
+    the all-gather again. Cast under autocast, weight view and zero-bubble passes as
+    ``matmul_reduce_scatter``'s: the input pass keeps the gathered ``x`` for the weight pass.
+    Smaller blocks run as the two ops (the all-gather, then the matmul keeping the gathered copy):
+    their collectives are latency-bound, so gathering again in backward would cost as much as in
+    forward."""
     name = group if isinstance(group, str) else group.group_name
+    dim = _normalized_dim(dim, x)
+    if not _column_decomposes(x, weight, transposed, name):
+        return collective_matmul.matmul(gather_for_column(x, dim, blocks, group), weight, transposed)
     weight = weight.view_as(weight) if weight.requires_grad else weight
-    return torch.ops.partita.all_gather_matmul(x, weight, transposed, _normalized_dim(dim, x), blocks, name)[0]
+    return torch.ops.partita.all_gather_matmul(x, weight, transposed, dim, blocks, name)
 
 
 def vocab_parallel_embedding(
@@ -377,42 +381,23 @@ for _device_type in ("cpu", "cuda"):
 @torch.library.custom_op("partita::all_gather_matmul", mutates_args=())
 def _all_gather_matmul(
     x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group_name: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the product, the gathered input kept for backward: empty where the ring ran)."""
-    if not _column_decomposes(x, weight, transposed, group_name):  # all-gathered whole, then multiplied
-        gathered = _gather_parts(x, dim, blocks, group_name)
-        return collective_matmul.matmul(gathered, weight, transposed), gathered
-    product = collective_matmul.all_gather_matmul(x, weight, transposed, dim, blocks, _process_group(group_name))
-    return product, x.new_empty(0)
+) -> torch.Tensor:
+    return collective_matmul.all_gather_matmul(x, weight, transposed, dim, blocks, _process_group(group_name))
 
 
 @_all_gather_matmul.register_fake
-def _(
-    x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group_name: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group_name: str) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] *= dist.get_world_size(_process_group(group_name))
-    gathered = x.new_empty(shape)
-    kept = x.new_empty(0) if _column_decomposes(x, weight, transposed, group_name) else gathered
-    return collective_matmul.matmul(gathered, weight, transposed), kept
+    return collective_matmul.matmul(x.new_empty(shape), weight, transposed)
 
 
-def _all_gather_matmul_context(ctx, inputs: tuple, output: tuple) -> None:
-    x, weight, transposed, dim, blocks, group_name = inputs
-    kept = output[1]
-    ctx.mark_non_differentiable(kept)
-    ctx.save_for_backward(x if not kept.numel() else x.new_empty(0), weight, kept)  # one copy of the tokens
-    ctx.transposed, ctx.layout = transposed, (dim, blocks, group_name)
-
-
-def _all_gather_matmul_backward(ctx, grad: torch.Tensor, _: torch.Tensor):
-    x, weight, kept = ctx.saved_tensors
+def _all_gather_matmul_backward(ctx, grad: torch.Tensor):
+    x, weight = ctx.saved_tensors
     needs_x, needs_weight = collective_matmul.needed_gradients(ctx, 2)
     dim, blocks, group_name = ctx.layout
     grad_x = grad_weight = None
     gathered = getattr(ctx, "gathered", None)  # kept by a zero-bubble input pass for its weight pass
-    if gathered is None and kept.numel():  # gathered whole in forward and kept
-        gathered = kept
     gathering = None
     if gathered is None and ctx.needs_input_grad[1]:  # the weight gradient's, now or later
         gathering = _start_gathering(x, dim, blocks, group_name)
@@ -430,14 +415,18 @@ def _all_gather_matmul_backward(ctx, grad: torch.Tensor, _: torch.Tensor):
 
 
 def _column_decomposes(x: torch.Tensor, weight: torch.Tensor, transposed: bool, group_name: str) -> bool:
-    """Whether the column-parallel op runs block by block around the ring (the cost model's rule)."""
+    """Whether the column-parallel matmul runs block by block around the ring (the cost model's
+    rule), on ``x`` as the matmul will read it: in autocast's dtype where autocast is on."""
     if not _communicates(x, group_name):
         return False
     out_features = weight.shape[0 if transposed else 1]
-    return bool(decomposes(*column_block_of(tuple(x.shape), out_features, x.element_size())))
+    element_size = x.element_size()
+    if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
+        element_size = torch.empty((), dtype=torch.get_autocast_dtype(x.device.type)).element_size()
+    return bool(decomposes(*column_block_of(tuple(x.shape), out_features, element_size)))
 
 
-_all_gather_matmul.register_autograd(_all_gather_matmul_backward, setup_context=_all_gather_matmul_context)
+_all_gather_matmul.register_autograd(_all_gather_matmul_backward, setup_context=_matmul_reduce_scatter_context)
 for _device_type in ("cpu", "cuda"):
     torch.library.register_autocast("partita::all_gather_matmul", _device_type, torch.bfloat16)
 

@@ -226,7 +226,9 @@ def test_fused_row_parallel_matmuls_add_the_overlapped_ring_the_others_their_who
         np.testing.assert_allclose(tokens.backward_s[k], table.backward_s[k] / 4 + alone.backward[0])
         # run whole, it kept the gathered input: the backward's reduce-scatter alone
         np.testing.assert_allclose(whole.backward_s[k], table.backward_s[k] / 4 + forward[k])
-        assert whole.selective_recompute_s[k] == table.selective_recompute_s[k] / 4  # kept: no collective again
+        assert tokens.selective_recompute_s[k] == table.selective_recompute_s[k] / 4  # kept: no collective again
+        # run apart, the gather is recomputed
+        assert whole.selective_recompute_s[k] == pytest.approx(table.selective_recompute_s[k] / 4 + forward[k])
     for k in others:
         np.testing.assert_allclose(tokens.forward_s[k], table.forward_s[k] / 4 + forward[k])
 
@@ -235,8 +237,7 @@ def test_a_fused_column_keeps_its_input_part_around_the_ring_and_the_runtime_siz
     """GPT-2's column-parallel matmuls gather their inputs themselves: where their blocks run around
     the ring those inputs are kept as the device's tokens, where they run whole (these blocks, by
     default) whole, as the unfused gather kept them; and the runtime's block rule
-    (``column_block_of`` on its tensors) reads the same FLOPs and bytes as the cost model's. Under
-    selective recomputation the op run whole keeps its gathered input beside its output."""
+    (``column_block_of`` on its tensors) reads the same FLOPs and bytes as the cost model's."""
     import partita.cost.collective_matmul as collective_costs
     from partita.cost.collective_matmul import column_block_of
 
@@ -254,10 +255,9 @@ def test_a_fused_column_keeps_its_input_part_around_the_ring_and_the_runtime_siz
     monkeypatch.setattr(collective_costs, "RING_MIN_BLOCK_BYTES", 0)
     tokens = tensor_parallel_costs(table, graph, layout, cluster)
     assert tokens.activation_bytes.sum() < unfused.activation_bytes.sum()
-    for value, matmul in layout.fused_gathers.items():  # selective recomputation keeps the op's outputs
-        k, gathered_bytes = graph.node(matmul).index, value_bytes(graph, microbatch)[graph.node(value).index]
-        assert whole.saved_bytes[k] == unfused.saved_bytes[k] + gathered_bytes  # and the gathered input
-        assert tokens.saved_bytes[k] == unfused.saved_bytes[k]  # the ring's: its output alone
+    for matmul in layout.fused_gathers.values():  # selective recomputation keeps the product
+        k = graph.node(matmul).index
+        assert whole.saved_bytes[k] == tokens.saved_bytes[k] == unfused.saved_bytes[k]  # its output alone
     scale = microbatch / graph.batch_size
     for gathered, matmul in layout.fused_gathers.items():
         x, node = graph.node(gathered).outputs[0], graph.node(matmul)
