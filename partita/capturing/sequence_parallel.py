@@ -111,10 +111,10 @@ class SequenceParallelAnalysis:
 
     @property
     def fused_columns(self) -> dict[str, str]:
-        """Gathered value -> the one column-parallel matmul that reads it: the runtime runs the two
-        as one op (``partita.runtime.tensor_parallel_ops.all_gather_matmul``), keeping this device's
-        tokens for backward. A value several matmuls read (Llama's query, key and value
-        projections) is gathered once, apart, and kept whole."""
+        """Gathered value -> the one column-parallel matmul that reads it: where its blocks are large
+        enough the runtime runs the two as one op (``partita.runtime.tensor_parallel_ops.all_gather_matmul``),
+        keeping this device's tokens for backward. A value several matmuls read (Llama's query,
+        key and value projections) is gathered once, apart, and kept whole."""
         return {x: matmuls[0] for x, matmuls in self.column_matmuls.items() if len(matmuls) == 1}
 
 

@@ -344,7 +344,7 @@ def _matmul_reduce_scatter_backward(ctx, grad: torch.Tensor):
     x, weight = ctx.saved_tensors
     needs_x, needs_weight = collective_matmul.needed_gradients(ctx, 2)
     dim, blocks, group_name = ctx.layout
-    grad_x = grad_weight = None
+    grad_x = None
     gathered = getattr(ctx, "gathered", None)  # kept by a zero-bubble input pass for its weight pass
     if gathered is None and (needs_x or needs_weight):
         if _decomposes(x, weight, ctx.transposed, group_name):
@@ -355,12 +355,23 @@ def _matmul_reduce_scatter_backward(ctx, grad: torch.Tensor):
         else:  # all-gathered whole (a group of one: the identity)
             gathered = _gather_parts(grad, dim, blocks, group_name)
             grad_x = gathered.matmul(weight if ctx.transposed else weight.t()) if needs_x else None
-    if needs_weight:
-        grad_weight = collective_matmul.weight_gradient(gathered, x, ctx.transposed)
-        ctx.gathered = None
-    elif ctx.needs_input_grad[1]:  # the engine forms the weight's gradient in a later pass
-        ctx.gathered = gathered
+    grad_weight = _weight_pass(
+        ctx, needs_weight, gathered, lambda g: collective_matmul.weight_gradient(g, x, ctx.transposed)
+    )
     return grad_x, grad_weight, None, None, None, None
+
+
+def _weight_pass(
+    ctx, needs_weight: bool, gathered: torch.Tensor | None, weight_gradient: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor | None:
+    """The weight's gradient from what the backward ``gathered``, where this pass forms it; else None,
+    keeping ``gathered`` for the later pass that will (a zero-bubble schedule's weight pass)."""
+    if needs_weight:
+        ctx.gathered = None
+        return weight_gradient(gathered)
+    if ctx.needs_input_grad[1]:
+        ctx.gathered = gathered
+    return None
 
 
 def _decomposes(x: torch.Tensor, weight: torch.Tensor, transposed: bool, group_name: str) -> bool:
@@ -396,7 +407,7 @@ def _all_gather_matmul_backward(ctx, grad: torch.Tensor):
     x, weight = ctx.saved_tensors
     needs_x, needs_weight = collective_matmul.needed_gradients(ctx, 2)
     dim, blocks, group_name = ctx.layout
-    grad_x = grad_weight = None
+    grad_x = None
     gathered = getattr(ctx, "gathered", None)  # kept by a zero-bubble input pass for its weight pass
     gathering = None
     if gathered is None and ctx.needs_input_grad[1]:  # the weight gradient's, now or later
@@ -406,11 +417,9 @@ def _all_gather_matmul_backward(ctx, grad: torch.Tensor):
         grad_x = _reduce_scatter_parts(product, dim, blocks, group_name)
     if gathering is not None:
         gathered = gathering()
-    if needs_weight:
-        grad_weight = collective_matmul.weight_gradient(grad, gathered, ctx.transposed)
-        ctx.gathered = None
-    elif ctx.needs_input_grad[1]:  # the engine forms the weight's gradient in a later pass
-        ctx.gathered = gathered
+    grad_weight = _weight_pass(
+        ctx, needs_weight, gathered, lambda g: collective_matmul.weight_gradient(grad, g, ctx.transposed)
+    )
     return grad_x, grad_weight, None, None, None, None
 
 

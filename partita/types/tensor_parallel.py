@@ -48,7 +48,8 @@ class TensorParallelLayout:
     by ``degree`` that way; ``gathered_nodes`` the split values all-gathered whole for column-parallel
     matmuls (which keep that whole copy for their backward) or for operations that run whole;
     ``fused_gathers`` split value -> the one column-parallel matmul that reads it, which gathers it
-    itself (its collectives are that matmul's, and it keeps the value's part for backward). Its collectives are single ring passes
+    itself (its collectives are that matmul's; where its blocks run around the ring it keeps the
+    value's part for backward and gathers it again there: a second backward pass). Its collectives are single ring passes
     (a reduce-scatter or an all-gather; an all-reduce is two): ``forward_passes`` /
     ``backward_passes``, node name -> the elements of each pass after that node's forward or in its
     backward; the all-reduces they replace are gone from ``forward_reductions`` /
