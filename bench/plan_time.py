@@ -61,7 +61,13 @@ CASES = {
 HISTORY = """\
 ## Before (same machine)
 
-- 2026-12-06 08:50 UTC (this table): interleaved 1F1B also with 5 stages per rank group, and ZB-V
+- 2026-12-07 01:07 UTC (this table): column-parallel matmuls fused with their input's all-gather
+  where their blocks are large (``partita::all_gather_matmul``). Search 12.9 s (175B), 11.9, 25.9,
+  20.4, 25.2 and 34.2 s (1T): the goals for 175B and 1T missed in a slow hour (captures 26-81% slower
+  than at 08:50 below). The same period, the code before (6a87467) and this one alternating, search
+  seconds: 175B 17.3, 15.9 s against 13.5, 15.4 s; 1T 36.4 s against 36.4 s: the change costs no
+  planning time, the machine was slower.
+- 2026-12-06 08:50 UTC: interleaved 1F1B also with 5 stages per rank group, and ZB-V
   candidates held against other degrees' steps without the fill and drain (``search.rounds_s``).
   Search 9.9 s (175B), 8.3, 22.7, 13.6, 17.0 and 28.4 s (1T); captures 8-30% slower than the run
   below (a slower hour). The cost in one period, old code (de913b1) and new alternating, tables +
