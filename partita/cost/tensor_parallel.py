@@ -36,10 +36,10 @@ backward, where it gathers it again while the input gradient's product is formed
 its ``layout.backward_passes``, overlapped: ``partita.cost.collective_matmul``), and selective
 recomputation runs neither again. Where its blocks are smaller the two run apart, as above (the
 matmul keeps the gathered value whole, its backward only reduce-scatters, selective
-recomputation gathers again); its collectives are still counted at the matmul. Its collectives are single ring passes,
-``t - 1`` steps of ``b / t`` bytes each, ``(t - 1) α + (t - 1)/t · b / β``
-(``layout.forward_passes`` / ``backward_passes``), which replace the all-reduces of the
-row-parallel outputs and column-parallel inputs. A token-split value
+recomputation gathers again); its collectives are still counted at the matmul. Sequence
+parallelism's collectives are single ring passes, ``t - 1`` steps of ``b / t`` bytes each,
+``(t - 1) α + (t - 1)/t · b / β`` (``layout.forward_passes`` / ``backward_passes``), which replace
+the all-reduces of the row-parallel outputs and column-parallel inputs. A token-split value
 crosses a stage boundary as each device's tokens (``cut_bytes``; the runtime's ``boundary_parts``),
 where the next stage has the same degree; to another degree it travels whole (``whole_cut_bytes``).
 
@@ -211,9 +211,9 @@ def _fused_rows(graph: OpGraph, layout: TensorParallelLayout) -> np.ndarray:
 
 
 def _fused_columns(graph: OpGraph, layout: TensorParallelLayout) -> np.ndarray:
-    """bool[n]: the column-parallel matmuls the runtime runs fused with their input's all-gather
-    (``layout.fused_gathers``), whose collectives are theirs: selective recomputation keeps the op's
-    output and runs neither again; their rings overlap their blocks where those are large enough."""
+    """bool[n]: the column-parallel matmuls that alone read their gathered input (``layout.fused_gathers``),
+    whose collectives are counted at them; the runtime runs those whose blocks are large enough fused
+    with the all-gather, around the ring (selective recomputation then runs neither again)."""
     matmuls = set(layout.fused_gathers.values())
     return np.array([n.name in matmuls for n in graph.nodes], dtype=bool)
 
