@@ -85,7 +85,8 @@ class SequenceParallelAnalysis:
     vocab-parallel embeddings whose outputs are reduce-scattered, and stage inputs taken in part.
     ``column_gathers``: split values all-gathered for column-parallel matmuls (their backward
     reduce-scatters); ``column_matmuls`` those matmuls, by the value they read (``fused_columns``:
-    the values read by one only, which the runtime all-gathers inside it). ``whole_gathers``: split values all-gathered whole for a graph output.
+    the values read by one only, which the runtime all-gathers inside it). ``whole_gathers``: split
+    values all-gathered whole for a graph output.
     ``gathers``: (node, argument position) -> the split of an operand all-gathered whole for an
     operation that runs whole (a matmul tensor parallelism left whole, one without a rule).
     ``scatters``: (node, argument position) -> the token split to slice a whole operand to.
@@ -450,7 +451,7 @@ def sequence_layout_fields(graph: torch.fx.Graph, tp: TensorParallelAnalysis, sp
     for name in sp.column_gathers:  # all-gathered; backward reduce-scatters instead of all-reducing
         backward.pop(name, None)
         elements = fx_read.numel(nodes[name])
-        if name in fused:  # by its matmul, which gathers it again in backward, in the same ring steps
+        if name in fused:  # by its matmul; around the ring it gathers it again in backward
             add(forward_passes, fused[name], elements)
             add(backward_passes, fused[name], elements)
             add(backward_passes, fused[name], elements)

@@ -222,9 +222,11 @@ def _gathered_input_bytes(
     graph: OpGraph, layout: TensorParallelLayout, microbatch_size: int, precision: Precision
 ) -> np.ndarray:
     """float64[n]: the whole bytes of the input each fused column-parallel matmul all-gathers (0 elsewhere)."""
+    out = np.zeros(graph.num_nodes)
+    if not layout.fused_gathers:
+        return out
     position = {n.name: n.index for n in graph.nodes}
     values = value_bytes(graph, microbatch_size, precision)
-    out = np.zeros(graph.num_nodes)
     for gathered, matmul in layout.fused_gathers.items():
         if gathered in position and matmul in position:
             out[position[matmul]] = float(values[position[gathered]])

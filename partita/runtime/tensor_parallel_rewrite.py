@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from partita.capturing.tensor_parallel_graph import matmul_operands
 from partita.runtime import tensor_parallel_ops as ops
 from partita.runtime.stages import StageModule
 from partita.runtime.tensor_parallel import TensorParallel, process_group
@@ -90,8 +91,8 @@ def matmul_reduce_scatter_out(
 def gather_matmul_out(
     x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, inner: int, key: int
 ) -> torch.Tensor:
-    """The column-parallel ``gather_column(x) @ weight`` (``weight.T``: ``transposed``) as one op
-    (``ops.all_gather_matmul``: it keeps this rank's tokens of ``x`` for backward)."""
+    """The column-parallel ``gather_column(x) @ weight`` (``weight.T``: ``transposed``), one op where its
+    blocks are large enough (``ops.all_gather_matmul``: it then keeps this rank's tokens of ``x``)."""
     group = process_group(key)
     blocks = x.shape[dim] * dist.get_world_size(group) // inner
     return ops.all_gather_matmul(x, weight, transposed, dim, blocks, group)
@@ -290,14 +291,7 @@ def _column(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any) -> Non
     """Column-parallel matmul on this rank's tokens of its input: the all-gather and the matmul are
     one node (``gather_matmul_out``), its (split) bias added after."""
     name = getattr(node.target, "overloadpacket", None).__name__
-    bias = None
-    if name == "linear":
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        x, weight = node.args[0], node.args[1]
-    elif name == "addmm":
-        bias, x, weight = node.args[0], node.args[1], node.args[2]
-    else:  # mm, matmul
-        x, weight = node.args[0], node.args[1]
+    x, weight, bias = matmul_operands(node, name)
     node.target, node.kwargs = gather_matmul_out, {}
     node.args = (x, weight, name == "linear", split.dim, split.inner, key)
     if bias is not None:
