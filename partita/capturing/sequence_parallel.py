@@ -481,6 +481,10 @@ def sequence_layout_fields(graph: torch.fx.Graph, tp: TensorParallelAnalysis, sp
         forward_passes=forward_passes,
         backward_passes=backward_passes,
         backward_fixed_passes=fixed_passes,
+        token_splits={
+            **{name: (split.dim, split.inner) for name, split in sp.sources.items() if name in nodes},
+            **{fused[name]: (sp.column_gathers[name].dim, sp.column_gathers[name].inner) for name in fused},
+        },
         sequence_rejected=dict(sp.rejected),
     )
 

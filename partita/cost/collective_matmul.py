@@ -11,16 +11,21 @@ transfer running while the next block computes. With ``C`` the matmul's seconds 
 
 to the matmul: nothing but the extra kernels ``k`` where a block computes longer than a step
 transfers, the ring's time beyond ``C / t`` where it does not. ``k`` per step, each kernel a launch
-and its memory traffic:
+and its memory traffic, depends on whether a token block's rows are contiguous (``contiguous``:
+the dims before the tokens all 1, a micro-batch of one sequence; the runtime's
+``matmul_into``): a block's matmul then reads its input block where it lies and writes its
+product where it belongs; else each is copied (two blocks of traffic: read and write).
 
 forward     the ring is the reduce-scatter (``forward_ring_s``), ``C`` the node's forward; a step
-            adds a block's matmul (its input block copied out of the whole input: two input
-            blocks) and the addition of the received partial (three output blocks).
+            adds a block's matmul (its input block copied out of the whole input unless
+            contiguous: two input blocks) and the addition of the received partial (three output
+            blocks).
 backward    the ring is the output gradient's all-gather (``backward_ring_s``), ``C`` the input-gradient
             part of the node's backward (``backward_s - backward_weight_s``), whose block matmuls
-            overlap it; a step adds a block's matmul, the copy of its rows into the input gradient
-            (two input blocks) and of the received block into the gathered gradient (two output
-            blocks). The weight gradient is one matmul of the gathered gradient after the ring, as
+            overlap it; a step adds a block's matmul, and unless contiguous the copy of its rows into
+            the input gradient (two input blocks) and of the received block into the gathered
+            gradient (two output blocks; contiguous, only this device's own block is copied, once).
+            The weight gradient is one matmul of the gathered gradient after the ring, as
             unfused: ``backward_weight_s`` is unchanged (a zero-bubble schedule's weight pass reads the
             gradient its input pass gathered).
 
@@ -28,14 +33,16 @@ A column-parallel matmul fused with its input's all-gather (``fused_column_secon
 device's tokens of its input for backward:
 
 forward     where its blocks are large enough, the same formula with the all-gather's ring and
-            ``C`` the node's forward; a step adds a block's matmul and the copy of its rows into
-            the product (two blocks of the output: this device's tokens of its features). Else the
-            all-gather, then the matmul.
+            ``C`` the node's forward; a step adds a block's matmul and unless contiguous the copy of
+            its rows into the product (two blocks of the output: this device's tokens of its
+            features). Else the all-gather, then the matmul.
 backward    the kept tokens' all-gather (``G``, for the weight gradient) runs while the input
             gradient's product (``C``, the input-gradient part) is formed, then that product is
-            reduce-scattered (``R``): ``R + max(0, G - C)``, blocks or not. (Overlapping ``R`` with the
-            weight gradient, as Megatron-LM does, would not survive a zero-bubble schedule, whose
-            weight pass runs later; it is not done.)
+            reduce-scattered (``R``) while the weight gradient (``W``) is formed, as Megatron-LM
+            overlaps them: ``max(0, G - C) + max(0, R - W)``, blocks or not. A zero-bubble
+            schedule forms the weight gradient in a later pass: its input pass waits for the
+            reduce-scatter, ``min(R, W)`` more (``FusedSeconds.split``, the CostTable's
+            ``split_backward_s``).
 
 Only matmuls whose blocks are large enough are cut (``decomposes``: ``RING_MIN_BLOCK_FLOPS`` and
 ``RING_MIN_BLOCK_BYTES`` per block, the rule the runtime applies); the others run whole and
@@ -99,10 +106,13 @@ def decomposes(block_flops: Any, block_bytes: Any) -> Any:
 
 
 class FusedSeconds(NamedTuple):
-    """Seconds each fused node adds to its matmul, float64[n] each (its weight pass adds none)."""
+    """Seconds each fused node adds to its matmul, float64[n] each (its weight pass adds none):
+    ``backward`` with the input and weight gradients formed together, ``split`` what forming them
+    in two passes adds to the input pass (None: nothing)."""
 
     forward: np.ndarray
     backward: np.ndarray
+    split: np.ndarray | None = None
 
 
 def fused_row_seconds(
@@ -114,19 +124,24 @@ def fused_row_seconds(
     backward_ring_s: np.ndarray,
     output_block_bytes: np.ndarray,
     input_block_bytes: np.ndarray,
+    contiguous: np.ndarray,
     degree: int,
     device: DeviceSpec,
 ) -> FusedSeconds:
     """The seconds the fused op adds to each node's matmul (module docstring), from one device's
     matmul seconds (``forward_s``, ``backward_s``, ``backward_weight_s``), its ring passes and the bytes
-    of one token block of its output and of its input, all float64[n]; ``degree`` > 1."""
+    of one token block of its output and of its input, all float64[n], and whether a block's rows
+    are contiguous (bool[n]); ``degree`` > 1."""
     memory_rate = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
-    copies = 2 * (input_block_bytes + output_block_bytes)
-    forward_kernels = 2 * device.op_overhead_s + (copies + output_block_bytes) / memory_rate
-    backward_kernels = 3 * device.op_overhead_s + copies / memory_rate
+    launch = device.op_overhead_s
+    input_copy = np.where(contiguous, 0.0, 2 * input_block_bytes)
+    forward_kernels = 2 * launch + (input_copy + 3 * output_block_bytes) / memory_rate
+    copied = 3 * launch + (input_copy + 2 * output_block_bytes) / memory_rate
+    backward_kernels = np.where(contiguous, launch, copied)
+    own_block = np.where(contiguous, launch + 2 * output_block_bytes / memory_rate, 0.0)  # once, not per step
     return FusedSeconds(
         _ring_added(forward_ring_s, forward_s, forward_kernels, degree),
-        _ring_added(backward_ring_s, backward_s - backward_weight_s, backward_kernels, degree),
+        _ring_added(backward_ring_s, backward_s - backward_weight_s, backward_kernels, degree) + own_block,
     )
 
 
@@ -138,6 +153,7 @@ def fused_column_seconds(
     forward_ring_s: np.ndarray,
     backward_ring_s: np.ndarray,
     output_block_bytes: np.ndarray,
+    contiguous: np.ndarray,
     degree: int,
     device: DeviceSpec,
 ) -> FusedSeconds:
@@ -145,12 +161,17 @@ def fused_column_seconds(
     ``forward`` around the ring (for the nodes whose blocks are large enough), ``backward`` at any
     block size. ``forward_ring_s`` the all-gather's pass, ``backward_ring_s`` the backward's two
     (the kept tokens' all-gather and the input gradient's reduce-scatter, of the same elements);
-    ``output_block_bytes`` this device's tokens of its output, all float64[n]."""
+    ``output_block_bytes`` this device's tokens of its output, all float64[n]; ``contiguous``
+    (bool[n]) whether a block's rows are."""
     memory_rate = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
-    forward_kernels = 2 * device.op_overhead_s + 2 * output_block_bytes / memory_rate
-    each_pass = backward_ring_s / 2
-    overlapped = np.maximum(0.0, each_pass - (backward_s - backward_weight_s))
-    return FusedSeconds(_ring_added(forward_ring_s, forward_s, forward_kernels, degree), each_pass + overlapped)
+    copied = 2 * device.op_overhead_s + 2 * output_block_bytes / memory_rate
+    forward_kernels = np.where(contiguous, device.op_overhead_s, copied)
+    each_pass = backward_ring_s / 2  # the all-gather's, the reduce-scatter's
+    gathering = np.maximum(0.0, each_pass - (backward_s - backward_weight_s))
+    hidden = np.minimum(each_pass, backward_weight_s)  # by the weight gradient, formed together
+    return FusedSeconds(
+        _ring_added(forward_ring_s, forward_s, forward_kernels, degree), gathering + each_pass - hidden, hidden
+    )
 
 
 def _ring_added(ring_s: np.ndarray, compute_s: np.ndarray, kernels_s: np.ndarray, degree: int) -> np.ndarray:

@@ -466,5 +466,6 @@ def contended(costs: CostTable, slowdown: float) -> CostTable:
         backward_s=costs.backward_s * factor,
         backward_weight_s=costs.backward_weight_s * factor,
         selective_recompute_s=costs.selective_recompute_s * factor,
+        split_backward_s=costs.split_backward_s * factor,
         calibration={**costs.calibration, "compute_slowdown": float(slowdown)},
     )

@@ -33,7 +33,9 @@ device's tokens of the sum, and runs neither again. A column-parallel matmul tha
 gathered value (``layout.fused_gathers``) runs fused with that all-gather
 (``all_gather_matmul``) where its blocks run around the ring: it keeps the value's token part for
 backward, where it gathers it again while the input gradient's product is formed (the second of
-its ``layout.backward_passes``, overlapped: ``partita.cost.collective_matmul``), and selective
+its ``layout.backward_passes``, overlapped: ``partita.cost.collective_matmul``) and reduce-scatters
+that product while the weight gradient is formed (not so in a zero-bubble schedule's input pass:
+``split_backward_s``), and selective
 recomputation runs neither again. Where its blocks are smaller the two run apart, as above (the
 matmul keeps the gathered value whole, its backward only reduce-scatters, selective
 recomputation gathers again); its collectives are still counted at the matmul. Sequence
@@ -60,6 +62,7 @@ splits evenly; smaller matmuls reaching a lower share of the peak is not modelle
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection
 
 import numpy as np
@@ -122,6 +125,7 @@ def tensor_parallel_costs(
     forward_s, backward_s = np.asarray(costs.forward_s) / shards, np.asarray(costs.backward_s) / shards
     backward_weight_s = np.asarray(costs.backward_weight_s) / shards
     forward_added, backward_added = forward_ar, backward_ar  # the collectives, serial
+    split_backward = np.zeros(graph.num_nodes)
     rings = dict(
         forward_s=forward_s,
         backward_s=backward_s,
@@ -129,6 +133,7 @@ def tensor_parallel_costs(
         forward_ring_s=forward_ar,
         backward_ring_s=backward_ar,
         output_block_bytes=whole_output / t,
+        contiguous=_contiguous_blocks(graph, layout, b),
         degree=t,
         device=resolve_device(cluster.device),
     )
@@ -141,6 +146,7 @@ def tensor_parallel_costs(
         forward_added = np.where(column_ring, fused.forward, forward_added)
         # where they run whole they keep the gathered input: their backward reduce-scatters alone
         backward_added = np.where(column_ring, fused.backward, np.where(columns, backward_ar / 2, backward_added))
+        split_backward = np.where(column_ring, fused.split, 0.0)
     split_params = np.array([name in layout.params for name in costs.param_names], dtype=bool)
     param_bytes = np.asarray(costs.param_bytes, dtype=np.int64)
     return dataclasses.replace(
@@ -157,6 +163,7 @@ def tensor_parallel_costs(
         saved_bytes=selective.saved_bytes,
         recomputed_bytes=selective.recomputed_bytes,
         selective_recompute_s=np.asarray(costs.selective_recompute_s) / shards + rerun,
+        split_backward_s=split_backward,
     )
 
 
@@ -216,6 +223,24 @@ def _fused_columns(graph: OpGraph, layout: TensorParallelLayout) -> np.ndarray:
     with the all-gather, around the ring (selective recomputation then runs neither again)."""
     matmuls = set(layout.fused_gathers.values())
     return np.array([n.name in matmuls for n in graph.nodes], dtype=bool)
+
+
+def _contiguous_blocks(graph: OpGraph, layout: TensorParallelLayout, microbatch_size: int) -> np.ndarray:
+    """bool[n]: whether a token block of each fused matmul's output (``layout.token_splits``) is
+    contiguous at ``microbatch_size``: every dim before its tokens' part of size 1 (the tokens of
+    one sequence, not of several), where the runtime's ring reads and writes blocks in place
+    (``partita.runtime.collective_matmul.matmul_into``)."""
+    out = np.zeros(graph.num_nodes, dtype=bool)
+    position = {n.name: n.index for n in graph.nodes}
+    for name, (dim, inner) in layout.token_splits.items():
+        if name not in position or not graph.nodes[position[name]].outputs:
+            continue
+        value = graph.nodes[position[name]].outputs[0]
+        shape = list(value.shape)
+        if value.batch_dim is not None:
+            shape[value.batch_dim] = shape[value.batch_dim] * microbatch_size // graph.batch_size
+        out[position[name]] = math.prod(shape[:dim]) * (shape[dim] // inner) == 1
+    return out
 
 
 def _gathered_input_bytes(

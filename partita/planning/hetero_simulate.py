@@ -87,7 +87,7 @@ def mixed_pipeline_inputs(plan: Plan, costs: CostsByGroup) -> dict:
     cluster, b = plan.cluster, plan.global_batch_size // plan.num_microbatches
     optimizer, precision = plan.options.get("optimizer", "adam"), plan.precision
     groups = stage_rank_groups(plan.schedule, plan.num_rank_groups, plan.num_stages)
-    fields = ("forward_s", "backward_s", "backward_weight_s", "activation_bytes", "optimizer_s")
+    fields = ("forward_s", "backward_s", "backward_weight_s", "split_backward_s", "activation_bytes", "optimizer_s")
     per_stage: dict[str, list] = {name: [] for name in (*fields, "allreduce_s", "allreduce_tail_s", "gather_s")}
     shares_by_stage = [stage_groups(s, cluster, b) for s in plan.stages]
     for stage, shares in zip(plan.stages, shares_by_stage):

@@ -137,7 +137,7 @@ def stages_pipeline_inputs(
     """``pipeline_inputs`` from the stages alone (``SimulatedStage``: the refinement simulates
     splits without building their Plans, ``partita.planning.split_steps``), each stage's CostTable,
     its rank group, and the plan's schedule, micro-batches, precision and optimizer."""
-    fwd, bwd, wgt, act, allreduce, tail, gather, opt = [], [], [], [], [], [], [], []
+    fwd, bwd, wgt, split, act, allreduce, tail, gather, opt = [], [], [], [], [], [], [], [], []
     for stage, table in zip(stages, tables):
         if memo is None:
             inputs = _stage_inputs(stage, table, precision, optimizer, cluster, None)
@@ -145,7 +145,7 @@ def stages_pipeline_inputs(
             key = ("stage inputs", stage.start, stage.stop, stage.recompute, stage.sharding, stage.ranks, id(cluster))
             key += (stage.tensor_parallel, precision, optimizer)
             inputs = memo.get(table, key, _stage_inputs, stage, table, precision, optimizer, cluster, memo)
-        for values, value in zip((fwd, bwd, wgt, act, allreduce, tail, gather, opt), inputs):
+        for values, value in zip((fwd, bwd, wgt, split, act, allreduce, tail, gather, opt), inputs):
             values.append(value)
     send = []
     for k in range(len(stages) - 1):
@@ -164,6 +164,7 @@ def stages_pipeline_inputs(
         forward_s=fwd,
         backward_s=bwd,
         backward_weight_s=wgt,
+        split_backward_s=split,
         send_s=send,
         allreduce_s=allreduce,
         activation_bytes=act,
@@ -180,15 +181,16 @@ def _stage_inputs(
     optimizer: OptimizerKind | str,
     cluster: Cluster,
     memo: BuildMemo | None,
-) -> tuple[float, float, float, int, float, float, float, float]:
-    """(forward, backward, backward-weight, activation bytes, gradient collective, its tail,
-    all-gather, optimizer step) of one stage, as ``pipeline_inputs`` describes them."""
+) -> tuple[float, float, float, float, int, float, float, float, float]:
+    """(forward, backward, backward-weight, what splitting the backward adds to its input pass,
+    activation bytes, gradient collective, its tail, all-gather, optimizer step) of one stage, as
+    ``pipeline_inputs`` describes them."""
     a, b = stage.start, stage.stop
     if memo is None:
-        forward, backward, weight, kept, trainable, selective, saved = _range_sums(table, a, b)
+        forward, backward, weight, split, kept, trainable, selective, saved = _range_sums(table, a, b)
     else:
         sums = memo.get(table, ("sums", a, b), _range_sums, table, a, b)
-        forward, backward, weight, kept, trainable, selective, saved = sums
+        forward, backward, weight, split, kept, trainable, selective, saved = sums
     backward = backward + float(extra_backward_s(stage.recompute, forward, selective))
     collectives = _collectives(stage, trainable, precision, cluster)
     if stage.sharding is Sharding.FULL_SHARD and stage.num_replicas > 1:
@@ -198,18 +200,20 @@ def _stage_inputs(
         trainable / shards, optimizer, cluster.device, precision=precision
     )
     kept = int(kept_per_microbatch(stage.recompute, kept, int(table.cut_bytes[a]), saved))
-    return (forward, backward, weight, kept, *collectives, step_s)
+    return (forward, backward, weight, split, kept, *collectives, step_s)
 
 
-def _range_sums(table: CostTable, start: int, stop: int) -> tuple[float, float, float, int, int, float, int]:
-    """(forward, backward, backward_weight seconds, activation bytes kept, trainable parameter
-    bytes, selectively recomputed seconds, bytes selective recomputation keeps) of nodes [start, stop)."""
+def _range_sums(table: CostTable, start: int, stop: int) -> tuple[float, float, float, float, int, int, float, int]:
+    """(forward, backward, backward_weight, split_backward seconds, activation bytes kept, trainable
+    parameter bytes, selectively recomputed seconds, bytes selective recomputation keeps) of nodes
+    [start, stop)."""
     held = np.asarray(table.params_in_range(start, stop), dtype=np.int64)
     held = held[np.asarray(table.param_trainable, dtype=bool)[held]]
     return (
         float(table.forward_s[start:stop].sum()),
         float(table.backward_s[start:stop].sum()),
         float(table.backward_weight_s[start:stop].sum()),
+        float(table.split_backward_s[start:stop].sum()),
         int(table.activation_bytes[start:stop].sum()),
         int(np.asarray(table.param_bytes, dtype=np.int64)[held].sum()),
         float(table.selective_recompute_s[start:stop].sum()),

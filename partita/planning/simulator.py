@@ -81,6 +81,7 @@ class PipelineInputs(TypedDict):
     backward_weight_s: Sequence[float]
     send_s: Sequence[float]
     allreduce_s: Sequence[float]
+    split_backward_s: NotRequired[Sequence[float] | None]
     activation_bytes: NotRequired[Sequence[int] | None]
     optimizer_s: NotRequired[Sequence[float] | None]
     allreduce_tail_s: NotRequired[Sequence[float] | None]
@@ -110,12 +111,15 @@ def simulate_pipeline(
     optimizer_s: Sequence[float] | None = None,
     allreduce_tail_s: Sequence[float] | None = None,
     gather_s: Sequence[float] | None = None,
+    split_backward_s: Sequence[float] | None = None,
     step_to_beat: float | None = None,
 ) -> SimResult | None:
     """Simulate one step of ``schedule``; all per-stage arrays are indexed by stage (length S).
 
     forward_s, backward_s    seconds per micro-batch; backward_s is the whole backward (I + W).
     backward_weight_s        the W part of backward_s (used only by schedules that split it).
+    split_backward_s         what splitting stage k's backward adds to its I part: collectives its
+                             W hides when they run together (None: 0; ``CostTable.split_backward_s``).
     send_s                   length S - 1: seconds to send stage k's output to stage k + 1 (and its
                              gradient back); 0 when both stages run on the same rank group.
     allreduce_s              seconds of stage k's gradient all-reduce (0 for one replica).
@@ -145,6 +149,7 @@ def simulate_pipeline(
         optimizer_s=optimizer_s,
         allreduce_tail_s=allreduce_tail_s,
         gather_s=gather_s,
+        split_backward_s=split_backward_s,
     )
     limit = None if step_to_beat is None else (step_to_beat * (1 + 1e-9) + 2e-12, prep.stepping_s)
     events: list[TimelineEvent] = list(prep.gather_events)
@@ -189,6 +194,7 @@ def prepared_pipeline(
     optimizer_s: Sequence[float] | None = None,
     allreduce_tail_s: Sequence[float] | None = None,
     gather_s: Sequence[float] | None = None,
+    split_backward_s: Sequence[float] | None = None,
 ) -> PreparedPipeline:
     """Check ``simulate_pipeline``'s inputs (InputError) and lay them out for the event loop."""
     schedule = Schedule.parse(schedule)
@@ -196,6 +202,7 @@ def prepared_pipeline(
     fwd, bwd, wgt, send, ar = _check_arrays(s, forward_s, backward_s, backward_weight_s, send_s, allreduce_s)
     tail = ar if allreduce_tail_s is None else _per_stage(allreduce_tail_s, s, "allreduce_tail_s")
     gather = [0.0] * s if gather_s is None else _per_stage(gather_s, s, "gather_s")
+    split = [0.0] * s if split_backward_s is None else _per_stage(split_backward_s, s, "split_backward_s")
     orders = compiled_orders(schedule, m, g, s)
     groups = stage_rank_groups(schedule, g, s)
     events: list[TimelineEvent] = []
@@ -206,8 +213,8 @@ def prepared_pipeline(
     stepping_s = [0.0] * g  # each rank group's stages' steps, added in stage order
     for k, r in enumerate(groups):
         stepping_s[r] += opt[k]
-    # Durations per kind code: F, B (whole backward), I (backward less W), W.
-    dur = (fwd, bwd, [max(0.0, b - w) for b, w in zip(bwd, wgt)], wgt)
+    # Durations per kind code: F, B (whole backward), I (backward less W, and what the split adds), W.
+    dur = (fwd, bwd, [max(0.0, b - w) + x for b, w, x in zip(bwd, wgt, split)], wgt)
     return PreparedPipeline(
         schedule,
         s,

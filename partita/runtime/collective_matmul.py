@@ -47,6 +47,7 @@ __all__ = [
     "all_gather_matmul",
     "gather_gradient",
     "matmul",
+    "matmul_into",
     "matmul_reduce_scatter",
     "needed_gradients",
     "weight_gradient",
@@ -93,7 +94,7 @@ def all_gather_matmul(
     rows = _parts(product, dim, blocks, degree)
 
     def multiply(source: int, held: torch.Tensor) -> None:
-        rows(source).copy_(matmul(held, weight, transposed))
+        matmul_into(rows(source), held, weight, transposed)
 
     _around_ring(x, dim, blocks, group, multiply)
     return product
@@ -119,12 +120,26 @@ def gather_gradient(
     grad_x_parts = _parts(grad_x, dim, blocks, degree) if grad_x is not None else None
 
     def place(source: int, held: torch.Tensor) -> None:
-        gathered_parts(source).copy_(held)
+        rows = gathered_parts(source)
+        if rows.data_ptr() != held.data_ptr():  # else received in place
+            rows.copy_(held)
         if grad_x_parts is not None:
-            grad_x_parts(source).copy_(torch.matmul(held, weight if transposed else weight.t()))
+            matmul_into(grad_x_parts(source), held, weight, not transposed)
 
-    _around_ring(grad, dim, blocks, group, place)
+    _around_ring(grad, dim, blocks, group, place, into=gathered_parts)
     return gathered, grad_x
+
+
+def matmul_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> None:
+    """``out[...] = matmul(x, weight, transposed)``: the product written in place where ``out`` is
+    contiguous (a token block of a value whose dims before the tokens are all 1: a micro-batch of
+    one sequence), else formed apart and copied in (the cost model's rule,
+    ``partita.cost.collective_matmul``)."""
+    if out.is_contiguous() and x.is_contiguous() and out.dtype == x.dtype == weight.dtype:
+        rows = x.reshape(-1, x.shape[-1])
+        torch.mm(rows, weight.t() if transposed else weight, out=out.view(-1, out.shape[-1]))
+    else:
+        out.copy_(matmul(x, weight, transposed))
 
 
 def weight_gradient(grad: torch.Tensor, x: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -156,18 +171,26 @@ def needed_gradients(ctx, count: int) -> tuple[bool, ...]:
 
 
 def _around_ring(
-    local: torch.Tensor, dim: int, blocks: int, group: ProcessGroup, each: Callable[[int, torch.Tensor], None]
+    local: torch.Tensor,
+    dim: int,
+    blocks: int,
+    group: ProcessGroup,
+    each: Callable[[int, torch.Tensor], None],
+    into: Callable[[int], torch.Tensor] | None = None,
 ) -> None:
     """Pass every rank's tokens ``local`` (this rank's) around the ring: ``each(source, held)`` for the
     tokens of every rank ``source`` in turn, this rank's first, viewed ``(..., blocks, part, ...)``,
-    while the next rank's travel."""
+    while the next rank's travel. ``into(source)``: where to receive rank ``source``'s tokens, used
+    where that view is contiguous (else a buffer of their own)."""
     degree, rank = dist.get_world_size(group), dist.get_rank(group)
     right, left = _neighbours(group, rank, degree)
     held = local.unflatten(dim, (blocks, -1)).contiguous()  # (..., blocks, part, ...): block ``rank``
     for k in range(degree):
         requests = []
         if k < degree - 1:
-            received = torch.empty_like(held)
+            received = into(rank - k - 1) if into is not None else None
+            if received is None or not received.is_contiguous():
+                received = torch.empty_like(held)
             requests = _exchange(held, received, right, left, group)
         each(rank - k, held)
         for request in requests:

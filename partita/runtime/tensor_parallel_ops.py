@@ -138,8 +138,9 @@ def all_gather_matmul(
     while the next travels around the ring (``partita.runtime.collective_matmul``); it keeps only
     this rank's tokens of ``x`` for backward, as Megatron-LM's sequence parallelism does
     (``1 / degree`` of the gathered copy), and its backward starts their all-gather for the weight
-    gradient, forms the input gradient's product meanwhile (Megatron's overlap), then
-    reduce-scatters it. Selective recomputation keeps its output and runs neither the matmul nor
+    gradient, forms the input gradient's product meanwhile, then reduce-scatters it while the weight
+    gradient is formed (Megatron's overlaps; a zero-bubble input pass, which forms no weight
+    gradient, waits for it). Selective recomputation keeps its output and runs neither the matmul nor
     the all-gather again. Cast under autocast, weight view and zero-bubble passes as
     ``matmul_reduce_scatter``'s: the input pass keeps the gathered ``x`` for the weight pass.
     Smaller blocks run as the two ops (the all-gather, then the matmul keeping the gathered copy):
@@ -412,14 +413,17 @@ def _all_gather_matmul_backward(ctx, grad: torch.Tensor):
     gathering = None
     if gathered is None and ctx.needs_input_grad[1]:  # the weight gradient's, now or later
         gathering = _start_gathering(x, dim, blocks, group_name)
-    if needs_x:  # while the kept tokens are gathered
+    scattering = None
+    if needs_x:  # while the kept tokens are gathered; reduce-scattered while the weight gradient is formed
         product = collective_matmul.matmul(grad, weight, not ctx.transposed)
-        grad_x = _reduce_scatter_parts(product, dim, blocks, group_name)
+        scattering = _start_reduce_scatter(product, dim, blocks, group_name)
     if gathering is not None:
         gathered = gathering()
     grad_weight = _weight_pass(
         ctx, needs_weight, gathered, lambda g: collective_matmul.weight_gradient(grad, g, ctx.transposed)
     )
+    if scattering is not None:
+        grad_x = scattering()
     return grad_x, grad_weight, None, None, None, None
 
 
@@ -512,8 +516,15 @@ def _start_gathering(x: torch.Tensor, dim: int, blocks: int, group: Group) -> Ca
 
 def _reduce_scatter_parts(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
     """This rank's ``_local_part`` of the sum of every rank's full ``x`` (one reduce-scatter)."""
+    return _start_reduce_scatter(x, dim, blocks, group)()
+
+
+def _start_reduce_scatter(x: torch.Tensor, dim: int, blocks: int, group: Group) -> Callable[[], torch.Tensor]:
+    """Start ``_reduce_scatter_parts`` (the reduce-scatter runs while the caller computes); call the
+    result for this rank's part of the sum."""
     if not _communicates(x, group):  # meta, or a group of one: the sum is ``x`` itself
-        return _local_part(x, dim, blocks, group)
+        part = _local_part(x, dim, blocks, group)
+        return lambda: part
     pg = _process_group(group)
     degree = dist.get_world_size(pg)
     size = x.shape[dim]
@@ -525,8 +536,13 @@ def _reduce_scatter_parts(x: torch.Tensor, dim: int, blocks: int, group: Group) 
     parts = x.unflatten(dim, (blocks, degree, size // (blocks * degree)))  # (..., blocks, degree, part, ...)
     stacked = parts.movedim(dim + 1, 0).contiguous()  # (degree, ..., blocks, part, ...): rank r's part r-th
     out = torch.empty_like(stacked[0])
-    dist.reduce_scatter_tensor(out.view(-1), stacked.view(-1), group=pg)
-    return out.flatten(dim, dim + 1)
+    work = dist.reduce_scatter_tensor(out.view(-1), stacked.view(-1), group=pg, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return out.flatten(dim, dim + 1)
+
+    return finish
 
 
 def _local_padding_idx(padding_idx: int | None, vocab_start: int, num_local: int) -> int | None:

@@ -25,6 +25,10 @@ class CostTable:
         backward_s[n]         backward time of node n (input gradients + weight gradients).
         backward_weight_s[n]  the weight-gradient part of backward_s[n] (zero-bubble schedules
                               run it later); 0 for nodes without trainable parameters.
+        split_backward_s[n]   what running node n's backward as two passes adds to its input-
+                              gradient pass: collectives that its weight gradient hides when the
+                              two run together (a fused column-parallel matmul's reduce-scatter,
+                              ``partita.cost.collective_matmul``); 0 elsewhere and by default.
         activation_bytes[n]   bytes node n keeps alive for its backward (saved tensors).
         output_bytes[n]       bytes of node n's outputs (0 for views).
         cut_bytes[c]          bytes of every tensor produced before cut c and read at or after
@@ -76,6 +80,7 @@ class CostTable:
     recomputed_bytes: Any = None
     selective_recompute_s: Any = None
     whole_cut_bytes: Any = None
+    split_backward_s: Any = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: fill what a hand-made table leaves out, once
@@ -87,6 +92,8 @@ class CostTable:
             set_(self, "recomputed_bytes", np.zeros(len(self.forward_s), dtype=np.int64))
         if self.selective_recompute_s is None:
             set_(self, "selective_recompute_s", np.zeros(len(self.forward_s)))
+        if self.split_backward_s is None:
+            set_(self, "split_backward_s", np.zeros(len(self.forward_s)))
 
     @property
     def num_nodes(self) -> int:

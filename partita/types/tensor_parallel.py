@@ -54,7 +54,10 @@ class TensorParallelLayout:
     ``backward_passes``, node name -> the elements of each pass after that node's forward or in its
     backward; the all-reduces they replace are gone from ``forward_reductions`` /
     ``backward_reductions``; ``backward_fixed_passes`` those of values without a batch dimension (the
-    gradient of a whole position embedding scattered by token). ``sequence_rejected``: regions left whole, source node -> why.
+    gradient of a whole position embedding scattered by token). ``token_splits``: each row-parallel
+    source's and fused column-parallel matmul's token split of its output, ``(dim, inner)``: dim
+    ``dim`` viewed as ``(-1, inner)``, ``inner`` split over the group (whether a token block's rows
+    are contiguous, which the fused ops' cost depends on). ``sequence_rejected``: regions left whole, source node -> why.
     """
 
     degree: int
@@ -71,6 +74,7 @@ class TensorParallelLayout:
     forward_passes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     backward_passes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     backward_fixed_passes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    token_splits: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     sequence_rejected: Mapping[str, str] = field(default_factory=dict)
 
     @property

@@ -6,6 +6,7 @@ Each check is a ``(label, got, want)`` triple, compared by the test process."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -63,9 +64,14 @@ def _checks(group, degree: int, ring: bool) -> list:
         ref = ops.gather_for_column(ref_x, dim, blocks, group) @ (ref_w.T if transposed else ref_w)
         (ref * upstream).sum().backward()
         fused_x, fused_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        fused = ops.all_gather_matmul(fused_x, fused_w, transposed, dim, blocks, group)
+        with counting_matmuls() as apart:
+            fused = ops.all_gather_matmul(fused_x, fused_w, transposed, dim, blocks, group)
         (fused * upstream).sum().backward()
         out += [(f"fused {tag}", fused.detach(), ref.detach())]
+        # around the ring a block's product is written in place where its rows are contiguous (tokens
+        # on dim 0, one block: the blocks of a micro-batch of one sequence), else formed apart
+        in_place = ring and dim == 0 and blocks == 1
+        out += [(f"fused {tag} products apart in forward", len(apart), 0 if in_place else degree if ring else 1)]
         out += [(f"fused {tag} input gradient", fused_x.grad, ref_x.grad)]
         out += [(f"fused {tag} weight gradient", fused_w.grad, ref_w.grad)]
 
@@ -85,12 +91,17 @@ def _checks(group, degree: int, ring: bool) -> list:
     out += [(f"autocast: {what}", mine, ref) for what, mine, ref in zip(("output", "x grad", "w grad"), *grads[::-1])]
 
     forward_runs = []
-    matmul = collective_matmul.matmul
+    matmul, matmul_into = collective_matmul.matmul, collective_matmul.matmul_into
 
     def counted(a, b, transposed):
         if a.shape[-1] == 3:  # the forward's products (the backward's multiply the 4-wide gradient)
             forward_runs.append(1)
         return matmul(a, b, transposed)
+
+    def counted_into(into, a, b, transposed):  # these rows are contiguous: written in place, no matmul
+        if a.shape[-1] == 3:
+            forward_runs.append(1)
+        return matmul_into(into, a, b, transposed)
 
     layer = _layer(group)
     x, weight = torch.randn(2, 3, generator=g, dtype=F64), torch.randn(3, 4, generator=g, dtype=F64)
@@ -98,13 +109,13 @@ def _checks(group, degree: int, ring: bool) -> list:
     layer(ref_x, ref_w).sum().backward()
     sel_x, sel_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
     contexts = functools.partial(create_selective_checkpoint_contexts, selective_policy)
-    collective_matmul.matmul = counted
+    collective_matmul.matmul, collective_matmul.matmul_into = counted, counted_into
     try:
         loss = checkpoint(layer, sel_x, sel_w, use_reentrant=False, context_fn=contexts).sum()
         in_forward = len(forward_runs)
         loss.backward()
     finally:
-        collective_matmul.matmul = matmul
+        collective_matmul.matmul, collective_matmul.matmul_into = matmul, matmul_into
     # around the ring: one product per rank's block, and the recomputation takes the op's output
     # from the cache without entering it; whole, the recomputation runs the Python again (its
     # ``mm`` is the policy's, cached at dispatch) and the all-gather
@@ -116,11 +127,33 @@ def _checks(group, degree: int, ring: bool) -> list:
     ]
 
 
+@contextlib.contextmanager
+def counting_matmuls():
+    """The calls of ``partita.runtime.collective_matmul.matmul`` (products formed apart, not written in
+    place) while the context is open, as a list that grows by one per call."""
+    from partita.runtime import collective_matmul
+
+    calls, matmul = [], collective_matmul.matmul
+
+    def counted(*args):
+        calls.append(1)
+        return matmul(*args)
+
+    collective_matmul.matmul = counted
+    try:
+        yield calls
+    finally:
+        collective_matmul.matmul = matmul
+
+
 def _zero_bubble_passes(group, degree: int, ring: bool) -> list:
-    """Under a zero-bubble schedule's two backward passes: around the ring the input pass gathers the
-    kept tokens once (and reduce-scatters the input gradient), the weight pass forms the weight
-    gradient from them without communicating; whole (two ops), the matmul kept the gathered input
-    and neither pass gathers. Together the gradients of one whole backward."""
+    """What each backward pass runs, in order. One whole backward: around the ring the kept tokens
+    are all-gathered while the input gradient's product is formed, which is reduce-scattered while
+    the weight gradient is formed (waited for after it). A zero-bubble schedule's two passes: the
+    input pass gathers the kept tokens once and waits for the input gradient's reduce-scatter, the
+    weight pass forms the weight gradient from them without communicating. Whole (two ops), the
+    matmul kept the gathered input: neither pass gathers, the input pass reduce-scatters. Every way
+    the gradients of one whole backward."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     from partita.runtime import collective_matmul
@@ -131,30 +164,54 @@ def _zero_bubble_passes(group, degree: int, ring: bool) -> list:
     x, weight = torch.randn(2, 3, generator=g, dtype=F64), torch.randn(3, 4, generator=g, dtype=F64)
     ref_x, ref_w = x.clone().requires_grad_(), torch.nn.Parameter(weight.clone())
     layer(ref_x, ref_w).sum().backward()
+    one_x, one_w = x.clone().requires_grad_(), torch.nn.Parameter(weight.clone())
     zb_x, zb_w = x.clone().requires_grad_(), torch.nn.Parameter(weight.clone())
-    loss = layer(zb_x, zb_w).sum()
+    one_loss, zb_loss = layer(one_x, one_w).sum(), layer(zb_x, zb_w).sum()  # the forwards, not recorded
     events = []
-    originals = collective_matmul.weight_gradient, ops._start_gathering
+    originals = collective_matmul.weight_gradient, ops._start_gathering, ops._start_reduce_scatter
 
     def weight_gradient(*args):
-        events.append(("weight gradient",))
+        events.append("weight gradient")
         return originals[0](*args)
 
     def gather(*args):
-        events.append(("all-gather of the kept tokens",))
+        events.append("all-gather of the kept tokens")
         return originals[1](*args)
 
-    collective_matmul.weight_gradient, ops._start_gathering = weight_gradient, gather
+    def reduce_scatter(*args):
+        events.append("reduce-scatter started")
+        finish = originals[2](*args)
+
+        def waited():
+            events.append("reduce-scatter waited")
+            return finish()
+
+        return waited
+
+    collective_matmul.weight_gradient, ops._start_gathering, ops._start_reduce_scatter = (
+        weight_gradient,
+        gather,
+        reduce_scatter,
+    )
     try:
-        _, param_groups = stage_backward_input([loss], None, [zb_x], iter([zb_w]))
-        events.append(("input pass done",))
+        one_loss.backward()
+        events.append("one backward done")
+        _, param_groups = stage_backward_input([zb_loss], None, [zb_x], iter([zb_w]))
+        events.append("input pass done")
         stage_backward_weight(iter([zb_w]), param_groups)
     finally:
-        collective_matmul.weight_gradient, ops._start_gathering = originals
-    # whole: the all-gather and an aten matmul, whose backward runs neither of these
-    ring_events = [("all-gather of the kept tokens",), ("input pass done",), ("weight gradient",)]
+        collective_matmul.weight_gradient, ops._start_gathering, ops._start_reduce_scatter = originals
+    scattered = ["reduce-scatter started", "reduce-scatter waited"]
+    if ring:
+        gathered = "all-gather of the kept tokens"
+        together = [gathered, "reduce-scatter started", "weight gradient", "reduce-scatter waited"]
+        want = [*together, "one backward done", gathered, *scattered, "input pass done", "weight gradient"]
+    else:  # the all-gather's backward reduce-scatters; an aten matmul forms both gradients
+        want = [*scattered, "one backward done", *scattered, "input pass done"]
     return [
-        ("zero bubble: what each pass runs", events, ring_events if ring else [("input pass done",)]),
+        ("backward passes: what each runs, in order", events, want),
+        ("one backward: input gradient", one_x.grad, ref_x.grad),
+        ("one backward: weight gradient", one_w.grad, ref_w.grad),
         ("zero bubble: input gradient", zb_x.grad, ref_x.grad),
         ("zero bubble: weight gradient", zb_w.grad, ref_w.grad),
     ]

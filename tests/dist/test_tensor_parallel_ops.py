@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from cases_all_gather_matmul import case_all_gather_matmul
+from cases_all_gather_matmul import case_all_gather_matmul, counting_matmuls
 from dist_launch import Job
 
 TIMEOUT_S = 120
@@ -150,9 +150,16 @@ def _matmul_reduce_scatter_checks(group, rank: int, degree: int, ring: bool) -> 
         ref = ops.reduce_scatter_to_group(ref_x @ (ref_w.T if transposed else ref_w), dim, blocks, group)
         (ref * upstream).sum().backward()
         fused_x, fused_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        fused = ops.matmul_reduce_scatter(fused_x, fused_w, transposed, dim, blocks, group)
-        (fused * upstream).sum().backward()
+        with counting_matmuls() as apart:
+            fused = ops.matmul_reduce_scatter(fused_x, fused_w, transposed, dim, blocks, group)
+            in_forward = len(apart)
+            (fused * upstream).sum().backward()
         out += [(f"fused {tag}", fused.detach(), ref.detach())]
+        # around the ring a block's input gradient is written in place where its rows are contiguous
+        # (tokens on dim 0, one block: the blocks of a micro-batch of one sequence), else formed apart
+        in_place = ring and dim == 0 and blocks == 1
+        out += [(f"fused {tag} products apart (forward, backward)", (in_forward, len(apart) - in_forward),
+                 (degree if ring else 1, degree if ring and not in_place else 0))]
         out += [(f"fused {tag} input gradient", fused_x.grad, ref_x.grad)]
         out += [(f"fused {tag} weight gradient", fused_w.grad, ref_w.grad)]
 

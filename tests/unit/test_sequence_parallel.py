@@ -197,6 +197,7 @@ def test_fused_row_parallel_matmuls_add_the_overlapped_ring_the_others_their_who
             backward_ring_s=backward[k : k + 1],
             output_block_bytes=output_bytes(graph, 2)[k : k + 1] / 4,
             input_block_bytes=np.array([value_bytes(graph, 2)[x] / 4 / 4]),  # features split, then one block
+            contiguous=np.array([False]),  # two sequences: a block's rows are not
             degree=4,
             device=get_device("h100"),
         )
@@ -215,12 +216,20 @@ def test_fused_row_parallel_matmuls_add_the_overlapped_ring_the_others_their_who
             forward_ring_s=forward[k : k + 1],
             backward_ring_s=backward[k : k + 1],
             output_block_bytes=output_bytes(graph, 2)[k : k + 1] / 16,  # its tokens of its features
+            contiguous=np.array([False]),
             degree=4,
             device=get_device("h100"),
         )
         assert backward[k] == pytest.approx(2 * forward[k])  # the input gathered again, the reduce-scatter
         input_part = (table.backward_s[k] - table.backward_weight_s[k]) / 4
-        assert alone.backward[0] == pytest.approx(forward[k] + max(0.0, forward[k] - input_part))
+        weight_part = table.backward_weight_s[k] / 4
+        # the gather waits beyond the input gradient's product, the reduce-scatter beyond the weight's
+        gathering, scattering = max(0.0, forward[k] - input_part), max(0.0, forward[k] - weight_part)
+        assert alone.backward[0] == pytest.approx(gathering + scattering)
+        # apart (a zero-bubble schedule's input pass) nothing hides the reduce-scatter
+        assert tokens.split_backward_s[k] == pytest.approx(min(forward[k], weight_part))
+        assert tokens.split_backward_s[k] > 0
+        assert whole.split_backward_s[k] == 0
         np.testing.assert_allclose(tokens.forward_s[k], table.forward_s[k] / 4 + alone.forward[0])
         np.testing.assert_allclose(whole.forward_s[k], table.forward_s[k] / 4 + forward[k])
         np.testing.assert_allclose(tokens.backward_s[k], table.backward_s[k] / 4 + alone.backward[0])
@@ -231,6 +240,34 @@ def test_fused_row_parallel_matmuls_add_the_overlapped_ring_the_others_their_who
         assert whole.selective_recompute_s[k] == pytest.approx(table.selective_recompute_s[k] / 4 + forward[k])
     for k in others:
         np.testing.assert_allclose(tokens.forward_s[k], table.forward_s[k] / 4 + forward[k])
+    assert tokens.split_backward_s[rows + others].sum() == 0
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_cost_model_finds_contiguous_token_blocks_where_the_runtime_does(name):
+    """A fused matmul's token blocks are contiguous (read and written in place around the ring) where
+    every dim before their tokens is 1: the cost model's rule on the graph's shapes and token splits
+    agrees with the runtime's view (``partita.runtime.collective_matmul``) at every micro-batch size,
+    and holds for one sequence per micro-batch (GPT-2's merged ``(B*T, C)`` rows and Llama's
+    ``(B, T, C)`` alike), not for several."""
+    import torch
+
+    from partita.cost.tensor_parallel import _contiguous_blocks
+
+    graph, degree = _graph(name), 2
+    layout = find_sequence_layout(graph, degree)
+    assert set(layout.fused_gathers.values()) <= set(layout.token_splits)
+    assert len(layout.token_splits) > len(layout.fused_gathers)  # the row-parallel sources too
+    for microbatch in (1, 3):
+        model = _contiguous_blocks(graph, layout, microbatch)
+        for name_, (dim, inner) in layout.token_splits.items():
+            value = graph.node(name_).outputs[0]
+            shape = [
+                s * microbatch // graph.batch_size if d == value.batch_dim else s for d, s in enumerate(value.shape)
+            ]
+            view = torch.empty(shape, device="meta").unflatten(dim, (shape[dim] // inner, degree, -1))
+            runtime = view.select(dim + 1, 1).is_contiguous()  # a rank's tokens (``_parts``)
+            assert model[graph.node(name_).index] == runtime == (microbatch == 1), (name_, microbatch)
 
 
 def test_a_fused_column_keeps_its_input_part_around_the_ring_and_the_runtime_sizes_its_blocks_alike(monkeypatch):
@@ -305,6 +342,7 @@ def test_fused_row_seconds_hide_the_ring_behind_longer_blocks():
         backward_ring_s=np.array([3.0, 3.0]),
         output_block_bytes=zero,
         input_block_bytes=zero,
+        contiguous=np.array([False, False]),
         degree=4,
         device=device,
     )
@@ -313,6 +351,36 @@ def test_fused_row_seconds_hide_the_ring_behind_longer_blocks():
     np.testing.assert_allclose(seconds.forward, [3 * 2 * launch, 3 * (0.75 + 2 * launch)])
     # backward: the input-gradient part's blocks (16 - 8 and 2 - 1 s) hide the gradient's all-gather
     np.testing.assert_allclose(seconds.backward, [3 * 3 * launch, 3 * (0.75 + 3 * launch)])
+
+
+def test_contiguous_token_blocks_need_no_copies():
+    """Where a block's rows are contiguous the ring copies no input block and, backward, writes each
+    product and received block in place (one launch per step; this device's own block copied once);
+    the forward still adds each received partial (three output blocks)."""
+    from partita.cost.collective_matmul import fused_column_seconds, fused_row_seconds
+    from partita.types.devices import get_device
+
+    device = get_device("h100")
+    rate = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
+    launch, out_block, in_block = device.op_overhead_s, 4e6, 1e6
+    common = dict(
+        forward_s=np.array([8.0, 8.0]),
+        backward_s=np.array([16.0, 16.0]),
+        backward_weight_s=np.array([8.0, 8.0]),
+        forward_ring_s=np.array([3.0, 3.0]),
+        backward_ring_s=np.array([3.0, 3.0]),
+        output_block_bytes=np.array([out_block, out_block]),
+        contiguous=np.array([False, True]),
+        degree=4,
+        device=device,
+    )
+    rows = fused_row_seconds(**common, input_block_bytes=np.array([in_block, in_block]))
+    forward = [2 * launch + (2 * in_block + 3 * out_block) / rate, 2 * launch + 3 * out_block / rate]
+    np.testing.assert_allclose(rows.forward, 3 * np.array(forward))
+    backward = [3 * 3 * launch + 3 * 2 * (in_block + out_block) / rate, 3 * launch + launch + 2 * out_block / rate]
+    np.testing.assert_allclose(rows.backward, backward)
+    columns = fused_column_seconds(**common)
+    np.testing.assert_allclose(columns.forward, 3 * np.array([2 * launch + 2 * out_block / rate, launch]))
 
 
 def test_the_planner_pins_or_searches_it():

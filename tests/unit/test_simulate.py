@@ -261,6 +261,22 @@ def test_zbv_reaches_the_lower_bound_when_f_equals_i_equals_w(g, m):
     assert res.step_s - 6 * m * t == pytest.approx((one_f_one_b.step_s - 6 * m * t) / 6)  # 6x less idle time
 
 
+def test_a_split_backward_lengthens_only_the_input_passes_of_schedules_that_split_it():
+    """``split_backward_s``: collectives a stage's weight gradient hides when its backward runs whole
+    (a fused column-parallel matmul's reduce-scatter) wait in its input pass when the two are apart."""
+    g, m, f, b, w, x = 4, 8, 1.0, 2.0, 1.0, 0.25
+    whole = dict(num_microbatches=m, num_rank_groups=g, send_s=[0.0] * (2 * g - 1), allreduce_s=[0.0] * 2 * g)
+    times = dict(forward_s=[f] * 2 * g, backward_s=[b] * 2 * g, backward_weight_s=[w] * 2 * g)
+    split = simulate_pipeline(schedule=ZBV, **whole, **times, split_backward_s=[x] * 2 * g)
+    durations = {(e.kind, round(e.end_s - e.start_s, 9)) for e in split.timeline if e.kind in "IW"}
+    assert durations == {("I", b - w + x), ("W", w)}
+    assert split.step_s > simulate_pipeline(schedule=ZBV, **whole, **times).step_s
+    interleaved = dict(whole, schedule=INTERLEAVED, **times)
+    assert (
+        simulate_pipeline(**interleaved, split_backward_s=[x] * 2 * g).step_s == simulate_pipeline(**interleaved).step_s
+    )
+
+
 # ----------------------------------------------------------------------------- communication
 
 
