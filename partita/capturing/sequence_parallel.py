@@ -427,6 +427,22 @@ def _static_factor(size: Any) -> int:
     return int(coefficient) if coefficient.is_Integer else 1
 
 
+def broadcast_only(
+    values: Iterable[torch.fx.Node], sp: SequenceParallelAnalysis, also: Collection[tuple[str, int]] = ()
+) -> set[str]:
+    """The names of ``values`` (weights: get_attr nodes, a stage's parameter placeholders) that every
+    use reads as an operand broadcast over the tokens of a split value (``sp.broadcasts``: a norm's
+    weight and bias; ``also``: more such uses, (node, argument position)). Each rank's gradient of such a weight is then the part of its own tokens,
+    which the runtime sums over the group once per step with the other gradients, as Megatron-LM
+    does for its sequence-parallel norms, instead of after every micro-batch's backward."""
+    found = set()
+    for v in values:
+        uses = [(user.name, p) for user in v.users for p, operand in fx_read.tensor_positions(user) if operand is v]
+        if uses and all(use in sp.broadcasts or use in also for use in uses):
+            found.add(v.name)
+    return found
+
+
 def sequence_layout_fields(graph: torch.fx.Graph, tp: TensorParallelAnalysis, sp: SequenceParallelAnalysis) -> dict:
     """The ``TensorParallelLayout`` fields of ``sp`` on ``graph`` (a whole captured graph): the split
     and gathered nodes, and the collectives by node, elements at the graph's example batch (the
@@ -466,9 +482,14 @@ def sequence_layout_fields(graph: torch.fx.Graph, tp: TensorParallelAnalysis, sp
     for (name, position), _ in sp.scatters.items():  # backward all-gathers the part's gradient
         operand = operands[(name, position)]
         add(backward_passes if fx_read.batched(operand) else fixed_passes, name, fx_read.numel(operand))
+    weights = [n for n in graph.nodes if n.op == "get_attr"]
+    partial = broadcast_only(weights, sp)
+    per_step = {n.target for n in weights if n.name in partial} - {n.target for n in weights if n.name not in partial}
     for name, position in sorted(sp.broadcasts):
         operand = operands[(name, position)]
-        if operand.op == "get_attr":  # a weight's gradient summed over the group: its size at any batch
+        # a weight's gradient summed over the group: its size at any batch; once per step, with the
+        # other gradients (not counted: a few norms' weights), where every use broadcasts it
+        if operand.op == "get_attr" and operand.target not in per_step:
             fixed[name] = fixed.get(name, 0) + fx_read.numel(operand)
     return dict(
         sequence_parallel=True,

@@ -50,9 +50,13 @@ counts are elements at the graph's example batch size; they are activations (the
 row-parallel matmul, the input gradient of column-parallel ones, three values per row of a
 vocab-parallel loss), so they scale with the micro-batch, but for the gradients of whole
 operands without a batch dimension (``backward_fixed_reductions``: a weight broadcast over the
-tokens, T5's position bias) and the gradient passes of such operands scattered by token
-(``backward_fixed_passes``), the same at every micro-batch size; all move in the compute dtype (2 bytes
-under bf16, 4 under fp32). Measured activation bytes (the profiler's) are scaled node by node by
+tokens that something else reads too, T5's position bias) and the gradient passes of such operands
+scattered by token (``backward_fixed_passes``), the same at every micro-batch size; all move in the
+compute dtype (2 bytes under bf16, 4 under fp32). A weight only ever broadcast over the tokens (a
+norm's weight and bias, a row-parallel bias) has its gradient summed over the group once per step
+by the trainer (``partita.runtime.tensor_parallel_rewrite.partial_gradients``): one all-reduce of
+a few vectors per rank, not counted (530B's rank of five layers: 2.5 MB of fp32 gradients, under
+0.1 ms of a 36 s step). Measured activation bytes (the profiler's) are scaled node by node by
 the modelled bytes with the split over those without.
 
 The division of times is the roofline's: a node's work, its fixed per-kernel overhead included,

@@ -84,6 +84,21 @@ class GradientSync:
             if rank in ranks and names:
                 self.buckets.append((group, names))
 
+    def sum_over(self, names: Collection[str], group: dist.ProcessGroup | None) -> None:
+        """Sum the gradients of ``names`` over ``group`` (one collective; none without names): those
+        each rank of a tensor-parallel group holds only its tokens' part of under sequence
+        parallelism (``partita.runtime.tensor_parallel_rewrite.partial_gradients``), summed once per
+        step before ``reduce_and_scale`` sums them over their holders."""
+        if not names or group is None or dist.get_world_size(group) == 1:
+            return
+        grads = [local_tensor(self._grad(name)) for name in sorted(names)]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
     def reduce_and_scale(self) -> None:
         """Gradient of the global mean loss: all-reduce (SUM) over the holders, then multiply by ``scale``."""
         reduced: set[str] = set()

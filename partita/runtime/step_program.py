@@ -31,7 +31,7 @@ from partita.runtime.process_groups import Topology
 from partita.runtime.sharding import standing_in, whole_backward_stages
 from partita.runtime.stages import StageModule, narrow_batch
 from partita.runtime.tensor_parallel import TensorParallel, program_layouts
-from partita.runtime.tensor_parallel_rewrite import rewrite_stage, run_whole
+from partita.runtime.tensor_parallel_rewrite import partial_gradients, rewrite_stage, run_whole
 from partita.runtime.uneven import UnevenExecutor
 from partita.types import OpGraph, Plan
 
@@ -76,8 +76,12 @@ class StepProgram:
         )
         # after the loss rewriting: the vocab-parallel cross-entropy takes over its (sum) reduction
         self.tensor_parallel = None if tensor_parallel is None else program_layouts(tensor_parallel, graph, all_stages)
+        # the gradients left as each rank's tokens' part, summed over its group once per step
+        self.partial_gradients: frozenset[str] = frozenset()
+        if self.tensor_parallel is not None:
+            self.partial_gradients = partial_gradients(self.stages, self.tensor_parallel)
         for stage in self.stages if self.tensor_parallel is not None else ():
-            rewrite_stage(stage, self.tensor_parallel)
+            rewrite_stage(stage, self.tensor_parallel, self.partial_gradients)
         self.root_indices = sorted({j for s in self.stages for j in s.graph_input_indices})
         self._schedule: Any = None  # uniform plans: the torch schedule
         self._executor: UnevenExecutor | None = None  # uneven plans

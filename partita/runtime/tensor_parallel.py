@@ -30,7 +30,10 @@ Sequence parallelism (``StagePlan.sequence_parallel``; ``partita.capturing.seque
 splits the regions between them by token: row-parallel outputs are reduce-scattered, the inputs of
 column-parallel matmuls all-gathered, and a stage takes its part of a received value the whole
 graph splits, and gathers whole what it sends -- except between two stages of one degree that
-both split the value alike, which exchange each rank's tokens (``boundary_parts``). Checkpoints and ``gather_state_dict`` hold whole tensors
+both split the value alike, which exchange each rank's tokens (``boundary_parts``). The weights
+broadcast over the tokens (norms' weights and biases, row-parallel biases) get each rank's tokens'
+part of their gradient, summed over the group once per step (``partial_gradients``,
+``GradientSync.sum_over``), not after every micro-batch. Checkpoints and ``gather_state_dict`` hold whole tensors
 under the original names (``gather_full``), so any plan, or the plain model, loads them.
 """
 

@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from partita.capturing.sequence_parallel import broadcast_only
 from partita.capturing.tensor_parallel_graph import matmul_operands
 from partita.runtime import tensor_parallel_ops as ops
 from partita.runtime.stages import StageModule
 from partita.runtime.tensor_parallel import TensorParallel, process_group
 
-__all__ = ["rewrite_stage", "run_whole"]
+__all__ = ["partial_gradients", "rewrite_stage", "run_whole"]
 
 aten = torch.ops.aten
 
@@ -130,13 +131,36 @@ def run_whole(tp: TensorParallel, stage: StageModule, received: Sequence[Any], g
     )
 
 
-def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
+def partial_gradients(stages: Sequence[StageModule], tp: TensorParallel) -> frozenset[str]:
+    """The trainable parameters (canonical names) that every use in ``stages`` (this rank's) reads
+    broadcast over the tokens of a sequence-parallel value (``broadcast_only``: norms' weights and
+    biases, row-parallel matmuls' biases, added to their reduce-scattered sums). ``rewrite_stage`` then leaves their gradients as each rank's tokens' part, which the
+    trainer sums over the group once per step (``GradientSync.sum_over``), not per micro-batch."""
+    if not tp.sequence_parallel:
+        return frozenset()
+    partial: dict[str, bool] = {}
+    for stage in stages:
+        analysis = tp.analyses.get(stage.spec.index)
+        if analysis is None or analysis.layout.is_trivial or analysis.sequence is None:
+            for name in stage.spec.param_names:
+                partial[name] = False
+            continue
+        placeholders = _parameter_placeholders(stage)
+        found = broadcast_only(placeholders, analysis.sequence, also=_row_biases(stage, analysis))
+        trainable = {name for name, p in stage.named_parameters() if p.requires_grad}
+        for node, name in placeholders.items():
+            partial[name] = partial.get(name, True) and node.name in found and name in trainable
+    return frozenset(name for name, is_partial in partial.items() if is_partial)
+
+
+def rewrite_stage(stage: StageModule, tp: TensorParallel, partial: frozenset[str] = frozenset()) -> None:
     """Insert the collectives of the stage's layout into its graph (in place, recompiled), and those
     of its sequence parallelism (``TensorParallelAnalysis.sequence``) where the plan has it. Under
     sequence parallelism each row-parallel matmul runs fused with its reduce-scatter
     (``matmul_reduce_scatter_out``), and a column-parallel matmul that alone reads a value with the
     all-gather of that value (``gather_matmul_out``): the transfers overlap the matmul, and
-    selective recomputation keeps the token parts and runs neither again."""
+    selective recomputation keeps the token parts and runs neither again. The gradients of the
+    parameters named in ``partial`` (``partial_gradients``) are left as this rank's part."""
     analysis = tp.analyses[stage.spec.index]
     if analysis.layout.is_trivial:
         return
@@ -146,6 +170,7 @@ def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
     nodes = {n.name: n for n in g.nodes}
     key = tp.key
     fused = sequence.fused_columns if sequence is not None else {}
+    left_partial = {node.name for node, name in _parameter_placeholders(stage).items() if name in partial}
     for name in sorted(analysis.copies):
         x = nodes[name]
         columns = [u for u in x.users if analysis.kinds.get(u.name) == "column"]
@@ -173,7 +198,7 @@ def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
         node = nodes[name]
         split = sequence.sources.get(name) if sequence is not None else None
         if kind == "row":
-            _row(g, node, key, split)
+            _row(g, node, key, split, left_partial)
         elif kind == "vocab_embedding":
             padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
             if split is None:  # looked up where held and all-reduced: the output is whole
@@ -192,7 +217,7 @@ def rewrite_stage(stage: StageModule, tp: TensorParallel) -> None:
         received_in_part = set(tp.sent_in_part(k - 1)) if k > 0 else set()
         sent = tp.sent_in_part(k)
         positions = {i for i, name in enumerate(stage.spec.output_names) if name in sent}
-        _rewrite_sequence(g, nodes, sequence, key, tp.degree, received_in_part, positions)
+        _rewrite_sequence(g, nodes, sequence, key, tp.degree, received_in_part, positions, left_partial)
     sharded = set(analysis.states) | (set(sequence.states) if sequence is not None else set())
     for node in list(g.nodes):  # shape assertions of split values would name the whole sizes
         if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_tensor_metadata.default":
@@ -210,11 +235,13 @@ def _rewrite_sequence(
     degree: int,
     received_in_part: set[str],
     sent_in_part: set[int],
+    left_partial: set[str],
 ) -> None:
     """Sequence parallelism's part of ``rewrite_stage`` besides the row-parallel outputs, embeddings and
     column inputs: received values taken in part (those in ``received_in_part`` arrive so), whole
-    operands sliced to this rank's tokens or (broadcast over them) their gradients summed, views
-    resized, outputs gathered whole (except those at the positions ``sent_in_part``, sent as they are)."""
+    operands sliced to this rank's tokens or (broadcast over them) their gradients summed (but for
+    the parameters ``left_partial``, by placeholder name), views resized, outputs gathered whole
+    (except those at the positions ``sent_in_part``, sent as they are)."""
     for name, split in sequence.sources.items():
         node = nodes[name]
         if node.op != "placeholder" or name in received_in_part:
@@ -231,6 +258,8 @@ def _rewrite_sequence(
         _set_operand(node, position, part)
     for name, position in sorted(sequence.broadcasts):
         node = nodes[name]
+        if getattr(_operand(node, position), "name", None) in left_partial:
+            continue
         with g.inserting_before(node):
             summed = g.call_function(copy_in, (_operand(node, position), key))
         _set_operand(node, position, summed)
@@ -257,11 +286,12 @@ def _rewrite_sequence(
             output.replace_input_with(nodes[name], whole_of(nodes[name], split))
 
 
-def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None) -> None:
+def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None, left_partial: Any = ()) -> None:
     """Row-parallel matmul: the partial products are summed over the group, then the bias added.
     With sequence parallelism (``split``, a ``TokenSplit``) the matmul and the reduce-scatter of its
     sum by token are one node (``matmul_reduce_scatter_out``), and the bias's gradient, each rank's
-    tokens' part, is summed over the group."""
+    tokens' part, is summed over the group: here, unless it is a parameter left partial (by
+    placeholder name, ``left_partial``), summed once per step."""
     name = getattr(node.target, "overloadpacket", None).__name__
     bias = None
     if name == "linear":
@@ -278,10 +308,11 @@ def _row(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any = None) ->
             reduced = g.call_function(reduce_out, (node, key))
     out = reduced
     if bias is not None:
-        if split is not None:
+        after = reduced
+        if split is not None and getattr(bias, "name", None) not in left_partial:
             with g.inserting_after(reduced):
-                bias = g.call_function(copy_in, (bias, key))
-        with g.inserting_after(bias if split is not None else reduced):
+                bias = after = g.call_function(copy_in, (bias, key))
+        with g.inserting_after(after):
             out = g.call_function(aten.add.Tensor, (reduced, bias))
     if out is not node:
         node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not reduced and user is not out)
@@ -298,6 +329,29 @@ def _column(g: torch.fx.Graph, node: torch.fx.Node, key: int, split: Any) -> Non
         with g.inserting_after(node):
             out = g.call_function(aten.add.Tensor, (node, bias))
         node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
+
+
+def _row_biases(stage: StageModule, analysis: Any) -> set[tuple[str, int]]:
+    """(node, argument position) of the biases of the stage's row-parallel matmuls whose sums are
+    reduce-scattered by token (sequence parallelism's sources): added to each rank's tokens."""
+    found = set()
+    for node in stage.graph_module.graph.nodes:
+        if analysis.kinds.get(node.name) == "row" and node.name in analysis.sequence.sources:
+            name = getattr(node.target, "overloadpacket", None).__name__
+            if name == "addmm":
+                found.add((node.name, 0))
+            elif name == "linear" and len(node.args) > 2:
+                found.add((node.name, 2))
+            elif name == "linear" and node.kwargs.get("bias") is not None:
+                found.add((node.name, len(node.args) + list(node.kwargs).index("bias")))
+    return found
+
+
+def _parameter_placeholders(stage: StageModule) -> dict[torch.fx.Node, str]:
+    """The stage graph's placeholders of its parameters and buffers -> their canonical names (the
+    first placeholders, in ``spec.param_names`` order)."""
+    placeholders = [n for n in stage.graph_module.graph.nodes if n.op == "placeholder"]
+    return dict(zip(placeholders, stage.spec.param_names))
 
 
 def _operand(node: torch.fx.Node, position: int) -> Any:

@@ -30,7 +30,9 @@ What happens in a step (see pipeline.py, uneven.py and gradient_sync.py for why 
    ``StagePlan.replica_samples``);
 2. the schedule runs this rank's stages over ``num_microbatches`` micro-batches; graph inputs
    reach each stage directly, boundary tensors by P2P;
-3. gradients are summed over every rank holding a parameter (replicas, tied copies) and scaled
+3. under sequence parallelism the norms' weight gradients, each rank's of its tokens, are summed
+   over the tensor-parallel group (once per step, ``GradientSync.sum_over``); then
+   gradients are summed over every rank holding a parameter (replicas, tied copies) and scaled
    once (``LossScaling.grad_scale``, loss_scaling.py): by ``1 / (num_microbatches * r)``, ``r``
    being the last stage's replica count (``dp`` when uniform), when the loss is a mean over
    equally many elements per micro-batch; by 1 when the stages were rewritten to compute each
@@ -295,6 +297,9 @@ class Trainer:
         try:
             with self._step_rng(), self.compute.step_context():  # one bf16 copy of each weight per step
                 losses = self._run_rounds(program, flat)
+            if program.partial_gradients:
+                doing = "the all-reduce of sequence-parallel norms' gradients over their tensor-parallel group"
+                self.grad_sync.sum_over(program.partial_gradients, program.tensor_parallel.group)
             doing = "the all-reduce of gradients over their holders"
             self.grad_sync.reduce_and_scale()
             doing = "the all-reduce of the loss"

@@ -148,8 +148,16 @@ def _check(results: list, config: dict) -> None:
         assert mine["split"], f"{label}: nothing was split"
     if config.get("sequence_parallel"):  # every rank splits regions by token: reduce-scattered sources
         assert all(r[label]["token_sources"] for r in results), [r[label]["token_sources"] for r in results]
+        # the norms' weights and the row-parallel biases, broadcast over the tokens: each rank's
+        # gradient is its tokens' part, summed over the group once per step (as Megatron-LM does),
+        # never per micro-batch
+        for r in results:
+            partial = r[label]["partial_gradients"]
+            assert partial and not r[label]["summed_per_microbatch"], r[label]
+            norms = [name for name in partial if "norm" in name.lower() or ".ln_" in name]
+            assert norms and all(name in norms or name.endswith(".bias") for name in partial), partial
     else:
-        assert not mine["token_sources"]
+        assert not mine["token_sources"] and not mine["partial_gradients"]
     ring_calls = [r[label]["ring_calls"] for r in results]  # the fused matmuls computed around the ring
     assert all(ring_calls) if config.get("ring") else not any(ring_calls), ring_calls
     # and the column-parallel ones that gather their input (GPT-2's every one, Llama's LM head alone)

@@ -146,6 +146,22 @@ def _boundary_shapes(trainer) -> dict[str, list]:
     return shapes
 
 
+def _norm_gradients(trainer) -> dict[str, list[str]]:
+    """The parameters whose gradients this rank's program leaves as its tokens' part (summed over
+    the group once per step), and those the rewritten stage graphs still sum per micro-batch
+    (``copy_in`` of a parameter)."""
+    from partita.runtime.tensor_parallel_rewrite import _parameter_placeholders, copy_in
+
+    program = trainer._programs.planned
+    per_microbatch = set()
+    for stage in program.stages if trainer.tensor_parallel is not None else ():
+        params = _parameter_placeholders(stage)
+        for node in stage.graph_module.graph.nodes:
+            if node.target is copy_in and node.args[0] in params:
+                per_microbatch.add(params[node.args[0]])
+    return {"partial_gradients": sorted(program.partial_gradients), "summed_per_microbatch": sorted(per_microbatch)}
+
+
 def _parts(trainer, graph) -> list[tuple]:
     """(size along the token dim sent, captured size along it, the split's inner, degree) of each
     value this rank's stages send in part."""
@@ -239,6 +255,7 @@ def _train_config(config: dict, params: dict, rank: int) -> dict:
         # this rank's stages send and receive
         "parts_sent": sorted(f"{k}:{name}" for k, name in tp.parts_sent) if tp is not None else [],
         "boundary_shapes": _boundary_shapes(trainer),
+        **_norm_gradients(trainer),
         "parts": _parts(trainer, case.graph),
         "losses": losses,
         "held": held,

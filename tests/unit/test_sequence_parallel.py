@@ -141,6 +141,26 @@ def test_costs_divide_the_split_regions_and_count_their_collectives():
     assert tokens.backward_s.sum() > 0 and np.isfinite(tokens.forward_s).all()
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_norms_weight_gradients_are_summed_once_per_step_not_per_microbatch(name):
+    """A norm's weight and bias, broadcast over the tokens of split values, get each device's tokens'
+    part of their gradient, which the runtime sums over the group with the other gradients once per
+    step (Megatron-LM's way): the cost model charges no per-micro-batch all-reduce for them, while
+    the plain tensor-parallel layout has none to charge (its norms run whole)."""
+    from partita.capturing.sequence_parallel import analyze_sequence, broadcast_only
+    from partita.capturing.tensor_parallel import whole_graph_analysis
+
+    graph = _graph(name)
+    fx_graph = graph.graph_module.graph
+    analysis = whole_graph_analysis(graph, 2)
+    sequence = analyze_sequence(fx_graph, analysis, outputs=(graph.nodes[graph.loss_node].name,))
+    weights = [n for n in fx_graph.nodes if n.op == "get_attr"]
+    partial = {n.target for n in weights if n.name in broadcast_only(weights, sequence)}
+    norms = {graph.attr_to_param[t] for t in partial}
+    assert len(norms) >= 3 and all("norm" in p or ".ln_" in p for p in norms), sorted(norms)
+    assert not find_sequence_layout(graph, 2).backward_fixed_reductions
+
+
 def test_selective_recomputation_keeps_the_token_part_of_row_parallel_outputs():
     """The runtime fuses a row-parallel matmul with its reduce-scatter (``matmul_reduce_scatter``):
     what selective recomputation keeps of it is this device's tokens of the sum, and its
