@@ -61,7 +61,18 @@ CASES = {
 HISTORY = """\
 ## Before (same machine)
 
-- 2026-12-07 01:07 UTC (this table): column-parallel matmuls fused with their input's all-gather
+- 2026-12-07 03:24 UTC (this table): sequence parallelism's ring ops without block copies where a
+  block's rows are contiguous, the column-parallel input gradient's reduce-scatter overlapped with
+  the weight gradient (``CostTable.split_backward_s``), the norms' gradients summed once per step.
+  Search 16.5 s (175B), 10.5, 24.2, 38.6, 20.2 and 27.2 s (1T); captures -2 to +24% against the
+  table below. 310B's search grew and missed its goal: its best simulated candidates before
+  refinement are now interleaved configs whose split floors lie below the best simulated step,
+  so six configs are refined (under the profiler 18.7 s of refinement, 3.9 s before), and it
+  keeps another plan (TP 8 x 16 x 15, interleaved 1F1B, 24.47 s; ZB-V 20 x 12, pinned, refines to
+  24.28 s, but its search candidates start at 28.7 s and are not among the simulated ones). In
+  one period, the code before (551377e) and this one: 310B 18.7 against 31.8 s of search, 175B
+  12.4 against 14.9 s.
+- 2026-12-07 01:07 UTC: column-parallel matmuls fused with their input's all-gather
   where their blocks are large (``partita::all_gather_matmul``). Search 12.9 s (175B), 11.9, 25.9,
   20.4, 25.2 and 34.2 s (1T): the goals for 175B and 1T missed in a slow hour (captures 26-81% slower
   than at 08:50 below). The same period, the code before (6a87467) and this one alternating, search

@@ -134,8 +134,9 @@ def run_whole(tp: TensorParallel, stage: StageModule, received: Sequence[Any], g
 def partial_gradients(stages: Sequence[StageModule], tp: TensorParallel) -> frozenset[str]:
     """The trainable parameters (canonical names) that every use in ``stages`` (this rank's) reads
     broadcast over the tokens of a sequence-parallel value (``broadcast_only``: norms' weights and
-    biases, row-parallel matmuls' biases, added to their reduce-scattered sums). ``rewrite_stage`` then leaves their gradients as each rank's tokens' part, which the
-    trainer sums over the group once per step (``GradientSync.sum_over``), not per micro-batch."""
+    biases, row-parallel matmuls' biases, added to their reduce-scattered sums). ``rewrite_stage``
+    then leaves their gradients as each rank's tokens' part, which the trainer sums over the group
+    once per step (``GradientSync.sum_over``), not per micro-batch. Read before the rewrite."""
     if not tp.sequence_parallel:
         return frozenset()
     partial: dict[str, bool] = {}
