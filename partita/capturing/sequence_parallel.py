@@ -432,9 +432,10 @@ def broadcast_only(
 ) -> set[str]:
     """The names of ``values`` (weights: get_attr nodes, a stage's parameter placeholders) that every
     use reads as an operand broadcast over the tokens of a split value (``sp.broadcasts``: a norm's
-    weight and bias; ``also``: more such uses, (node, argument position)). Each rank's gradient of such a weight is then the part of its own tokens,
-    which the runtime sums over the group once per step with the other gradients, as Megatron-LM
-    does for its sequence-parallel norms, instead of after every micro-batch's backward."""
+    weight and bias; ``also``: more such uses, (node, argument position)). Each rank's gradient of
+    such a weight is then the part of its own tokens, which the runtime sums over the group once
+    per step with the other gradients, as Megatron-LM does for its sequence-parallel norms, instead
+    of after every micro-batch's backward."""
     found = set()
     for v in values:
         uses = [(user.name, p) for user in v.users for p, operand in fx_read.tensor_positions(user) if operand is v]

@@ -239,10 +239,7 @@ def _contiguous_blocks(graph: OpGraph, layout: TensorParallelLayout, microbatch_
     for name, (dim, inner) in layout.token_splits.items():
         if name not in position or not graph.nodes[position[name]].outputs:
             continue
-        value = graph.nodes[position[name]].outputs[0]
-        shape = list(value.shape)
-        if value.batch_dim is not None:
-            shape[value.batch_dim] = shape[value.batch_dim] * microbatch_size // graph.batch_size
+        shape = graph.nodes[position[name]].outputs[0].shape_at_batch(microbatch_size, graph.batch_size)
         out[position[name]] = math.prod(shape[:dim]) * (shape[dim] // inner) == 1
     return out
 

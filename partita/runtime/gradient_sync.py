@@ -91,13 +91,7 @@ class GradientSync:
         step before ``reduce_and_scale`` sums them over their holders."""
         if not names or group is None or dist.get_world_size(group) == 1:
             return
-        grads = [local_tensor(self._grad(name)) for name in sorted(names)]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        _sum_together([local_tensor(self._grad(name)) for name in sorted(names)], group)
 
     def reduce_and_scale(self) -> None:
         """Gradient of the global mean loss: all-reduce (SUM) over the holders, then multiply by ``scale``."""
@@ -108,13 +102,7 @@ class GradientSync:
                 for name, g in zip(names, grads):
                     if name in self.spanning:
                         g.zero_()
-            flat = torch.cat([g.reshape(-1) for g in grads])  # one collective per holder set
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            flat.mul_(self.scale)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            _sum_together(grads, group, scale=self.scale)  # one collective per holder set
             reduced.update(names)
         for name, p in self.params.items():
             if name not in reduced and p.grad is not None:
@@ -148,6 +136,19 @@ class GradientSync:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         return p.grad
+
+
+def _sum_together(grads: Sequence[torch.Tensor], group: dist.ProcessGroup, *, scale: float = 1.0) -> None:
+    """Each of ``grads`` replaced, in place, by its sum over ``group`` times ``scale``: one
+    all-reduce of them all, flattened into one buffer."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    if scale != 1.0:
+        flat.mul_(scale)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.fx
 
 from partita.capturing.sequence_parallel import broadcast_only
-from partita.capturing.tensor_parallel_graph import matmul_operands
+from partita.capturing.tensor_parallel_graph import matmul_operands, tensor_positions
 from partita.runtime import tensor_parallel_ops as ops
 from partita.runtime.stages import StageModule
 from partita.runtime.tensor_parallel import TensorParallel, process_group
@@ -338,13 +338,8 @@ def _row_biases(stage: StageModule, analysis: Any) -> set[tuple[str, int]]:
     found = set()
     for node in stage.graph_module.graph.nodes:
         if analysis.kinds.get(node.name) == "row" and node.name in analysis.sequence.sources:
-            name = getattr(node.target, "overloadpacket", None).__name__
-            if name == "addmm":
-                found.add((node.name, 0))
-            elif name == "linear" and len(node.args) > 2:
-                found.add((node.name, 2))
-            elif name == "linear" and node.kwargs.get("bias") is not None:
-                found.add((node.name, len(node.args) + list(node.kwargs).index("bias")))
+            bias = matmul_operands(node, getattr(node.target, "overloadpacket", None).__name__)[2]
+            found |= {(node.name, p) for p, v in tensor_positions(node) if bias is not None and v is bias}
     return found
 
 

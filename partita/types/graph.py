@@ -30,6 +30,14 @@ class TensorInfo:
         such a tensor cannot be split by sample, since its layout (batch- or T-major) is unknown."""
         return self.batch_dim is not None and self.shape[self.batch_dim] != example_batch_size
 
+    def shape_at_batch(self, batch_size: int, example_batch_size: int) -> tuple[int, ...]:
+        """This tensor's shape when the batch is ``batch_size`` instead of the example's."""
+        if self.batch_dim is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.batch_dim] = shape[self.batch_dim] * batch_size // example_batch_size
+        return tuple(shape)
+
     def bytes_at_batch(self, batch_size: int, example_batch_size: int) -> int:
         """Bytes of this tensor when the batch is ``batch_size`` instead of the example's."""
         if self.batch_dim is None:

@@ -14,6 +14,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from partita.cost import comm
 from partita.cost.memory import microbatches_in_flight
+from partita.errors import InputError
 from partita.planning.simulate import simulate
 from partita.planning.simulator import KIND_CODES, compiled_orders, peak_activations, simulate_pipeline
 from partita.report.timeline import timeline_text
@@ -271,6 +272,8 @@ def test_a_split_backward_lengthens_only_the_input_passes_of_schedules_that_spli
     durations = {(e.kind, round(e.end_s - e.start_s, 9)) for e in split.timeline if e.kind in "IW"}
     assert durations == {("I", b - w + x), ("W", w)}
     assert split.step_s > simulate_pipeline(schedule=ZBV, **whole, **times).step_s
+    with pytest.raises(InputError, match="split_backward_s needs"):
+        simulate_pipeline(schedule=ZBV, **whole, **times, split_backward_s=[-x] * 2 * g)
     interleaved = dict(whole, schedule=INTERLEAVED, **times)
     assert (
         simulate_pipeline(**interleaved, split_backward_s=[x] * 2 * g).step_s == simulate_pipeline(**interleaved).step_s
