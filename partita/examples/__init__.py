@@ -10,6 +10,7 @@ Used by the CLI (``partita plan gpt2-xl``), the tests and the benchmarks::
 A name is ``<family>`` (size ``tiny``) or ``<family>-<size>``: ``gpt2``, ``gpt2-xl``,
 ``llama-7b``, ``gpt2-gpt3-175b``. Families and their sizes:
 
+    albert tiny base                                   AlbertForMaskedLM (one layer at every depth)
     bert   tiny small base large                       BertForMaskedLM
     cnn    tiny small                                  plain-torch ResNet
     gpt2   tiny small 124m 355m 774m xl 13b gpt3-175b  GPT2LMHeadModel
@@ -66,7 +67,7 @@ class Example:
 
 
 def names() -> list[str]:
-    """The model families, sorted: ``["bert", "cnn", "gpt2", "llama", "mlp", "t5", "vit"]``."""
+    """The model families, sorted: ``["albert", "bert", "cnn", "gpt2", "llama", "mixtral", "mlp", "t5", "vit"]``."""
     return sorted(_MODULES)
 
 

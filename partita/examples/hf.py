@@ -1,6 +1,7 @@
 """Hugging Face models of the zoo, built from configs (never from downloaded weights).
 
 Families: ``gpt2`` (GPT2LMHeadModel, tied head), ``bert`` (BertForMaskedLM, tied decoder),
+``albert`` (AlbertForMaskedLM: one layer's weights shared by every depth, tied decoder),
 ``llama`` (LlamaForCausalLM), ``mixtral`` (MixtralForCausalLM: mixture of experts), ``t5`` (T5ForConditionalGeneration, tied shared embedding) and
 ``vit`` (ViTForImageClassification). Each is called with keyword inputs that include
 ``labels=``, so the model returns its own loss (``output.loss``).
@@ -136,6 +137,44 @@ BERT = HFFamily(
             num_attention_heads=16,
             intermediate_size=4096,
             vocab_size=30522,
+            max_position_embeddings=512,
+        ),
+    },
+    published_seq_len=512,
+    positions_key="max_position_embeddings",
+    make_inputs=_token_inputs(data.masked_lm_batch),
+)
+
+ALBERT = HFFamily(
+    config_class="AlbertConfig",
+    model_class="AlbertForMaskedLM",
+    # One group of one layer, applied at every depth: every stage of a pipeline reads the same weights.
+    common=dict(
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0,
+        num_hidden_groups=1,
+        inner_group_num=1,
+        **_TOKEN_IDS,
+    ),
+    sizes={
+        "tiny": dict(
+            num_hidden_layers=4,
+            embedding_size=32,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=512,
+            max_position_embeddings=256,
+        ),
+        # ALBERT-base (Lan et al. 2020): 12 layers sharing one set of weights, 128-wide embeddings.
+        "base": dict(
+            num_hidden_layers=12,
+            embedding_size=128,
+            hidden_size=768,
+            num_attention_heads=12,
+            intermediate_size=3072,
+            vocab_size=30000,
             max_position_embeddings=512,
         ),
     },
@@ -341,7 +380,15 @@ MIXTRAL = HFFamily(
     make_inputs=_token_inputs(data.causal_lm_batch),
 )
 
-FAMILIES: dict[str, HFFamily] = {"bert": BERT, "gpt2": GPT2, "llama": LLAMA, "mixtral": MIXTRAL, "t5": T5, "vit": VIT}
+FAMILIES: dict[str, HFFamily] = {
+    "albert": ALBERT,
+    "bert": BERT,
+    "gpt2": GPT2,
+    "llama": LLAMA,
+    "mixtral": MIXTRAL,
+    "t5": T5,
+    "vit": VIT,
+}
 SIZES: dict[str, dict[str, dict]] = {name: family.sizes for name, family in FAMILIES.items()}
 
 

@@ -80,7 +80,10 @@ class GradientSync:
             group_sets = sorted({tuple(h) for h in holders.values() if len(h) > 1})
         for ranks in group_sets:
             group = new_group(list(ranks), timeout)  # collective: every rank creates every group, in this order
-            names = [name for name in self.params if tuple(holders[name]) == ranks and name not in self.sharded]
+            # In one order on every holder: the all-reduce sums the flattened buffers position by
+            # position, and a rank's own order (that of its stages' parameters) differs between ranks
+            # whose stages read the shared weights in different orders (a layer reused at every depth).
+            names = sorted(name for name in self.params if tuple(holders[name]) == ranks and name not in self.sharded)
             if rank in ranks and names:
                 self.buckets.append((group, names))
 

@@ -28,6 +28,7 @@ from partita.runtime.materialize import materialize, on_meta, retarget_device
 from partita.runtime.pipeline import StageMetadata, stage_metadata
 from partita.runtime.precision import Compute
 from partita.runtime.process_groups import Topology
+from partita.runtime.same_weights import agree_on_weights
 from partita.runtime.sharding import check_sharding, sharded_runners
 from partita.runtime.stages import StageModule, meta_microbatch, split_graph
 from partita.runtime.tensor_parallel import TensorParallel, start_tensor_parallel, whole_tensors
@@ -112,7 +113,8 @@ def place_stages(
     job_plan: Plan | None = None,
 ) -> StageSet:
     """Split ``graph`` into ``plan``'s stages (this rank's view of ``job_plan``, by default ``plan``
-    itself: ``partita.runtime.tensor_parallel.local_plan``) and make this rank's runnable: weights on its device
+    itself: ``partita.runtime.tensor_parallel.local_plan``) and make this rank's runnable: rank 0's
+    weights where the ranks built others (``agree_on_weights``), weights on its device
     (allocated and loaded from ``init_from`` for a model on meta: only what this rank reads), then
     its part of every weight tensor parallelism splits, then FSDP2 around the sharded stages --
     in that order, since each step replaces parameters the next one wraps."""
@@ -122,6 +124,7 @@ def place_stages(
         check_uneven_boundaries(graph, plan, all_stages)
     stages = [s for s in all_stages if plan.stages[s.spec.index].rank_group == topology.rank_group]
     built_on_meta = on_meta(model)  # then the weights materialized here are partita's own
+    agree_on_weights(model, topology.device, topology.world_group)  # rank 0's where the ranks' differ
     metadata = _put_on_device(model, graph, plan, topology, compute, init_from, all_stages, stages)
     check_sharding(plan, all_stages)
     tensor_parallel = start_tensor_parallel(graph, topology, all_stages, stages, job_plan, release_whole=built_on_meta)

@@ -10,8 +10,8 @@ import torch
 from partita.errors import InputError, ModelSpecError
 from partita.examples import Example, build, names, parse_name, sizes
 
-FAMILIES = ["bert", "cnn", "gpt2", "llama", "mixtral", "mlp", "t5", "vit"]
-HF_FAMILIES = ["bert", "gpt2", "llama", "mixtral", "t5", "vit"]
+FAMILIES = ["albert", "bert", "cnn", "gpt2", "llama", "mixtral", "mlp", "t5", "vit"]
+HF_FAMILIES = ["albert", "bert", "gpt2", "llama", "mixtral", "t5", "vit"]
 
 
 def loss_of(ex: Example, args: tuple, kwargs: dict, target) -> torch.Tensor:
