@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.fx
 
 from partita.capturing.sequence_parallel import broadcast_only
+from partita.capturing.tensor_parallel import TensorParallelAnalysis
 from partita.capturing.tensor_parallel_graph import matmul_operands, tensor_positions
 from partita.runtime import tensor_parallel_ops as ops
 from partita.runtime.stages import StageModule
@@ -142,7 +143,7 @@ def partial_gradients(stages: Sequence[StageModule], tp: TensorParallel) -> froz
     partial: dict[str, bool] = {}
     for stage in stages:
         analysis = tp.analyses.get(stage.spec.index)
-        if analysis is None or analysis.layout.is_trivial or analysis.sequence is None:
+        if analysis is None or not _rewritten(analysis, sequence_parallel=True) or analysis.sequence is None:
             for name in stage.spec.param_names:
                 partial[name] = False
             continue
@@ -154,6 +155,15 @@ def partial_gradients(stages: Sequence[StageModule], tp: TensorParallel) -> froz
     return frozenset(name for name, is_partial in partial.items() if is_partial)
 
 
+def _rewritten(analysis: TensorParallelAnalysis, sequence_parallel: bool) -> bool:
+    """Whether a stage's graph gets collectives: it splits a weight, or, under sequence parallelism,
+    a value by token. A stage that splits no weight (a head over a vocabulary left whole, after a
+    cut just before the final norm) still takes its part of a value it receives split, and gathers
+    it whole for what runs whole."""
+    sequence = analysis.sequence if sequence_parallel else None
+    return not analysis.layout.is_trivial or (sequence is not None and not sequence.is_trivial)
+
+
 def rewrite_stage(stage: StageModule, tp: TensorParallel, partial: frozenset[str] = frozenset()) -> None:
     """Insert the collectives of the stage's layout into its graph (in place, recompiled), and those
     of its sequence parallelism (``TensorParallelAnalysis.sequence``) where the plan has it. Under
@@ -163,7 +173,7 @@ def rewrite_stage(stage: StageModule, tp: TensorParallel, partial: frozenset[str
     selective recomputation keeps the token parts and runs neither again. The gradients of the
     parameters named in ``partial`` (``partial_gradients``) are left as this rank's part."""
     analysis = tp.analyses[stage.spec.index]
-    if analysis.layout.is_trivial:
+    if not _rewritten(analysis, tp.sequence_parallel):
         return
     sequence = analysis.sequence if tp.sequence_parallel else None
     gm = stage.graph_module
