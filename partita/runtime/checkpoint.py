@@ -18,6 +18,13 @@ Keys (flat; ``<name>`` is a canonical parameter or buffer name, e.g. ``transform
     rng.cpu.<rank>             RNG states of each rank (``rng.cuda.<rank>`` on GPUs); a rank that the
                                writing run did not have takes rank 0's
 
+A checkpoint loads only into the model it was written for: its ``model.`` entries must be the
+model's parameters and persistent buffers, name for name (a non-persistent buffer, which seeds hold,
+is the model's own too), whatever plan wrote or reads it. Otherwise loading raises InputError
+naming the names on each side, before any tensor is read, on every rank alike (each compares the
+whole model's names with the checkpoint's metadata, and the ranks agree on the shape check), so
+that no rank loads while another raises.
+
 Tensor-parallel parts are saved whole (gathered over their group) and each rank keeps its own
 part when loading, so the keys and shapes never depend on the degree.
 
@@ -40,7 +47,7 @@ import pickle
 import re
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +77,7 @@ from partita.runtime.checkpoint_dir import (
 )
 from partita.runtime.gradient_sync import local_tensor
 from partita.runtime.materialize import single_process
-from partita.runtime.stage_set import StageSet
+from partita.runtime.stage_set import StageSet, state_names
 from partita.runtime.tensor_parallel import gather_full, local_part
 from partita.types import Plan
 from partita.types.plan_file import plan_to_dict
@@ -145,11 +152,13 @@ class Checkpointer:
         return its ``extra_state`` ({} when it has none). Collective: call on every rank. With
         ``verify`` the files are first checked against the checkpoint's manifest (InputError naming a
         damaged one); pass False for a checkpoint that ``latest_intact_checkpoint`` has just
-        verified. InputError when a parameter's shape differs from the checkpoint's (another model
-        under the same names), naming it, before anything is read."""
+        verified. InputError, before anything is read and on every rank, when the checkpoint was
+        written for another model: other parameter or buffer names (naming them), or a parameter's
+        shape differs from the checkpoint's (another model under the same names)."""
         if verify:
             _require_intact(os.fspath(path), _collective_damage(os.fspath(path)))
         stored = _stored_keys(path)
+        _require_same_names(stored, self.stages.model, path)  # the whole model's: the same answer on every rank
         device = self.stages.topology.device
         state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in self.stages.model_tensors().items()}
         names = self._optimizer_names()
@@ -170,7 +179,7 @@ class Checkpointer:
         if self.lr_scheduler is not None:
             state["trainer.lr_scheduler"] = None
         _require(stored, state, path)
-        _require_shapes(stored, state, path)
+        _agreed(lambda: _require_shapes(stored, state, path))  # this rank's tensors: raise on every rank
         if "extra" in stored:
             state["extra"] = None
         with _readable(path):
@@ -233,9 +242,11 @@ class Checkpointer:
 def load_into_model(model: nn.Module, path: str | os.PathLike) -> None:
     """Load the parameters and persistent buffers of a checkpoint into a plain (unsplit) model,
     in place, in this process alone (no process group needed). The files are first checked against
-    the checkpoint's manifest (InputError naming a damaged one)."""
+    the checkpoint's manifest (InputError naming a damaged one); InputError too when the checkpoint
+    was written for another model (other names, or other shapes), before anything is read."""
     _require_intact(os.fspath(path), _local_damage(os.fspath(path)))
     stored = _stored_keys(path)
+    _require_same_names(stored, model, path)
     names = canonical_names(model)
     state = {f"model.{names[id(t)]}": t.detach() for t in model.state_dict(keep_vars=True).values()}
     _require(stored, state, path)
@@ -376,6 +387,51 @@ def _stored_keys(path: str | os.PathLike) -> dict[str, Any]:
             f"{path!r} is not a complete partita checkpoint ({cause}): load an earlier complete one; "
             "partita.runtime.checkpoint_dir.latest_checkpoint(directory) skips incomplete ones"
         ) from e
+
+
+def _require_same_names(stored: dict[str, Any], model: nn.Module, path: str | os.PathLike) -> None:
+    """InputError naming the difference when the checkpoint's ``model.`` entries are not ``model``'s
+    parameters and persistent buffers (its non-persistent buffers may be there too: seeds hold them).
+    The whole model's names, not this rank's stages': every rank reaches the same answer."""
+    saved = {key[len("model.") :] for key in stored if key.startswith("model.")}
+    extra = sorted(saved - set(canonical_names(model).values()))
+    missing = sorted(state_names(model) - saved)
+    if not extra and not missing:
+        return
+    what = "parameters or buffers"
+    found = [f"it holds {len(extra)} {what} this model lacks ({_few(extra)})"] if extra else []
+    found += [f"it lacks {len(missing)} {what} this model has ({_few(missing)})"] if missing else []
+    raise InputError(
+        f"checkpoint {os.fspath(path)!r} was written for another model: {', and '.join(found)}. A checkpoint "
+        "loads into the model it was written for (the same parameter and buffer names, under any plan): build "
+        "that model, or start without the checkpoint; to start from some of its weights, read them with "
+        "torch.distributed.checkpoint (keys 'model.<name>') into the model before building the Trainer"
+    )
+
+
+def _few(names: list[str], shown: int = 3) -> str:
+    """``a, b, c and 4 more``: the first ``shown`` names, then how many others."""
+    rest = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {rest} more" if rest > 0 else "")
+
+
+def _agreed(check: Callable[[], None]) -> None:
+    """Run ``check`` (which raises InputError) so that every rank raises or none does: a rank that
+    went on into dcp.load alone would wait for the others until the collective timeout. Collective."""
+    try:
+        check()
+    except InputError as e:
+        local: str | None = str(e)
+        error: InputError | None = e
+    else:
+        local, error = None, None
+    problems: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, local)
+    if error is not None:
+        raise error
+    first = next((p for p in problems if p), None)
+    if first is not None:
+        raise InputError(f"{first} (found by another rank)")
 
 
 def _require(stored: dict[str, Any], state: dict[str, Any], path: str | os.PathLike) -> None:

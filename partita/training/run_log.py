@@ -30,7 +30,9 @@ class RunLog:
         self.tracer = _StepTracer(config.trace_dir)
         self.metrics = None
         if config.log_dir and dist.get_rank() == 0:
-            self.metrics = MetricsWriter(config.log_dir, resumed_from=summary.resumed_from, note=note)
+            # the steps before this run's stay in the log (a resume's, or an earlier run's of this trainer)
+            before = summary.start_step if summary.start_step else None
+            self.metrics = MetricsWriter(config.log_dir, resumed_from=before, note=note)
 
     def before_step(self) -> None:
         self.tracer.before_step(self.trainer.num_steps + 1)

@@ -1,7 +1,8 @@
 """Checks of a Plan read from a file: its fields against each other (ranks, rank groups, tensor
-parallelism, sharding, batch), its ``options`` records against its executed fields, and the plan
-against the graph and the cluster it is loaded for. Each failure is a PlanFileError naming the
-field, the value, the cause and the fix (``partita.types.plan_file`` says which fields execute)."""
+and sequence parallelism, sharding, batch), its ``options`` records against its executed fields
+(field by field, wherever both say the same thing), and the plan against the graph and the cluster
+it is loaded for. Each failure is a PlanFileError naming the field, the value, the cause and the fix
+(``partita.types.plan_file`` says which fields execute)."""
 
 from __future__ import annotations
 
@@ -72,17 +73,11 @@ def _check_rank_groups(plan: Plan, source: str) -> None:
 
 def _check_tensor_parallel(plan: Plan, source: str) -> None:
     """Each stage's degree its own (a mixed cluster's stages take their device type's), sequence
-    parallelism the same for every stage of a degree above 1 (off at degree 1: plan_file), and every
-    replica's group a block of consecutive ranks in one node (its all-reduces run on the
-    intra-node link)."""
-    split = [s.sequence_parallel for s in plan.stages if s.tensor_parallel > 1]
+    parallelism as ``_check_sequence_parallel`` says, and every replica's group a block of
+    consecutive ranks in one node (its all-reduces run on the intra-node link)."""
+    _check_sequence_parallel(plan, source)
     for k, s in enumerate(plan.stages):
         t = s.tensor_parallel
-        if t > 1 and s.sequence_parallel != split[0]:
-            raise PlanFileError(
-                f"{source}: stages[{k}].sequence_parallel differs from the other tensor-parallel stages': "
-                "sequence parallelism is on or off for every stage of a degree above 1"
-            )
         for j in range(s.num_replicas):
             block = s.replica_ranks(j)
             consecutive = block == tuple(range(block[0], block[0] + t))
@@ -92,6 +87,43 @@ def _check_tensor_parallel(plan: Plan, source: str) -> None:
                     f"{source}: stages[{k}] replica {j} runs on ranks {list(block)}, which is not a tensor-parallel "
                     f"group of {t}: each replica's ranks are {t} consecutive ranks in one node"
                 )
+
+
+def _check_sequence_parallel(plan: Plan, source: str) -> None:
+    """Sequence parallelism is on or off for every stage of a tensor-parallel degree above 1 (a stage
+    of degree 1 has none: plan_file), as ``options.sequence_parallel`` records when it was pinned or
+    given (true or false; null: searched, and absent in earlier files). It applies to those stages
+    only, so a stage of degree 1 beside them under ``options.sequence_parallel`` true agrees."""
+    recorded = plan.options.get("sequence_parallel")
+    if recorded is not None and not isinstance(recorded, bool):
+        raise PlanFileError(
+            f"{source}: options.sequence_parallel is {recorded!r}, expected true, false or null (searched): "
+            "re-plan, or restore the value the plan was made with"
+        )
+    split = [(k, s) for k, s in enumerate(plan.stages) if s.tensor_parallel > 1]
+    for k, s in split:
+        if isinstance(recorded, bool) and s.sequence_parallel != recorded:
+            raise PlanFileError(
+                f"{source}: stages[{k}].sequence_parallel is {_json(s.sequence_parallel)}, but "
+                f"options.sequence_parallel is {_json(recorded)}: sequence parallelism applies to every stage of "
+                f"a tensor-parallel degree above 1 (stages[{k}] has {s.tensor_parallel}), and options only record "
+                f"how the plan was made, so they must agree; set stages[{k}].sequence_parallel back to "
+                f"{_json(recorded)}, or re-plan with sequence_parallel={not recorded} "
+                f"(`--sequence-parallel {'yes' if not recorded else 'no'}`)"
+            )
+    for k, s in split[1:]:  # searched (or not recorded): the first such stage says
+        first, other = split[0]
+        if s.sequence_parallel != other.sequence_parallel:
+            raise PlanFileError(
+                f"{source}: stages[{k}].sequence_parallel is {_json(s.sequence_parallel)}, but stages[{first}]'s is "
+                f"{_json(other.sequence_parallel)}: sequence parallelism is on or off for every stage of a "
+                "tensor-parallel degree above 1; set them alike, or re-plan"
+            )
+
+
+def _json(value: bool) -> str:
+    """A boolean as the plan file spells it."""
+    return "true" if value else "false"
 
 
 def _node_of(cluster: Cluster, rank: int) -> int:
@@ -125,7 +157,8 @@ def check_options_agree(plan: Plan, source: str = "plan") -> None:
 
 
 def _recorded_and_executed(plan: Plan) -> list[tuple[str, Any, Any]]:
-    """(options field, its recorded value or None when not recorded or searched, the executed one)."""
+    """(options field, its recorded value or None when not recorded or searched, the executed one).
+    ``sequence_parallel``, recorded for some stages only, is ``_check_sequence_parallel``'s."""
     options, stages = plan.options, plan.stages
     found: list[tuple[str, Any, Any]] = []
 
@@ -153,6 +186,14 @@ def _recorded_and_executed(plan: Plan) -> list[tuple[str, Any, Any]]:
             "replicas",
             replicas,
             [next(s.num_replicas for s in stages if s.rank_group == g) for g in range(len(replicas))],
+        )
+    shares = options.get("replica_samples")
+    if isinstance(shares, list):  # manual: per rank group, each replica's samples or None (even)
+        group_shares = {s.rank_group: s.replica_samples for s in stages}
+        add(
+            "replica_samples",
+            shares,
+            [None if group_shares[g] is None else list(group_shares[g]) for g in sorted(group_shares)],
         )
     levels = [Recompute.parse(s.recompute).value for s in stages]
     recompute = _recompute_record(options.get("recompute"))

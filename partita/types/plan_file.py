@@ -8,8 +8,9 @@ another model or cluster. Files of every version in ``READABLE_SCHEMA_VERSIONS``
 Executed fields and records. The runtime runs what these fields say, and nothing else:
 
 - ``stages[k]``: ``start``, ``stop`` (the nodes of the stage), ``ranks``, ``rank_group``,
-  ``recompute``, ``sharding``, ``tensor_parallel`` and ``replica_samples`` (written only when the
-  replicas take unequal shares of each micro-batch: stages over several device groups);
+  ``recompute``, ``sharding``, ``tensor_parallel``, ``sequence_parallel`` and ``replica_samples``
+  (written only when the replicas take unequal shares of each micro-batch: stages over several
+  device groups);
 - ``schedule``, ``global_batch_size``, ``num_microbatches``, ``microbatch_size`` and ``precision``;
 - ``cluster``: its device count and ``devices_per_node`` (where tensor-parallel groups may lie); of a
   mixed cluster (several device groups), each group's count and ``devices_per_node``.
@@ -23,7 +24,8 @@ anything: ``options`` (what was pinned and what the search was allowed), ``metho
 model on load: ``graph_fingerprint`` and each stage's ``first_node``, ``last_node`` (and
 ``module_range``, a record). Editing a record changes nothing that runs, so the choices that
 ``options`` records must agree with the executed fields (``plan_checks.check_options_agree``: e.g.
-``options.tensor_parallel`` 4 with stages of ``tensor_parallel`` 2 is refused, naming both):
+``options.tensor_parallel`` 4 with stages of ``tensor_parallel`` 2 is refused, naming both; so is a
+stage of a degree above 1 whose ``sequence_parallel`` differs from ``options.sequence_parallel``):
 to change a plan, edit the executed fields, or re-plan.
 """
 
@@ -146,6 +148,7 @@ def executed_part(plan: Plan) -> dict[str, Any]:
             **{k: stage[k] for k in _EXECUTED_STAGE_FIELDS},
             "sharding": stage["sharding"],
             "tensor_parallel": stage["tensor_parallel"],
+            "sequence_parallel": stage["sequence_parallel"],
             **({"replica_samples": stage["replica_samples"]} if "replica_samples" in stage else {}),
         }
         for stage in whole["stages"]
