@@ -101,7 +101,9 @@ def capture(
         has_loss_fn=has_loss_fn,
         loss_output_index=loss_position,
         example_inputs=(tuple(args), dict(kwargs), target),
-        couples_samples=coupling_record(gm, coupling, index_of, inputs, prefix) if coupling else None,
+        couples_samples=(
+            coupling_record(gm, coupling, index_of, inputs, prefix, declared=bool(declared)) if coupling else None
+        ),
         batch_fixed_at=fixed_at,
         recapture=functools.partial(
             _recapture,
@@ -228,18 +230,36 @@ def _probe(
         for d, size in enumerate(_shape(ph)):
             if isinstance(size, torch.SymInt) and size.node.expr.is_symbol:
                 where.setdefault(size.node.expr, {}).setdefault(j, d)
+    symbol_at = {(j, d): symbol for symbol, found in where.items() for j, d in found.items()}
     for symbol in sorted(where, key=lambda s: (-len(where[s]), min(where[s].items()))):
         dims = dict(where[symbol])
         for k, leaf in enumerate(leaves):  # labels (S, B) beside ids (S, B): export cannot tie flattened dims
             twin = next((j for j in where[symbol] if batch.same_shape(leaves[j].value, leaf.value)), None)
             if k not in dims and twin is not None:
                 dims[k] = dims[twin]
+        symbols = {symbol} | _tied_by_size(leaves, dims, required, symbol_at)
+        dims.update({j: d for (j, d), s in symbol_at.items() if s in symbols and j not in dims})
         if not required <= set(dims) or not samples.reaches_loss(gm, {symbol}, loss):
             continue
-        if samples.mixing_along(gm, {symbol}, loss) is None:
+        if samples.mixing_along(gm, symbols, loss) is None:
             j, d = min(dims.items())
             return dict(sorted(dims.items())), int(leaves[j].value.shape[d])
     return None
+
+
+def _tied_by_size(leaves, dims: dict[int, int], required: set[int], symbol_at: dict) -> set:
+    """The probe's symbols of the required leaves that ``dims`` leaves out, each tied to the candidate
+    by size where that is unambiguous: the one dim of such a leaf whose size is the candidate's
+    (labels ``(S, B)`` beside a sequence-first ``(S, B, E)`` input, their dims merged by the loss's
+    flattening, which export cannot tie). A leaf with two such dims ties nothing."""
+    j, d = min(dims.items())
+    size = leaves[j].value.shape[d]
+    tied = set()
+    for k in sorted(required - set(dims)):
+        matching = [e for e, n in enumerate(leaves[k].value.shape) if n == size and (k, e) in symbol_at]
+        if len(matching) == 1:
+            tied.add(symbol_at[(k, matching[0])])
+    return tied
 
 
 def _shape(node: torch.fx.Node) -> tuple:
@@ -281,8 +301,10 @@ def _target(mixing: samples.Mixing) -> str:
     return target_name(mixing.node.target)
 
 
-def coupling_record(gm, mixing: samples.Mixing, index_of: dict, inputs, prefix: str) -> SampleCoupling:
-    """A SampleCoupling for the OpGraph from the analysis' Mixing."""
+def coupling_record(
+    gm, mixing: samples.Mixing, index_of: dict, inputs, prefix: str, *, declared: bool = False
+) -> SampleCoupling:
+    """A SampleCoupling for the OpGraph from the analysis' Mixing (``declared``: the user gave the batch dims)."""
     outer = mixing.within or mixing.node
     module_path, _ = module_of(mixing.node, prefix)
     if not module_path:
@@ -299,6 +321,7 @@ def coupling_record(gm, mixing: samples.Mixing, index_of: dict, inputs, prefix: 
         reason=mixing.reason,
         batch_dims=dims,
         within=mixing.within.name if mixing.within is not None else "",
+        declared=declared,
     )
 
 

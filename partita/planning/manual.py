@@ -41,7 +41,7 @@ from partita.planning.tensor_parallel import check_degree
 from partita.types import OpGraph, Plan, Precision, Recompute, Schedule, Sharding, StagePlan
 from partita.types.cluster import Cluster
 from partita.types.schedule_orders import UNEVEN_SCHEDULES, check_schedule, stage_rank_groups
-from partita.types.whole_batch import check_whole_batch
+from partita.types.whole_batch import check_coupled_batch_size, check_whole_batch
 
 __all__ = ["manual_plan"]
 
@@ -124,6 +124,7 @@ def manual_plan(
             )
     flags = _recompute_flags(recompute, num_stages)
     precision = Precision.parse(precision)
+    check_coupled_batch_size(graph, global_batch_size)  # a batch taken from the wrong dim?
     check_whole_batch(graph, num_microbatches, counts)  # a loss that couples samples needs the whole batch
     if not isinstance(sequence_parallel, bool):
         raise InputError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")

@@ -133,7 +133,7 @@ from partita.runtime.state_dict import gather_state_dict
 from partita.runtime.step_program import StepProgram
 from partita.runtime.tensor_parallel import local_plan, tensor_parallel_sync
 from partita.types import OpGraph, Plan
-from partita.types.whole_batch import check_whole_batch
+from partita.types.whole_batch import batch_dims_words, check_whole_batch
 
 __all__ = ["Trainer"]
 
@@ -469,8 +469,10 @@ class Trainer:
         if batch != expected:
             rounds = f" x {self.accumulation_steps} accumulation steps" if self.accumulation_steps > 1 else ""
             raise InputError(
-                f"the batch has {batch} samples but the trainer takes {expected} (the plan's global batch "
-                f"{self.plan.global_batch_size}{rounds}): pass the whole batch on every rank"
+                f"the batch has {batch} samples along {batch_dims_words(self.graph)} (where capture put the "
+                f"batch) but the trainer takes {expected} (the plan's global batch {self.plan.global_batch_size}"
+                f"{rounds}): pass the whole batch on every rank, or, if the samples lie along another dim (a "
+                "sequence-first input), capture and plan with batch_dims= naming it"
             )
         return batch
 

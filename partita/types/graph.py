@@ -124,6 +124,7 @@ class SampleCoupling:
     reason: str  # what the operation does to the samples
     batch_dims: tuple[str, ...] = ()  # the batch dims it mixes, e.g. ("args[0] dim 0", "target dim 0")
     within: str = ""  # the higher-order op whose body holds ``node`` ("" when none)
+    declared: bool = False  # the batch dims were declared (``batch_dims=``), not found
 
     def describe(self) -> str:
         where = f" ({self.module_path or 'root'}{', ' + self.source if self.source else ''})"

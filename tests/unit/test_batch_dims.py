@@ -178,6 +178,65 @@ def test_sequence_first_model_with_its_own_token_loss():
     _assert_same(_pipelined(graph, model, flat, 2, graph.num_nodes // 2), _eager(model, lambda: model(ids, labels)))
 
 
+class SeqFirstEncoderTagger(nn.Module):
+    """``nn.TransformerEncoder`` on ``(S, B, E)`` with a per-token head; the loss (a loss_fn) flattens
+    its ``(S, B, C)`` logits against ``(S, B)`` targets, so export cannot tie the two inputs' dims."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(E, 2, 32, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(E, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def _token_loss(logits, target):
+    return F.cross_entropy(logits.reshape(-1, CLASSES), target.reshape(-1))
+
+
+def test_sequence_first_encoder_with_per_token_targets_gets_dim_1_for_both():
+    """Issue 54, item 13: targets (S, B) beside an (S, B, E) input; capture took dim 0 (S) for the batch."""
+    torch.manual_seed(0)
+    model = SeqFirstEncoderTagger()
+    x, y = torch.randn(16, B, E), torch.randint(0, CLASSES, (16, B))
+    graph = partita.capture(model, (x,), loss_fn=_token_loss, target=y)
+    assert _dims(graph) == [1, 1] and graph.batch_size == B and graph.couples_samples is None
+    plan = partita.manual_plan(
+        graph, [0, graph.num_nodes // 2, graph.num_nodes], schedule="gpipe", num_rank_groups=2,
+        num_microbatches=2, global_batch_size=B,
+    )  # fmt: skip
+    assert plan.num_microbatches == 2
+    flat = flatten_inputs(graph, (x,), target=y)
+    _assert_same(
+        _pipelined(graph, model, flat, 2, graph.num_nodes // 2), _eager(model, lambda: _token_loss(model(x), y))
+    )
+
+
+def test_a_global_batch_found_in_another_dim_than_the_coupled_one_is_refused_at_planning():
+    """CLIP captured at batch 8 with 12 image features, planned for a global batch of 12: samples mix
+    along dim 0, and dim 1 has the global batch: the message names both dims and batch_dims."""
+    model, images, tokens = _clip_case()
+    graph = partita.capture(model, (images, tokens))
+    cluster = partita.Cluster(device="h100", num_devices=2)
+    with pytest.raises(InputError) as info:
+        partita.plan(graph, cluster=cluster, global_batch_size=12, options=partita.PlanOptions(costs="analytic"))
+    text = str(info.value)
+    assert "capture took args[0] dim 0 and args[1] dim 0 for the batch (8 in the example)" in text, text
+    assert "args[0] dim 1 has 12" in text and "batch_dims={'args[0]': 1}" in text, text
+    with pytest.raises(InputError, match="args\\[0\\] dim 1 has 12"):
+        partita.manual_plan(graph, [0, graph.num_nodes], schedule="gpipe", num_rank_groups=1,
+                            num_microbatches=1, global_batch_size=12)  # fmt: skip
+    declared = partita.capture(model, (images, tokens), batch_dims={"images": 0, "tokens": 0})
+    assert declared.couples_samples is not None and declared.couples_samples.declared
+    with pytest.warns(UserWarning, match="couples the samples"):
+        plan = partita.plan(
+            declared, cluster=cluster, global_batch_size=12, options=partita.PlanOptions(costs="analytic")
+        )
+    assert plan.global_batch_size == 12
+
+
 def test_a_declared_batch_dim_that_mixes_samples_is_refused():
     model, src, y = _classifier_case()
     with pytest.raises(InputError) as info:
