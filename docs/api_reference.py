@@ -31,6 +31,7 @@ TOP_LEVEL_ORDER = [
     "Plan",
     "Trainer",
     "fit",
+    "FitResult",
     "OpGraph",
     "manual_plan",
     "plan_with_baselines",

@@ -39,6 +39,7 @@ _EXPORTS = {
     # train
     "Trainer": "partita.runtime.trainer",
     "fit": "partita.training.fit",
+    "FitResult": "partita.training.fit",
     "save_seed": "partita.runtime.materialize",
     "load_into_model": "partita.runtime.checkpoint",
     # errors
@@ -52,6 +53,7 @@ _EXPORTS = {
             "NumericsError",
             "PartitaError",
             "PlanFileError",
+            "RendezvousTimeoutError",
         )
     },
 }

@@ -1,6 +1,7 @@
 """``--devices``: a device count (of ``--device-type``), or device groups ``16xh100,32xa100-40gb``.
 
-A group is ``COUNTxTYPE`` with an optional ``@MEMORY`` per device (``16xa100-80gb@40GiB``);
+A group is ``COUNTxTYPE`` with an optional ``@MEMORY`` per device (``16xa100-80gb@40GiB``: a size with
+a byte unit, ``partita.units.parse_bytes``; ``@40Gb``, gigabits, and a bare ``@40`` are refused);
 ``TYPE`` is a catalog name or a device file. A group fills nodes of 8 devices, or one node when
 it holds fewer (``4xl4``). Several groups make a mixed cluster (``partita.types.cluster``); one
 group is the same as ``--devices COUNT --device-type TYPE`` without ``--nodes`` (``default_nodes``).
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from partita.errors import InputError
 from partita.types.cluster import Cluster, DeviceGroup
+from partita.units import parse_bytes
 
 __all__ = ["GroupSpec", "check_groups_flags", "default_nodes", "devices_argument", "groups_cluster"]
 
@@ -43,11 +45,17 @@ def devices_argument(text: str) -> int | tuple[GroupSpec, ...]:
                 f"{part.strip()!r} is not a device group: write COUNTxTYPE[@MEMORY] groups separated by commas, "
                 "e.g. 16xh100,32xa100-40gb or 8xh100,16xa100-80gb@40GiB (or a plain device count with --device-type)"
             )
-        groups.append(GroupSpec(int(match.group(1)), match.group(2), match.group(3)))
+        memory = match.group(3)
+        if memory is not None:
+            try:  # a unit is required, and a byte unit: "@40Gb" is gigabits, "@40" no size at all
+                parse_bytes(memory, f"group {part.strip()!r}: memory")
+            except InputError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+        groups.append(GroupSpec(int(match.group(1)), match.group(2), memory))
     return tuple(groups)
 
 
-def groups_cluster(groups: tuple[GroupSpec, ...], parse_bytes: Callable[[str | None], int | None]) -> Cluster:
+def groups_cluster(groups: tuple[GroupSpec, ...], to_bytes: Callable[[str | None], int | None]) -> Cluster:
     """The cluster of ``--devices`` groups: nodes of NODE_SIZE devices (one node for a smaller group)."""
     made = []
     for spec in groups:
@@ -58,7 +66,7 @@ def groups_cluster(groups: tuple[GroupSpec, ...], parse_bytes: Callable[[str | N
                 f"--devices group {spec.num_devices}x{spec.device} does not fill nodes of {per_node} devices: "
                 f"use {lower}x{spec.device} or {lower + per_node}x{spec.device}"
             )
-        made.append(DeviceGroup(spec.device, spec.num_devices, per_node, memory_bytes=parse_bytes(spec.memory)))
+        made.append(DeviceGroup(spec.device, spec.num_devices, per_node, memory_bytes=to_bytes(spec.memory)))
     return Cluster(groups=made)
 
 

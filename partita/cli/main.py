@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from partita.cli.devices import check_groups_flags, default_nodes, groups_cluster
 from partita.cli.parser import DEFAULT_TRAIN_GLOBAL_BATCH, build_parser, joined_negative_numbers, parse_bytes
 from partita.errors import PartitaError
-from partita.planning.options import PlanOptions
+from partita.planning.options import CostSource, PlanOptions
 from partita.types import Schedule
 from partita.types.cluster import Cluster
 
@@ -67,22 +67,22 @@ def _inspect_costs(graph, example, device):
     return profile(graph, (example.args, example.kwargs, example.target), microbatch_size=graph.batch_size)
 
 
-def _plan_options(args: argparse.Namespace):
-    """The PlanOptions that the `plan` and `train` commands' flags pin (the only place they are read)."""
-    recompute = getattr(args, "recompute", None)
+def _plan_options(args: argparse.Namespace) -> PlanOptions:
+    """The PlanOptions that the `plan` and `train` commands' flags pin (the only place they are read;
+    both commands declare them once, partita.cli.parser._add_planner_flags)."""
     return PlanOptions(
         schedules=tuple(Schedule) if args.schedule is None else args.schedule,
         num_stages=args.num_stages,
         replicas=args.replicas,
         num_microbatches=args.microbatches,
-        recompute=recompute,
+        recompute=args.recompute,
         uniform_replicas=True if args.uniform_replicas else None,
         optimizer=args.optimizer,  # train: a torch optimizer's name, which OptimizerKind.parse reads too
-        precision=getattr(args, "precision", None),
-        sharding=getattr(args, "sharding", None),
-        tensor_parallel=getattr(args, "tensor_parallel", None),
-        sequence_parallel={"yes": True, "no": False}.get(getattr(args, "sequence_parallel", None)),
-        costs=getattr(args, "costs", "auto"),
+        precision=args.precision,
+        sharding=args.sharding,
+        tensor_parallel=args.tensor_parallel,
+        sequence_parallel={"yes": True, "no": False}.get(args.sequence_parallel),
+        costs=CostSource.AUTO if args.costs is None else args.costs,
         cache_dir=args.cache_dir,
     )
 
@@ -91,19 +91,25 @@ def _cluster(args: argparse.Namespace, *, num_devices: int, device_type: str = "
     """``num_devices`` CPU ranks on ``num_nodes`` machines like this one (measured here), or catalog devices."""
     from partita.cli.multinode import local_nodes_cluster
 
-    memory = parse_bytes(args.memory)
     if device_type == "cpu":
-        return local_nodes_cluster(num_devices, num_nodes=num_nodes, memory_bytes=memory, cache_dir=args.cache_dir)
+        return local_nodes_cluster(num_devices, num_nodes=num_nodes, memory_bytes=args.memory, cache_dir=args.cache_dir)
+    return _catalog_cluster(args, num_devices=num_devices, device_type=device_type, num_nodes=num_nodes)
+
+
+def _catalog_cluster(args: argparse.Namespace, *, num_devices: int, device_type: str, num_nodes: int) -> Cluster:
+    """``num_devices`` catalog devices in ``num_nodes`` nodes: a catalog type's cluster, and the shape
+    of this machine's (measured, ``_cluster``) that the pins are checked against before a capture."""
     return Cluster(
         device=device_type,
         num_devices=num_devices,
         devices_per_node=max(1, num_devices // num_nodes),
-        memory_bytes=memory,
+        memory_bytes=args.memory,
     )
 
 
 def _plan(args: argparse.Namespace) -> int:
     from partita.planning.api import plan_with_baselines
+    from partita.planning.context import check_options
     from partita.report.plan import plan_text
 
     nodes = args.nodes
@@ -114,13 +120,17 @@ def _plan(args: argparse.Namespace) -> int:
             nodes = 1 if args.device_type == "cpu" else default_nodes(args.devices, args.device_type)
         _check_nodes(nodes, args.devices, args.device_type)
     _check_batch_flags(args)
-    example = _load(args)
-    graph = _capture(example)
-    _check_example_values(graph, example)
+    options = _plan_options(args)  # checked against the cluster's shape before the capture (seconds to minutes)
     if isinstance(args.devices, tuple):
         cluster = groups_cluster(args.devices, parse_bytes)
     else:
-        cluster = _cluster(args, num_devices=args.devices, device_type=args.device_type, num_nodes=nodes)
+        cluster = _catalog_cluster(args, num_devices=args.devices, device_type=args.device_type, num_nodes=nodes)
+    check_options(options, cluster, args.global_batch)
+    example = _load(args)
+    graph = _capture(example)
+    _check_example_values(graph, example)
+    if args.device_type == "cpu" and not isinstance(args.devices, tuple):  # this machine's CPU ranks: measured
+        cluster = _cluster(args, num_devices=args.devices, num_nodes=nodes)
     result = plan_with_baselines(
         graph,
         example.args,
@@ -129,7 +139,7 @@ def _plan(args: argparse.Namespace) -> int:
         global_batch_size=args.global_batch,
         loss_fn=example.loss_fn,
         target=example.target,
-        options=_plan_options(args),
+        options=options,
     )
     best = result.plan
     print(plan_text(best, baselines=result.baselines, baseline_reasons=result.baseline_reasons))
@@ -331,14 +341,20 @@ def _check_plan_global_batch(path: str, plan, global_batch: int | None, accumula
 
 
 def _check_before_launch(args: argparse.Namespace) -> None:
-    """The launcher's own checks: --resume that would train nothing, and with --plan the planning
-    flags, the planner flags against the plan and a factory's data (InputError before any process)."""
+    """The launcher's own checks: --resume that would train nothing, without --plan the planner flags
+    against the cluster, and with --plan the planning flags, the planner flags against the plan and a
+    factory's data (InputError before any process)."""
     import partita
     from partita.cli.plan_flags import check_planning_only_flags
     from partita.cli.train_loop import check_resume_steps
+    from partita.planning.context import check_options
 
     if args.resume and args.checkpoint_dir:
         check_resume_steps(args.checkpoint_dir, args.steps)
+    if not args.plan:  # the pins against the job's shape (--nproc per node), before the model is captured
+        nproc = 2 if args.nproc is None else args.nproc
+        shape = _catalog_cluster(args, num_devices=nproc * args.nnodes, device_type="cpu", num_nodes=args.nnodes)
+        check_options(_plan_options(args), shape, _train_global_batch(args) // args.accumulate)
     if args.plan:
         check_planning_only_flags(args)
         plan = partita.Plan.load(args.plan)
@@ -350,7 +366,7 @@ def _check_flags_against_plan(args: argparse.Namespace, plan) -> None:
     """The planner's flags given with --plan must agree with the plan (partita.cli.plan_flags)."""
     from partita.cli.plan_flags import check_plan_flags
 
-    check_plan_flags(args, plan, args.plan, memory_bytes=parse_bytes(args.memory))
+    check_plan_flags(args, plan, args.plan, memory_bytes=args.memory)
 
 
 def _check_data_for_plan(args: argparse.Namespace, plan) -> None:

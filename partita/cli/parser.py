@@ -14,9 +14,10 @@ from partita.planning.options import CostSource
 from partita.training.lr_schedule import LR_SCHEDULES
 from partita.types import OptimizerKind, Precision, Recompute, Schedule, Sharding
 from partita.types.choices import spellings
+from partita.units import parse_bytes
 
 MODEL_HELP = (
-    "a built-in example (gpt2, bert, llama, mixtral, t5, vit, mlp, cnn; with a size: gpt2-xl, llama-7b, mixtral-8x7b) "
+    "a built-in example (gpt2, bert, albert, llama, mixtral, t5, vit, mlp, cnn; with a size: gpt2-xl, llama-7b, mixtral-8x7b) "
     "or path/to/file.py:factory returning (model, inputs), (model, inputs, loss_fn, target) or a dict of "
     'those with "data" and "eval_data" sources (see examples/own_data.py)'
 )
@@ -48,6 +49,48 @@ def _add_schedule(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schedule", default=None, type=_choice(Schedule), help=f"pin the schedule: {spellings(Schedule)}"
     )
+
+
+def _add_planner_flags(parser: argparse.ArgumentParser) -> None:
+    """The planner's flags, declared once for `plan` and `train` (each is a PlanOptions field, read
+    by partita.cli.main._plan_options, or the cluster's memory): what to pin, where costs come from.
+    ``--optimizer`` is each command's own (train names a torch optimizer)."""
+    parser.add_argument(
+        "--memory",
+        default=None,
+        type=_memory_bytes,
+        help="memory per device (train: per process) to plan for, e.g. 80GiB, 512MiB or 40GB (default: the device's)",
+    )
+    _add_schedule(parser)
+    parser.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
+    parser.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
+    parser.add_argument("--uniform-replicas", action="store_true", help=_UNIFORM_REPLICAS_HELP)
+    parser.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
+    parser.add_argument(
+        "--recompute",
+        default=None,
+        type=_choice(Recompute),
+        help="pin the activation recomputation level of every stage (yes: full, no: none; default: each stage "
+        f"recomputes as much as it needs to fit): {spellings(Recompute)}",
+    )
+    _add_precision_sharding(parser)
+    parser.add_argument(
+        "--costs",
+        default=None,
+        choices=[c.value for c in CostSource],
+        help="where per-node costs come from: measured (profile every node here), analytic (roofline "
+        "for the device type), auto (the default: measured for this machine's CPU with real weights, else "
+        "analytic)",
+    )
+    parser.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
+
+
+def _memory_bytes(text: str) -> int:
+    """argparse ``type=`` of ``--memory``: bytes, from a size with a byte unit (partita.units.parse_bytes)."""
+    try:
+        return parse_bytes(text, "memory")
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -176,7 +219,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="catalog name (h100, a100-80gb, a100-40gb, h200, b200, mi300x, v100-32gb, l4, cpu) or a device file",
     )
-    plan.add_argument("--memory", default=None, help="memory per device, e.g. 80GiB (default: the device's)")
     plan.add_argument(
         "--nodes",
         type=int,
@@ -185,37 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         "devices, or one node for 8 or fewer, as device groups fill them; 1 for cpu)",
     )
     plan.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
-    _add_schedule(plan)
-    plan.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
-    plan.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
-    plan.add_argument(
-        "--uniform-replicas",
-        action="store_true",
-        help=_UNIFORM_REPLICAS_HELP,
-    )
-    plan.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
-    plan.add_argument(
-        "--recompute",
-        default=None,
-        type=_choice(Recompute),
-        help="pin the activation recomputation level of every stage (yes: full, no: none; default: each stage "
-        f"recomputes as much as it needs to fit): {spellings(Recompute)}",
-    )
     plan.add_argument(
         "--optimizer",
         default="adam",
         type=_choice(OptimizerKind),
         help=f"what the optimizer keeps per parameter (sets optimizer-state memory): {spellings(OptimizerKind)}",
     )
-    _add_precision_sharding(plan)
-    plan.add_argument(
-        "--costs",
-        default="auto",
-        choices=[c.value for c in CostSource],
-        help="where per-node costs come from: measured (profile every node here), analytic (roofline "
-        "for --device-type), auto (measured for this machine's CPU with real weights, else analytic)",
-    )
-    plan.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
+    _add_planner_flags(plan)
     plan.add_argument("--out", default=None, help="write the plan as JSON to this path")
     plan.add_argument("--png", default=None, help="write memory bars per stage and the pipeline timeline (PNG or SVG)")
     plan.add_argument(
@@ -272,17 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="gradient accumulation: plan for --global-batch / K samples per pipeline round, and step the "
         "optimizer once per K rounds (the whole --global-batch); K must divide --global-batch",
     )
-    train.add_argument("--memory", default=None, help="memory per process for planning, e.g. 512MiB")
-    _add_schedule(train)
-    train.add_argument("--num-stages", type=int, default=None, help="pin the pipeline depth (rank groups)")
-    train.add_argument("--replicas", type=int, default=None, help="pin the data-parallel replicas per stage")
-    train.add_argument(
-        "--uniform-replicas",
-        action="store_true",
-        help=_UNIFORM_REPLICAS_HELP,
-    )
-    train.add_argument("--microbatches", type=int, default=None, help="pin the number of micro-batches")
-    _add_precision_sharding(train)
+    _add_planner_flags(train)
     train.add_argument("--checkpoint-dir", default=None, help="write checkpoints here (step-NNNNNN)")
     train.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: at the end)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
@@ -329,7 +337,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="write per-step metrics (loss, lr, grad norm, step time, samples/s, eval loss) as TensorBoard "
         "scalars and DIR/metrics.jsonl (rank 0)",
     )
-    train.add_argument("--cache-dir", default=None, help="where to cache profiles and calibrations")
     train.add_argument(
         "--init-from",
         default=None,
@@ -337,31 +344,6 @@ def build_parser() -> argparse.ArgumentParser:
         "allocates only its stages (written by the planning process for zoo models)",
     )
     return parser
-
-
-def parse_bytes(text: str | None) -> int | None:
-    """'80GiB', '512MiB', '40GB', or a plain number of bytes."""
-    if text is None:
-        return None
-    units = {
-        "kib": 2**10,
-        "mib": 2**20,
-        "gib": 2**30,
-        "tib": 2**40,
-        "kb": 10**3,
-        "mb": 10**6,
-        "gb": 10**9,
-        "tb": 10**12,
-        "b": 1,
-        "": 1,
-    }
-    number = text.strip().lower().rstrip("abgikmt")
-    unit = text.strip().lower()[len(number) :]
-    try:
-        value = float(number) * units[unit]
-    except (ValueError, KeyError):
-        raise InputError(f"memory {text!r} is not a size: write e.g. 80GiB, 512MiB or 40GB") from None
-    return int(value)
 
 
 _NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")

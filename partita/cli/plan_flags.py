@@ -49,6 +49,7 @@ def _flags_and_plan(args: argparse.Namespace, plan: Plan, memory_bytes: int | No
     """(flag, its value or None when not given, what the plan says) for every planner flag of train."""
     counts = {s.num_replicas for s in plan.stages}
     levels = {s.sharding.value for s in plan.stages}
+    recomputes = {s.recompute.value for s in plan.stages}
     return [
         ("precision", args.precision, plan.precision.value),
         ("tensor-parallel", args.tensor_parallel, plan.tensor_parallel),
@@ -58,7 +59,13 @@ def _flags_and_plan(args: argparse.Namespace, plan: Plan, memory_bytes: int | No
         ("replicas", args.replicas, counts.pop() if len(counts) == 1 else sorted(counts)),
         ("uniform-replicas", True if args.uniform_replicas else None, plan.uniform_replicas),
         ("sharding", args.sharding, _sharding_of(plan, args.sharding, levels)),
-        ("sequence-parallel", getattr(args, "sequence_parallel", None), "yes" if plan.sequence_parallel else "no"),
+        ("sequence-parallel", args.sequence_parallel, "yes" if plan.sequence_parallel else "no"),
+        (
+            "recompute",
+            args.recompute,
+            recomputes.pop() if len(recomputes) == 1 else [s.recompute.value for s in plan.stages],
+        ),
+        ("costs", None if args.costs in (None, "auto") else args.costs, plan.cost_source),  # auto: either
         ("memory", memory_bytes, plan.cluster.memory_bytes),
     ]
 

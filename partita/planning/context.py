@@ -1,7 +1,8 @@
 """One planning run's shared state (``PlanningContext``, made by ``planning_context``).
 
-``planning_context`` checks the options against the cluster and the graph, captures the model,
-picks the cost source (measured or analytic, ``CostSource``) and coarsens the graph into a chain
+``planning_context`` checks the options against the cluster (``check_options``, before the capture:
+it needs no graph), captures the model, checks them against the graph (``graph_context``), picks
+the cost source (measured or analytic, ``CostSource``) and coarsens the graph into a chain
 of blocks: everything the search, the baselines and the refinement share. Turning their splits
 into simulated Plans is ``partita.planning.plan_builder``'s; the contexts of the tensor-parallel
 degrees, ``partita.planning.degree_contexts``'s.
@@ -34,7 +35,7 @@ from partita.planning.tensor_parallel import check_degree, group_cluster, split_
 from partita.types import CostTable, OpGraph, Precision, Sharding
 from partita.types.cluster import Cluster
 from partita.types.tensor_parallel import TensorParallelLayout
-from partita.types.whole_batch import coupling_words
+from partita.types.whole_batch import check_coupled_batch_size, coupling_words
 
 
 @dataclass(frozen=True)
@@ -92,35 +93,72 @@ def planning_context(
     options: PlanOptions = PlanOptions(),
     batch_dims: Any = None,
 ) -> PlanningContext:
-    """Capture (unless ``model`` is already an OpGraph; ``batch_dims`` as ``partita.capture`` takes
-    it), pick the cost source, coarsen the graph into a chain of blocks, and resolve ``options``
-    against the cluster: everything one planning run shares. InputError for options the cluster
-    or the graph cannot honour. The context is degree 1's; ``degree_contexts`` makes those of the
-    tensor-parallel degrees to search (a pinned ``options.tensor_parallel`` is checked here).
+    """Check the options against the cluster (``check_options``, before capturing: a capture takes
+    seconds to minutes), capture (unless ``model`` is already an OpGraph; ``batch_dims`` as
+    ``partita.capture`` takes it), then ``graph_context``: everything one planning run shares.
+    InputError for options the cluster or the graph cannot honour. The context is degree 1's;
+    ``degree_contexts`` makes those of the tensor-parallel degrees to search (a pinned
+    ``options.tensor_parallel`` is checked here)."""
+    check_options(options, cluster, global_batch_size)
+    precision = resolve_precision(options.precision, cluster.device)
+    _cost_source(options.costs, _on_meta(model), cluster, precision)  # costs="measured" it cannot honour
+    graph = (
+        model
+        if isinstance(model, OpGraph)
+        else capture(model, args, kwargs, loss_fn=loss_fn, target=target, batch_dims=batch_dims)
+    )
+    return graph_context(
+        graph, args, kwargs, target, cluster=cluster, global_batch_size=global_batch_size, options=options
+    )
 
-    A graph whose loss couples samples (``OpGraph.couples_samples``) is planned with one
-    micro-batch and one replica per stage (``whole_batch_options``)."""
+
+def check_options(options: PlanOptions, cluster: Cluster, global_batch_size: int) -> None:
+    """InputError for pins that no plan on ``cluster`` can honour, whatever the model: the batch
+    against the pinned micro-batches and replicas, a pinned tensor-parallel degree (one-type
+    clusters; a mixed cluster's device groups are checked by ``device_groups.degree_runs``), the
+    devices the pinned stages and replicas need, a sharding level or schedules with nothing to
+    work on, and costs="measured" for a device that is not this machine's. Needs no graph, so
+    planning runs it before capturing. On a mixed cluster the pins are checked against all its
+    devices, every group counted."""
     if not isinstance(cluster, Cluster):
         raise InputError(f"cluster must be a partita.Cluster, got {type(cluster).__name__}")
     if not isinstance(options, PlanOptions):
         raise InputError(f"options must be a partita.PlanOptions, got {type(options).__name__}")
     positive_int(global_batch_size, "global_batch_size")
     check_batch_divisible(global_batch_size, options.num_microbatches, options.replicas)
-    if options.tensor_parallel is not None:
+    if options.tensor_parallel is not None and not cluster.is_mixed:
         check_degree(options.tensor_parallel, cluster, replicas=options.replicas, num_stages=options.num_stages)
     _check_pinned_devices(options, cluster)
-    graph = (
-        model
-        if isinstance(model, OpGraph)
-        else capture(model, args, kwargs, loss_fn=loss_fn, target=target, batch_dims=batch_dims)
-    )
+    _check_sharding_pin(options, cluster)
+    _check_schedules_pin(options, cluster)
+    for group in cluster.group_clusters:
+        _cost_source(options.costs, False, group, resolve_precision(options.precision, group.device))
+
+
+def graph_context(
+    graph: OpGraph,
+    args: tuple,
+    kwargs: dict | None,
+    target: Any,
+    *,
+    cluster: Cluster,
+    global_batch_size: int,
+    options: PlanOptions,
+) -> PlanningContext:
+    """``planning_context`` after the capture, its options checked (``check_options``, on this
+    cluster or on the mixed cluster ``cluster`` is a device group of): pick the cost source, coarsen
+    the graph into a chain of blocks, and resolve ``options`` against the cluster. ``args``,
+    ``kwargs`` and ``target`` are the call's inputs, measured costs' profile inputs.
+
+    A graph whose loss couples samples (``OpGraph.couples_samples``) is planned with one
+    micro-batch and one replica per stage (``whole_batch_options``)."""
     if not graph.dynamic_batch:
         raise InputError(static_batch_message(graph))
     if graph.couples_samples is not None:
+        check_coupled_batch_size(graph, global_batch_size)  # a batch taken from the wrong dim?
         options = whole_batch_options(options, graph)
+        _check_sharding_pin(options, cluster)  # one replica per stage now: nothing to shard over
     precision = resolve_precision(options.precision, cluster.device)
-    _check_sharding_pin(options, cluster)
-    _check_schedules_pin(options, cluster)
     search_options = SearchOptions.from_plan_options(
         options,
         num_devices=cluster.num_devices,
@@ -128,11 +166,11 @@ def planning_context(
         memory_limit_bytes=cluster.usable_memory_bytes,
         precision=precision,
     )
-    source = _cost_source(options.costs, graph, cluster, precision)
+    source = _cost_source(options.costs, _on_meta(graph), cluster, precision)
     if source is CostSource.MEASURED and (args or kwargs or target is not None):
         flatten_call_inputs(graph, args, kwargs, target)  # InputError: a tensor where None was captured, ...
     inputs = (args, dict(kwargs or {}), target)
-    if isinstance(model, OpGraph) and not args and not kwargs and target is None and graph.example_inputs is not None:
+    if not args and not kwargs and target is None and graph.example_inputs is not None:
         inputs = graph.example_inputs  # a graph alone: profile it on the inputs it was captured from
     costs_at = _costs_provider(graph, cluster, source, inputs, options.cache_dir, precision)
     reference = costs_at(_reference_microbatch(graph, global_batch_size, cluster.num_devices))
@@ -230,7 +268,7 @@ def whole_batch_options(options: PlanOptions, graph: OpGraph) -> PlanOptions:
     warnings.warn(
         f"{why}: planning one micro-batch and one replica per stage (exact, but without the speed of "
         f"micro-batching and data parallelism); to get those, {rewrite}",
-        stacklevel=4,
+        stacklevel=5,
     )
     return options.replace(num_microbatches=1, replicas=1, uniform_replicas=True)
 
@@ -261,7 +299,7 @@ def _check_pinned_devices(options: PlanOptions, cluster: Cluster) -> None:
         pinned = _pinned_text(options, "num_stages", "replicas")
         raise InputError(
             f"{pinned} needs at least {units} devices (one per replica of each rank group), but the cluster has "
-            f"{cluster.num_devices}: pin fewer stages or replicas, or plan on at least {units} devices"
+            f"{_devices_text(cluster)}: pin fewer stages or replicas, or plan on at least {units} devices"
         )
 
 
@@ -288,15 +326,28 @@ def _check_schedules_pin(options: PlanOptions, cluster: Cluster) -> None:
     )
 
 
+def _devices_text(cluster: Cluster) -> str:
+    """The cluster's device count, with its groups' where it has several: ``3 (2 x cpu + 1 x cpu)``."""
+    if not cluster.is_mixed:
+        return str(cluster.num_devices)
+    return f"{cluster.num_devices} ({' + '.join(f'{g.num_devices} x {g.device.name}' for g in cluster.group_clusters)})"
+
+
 def _pinned_text(options: PlanOptions, *names: str) -> str:
     """The pinned ones of ``names`` as a user writes them: ``num_stages=2 x replicas=2``."""
     return " x ".join(f"{name}={getattr(options, name)}" for name in names if getattr(options, name))
 
 
-def _cost_source(costs: CostSource, graph: OpGraph, cluster: Cluster, precision: Precision) -> CostSource:
-    """The profiler measures the graph as captured (fp32): a bf16 plan is costed analytically, and
-    costs='measured' with bf16 is refused."""
-    on_meta = any(p.device.type == "meta" for p in graph.graph_module.parameters())
+def _on_meta(model: torch.nn.Module | OpGraph) -> bool:
+    """Whether ``model`` (a module, or a captured graph) holds its weights on the meta device."""
+    module = model.graph_module if isinstance(model, OpGraph) else model
+    return isinstance(module, torch.nn.Module) and any(p.device.type == "meta" for p in module.parameters())
+
+
+def _cost_source(costs: CostSource, on_meta: bool, cluster: Cluster, precision: Precision) -> CostSource:
+    """The profiler measures the graph as captured (fp32), on this machine, with real weights
+    (``on_meta``: the model has none): a bf16 plan is costed analytically, and costs='measured'
+    that it cannot honour is refused."""
     local = cluster.device.name == "cpu"
     if costs is CostSource.MEASURED and (on_meta or not local or precision is Precision.BF16):
         if on_meta:

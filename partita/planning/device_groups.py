@@ -1,7 +1,7 @@
 """A planning run over a mixed cluster: one graph, and per device group its costs on one chain.
 
 A mixed cluster (``Cluster(groups=...)``, several device types) is planned from the same pieces as
-a one-type cluster, once per device group: ``planning_context`` on the group's one-type cluster
+a one-type cluster, once per device group: ``graph_context`` on the group's one-type cluster
 gives that type's costs (``costs_at``: its CostTable at a micro-batch size), its memory limit and
 its resolved options. The groups' contexts share one chain of blocks (the first group's), so a
 stage is the same block range whichever type runs it, and the search compares the types' times
@@ -37,7 +37,7 @@ from partita.capturing import capture
 from partita.errors import InputError
 from partita.planning.build import BuildMemo
 from partita.planning.chain import BlockCosts, block_costs
-from partita.planning.context import PlanningContext, planning_context
+from partita.planning.context import PlanningContext, check_options, graph_context
 from partita.planning.degree_contexts import degree_contexts, with_layout
 from partita.planning.options import PlanOptions, resolve_precision
 from partita.planning.tensor_parallel import candidate_degrees, check_degree, group_cluster
@@ -308,31 +308,25 @@ def mixed_run(
     batch_dims: Any = None,
     every_share: bool = False,
 ) -> MixedRun:
-    """Capture once (unless ``model`` is an OpGraph), then a degree-1 planning context per device
-    group of ``cluster`` on its one-type cluster, all in ``mixed_precision`` and on the first
-    group's chain. The mixed search pins no replica count and ignores ``uniform_replicas``
+    """Check the options against the whole cluster (``check_options``: pins such as ``num_stages``
+    count the devices of all the groups), capture once (unless ``model`` is an OpGraph), then a
+    degree-1 planning context per device group of ``cluster`` on its one-type cluster
+    (``graph_context``), all in ``mixed_precision`` and on the first group's chain. The mixed search pins no replica count and ignores ``uniform_replicas``
     (``partita.planning.hetero`` says when that leaves it out); the contexts are made without those
     pins, and at degree 1 (``degree_runs`` makes the others). ``every_share``: ``MixedRun``'s."""
     if not isinstance(cluster, Cluster) or not cluster.is_mixed:
         raise InputError("mixed_run plans a cluster of several device groups: Cluster(groups=[...])")
+    check_options(options, cluster, global_batch_size)  # before the capture; every group's devices counted
+    given = options.replace(precision=mixed_precision(options.precision, cluster))
     graph = (
         model
         if isinstance(model, OpGraph)
         else capture(model, args, kwargs, loss_fn=loss_fn, target=target, batch_dims=batch_dims)
     )
-    given = options.replace(precision=mixed_precision(options.precision, cluster))
     per_group = given.replace(tensor_parallel=None, sequence_parallel=None, replicas=None, uniform_replicas=None)
     contexts = [
-        planning_context(
-            graph,
-            args,
-            kwargs,
-            cluster=group,
-            global_batch_size=global_batch_size,
-            loss_fn=loss_fn,
-            target=target,
-            options=per_group,
-            batch_dims=batch_dims,
+        graph_context(
+            graph, args, kwargs, target, cluster=group, global_batch_size=global_batch_size, options=per_group
         )
         for group in cluster.group_clusters
     ]

@@ -100,10 +100,12 @@ class FitConfig:
 
 @dataclass
 class FitResult:
-    """What a run recorded: ``losses[i]`` is step ``first_step + i`` (1-based; later than 1 after a
-    resume, ``resumed_from`` being the steps done before); ``eval_losses`` (step, held-out loss);
-    ``skipped_steps`` whose update was skipped (non-finite, ``on_nonfinite="skip"``); ``step_s``
-    the wall time of each step; ``stage_forward_s`` each stage's forward time per step."""
+    """What a run recorded: ``losses[i]`` is step ``first_step + i`` (1-based, counting the trainer's
+    every step: later than 1 after a resume, ``resumed_from`` being the checkpoint's steps, and in a
+    second run of the same trainer); ``eval_losses`` (step, held-out loss); ``skipped_steps`` whose
+    update was skipped (non-finite, ``on_nonfinite="skip"``); ``step_s`` the wall time of each step;
+    ``stage_forward_s`` each stage's forward time per step; ``start_step`` the steps the trainer had
+    taken when the run's first step began (a resumed checkpoint's, or an earlier run's)."""
 
     losses: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
@@ -111,11 +113,12 @@ class FitResult:
     resumed_from: int | None = None
     skipped_steps: list[int] = field(default_factory=list)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    start_step: int = 0
 
     @property
     def first_step(self) -> int:
         """The 1-based step of ``losses[0]``."""
-        return (self.resumed_from or 0) + 1
+        return self.start_step + 1
 
 
 def fit(
@@ -136,16 +139,42 @@ def fit(
     seed: int = 0,
 ) -> FitResult:
     """Train ``trainer`` for ``num_steps`` optimizer steps (counting those a resumed checkpoint had
-    done) on ``data``; see the module docstring for what a run does.
+    done) on ``data``; return what the run recorded (``FitResult``: losses, evaluations, times).
 
     ``data`` and ``eval_data``: a DataLoader or any iterable of batches shaped like the example
     inputs the trainer was built from (a tuple of the positional inputs plus the target last, as
     ``TensorDataset(x, y)`` yields, or a dict of the keywords plus ``"target"``), a function
     returning a new iterator of them, or a dataset of rows (``__len__`` + ``__getitem__``) that
-    ``collate_fn`` batches (default torch's ``default_collate``). ``seed`` seeds the sources' own
-    RNG stream (the same on every rank). Raises InputError for a wrong argument or a batch that
-    does not fit the graph (checked on the first batch of each source before any step).
-    Collective: call it on every rank.
+    ``collate_fn`` batches (default torch's ``default_collate``). Every step takes the next
+    ``plan.global_batch_size * accumulation_steps`` samples of ``data``, the same on every rank.
+
+    ``eval_every``: every that many steps, the mean ``trainer.evaluate`` loss (eval mode; nothing
+    changes) over the first ``eval_batches`` step batches of ``eval_data``, recorded in
+    ``FitResult.eval_losses``; 0 (the default): never. It needs ``eval_data`` and may not exceed
+    ``num_steps``.
+
+    ``checkpoint_dir``: the folder checkpoints are written to (``step-NNNNNN``, with the optimizer,
+    LR schedule, RNG states and where the data stands); None: none are written.
+    ``checkpoint_every``: a checkpoint every that many steps, and one at the end; 0 (the default):
+    only at the end. Needs ``checkpoint_dir``.
+
+    ``resume``: start from the latest intact checkpoint in ``checkpoint_dir`` (unfinished and
+    damaged ones skipped with a warning), reading the data on from where that run stopped, so the
+    batches and weights after ``num_steps`` are those of an uninterrupted run; InputError when that
+    checkpoint is at or past ``num_steps``. A process that torchrun restarted resumes whatever
+    ``resume`` says. Needs ``checkpoint_dir``.
+
+    ``log_dir``: rank 0 writes per-step metrics there: loss, learning rate, gradient norm, step time,
+    samples/s and the evaluation loss, as TensorBoard scalars and ``metrics.jsonl``
+    (``partita.training.metrics``); None: no metrics files.
+
+    ``progress``: rank 0 shows a progress bar (tqdm) on a terminal, or one line every tenth of the
+    run when stderr is a log file; False: neither. ``trace_dir``: torch's profiler over steps 2-4,
+    one Chrome/Perfetto trace per rank (``rank-R.json``). ``seed`` seeds the sources' own RNG
+    stream (the same on every rank).
+
+    Raises InputError for a wrong argument or a batch that does not fit the graph (checked on the
+    first batch of each source before any step). Collective: call it on every rank.
     """
     config = FitConfig(
         num_steps=num_steps,
@@ -183,6 +212,7 @@ def run_loop(trainer: Trainer, sources: Sources, config: FitConfig) -> FitResult
     )
     result = FitResult()
     resumed = _maybe_resume(trainer, config, result)
+    result.start_step = trainer.num_steps  # after a resume, or a run before this one on the same trainer
     batches = training_batches(
         sources,
         graph,
