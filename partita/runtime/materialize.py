@@ -98,9 +98,12 @@ def materialize(
     state = {f"model.{name}": fresh[id(by_name[name])].detach() for name in sorted(names)}
     stored = set(FileSystemReader(seed).read_metadata().state_dict_metadata)
     missing = sorted(k for k in state if k not in stored)
-    if missing:
+    extra = sorted(k for k in stored if k.startswith("model.") and k[len("model.") :] not in by_name)
+    if missing or extra:
+        lacks = f"lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}" if missing else ""
+        holds = f"holds {extra[:5]}{' ...' if len(extra) > 5 else ''}, which the model has not" if extra else ""
         raise InputError(
-            f"the seed checkpoint {seed!r} lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}: "
+            f"the seed checkpoint {seed!r} {' and '.join(filter(None, (lacks, holds)))}: "
             "it was written for another model; write it again with save_seed from this model"
         )
     with single_process():

@@ -213,6 +213,11 @@ def run_loop(trainer: Trainer, sources: Sources, config: FitConfig) -> FitResult
     result = FitResult()
     resumed = _maybe_resume(trainer, config, result)
     result.start_step = trainer.num_steps  # after a resume, or a run before this one on the same trainer
+    if trainer.num_steps >= config.num_steps and result.resumed_from is None and not restart_count():
+        raise InputError(
+            f"num_steps={config.num_steps} counts every step of this trainer, which has taken {trainer.num_steps} "
+            f"already: nothing would be trained; to train k more steps, pass num_steps={trainer.num_steps} + k"
+        )
     batches = training_batches(
         sources,
         graph,

@@ -154,3 +154,17 @@ def test_a_non_persistent_buffer_in_the_checkpoint_is_the_models_own(tmp_path):
     model = with_buffer(2)
     load_into_model(model, path)
     assert torch.equal(model.head.weight, _model(1, seed=1).head.weight)
+
+
+def test_a_seed_of_a_larger_model_is_refused_naming_what_it_holds_besides(tmp_path):
+    """A seed checkpoint (init_from) of another model that shares this one's names is refused too."""
+    from partita.runtime.materialize import materialize
+
+    seed = str(tmp_path / "seed")
+    save_seed(_model(4), seed)
+    with torch.device("meta"):
+        model = _Net(2)
+    names = {name for name, _ in model.named_parameters()}
+    with pytest.raises(InputError, match=r"holds \['model.body.2.bias'.*which the model has not.*another model"):
+        materialize(model, [], names, torch.device("cpu"), seed)
+    assert all(p.is_meta for p in model.parameters()), "nothing was allocated or read"

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import partita
+from partita.errors import InputError
 from partita.training.metrics import METRICS_FILE
 
 BATCH, WIDTH, CLASSES, STEPS, NAN_STEP = 8, 16, 4, 6, 5
@@ -81,3 +82,10 @@ def test_a_second_fit_numbers_its_steps_from_where_the_trainer_stood(one_rank, t
     lines = [json.loads(line) for line in (tmp_path / "parts" / METRICS_FILE).read_text().splitlines()]
     assert [line["step"] for line in lines if "loss" in line] == list(range(1, STEPS + 1))  # each step once
     assert [line["step"] for line in lines if "eval_loss" in line] == [3, 6]
+
+
+def test_a_second_fit_with_no_step_left_is_refused_saying_num_steps_counts_every_step(one_rank, tmp_path):
+    trainer = _trainer()
+    _fit(trainer, 3, tmp_path / "first")
+    with pytest.raises(InputError, match=r"num_steps=3 counts every step of this trainer, which has taken 3"):
+        _fit(trainer, 3, tmp_path / "second")
