@@ -42,8 +42,9 @@ if TYPE_CHECKING:
     import torch
 
 # Bump when the profiler measures differently: old entries then miss instead of being reused.
-# 2: calibrated against the flat module, not the exported one; 3: selective recomputation's arrays
-FORMAT_VERSION = 3
+# 2: calibrated against the flat module, not the exported one; 3: selective recomputation's arrays;
+# 4: the repeated blocks' arrays
+FORMAT_VERSION = 4
 
 # Arrays of a CostTable stored as they are (param_uses is ragged and stored flattened).
 _ARRAY_FIELDS = (
@@ -58,6 +59,9 @@ _ARRAY_FIELDS = (
     "saved_bytes",
     "recomputed_bytes",
     "selective_recompute_s",
+    "block_ranges",
+    "block_input_bytes",
+    "block_output_bytes",
 )
 
 

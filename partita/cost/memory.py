@@ -74,6 +74,7 @@ from typing import Any
 
 import numpy as np
 
+from partita.cost.segment_memory import SegmentTotals, segment_totals
 from partita.types import CostTable, MemoryBreakdown, OptimizerKind, Precision, Recompute, Schedule, Sharding
 
 # DDP-style gradient bucket kept while replicas all-reduce (torch DDP's default bucket_cap_mb).
@@ -193,15 +194,13 @@ def device_memory(
     held = np.unique(np.concatenate(per_range)) if per_range else np.zeros(0, dtype=np.int64)
     held_trainable = held[trainable[held]]
     largest_unit = max((int(param_bytes[p[trainable[p]]].sum()) for p in per_range), default=0)
+    segments = _device_segments(costs, ranges, [int(param_bytes[p[trainable[p]]].sum()) for p in per_range])
     return memory_from_totals(
         first_grad_bytes=first_gradient_bytes(costs, ranges),
         param_bytes=int(param_bytes[held].sum()),
         trainable_bytes=int(param_bytes[held_trainable].sum()),
         activation_bytes=int(sum(costs.activation_bytes[start:stop].sum() for start, stop in ranges)),
         saved_bytes=int(sum(costs.saved_bytes[start:stop].sum() for start, stop in ranges)),
-        rebuilding_bytes=_selective_rebuilding(costs, ranges)
-        if Recompute.parse(recompute) is Recompute.SELECTIVE
-        else None,
         stage_input_bytes=int(sum(costs.cut_bytes[start] for start, _ in ranges)),
         boundary_bytes=sum(int(costs.cut_bytes[start]) + int(costs.cut_bytes[stop]) for start, stop in ranges),
         largest_output_bytes=max((int(costs.output_bytes[a:b].max()) for a, b in ranges if b > a), default=0),
@@ -215,6 +214,24 @@ def device_memory(
         num_microbatches=num_microbatches,
         gathered_trainable_bytes=largest_unit if sharding is Sharding.FULL_SHARD else None,
         foreach_step=steps_foreach(costs.device),
+        segments=segments,
+    )
+
+
+def _device_segments(
+    costs: CostTable, ranges: Sequence[tuple[int, int]], trainable: Sequence[int]
+) -> SegmentTotals | None:
+    """The per-block terms of a device holding ``ranges`` (stages run one at a time): their kept
+    inputs add up, the rest is the largest stage's. None without ranges."""
+    if not ranges:
+        return None
+    each = [segment_totals(costs, a, b, t) for (a, b), t in zip(ranges, trainable)]
+    return SegmentTotals(
+        kept_inputs=sum(float(x.kept_inputs) for x in each),
+        full_rebuilding=max(float(x.full_rebuilding) for x in each),
+        selective_rebuilding=max(float(x.selective_rebuilding) for x in each),
+        gathered=max(float(x.gathered) for x in each),
+        recompute_weights=max(float(x.recompute_weights) for x in each),
     )
 
 
@@ -252,6 +269,7 @@ def memory_from_totals(
     saved_bytes: Any = None,
     rebuilding_bytes: Any = None,
     foreach_step: bool = False,
+    segments: SegmentTotals | None = None,
 ) -> DeviceMemory:
     """The memory formula on totals of a device's node ranges. Works element-wise on numpy
     arrays too, so the search evaluates every candidate stage at once with the same formula.
@@ -274,8 +292,18 @@ def memory_from_totals(
     the totals, exact for one range; ``device_memory`` gives the largest of its ranges' under
     selective recomputation: one stage rebuilds at a time).
     foreach_step: the optimizer steps every parameter at once (``steps_foreach``: on GPUs).
+    segments: the stage's per-block terms (``partita.cost.segment_memory``): under recomputation
+    each segment's input kept and one segment rebuilt (and its weights cast) at a time, in place
+    of the stage's input, its whole rebuild and its weights; under full_shard its root unit and
+    two blocks gathered, in place of ``gathered_trainable_bytes``. None: the stage is one unit.
     """
     recompute = Recompute.parse(recompute)
+    recompute_weights = None
+    if segments is not None and recompute is not Recompute.NONE:
+        stage_input_bytes, recompute_weights = segments.kept_inputs, segments.recompute_weights
+        rebuilding_bytes = segments.rebuilding(recompute)
+    if segments is not None and sharding is Sharding.FULL_SHARD:
+        gathered_trainable_bytes = segments.gathered
     if recompute is Recompute.SELECTIVE:
         assert saved_bytes is not None, "selective needs the saved bytes"
     sharded = sharding is not Sharding.REPLICATE and num_replicas > 1
@@ -291,7 +319,9 @@ def memory_from_totals(
     else:
         persistent_params = 1 * param_bytes
         gathered_bytes = 0 * trainable_bytes
-    copies = _weight_copies(precision, recompute, sharding, num_replicas, trainable_bytes, gathered_trainable_bytes)
+    copies = _weight_copies(
+        precision, recompute, sharding, num_replicas, trainable_bytes, gathered_trainable_bytes, recompute_weights
+    )
 
     def kept_with(count: Any) -> Any:  # kept for backward with ``count`` micro-batches in flight
         return _kept_bytes(count, recompute, activation_bytes, stage_input_bytes, copies, saved_bytes, rebuilding_bytes)
@@ -328,14 +358,18 @@ def _weight_copies(
     num_replicas: int,
     trainable_bytes: Any,
     gathered_trainable_bytes: Any,
+    recompute_weights: Any = None,
 ) -> Any:
     """bf16: autocast's bf16 copies of the weights the forwards read, saved for their backward: one
     set for the step without recomputation (shared by the micro-batches in flight), else one set at
-    a time, of the gathered unit under full_shard (module docstring); 0 in fp32."""
+    a time, of the gathered unit under full_shard (module docstring), or of the segment being
+    rebuilt (``recompute_weights``, a stage run by block); 0 in fp32."""
     if precision is not Precision.BF16:
         return 0 * trainable_bytes
     if recompute is Recompute.NONE:
         return 0.5 * trainable_bytes
+    if recompute_weights is not None:
+        return 0.5 * recompute_weights
     sharded = sharding is not Sharding.REPLICATE and num_replicas > 1
     gathered = trainable_bytes if gathered_trainable_bytes is None else gathered_trainable_bytes
     return 0.5 * (gathered if sharded else trainable_bytes)
@@ -367,17 +401,6 @@ def kept_per_microbatch(level: Recompute, activation: Any, stage_input: Any, sav
     if level is Recompute.SELECTIVE:
         return stage_input + saved
     return 1 * activation
-
-
-def _selective_rebuilding(costs: CostTable, ranges: Sequence[tuple[int, int]]) -> int:
-    """The largest ``rebuilt_bytes`` of selectively recomputed ``ranges``: one rebuilds at a time."""
-    return max(
-        (
-            int(rebuilt_bytes(Recompute.SELECTIVE, costs.activation_bytes[a:b].sum(), costs.saved_bytes[a:b].sum()))
-            for a, b in ranges
-        ),
-        default=0,
-    )
 
 
 def rebuilt_bytes(level: Recompute, activation: Any, saved: Any) -> Any:
@@ -421,13 +444,18 @@ class MemoryByInFlight:
 
     def __init__(self, **totals: Any):
         at_zero = memory_from_totals(in_flight=0, **totals)
+        recompute = Recompute.parse(totals["recompute"])
+        segments = totals.get("segments") if recompute is not Recompute.NONE else None
         self._copies = _weight_copies(
             totals.get("precision", Precision.FP32),
-            Recompute.parse(totals["recompute"]),
+            recompute,
             totals.get("sharding", Sharding.REPLICATE),
             totals.get("num_replicas", 1),
             totals["trainable_bytes"],
-            totals.get("gathered_trainable_bytes"),
+            totals["segments"].gathered
+            if totals.get("segments") is not None and totals.get("sharding") is Sharding.FULL_SHARD
+            else totals.get("gathered_trainable_bytes"),
+            None if segments is None else segments.recompute_weights,
         )
         self._persistent = at_zero.param_bytes + at_zero.optimizer_bytes
         self._step_peak = at_zero._during_step
@@ -446,14 +474,15 @@ class MemoryByInFlight:
 
     def _kept(self, in_flight: Any) -> Any:
         t = self._totals
+        segments = t.get("segments") if self._recompute is not Recompute.NONE else None
         return _kept_bytes(
             in_flight,
             self._recompute,
             t["activation_bytes"],
-            t["stage_input_bytes"],
+            t["stage_input_bytes"] if segments is None else segments.kept_inputs,
             self._copies,
             t.get("saved_bytes"),
-            t.get("rebuilding_bytes"),
+            t.get("rebuilding_bytes") if segments is None else segments.rebuilding(self._recompute),
         )
 
     def total_bytes(self, in_flight: float) -> Any:

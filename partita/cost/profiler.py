@@ -46,7 +46,7 @@ import torch.utils._pytree as pytree
 from partita.capturing import check_flat_inputs
 from partita.cost import cache
 from partita.cost.recompute import selective_arrays
-from partita.cost.table import cut_bytes, output_bytes, param_arrays
+from partita.cost.table import block_bytes, cut_bytes, output_bytes, param_arrays
 from partita.errors import InputError
 from partita.types import CostTable, OpGraph
 from partita.types.devices import get_device, known_devices
@@ -181,6 +181,7 @@ def _build_table(
         activation_bytes=m.activation_bytes,
         output_bytes=np.asarray(output_bytes(graph, microbatch_size)),
         cut_bytes=np.asarray(cut_bytes(graph, microbatch_size)),
+        **block_bytes(graph, microbatch_size)._asdict(),
         param_names=tuple(names),
         param_bytes=np.asarray(param_bytes),
         param_trainable=np.asarray(trainable),

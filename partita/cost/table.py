@@ -37,6 +37,7 @@ __all__ = [
     "compute_dtype",
     "contended",
     "costs_nothing",
+    "block_bytes",
     "cut_bytes",
     "is_inplace",
     "op_name",
@@ -270,6 +271,33 @@ def cut_bytes(
             diff[node.index + 1] += values[node.index]
             diff[last + 1] -= values[node.index]
     return np.cumsum(diff)[: num_nodes + 1]
+
+
+class BlockBytes(NamedTuple):
+    """A CostTable's block arrays (``CostTable`` documents them)."""
+
+    block_ranges: np.ndarray  # int64[L, 2]
+    block_input_bytes: np.ndarray  # int64[L]
+    block_output_bytes: np.ndarray  # int64[L]
+
+
+def block_bytes(
+    graph: OpGraph, microbatch_size: int, precision: Precision = Precision.FP32, shards: np.ndarray | None = None
+) -> BlockBytes:
+    """The block arrays of ``graph`` at ``microbatch_size``: each block's range, the values made
+    since the previous block's start and read from its start on, and those it makes and passes
+    on; ``shards`` as ``value_bytes`` takes it (a device keeps its own part of a split value)."""
+    blocks = graph.blocks
+    ranges = np.array([(b.start, b.stop) for b in blocks], dtype=np.int64).reshape(-1, 2)
+    values = value_bytes(graph, microbatch_size, precision, shards)
+    last = np.array([max(n.consumers) if n.consumers else -1 for n in graph.nodes], dtype=np.int64)
+    made = np.arange(graph.num_nodes)
+    inputs, outputs = [], []
+    for k, (start, stop) in enumerate(ranges):
+        since = ranges[k - 1][0] if k else 0
+        inputs.append(values[(made >= since) & (made < start) & (last >= start)].sum())
+        outputs.append(values[(made >= start) & (made < stop) & (last >= stop)].sum())
+    return BlockBytes(ranges, np.array(inputs, dtype=np.int64), np.array(outputs, dtype=np.int64))
 
 
 @graph_memo

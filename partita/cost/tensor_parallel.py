@@ -74,7 +74,7 @@ import numpy as np
 from partita.cost import comm
 from partita.cost.collective_matmul import decomposes, fused_column_seconds, fused_row_seconds
 from partita.cost.recompute import kept_mask, selective_arrays
-from partita.cost.table import activation_bytes, cut_bytes, output_bytes, storage_roots, value_bytes
+from partita.cost.table import activation_bytes, block_bytes, cut_bytes, output_bytes, storage_roots, value_bytes
 from partita.errors import InputError
 from partita.types import Cluster, CostTable, OpGraph, Precision
 from partita.types.devices import resolve_device
@@ -162,6 +162,7 @@ def tensor_parallel_costs(
         output_bytes=output_bytes(graph, b, precision, parts),
         cut_bytes=cut_bytes(graph, b, precision, sent_parts),
         whole_cut_bytes=cut_bytes(graph, b, precision, tensor_parts),
+        **block_bytes(graph, b, precision, sent_parts)._asdict(),
         param_bytes=np.where(split_params, -(-param_bytes // t), param_bytes),
         tensor_parallel=t,
         saved_bytes=selective.saved_bytes,

@@ -30,13 +30,13 @@ A cut is legal when the stage builder can ship exactly what crosses it, once:
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from partita.checks import positive_int
 from partita.cost.memory import first_gradient_bytes, steps_foreach
+from partita.cost.segment_memory import SegmentTotals, segment_totals
 from partita.errors import InputError
 from partita.planning.range_matrices import range_last, range_max, range_sums
 from partita.types import CostTable, OpGraph
@@ -371,6 +371,7 @@ class BlockCosts:
     saved_bytes: np.ndarray
     selective_recompute_s: np.ndarray
     foreach_step: bool = False  # the optimizer's step on this device (``partita.cost.memory.steps_foreach``)
+    segments: SegmentTotals | None = None  # [j, i]: a stage's per-block terms (``partita.cost.segment_memory``)
 
     @property
     def num_blocks(self) -> int:
@@ -408,6 +409,7 @@ class BlockCosts:
             largest_param_bytes=range_max(self.max_param_bytes),
             first_grad_bytes=range_last(self.last_grad_bytes),
             foreach_step=self.foreach_step,
+            segments=self.segments,
         )
 
 
@@ -426,6 +428,8 @@ def block_costs(costs: CostTable, boundaries) -> BlockCosts:
         return np.add.reduceat(np.asarray(values, dtype=dtype), starts)
 
     params = _parameter_parts(costs, b)
+    j, i = np.meshgrid(b, b, indexing="ij")
+    segments = segment_totals(costs, j, np.maximum(i, j), params["trainable_bytes_matrix"])
     return BlockCosts(
         boundaries=b,
         forward_s=per_block(costs.forward_s, np.float64),
@@ -437,6 +441,7 @@ def block_costs(costs: CostTable, boundaries) -> BlockCosts:
         max_output_bytes=np.maximum.reduceat(np.asarray(costs.output_bytes, dtype=np.int64), starts),
         cut_bytes=np.asarray(costs.cut_bytes, dtype=np.int64)[b],
         foreach_step=steps_foreach(costs.device),
+        segments=segments,
         **params,
     )
 
@@ -563,26 +568,6 @@ def _held_param_matrices(costs: CostTable, boundaries: np.ndarray) -> tuple[np.n
 
 
 def layer_boundaries(graph: OpGraph) -> list[int]:
-    """First node position of each repeated layer, in graph order.
-
-    A layer is an item of a module list: the outermost numbered component of a node's
-    ``module_path`` ("transformer.h.3.attn" -> layer "transformer.h.3" of list "transformer.h").
-    Lists are grouped by their own name ("h", "layers", "layer", "block"), so T5's
-    "encoder.block" and "decoder.block" count together, and the group with the most layers
-    wins (ties: the one that starts first). Returns [] when no module list is found.
-    """
-    families: dict[str, dict[str, int]] = {}
-    for node in graph.nodes:
-        parts = node.module_path.split(".") if node.module_path else []
-        k = next((i for i, part in enumerate(parts) if _NUMBER.fullmatch(part)), None)
-        if k is None:
-            continue
-        family = parts[k - 1] if k > 0 else ""
-        families.setdefault(family, {}).setdefault(".".join(parts[: k + 1]), node.index)
-    if not families:
-        return []
-    best = min(families.values(), key=lambda layers: (-len(layers), min(layers.values())))
-    return sorted(best.values())
-
-
-_NUMBER = re.compile(r"\d+")
+    """First node position of each repeated layer (``OpGraph.blocks``), in graph order; [] when the
+    model has no module list of repeated items."""
+    return [block.start for block in graph.blocks]

@@ -106,6 +106,7 @@ _TABLE_FIELDS = (
     "least_first_grad",
     "own_trainable",
     "own_frozen",
+    "segments",
 )
 
 
@@ -171,6 +172,7 @@ class MemoryBound:
         self.per_sample_activation = range_sums(np.maximum(0, two_activation - one.activation_bytes))
         self.per_sample_saved = range_sums(np.maximum(0, two_saved - one.saved_bytes))
         self.first_grad = ranges["first_grad_bytes"]
+        self.segments = ranges["segments"]  # per-block terms at micro-batch 1: below any size's
         nonzero = one.last_grad_bytes[one.last_grad_bytes > 0]
         self.least_first_grad = float(nonzero.min()) if len(nonzero) else 0.0
         self.own_trainable, self.own_frozen = _own_param_matrices(costs_at(1), self.chain)
@@ -263,6 +265,7 @@ class MemoryBound:
             num_microbatches=1 if drained else 2,
             first_grad_bytes=first,
             gathered_trainable_bytes=trainable if level is Sharding.FULL_SHARD else None,
+            segments=self.segments,
         )
 
     @_memoized
@@ -284,9 +287,14 @@ class MemoryBound:
             s = r if sharded else 1
             state = frozen + (0 if sharded else own) + k * own / s + (own / s if sharded else 0)
             gathered_add = own if sharded and not full else 0 * own
-            copies_add, copies_max = (0 * own, half * held) if full else (half * own, 0 * own)
+            # full_shard gathers a range's root unit and two blocks at a time (segment_memory); a
+            # recomputing range casts one segment's weights at a time: both at most the range's
+            by_block = self.segments
+            copies_add, copies_max = (0 * own, half * by_block.recompute_weights) if full else (half * own, 0 * own)
             bucket = np.minimum(held, ALLREDUCE_BUCKET_BYTES) if r > 1 and not sharded else 0 * own
-            fixed_max = (held if full else 0) + copies_max + bucket + 2 * self.totals["largest_output_bytes"]
+            fixed_max = (
+                (by_block.gathered if full else 0) + copies_max + bucket + 2 * self.totals["largest_output_bytes"]
+            )
             if not k:
                 step = own / s
             elif self.totals["foreach_step"]:  # one state's worth (partita.cost.memory): it adds up
@@ -295,13 +303,13 @@ class MemoryBound:
                 step = own / s + use * 2 * self.totals["largest_param_bytes"] / s
             for rc in self.recompute_modes[True]:
                 for drained in (True, False):
-                    first_input = samples.stage_input if drained else self.totals["stage_input_bytes"]
+                    # recomputing by block: each segment's input kept (at micro-batch 1, below any
+                    # size's), one segment rebuilt at a time (a per-range maximum)
                     if rc is Recompute.FULL:
-                        kept = first_input + self.totals["activation_bytes"]
-                    elif rc is Recompute.SELECTIVE:  # I + S, or I + max(A, S) while rebuilding: a maximum
+                        kept = by_block.kept_inputs + use * by_block.full_rebuilding
+                    elif rc is Recompute.SELECTIVE:
                         saved = samples.saved if drained else self.totals["saved_bytes"]
-                        activation = samples.activation if drained else self.totals["activation_bytes"]
-                        kept = first_input + (np.maximum(activation, saved) if maxima else saved)
+                        kept = by_block.kept_inputs + saved + use * by_block.selective_rebuilding
                     else:
                         kept = samples.activation if drained else self.totals["activation_bytes"]
                     grads_add = 0 * own if drained else own

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -40,6 +41,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -50,6 +52,7 @@ from partita.types import OpGraph, Recompute, Schedule
 
 __all__ = [
     "StageMetadata",
+    "backward_switches",
     "StageRunner",
     "build_schedule",
     "make_pipeline_stages",
@@ -81,6 +84,9 @@ class StageRunner(nn.Module):
     backward; selective also keeps the outputs of the ops ``selective_policy`` keeps
     (``create_selective_checkpoint_contexts``), so backward recomputes only the others. The RNG
     state is restored for the recomputation (checkpoint's default), so dropout draws the same masks.
+    A stage cut into segments (``partita.runtime.segments``: one per whole block it holds) is
+    checkpointed segment by segment instead, and, when this runner is an FSDP2 root, runs each
+    block through its own FSDP2 unit.
 
     ``fresh_outputs`` returns copies of the boundary tensors. Zero-bubble schedules detach a
     stage's outputs in place after the input-gradient pass; when autograd saved such a tensor
@@ -105,9 +111,15 @@ class StageRunner(nn.Module):
     def forward(self, *received: torch.Tensor, **root_inputs: Any) -> Any:
         stage = self.stand_in or self.stage
         inputs = (*received, *(root_inputs[root_key(j)] for j in stage.graph_input_indices))
+        segmented = stage.__dict__.get("segmented")
         # checkpoint's recomputation restores the autocast state too
         with self.compute.context(recomputes=self.recompute is not Recompute.NONE):
-            if self.recompute is Recompute.FULL:
+            if segmented is not None:  # by block: each segment checkpointed, each block unit gathered on its own
+                units = stage if isinstance(self, FSDPModule) else None  # FSDP2's hooks run inside its root's forward
+                out = segmented.run(
+                    stage.state_tensors, inputs, recompute=self.recompute, units=units, context_fn=_SELECTIVE_CONTEXTS
+                )
+            elif self.recompute is Recompute.FULL:
                 out = checkpoint(stage, *inputs, use_reentrant=False)
             elif self.recompute is Recompute.SELECTIVE:
                 out = checkpoint(stage, *inputs, use_reentrant=False, context_fn=_SELECTIVE_CONTEXTS)
@@ -223,11 +235,13 @@ def make_pipeline_stages(
     runners: Mapping[int, nn.Module] | None = None,
     compute: Compute = FP32,
     whole_backward: Collection[int] = (),
+    full_shard: Collection[int] = (),
 ) -> list[PipelineStage]:
     """One PipelineStage per local stage (``stages``), with static metadata; ``runners`` by stage
     index are used as they are (sharded ones, sharding.py), the other stages get a StageRunner.
     The stages of ``whole_backward`` (indices) run their whole backward in the input-gradient pass
-    of a split-backward schedule (sharding.whole_backward_stages says why)."""
+    of a split-backward schedule (sharding.whole_backward_stages says why); those of ``full_shard``
+    are fully sharded (``backward_switches``)."""
     result = []
     for stage, flag in zip(stages, recompute):
         meta = metadata[stage.spec.index]
@@ -238,7 +252,7 @@ def make_pipeline_stages(
         split = meta.split_backward_complete and stage.spec.index not in whole_backward
         whole = None if split else _no_weight_pass
         result.append(
-            PipelineStage(
+            _PartitaStage(
                 runner,
                 stage_index=stage.spec.index,
                 num_stages=stage.spec.num_stages,
@@ -247,9 +261,51 @@ def make_pipeline_stages(
                 output_args=meta.output_args,
                 group=pp_group,
                 dw_builder=whole,
+                full_shard=stage.spec.index in full_shard,
             )
         )
     return result
+
+
+def backward_switches(runner: nn.Module, *, last: bool, full_shard: bool, is_last: bool = False) -> None:
+    """FSDP2's switches for one micro-batch's backward of a sharded stage's ``runner`` (each of its
+    units, recursively): gradients reduce-scattered unit by unit as each one's backward ends on the
+    step's ``last`` backward (before it, they accumulate unreduced); a ``full_shard`` stage's units
+    resharded after every backward, so that one block's weights are gathered at a time in backward
+    too (a ZeRO-2 stage keeps them gathered until the last). ``is_last``: FSDP2's root finishes the
+    step itself at the end of this backward (else ``perform_reduce_grad`` does)."""
+    runner.set_is_last_backward(is_last)
+    runner.set_reshard_after_backward(last or full_shard)
+    runner.set_requires_gradient_sync(last)
+
+
+class _PartitaStage(PipelineStage):
+    """torch's PipelineStage, with partita's FSDP2 switches for a sharded stage (``backward_switches``)
+    in place of torch's, which keep every unit gathered and every gradient unreduced until the end
+    of the step: here the last backward reduce-scatters each block's gradients as its backward ends,
+    and a fully sharded stage gathers one block at a time in backward too."""
+
+    def __init__(self, *args: Any, full_shard: bool = False, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.full_shard = full_shard
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
+        if not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        backward_switches(self.submod, last=last_backward, full_shard=self.full_shard)
+        if backward_type == "full":
+            grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+            return grads, None
+        if backward_type == "input":
+            return stage_backward_input(
+                bwd_kwargs["stage_output"],
+                bwd_kwargs["output_grads"],
+                bwd_kwargs["input_values"],
+                self.submod.parameters(),
+            )
+        return stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"]), None
 
 
 def _no_weight_pass() -> Callable[[], None]:

@@ -42,11 +42,13 @@ from partita.errors import InputError
 from partita.runtime.pipeline import StageRunner
 from partita.runtime.precision import Compute
 from partita.runtime.process_groups import Topology, new_group
+from partita.runtime.segments import block_containers
 from partita.runtime.stages import StageModule
-from partita.types import Plan, Schedule, Sharding
+from partita.types import OpGraph, Plan, Schedule, Sharding
 
 __all__ = [
     "check_sharding",
+    "full_shard_stages",
     "gathered",
     "replica_mesh",
     "shard_runner",
@@ -61,6 +63,11 @@ __all__ = [
 def sharded_stages(plan: Plan) -> set[int]:
     """Indices of the stages that FSDP2 shards (a sharding level other than replicate)."""
     return {s.index for s in plan.stages if s.sharding is not Sharding.REPLICATE}
+
+
+def full_shard_stages(plan: Plan) -> set[int]:
+    """Indices of the stages FSDP2 shards fully (ZeRO-3: weights gathered for each forward and backward)."""
+    return {s.index for s in plan.stages if s.sharding is Sharding.FULL_SHARD and s.num_replicas > 1}
 
 
 def whole_backward_stages(plan: Plan) -> set[int]:
@@ -100,10 +107,13 @@ def sharded_names(plan: Plan, stages: Sequence[StageModule]) -> set[str]:
 
 
 def sharded_runners(
-    plan: Plan, stages: Sequence[StageModule], topology: Topology, compute: Compute
+    plan: Plan, stages: Sequence[StageModule], topology: Topology, compute: Compute, graph: OpGraph
 ) -> dict[int, nn.Module]:
-    """Stage index -> the FSDP2 module running it, for this rank's sharded ``stages``. Collective
-    (the replica meshes): call it on every rank."""
+    """Stage index -> the FSDP2 module running it, for this rank's sharded ``stages``: each whole
+    block of the stage its own FSDP2 unit (``partita.runtime.segments.block_containers``), the rest
+    of the stage the root's, as torchtitan shards a model (a block's weights gathered for its
+    forward and backward alone, the next block's prefetched). Collective (the replica meshes):
+    call it on every rank."""
     runners: dict[int, nn.Module] = {}
     if not sharded_stages(plan):
         return runners
@@ -112,6 +122,10 @@ def sharded_runners(
         stage_plan = plan.stages[stage.spec.index]
         if stage_plan.sharding is Sharding.REPLICATE or stage_plan.num_replicas == 1:
             continue
+        units = [shard_runner(c, stage_plan.sharding, mesh, compute) for c in block_containers(stage, graph).values()]
+        for before, unit, after in zip([None, *units], units, [*units[1:], None]):
+            unit.set_modules_to_forward_prefetch([after] if after is not None else [])
+            unit.set_modules_to_backward_prefetch([before] if before is not None else [])
         runner = StageRunner(stage, stage_plan.recompute, fresh_outputs=plan.schedule is Schedule.ZBV, compute=compute)
         runners[stage.spec.index] = shard_runner(runner, stage_plan.sharding, mesh, compute)
     return runners
@@ -119,15 +133,19 @@ def sharded_runners(
 
 @contextlib.contextmanager
 def gathered(runners: Mapping[int, nn.Module]) -> Iterator[None]:
-    """For an evaluation: the sharded parameters gathered whole (FSDP2's ``unshard``, registered in
-    the containers that the eval graph's stages hold too), resharded afterwards."""
-    for runner in runners.values():
-        runner.unshard()
+    """For an evaluation, or a run of the stages outside their runners: the sharded parameters
+    gathered whole (FSDP2's ``unshard`` of every unit, the root first; registered in the
+    containers that the eval graph's stages hold too), resharded afterwards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for runner in runners.values() for m in runner.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
     try:
         yield
     finally:
-        for runner in runners.values():
-            runner.reshard()
+        for unit in units:
+            unit.reshard()
 
 
 @contextlib.contextmanager
@@ -169,8 +187,8 @@ def replica_mesh(plan: Plan, topology: Topology) -> Any:
 
 
 def shard_runner(runner: nn.Module, sharding: Sharding, mesh: Any, compute: Compute) -> nn.Module:
-    """``fully_shard`` the stage runner over ``mesh`` (its replica group), gradients summed, in the
-    compute precision's policy (precision.py)."""
+    """``fully_shard`` the stage runner (or a block unit of it) over ``mesh`` (its replica group),
+    gradients summed, in the compute precision's policy (precision.py)."""
     from torch.distributed.fsdp import fully_shard
 
     module = fully_shard(

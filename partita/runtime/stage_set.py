@@ -128,7 +128,7 @@ def place_stages(
     metadata = _put_on_device(model, graph, plan, topology, compute, init_from, all_stages, stages)
     check_sharding(plan, all_stages)
     tensor_parallel = start_tensor_parallel(graph, topology, all_stages, stages, job_plan, release_whole=built_on_meta)
-    runners = sharded_runners(job_plan, stages, topology, compute)  # FSDP2 makes new (DTensor) parameters
+    runners = sharded_runners(job_plan, stages, topology, compute, graph)  # FSDP2 makes new (DTensor) parameters
     return StageSet(
         model=model,
         plan=plan,

@@ -49,6 +49,11 @@ from partita.capturing import flatten_call_inputs
 from partita.errors import InputError
 from partita.runtime.graph_split import StageContents, StageSpec, check_boundaries, plan_stages, written_in_place
 from partita.types import OpGraph
+from partita.types.graph import graph_memo
+
+# node.meta key: the OpGraph node a stage graph's node was copied from (``partita.runtime.segments``
+# cuts a stage into segments by it)
+ORIGIN = "partita_index"
 
 __all__ = [
     "StageModule",
@@ -108,6 +113,10 @@ class StageModule(nn.Module):
         non_persistent: set[str],
     ):
         super().__init__()
+        # The stage's graph cut into segments run one by one (``partita.runtime.segments``), once
+        # the plan asks a stage to run by block; None: the graph runs whole. Kept out of the module
+        # tree (its submodules hold no weights of their own).
+        self.__dict__["segmented"] = None
         if any(name.split(".")[0] == _GRAPH_ATTR for name in tensors):
             raise InputError(
                 f"the model has a top-level attribute named {_GRAPH_ATTR!r}, which stage modules reserve: rename it"
@@ -136,6 +145,9 @@ class StageModule(nn.Module):
                 f"stage {self.spec.index} takes {expected} inputs ({len(self.spec.input_names)} received from the "
                 f"previous stage, then graph inputs {list(self.spec.graph_input_names)}), got {len(inputs)}"
             )
+        segmented = self.__dict__.get("segmented")
+        if segmented is not None:
+            return segmented.run(self.state_tensors, inputs)
         tensors = [slots[key] for slots, key in self._slots]
         return self.graph_module(*tensors, *inputs)
 
@@ -289,15 +301,23 @@ def _stage_fx_graph(graph: OpGraph, contents: StageContents) -> tuple[torch.fx.G
             env[node] = params[canonical] if canonical is not None else g.node_copy(node)
         return env[node]
 
+    index_of = _node_indices(graph)
     for node in contents.nodes:
         reused = contents.reused.get(node)
         env[node] = env[reused] if reused is not None else g.node_copy(node, lookup)
+        if reused is None and node.name in index_of:  # where it came from: segments cut by it
+            env[node].meta[ORIGIN] = index_of[node.name]
     if spec.is_last:
         g.output(env[contents.outputs[0]])
     else:
         g.output(tuple(g.call_function(boundary_tensor, (env[v],)) for v in contents.outputs))
     g.lint()
     return g, attrs
+
+
+@graph_memo
+def _node_indices(graph: OpGraph) -> dict[str, int]:
+    return {node.name: node.index for node in graph.nodes}
 
 
 def _placeholders(g: torch.fx.Graph, graph: OpGraph, contents: StageContents) -> tuple[dict, dict]:

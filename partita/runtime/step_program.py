@@ -28,7 +28,8 @@ from partita.runtime.pipeline import (
 )
 from partita.runtime.precision import FP32, Compute, drop_dtype_assertions
 from partita.runtime.process_groups import Topology
-from partita.runtime.sharding import standing_in, whole_backward_stages
+from partita.runtime.segments import runs_by_block, segment_stage
+from partita.runtime.sharding import full_shard_stages, gathered, standing_in, whole_backward_stages
 from partita.runtime.stages import StageModule, narrow_batch
 from partita.runtime.tensor_parallel import TensorParallel, program_layouts
 from partita.runtime.tensor_parallel_rewrite import partial_gradients, rewrite_stage, run_whole
@@ -82,6 +83,9 @@ class StepProgram:
             self.partial_gradients = partial_gradients(self.stages, self.tensor_parallel)
         for stage in self.stages if self.tensor_parallel is not None else ():
             rewrite_stage(stage, self.tensor_parallel, self.partial_gradients)
+        for stage in self.stages:  # after every rewrite: the segments cut the graph as it runs
+            if runs_by_block(plan.stages[stage.spec.index]):
+                stage.__dict__["segmented"] = segment_stage(stage, graph)
         self.root_indices = sorted({j for s in self.stages for j in s.graph_input_indices})
         self._schedule: Any = None  # uniform plans: the torch schedule
         self._executor: UnevenExecutor | None = None  # uneven plans
@@ -100,12 +104,9 @@ class StepProgram:
         plan, top = self.plan, self.topology
         flat_microbatch = [x.to(top.device) if isinstance(x, torch.Tensor) else x for x in flat_microbatch]
         if metadata is None:
-            for runner in self.runners.values():  # the stages read whole parameters, not shards
-                runner.unshard()
-            run = self._run_whole if self.tensor_parallel is not None else None
-            metadata = stage_metadata(self.all_stages, flat_microbatch, top.device, self.compute, run)
-            for runner in self.runners.values():
-                runner.reshard()
+            with gathered(self.runners):  # the stages read whole parameters, not shards
+                run = self._run_whole if self.tensor_parallel is not None else None
+                metadata = stage_metadata(self.all_stages, flat_microbatch, top.device, self.compute, run)
         metadata = self._metadata = self._as_sent(metadata)
         if not top.uniform:
             stage = self.stages[0]  # uneven plans run one stage per rank group
@@ -134,6 +135,7 @@ class StepProgram:
             self.runners,
             self.compute,
             whole_backward=whole_backward_stages(plan),
+            full_shard=full_shard_stages(plan),
         )
         chunks = root_chunk_spec(self.graph, self.root_indices)
         self._schedule = build_schedule(plan.schedule, pipeline_stages, plan.num_microbatches, chunks)

@@ -86,10 +86,10 @@ from torch import nn
 
 from partita.errors import InputError
 from partita.runtime.layout import stage_shares
-from partita.runtime.pipeline import StageMetadata, StageRunner, root_key
+from partita.runtime.pipeline import StageMetadata, StageRunner, backward_switches, root_key
 from partita.runtime.precision import FP32, Compute
 from partita.runtime.stages import StageModule, narrow_batch
-from partita.types import OpGraph, Plan, TensorInfo
+from partita.types import OpGraph, Plan, Sharding, TensorInfo
 from partita.types.graph import reads_samples
 from partita.types.schedule_orders import BACKWARD, FORWARD, rank_orders
 
@@ -334,6 +334,7 @@ class UnevenExecutor:
         # the stage's FSDP2 module when it is sharded (sharding.py), else a plain runner
         self.runner = runner or StageRunner(stage, plan.stages[k].recompute, compute=compute)
         self.sharded = runner is not None
+        self.full_shard = self.sharded and plan.stages[k].sharding is Sharding.FULL_SHARD
         self.order = rank_orders(plan.schedule, plan.num_microbatches, plan.num_rank_groups, plan.num_stages)[k]
         self.last_backward = next((a for a in reversed(self.order) if a.kind == BACKWARD), None)
         view = dict(job=job_plan, tp_index=tp_index)
@@ -423,11 +424,9 @@ class UnevenExecutor:
             torch.autograd.backward(tensors, grads)
 
     def _sync_gradients(self, *, last: bool) -> None:
-        """FSDP2's per-backward switches, as torch's PipelineStage sets them: accumulate unreduced
-        (and keep the parameters gathered) until the last backward of the step."""
-        self.runner.set_is_last_backward(last)
-        self.runner.set_reshard_after_backward(last)
-        self.runner.set_requires_gradient_sync(last)
+        """FSDP2's per-backward switches (``backward_switches``): accumulate unreduced until the
+        last backward of the step, which reduce-scatters unit by unit and finishes the step."""
+        backward_switches(self.runner, last=last, full_shard=self.full_shard, is_last=last)
 
     def _input_grads(self, state: _InFlight) -> list[torch.Tensor | None]:
         """The gradient of each received tensor (zeros if the stage did not use it), None for

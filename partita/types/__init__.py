@@ -28,13 +28,14 @@ from partita.types.choices import RECOMPUTE_LEVELS, OptimizerKind, Precision, Re
 from partita.types.cluster import Cluster, DeviceGroup
 from partita.types.costs import CostTable
 from partita.types.devices import DeviceSpec
-from partita.types.graph import GraphInput, LossFn, OpGraph, OpNode, ParamInfo, TensorInfo
+from partita.types.graph import Block, GraphInput, LossFn, OpGraph, OpNode, ParamInfo, TensorInfo
 from partita.types.plan import PLAN_SCHEMA_VERSION, MemoryBreakdown, Plan, StagePlan
 from partita.types.sim import SimResult, TimelineEvent
 
 __all__ = [
     "PLAN_SCHEMA_VERSION",
     "RECOMPUTE_LEVELS",
+    "Block",
     "Cluster",
     "CostTable",
     "DeviceGroup",

@@ -51,6 +51,15 @@ class CostTable:
         selective_recompute_s[n]  seconds node n's forward runs again in backward (0 for kept ones).
     A table made without them (None) keeps everything under selective recomputation and
     recomputes nothing: selective is then never cheaper than no recomputation.
+
+    Repeated blocks (``OpGraph.blocks``: the units a stage runs by, ``partita.types.segments``), l
+    their position, length L (0: none):
+        block_ranges[l]       int64 (start, stop): the nodes of block l.
+        block_input_bytes[l]  bytes of the values made since the previous block's start (the
+                              graph's start for the first) that are read at or after block l's
+                              start: what a stage that keeps each block's input keeps anew there
+                              (values made earlier, relayed through the blocks, are kept already).
+        block_output_bytes[l] bytes of the values made inside block l and read after it.
     """
 
     microbatch_size: int
@@ -81,6 +90,9 @@ class CostTable:
     selective_recompute_s: Any = None
     whole_cut_bytes: Any = None
     split_backward_s: Any = None
+    block_ranges: Any = None
+    block_input_bytes: Any = None
+    block_output_bytes: Any = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: fill what a hand-made table leaves out, once
@@ -94,6 +106,11 @@ class CostTable:
             set_(self, "selective_recompute_s", np.zeros(len(self.forward_s)))
         if self.split_backward_s is None:
             set_(self, "split_backward_s", np.zeros(len(self.forward_s)))
+        if self.block_ranges is None:
+            set_(self, "block_ranges", np.zeros((0, 2), dtype=np.int64))
+        for name in ("block_input_bytes", "block_output_bytes"):
+            if getattr(self, name) is None:
+                set_(self, name, np.zeros(len(self.block_ranges), dtype=np.int64))
 
     @property
     def num_nodes(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -133,6 +134,63 @@ class SampleCoupling:
         return f"node {self.node} [{self.target}]{inside}{where} {self.reason}{dims}"
 
 
+@dataclass(frozen=True)
+class Block:
+    """One repeated block of the model (a transformer layer): an item of a module list whose items
+    repeat, and the nodes ``[start, stop)`` of the graph it spans (``OpGraph.blocks``).
+
+    Blocks are the unit of execution inside a stage, as in torchtitan and Megatron-LM: a sharded
+    stage gathers one block's weights at a time, recomputation keeps each block's input and
+    rebuilds one block at a time. ``structure`` is a hash of the block's operations, equal for
+    blocks that compute alike (the unit that compilation compiles once).
+    """
+
+    module_path: str  # e.g. "model.layers.3"
+    start: int
+    stop: int
+    structure: str
+
+    @property
+    def num_nodes(self) -> int:
+        return self.stop - self.start
+
+
+def find_blocks(nodes: Sequence[OpNode]) -> tuple[Block, ...]:
+    """The repeated blocks of a graph's ``nodes`` (in graph order), as ``OpGraph.blocks`` gives them.
+
+    A block is an item of a module list: the outermost numbered component of a node's
+    ``module_path`` ("transformer.h.3.attn" -> block "transformer.h.3" of list "transformer.h").
+    Lists are grouped by their own name ("h", "layers", "layer", "block"), so T5's
+    "encoder.block" and "decoder.block" count together, and the group with the most items wins
+    (ties: the one that starts first); a list of one item has no blocks. A block spans its first to its last node; the nodes between
+    (root-level operations inside the span) are its own. Blocks whose spans overlap (a list whose
+    items run interleaved) give none: nothing then runs per block. A model without module lists
+    has no blocks (its stages run whole).
+    """
+    families: dict[str, dict[str, list[int]]] = {}
+    for node in nodes:
+        parts = node.module_path.split(".") if node.module_path else []
+        k = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        if k is None:
+            continue
+        family = parts[k - 1] if k > 0 else ""
+        span = families.setdefault(family, {}).setdefault(".".join(parts[: k + 1]), [node.index, node.index])
+        span[0], span[1] = min(span[0], node.index), max(span[1], node.index)
+    if not families:
+        return ()
+    best = min(families.values(), key=lambda spans: (-len(spans), min(s[0] for s in spans.values())))
+    if len(best) < 2:  # one item (ALBERT's one group, applied at every depth) repeats nothing
+        return ()
+    ordered = sorted(best.items(), key=lambda item: item[1][0])
+    if any(a[1][1] >= b[1][0] for a, b in zip(ordered, ordered[1:])):
+        return ()
+    return tuple(Block(path, first, last + 1, _structure(nodes[first : last + 1])) for path, (first, last) in ordered)
+
+
+def _structure(nodes: Sequence[OpNode]) -> str:
+    return hashlib.sha256(repr([n.target for n in nodes]).encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True, eq=False)
 class OpGraph:
     """The captured training computation: forward nodes in topological order up to the loss.
@@ -171,6 +229,11 @@ class OpGraph:
     @property
     def num_nodes(self) -> int:
         return len(self.nodes)
+
+    @property
+    def blocks(self) -> tuple[Block, ...]:
+        """The repeated blocks (``find_blocks``), in graph order; found once per graph."""
+        return _blocks_of(self)
 
     @property
     def num_parameters(self) -> int:
@@ -401,3 +464,8 @@ def reads_samples(graph: OpGraph) -> tuple[bool, ...]:
             bool(node.outputs) and (any(j in batched for j in node.graph_inputs) or any(reads[p] for p in node.inputs))
         )
     return tuple(reads)
+
+
+@graph_memo
+def _blocks_of(graph: OpGraph) -> tuple[Block, ...]:
+    return find_blocks(graph.nodes)
