@@ -230,6 +230,7 @@ _TOTALS = (
     "largest_param_bytes",
     "first_grad_bytes",
     "foreach_step",
+    "segments",
 )
 
 # ----------------------------------------------------------------------------- driver
