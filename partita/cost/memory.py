@@ -25,24 +25,23 @@ states per parameter and ``r`` replicas of the stage::
     shard_grads_and_opt       1 gathered         1/r              k/r         1 / 1/r
     full_shard                G gathered         1/r              k/r         1 / 1/r
 
-bf16 (the runtime's autocast, partita/runtime/precision.py) keeps these fp32 parameters and adds
-autocast's bf16 copies of the weights the forwards read, saved for their backward, counted with the
-activations: a device whose stages keep their activations casts each weight once per step and
-every micro-batch in flight shares that copy (1/2, at every sharding level: each stage's gathered
-weights are cast once); a recomputing one casts afresh and holds one set at a time while a
-micro-batch's backward rebuilds it (1/2, G/2 under full_shard). Sharded stages gather fp32
-parameters in bf16 plans too (the runtime's MixedPrecisionPolicy keeps param_dtype fp32), so
-gathered copies and their traffic are fp32.
+bf16 (the runtime's autocast, partita/runtime/precision.py) keeps these fp32 parameters. A
+replicated stage adds autocast's bf16 copies of the weights the forwards read, saved for their
+backward, counted with the activations: a device whose stages keep their activations casts each
+weight once per step and every micro-batch in flight shares that copy (1/2); a recomputing one
+casts afresh and holds one segment's at a time while a micro-batch's backward rebuilds it. A
+sharded stage gathers its weights in bf16 (FSDP2's ``param_dtype``, as torchtitan gathers): the
+gathered copies are half the fp32 bytes, and autocast has nothing to cast.
 
-Gradients are fp32 (the reduce dtype) and accumulate unsharded over the step's micro-batches:
-the sharded levels reduce-scatter them once, after the last backward, as torch's pipelining
-runs FSDP2 modules (``set_requires_gradient_sync(False)`` until the last backward), so they
-save gradient memory only at the optimizer step. Gathered copies are freed before the optimizer
-step (FSDP2 reshards after the last backward). ``G``: under full_shard only one FSDP unit's
-parameters are gathered at a time; the runtime wraps each stage module as one unit (one
-``fully_shard`` call per stage), so G is the largest stage a device holds: full_shard saves
-parameter memory over shard_grads_and_optimizer only on ranks with several virtual stages.
-Buffers and frozen parameters stay whole, in their own dtype, at every level.
+Gradients are fp32 (the reduce dtype) and accumulate unsharded over the step's micro-batches: the
+sharded levels reduce-scatter them during the last backward, unit by unit as each block's backward
+ends (``partita.runtime.pipeline.backward_switches``), so with one micro-batch only the gradients
+of the units still in backward are whole, and with more they save gradient memory at the optimizer
+step. Gathered copies are freed before the optimizer step (FSDP2 reshards after the last
+backward). ``G``: under full_shard a stage that runs by block (``partita.types.segments``) holds
+the weights outside its blocks (FSDP2's root unit) and two blocks' gathered at a time (the running
+one and the next, prefetched: ``partita.cost.segment_memory``); a stage without a whole block is
+one unit. Buffers and frozen parameters stay whole, in their own dtype, at every level.
 
 Tensor parallelism: a CostTable of degree ``t > 1`` (``partita.cost.tensor_parallel``) holds one
 device's share of a tensor-parallel group already: its parameter shards (``param_bytes``) and
@@ -315,7 +314,7 @@ def memory_from_totals(
     optimizer_bytes = np.ceil(optimizer.states_per_parameter * trainable_bytes / shards + master_bytes)
     if sharded:  # whole fp32 copies gathered for forward and backward only
         persistent_params = param_bytes - trainable_bytes
-        gathered_bytes = 1 * gathered
+        gathered_bytes = (0.5 if precision is Precision.BF16 else 1) * gathered  # bf16: FSDP2's param_dtype
     else:
         persistent_params = 1 * param_bytes
         gathered_bytes = 0 * trainable_bytes
@@ -360,19 +359,16 @@ def _weight_copies(
     gathered_trainable_bytes: Any,
     recompute_weights: Any = None,
 ) -> Any:
-    """bf16: autocast's bf16 copies of the weights the forwards read, saved for their backward: one
-    set for the step without recomputation (shared by the micro-batches in flight), else one set at
-    a time, of the gathered unit under full_shard (module docstring), or of the segment being
-    rebuilt (``recompute_weights``, a stage run by block); 0 in fp32."""
-    if precision is not Precision.BF16:
+    """bf16: autocast's bf16 copies of the weights a replicated stage's forwards read, saved for their
+    backward: one set for the step without recomputation (shared by the micro-batches in flight),
+    else one set at a time, of the whole stage or of the segment being rebuilt (``recompute_weights``,
+    a stage run by block); 0 in fp32, and 0 for a sharded stage, which gathers bf16 weights
+    (module docstring)."""
+    if precision is not Precision.BF16 or (sharding is not Sharding.REPLICATE and num_replicas > 1):
         return 0 * trainable_bytes
     if recompute is Recompute.NONE:
         return 0.5 * trainable_bytes
-    if recompute_weights is not None:
-        return 0.5 * recompute_weights
-    sharded = sharding is not Sharding.REPLICATE and num_replicas > 1
-    gathered = trainable_bytes if gathered_trainable_bytes is None else gathered_trainable_bytes
-    return 0.5 * (gathered if sharded else trainable_bytes)
+    return 0.5 * (trainable_bytes if recompute_weights is None else recompute_weights)
 
 
 def _kept_bytes(

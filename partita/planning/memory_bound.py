@@ -286,21 +286,20 @@ class MemoryBound:
             full = sharded and level is Sharding.FULL_SHARD
             s = r if sharded else 1
             state = frozen + (0 if sharded else own) + k * own / s + (own / s if sharded else 0)
-            gathered_add = own if sharded and not full else 0 * own
-            # full_shard gathers a range's root unit and two blocks at a time (segment_memory); a
-            # recomputing range casts one segment's weights at a time: both at most the range's
-            by_block = self.segments
-            copies_add, copies_max = (0 * own, half * by_block.recompute_weights) if full else (half * own, 0 * own)
+            # gathered in bf16 in bf16 plans (FSDP2's param_dtype), where autocast then casts nothing;
+            # full_shard gathers a range's root unit and two blocks at a time (segment_memory)
+            gathered_add = (1 - half) * own if sharded and not full else 0 * own
+            copies_add = 0 * own if sharded else half * own
             bucket = np.minimum(held, ALLREDUCE_BUCKET_BYTES) if r > 1 and not sharded else 0 * own
-            fixed_max = (
-                (by_block.gathered if full else 0) + copies_max + bucket + 2 * self.totals["largest_output_bytes"]
-            )
+            gathered_max = (1 - half) * self.segments.gathered if full else 0 * own
+            fixed_max = gathered_max + bucket + 2 * self.totals["largest_output_bytes"]
             if not k:
                 step = own / s
             elif self.totals["foreach_step"]:  # one state's worth (partita.cost.memory): it adds up
                 step = 2 * own / s
             else:
                 step = own / s + use * 2 * self.totals["largest_param_bytes"] / s
+            by_block = self.segments
             for rc in self.recompute_modes[True]:
                 for drained in (True, False):
                     # recomputing by block: each segment's input kept (at micro-batch 1, below any

@@ -4,7 +4,7 @@ The memory model (``partita.cost.memory``) says which levels fit; this module es
 seconds per step that each level adds to the stage's compute, as the simulator
 (``partita.planning.simulate``) counts them, so that a rank group takes the fastest level that
 fits (ties: the least sharded). With ``T`` the stage's trainable bytes (fp32), ``T_c`` the bytes
-gathered (T: the runtime gathers fp32 parameters, in bf16 plans too), ``F``, ``B`` its forward and backward seconds per
+gathered (T/2 in bf16 plans: the runtime gathers bf16 weights), ``F``, ``B`` its forward and backward seconds per
 micro-batch, ``m`` micro-batches and ``r`` replicas:
 
     replicate                  max(AR(T) - B, AR(bucket)) + opt(T)
@@ -77,7 +77,8 @@ def collective_times_s(
         return 2 * (latency_s + per_byte_s * trainable_bytes), 2 * (latency_s + per_byte_s * bucket), zero
     device = cluster.device
     copy_s_per_byte = (1 + 1 / num_replicas) / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
-    compute_bytes = trainable_bytes  # gathered in fp32 in bf16 plans too (partita/runtime/precision.py)
+    # gathered in the compute dtype (bf16: FSDP2's param_dtype, partita/runtime/precision.py)
+    compute_bytes = trainable_bytes / 2 if precision is Precision.BF16 else trainable_bytes
     reduce_s = latency_s + (per_byte_s + copy_s_per_byte) * trainable_bytes
     gather_s = latency_s + (per_byte_s + copy_s_per_byte) * compute_bytes
     return reduce_s, reduce_s, gather_s

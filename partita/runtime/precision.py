@@ -4,10 +4,14 @@
 updates, the checkpoints keep under the model's names -- and every stage runs its graph under
 ``torch.autocast(device, bfloat16)``, exactly as the unsplit model trains under the same
 autocast policy: matrix products in bf16, reductions, norms and the loss in fp32, gradients of
-the parameters in fp32 and reduced in fp32. Stages sharded with FSDP2 gather their parameters in
-fp32 too (FSDP's default MixedPrecisionPolicy) and autocast casts them per op: gathering bf16
-copies would halve that traffic, but would also feed rounded weights to the ops autocast keeps
-in fp32 (layer norms; the CPU kernels refuse bf16 weights with fp32 inputs).
+the parameters in fp32 and reduced in fp32. Stages sharded with FSDP2 gather their weights in bf16
+(``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, as torchtitan does): half
+the gather traffic and half the gathered copy. Such a stage then reads every weight rounded to
+bf16, also in the ops autocast keeps in fp32 (norms, the embedding's lookup, added biases): its
+reference is unsplit training whose forwards read the weights cast to bf16 under the same autocast
+(tests/dist/test_sharding.py), the gradients flowing back to the fp32 master weights. A norm is fed
+its weight in its input's dtype (``align_norm_weights``: the CPU's kernels refuse a bf16 weight
+beside an fp32 input).
 
 Weight copies: autocast casts each fp32 weight to bf16 where an op reads it, and the op saves that
 copy for its backward. Autocast caches the casts of leaf tensors until the outermost autocast
@@ -34,11 +38,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx
 
 from partita.runtime.stages import StageModule
 from partita.types import Precision
 
-__all__ = ["FP32", "Compute", "drop_dtype_assertions"]
+__all__ = ["FP32", "Compute", "align_norm_weights", "drop_dtype_assertions"]
 
 
 @dataclass(frozen=True)
@@ -77,11 +82,12 @@ class Compute:
         return t
 
     def fsdp_policy(self) -> Any:
-        """FSDP2's MixedPrecisionPolicy for a sharded stage: fp32 parameters and gradient
-        reduction (autocast does the casting, see the module docstring); inputs left as they come."""
+        """FSDP2's MixedPrecisionPolicy for a sharded stage: parameters gathered in the compute dtype
+        (bf16: half the traffic and half the gathered copy, as torchtitan gathers; fp32 otherwise),
+        gradients reduced in fp32; inputs left as they come (see the module docstring)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        return MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+        return MixedPrecisionPolicy(param_dtype=self.low, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
 def drop_dtype_assertions(stages: Iterable[StageModule]) -> None:
@@ -96,6 +102,39 @@ def drop_dtype_assertions(stages: Iterable[StageModule]) -> None:
             stage.graph_module.recompile()
 
 
+def align_norm_weights(stages: Iterable[StageModule]) -> None:
+    """In the graphs of stages that gather bf16 weights (sharded stages of a bf16 plan), feed a
+    norm its weight and bias in its input's dtype: the CPU's layer and group norms refuse bf16
+    weights beside an fp32 input (a float input straight from the data), and the cast makes no
+    difference elsewhere (CUDA's autocast runs norms in fp32 anyway, on the same bf16-rounded
+    values)."""
+    for stage in stages:
+        graph = stage.graph_module.graph
+        changed = False
+        for node in list(graph.nodes):
+            positions = _NORM_WEIGHTS.get(node.target) if node.op == "call_function" else None
+            if positions is None:
+                continue
+            x = node.args[0]
+            args = list(node.args)
+            for position in positions:
+                if position < len(args) and isinstance(args[position], torch.fx.Node):
+                    with graph.inserting_before(node):
+                        args[position] = graph.call_function(_as_dtype_of, (args[position], x))
+                    changed = True
+            node.args = tuple(args)
+        if changed:
+            stage.graph_module.recompile()
+
+
+def _as_dtype_of(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return weight if weight.dtype == x.dtype else weight.to(x.dtype)
+
+
+_NORM_WEIGHTS = {
+    torch.ops.aten.layer_norm.default: (2, 3),  # (input, normalized_shape, weight, bias, eps, cudnn)
+    torch.ops.aten.group_norm.default: (2, 3),  # (input, num_groups, weight, bias, eps, cudnn)
+}
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 
 FP32 = Compute()  # full precision: no autocast, boundaries as they are (the device type is then unused)

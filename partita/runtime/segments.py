@@ -89,17 +89,21 @@ class SegmentedStage:
         spec = stage.spec
         self.segments: tuple[Segment, ...] = stage_segments(graph, spec.node_start, spec.node_stop)
         starts = [s.start for s in self.segments]
-        current = [0]
-
-        def partition(node: torch.fx.Node) -> int:
-            # graph order, never backwards: nodes a rewrite inserted (collectives, casts, the views
-            # re-made after a cut) join the segment of the node before them
+        # Each node's segment, in graph order and never backwards: a node a rewrite inserted (a
+        # collective, a cast of a weight, a view re-made after a cut) joins the segment of the next
+        # node copied from the captured graph, so that a block's weights are read inside its own
+        # segment (its FSDP2 unit gathers them for that segment alone).
+        order = [n for n in stage.graph_module.graph.nodes if n.op not in ("placeholder", "output")]
+        where: dict[torch.fx.Node, int] = {}
+        following, current = len(self.segments) - 1, 0
+        for node in reversed(order):
             origin = node.meta.get(ORIGIN)
             if origin is not None:
-                current[0] = max(current[0], bisect.bisect_right(starts, origin) - 1)
-            return current[0]
-
-        self.split = split_module(stage.graph_module, None, partition, keep_original_order=True)
+                following = bisect.bisect_right(starts, origin) - 1
+            where[node] = following
+        for node in order:
+            current = where[node] = max(current, where[node])
+        self.split = split_module(stage.graph_module, None, lambda n: where.get(n, current), keep_original_order=True)
         placeholders = [n for n in self.split.graph.nodes if n.op == "placeholder"]
         self.param_nodes = dict(zip(placeholders, spec.param_names))  # the stage's weights, first
         self.value_nodes = placeholders[len(spec.param_names) :]

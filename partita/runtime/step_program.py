@@ -26,10 +26,10 @@ from partita.runtime.pipeline import (
     root_key,
     stage_metadata,
 )
-from partita.runtime.precision import FP32, Compute, drop_dtype_assertions
+from partita.runtime.precision import FP32, Compute, align_norm_weights, drop_dtype_assertions
 from partita.runtime.process_groups import Topology
 from partita.runtime.segments import runs_by_block, segment_stage
-from partita.runtime.sharding import full_shard_stages, gathered, standing_in, whole_backward_stages
+from partita.runtime.sharding import full_shard_stages, gathered, sharded_stages, standing_in, whole_backward_stages
 from partita.runtime.stages import StageModule, narrow_batch
 from partita.runtime.tensor_parallel import TensorParallel, program_layouts
 from partita.runtime.tensor_parallel_rewrite import partial_gradients, rewrite_stage, run_whole
@@ -65,6 +65,8 @@ class StepProgram:
             drop_dtype_assertions(all_stages)
         group = topology.rank_group
         self.stages = [s for s in all_stages if plan.stages[s.spec.index].rank_group == group]
+        if compute.low is not None:  # FSDP2 gathers these stages' weights in bf16 (precision.py)
+            align_norm_weights([s for s in self.stages if s.spec.index in sharded_stages(plan)])
         self.index_uses = index_uses(graph)
         self.loss_scaling = LossScaling(
             graph,

@@ -192,10 +192,17 @@ def bf16(launches):
 
 @pytest.mark.parametrize("label", [c["label"] for c in BF16])
 def test_bf16_trains_like_the_unsplit_model_under_autocast(bf16, label):
+    """Losses within 1% of unsplit training under autocast; a sharded stage, which gathers its weights
+    in bf16 (FSDP2's param_dtype), within 0.1% of unsplit training that reads bf16 weights under the
+    same autocast (workers_sharding._bf16_gathered_reference). Parameters after AdamW steps are not
+    compared: Adam's normalised steps turn bf16 rounding into updates of either sign."""
     mine = bf16[0][label]
     for got, want in zip(mine["losses"], mine["ref_losses"], strict=True):
         assert abs(got - want) <= 1e-2 * abs(want), (label, mine["losses"], mine["ref_losses"])
     assert mine["losses"] != mine["fp32_losses"], "the steps ran in bf16"
+    if "gathered_losses" in mine:  # a sharded stage gathers bf16 weights: its own reference, within bf16 rounding
+        for got, want in zip(mine["losses"], mine["gathered_losses"], strict=True):
+            assert abs(got - want) <= 1e-3 * abs(want), (label, mine["losses"], mine["gathered_losses"])
     assert mine["stored_dtypes"] == ["torch.float32"], "master weights are checkpointed in fp32"
     for stage, sent in mine["sent"].items():  # activations in bf16; masks and ids as they are
         activations = [dtype for dtype, requires_grad in sent if requires_grad]

@@ -192,6 +192,7 @@ def job_bf16(params: dict) -> dict:
         }
         checkpoint = Path(params["checkpoints"]) / f"bf16-{label}"
         trainer.save_checkpoint(str(checkpoint))
+        state = trainer.gather_state_dict()
         result: dict[str, Any] = {"losses": losses, "sent": sent}
         if rank == 0:
             stored = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
@@ -214,9 +215,32 @@ def job_bf16(params: dict) -> dict:
                 opt.step()
                 ref_losses.append(float(loss))
             fp32_losses, _ = _reference(initial, batches)
-            result.update(ref_losses=ref_losses, fp32_losses=fp32_losses)
+            result.update(ref_losses=ref_losses, fp32_losses=fp32_losses, param=max_diff(state, reference.state_dict()))
+            if any(level != "replicate" for level in config["levels"]):  # bf16 gathers' own reference
+                gathered_losses, gathered_state = _bf16_gathered_reference(initial, batches)
+                result.update(gathered_losses=gathered_losses, gathered_param=max_diff(state, gathered_state))
         results[label] = result
     return results
+
+
+def _bf16_gathered_reference(model: torch.nn.Module, batches: list[dict]) -> tuple[list[float], dict]:
+    """Unsplit training under the policy of a sharded bf16 stage (partita/runtime/precision.py): every
+    forward reads the weights cast to bf16, as FSDP2 gathers them (``param_dtype``), under the same
+    autocast; gradients flow back to the fp32 master weights, which the optimizer steps."""
+    model = copy.deepcopy(model)
+    opt = adamw(model.parameters())
+    losses = []
+    for kwargs in batches:
+        opt.zero_grad(set_to_none=True)
+        weights = {name: p.to(torch.bfloat16) for name, p in model.named_parameters()}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = torch.func.functional_call(model, weights, (), kwargs)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        opt.step()
+        losses.append(float(loss))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 JOBS.update({"levels": job_levels, "bf16": job_bf16})

@@ -164,14 +164,15 @@ def test_bf16_keeps_fp32_master_weights_and_one_bf16_copy_of_the_weights_per_ste
     fp32 = device_memory(mlp_costs(), [(2, 3)], in_flight=1, optimizer=OptimizerKind.ADAM)
     assert mem.activation_bytes - fp32.activation_bytes == master // 2
     assert three.activation_bytes == 3 * (mem.activation_bytes - master // 2) + master // 2
-    # sharded: each stage's gathered weights are cast once too, whole; recomputing: one set at a time
+    # sharded: the weights are gathered in bf16 (half the fp32 copy) and autocast casts nothing
     sharded = dict(sharding=Sharding.FULL_SHARD, num_replicas=2)
     for recompute in (Recompute.NONE, Recompute.FULL):
         bf16 = device_memory(mlp_costs(), [(2, 3)], in_flight=3, recompute=recompute, **sharded, **kw)
         full = device_memory(
             mlp_costs(), [(2, 3)], in_flight=3, recompute=recompute, **sharded, optimizer=OptimizerKind.ADAM
         )
-        assert bf16.activation_bytes - full.activation_bytes == master // 2
+        assert bf16.activation_bytes == full.activation_bytes
+        assert 2 * bf16.gathered_param_bytes == full.gathered_param_bytes == master
 
 
 def test_replicas_add_an_allreduce_bucket():

@@ -68,13 +68,13 @@ def one_layer_costs() -> CostTable:
     [
         # T = 64 MiB of fp32 weights, N = 1 KiB buffer, r = 4, Adam (2 states). The fp32 parameters of
         # a replicated stage are their own master copy; a sharded stage's fp32 shard is its master.
-        # bf16: autocast's bf16 copies of the weights (T/2), saved for backward, with the activations;
-        # sharded stages gather fp32 parameters in bf16 plans too.
+        # bf16: a replicated stage keeps autocast's bf16 copies of the weights (T/2), saved for backward,
+        # with the activations; a sharded stage gathers its weights in bf16 (T/2) and casts nothing.
         (Precision.FP32, Sharding.REPLICATE, 64 * MiB + 1024, 64 * MiB, 2 * 64 * MiB, 0, 0),
         (Precision.BF16, Sharding.REPLICATE, 64 * MiB + 1024, 64 * MiB, 2 * 64 * MiB, 0, 32 * MiB),
         (Precision.FP32, Sharding.SHARD_GRADS_AND_OPTIMIZER, 1024, 16 * MiB, 3 * 16 * MiB, 64 * MiB, 0),
-        (Precision.BF16, Sharding.SHARD_GRADS_AND_OPTIMIZER, 1024, 16 * MiB, 3 * 16 * MiB, 64 * MiB, 32 * MiB),
-        (Precision.BF16, Sharding.FULL_SHARD, 1024, 16 * MiB, 3 * 16 * MiB, 64 * MiB, 32 * MiB),  # one unit: the stage
+        (Precision.BF16, Sharding.SHARD_GRADS_AND_OPTIMIZER, 1024, 16 * MiB, 3 * 16 * MiB, 32 * MiB, 0),
+        (Precision.BF16, Sharding.FULL_SHARD, 1024, 16 * MiB, 3 * 16 * MiB, 32 * MiB, 0),  # one unit: the stage
     ],
 )
 def test_memory_per_precision_and_sharding_level(precision, sharding, params, grads_step, optimizer, gathered, copies):
@@ -120,8 +120,8 @@ def test_full_shard_gathers_one_virtual_stage_at_a_time():
     kw = dict(in_flight=1, precision=Precision.BF16, num_replicas=2)
     zero2 = device_memory(costs, [(0, 1), (1, 2)], sharding=Sharding.SHARD_GRADS_AND_OPTIMIZER, **kw)
     zero3 = device_memory(costs, [(0, 1), (1, 2)], sharding=Sharding.FULL_SHARD, **kw)
-    assert zero2.gathered_param_bytes == 80 * MiB  # both stages' fp32 parameters stay gathered
-    assert zero3.gathered_param_bytes == 64 * MiB  # the larger stage's only
+    assert zero2.gathered_param_bytes == 40 * MiB  # both stages' parameters stay gathered (in bf16)
+    assert zero3.gathered_param_bytes == 32 * MiB  # the larger stage's only
 
 
 # ----------------------------------------------------------------------------- costs
