@@ -231,6 +231,8 @@ def _device_segments(
         selective_rebuilding=max(float(x.selective_rebuilding) for x in each),
         gathered=max(float(x.gathered) for x in each),
         recompute_weights=max(float(x.recompute_weights) for x in each),
+        root=max(float(x.root) for x in each),
+        largest_unit=max(float(x.largest_unit) for x in each),
     )
 
 

@@ -45,6 +45,13 @@ class SegmentTotals:
     selective_rebuilding: Any  # selective: the largest segment's rebuilt part
     gathered: Any  # full_shard: trainable bytes gathered at a time
     recompute_weights: Any  # trainable bytes one segment's recomputation reads at a time
+    root: Any = None  # trainable bytes outside the whole blocks' units (FSDP2's root unit)
+    largest_unit: Any = None  # the largest whole block's unit (0: the stage holds no whole block)
+
+    @property
+    def first_gathered(self) -> Any:
+        """What a sharded stage gathers before it computes anything: the root unit and the first block."""
+        return self.root + self.largest_unit
 
     def rebuilding(self, level: Any) -> Any:
         from partita.types import Recompute
@@ -118,7 +125,7 @@ def segment_totals(costs: CostTable, starts: Any, stops: Any, trainable_bytes: A
     trainable = np.asarray(trainable_bytes, dtype=np.float64)
     whole_a, whole_r = t.activation[b] - t.activation[a], t.rebuilt[b] - t.rebuilt[a]
     if not t.count:
-        return SegmentTotals(t.cut[a], whole_a, whole_r, trainable, trainable)
+        return SegmentTotals(t.cut[a], whole_a, whole_r, trainable, trainable, trainable, 0.0 * trainable)
     s, e = t.starts, t.stops
     l0 = np.searchsorted(s, a, side="left")  # the first block starting in the stage
     l1 = np.searchsorted(e, b, side="right")  # blocks ending in it: l0 .. l1 - 1 are whole
@@ -148,6 +155,8 @@ def segment_totals(costs: CostTable, starts: Any, stops: Any, trainable_bytes: A
         per_segment(t.rebuilt, t.inner_max["rebuilt"]),
         gathered,
         weights,
+        root,
+        largest,
     )
 
 

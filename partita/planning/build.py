@@ -10,6 +10,7 @@ import numpy as np
 from partita.cost.comm import spans_nodes
 from partita.cost.memory import DeviceMemory, device_memory, microbatches_in_flight
 from partita.cost.recompute import extra_backward_s
+from partita.cost.segment_memory import segment_totals
 from partita.errors import InputError
 from partita.planning.configs import Config, SearchOptions
 from partita.planning.sharding import levels, step_overhead_s
@@ -263,9 +264,10 @@ def _group_overhead_s(
         total += float(
             step_overhead_s(
                 level,
-                trainable_bytes=sum(
-                    int(table.param_bytes[p]) for p in table.params_in_range(start, stop) if trainable[p]
+                trainable_bytes=(
+                    held := sum(int(table.param_bytes[p]) for p in table.params_in_range(start, stop) if trainable[p])
                 ),
+                segments=segment_totals(table, start, stop, held),
                 forward_s=float(table.forward_s[start:stop].sum()),
                 backward_s=float(table.backward_s[start:stop].sum()),
                 num_microbatches=config.num_microbatches,

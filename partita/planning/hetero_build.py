@@ -20,6 +20,7 @@ import partita
 from partita.cost.comm import spans_nodes
 from partita.cost.memory import DeviceMemory, microbatches_in_flight
 from partita.cost.recompute import extra_backward_s
+from partita.cost.segment_memory import segment_totals
 from partita.planning.build import BuildMemo, module_range
 from partita.planning.device_groups import MixedRun
 from partita.planning.hetero_search import MixedCandidate, MixedConfig, StageKind
@@ -228,6 +229,7 @@ def _overhead_s(run: MixedRun, config, kind: StageKind, tables, node_range, leve
         seconds = step_overhead_s(
             level,
             trainable_bytes=trainable,
+            segments=segment_totals(table, start, stop, trainable),
             forward_s=float(table.forward_s[start:stop].sum()),
             backward_s=float(table.backward_s[start:stop].sum()),
             num_microbatches=config.num_microbatches,

@@ -115,6 +115,7 @@ class StageCosts:
             optimizer=o.optimizer,
             cluster=cluster,
             spans_nodes=self._spans,
+            segments=self.totals["segments"],
         )
 
     def _level_penalties(self, cluster) -> dict[Sharding, np.ndarray]:

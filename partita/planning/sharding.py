@@ -8,16 +8,22 @@ gathered (T/2 in bf16 plans: the runtime gathers bf16 weights), ``F``, ``B`` its
 micro-batch, ``m`` micro-batches and ``r`` replicas:
 
     replicate                  max(AR(T) - B, AR(bucket)) + opt(T)
-    shard_grads_and_optimizer  AG(T_c) + RS(T) + opt(T) / r
-    full_shard                 AG(T_c) + RS(T) + opt(T) / r + m (max(0, AG(T_c) - F) + max(0, AG(T_c) - B))
+    shard_grads_and_optimizer  AG(T_c) + RS' + opt(T) / r
+    full_shard                 AG(T_c) + RS' + opt(T) / r + m (X(F) + X(B))
 
 AR/AG/RS: ring all-reduce / all-gather / reduce-scatter over the r replicas
-(``partita.cost.comm``; AG and RS also pay FSDP2's copy-in / copy-out, ``collective_times_s``); opt: the optimizer step (``optimizer_step_s``). DDP all-reduces its
-gradient buckets while the last backward runs, so only what exceeds that backward (at least the
-last bucket) shows; a sharded stage is one FSDP unit: its parameters are gathered before its first
-forward (under full_shard again for every forward and backward, prefetched during the previous
-action, so only what exceeds the action shows) and its gradients reduce-scattered after its last
-backward, neither overlapping its own compute; each replica steps its own shard.
+(``partita.cost.comm``; AG and RS also pay FSDP2's copy-in / copy-out, ``collective_times_s``); opt:
+the optimizer step (``optimizer_step_s``). DDP all-reduces its gradient buckets while the last
+backward runs, so only what exceeds that backward (at least the last bucket) shows.
+
+A sharded stage that runs by block (``partita.types.segments``; ``SegmentTotals``) is one FSDP2
+unit per whole block and one for the rest (the root, ``R``): before it computes, it gathers the
+root and its first block (``G1 = R + U``), and each later block while the one before it computes,
+so a forward (or backward) of ``C`` seconds shows ``X(C) = AG(G1) + max(0, AG(T_c) - AG(G1) - C)``;
+its gradients are reduce-scattered unit by unit as each block's backward ends, so after the last
+backward only ``RS' = max(RS(R), RS(T) - B)`` shows. A stage without a whole block is one unit,
+gathered during the rank group's previous action (``X(C) = max(0, AG(T_c) - C)``) and
+reduce-scattered after its last backward (``RS' = RS(T)``). Each replica steps its own shard.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ import numpy as np
 from partita.cost import comm
 from partita.cost.analytic import optimizer_step_s
 from partita.cost.memory import ALLREDUCE_BUCKET_BYTES
+from partita.cost.segment_memory import SegmentTotals
 from partita.types import Cluster, OptimizerKind, Precision, Sharding
 
-__all__ = ["LEVELS", "collective_times_s", "levels", "shards_as_pinned", "step_overhead_s"]
+__all__ = ["LEVELS", "ShardedExposure", "collective_times_s", "levels", "shards_as_pinned", "step_overhead_s"]
 
 LEVELS = (Sharding.REPLICATE, Sharding.SHARD_GRADS_AND_OPTIMIZER, Sharding.FULL_SHARD)  # least sharded first
 
@@ -96,22 +103,49 @@ def step_overhead_s(
     optimizer: OptimizerKind,
     cluster: Cluster,
     spans_nodes: bool,
+    segments: SegmentTotals | None = None,
 ) -> Any:
     """Seconds per step a stage's communication and optimizer step add to its compute under
-    ``level`` (formulas in the module docstring). Element-wise on arrays of stages."""
+    ``level`` (formulas in the module docstring; ``segments``: the stages' per-block terms, None: one
+    unit each). Element-wise on arrays of stages."""
     trainable_bytes = np.asarray(trainable_bytes, dtype=np.float64)
     step_s = cluster.compute_slowdown * optimizer_step_s(
         trainable_bytes, optimizer, cluster.device, precision=precision
     )
     if num_replicas == 1:
         return step_s
-    reduce_s, tail_s, gather_s = collective_times_s(
-        level, trainable_bytes, num_replicas=num_replicas, precision=precision, cluster=cluster, spans_nodes=spans_nodes
-    )
+    times = dict(num_replicas=num_replicas, precision=precision, cluster=cluster, spans_nodes=spans_nodes)
+    reduce_s, tail_s, gather_s = collective_times_s(level, trainable_bytes, **times)
     if level is Sharding.REPLICATE:
         return np.maximum(reduce_s - backward_s, tail_s) + step_s
-    overhead = gather_s + reduce_s + step_s / num_replicas
+    exposed = ShardedExposure.of(level, gather_s, reduce_s, segments, **times)
+    overhead = gather_s + exposed.reduce_shown(backward_s) + step_s / num_replicas
     if level is Sharding.FULL_SHARD:
-        exposed = np.maximum(0.0, gather_s - forward_s) + np.maximum(0.0, gather_s - backward_s)
-        overhead = overhead + num_microbatches * exposed
+        overhead = overhead + num_microbatches * (exposed.gather_shown(forward_s) + exposed.gather_shown(backward_s))
     return overhead
+
+
+class ShardedExposure:
+    """What a sharded stage's gathers and reduce-scatter show beside its compute (module docstring):
+    ``gather_shown(C)`` of a forward or backward of ``C`` seconds, ``reduce_shown(B)`` after the last
+    backward of ``B`` seconds; element-wise on arrays."""
+
+    def __init__(self, gather_s: Any, first_gather_s: Any, reduce_s: Any, root_reduce_s: Any, by_block: Any):
+        self.gather_s, self.first_gather_s = gather_s, first_gather_s
+        self.reduce_s, self.root_reduce_s, self.by_block = reduce_s, root_reduce_s, by_block
+
+    @classmethod
+    def of(cls, level: Sharding, gather_s: Any, reduce_s: Any, segments: SegmentTotals | None, **times: Any):
+        if segments is None:
+            return cls(gather_s, gather_s, reduce_s, reduce_s, False)
+        _, _, first = collective_times_s(level, segments.first_gathered, **times)
+        root_reduce, _, _ = collective_times_s(level, segments.root, **times)
+        return cls(gather_s, first, reduce_s, root_reduce, np.asarray(segments.largest_unit) > 0)
+
+    def gather_shown(self, compute_s: Any) -> Any:
+        blocked = self.first_gather_s + np.maximum(0.0, self.gather_s - self.first_gather_s - compute_s)
+        return np.where(self.by_block, blocked, np.maximum(0.0, self.gather_s - compute_s))
+
+    def reduce_shown(self, backward_s: Any) -> Any:
+        blocked = np.maximum(self.root_reduce_s, self.reduce_s - backward_s)
+        return np.where(self.by_block, blocked, self.reduce_s)

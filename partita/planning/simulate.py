@@ -17,9 +17,10 @@ from partita.cost import comm
 from partita.cost.analytic import optimizer_step_s
 from partita.cost.memory import kept_per_microbatch
 from partita.cost.recompute import extra_backward_s
+from partita.cost.segment_memory import segment_totals
 from partita.errors import InputError
 from partita.planning.build import BuildMemo
-from partita.planning.sharding import collective_times_s
+from partita.planning.sharding import ShardedExposure, collective_times_s
 from partita.planning.simulator import PipelineInputs, simulate_pipeline
 from partita.types import CostTable, OptimizerKind, Plan, Precision, Recompute, Schedule, Sharding, SimResult
 from partita.types.cluster import Cluster
@@ -192,9 +193,17 @@ def _stage_inputs(
         sums = memo.get(table, ("sums", a, b), _range_sums, table, a, b)
         forward, backward, weight, split, kept, trainable, selective, saved = sums
     backward = backward + float(extra_backward_s(stage.recompute, forward, selective))
-    collectives = _collectives(stage, trainable, precision, cluster)
-    if stage.sharding is Sharding.FULL_SHARD and stage.num_replicas > 1:
-        forward, backward = max(forward, collectives[2]), max(backward, collectives[2])
+    reduce_s, tail_s, gather_s = collectives = _collectives(stage, trainable, precision, cluster)
+    if stage.sharding is not Sharding.REPLICATE and stage.num_replicas > 1:  # by block: what shows (sharding.py)
+        segments = segment_totals(table, a, b, trainable)
+        times = dict(num_replicas=stage.num_replicas, precision=precision, cluster=cluster)
+        times["spans_nodes"] = comm.spans_nodes(stage.ranks, cluster)
+        shown = ShardedExposure.of(stage.sharding, gather_s, reduce_s, segments, **times)
+        if bool(shown.by_block):  # unit by unit as each block's backward ends: the root's last
+            collectives = (reduce_s, float(shown.root_reduce_s), gather_s)
+        if stage.sharding is Sharding.FULL_SHARD:
+            forward = forward + float(shown.gather_shown(forward))
+            backward = backward + float(shown.gather_shown(backward))
     shards = stage.num_replicas if stage.sharding is not Sharding.REPLICATE else 1
     step_s = cluster.compute_slowdown * optimizer_step_s(
         trainable / shards, optimizer, cluster.device, precision=precision
