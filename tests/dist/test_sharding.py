@@ -16,6 +16,17 @@ TOLERANCE = 1e-5
 
 TWO_RANKS = [
     dict(label="gpt2-zero3", model="gpt2", levels=["full_shard"], num_stages=1, replicas=2),
+    # by block (issue 56): each of GPT-2's two layers its own FSDP2 unit, recomputed on its own
+    dict(label="gpt2-zero3-full", model="gpt2", levels=["full_shard"], num_stages=1, replicas=2, recompute="full"),
+    dict(
+        label="gpt2-zero2-selective",
+        model="gpt2",
+        levels=["shard_grads_and_optimizer"],
+        num_stages=1,
+        replicas=2,
+        num_microbatches=2,
+        recompute="selective",
+    ),
     dict(label="lm-zero3-2mb", model="tiny_lm", levels=["full_shard"], num_stages=1, replicas=2, num_microbatches=2),
 ]
 FOUR_RANKS = [
@@ -92,6 +103,9 @@ def _check_exact(results: list, label: str, replicas: int) -> None:
 @pytest.mark.parametrize("label", [c["label"] for c in TWO_RANKS])
 def test_sharded_data_parallelism_trains_like_the_unsplit_model(two, label):
     _check_exact(two, label, replicas=2)
+    if label.startswith("gpt2"):  # GPT-2's two layers: a unit each beside the root; four segments
+        assert all(r[label]["units"] == {0: 3} for r in two), two[0][label]["units"]
+        assert all(r[label]["segments"] == {0: 4} for r in two), two[0][label]["segments"]
 
 
 @pytest.mark.parametrize("label", ["lm-pp2-zero3", "lm-pp2-mixed"])

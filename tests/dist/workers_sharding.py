@@ -107,6 +107,7 @@ def job_levels(params: dict) -> dict:
             replicas=config["replicas"],
             num_microbatches=config["num_microbatches"],
             schedule=config["schedule"],
+            recompute=config.get("recompute"),
         )
         try:
             trainer = partita.Trainer(model, plan, optimizer=adamw, graph=graph, max_grad_norm=MAX_GRAD_NORM)
@@ -121,6 +122,14 @@ def job_levels(params: dict) -> dict:
             name: (p.to_local().numel(), p.numel()) for name, p in trainer.params.items() if isinstance(p, DTensor)
         }
         result: dict[str, Any] = {"losses": losses, "shards": shards, "eval": trainer.evaluate(**batches[0])}
+        from torch.distributed.fsdp import FSDPModule
+
+        # how this rank's stages ran: FSDP2 units per sharded stage, segments per stage (by block)
+        result["units"] = {k: sum(isinstance(m, FSDPModule) for m in r.modules()) for k, r in trainer._stages.runners.items()}
+        result["segments"] = {
+            s.spec.index: s.__dict__["segmented"].num_segments if s.__dict__.get("segmented") else 1
+            for s in trainer._programs.planned.stages
+        }
         result["train_programs"] = sum(1 for training, _ in trainer._programs if training)  # one per length
         checkpoint = Path(params["checkpoints"]) / f"ckpt-{label}"
         trainer.save_checkpoint(str(checkpoint))
