@@ -10,6 +10,11 @@ its start), ``S`` the outputs selective recomputation keeps (``saved_bytes``), `
     selective   I + S                            max(A - S, 0)                          F of the nodes not kept
     full        I                                A                                      F
 
+for a stage of one segment. A stage that holds whole blocks runs by segment
+(``partita.types.segments``): ``I`` is then every segment's input (relayed values once) and the
+second column the largest segment's, one segment rebuilt at a time
+(``partita.cost.segment_memory``); the seconds are the same.
+
 ``torch.utils.checkpoint`` keeps the stage's inputs (``I``); with selective contexts it also
 caches the output of every op its policy keeps (``S``, whether or not backward reads it), and in
 backward it runs the stage's forward again, the kept ops taking their cached outputs: the tensors

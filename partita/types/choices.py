@@ -98,15 +98,18 @@ class Sharding(str, enum.Enum):
 
 
 class Recompute(str, enum.Enum):
-    """Activation recomputation of a stage, from keeping everything to keeping its input alone.
+    """Activation recomputation of a stage, from keeping everything to keeping its blocks' inputs alone.
 
-    ``none`` keeps every tensor the stage's backward needs. ``selective`` keeps the stage's input
+    ``none`` keeps every tensor the stage's backward needs. ``selective`` keeps each segment's input
     and the outputs of the expensive operations (matmuls, attention: the op classes of
     ``partita.capturing.recompute``) and recomputes the cheap, memory-heavy rest (softmax, dropout,
     norms, activation functions, elementwise) in backward (Korthikanti et al., "Reducing Activation
-    Recomputation in Large Transformer Models", 2022). ``full`` keeps the stage's input alone and
-    runs its whole forward again in backward. Each level keeps less and recomputes more than the
-    one before (``order``).
+    Recomputation in Large Transformer Models", 2022). ``full`` keeps each segment's input alone and
+    runs its forward again in backward. A segment is a whole block of the stage (a transformer
+    layer) or the nodes around its blocks (``partita.types.segments``): both levels rebuild one
+    segment at a time, as Megatron-LM and torchtitan recompute one layer at a time; a stage without
+    a whole block is one segment. Each level keeps less and recomputes more than the one before
+    (``order``).
     """
 
     NONE = "none"
