@@ -4,7 +4,9 @@ Nothing here is part of partita; it is benchmark plumbing:
 
 - ``build_example(name, batch_size)``: a zoo name, or ``gpt2-small-v50k`` (gpt2-small with GPT-2's
   real 50257-word vocabulary: the zoo has no vocabulary override), or ``gpt2-L{layers}-H{hidden}``
-  (GPT-2 of any depth and width, vocabulary 8192, for the memory ladder).
+  (GPT-2 of any depth and width, vocabulary 8192, for the memory ladder), or
+  ``llama-L{layers}-H{hidden}`` (Llama of any depth and width: heads of 64, half as many key/value
+  heads, the zoo's small size otherwise).
 - ``run_ranks(script, world_size, out_dir, timeout_s, **params)``: start ``world_size`` fresh
   ``python script --worker out_dir`` processes, torchrun style (RANK, WORLD_SIZE, MASTER_ADDR,
   MASTER_PORT, one thread each), kill all of them (only them) when one fails or the job times out.
@@ -36,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
 _CUSTOM_GPT2 = re.compile(r"^gpt2-L(\d+)-H(\d+)$")
+_CUSTOM_LLAMA = re.compile(r"^llama-L(\d+)-H(\d+)$")
 
 
 # ----------------------------------------------------------------------------- models
@@ -59,6 +62,20 @@ def build_example(name: str, batch_size: int, *, device: str = "cpu", seed: int 
             device,
             seed,
             data_device,
+        )
+    m = _CUSTOM_LLAMA.match(name)
+    if m:
+        layers, hidden = int(m.group(1)), int(m.group(2))
+        heads = max(1, hidden // 64)
+        overrides = dict(
+            num_hidden_layers=layers,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 2),
+            intermediate_size=hidden * 8 // 3 // 16 * 16,
+        )
+        return _hf_example(
+            name, "llama", "LlamaConfig", "LlamaForCausalLM", overrides, batch_size, device, seed, data_device
         )
     return examples.build(name, batch_size=batch_size, device=device, seed=seed, data_device=data_device)
 
@@ -86,17 +103,30 @@ def gpt2_params(layers: int, hidden: int, vocab: int = 8192, positions: int = 10
 def _gpt2_example(name: str, overrides: dict, batch_size: int, device: str, seed: int, data_device: str):
     """gpt2-small's config with ``overrides``, built as the zoo builds (seeded, eager attention, no
     dropout) and fed the zoo's causal-LM data (seq_len 128)."""
+    example = _hf_example(
+        name, "gpt2", "GPT2Config", "GPT2LMHeadModel", overrides, batch_size, device, seed, data_device
+    )
+    example.model.loss_type = "ForCausalLM"
+    return example
+
+
+def _hf_example(
+    name: str, family: str, config: str, model_class: str, overrides: dict, batch_size: int, device: str, seed: int,
+    data_device: str,
+):  # fmt: skip
+    """The zoo family's small config with ``overrides``, built as the zoo builds (seeded, eager
+    attention, no dropout) and fed the zoo's causal-LM data (seq_len 128)."""
     import transformers
 
     from partita.examples import Example, data, hf
 
-    kwargs = {**hf.config_kwargs("gpt2", "small"), **overrides}
+    kwargs = {**hf.config_kwargs(family, "small"), **overrides}
     seq_len = 128
     build_device = torch.device("meta") if device == "meta" else torch.device("cpu")
     with torch.random.fork_rng(devices=[]), build_device:
         torch.default_generator.manual_seed(seed)
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(attn_implementation="eager", **kwargs))
-    model.loss_type = "ForCausalLM"
+        made = getattr(transformers, model_class)(getattr(transformers, config)(attn_implementation="eager", **kwargs))
+    model = made
     model.train()
     vocab = kwargs["vocab_size"]
 

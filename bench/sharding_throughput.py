@@ -6,8 +6,9 @@ one per-rank memory budget (``--budget-mib``, ``Cluster.local(num_devices=2, mem
   partita               ``partita.plan`` with measured costs: stages, replicas, micro-batches,
                         schedule, recomputation and the sharding level per stage searched;
   partita, no sharding  the same search with ``sharding="replicate"`` (every replica a whole copy);
-  partita FSDP          partita's trainer on plain data parallelism, fully sharded
-                        (``num_stages=1, replicas=2, sharding="full_shard"``);
+  partita FSDP          partita's trainer on plain data parallelism, fully sharded, one micro-batch
+                        (``num_stages=1, replicas=2, sharding="full_shard", num_microbatches=1``):
+                        every transformer block its own FSDP2 unit;
   torch FSDP2           what most users write: ``fully_shard`` on every transformer block and on the
                         root of the unmodified model, each rank half the batch, AdamW;
   torch DDP             ``DistributedDataParallel`` over the unmodified model, half the batch each.
@@ -58,7 +59,8 @@ PLAIN = ("torch FSDP2", "torch DDP")
 PINS = {
     "partita": {},
     "partita, no sharding": {"sharding": "replicate"},
-    "partita FSDP": {"num_stages": 1, "replicas": 2, "sharding": "full_shard"},
+    # pinned as torch's FSDP2 runs below: plain data parallelism, one micro-batch, every block its own unit
+    "partita FSDP": {"num_stages": 1, "replicas": 2, "sharding": "full_shard", "num_microbatches": 1},
 }
 
 
@@ -97,6 +99,11 @@ def plan_model(name: str, args, work: Path, pins: dict[str, dict] = PINS) -> dic
     return out
 
 
+def _blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The module list of transformer blocks of a GPT-2 (``transformer.h``) or a Llama (``model.layers``)."""
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
+
+
 def _plain(ex, kind: str):
     """torch's own FSDP2 or DDP over a copy of the unmodified model: (module, optimizer)."""
     model = copy.deepcopy(ex.model)
@@ -107,7 +114,7 @@ def _plain(ex, kind: str):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (2,))
-        for block in model.transformer.h:
+        for block in _blocks(model):  # torchtitan's layout: every transformer block, then the root
             fully_shard(block, mesh=mesh)
         module = fully_shard(model, mesh=mesh)
     return module, torch.optim.AdamW(module.parameters(), lr=LR)

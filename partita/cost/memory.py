@@ -5,7 +5,9 @@ memory = parameters + optimizer state (incl. master weights)
 backward peak = gathered parameter copies (sharded stages)
               + activations kept for backward x micro-batches in flight (schedule-dependent)
               + one set of bf16 weight copies (bf16 plans)
-              + communication buffers + a working-memory peak
+              + communication buffers (the received input and the output gradient; DDP's
+                bucket; FSDP2's flat copy of one unit's gradients to reduce-scatter) + a
+                working-memory peak
               + the gradients alive by then: all of them when some micro-batch's backward
                 ran before the activation peak (1F1B steady state), else only the first one
                 (GPipe, or as many micro-batches as in flight; gradients are set to None
@@ -333,8 +335,11 @@ def memory_from_totals(
         first = np.minimum(largest_param_bytes if first_grad_bytes is None else first_grad_bytes, trainable_bytes)
         fewer = lambda: kept_with(np.maximum(in_flight - 1, 0))  # noqa: E731
         kept, backward_grad_bytes = _backward_peak(in_flight, num_microbatches, kept, fewer, first, trainable_bytes)
-    if num_replicas > 1 and not sharded:  # DDP's gradient bucket (FSDP2 reduce-scatters from the gradients counted)
+    if num_replicas > 1 and not sharded:  # DDP's gradient bucket
         comm_buffer_bytes = comm_buffer_bytes + np.minimum(trainable_bytes, ALLREDUCE_BUCKET_BYTES)
+    if sharded:  # FSDP2 copies one unit's gradients into a flat buffer to reduce-scatter them
+        unit = trainable_bytes if segments is None else np.maximum(segments.root, segments.largest_unit)
+        comm_buffer_bytes = comm_buffer_bytes + unit
     return DeviceMemory(
         param_bytes=_as_int(persistent_params),
         grad_bytes=_as_int(trainable_bytes),

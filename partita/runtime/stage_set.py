@@ -128,7 +128,10 @@ def place_stages(
     metadata = _put_on_device(model, graph, plan, topology, compute, init_from, all_stages, stages)
     check_sharding(plan, all_stages)
     tensor_parallel = start_tensor_parallel(graph, topology, all_stages, stages, job_plan, release_whole=built_on_meta)
+    whole = {name: t for stage in stages for name, t in stage.state_tensors().items()}
     runners = sharded_runners(job_plan, stages, topology, compute, graph)  # FSDP2 makes new (DTensor) parameters
+    if built_on_meta:  # the whole weights partita allocated for them: this rank holds its shards alone
+        release_replaced(whole, stages)
     return StageSet(
         model=model,
         plan=plan,
@@ -196,3 +199,15 @@ def state_names(model: nn.Module) -> set[str]:
     """Canonical names of what ``model.state_dict()`` holds (parameters, persistent buffers)."""
     canonical = canonical_names(model)
     return {canonical[id(t)] for t in model.state_dict(keep_vars=True).values()}
+
+
+def release_replaced(whole: dict[str, torch.Tensor], stages: list[StageModule]) -> None:
+    """Free the storage of the tensors of ``whole`` (name -> the tensor a stage read before) that the
+    stages no longer read (FSDP2 registered its shards in their place), as
+    ``partita.runtime.tensor_parallel.shard_parameters`` frees what it splits: the model's modules
+    still hold them, and a model built on meta holds weights partita allocated for the stages. Each
+    keeps its shape, as a zero-stride view of one element, so that the model can be captured again."""
+    now = {name: t for stage in stages for name, t in stage.state_tensors().items()}
+    for name, t in whole.items():
+        if now.get(name) is not t and t.numel():
+            t.data = t.new_zeros(()).expand(t.shape)
