@@ -235,6 +235,38 @@ class InUseSampler:
 # ----------------------------------------------------------------------------- ranks
 
 
+def measured_training(
+    name: str, plan: Any, seed: str, num_steps: int, *, global_batch: int, lr: float, base: int = 0,
+    sampler_from: int | None = None,
+) -> dict:  # fmt: skip
+    """On a rank: the model ``name`` built on meta and loaded from the seed checkpoint ``seed``, trained
+    ``num_steps`` AdamW steps under ``plan`` (a plan file, or a function of the graph); from step
+    ``sampler_from`` on, the peak of glibc's bytes in use less ``base`` (``peak``) and the bytes in use
+    before that step (``resting``)."""
+    import partita
+    from partita.runtime.materialize import meta_copies
+
+    ex = build_example(name, global_batch, device="meta", data_device="cpu")
+    graph = partita.capture(
+        ex.model, meta_copies(ex.args), meta_copies(ex.kwargs), loss_fn=ex.loss_fn, target=meta_copies(ex.target)
+    )
+    plan = partita.Plan.load(plan, graph=graph) if isinstance(plan, str) else plan(graph)
+    optimizer = lambda ps: torch.optim.AdamW(ps, lr=lr)  # noqa: E731
+    trainer = partita.Trainer(ex.model, plan, graph=graph, init_from=seed, optimizer=optimizer)
+    out: dict = {}
+    for step in range(num_steps):
+        if step == sampler_from:
+            gc.collect()
+            out["resting"] = malloc_in_use() - base
+            sampler = InUseSampler().__enter__()
+        a, k = step_kwargs(ex, ex.make_batch(global_batch, step))
+        trainer.step(*a, **k)
+    if sampler_from is not None:
+        sampler.__exit__(None, None, None)
+        out["peak"] = sampler.peak - base
+    return out
+
+
 def run_ranks(script: Path, world_size: int, out_dir: Path, *, timeout_s: float, **params: Any) -> list[Any]:
     """Run ``script --worker out_dir`` on ``world_size`` ranks; each writes ``out_dir/result<rank>.pt``."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -42,15 +42,14 @@ import torch  # noqa: E402
 from _e2e_common import (  # noqa: E402
     MIB,
     REPO,
-    InUseSampler,
     build_example,
     command_line,
     machine_line,
     malloc_in_use,
+    measured_training,
     now_utc,
     reset_peak,
     run_ranks,
-    step_kwargs,
 )
 
 GLOBAL_BATCH, NUM_MICROBATCHES, LR = 16, 4, 1e-4
@@ -209,7 +208,6 @@ def worker(out_dir: Path) -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     import partita
-    from partita.runtime.materialize import meta_copies
 
     if params["ring"]:  # every fused matmul's blocks count as large enough
         import partita.cost.collective_matmul as collective_costs
@@ -217,26 +215,9 @@ def worker(out_dir: Path) -> None:
         collective_costs.RING_MIN_BLOCK_FLOPS = collective_costs.RING_MIN_BLOCK_BYTES = 0
 
     def train(name: str, plan, seed: str, num_steps: int, base: int = 0, sampler_from: int | None = None) -> dict:
-        """``num_steps`` steps; from step ``sampler_from`` on, the peak of the bytes in use less ``base``."""
-        ex = build_example(name, GLOBAL_BATCH, device="meta", data_device="cpu")
-        graph = partita.capture(
-            ex.model, meta_copies(ex.args), meta_copies(ex.kwargs), loss_fn=ex.loss_fn, target=meta_copies(ex.target)
+        return measured_training(
+            name, plan, seed, num_steps, global_batch=GLOBAL_BATCH, lr=LR, base=base, sampler_from=sampler_from
         )
-        plan = partita.Plan.load(plan, graph=graph) if isinstance(plan, str) else plan(graph)
-        optimizer = lambda ps: torch.optim.AdamW(ps, lr=LR)  # noqa: E731
-        trainer = partita.Trainer(ex.model, plan, graph=graph, init_from=seed, optimizer=optimizer)
-        out: dict = {}
-        for step in range(num_steps):
-            if step == sampler_from:
-                gc.collect()
-                out["resting"] = malloc_in_use() - base
-                sampler = InUseSampler().__enter__()
-            a, k = step_kwargs(ex, ex.make_batch(GLOBAL_BATCH, step))
-            trainer.step(*a, **k)
-        if sampler_from is not None:
-            sampler.__exit__(None, None, None)
-            out["peak"] = sampler.peak - base
-        return out
 
     # Warm-up: the same code paths on a tiny GPT-2, so that the base reading holds what imports and first
     # use load for good (transformers' model code, torch.export, the pipelining schedules, gloo).
