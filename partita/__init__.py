@@ -6,7 +6,7 @@ The public API is what ``__all__`` lists: the verbs and the objects a user holds
     plan = partita.plan(model, kwargs=batch, cluster=partita.Cluster(device="h100", num_devices=8),
                         global_batch_size=64, options=partita.PlanOptions(precision="bf16"))
     trainer = partita.Trainer(model, plan, kwargs=batch, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-4))
-    trainer.fit(loader, num_steps=1000)                               # or trainer.step(**batch) in a loop
+    partita.fit(trainer, loader, num_steps=1000)                      # or trainer.step(**batch) in a loop
 
 The records these return and take (stages, costs, graph nodes, enums such as ``Schedule``) live
 in ``partita.types``; the layers (capture -> cost -> planning -> runtime) in their packages.

@@ -32,7 +32,8 @@ def plan_text(
     the memory ("fits: no"); without it every missing baseline shows "no".
 
     The efficiency column needs ``plan.total_compute_s`` (forward + backward seconds of one whole
-    step on one device; the ideal step is this divided by the number of devices): "-" without it.
+    step on one device; the ideal step is this divided by the cluster's devices, for every plan): "-"
+    without it.
     """
     total_compute_s = plan.total_compute_s
     reasons = dict(baseline_reasons)
@@ -84,7 +85,7 @@ def plan_text(
             ],
             align="lrrrrrrl",
         ),
-        "efficiency = ideal step (total compute / devices) / predicted step",
+        "efficiency = ideal step (total compute / the cluster's devices) / predicted step",
     ]
     lines += [f"n/a: {name} {why}" for name, why in unsplittable.items() if dict(baselines).get(name) is None]
     available = plan.cluster.num_devices
@@ -154,9 +155,10 @@ def _summary_row(
         return (name, "n/a" if unsplittable else "no", "-", "-", "-", "-", "-", "-")
     if not p.predicted_step_s or not reference.predicted_step_s:  # a manual plan: nothing predicted
         return (name, "yes", "-", "-", "-", "-", "-", _layout(p))
-    efficiency = (
-        "-" if total_compute_s is None else f"{total_compute_s / max(1, p.num_devices) / p.predicted_step_s:.1%}"
-    )
+    # of the cluster's devices, the same for every plan: one that leaves devices idle is less efficient
+    # (over its own devices alone a baseline on fewer of them showed more than 100%)
+    devices = max(1, reference.cluster.num_devices)
+    efficiency = "-" if total_compute_s is None else f"{total_compute_s / devices / p.predicted_step_s:.1%}"
     return (
         name,
         "yes",
