@@ -88,22 +88,9 @@ class SegmentedStage:
     def __init__(self, stage: nn.Module, graph: OpGraph):
         spec = stage.spec
         self.segments: tuple[Segment, ...] = stage_segments(graph, spec.node_start, spec.node_stop)
-        starts = [s.start for s in self.segments]
-        # Each node's segment, in graph order and never backwards: a node a rewrite inserted (a
-        # collective, a cast of a weight, a view re-made after a cut) joins the segment of the next
-        # node copied from the captured graph, so that a block's weights are read inside its own
-        # segment (its FSDP2 unit gathers them for that segment alone).
-        order = [n for n in stage.graph_module.graph.nodes if n.op not in ("placeholder", "output")]
-        where: dict[torch.fx.Node, int] = {}
-        following, current = len(self.segments) - 1, 0
-        for node in reversed(order):
-            origin = node.meta.get(ORIGIN)
-            if origin is not None:
-                following = bisect.bisect_right(starts, origin) - 1
-            where[node] = following
-        for node in order:
-            current = where[node] = max(current, where[node])
-        self.split = split_module(stage.graph_module, None, lambda n: where.get(n, current), keep_original_order=True)
+        self.split = split_module(
+            stage.graph_module, None, _segment_of_nodes(stage, graph, self.segments).__getitem__, keep_original_order=True
+        )
         placeholders = [n for n in self.split.graph.nodes if n.op == "placeholder"]
         self.param_nodes = dict(zip(placeholders, spec.param_names))  # the stage's weights, first
         self.value_nodes = placeholders[len(spec.param_names) :]
@@ -170,6 +157,35 @@ class SegmentedStage:
         except AttributeError:  # the block reads no weight of its own
             return None
         return unit if isinstance(unit, BlockUnit) else None
+
+
+def _segment_of_nodes(stage: nn.Module, graph: OpGraph, segments: Sequence[Segment]) -> dict[torch.fx.Node, int]:
+    """Each node of the stage's graph -> its segment. A node copied from the captured graph takes
+    the segment its position falls in; a node a rewrite inserted (a collective, a bias added after
+    it, a weight cast for a norm, a view re-made after a cut) takes the latest of its inputs'
+    segments and of the segments whose captured nodes read the weights it reads, so that a block's
+    weights are read inside its own segment (its FSDP2 unit gathers them for that segment alone).
+    No node comes before an input's segment: the segments form a chain."""
+    starts = [s.start for s in segments]
+    at = lambda index: bisect.bisect_right(starts, index) - 1  # noqa: E731
+    home: dict[str, int] = {}  # weight -> the segment of the first captured node of the stage that reads it
+    for node in graph.nodes[stage.spec.node_start : stage.spec.node_stop]:
+        for name in node.params:
+            home.setdefault(name, at(node.index))
+    placeholders = [n for n in stage.graph_module.graph.nodes if n.op == "placeholder"]
+    weights = dict(zip(placeholders, stage.spec.param_names))
+    where: dict[torch.fx.Node, int] = {}
+    for node in stage.graph_module.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        inputs = [where[n] for n in node.all_input_nodes if n in where]
+        origin = node.meta.get(ORIGIN)
+        if origin is not None:
+            where[node] = max([at(origin), *inputs])
+        else:
+            homes = [home[weights[n]] for n in node.all_input_nodes if n in weights and weights[n] in home]
+            where[node] = max([*inputs, *homes], default=where[next(reversed(where))] if where else 0)
+    return where
 
 
 def _attribute(module: nn.Module, target: str) -> Any:
