@@ -89,7 +89,10 @@ class SegmentedStage:
         spec = stage.spec
         self.segments: tuple[Segment, ...] = stage_segments(graph, spec.node_start, spec.node_stop)
         self.split = split_module(
-            stage.graph_module, None, _segment_of_nodes(stage, graph, self.segments).__getitem__, keep_original_order=True
+            stage.graph_module,
+            None,
+            _segment_of_nodes(stage, graph, self.segments).__getitem__,
+            keep_original_order=True,
         )
         placeholders = [n for n in self.split.graph.nodes if n.op == "placeholder"]
         self.param_nodes = dict(zip(placeholders, spec.param_names))  # the stage's weights, first
