@@ -92,7 +92,7 @@ class SegmentedStage:
             stage.graph_module,
             None,
             _segment_of_nodes(stage, graph, self.segments).__getitem__,
-            keep_original_order=True,
+            keep_original_order=False,  # segments in dependency order: an inserted node may join a later one
         )
         placeholders = [n for n in self.split.graph.nodes if n.op == "placeholder"]
         self.param_nodes = dict(zip(placeholders, spec.param_names))  # the stage's weights, first
@@ -168,7 +168,9 @@ def _segment_of_nodes(stage: nn.Module, graph: OpGraph, segments: Sequence[Segme
     it, a weight cast for a norm, a view re-made after a cut) takes the latest of its inputs'
     segments and of the segments whose captured nodes read the weights it reads, so that a block's
     weights are read inside its own segment (its FSDP2 unit gathers them for that segment alone).
-    No node comes before an input's segment: the segments form a chain."""
+    No node comes before an input's segment, so the segments run in order (split_module's
+    topological order of them); a node copied from the captured graph never goes earlier than its
+    position, so operations that draw random numbers (dropout) keep their order."""
     starts = [s.start for s in segments]
     at = lambda index: bisect.bisect_right(starts, index) - 1  # noqa: E731
     home: dict[str, int] = {}  # weight -> the segment of the first captured node of the stage that reads it
