@@ -25,6 +25,7 @@ Everything is vectorised over arrays of ranges (the search asks for every candid
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,7 @@ class _Blocks:
     thousands of ranges of each)."""
 
     def __init__(self, costs: CostTable):
+        self.scalars: dict[tuple[int, int, float], SegmentTotals] = {}  # one stage's, by (start, stop, trainable)
         ranges = np.asarray(costs.block_ranges, dtype=np.int64).reshape(-1, 2)
         self.count = len(ranges)
         self.starts, self.stops = ranges[:, 0], ranges[:, 1]
@@ -118,8 +120,20 @@ def _blocks_of(costs: CostTable) -> _Blocks:
 
 def segment_totals(costs: CostTable, starts: Any, stops: Any, trainable_bytes: Any) -> SegmentTotals:
     """The per-block terms of the stages ``[starts, stops)`` (node positions, arrays or scalars),
-    whose trainable bytes are ``trainable_bytes`` (what the memory model counts for them)."""
+    whose trainable bytes are ``trainable_bytes`` (what the memory model counts for them). One
+    stage's (scalars) are remembered with the table: the planner asks for the same stages again and
+    again while it drafts plans."""
     t = _blocks_of(costs)
+    if np.ndim(starts) == 0 and np.ndim(stops) == 0 and np.ndim(trainable_bytes) == 0:
+        key = (int(starts), int(stops), float(trainable_bytes))
+        found = t.scalars.get(key)
+        if found is None:
+            found = t.scalars[key] = SegmentTotals(*(float(v) for v in dataclasses.astuple(_segment_totals(t, *key))))
+        return found
+    return _segment_totals(t, starts, stops, trainable_bytes)
+
+
+def _segment_totals(t: _Blocks, starts: Any, stops: Any, trainable_bytes: Any) -> SegmentTotals:
     a = np.asarray(starts, dtype=np.int64)
     b = np.asarray(stops, dtype=np.int64)
     trainable = np.asarray(trainable_bytes, dtype=np.float64)
