@@ -7,7 +7,10 @@ with 4 micro-batches (every micro-batch in flight at the peak), AdamW, fp32, on 
 - ``full_shard``: one stage on 2 replicas, fully sharded: each layer its own FSDP2 unit (the root
   and two layers gathered at a time);
 - ``recompute full`` / ``recompute selective``: 2 stages of equal node counts, every stage
-  recomputed: each layer's input kept, one layer rebuilt at a time.
+  recomputed: each layer's input kept, one layer rebuilt at a time;
+- ``full_shard 1f1b, grads whole / sharded``: one 1F1B stage, fully sharded on 2 replicas, its
+  gradients accumulated whole until the last backward, or reduce-scattered in every backward
+  (``Accumulation``): by block only.
 
 Each runs twice: ``by block`` (partita's runtime as it is) and ``stage unit`` (the stage run whole,
 as before issue 56: one FSDP2 unit per stage, the whole stage checkpointed; the ranks switch the
@@ -56,6 +59,13 @@ RUNS = [
     dict(run="recompute full", num_stages=2, replicas=1, sharding="replicate", recompute="full"),
     dict(run="recompute selective", num_stages=2, replicas=1, sharding="replicate", recompute="selective"),
 ]
+# Gradients accumulated whole or in shards (``Accumulation``), by block: one 1F1B stage on 2 replicas,
+# so that a backward runs before the activation peak and every gradient of the step is alive at it.
+ACCUMULATION_RUNS = [
+    dict(run=f"full_shard 1f1b, grads {acc}", num_stages=1, replicas=2, sharding="full_shard", recompute="none",
+         schedule="1f1b", accumulation=acc)
+    for acc in ("whole", "sharded")
+]  # fmt: skip
 
 
 def cases() -> list[dict]:
@@ -64,6 +74,10 @@ def cases() -> list[dict]:
         for family, name in MODELS.items()
         for run in RUNS
         for way in ("by block", "stage unit")
+    ] + [
+        dict(label=f"{family} {run['run']}, by block", model=name, by_block=True, **run)
+        for family, name in MODELS.items()
+        for run in ACCUMULATION_RUNS
     ]
 
 
@@ -74,13 +88,14 @@ def make_plan(graph, case: dict):
     return manual_plan(
         graph,
         [n * k // s for k in range(s + 1)],
-        schedule="gpipe",
+        schedule=case.get("schedule", "gpipe"),
         num_rank_groups=s,
         replicas=case["replicas"],
         num_microbatches=NUM_MICROBATCHES,
         global_batch_size=GLOBAL_BATCH,
         recompute=case["recompute"],
         sharding=case["sharding"],
+        accumulation=case.get("accumulation", "whole"),
     )
 
 
@@ -107,6 +122,7 @@ def predicted_bytes(graph, plan, by_block: bool) -> list[tuple[int, object]]:
             sharding=s.sharding,
             num_replicas=s.num_replicas,
             num_microbatches=plan.num_microbatches,
+            accumulation=s.accumulation,
         )
         for r in s.ranks:
             by_rank[r] = int(memory.total_bytes), memory.breakdown()
@@ -189,6 +205,8 @@ def worker(out_dir: Path) -> None:
         replicas=real.stages[0].num_replicas,
         recompute=real.stages[0].recompute.value,
         sharding=real.stages[0].sharding.value,
+        schedule=real.schedule.value,
+        accumulation=real.stages[0].accumulation.value,
     )
     train(tiny, lambda graph: make_plan(graph, case), tiny_seed, 2)
     gc.collect()
@@ -251,6 +269,21 @@ def write_markdown(path: Path, header: str, rows: list[dict], started: float) ->
                 f"| {label.removesuffix(', by block')} | {rank} | {(p_unit - predicted) / MIB:.0f} | "
                 f"{(m_unit - peak) / MIB:.0f} |"
             )
+    lines += [
+        "",
+        "## Gradients accumulated in shards against whole (one 1F1B stage, full_shard, 2 replicas)",
+        "",
+        "| model | rank | saved, predicted MiB | saved, measured MiB |",
+        "|---|---|---:|---:|",
+    ]
+    for family in MODELS:
+        whole, sharded = (f"{family} full_shard 1f1b, grads {acc}, by block" for acc in ("whole", "sharded"))
+        for rank in range(2):
+            if (whole, rank) in measured and (sharded, rank) in measured:
+                (p_whole, m_whole), (p_sharded, m_sharded) = measured[(whole, rank)], measured[(sharded, rank)]
+                lines.append(
+                    f"| {family} | {rank} | {(p_whole - p_sharded) / MIB:.0f} | {(m_whole - m_sharded) / MIB:.0f} |"
+                )
     path.write_text("\n".join(lines) + "\n")
 
 

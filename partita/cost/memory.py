@@ -35,11 +35,14 @@ casts afresh and holds one segment's at a time while a micro-batch's backward re
 sharded stage gathers its weights in bf16 (FSDP2's ``param_dtype``, as torchtitan gathers): the
 gathered copies are half the fp32 bytes, and autocast has nothing to cast.
 
-Gradients are fp32 (the reduce dtype) and accumulate unsharded over the step's micro-batches: the
-sharded levels reduce-scatter them during the last backward, unit by unit as each block's backward
-ends (``partita.runtime.pipeline.backward_switches``), so with one micro-batch only the gradients
-of the units still in backward are whole, and with more they save gradient memory at the optimizer
-step. Gathered copies are freed before the optimizer step (FSDP2 reshards after the last
+Gradients are fp32 (the reduce dtype). Under ``whole`` accumulation (``Accumulation``) they
+accumulate unsharded over the step's micro-batches: the sharded levels reduce-scatter them during
+the last backward, unit by unit as each block's backward ends
+(``partita.runtime.pipeline.backward_switches``), so with one micro-batch only the gradients of the
+units still in backward are whole, and with more they save gradient memory at the optimizer step.
+Under ``sharded`` accumulation every backward reduce-scatters them so, and a device holds its
+``1/r`` shard of them plus the gradients of the unit in backward (the largest unit: a block's, or
+the root's). Gathered copies are freed before the optimizer step (FSDP2 reshards after the last
 backward). ``G``: under full_shard a stage that runs by block (``partita.types.segments``) holds
 the weights outside its blocks (FSDP2's root unit) and two blocks' gathered at a time (the running
 one and the next, prefetched: ``partita.cost.segment_memory``); a stage without a whole block is
@@ -76,7 +79,16 @@ from typing import Any
 import numpy as np
 
 from partita.cost.segment_memory import SegmentTotals, segment_totals
-from partita.types import CostTable, MemoryBreakdown, OptimizerKind, Precision, Recompute, Schedule, Sharding
+from partita.types import (
+    Accumulation,
+    CostTable,
+    MemoryBreakdown,
+    OptimizerKind,
+    Precision,
+    Recompute,
+    Schedule,
+    Sharding,
+)
 
 # DDP-style gradient bucket kept while replicas all-reduce (torch DDP's default bucket_cap_mb).
 ALLREDUCE_BUCKET_BYTES = 25 * 2**20
@@ -180,6 +192,7 @@ def device_memory(
     sharding: Sharding = Sharding.REPLICATE,
     num_replicas: int = 1,
     num_microbatches: int | None = None,
+    accumulation: Accumulation = Accumulation.WHOLE,
 ) -> DeviceMemory:
     """Memory of one device holding the node ranges ``ranges`` (``[start, stop)`` positions).
 
@@ -216,6 +229,7 @@ def device_memory(
         gathered_trainable_bytes=largest_unit if sharding is Sharding.FULL_SHARD else None,
         foreach_step=steps_foreach(costs.device),
         segments=segments,
+        accumulation=accumulation,
     )
 
 
@@ -273,6 +287,7 @@ def memory_from_totals(
     rebuilding_bytes: Any = None,
     foreach_step: bool = False,
     segments: SegmentTotals | None = None,
+    accumulation: Accumulation = Accumulation.WHOLE,
 ) -> DeviceMemory:
     """The memory formula on totals of a device's node ranges. Works element-wise on numpy
     arrays too, so the search evaluates every candidate stage at once with the same formula.
@@ -299,6 +314,7 @@ def memory_from_totals(
     each segment's input kept and one segment rebuilt (and its weights cast) at a time, in place
     of the stage's input, its whole rebuild and its weights; under full_shard its root unit and
     two blocks gathered, in place of ``gathered_trainable_bytes``. None: the stage is one unit.
+    accumulation: how a sharded stage accumulates its gradients (module docstring).
     """
     recompute = Recompute.parse(recompute)
     recompute_weights = None
@@ -329,20 +345,23 @@ def memory_from_totals(
     def kept_with(count: Any) -> Any:  # kept for backward with ``count`` micro-batches in flight
         return _kept_bytes(count, recompute, activation_bytes, stage_input_bytes, copies, saved_bytes, rebuilding_bytes)
 
+    unit = trainable_bytes if segments is None else np.maximum(segments.root, segments.largest_unit)
+    grads = trainable_bytes  # the gradients held at once, unsharded (whole accumulation) or not
+    if sharded and accumulation is Accumulation.SHARDED:
+        grads = np.minimum(np.ceil(trainable_bytes / shards) + unit, trainable_bytes)
     kept, backward_grad_bytes = kept_with(in_flight), None
     comm_buffer_bytes = 1 * boundary_bytes  # the received input and the output gradient of the micro-batch
     if num_microbatches is not None:
-        first = np.minimum(largest_param_bytes if first_grad_bytes is None else first_grad_bytes, trainable_bytes)
+        first = np.minimum(largest_param_bytes if first_grad_bytes is None else first_grad_bytes, grads)
         fewer = lambda: kept_with(np.maximum(in_flight - 1, 0))  # noqa: E731
-        kept, backward_grad_bytes = _backward_peak(in_flight, num_microbatches, kept, fewer, first, trainable_bytes)
+        kept, backward_grad_bytes = _backward_peak(in_flight, num_microbatches, kept, fewer, first, grads)
     if num_replicas > 1 and not sharded:  # DDP's gradient bucket
         comm_buffer_bytes = comm_buffer_bytes + np.minimum(trainable_bytes, ALLREDUCE_BUCKET_BYTES)
     if sharded:  # FSDP2 copies one unit's gradients into a flat buffer to reduce-scatter them
-        unit = trainable_bytes if segments is None else np.maximum(segments.root, segments.largest_unit)
         comm_buffer_bytes = comm_buffer_bytes + unit
     return DeviceMemory(
         param_bytes=_as_int(persistent_params),
-        grad_bytes=_as_int(trainable_bytes),
+        grad_bytes=_as_int(grads),
         optimizer_bytes=_as_int(optimizer_bytes),
         activation_bytes=_as_int(kept),
         comm_buffer_bytes=_as_int(comm_buffer_bytes),
@@ -467,7 +486,7 @@ class MemoryByInFlight:
         if totals.get("num_microbatches") is not None:  # the first gradients, for every forward before a backward
             first = totals.get("first_grad_bytes")
             first = totals.get("largest_param_bytes", 0) if first is None else first
-            self._first_grads = np.minimum(first, totals["trainable_bytes"])
+            self._first_grads = np.minimum(first, self._grads)
         self._totals = totals
         self._recompute = Recompute.parse(totals["recompute"])
 

@@ -13,8 +13,9 @@ from partita.cost.recompute import extra_backward_s
 from partita.cost.segment_memory import segment_totals
 from partita.errors import InputError
 from partita.planning.configs import Config, SearchOptions
-from partita.planning.sharding import levels, step_overhead_s
-from partita.types import Cluster, CostTable, OpGraph, Plan, Recompute, Sharding, StagePlan
+from partita.planning.sharding import accumulations, levels, step_overhead_s
+from partita.types import Accumulation, Cluster, CostTable, OpGraph, Plan, Recompute, Sharding, StagePlan
+from partita.types.segments import whole_blocks
 
 
 def stage_ranks(config: Config, tensor_parallel: int = 1) -> list[tuple[int, ...]]:
@@ -83,10 +84,12 @@ class BuildMemo:
         replicas: int,
         num_microbatches: int,
         options,
+        accumulation: Accumulation = Accumulation.WHOLE,
     ) -> DeviceMemory:
         """``device_memory`` of a rank group's node ``ranges`` (a tuple of (start, stop)) at
-        ``level``, remembered: the refinement's bounds and the plans it builds ask for the same ranges."""
-        key = ("memory", ranges, in_flight, recompute, level, replicas, num_microbatches, id(options))
+        ``level`` and ``accumulation``, remembered: the refinement's bounds and the plans it builds
+        ask for the same ranges."""
+        key = ("memory", ranges, in_flight, recompute, level, accumulation, replicas, num_microbatches, id(options))
         return self.get(
             table,
             key,
@@ -100,6 +103,7 @@ class BuildMemo:
                 sharding=level,
                 num_replicas=replicas,
                 num_microbatches=num_microbatches,
+                accumulation=accumulation,
             ),
         )
 
@@ -175,12 +179,14 @@ def group_levels(options: SearchOptions, replicas: int, *, shares_parameters: bo
 
 class GroupMemory(NamedTuple):
     """``rank_group_memory``'s answer for one rank group: its memory, its sharding level, and the
-    memory's total and breakdown (computed once: every stage of the group shows them)."""
+    memory's total and breakdown (computed once: every stage of the group shows them), and how its
+    sharded stages accumulate gradients."""
 
     memory: DeviceMemory
     level: Sharding
     total_bytes: int
     breakdown: Any
+    accumulation: Accumulation = Accumulation.WHOLE
 
 
 class _Group(NamedTuple):
@@ -194,29 +200,34 @@ class _Group(NamedTuple):
 
 
 def _group_level(group: _Group, config: Config, options: SearchOptions, allowed, cluster, ranks, memo: BuildMemo):
-    """``rank_group_memory`` of one rank group (``GroupMemory``), its level among the ``allowed`` ones."""
+    """``rank_group_memory`` of one rank group (``GroupMemory``), its level among the ``allowed``
+    ones, each with each accumulation it may take (``accumulations``: the one that moves less first)."""
+    m = config.num_microbatches
     memory = {
-        level: memo.device_memory(
+        (level, acc): memo.device_memory(
             group.table,
             group.ranges,
             in_flight=group.in_flight,
             recompute=group.recompute,
             level=level,
             replicas=group.replicas,
-            num_microbatches=config.num_microbatches,
+            num_microbatches=m,
             options=options,
+            accumulation=acc,
         )
         for level in allowed
+        for acc in accumulations(level, group.replicas, m)
     }
-    fitting = [level for level, mem in memory.items() if mem.total_bytes <= options.memory_limit_bytes]
+    fitting = [choice for choice, mem in memory.items() if mem.total_bytes <= options.memory_limit_bytes]
     if not fitting:
-        level = min(memory, key=lambda lv: memory[lv].total_bytes)  # dict order: least sharded first on ties
+        choice = min(memory, key=lambda c: memory[c].total_bytes)  # dict order: least sharded first on ties
     elif cluster is None or len(fitting) == 1:
-        level = fitting[0]
+        choice = fitting[0]
     else:
-        cost = {lv: _group_overhead_s(lv, group.table, group.ranges, config, options, cluster, ranks) for lv in fitting}
-        level = min(fitting, key=lambda lv: cost[lv])  # min keeps the first (least sharded) of equals
-    return GroupMemory(memory[level], level, int(memory[level].total_bytes), memory[level].breakdown())
+        cost = {c: _group_overhead_s(*c, group.table, group.ranges, config, options, cluster, ranks) for c in fitting}
+        choice = min(fitting, key=lambda c: cost[c])  # min keeps the first (least sharded) of equals
+    mem = memory[choice]
+    return GroupMemory(mem, choice[0], int(mem.total_bytes), mem.breakdown(), choice[1])
 
 
 def groups_sharing_parameters(
@@ -254,16 +265,24 @@ def _parameters_read_twice(table: CostTable) -> list[int]:
 
 
 def _group_overhead_s(
-    level: Sharding, table: CostTable, ranges, config: Config, options: SearchOptions, cluster: Cluster, ranks
+    level: Sharding,
+    accumulation: Accumulation,
+    table: CostTable,
+    ranges,
+    config: Config,
+    options: SearchOptions,
+    cluster: Cluster,
+    ranks,
 ) -> float:
-    """Seconds per step ``level`` adds to the compute of a rank group's stages (``step_overhead_s``;
-    ``ranks``: the group's devices, ``options.tensor_parallel`` to a replica)."""
+    """Seconds per step ``level`` and ``accumulation`` add to the compute of a rank group's stages
+    (``step_overhead_s``; ``ranks``: the group's devices, ``options.tensor_parallel`` to a replica)."""
     total = 0.0
     trainable = np.asarray(table.param_trainable, dtype=bool)
     for start, stop in ranges:
         total += float(
             step_overhead_s(
                 level,
+                accumulation=accumulation,
                 trainable_bytes=(
                     held := sum(int(table.param_bytes[p]) for p in table.params_in_range(start, stop) if trainable[p])
                 ),
@@ -346,7 +365,9 @@ def build_plan(
                 memory_bytes=memory[g].total_bytes,
                 param_bytes=param_bytes,
                 cut_bytes=int(costs.cut_bytes[stop]) if stop < graph.num_nodes else 0,
-                sharding=memory[g][1],
+                sharding=memory[g].level,
+                blocks=whole_blocks(graph, start, stop),
+                accumulation=memory[g].accumulation,
                 memory_breakdown=memory[g].breakdown,
                 tensor_parallel=options.tensor_parallel,
                 sequence_parallel=options.sequence_parallel,

@@ -24,8 +24,9 @@ from partita.cost.segment_memory import segment_totals
 from partita.planning.build import BuildMemo, module_range
 from partita.planning.device_groups import MixedRun
 from partita.planning.hetero_search import MixedCandidate, MixedConfig, StageKind
-from partita.planning.sharding import levels, step_overhead_s
-from partita.types import RECOMPUTE_LEVELS, CostTable, Plan, Recompute, Sharding, StagePlan
+from partita.planning.sharding import accumulations, levels, step_overhead_s
+from partita.types import RECOMPUTE_LEVELS, Accumulation, CostTable, Plan, Recompute, Sharding, StagePlan
+from partita.types.segments import whole_blocks
 
 __all__ = ["fitting_mixed_draft", "mixed_draft", "mixed_total_compute_s"]
 
@@ -128,7 +129,9 @@ def _stage(
     kind, start, stop = config.kinds[p], nodes[p], nodes[p + 1]
     in_flight = microbatches_in_flight(config.schedule, config.num_microbatches, config.num_stages, p, 1)
     tables = {g: run.costs_at(g, kind.samples[g]) for g in kind.groups}
-    level, memory = _level_and_memory(run, config, kind, tables, (start, stop), in_flight, recompute, tied, ranks)
+    (level, accumulation), memory = _level_and_memory(
+        run, config, kind, tables, (start, stop), in_flight, recompute, tied, ranks
+    )
     by_group = tuple(int(memory[g].total_bytes) if g in memory else 0 for g in range(run.num_groups))
     fullest = max(kind.groups, key=lambda g: (memory[g].total_bytes, -g))
     slowest = max(kind.groups, key=lambda g: (_compute_s(tables[g], start, stop), -g))
@@ -155,6 +158,8 @@ def _stage(
         if stop < graph.num_nodes
         else 0,
         sharding=level,
+        accumulation=accumulation,
+        blocks=whole_blocks(graph, start, stop),
         memory_breakdown=memory[fullest].breakdown(),
         replica_samples=None if len(set(kind.shares)) == 1 else kind.shares,
         memory_bytes_by_group=by_group,
@@ -177,13 +182,16 @@ def _level_and_memory(
     recompute: Recompute,
     tied: bool,
     ranks: tuple[int, ...],
-) -> tuple[Sharding, dict[int, DeviceMemory]]:
-    """The stage's sharding level (module docstring) and each of its groups' memory at that level."""
+) -> tuple[tuple[Sharding, Accumulation], dict[int, DeviceMemory]]:
+    """The stage's sharding level and gradient accumulation (module docstring; ``accumulations``)
+    and each of its groups' memory with them."""
     options = run.contexts[0].options
     allowed = (Sharding.REPLICATE,) if tied else levels(options.sharding, kind.num_replicas)
+    m = config.num_microbatches
+    choices = [(lv, acc) for lv in allowed for acc in accumulations(lv, kind.num_replicas, m)]
     memo = _memo(run)
     memory = {
-        level: {
+        (level, acc): {
             g: memo.device_memory(
                 tables[g],
                 (node_range,),
@@ -191,30 +199,33 @@ def _level_and_memory(
                 recompute=recompute,
                 level=level,
                 replicas=kind.num_replicas,
-                num_microbatches=config.num_microbatches,
+                num_microbatches=m,
                 options=run.contexts[g].options,
+                accumulation=acc,
             )
             for g in kind.groups
         }
-        for level in allowed
+        for level, acc in choices
     }
     fitting = [
-        level
-        for level in allowed
-        if all(memory[level][g].total_bytes <= run.contexts[g].options.memory_limit_bytes for g in kind.groups)
+        c
+        for c in choices
+        if all(memory[c][g].total_bytes <= run.contexts[g].options.memory_limit_bytes for g in kind.groups)
     ]
     if not fitting:
-        level = min(allowed, key=lambda lv: max(memory[lv][g].total_bytes for g in kind.groups))
+        choice = min(choices, key=lambda c: max(memory[c][g].total_bytes for g in kind.groups))
     elif len(fitting) == 1:
-        level = fitting[0]
+        choice = fitting[0]
     else:
-        cost = {lv: _overhead_s(run, config, kind, tables, node_range, lv, ranks) for lv in fitting}
-        level = min(fitting, key=lambda lv: cost[lv])  # the first (least sharded) of equals
-    return level, memory[level]
+        cost = {c: _overhead_s(run, config, kind, tables, node_range, c, ranks) for c in fitting}
+        choice = min(fitting, key=lambda c: cost[c])  # the first (least sharded) of equals
+    return choice, memory[choice]
 
 
-def _overhead_s(run: MixedRun, config, kind: StageKind, tables, node_range, level: Sharding, ranks) -> float:
-    """Seconds per step ``level`` adds to the stage (``step_overhead_s``), its slowest group's, its
+def _overhead_s(
+    run: MixedRun, config, kind: StageKind, tables, node_range, choice: tuple[Sharding, Accumulation], ranks
+) -> float:
+    """Seconds per step ``choice`` (level, accumulation) adds to the stage (``step_overhead_s``), its slowest group's, its
     collectives over the stage's links (the mixed cluster's when it spans groups)."""
     start, stop = node_range
     mixed = len(kind.groups) > 1
@@ -227,7 +238,8 @@ def _overhead_s(run: MixedRun, config, kind: StageKind, tables, node_range, leve
             int(table.param_bytes[q]) for q in table.params_in_range(start, stop) if table.param_trainable[q]
         )
         seconds = step_overhead_s(
-            level,
+            choice[0],
+            accumulation=choice[1],
             trainable_bytes=trainable,
             segments=segment_totals(table, start, stop, trainable),
             forward_s=float(table.forward_s[start:stop].sum()),

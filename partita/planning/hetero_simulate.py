@@ -29,7 +29,7 @@ from partita.cost import comm
 from partita.cost.analytic import optimizer_step_s
 from partita.planning.simulate import stages_pipeline_inputs
 from partita.planning.simulator import simulate_pipeline
-from partita.types import CostTable, Plan, Recompute, Sharding, SimResult, StagePlan
+from partita.types import Accumulation, CostTable, Plan, Recompute, Sharding, SimResult, StagePlan
 from partita.types.cluster import Cluster
 from partita.types.schedule_orders import stage_rank_groups
 
@@ -79,6 +79,7 @@ class _Stand:
     ranks: tuple[int, ...]
     num_replicas: int
     tensor_parallel: int = 1
+    accumulation: Accumulation = Accumulation.WHOLE
 
 
 def mixed_pipeline_inputs(plan: Plan, costs: CostsByGroup) -> dict:
@@ -114,6 +115,7 @@ def mixed_pipeline_inputs(plan: Plan, costs: CostsByGroup) -> dict:
             stage.ranks,
             stage.num_replicas,
             stage.tensor_parallel,
+            stage.accumulation,
         )
         table = costs(shares[0].group, shares[0].samples)
         link = cluster if len(shares) > 1 else cluster.group_clusters[shares[0].group]
@@ -122,22 +124,20 @@ def mixed_pipeline_inputs(plan: Plan, costs: CostsByGroup) -> dict:
             if len(shares) > 1
             else tuple(r - cluster.group_first_ranks[shares[0].group] for r in whole.ranks)
         )
-        collective = stages_pipeline_inputs(
-            [_with_ranks(whole, ranks)],
-            [table],
-            [0],
-            plan.schedule,
-            plan.num_microbatches,
-            precision,
-            optimizer,
-            link,
-        )
+        common = ([table], [0], plan.schedule, plan.num_microbatches, precision, optimizer, link)
+        collective = stages_pipeline_inputs([_with_ranks(whole, ranks)], *common)
         gather = collective["gather_s"][0]
+        reduce_shown = 0.0  # sharded accumulation: what each backward's reduce-scatter adds to it
+        if whole.accumulation is Accumulation.SHARDED:
+            once = stages_pipeline_inputs(
+                [_with_ranks(dataclasses.replace(whole, accumulation=Accumulation.WHOLE), ranks)], *common
+            )
+            reduce_shown = collective["backward_s"][0] - once["backward_s"][0]
         for name in fields:
             value = max(values[name])
             if stage.sharding is Sharding.FULL_SHARD and stage.num_replicas > 1 and name in ("forward_s", "backward_s"):
                 value = max(value, gather)  # each forward and backward waits for its all-gather
-            per_stage[name].append(value)
+            per_stage[name].append(value + (reduce_shown if name == "backward_s" else 0.0))
         for name in ("allreduce_s", "allreduce_tail_s", "gather_s"):
             per_stage[name].append(collective[name][0])
     return dict(

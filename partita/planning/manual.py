@@ -38,9 +38,10 @@ from partita.checks import positive_int
 from partita.errors import InputError
 from partita.planning.build import consecutive_ranks, module_range
 from partita.planning.tensor_parallel import check_degree
-from partita.types import OpGraph, Plan, Precision, Recompute, Schedule, Sharding, StagePlan
+from partita.types import Accumulation, OpGraph, Plan, Precision, Recompute, Schedule, Sharding, StagePlan
 from partita.types.cluster import Cluster
 from partita.types.schedule_orders import UNEVEN_SCHEDULES, check_schedule, stage_rank_groups
+from partita.types.segments import whole_blocks
 from partita.types.whole_batch import check_coupled_batch_size, check_whole_batch
 
 __all__ = ["manual_plan"]
@@ -62,6 +63,7 @@ def manual_plan(
     tensor_parallel: int | Sequence[int] = 1,
     sequence_parallel: bool = False,
     replica_samples: Sequence[Sequence[int] | None] | None = None,
+    accumulation: Accumulation | str = Accumulation.WHOLE,
 ) -> Plan:
     """A Plan with stages ``[boundaries[k], boundaries[k + 1])`` of ``graph.nodes``.
 
@@ -91,6 +93,9 @@ def manual_plan(
             replicas runs (``StagePlan.replica_samples``; at least one each, summing to
             ``global_batch_size / num_microbatches``), or None for an even split. Unequal shares
             run under GPipe and 1F1B, one stage per rank group.
+        accumulation: how the sharded stages accumulate gradients over the micro-batches
+            (``Accumulation``: "whole", or "sharded": reduce-scattered in every backward); needs a
+            sharded stage when "sharded".
 
     Raises InputError when the split, the schedule or the batch do not fit together.
     """
@@ -136,10 +141,13 @@ def manual_plan(
     groups = stage_rank_groups(schedule, num_rank_groups, num_stages)
     ranks = consecutive_ranks(counts, degrees)
     levels = _sharding_levels(sharding, [counts[g] for g in groups])
+    accumulation = _accumulation(accumulation, levels)
     stages = tuple(
         dataclasses.replace(
             _stage(graph, k, cuts[k], cuts[k + 1], groups[k], ranks[groups[k]], flags[k]),
             sharding=levels[k],
+            blocks=whole_blocks(graph, cuts[k], cuts[k + 1]),
+            accumulation=Accumulation.WHOLE if levels[k] is Sharding.REPLICATE else accumulation,
             tensor_parallel=degrees[groups[k]],
             sequence_parallel=sequence_parallel and degrees[groups[k]] > 1,
             replica_samples=shares[groups[k]],
@@ -175,6 +183,7 @@ def manual_plan(
             "tensor_parallel": degrees[0] if len(set(degrees)) == 1 else list(degrees),
             "sequence_parallel": sequence_parallel,
             **({"replica_samples": [None if s is None else list(s) for s in shares]} if any(shares) else {}),
+            **({"accumulation": accumulation.value} if accumulation is not Accumulation.WHOLE else {}),
         },
         method="manual",
         cost_source="none",
@@ -345,6 +354,18 @@ def _sharding_levels(sharding: Any, replicas: Sequence[int]) -> tuple[Sharding, 
                 f"stage {k} has one replica, so sharding={level.value!r} has nothing to shard over: use "
                 "'replicate' for it, or give its rank group several replicas"
             )
+    return chosen
+
+
+def _accumulation(accumulation: Any, levels: Sequence[Sharding]) -> Accumulation:
+    """The parsed ``accumulation``; InputError for "sharded" where no stage is sharded."""
+    chosen = Accumulation.parse(accumulation)
+    if chosen is Accumulation.SHARDED and all(level is Sharding.REPLICATE for level in levels):
+        raise InputError(
+            "accumulation='sharded' reduce-scatters a sharded stage's gradients in every backward, but no stage "
+            "is sharded (every sharding is 'replicate'): give sharding='full_shard' or "
+            "'shard_grads_and_optimizer' with several replicas, or leave accumulation out"
+        )
     return chosen
 
 

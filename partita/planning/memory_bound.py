@@ -12,7 +12,8 @@ with every saving the search has at once, so that its answer is below what any p
                           micro-batch's (``_Scaled``);
     in flight             at least one micro-batch (every schedule's ``microbatches_in_flight``);
     recomputation         every level the options and schedules allow (ZBV never recomputes);
-    sharding              every level the options allow at r replicas (one replica: replicate);
+    sharding              every level the options allow at r replicas (one replica: replicate),
+                          sharded levels with sharded gradient accumulation (the fewer gradients);
     replicas              every r that divides the global batch, up to the devices (groups);
     stages                any split into ranges of blocks: the smallest stage is one block.
 
@@ -32,7 +33,7 @@ Three tests, on ``units`` (devices, or tensor-parallel groups of ``t`` devices; 
                G rank groups hold vG ranges, one from each chunk of G consecutive ranges
                (interleaved: g, G + g, ..., (v - 1) G + g; ZB-V: g and 2G - 1 - g). A group needs
                at least the additive parts of its ranges (state of the parameters each range reads
-               first, activations, boundaries, all gradients) plus the per-range maxima (gathered
+               first, activations, boundaries, all gradients or a sharded level's share) plus the per-range maxima (gathered
                parameters, working memory, first gradients, optimizer temporaries) of any one of
                them (the group's maximum of each is at least that range's), so the groups'
                memories sum to at least the additive parts of all ranges plus the per-range maxima
@@ -68,7 +69,7 @@ from partita.planning.options import recompute_allowed
 from partita.planning.range_matrices import range_sums
 from partita.planning.sharding import levels
 from partita.planning.uneven import MAX_DEVICES as UNEVEN_MAX_DEVICES
-from partita.types import RECOMPUTE_LEVELS, MemoryBreakdown, Precision, Recompute, Schedule, Sharding
+from partita.types import RECOMPUTE_LEVELS, Accumulation, MemoryBreakdown, Precision, Recompute, Schedule, Sharding
 
 __all__ = ["BlockNeed", "MemoryBound", "divisors"]
 
@@ -266,6 +267,8 @@ class MemoryBound:
             first_grad_bytes=first,
             gathered_trainable_bytes=trainable if level is Sharding.FULL_SHARD else None,
             segments=self.segments,
+            # the least gradients a sharded stage may hold (Accumulation: never more than whole's)
+            accumulation=Accumulation.WHOLE if level is Sharding.REPLICATE else Accumulation.SHARDED,
         )
 
     @_memoized
@@ -311,7 +314,8 @@ class MemoryBound:
                         kept = by_block.kept_inputs + saved + use * by_block.selective_rebuilding
                     else:
                         kept = samples.activation if drained else self.totals["activation_bytes"]
-                    grads_add = 0 * own if drained else own
+                    # sharded accumulation holds a 1/r share of the gradients (and one unit's: a maximum)
+                    grads_add = 0 * own if drained else own / s
                     grads_max = np.where(held > 0, self.least_first_grad, 0.0) if drained else 0 * own
                     backward = gathered_add + copies_add + kept + self.totals["boundary_bytes"] + grads_add
                     backward = backward + use * (fixed_max + grads_max)

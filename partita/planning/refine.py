@@ -21,7 +21,7 @@ from partita.planning.build import block_to_node_boundaries, stage_tables
 from partita.planning.configs import Candidate, Config
 from partita.planning.context import PlanningContext
 from partita.planning.plan_builder import cannot_beat, fit_with_recompute, plan_key, step_lower_bound_s
-from partita.planning.sharding import levels
+from partita.planning.sharding import accumulations, levels
 from partita.planning.split_steps import SplitSteps
 from partita.types import RECOMPUTE_LEVELS, Plan, Recompute
 
@@ -202,11 +202,12 @@ class SplitBound:
         self._terms: dict[tuple, float] = {}
 
     def fits(self, start: int, stop: int, stage: int, recompute: Recompute) -> bool:
-        """Whether some sharding level the stage may take fits (``rank_group_memory`` picks it;
+        """Whether some sharding level (and accumulation) the stage may take fits (``rank_group_memory`` picks it;
         the memories are the plans' own, ``BuildMemo.device_memory``)."""
         key = (start, stop, stage, recompute)
         if key not in self._fits:
             config, options = self.config, self.options
+            replicas, m = config.replicas_of(stage), config.num_microbatches
             self._fits[key] = any(
                 self.memo.device_memory(
                     self.tables[stage],
@@ -214,12 +215,14 @@ class SplitBound:
                     in_flight=self.in_flight[stage],
                     recompute=recompute,
                     level=level,
-                    replicas=config.replicas_of(stage),
-                    num_microbatches=config.num_microbatches,
+                    replicas=replicas,
+                    num_microbatches=m,
                     options=options,
+                    accumulation=acc,
                 ).total_bytes
                 <= options.memory_limit_bytes
-                for level in levels(options.sharding, config.replicas_of(stage))
+                for level in levels(options.sharding, replicas)
+                for acc in accumulations(level, replicas, m)
             )
         return self._fits[key]
 

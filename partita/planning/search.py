@@ -44,8 +44,8 @@ from partita.cost.recompute import extra_backward_s
 from partita.planning.chain import BlockCosts
 from partita.planning.configs import Candidate, Config, SearchOptions, enumerate_configs
 from partita.planning.partition import candidate_partitions, covers, min_bottleneck, stage_reach
-from partita.planning.sharding import levels, step_overhead_s
-from partita.types import RECOMPUTE_LEVELS, Recompute, Schedule, Sharding
+from partita.planning.sharding import accumulations, levels, step_overhead_s
+from partita.types import RECOMPUTE_LEVELS, Accumulation, Recompute, Schedule, Sharding
 
 # Chains with at most this many blocks try every bottleneck value (exact for the estimate).
 EXHAUSTIVE_BLOCKS = 16
@@ -97,15 +97,16 @@ class StageCosts:
         self.tail = self._overhead(Sharding.REPLICATE, cluster)
         self.penalty = self._level_penalties(cluster)
         self._cache: dict[tuple[float, Recompute, Sharding], np.ndarray] = {}
-        self._memory: dict[tuple[Recompute, Sharding], MemoryByInFlight] = {}
+        self._memory: dict[tuple[Recompute, Sharding, Accumulation], MemoryByInFlight] = {}
         self._costs: dict[float, tuple[np.ndarray, np.ndarray]] = {}
         self._reach: dict[float, int] = {}
 
-    def _overhead(self, level: Sharding, cluster) -> np.ndarray:
-        """``step_overhead_s`` of every stage range under ``level``."""
+    def _overhead(self, level: Sharding, cluster, accumulation: Accumulation = Accumulation.WHOLE) -> np.ndarray:
+        """``step_overhead_s`` of every stage range under ``level`` and ``accumulation``."""
         c, o = self.config, self.options
         return step_overhead_s(
             level,
+            accumulation=accumulation,
             trainable_bytes=self.totals["trainable_bytes"],
             forward_s=self.forward,
             backward_s=self.backward,
@@ -118,15 +119,22 @@ class StageCosts:
             segments=self.totals["segments"],
         )
 
-    def _level_penalties(self, cluster) -> dict[Sharding, np.ndarray]:
-        """Per level, seconds per micro-batch its step overhead exceeds replicate's (>= 0): what
-        sharding adds to every micro-batch of the stage (replicate's own is the step's tail)."""
+    def _level_penalties(self, cluster) -> dict[tuple[Sharding, Accumulation], np.ndarray]:
+        """Per level and accumulation, seconds per micro-batch its step overhead exceeds
+        replicate's (>= 0): what sharding adds to every micro-batch of the stage (replicate's own
+        is the step's tail)."""
         m = self.config.num_microbatches
-        penalty = {Sharding.REPLICATE: np.zeros_like(self.forward)}
-        for level in self.levels:
+        penalty = {(Sharding.REPLICATE, Accumulation.WHOLE): np.zeros_like(self.forward)}
+        for level, accumulation in self._variants():
             if level is not Sharding.REPLICATE:
-                penalty[level] = np.maximum(0.0, self._overhead(level, cluster) - self.tail) / m
+                overhead = self._overhead(level, cluster, accumulation)
+                penalty[level, accumulation] = np.maximum(0.0, overhead - self.tail) / m
         return penalty
+
+    def _variants(self) -> list[tuple[Sharding, Accumulation]]:
+        """The (level, accumulation) pairs a stage of this config may take."""
+        c = self.config
+        return [(lv, acc) for lv in self.levels for acc in accumulations(lv, c.replicas, c.num_microbatches)]
 
     def nbytes(self) -> int:
         """Bytes of the matrices this StageCosts made (those of its BlockCosts are shared)."""
@@ -135,12 +143,18 @@ class StageCosts:
         made = sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))
         return made + sum(memory.nbytes() for memory in self._memory.values())
 
-    def fits(self, in_flight: float, recompute: Recompute, level: Sharding = Sharding.REPLICATE) -> np.ndarray:
-        key = (in_flight, recompute, level)
+    def fits(
+        self,
+        in_flight: float,
+        recompute: Recompute,
+        level: Sharding = Sharding.REPLICATE,
+        accumulation: Accumulation = Accumulation.WHOLE,
+    ) -> np.ndarray:
+        key = (in_flight, recompute, level, accumulation)
         if key not in self._cache:
-            memory = self._memory.get((recompute, level))
+            memory = self._memory.get((recompute, level, accumulation))
             if memory is None:
-                memory = self._memory[recompute, level] = MemoryByInFlight(
+                memory = self._memory[recompute, level, accumulation] = MemoryByInFlight(
                     **self.totals,
                     optimizer=self.options.optimizer,
                     recompute=recompute,
@@ -148,6 +162,7 @@ class StageCosts:
                     sharding=level,
                     num_replicas=self.config.replicas,
                     num_microbatches=self.config.num_microbatches,
+                    accumulation=accumulation,
                 )
             self._cache[key] = memory.total_bytes(in_flight) <= self.options.memory_limit_bytes
         return self._cache[key]
@@ -202,9 +217,10 @@ class StageCosts:
         plan where the pin then shards no stage). Before, a pin other than replicate left such a
         stage no level: a tied GPT on several stages had no plan, and the error blamed memory."""
         best = np.full(self.valid.shape, np.inf)
-        for level in self.levels:
-            ok = self.fits(in_flight, recompute, level) & (self.valid if level is Sharding.REPLICATE else self.unshared)
-            best = np.where(ok, np.minimum(best, self.compute + self.penalty[level]), best)
+        for level, accumulation in self._variants():
+            ok = self.fits(in_flight, recompute, level, accumulation)
+            ok &= self.valid if level is Sharding.REPLICATE else self.unshared
+            best = np.where(ok, np.minimum(best, self.compute + self.penalty[level, accumulation]), best)
         if Sharding.REPLICATE not in self.levels:  # a pinned level: the stages that cannot take it replicate
             ok = self.fits(in_flight, recompute, Sharding.REPLICATE) & self.valid & ~self.unshared
             best = np.where(ok, np.minimum(best, self.compute), best)

@@ -21,7 +21,8 @@ unit per whole block and one for the rest (the root, ``R``): before it computes,
 root and its first block (``G1 = R + U``), and each later block while the one before it computes,
 so a forward (or backward) of ``C`` seconds shows ``X(C) = AG(G1) + max(0, AG(T_c) - AG(G1) - C)``;
 its gradients are reduce-scattered unit by unit as each block's backward ends, so after the last
-backward only ``RS' = max(RS(R), RS(T) - B)`` shows. A stage without a whole block is one unit,
+backward only ``RS' = max(RS(R), RS(T) - B)`` shows. Under sharded accumulation (``Accumulation``)
+every backward reduce-scatters so: ``m RS'`` in place of ``RS'``. A stage without a whole block is one unit,
 gathered during the rank group's previous action (``X(C) = max(0, AG(T_c) - C)``) and
 reduce-scattered after its last backward (``RS' = RS(T)``). Each replica steps its own shard.
 """
@@ -36,9 +37,17 @@ from partita.cost import comm
 from partita.cost.analytic import optimizer_step_s
 from partita.cost.memory import ALLREDUCE_BUCKET_BYTES
 from partita.cost.segment_memory import SegmentTotals
-from partita.types import Cluster, OptimizerKind, Precision, Sharding
+from partita.types import Accumulation, Cluster, OptimizerKind, Precision, Sharding
 
-__all__ = ["LEVELS", "ShardedExposure", "collective_times_s", "levels", "shards_as_pinned", "step_overhead_s"]
+__all__ = [
+    "LEVELS",
+    "ShardedExposure",
+    "accumulations",
+    "collective_times_s",
+    "levels",
+    "shards_as_pinned",
+    "step_overhead_s",
+]
 
 LEVELS = (Sharding.REPLICATE, Sharding.SHARD_GRADS_AND_OPTIMIZER, Sharding.FULL_SHARD)  # least sharded first
 
@@ -49,6 +58,15 @@ def levels(pinned: Sharding | None, num_replicas: int) -> tuple[Sharding, ...]:
     if num_replicas == 1:
         return (Sharding.REPLICATE,)
     return LEVELS if pinned is None else (pinned,)
+
+
+def accumulations(level: Sharding, num_replicas: int, num_microbatches: int) -> tuple[Accumulation, ...]:
+    """How a stage at ``level`` may accumulate its gradients, the one that moves less first: whole,
+    and for a sharded stage of several micro-batches sharded too (it holds fewer gradients, and
+    reduce-scatters them in every backward)."""
+    if level is Sharding.REPLICATE or num_replicas == 1 or num_microbatches == 1:
+        return (Accumulation.WHOLE,)
+    return (Accumulation.WHOLE, Accumulation.SHARDED)
 
 
 def shards_as_pinned(plan: Any, pinned: Sharding | None) -> bool:
@@ -104,10 +122,12 @@ def step_overhead_s(
     cluster: Cluster,
     spans_nodes: bool,
     segments: SegmentTotals | None = None,
+    accumulation: Accumulation = Accumulation.WHOLE,
 ) -> Any:
     """Seconds per step a stage's communication and optimizer step add to its compute under
     ``level`` (formulas in the module docstring; ``segments``: the stages' per-block terms, None: one
-    unit each). Element-wise on arrays of stages."""
+    unit each; ``accumulation``: the gradients reduce-scattered once per step, or in every backward).
+    Element-wise on arrays of stages."""
     trainable_bytes = np.asarray(trainable_bytes, dtype=np.float64)
     step_s = cluster.compute_slowdown * optimizer_step_s(
         trainable_bytes, optimizer, cluster.device, precision=precision
@@ -119,7 +139,8 @@ def step_overhead_s(
     if level is Sharding.REPLICATE:
         return np.maximum(reduce_s - backward_s, tail_s) + step_s
     exposed = ShardedExposure.of(level, gather_s, reduce_s, segments, **times)
-    overhead = gather_s + exposed.reduce_shown(backward_s) + step_s / num_replicas
+    reductions = num_microbatches if accumulation is Accumulation.SHARDED else 1
+    overhead = gather_s + reductions * exposed.reduce_shown(backward_s) + step_s / num_replicas
     if level is Sharding.FULL_SHARD:
         overhead = overhead + num_microbatches * (exposed.gather_shown(forward_s) + exposed.gather_shown(backward_s))
     return overhead

@@ -22,7 +22,17 @@ from partita.errors import InputError
 from partita.planning.build import BuildMemo
 from partita.planning.sharding import ShardedExposure, collective_times_s
 from partita.planning.simulator import PipelineInputs, simulate_pipeline
-from partita.types import CostTable, OptimizerKind, Plan, Precision, Recompute, Schedule, Sharding, SimResult
+from partita.types import (
+    Accumulation,
+    CostTable,
+    OptimizerKind,
+    Plan,
+    Precision,
+    Recompute,
+    Schedule,
+    Sharding,
+    SimResult,
+)
 from partita.types.cluster import Cluster
 from partita.types.schedule_orders import stage_rank_groups
 
@@ -49,6 +59,8 @@ class SimulatedStage(Protocol):
     def num_replicas(self) -> int: ...
     @property
     def tensor_parallel(self) -> int: ...
+    @property
+    def accumulation(self) -> Accumulation: ...
 
 
 def simulate(
@@ -144,7 +156,7 @@ def stages_pipeline_inputs(
             inputs = _stage_inputs(stage, table, precision, optimizer, cluster, None)
         else:  # the plans of one run share most stages: the same seconds again (memo: one per cluster)
             key = ("stage inputs", stage.start, stage.stop, stage.recompute, stage.sharding, stage.ranks, id(cluster))
-            key += (stage.tensor_parallel, precision, optimizer)
+            key += (stage.tensor_parallel, stage.accumulation, precision, optimizer)
             inputs = memo.get(table, key, _stage_inputs, stage, table, precision, optimizer, cluster, memo)
         for values, value in zip((fwd, bwd, wgt, split, act, allreduce, tail, gather, opt), inputs):
             values.append(value)
@@ -204,6 +216,9 @@ def _stage_inputs(
         if stage.sharding is Sharding.FULL_SHARD:
             forward = forward + float(shown.gather_shown(forward))
             backward = backward + float(shown.gather_shown(backward))
+        if stage.accumulation is Accumulation.SHARDED:  # every backward ends with its reduce-scatter
+            backward = backward + float(shown.reduce_shown(backward))
+            collectives = (0.0, 0.0, gather_s)
     shards = stage.num_replicas if stage.sharding is not Sharding.REPLICATE else 1
     step_s = cluster.compute_slowdown * optimizer_step_s(
         trainable / shards, optimizer, cluster.device, precision=precision

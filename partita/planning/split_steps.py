@@ -20,7 +20,7 @@ from partita.planning.context import PlanningContext
 from partita.planning.plan_builder import draft_plan, routable, with_result
 from partita.planning.simulate import stages_pipeline_inputs
 from partita.planning.simulate_batch import simulate_pipelines
-from partita.types import RECOMPUTE_LEVELS, Plan, Recompute, Sharding, SimResult
+from partita.types import RECOMPUTE_LEVELS, Accumulation, Plan, Recompute, Sharding, SimResult
 from partita.types.schedule_orders import stage_rank_groups
 
 
@@ -34,6 +34,7 @@ class _Stage(NamedTuple):
     ranks: tuple[int, ...]
     num_replicas: int
     tensor_parallel: int
+    accumulation: Accumulation = Accumulation.WHOLE
 
 
 class Fitted(NamedTuple):
@@ -119,6 +120,7 @@ class SplitSteps:
                 self.ranks[g],
                 len(self.ranks[g]) // t,
                 t,
+                memory[g].accumulation,
             )
             for s, g in enumerate(self.groups)
         ]

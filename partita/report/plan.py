@@ -13,19 +13,21 @@ from partita.report.format import (
     fmt_sharding,
     table,
 )
-from partita.types import Plan
+from partita.types import Accumulation, Plan, StagePlan
 from partita.units import counted
 
 
 def plan_text(
     plan: Plan, *, baselines: Mapping[str, Plan | None] = (), baseline_reasons: Mapping[str, str] = ()
 ) -> str:
-    """Stages (modules, ranks, params, sharding, memory vs limit, times, cut bytes), the memory of
+    """Stages (modules, ranks, params, whole blocks, sharding, memory vs limit, times, cut bytes), the memory of
     each rank group's devices by kind, then the step figures, with each plan's layout. The
     header names the tensor-parallel degree (and sequence parallelism); a stage's params, memory
     and cut bytes are then one device's of its group, and its times include the group's
     collectives. The recompute column is each stage's level (none, selective, full), its backward
-    time including what that level recomputes; the memory table names each rank group's.
+    time including what that level recomputes; the memory table names each rank group's. A stage
+    runs by block: each of its whole blocks is one FSDP2 unit when it is sharded (the rest of the
+    stage one more) and one recomputation segment (``partita.types.segments``).
 
     ``baseline_reasons`` (``PlanningResult.baseline_reasons``) tells a baseline that cannot make the
     plan's stage count ("fits: n/a", with the reason below the table) from one that does not fit
@@ -45,7 +47,8 @@ def plan_text(
             s.module_range,
             fmt_ranks(s),
             fmt_bytes(s.param_bytes),
-            fmt_sharding(s.sharding) if s.num_replicas > 1 else "-",
+            "-" if s.blocks is None else str(s.blocks),
+            _sharding_cell(s),
             f"{fmt_bytes(s.memory_bytes)} / {fmt_bytes(limit)}",
             fmt_seconds(s.forward_s),
             fmt_seconds(s.backward_s),
@@ -64,6 +67,7 @@ def plan_text(
                 "modules",
                 "ranks",
                 "params",
+                "blocks",
                 "sharding",
                 "memory/device",
                 "fwd/mb",
@@ -72,7 +76,7 @@ def plan_text(
                 "cut",
             ],
             rows,
-            align="llrrlrrrrr",
+            align="llrrrlrrrrr",
         ),
         *_memory_lines(plan),
         "",
@@ -98,6 +102,15 @@ def plan_text(
         if plan.cluster.is_mixed:
             lines.append(f"idle devices: {_idle_by_type(plan)}")
     return "\n".join(lines)
+
+
+def _sharding_cell(stage: StagePlan) -> str:
+    """A stage's sharding level, and ', grads sharded' where it reduce-scatters its gradients in
+    every backward (``Accumulation.SHARDED``); '-' for one replica."""
+    if stage.num_replicas == 1:
+        return "-"
+    sharded = stage.accumulation is Accumulation.SHARDED
+    return fmt_sharding(stage.sharding) + (", grads sharded" if sharded else "")
 
 
 def _idle_by_type(plan: Plan) -> str:

@@ -236,12 +236,14 @@ def make_pipeline_stages(
     compute: Compute = FP32,
     whole_backward: Collection[int] = (),
     full_shard: Collection[int] = (),
+    sharded_accumulation: Collection[int] = (),
 ) -> list[PipelineStage]:
     """One PipelineStage per local stage (``stages``), with static metadata; ``runners`` by stage
     index are used as they are (sharded ones, sharding.py), the other stages get a StageRunner.
     The stages of ``whole_backward`` (indices) run their whole backward in the input-gradient pass
     of a split-backward schedule (sharding.whole_backward_stages says why); those of ``full_shard``
-    are fully sharded (``backward_switches``)."""
+    are fully sharded, and those of ``sharded_accumulation`` reduce-scatter every backward
+    (``backward_switches``)."""
     result = []
     for stage, flag in zip(stages, recompute):
         meta = metadata[stage.spec.index]
@@ -262,21 +264,26 @@ def make_pipeline_stages(
                 group=pp_group,
                 dw_builder=whole,
                 full_shard=stage.spec.index in full_shard,
+                sharded_accumulation=stage.spec.index in sharded_accumulation,
             )
         )
     return result
 
 
-def backward_switches(runner: nn.Module, *, last: bool, full_shard: bool, is_last: bool = False) -> None:
+def backward_switches(
+    runner: nn.Module, *, last: bool, full_shard: bool, sharded_accumulation: bool = False, is_last: bool = False
+) -> None:
     """FSDP2's switches for one micro-batch's backward of a sharded stage's ``runner`` (each of its
     units, recursively): gradients reduce-scattered unit by unit as each one's backward ends on the
-    step's ``last`` backward (before it, they accumulate unreduced); a ``full_shard`` stage's units
-    resharded after every backward, so that one block's weights are gathered at a time in backward
-    too (a ZeRO-2 stage keeps them gathered until the last). ``is_last``: FSDP2's root finishes the
-    step itself at the end of this backward (else ``perform_reduce_grad`` does)."""
+    step's ``last`` backward (before it, they accumulate unreduced), or on every backward under
+    ``sharded_accumulation`` (``Accumulation.SHARDED``: FSDP2 sums them into the shards); a
+    ``full_shard`` stage's units resharded after every backward, so that one block's weights are
+    gathered at a time in backward too (a ZeRO-2 stage keeps them gathered until the last).
+    ``is_last``: FSDP2's root finishes the step itself at the end of this backward (else
+    ``perform_reduce_grad`` does)."""
     runner.set_is_last_backward(is_last)
     runner.set_reshard_after_backward(last or full_shard)
-    runner.set_requires_gradient_sync(last)
+    runner.set_requires_gradient_sync(last or sharded_accumulation)
 
 
 class _PartitaStage(PipelineStage):
@@ -285,16 +292,21 @@ class _PartitaStage(PipelineStage):
     of the step: here the last backward reduce-scatters each block's gradients as its backward ends,
     and a fully sharded stage gathers one block at a time in backward too."""
 
-    def __init__(self, *args: Any, full_shard: bool = False, **kwargs: Any):
+    def __init__(self, *args: Any, full_shard: bool = False, sharded_accumulation: bool = False, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.full_shard = full_shard
+        self.full_shard, self.sharded_accumulation = full_shard, sharded_accumulation
 
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
     ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
         if not isinstance(self.submod, FSDPModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        backward_switches(self.submod, last=last_backward, full_shard=self.full_shard)
+        backward_switches(
+            self.submod,
+            last=last_backward,
+            full_shard=self.full_shard,
+            sharded_accumulation=self.sharded_accumulation,
+        )
         if backward_type == "full":
             grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
             return grads, None

@@ -4,8 +4,9 @@ A stage the plan shards (``StagePlan.sharding``) over its ``r`` replicas runs as
 on the DeviceMesh of its replica group (the ``dp`` axis of the pp x dp mesh; in an uneven plan,
 a mesh over the stage's own ranks), applied to the stage's runner -- the module that
 torch.distributed.pipelining's PipelineStage (or partita's uneven executor) drives, which defers
-the reduce-scatter of gradients to the last micro-batch of the step and re-gathers as the level
-says:
+the reduce-scatter of gradients to the last micro-batch of the step (``whole`` accumulation), or
+reduce-scatters them in every micro-batch's backward and sums them into the shards (``sharded``,
+``StagePlan.accumulation``), and re-gathers as the level says:
 
 - ``shard_grads_and_optimizer``: ``reshard_after_forward=False`` (ZeRO-2-like): parameters stay
   gathered from a micro-batch's forward to its backward; gradients are reduce-scattered and
@@ -44,7 +45,7 @@ from partita.runtime.precision import Compute
 from partita.runtime.process_groups import Topology, new_group
 from partita.runtime.segments import block_containers
 from partita.runtime.stages import StageModule
-from partita.types import OpGraph, Plan, Schedule, Sharding
+from partita.types import Accumulation, OpGraph, Plan, Recompute, Schedule, Sharding
 
 __all__ = [
     "check_sharding",
@@ -52,6 +53,7 @@ __all__ = [
     "gathered",
     "replica_mesh",
     "shard_runner",
+    "sharded_accumulation_stages",
     "sharded_names",
     "sharded_runners",
     "sharded_stages",
@@ -70,15 +72,28 @@ def full_shard_stages(plan: Plan) -> set[int]:
     return {s.index for s in plan.stages if s.sharding is Sharding.FULL_SHARD and s.num_replicas > 1}
 
 
+def sharded_accumulation_stages(plan: Plan) -> set[int]:
+    """Sharded stages that reduce-scatter their gradients in every backward (``Accumulation.SHARDED``)."""
+    return {s.index for s in plan.stages if s.accumulation is Accumulation.SHARDED and s.index in sharded_stages(plan)}
+
+
 def whole_backward_stages(plan: Plan) -> set[int]:
-    """Stages that run their whole backward at once under a split-backward schedule (ZBV): the
-    fully sharded ones. FSDP2 with ``reshard_after_forward`` frees a stage's gathered parameters
-    after every forward, and ZBV runs a micro-batch's weight-gradient pass after later forwards of
-    the stage: those gradients came out wrong (tests/dist/test_batch_shapes.py's sweep). Computed in
-    the input-gradient pass with the rest, they are exact; the stage gives up ZBV's split."""
+    """Stages that run their whole backward at once under a split-backward schedule (ZBV), giving up
+    ZBV's split: the fully sharded ones, and those recomputed selectively.
+
+    FSDP2 with ``reshard_after_forward`` frees a stage's gathered parameters after every forward,
+    and ZBV runs a micro-batch's weight-gradient pass after later forwards of the stage: those
+    gradients came out wrong (tests/dist/test_batch_shapes.py's sweep). torch's selective
+    checkpoint allows one backward through its region, and the weight pass would be a second
+    ("Trying to backward an extra time"). Computed in the input-gradient pass with the rest, both
+    are exact. (The planner recomputes nothing under ZBV; a manual plan may.)"""
     if plan.schedule is not Schedule.ZBV:
         return set()
-    return {s.index for s in plan.stages if s.sharding is Sharding.FULL_SHARD and s.num_replicas > 1}
+    return {
+        s.index
+        for s in plan.stages
+        if (s.sharding is Sharding.FULL_SHARD and s.num_replicas > 1) or s.recompute is Recompute.SELECTIVE
+    }
 
 
 def check_sharding(plan: Plan, stages: Sequence[StageModule]) -> None:

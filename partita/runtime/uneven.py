@@ -89,7 +89,7 @@ from partita.runtime.layout import stage_shares
 from partita.runtime.pipeline import StageMetadata, StageRunner, backward_switches, root_key
 from partita.runtime.precision import FP32, Compute
 from partita.runtime.stages import StageModule, narrow_batch
-from partita.types import OpGraph, Plan, Sharding, TensorInfo
+from partita.types import Accumulation, OpGraph, Plan, Sharding, TensorInfo
 from partita.types.graph import reads_samples
 from partita.types.schedule_orders import BACKWARD, FORWARD, rank_orders
 
@@ -335,6 +335,7 @@ class UnevenExecutor:
         self.runner = runner or StageRunner(stage, plan.stages[k].recompute, compute=compute)
         self.sharded = runner is not None
         self.full_shard = self.sharded and plan.stages[k].sharding is Sharding.FULL_SHARD
+        self.sharded_accumulation = self.sharded and plan.stages[k].accumulation is Accumulation.SHARDED
         self.order = rank_orders(plan.schedule, plan.num_microbatches, plan.num_rank_groups, plan.num_stages)[k]
         self.last_backward = next((a for a in reversed(self.order) if a.kind == BACKWARD), None)
         view = dict(job=job_plan, tp_index=tp_index)
@@ -425,8 +426,14 @@ class UnevenExecutor:
 
     def _sync_gradients(self, *, last: bool) -> None:
         """FSDP2's per-backward switches (``backward_switches``): accumulate unreduced until the
-        last backward of the step, which reduce-scatters unit by unit and finishes the step."""
-        backward_switches(self.runner, last=last, full_shard=self.full_shard, is_last=last)
+        last backward of the step (or in shards), which reduce-scatters unit by unit and finishes the step."""
+        backward_switches(
+            self.runner,
+            last=last,
+            full_shard=self.full_shard,
+            sharded_accumulation=self.sharded_accumulation,
+            is_last=last,
+        )
 
     def _input_grads(self, state: _InFlight) -> list[torch.Tensor | None]:
         """The gradient of each received tensor (zeros if the stage did not use it), None for

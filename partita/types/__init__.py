@@ -1,7 +1,7 @@
 """Frozen data shared by every layer of partita: the one layer everybody imports.
 
 ``graph``      OpGraph and its parts (nodes, tensors, parameters, inputs): what capture produces.
-``choices``    Schedule, OptimizerKind, Precision, Sharding and Recompute.
+``choices``    Schedule, OptimizerKind, Precision, Sharding, Accumulation and Recompute.
 ``costs``      CostTable: per-node costs at one micro-batch size, the planner's view of cost/.
 ``devices``    DeviceSpec and the device catalog (``get_device``, device files).
 ``cluster``    Cluster (and DeviceGroup): how many devices of which kinds, in which nodes, linked how.
@@ -24,7 +24,15 @@ batch dim   the dimension of a tensor that scales with the batch size. Shapes ar
             scale the batch-proportional parts.
 """
 
-from partita.types.choices import RECOMPUTE_LEVELS, OptimizerKind, Precision, Recompute, Schedule, Sharding
+from partita.types.choices import (
+    RECOMPUTE_LEVELS,
+    Accumulation,
+    OptimizerKind,
+    Precision,
+    Recompute,
+    Schedule,
+    Sharding,
+)
 from partita.types.cluster import Cluster, DeviceGroup
 from partita.types.costs import CostTable
 from partita.types.devices import DeviceSpec
@@ -33,6 +41,7 @@ from partita.types.plan import PLAN_SCHEMA_VERSION, MemoryBreakdown, Plan, Stage
 from partita.types.sim import SimResult, TimelineEvent
 
 __all__ = [
+    "Accumulation",
     "PLAN_SCHEMA_VERSION",
     "RECOMPUTE_LEVELS",
     "Block",

@@ -1,5 +1,5 @@
-"""The fixed choices a plan is made of: pipeline schedules, optimizer kinds, precision, sharding and
-recomputation.
+"""The fixed choices a plan is made of: pipeline schedules, optimizer kinds, precision, sharding,
+gradient accumulation and recomputation.
 
 One vocabulary: ``PlanOptions``, the plan-file codec and the command line's flags all parse a
 choice with its enum's ``parse``, which accepts the member's value and the aliases in ``ALIASES``
@@ -97,6 +97,25 @@ class Sharding(str, enum.Enum):
         return parse_choice(cls, value, "sharding", aliases=ALIASES[cls])
 
 
+class Accumulation(str, enum.Enum):
+    """How a sharded stage accumulates its gradients over a step's micro-batches.
+
+    ``whole`` keeps them unsharded (fp32) until the step's last backward, which reduce-scatters them
+    unit by unit: one reduce-scatter per step, but every gradient of the stage held whole.
+    ``sharded`` reduce-scatters each unit's gradients as its backward ends in every micro-batch and
+    sums them into this rank's shard (FSDP2's own default): ``m`` reduce-scatters per step, and
+    ``1/r`` of the gradients held, plus those of the unit in backward. The planner takes ``whole``
+    where it fits, as it moves less. Replicated stages, and steps of one micro-batch, are ``whole``.
+    """
+
+    WHOLE = "whole"
+    SHARDED = "sharded"
+
+    @classmethod
+    def parse(cls, value: Accumulation | str) -> Accumulation:
+        return parse_choice(cls, value, "accumulation", aliases=ALIASES[cls])
+
+
 class Recompute(str, enum.Enum):
     """Activation recomputation of a stage, from keeping everything to keeping its blocks' inputs alone.
 
@@ -155,6 +174,7 @@ ALIASES: dict[type[enum.Enum], dict[str, str]] = {
         "zero3": "full_shard",
         "fsdp": "full_shard",
     },
+    Accumulation: {},
     Recompute: {"yes": "full", "no": "none", "true": "full", "false": "none", "off": "none"},
 }
 

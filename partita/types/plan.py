@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from partita.types.choices import Precision, Recompute, Schedule, Sharding
+from partita.types.choices import Accumulation, Precision, Recompute, Schedule, Sharding
 from partita.types.cluster import Cluster
 from partita.types.schedule_orders import UNEVEN_SCHEDULES
 
@@ -85,6 +85,12 @@ class StagePlan:
     # sequence parallelism: the tensor-parallel group also splits, by token, the regions it leaves
     # whole (norms, dropout, residual additions; partita.capturing.sequence_parallel)
     sequence_parallel: bool = False
+    # how a sharded stage accumulates gradients over the micro-batches (whole: replicated stages,
+    # one micro-batch, older plan files; partita.types.choices.Accumulation)
+    accumulation: Accumulation = Accumulation.WHOLE
+    # whole repeated blocks the stage holds (partita.types.segments): each its own FSDP2 unit when
+    # sharded, and its own recomputation segment; a record (None: older plan files)
+    blocks: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", Recompute.parse(self.recompute))  # frozen: normalised once

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from partita.errors import InputError, PlanFileError
-from partita.types.choices import Recompute, Schedule, Sharding
+from partita.types.choices import Accumulation, Recompute, Schedule, Sharding
 from partita.types.cluster import Cluster
 from partita.types.graph import OpGraph
 from partita.types.plan import Plan, StagePlan
@@ -139,6 +139,12 @@ def _check_sharding(plan: Plan, source: str) -> None:
             raise PlanFileError(
                 f"{source}: stages[{k}].sharding is {s.sharding.value!r}, but the stage has one replica, so there "
                 "is nothing to shard over: set it to 'replicate', or give the stage several replicas"
+            )
+        if s.accumulation is not Accumulation.WHOLE and s.sharding is Sharding.REPLICATE:
+            raise PlanFileError(
+                f"{source}: stages[{k}].accumulation is {s.accumulation.value!r}, but the stage is not sharded "
+                "(sharding 'replicate'): only a sharded stage accumulates its gradients in shards; set it to "
+                "'whole', or shard the stage"
             )
 
 

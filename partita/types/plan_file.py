@@ -8,9 +8,10 @@ another model or cluster. Files of every version in ``READABLE_SCHEMA_VERSIONS``
 Executed fields and records. The runtime runs what these fields say, and nothing else:
 
 - ``stages[k]``: ``start``, ``stop`` (the nodes of the stage), ``ranks``, ``rank_group``,
-  ``recompute``, ``sharding``, ``tensor_parallel``, ``sequence_parallel`` and ``replica_samples``
+  ``recompute``, ``sharding``, ``tensor_parallel``, ``sequence_parallel``, ``replica_samples``
   (written only when the replicas take unequal shares of each micro-batch: stages over several
-  device groups);
+  device groups) and ``accumulation`` (written only for a sharded stage that reduce-scatters its
+  gradients every micro-batch; absent: ``whole``);
 - ``schedule``, ``global_batch_size``, ``num_microbatches``, ``microbatch_size`` and ``precision``;
 - ``cluster``: its device count and ``devices_per_node`` (where tensor-parallel groups may lie); of a
   mixed cluster (several device groups), each group's count and ``devices_per_node``.
@@ -19,7 +20,7 @@ Records say how the plan was made and what it predicts; the runtime never reads 
 anything: ``options`` (what was pinned and what the search was allowed), ``method``,
 ``cost_source``, ``predicted_step_s``, ``predicted_bubble_fraction``, ``total_compute_s``,
 ``partita_version``, ``torch_version``, and per stage ``forward_s``, ``backward_s``,
-``memory_bytes``, ``param_bytes``, ``cut_bytes``, ``memory_breakdown`` and ``memory_bytes_by_group``
+``memory_bytes``, ``param_bytes``, ``cut_bytes``, ``blocks``, ``memory_breakdown`` and ``memory_bytes_by_group``
 (written only for mixed clusters). Checked against the
 model on load: ``graph_fingerprint`` and each stage's ``first_node``, ``last_node`` (and
 ``module_range``, a record). Editing a record changes nothing that runs, so the choices that
@@ -39,7 +40,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from partita.errors import PlanFileError
-from partita.types.choices import Precision, Recompute, Schedule, Sharding
+from partita.types.choices import Accumulation, Precision, Recompute, Schedule, Sharding
 from partita.types.cluster import Cluster
 from partita.types.graph import OpGraph
 from partita.types.plan import READABLE_SCHEMA_VERSIONS, MemoryBreakdown, Plan, StagePlan
@@ -71,6 +72,8 @@ _OPTIONAL_STAGE_FIELDS = (
     "sequence_parallel",
     "replica_samples",
     "memory_bytes_by_group",
+    "accumulation",
+    "blocks",
 )
 _BREAKDOWN_FIELDS: dict[str, type] = {f.name: int for f in dataclasses.fields(MemoryBreakdown)}
 _PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -131,6 +134,10 @@ def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
         data["replica_samples"] = list(stage.replica_samples)
     if stage.memory_bytes_by_group is not None:
         data["memory_bytes_by_group"] = list(stage.memory_bytes_by_group)
+    if stage.blocks is not None:
+        data["blocks"] = stage.blocks
+    if stage.accumulation is not Accumulation.WHOLE:
+        data["accumulation"] = stage.accumulation.value
     return data
 
 
@@ -150,6 +157,7 @@ def executed_part(plan: Plan) -> dict[str, Any]:
             "tensor_parallel": stage["tensor_parallel"],
             "sequence_parallel": stage["sequence_parallel"],
             **({"replica_samples": stage["replica_samples"]} if "replica_samples" in stage else {}),
+            **({"accumulation": stage["accumulation"]} if "accumulation" in stage else {}),
         }
         for stage in whole["stages"]
     ]
@@ -284,6 +292,13 @@ def _stage_from_dict(data: Any, k: int, source: str) -> StagePlan:
         else _choice(Recompute, recompute, f"{where}.recompute", source)
     )
     values["sharding"] = _choice(Sharding, data.get("sharding", Sharding.REPLICATE.value), f"{where}.sharding", source)
+    blocks = data.get("blocks")
+    if blocks is not None and (type(blocks) is not int or blocks < 0):
+        raise PlanFileError(f"{source}: {where}.blocks is {blocks!r}, expected an integer >= 0 (or no such field)")
+    values["blocks"] = blocks
+    values["accumulation"] = _choice(
+        Accumulation, data.get("accumulation", Accumulation.WHOLE.value), f"{where}.accumulation", source
+    )
     values["memory_breakdown"] = _breakdown(data.get("memory_breakdown"), f"{where}.memory_breakdown", source)
     degree = data.get("tensor_parallel", 1)
     if type(degree) is not int or degree < 1:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from partita.types.graph import Block, OpGraph
 
-__all__ = ["Segment", "stage_segments"]
+__all__ = ["Segment", "stage_segments", "whole_blocks"]
 
 
 @dataclass(frozen=True)
@@ -40,3 +40,8 @@ def stage_segments(graph: OpGraph, start: int, stop: int) -> tuple[Segment, ...]
     if whole[-1].stop < stop:
         segments.append(Segment(whole[-1].stop, stop))
     return tuple(segments)
+
+
+def whole_blocks(graph: OpGraph, start: int, stop: int) -> int:
+    """How many whole blocks the stage ``[start, stop)`` holds (``StagePlan.blocks``)."""
+    return sum(start <= b.start and b.stop <= stop for b in graph.blocks)

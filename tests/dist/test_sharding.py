@@ -1,5 +1,5 @@
 """Stages sharded with FSDP2 inside their replica group (workers_sharding.py), on 2 and 4 gloo ranks:
-every level trains like unsplit full-batch training (AdamW, clipped, 3 steps, the second on a batch
+every level, with gradients accumulated whole or in shards, trains like unsplit full-batch training (AdamW, clipped, 3 steps, the second on a batch
 padded to a shorter length than the plan's: the model captured again runs through the same FSDP2
 modules), each rank keeping a 1/r shard; checkpoints written sharded load into a replicated trainer and into the plain model;
 tied weights across a sharded stage are refused, and train exactly on replicated stages around
@@ -19,13 +19,14 @@ TWO_RANKS = [
     # by block (issue 56): each of GPT-2's two layers its own FSDP2 unit, recomputed on its own
     dict(label="gpt2-zero3-full", model="gpt2", levels=["full_shard"], num_stages=1, replicas=2, recompute="full"),
     dict(
-        label="gpt2-zero2-selective",
+        label="gpt2-zero2-selective-grads-sharded",
         model="gpt2",
         levels=["shard_grads_and_optimizer"],
         num_stages=1,
         replicas=2,
         num_microbatches=2,
         recompute="selective",
+        accumulation="sharded",  # each micro-batch's gradients reduce-scattered as its backward ends
     ),
     dict(label="lm-zero3-2mb", model="tiny_lm", levels=["full_shard"], num_stages=1, replicas=2, num_microbatches=2),
 ]
@@ -59,6 +60,7 @@ UNEVEN = [  # stage 0 on rank 0, stage 1 sharded over ranks 1 and 2 (partita's u
         replicas=[1, 2],
         schedule="gpipe",
         num_microbatches=4,
+        accumulation="sharded",
     ),
 ]
 for config in UNEVEN:

@@ -45,9 +45,10 @@ def _sharded_plan(
     rank_groups: int | None = None,
     recompute: list[str] | None = None,
     tensor_parallel: int = 1,
+    accumulation: str = "whole",
 ):
     from partita.planning.manual import manual_plan
-    from partita.types import Sharding
+    from partita.types import Accumulation, Sharding
 
     n = graph.num_nodes
     cut = per_sample_cut if isinstance(replicas, list) else legal_cut  # uneven: a boundary the executor can slice
@@ -63,7 +64,14 @@ def _sharded_plan(
         **({} if recompute is None else dict(recompute=recompute)),
         **({} if tensor_parallel == 1 else dict(tensor_parallel=tensor_parallel, sequence_parallel=True)),
     )
-    stages = tuple(dataclasses.replace(s, sharding=Sharding(level)) for s, level in zip(plan.stages, levels))
+    stages = tuple(
+        dataclasses.replace(
+            s,
+            sharding=Sharding(level),
+            accumulation=Accumulation.WHOLE if level == "replicate" else Accumulation(accumulation),
+        )
+        for s, level in zip(plan.stages, levels)
+    )
     return dataclasses.replace(plan, stages=stages)
 
 
@@ -108,6 +116,7 @@ def job_levels(params: dict) -> dict:
             num_microbatches=config["num_microbatches"],
             schedule=config["schedule"],
             recompute=config.get("recompute"),
+            accumulation=config.get("accumulation", "whole"),
         )
         try:
             trainer = partita.Trainer(model, plan, optimizer=adamw, graph=graph, max_grad_norm=MAX_GRAD_NORM)
