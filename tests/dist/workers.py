@@ -370,6 +370,8 @@ def job_meta_init(params: dict) -> dict:
             save_seed(case.model, seed)
         dist.barrier()
         for config in params["configs"]:
+            if name not in config.get("models", [name]):
+                continue
             key = f"{name}/{config['label']}"
             print(key, flush=True)
             meta = examples.build(name, batch_size=BATCH, seq_len=SEQ, device="meta")
@@ -720,6 +722,7 @@ def job_exact_losses(params: dict) -> dict:
                 replicas=config.get("replicas", 1),
                 num_rank_groups=config["num_rank_groups"],
                 cuts=_lm_cuts(case, config),
+                recompute=config.get("recompute", "none"),
             )
             trainer = partita.Trainer(case.model, plan, optimizer=sgd, graph=case.graph)
             with warnings.catch_warnings(record=True) as caught:
@@ -788,6 +791,7 @@ def manual_plan_for(
     replicas: int = 1,
     cuts: list[int] | None = None,
     num_rank_groups: int | None = None,
+    recompute: str = "none",
 ):
     """A plan of ``num_stages`` stages cut at ``cuts`` (default: legal cuts near equal node counts)."""
     from partita.planning.manual import manual_plan
@@ -802,6 +806,7 @@ def manual_plan_for(
         replicas=replicas,
         num_microbatches=num_microbatches,
         global_batch_size=BATCH,
+        recompute=recompute,
     )
 
 
