@@ -78,6 +78,7 @@ from typing import Any
 
 import numpy as np
 
+from partita.cost.partial_recompute import partial_segment_totals
 from partita.cost.segment_memory import SegmentTotals, segment_totals
 from partita.types import (
     Accumulation,
@@ -193,6 +194,7 @@ def device_memory(
     num_replicas: int = 1,
     num_microbatches: int | None = None,
     accumulation: Accumulation = Accumulation.WHOLE,
+    recompute_blocks: int | None = None,
 ) -> DeviceMemory:
     """Memory of one device holding the node ranges ``ranges`` (``[start, stop)`` positions).
 
@@ -201,6 +203,8 @@ def device_memory(
     alive then). A parameter read by several ranges is counted once; a tied parameter held by
     two stages on two devices counts on each. ``costs`` must be in ``precision`` (its bytes).
     Under full_shard the largest range's trainable parameters are what is gathered at a time.
+    ``recompute_blocks``: only the first that many whole blocks of the one range recompute
+    (``partita.cost.partial_recompute``).
     """
     param_bytes = np.asarray(costs.param_bytes, dtype=np.int64)
     trainable = np.asarray(costs.param_trainable, dtype=bool)
@@ -209,6 +213,11 @@ def device_memory(
     held_trainable = held[trainable[held]]
     largest_unit = max((int(param_bytes[p[trainable[p]]].sum()) for p in per_range), default=0)
     segments = _device_segments(costs, ranges, [int(param_bytes[p[trainable[p]]].sum()) for p in per_range])
+    level = Recompute.parse(recompute)
+    if recompute_blocks is not None and level is not Recompute.NONE:
+        assert len(ranges) == 1, "recomputing some blocks: one stage per device"
+        (start, stop), held_bytes = ranges[0], int(param_bytes[held_trainable].sum())
+        segments = partial_segment_totals(costs, start, stop, held_bytes, level, recompute_blocks)
     return memory_from_totals(
         first_grad_bytes=first_gradient_bytes(costs, ranges),
         param_bytes=int(param_bytes[held].sum()),

@@ -9,6 +9,7 @@ import numpy as np
 
 from partita.cost.comm import spans_nodes
 from partita.cost.memory import DeviceMemory, device_memory, microbatches_in_flight
+from partita.cost.partial_recompute import recomputed_ranges, stage_blocks
 from partita.cost.recompute import extra_backward_s
 from partita.cost.segment_memory import segment_totals
 from partita.errors import InputError
@@ -335,11 +336,18 @@ def build_plan(
     a group of t, and ``config`` counts groups (``partita.planning.tensor_parallel``).
     ``memo``: per-range results shared with the other plans of the run (``BuildMemo``)."""
     memo = BuildMemo() if memo is None else memo
-    groups = memo.layout(config, options, cluster)[0]
+    groups, per_group = memo.layout(config, options, cluster)
     tables = stage_tables(costs, config)
     recompute = [Recompute.parse(level) for level in recompute]  # a bool: full / none
     ranges_by_group, recompute_by_group = group_ranges(config, node_boundaries, recompute)
     memory = rank_group_memory(tables, config, options, ranges_by_group, recompute_by_group, cluster, memo)
+    partial = {
+        g: _fewest_recomputed_blocks(
+            tables[g], ranges[0], recompute_by_group[g], memory[g], per_group[g][:2], config, options, memo
+        )
+        for g, ranges in ranges_by_group.items()
+        if len(ranges) == 1
+    }
     stages = []
     for s in range(config.num_stages):
         start, stop = int(node_boundaries[s]), int(node_boundaries[s + 1])
@@ -349,6 +357,10 @@ def build_plan(
             costs, ("stage", start, stop), _stage_sums, graph, costs, start, stop, memo
         )
         level = recompute_by_group[g]
+        extra = extra_backward_s(level, forward, selective)
+        blocks_recomputed, group_memory = None, memory[g]
+        if partial.get(g) is not None:
+            blocks_recomputed, group_memory, extra = partial[g]
         stages.append(
             StagePlan(
                 index=s,
@@ -361,14 +373,15 @@ def build_plan(
                 rank_group=g,
                 recompute=level,
                 forward_s=float(forward),
-                backward_s=float(backward + extra_backward_s(level, forward, selective)),
-                memory_bytes=memory[g].total_bytes,
+                backward_s=float(backward + extra),
+                memory_bytes=group_memory.total_bytes,
                 param_bytes=param_bytes,
                 cut_bytes=int(costs.cut_bytes[stop]) if stop < graph.num_nodes else 0,
                 sharding=memory[g].level,
                 blocks=whole_blocks(graph, start, stop),
                 accumulation=memory[g].accumulation,
-                memory_breakdown=memory[g].breakdown,
+                memory_breakdown=group_memory.breakdown,
+                recompute_blocks=blocks_recomputed,
                 tensor_parallel=options.tensor_parallel,
                 sequence_parallel=options.sequence_parallel,
             )
@@ -389,6 +402,55 @@ def build_plan(
         partita_version=versions[0],
         torch_version=versions[1],
     )
+
+
+def _fewest_recomputed_blocks(
+    table: CostTable,
+    node_range,
+    level: Recompute,
+    group: GroupMemory,
+    in_flight_and_replicas: tuple[float, int],
+    config: Config,
+    options: SearchOptions,
+    memo: BuildMemo,
+) -> tuple[int, GroupMemory, float] | None:
+    """For a rank group of one recomputing stage: the fewest of its whole blocks that need recompute
+    (its first ones, ``StagePlan.recompute_blocks``; every other tensor kept) for it to fit, with its
+    memory then and the seconds that recomputation adds to its backward; None where recomputing
+    every segment is what fits (or the stage holds no whole block, or recomputes nothing)."""
+    start, stop = node_range
+    held = len(stage_blocks(table, start, stop))
+    if level is Recompute.NONE or held < 2:
+        return None
+    key = ("partial", start, stop, level, group.level, group.accumulation, in_flight_and_replicas)
+    key += (config.num_microbatches, id(options))
+    args = (table, node_range, level, group, *in_flight_and_replicas, config.num_microbatches, options, held)
+    return memo.get(table, key, _fewest_blocks, *args)
+
+
+def _fewest_blocks(table, node_range, level, group: GroupMemory, in_flight, replicas, num_microbatches, options, held):
+    start, stop = node_range
+    for n in range(1, held):
+        memory = device_memory(
+            table,
+            [node_range],
+            in_flight=in_flight,
+            optimizer=options.optimizer,
+            recompute=level,
+            precision=options.precision,
+            sharding=group.level,
+            num_replicas=replicas,
+            num_microbatches=num_microbatches,
+            accumulation=group.accumulation,
+            recompute_blocks=n,
+        )
+        if memory.total_bytes <= options.memory_limit_bytes:
+            ranges = recomputed_ranges(table, start, stop, n)
+            forward = sum(float(table.forward_s[a:b].sum()) for a, b in ranges)
+            selective = sum(float(table.selective_recompute_s[a:b].sum()) for a, b in ranges)
+            found = GroupMemory(memory, group.level, int(memory.total_bytes), memory.breakdown(), group.accumulation)
+            return n, found, float(extra_backward_s(level, forward, selective))
+    return None
 
 
 def _stage_sums(graph: OpGraph, table: CostTable, start: int, stop: int, memo: BuildMemo) -> tuple:

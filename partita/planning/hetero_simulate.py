@@ -80,6 +80,7 @@ class _Stand:
     num_replicas: int
     tensor_parallel: int = 1
     accumulation: Accumulation = Accumulation.WHOLE
+    recompute_blocks: int | None = None
 
 
 def mixed_pipeline_inputs(plan: Plan, costs: CostsByGroup) -> dict:
@@ -97,7 +98,14 @@ def mixed_pipeline_inputs(plan: Plan, costs: CostsByGroup) -> dict:
             group_cluster, first = cluster.group_clusters[share.group], cluster.group_first_ranks[share.group]
             local = tuple(r - first for r in share.ranks)  # ranks on the group's own cluster
             compute = _Stand(
-                stage.start, stage.stop, stage.recompute, Sharding.REPLICATE, local, 1, stage.tensor_parallel
+                stage.start,
+                stage.stop,
+                stage.recompute,
+                Sharding.REPLICATE,
+                local,
+                1,
+                stage.tensor_parallel,
+                recompute_blocks=stage.recompute_blocks,
             )
             table = costs(share.group, share.samples)
             one = stages_pipeline_inputs([compute], [table], [0], plan.schedule, 1, precision, optimizer, group_cluster)

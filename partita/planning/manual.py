@@ -64,6 +64,7 @@ def manual_plan(
     sequence_parallel: bool = False,
     replica_samples: Sequence[Sequence[int] | None] | None = None,
     accumulation: Accumulation | str = Accumulation.WHOLE,
+    recompute_blocks: int | None = None,
 ) -> Plan:
     """A Plan with stages ``[boundaries[k], boundaries[k + 1])`` of ``graph.nodes``.
 
@@ -96,6 +97,8 @@ def manual_plan(
         accumulation: how the sharded stages accumulate gradients over the micro-batches
             (``Accumulation``: "whole", or "sharded": reduce-scattered in every backward); needs a
             sharded stage when "sharded".
+        recompute_blocks: the recomputing stages recompute only their first that many whole blocks
+            and keep every tensor of the rest (``StagePlan.recompute_blocks``); None: every segment.
 
     Raises InputError when the split, the schedule or the batch do not fit together.
     """
@@ -148,6 +151,7 @@ def manual_plan(
             sharding=levels[k],
             blocks=whole_blocks(graph, cuts[k], cuts[k + 1]),
             accumulation=Accumulation.WHOLE if levels[k] is Sharding.REPLICATE else accumulation,
+            recompute_blocks=_recompute_blocks(recompute_blocks, graph, k, cuts, flags[k]),
             tensor_parallel=degrees[groups[k]],
             sequence_parallel=sequence_parallel and degrees[groups[k]] > 1,
             replica_samples=shares[groups[k]],
@@ -355,6 +359,20 @@ def _sharding_levels(sharding: Any, replicas: Sequence[int]) -> tuple[Sharding, 
                 "'replicate' for it, or give its rank group several replicas"
             )
     return chosen
+
+
+def _recompute_blocks(count: Any, graph: OpGraph, k: int, cuts: Sequence[int], level: Recompute) -> int | None:
+    """Stage k's ``recompute_blocks``: ``count`` where it recomputes, else None; InputError for a
+    count that is not a positive int, or above the whole blocks the stage holds."""
+    if count is None or level is Recompute.NONE:
+        return None
+    held = whole_blocks(graph, cuts[k], cuts[k + 1])
+    if type(count) is not int or not 1 <= count <= held:
+        raise InputError(
+            f"recompute_blocks={count!r}, but stage {k} (nodes {cuts[k]}..{cuts[k + 1]}) holds {held} whole block(s): "
+            f"give an int from 1 to {held}, or None to recompute every segment"
+        )
+    return count
 
 
 def _accumulation(accumulation: Any, levels: Sequence[Sharding]) -> Accumulation:

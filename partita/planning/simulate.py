@@ -16,6 +16,7 @@ import numpy as np
 from partita.cost import comm
 from partita.cost.analytic import optimizer_step_s
 from partita.cost.memory import kept_per_microbatch
+from partita.cost.partial_recompute import partial_segment_totals, recomputed_ranges
 from partita.cost.recompute import extra_backward_s
 from partita.cost.segment_memory import segment_totals
 from partita.errors import InputError
@@ -61,6 +62,8 @@ class SimulatedStage(Protocol):
     def tensor_parallel(self) -> int: ...
     @property
     def accumulation(self) -> Accumulation: ...
+    @property
+    def recompute_blocks(self) -> int | None: ...
 
 
 def simulate(
@@ -156,7 +159,7 @@ def stages_pipeline_inputs(
             inputs = _stage_inputs(stage, table, precision, optimizer, cluster, None)
         else:  # the plans of one run share most stages: the same seconds again (memo: one per cluster)
             key = ("stage inputs", stage.start, stage.stop, stage.recompute, stage.sharding, stage.ranks, id(cluster))
-            key += (stage.tensor_parallel, stage.accumulation, precision, optimizer)
+            key += (stage.tensor_parallel, stage.accumulation, stage.recompute_blocks, precision, optimizer)
             inputs = memo.get(table, key, _stage_inputs, stage, table, precision, optimizer, cluster, memo)
         for values, value in zip((fwd, bwd, wgt, split, act, allreduce, tail, gather, opt), inputs):
             values.append(value)
@@ -204,7 +207,13 @@ def _stage_inputs(
     else:
         sums = memo.get(table, ("sums", a, b), _range_sums, table, a, b)
         forward, backward, weight, split, kept, trainable, selective, saved = sums
-    backward = backward + float(extra_backward_s(stage.recompute, forward, selective))
+    if stage.recompute_blocks is not None:  # only the first blocks recompute (partial_recompute)
+        recomputed = recomputed_ranges(table, a, b, stage.recompute_blocks)
+        forward_r = sum(float(table.forward_s[s:e].sum()) for s, e in recomputed)
+        selective = sum(float(table.selective_recompute_s[s:e].sum()) for s, e in recomputed)
+        backward = backward + float(extra_backward_s(stage.recompute, forward_r, selective))
+    else:
+        backward = backward + float(extra_backward_s(stage.recompute, forward, selective))
     reduce_s, tail_s, gather_s = collectives = _collectives(stage, trainable, precision, cluster)
     if stage.sharding is not Sharding.REPLICATE and stage.num_replicas > 1:  # by block: what shows (sharding.py)
         segments = segment_totals(table, a, b, trainable)
@@ -223,7 +232,12 @@ def _stage_inputs(
     step_s = cluster.compute_slowdown * optimizer_step_s(
         trainable / shards, optimizer, cluster.device, precision=precision
     )
-    kept = int(kept_per_microbatch(stage.recompute, kept, int(table.cut_bytes[a]), saved))
+    stage_input = int(table.cut_bytes[a])
+    if stage.recompute_blocks is not None and stage.recompute is not Recompute.NONE:
+        stage_input = partial_segment_totals(
+            table, a, b, trainable, stage.recompute, stage.recompute_blocks
+        ).kept_inputs
+    kept = int(kept_per_microbatch(stage.recompute, kept, stage_input, saved))
     return (forward, backward, weight, split, kept, *collectives, step_s)
 
 

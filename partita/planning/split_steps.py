@@ -35,6 +35,7 @@ class _Stage(NamedTuple):
     num_replicas: int
     tensor_parallel: int
     accumulation: Accumulation = Accumulation.WHOLE
+    recompute_blocks: int | None = None  # the refinement recomputes whole stages
 
 
 class Fitted(NamedTuple):

@@ -48,7 +48,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from partita.capturing.recompute import keeps_dispatched
 from partita.runtime.precision import FP32, Compute
 from partita.runtime.stages import StageModule
-from partita.types import OpGraph, Recompute, Schedule
+from partita.types import OpGraph, Plan, Recompute, Schedule
 
 __all__ = [
     "StageMetadata",
@@ -85,8 +85,9 @@ class StageRunner(nn.Module):
     (``create_selective_checkpoint_contexts``), so backward recomputes only the others. The RNG
     state is restored for the recomputation (checkpoint's default), so dropout draws the same masks.
     A stage cut into segments (``partita.runtime.segments``: one per whole block it holds) is
-    checkpointed segment by segment instead, and, when this runner is an FSDP2 root, runs each
-    block through its own FSDP2 unit.
+    checkpointed segment by segment instead (``recompute_blocks``: only its first that many whole
+    blocks' segments, ``StagePlan.recompute_blocks``), and, when this runner is an FSDP2 root, runs
+    each block through its own FSDP2 unit. ``of`` builds the runner a stage of a plan takes.
 
     ``fresh_outputs`` returns copies of the boundary tensors. Zero-bubble schedules detach a
     stage's outputs in place after the input-gradient pass; when autograd saved such a tensor
@@ -96,17 +97,36 @@ class StageRunner(nn.Module):
     """
 
     def __init__(
-        self, stage: StageModule, recompute: Recompute | bool, fresh_outputs: bool = False, compute: Compute = FP32
+        self,
+        stage: StageModule,
+        recompute: Recompute | bool,
+        fresh_outputs: bool = False,
+        compute: Compute = FP32,
+        recompute_blocks: int | None = None,
     ):
         super().__init__()
         self.stage = stage
         self.recompute = Recompute.parse(recompute)
+        self.recompute_blocks = recompute_blocks
         self.fresh_outputs = fresh_outputs and not stage.spec.is_last
         self.compute = compute
         # A variant of ``stage`` (the graph captured at other shapes, holding its tensors) to run in
         # its place: set by ``runtime.sharding.standing_in`` while a variant's step runs through the
         # FSDP2 module that wraps this runner. Kept out of the module tree, which FSDP2 manages.
         self.__dict__["stand_in"] = None
+
+    @classmethod
+    def of(cls, stage: StageModule, plan: Plan, compute: Compute = FP32) -> StageRunner:
+        """The runner of ``stage`` as ``plan`` runs it: its recomputation (level and blocks), and
+        fresh outputs under the zero-bubble schedule."""
+        stage_plan = plan.stages[stage.spec.index]
+        return cls(
+            stage,
+            stage_plan.recompute,
+            fresh_outputs=plan.schedule is Schedule.ZBV,
+            compute=compute,
+            recompute_blocks=stage_plan.recompute_blocks,
+        )
 
     def forward(self, *received: torch.Tensor, **root_inputs: Any) -> Any:
         stage = self.stand_in or self.stage
@@ -117,7 +137,12 @@ class StageRunner(nn.Module):
             if segmented is not None:  # by block: each segment checkpointed, each block unit gathered on its own
                 units = stage if isinstance(self, FSDPModule) else None  # FSDP2's hooks run inside its root's forward
                 out = segmented.run(
-                    stage.state_tensors, inputs, recompute=self.recompute, units=units, context_fn=_SELECTIVE_CONTEXTS
+                    stage.state_tensors,
+                    inputs,
+                    recompute=self.recompute,
+                    recompute_blocks=self.recompute_blocks,
+                    units=units,
+                    context_fn=_SELECTIVE_CONTEXTS,
                 )
             elif self.recompute is Recompute.FULL:
                 out = checkpoint(stage, *inputs, use_reentrant=False)
@@ -227,9 +252,8 @@ def _split_backward_complete(
 
 def make_pipeline_stages(
     stages: Sequence[StageModule],
-    recompute: Sequence[Recompute],
+    plan: Plan,
     metadata: Sequence[tuple],
-    schedule: Schedule,
     device: torch.device,
     pp_group: Any,
     runners: Mapping[int, nn.Module] | None = None,
@@ -238,18 +262,17 @@ def make_pipeline_stages(
     full_shard: Collection[int] = (),
     sharded_accumulation: Collection[int] = (),
 ) -> list[PipelineStage]:
-    """One PipelineStage per local stage (``stages``), with static metadata; ``runners`` by stage
-    index are used as they are (sharded ones, sharding.py), the other stages get a StageRunner.
+    """One PipelineStage per local stage (``stages``) of ``plan``, with static metadata; ``runners``
+    by stage index are used as they are (sharded ones, sharding.py), the other stages get their
+    ``StageRunner.of``.
     The stages of ``whole_backward`` (indices) run their whole backward in the input-gradient pass
     of a split-backward schedule (sharding.whole_backward_stages says why); those of ``full_shard``
     are fully sharded, and those of ``sharded_accumulation`` reduce-scatter every backward
     (``backward_switches``)."""
     result = []
-    for stage, flag in zip(stages, recompute):
+    for stage in stages:
         meta = metadata[stage.spec.index]
-        runner = (runners or {}).get(stage.spec.index) or StageRunner(
-            stage, flag, fresh_outputs=schedule is Schedule.ZBV, compute=compute
-        )
+        runner = (runners or {}).get(stage.spec.index) or StageRunner.of(stage, plan, compute)
         # A dw_builder makes the input-gradient pass a full backward, and the weight pass a no-op.
         split = meta.split_backward_complete and stage.spec.index not in whole_backward
         whole = None if split else _no_weight_pass

@@ -20,6 +20,8 @@ stage keeps each segment's input (a block's input, as Megatron-LM's and torchtit
 recomputation do) and rebuilds one segment at a time in backward. The weights are read inside the
 checkpointed function, so a recomputation reads the weights FSDP2 gathered again for the backward.
 A stage without a whole block is one segment, and runs as before: whole, checkpointed whole.
+``StagePlan.recompute_blocks`` checkpoints only the segments of the stage's first that many whole
+blocks, and keeps every tensor of the others (Megatron-LM's "recompute N layers").
 
 Exactness: the segments chained run the stage's graph node for node (split_module keeps the
 order), and checkpointing restores the RNG and autocast state of each segment's forward.
@@ -38,11 +40,19 @@ from torch import nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
+from partita.errors import InputError
 from partita.runtime.stages import ORIGIN
 from partita.types import OpGraph, Recompute, Sharding, StagePlan
-from partita.types.segments import Segment, stage_segments
+from partita.types.segments import Segment, stage_segments, whole_blocks
 
-__all__ = ["BlockUnit", "SegmentedStage", "block_containers", "runs_by_block", "segment_stage"]
+__all__ = [
+    "BlockUnit",
+    "SegmentedStage",
+    "block_containers",
+    "check_recompute_blocks",
+    "runs_by_block",
+    "segment_stage",
+]
 
 
 class BlockUnit(nn.Module):
@@ -108,6 +118,7 @@ class SegmentedStage:
         inputs: Sequence[Any],
         *,
         recompute: Recompute = Recompute.NONE,
+        recompute_blocks: int | None = None,
         units: nn.Module | None = None,
         context_fn: Callable[[], Any] | None = None,
     ) -> Any:
@@ -115,11 +126,13 @@ class SegmentedStage:
         the weights the stage reads at the moment it is called (inside a unit: the gathered ones).
         ``units``: the stage module whose block units the block segments run through (None: called
         directly, as outside the runner's forward). ``recompute``: every segment checkpointed, with
-        ``context_fn`` for selective recomputation."""
+        ``context_fn`` for selective recomputation; ``recompute_blocks``: only the segments of the
+        first that many whole blocks (None: every segment)."""
+        checkpointed = self.recomputed(recompute, recompute_blocks)
         env: dict[torch.fx.Node, Any] = dict(zip(self.value_nodes, inputs, strict=True))
         for node in self.split.graph.nodes:
             if node.op == "call_module":
-                env[node] = self._call(node, env, slots, recompute, units, context_fn)
+                env[node] = self._call(node, env, slots, checkpointed, recompute, units, context_fn)
             elif node.op == "call_function" and node.target is operator.getitem:
                 env[node] = env[node.args[0]][node.args[1]]
             elif node.op == "output":
@@ -130,7 +143,23 @@ class SegmentedStage:
                 raise AssertionError(f"unexpected node {node.format_node()} in a split stage")
         raise AssertionError("a split stage without an output")
 
-    def _call(self, node, env, slots, recompute, units, context_fn) -> Any:
+    def recomputed(self, recompute: Recompute, recompute_blocks: int | None) -> frozenset[int]:
+        """The segments checkpointed at ``recompute`` (see ``run``). InputError when the stage holds
+        fewer whole blocks than ``recompute_blocks``."""
+        if recompute is Recompute.NONE:
+            return frozenset()
+        if recompute_blocks is None:
+            return frozenset(range(self.num_segments))
+        blocks = [k for k, s in enumerate(self.segments) if s.block is not None]
+        if recompute_blocks > len(blocks):
+            raise InputError(
+                f"recompute_blocks={recompute_blocks}, but the stage of nodes {self.segments[0].start}.."
+                f"{self.segments[-1].stop} holds {len(blocks)} whole block(s): give at most {len(blocks)}, "
+                "or leave it out to recompute every segment"
+            )
+        return frozenset(blocks[:recompute_blocks])
+
+    def _call(self, node, env, slots, checkpointed, recompute, units, context_fn) -> Any:
         k = int(str(node.target).rsplit("_", 1)[1])
         submodule = getattr(self.split, str(node.target))
         names = [self.param_nodes.get(a) for a in node.args]  # None: a value, not a weight
@@ -142,7 +171,7 @@ class SegmentedStage:
             return submodule(*(weights[n] if n is not None else next(it) for n in names))
 
         run = body
-        if recompute is not Recompute.NONE:
+        if k in checkpointed:
             kwargs = {} if recompute is Recompute.FULL or context_fn is None else {"context_fn": context_fn}
 
             def run(*given: Any) -> Any:
@@ -205,6 +234,21 @@ def runs_by_block(stage_plan: StagePlan) -> bool:
     FSDP2 shards it over its replicas. Otherwise running it whole is the same, with fewer calls."""
     sharded = stage_plan.sharding is not Sharding.REPLICATE and stage_plan.num_replicas > 1
     return sharded or Recompute.parse(stage_plan.recompute) is not Recompute.NONE
+
+
+def check_recompute_blocks(stage_plan: StagePlan, graph: OpGraph) -> None:
+    """InputError, before training, for a stage whose ``recompute_blocks`` it cannot run: more blocks
+    than the stage holds whole, or blocks to recompute at no recomputation level."""
+    n = stage_plan.recompute_blocks
+    if n is None:
+        return
+    held = whole_blocks(graph, stage_plan.start, stage_plan.stop)
+    if n > held:
+        raise InputError(
+            f"stage {stage_plan.index} has recompute_blocks={n}, but it holds {held} whole block(s) of the model "
+            f"(nodes {stage_plan.start}..{stage_plan.stop}): give at most {held}, or leave it out (None) to "
+            "recompute every segment"
+        )
 
 
 def segment_stage(stage: nn.Module, graph: OpGraph) -> SegmentedStage | None:

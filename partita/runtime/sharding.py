@@ -141,7 +141,7 @@ def sharded_runners(
         for before, unit, after in zip([None, *units], units, [*units[1:], None]):
             unit.set_modules_to_forward_prefetch([after] if after is not None else [])
             unit.set_modules_to_backward_prefetch([before] if before is not None else [])
-        runner = StageRunner(stage, stage_plan.recompute, fresh_outputs=plan.schedule is Schedule.ZBV, compute=compute)
+        runner = StageRunner.of(stage, plan, compute)
         runners[stage.spec.index] = shard_runner(runner, stage_plan.sharding, mesh, compute)
     return runners
 

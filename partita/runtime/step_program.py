@@ -28,7 +28,7 @@ from partita.runtime.pipeline import (
 )
 from partita.runtime.precision import FP32, Compute, align_norm_weights, drop_dtype_assertions
 from partita.runtime.process_groups import Topology
-from partita.runtime.segments import runs_by_block, segment_stage
+from partita.runtime.segments import check_recompute_blocks, runs_by_block, segment_stage
 from partita.runtime.sharding import (
     full_shard_stages,
     gathered,
@@ -93,7 +93,9 @@ class StepProgram:
         for stage in self.stages if self.tensor_parallel is not None else ():
             rewrite_stage(stage, self.tensor_parallel, self.partial_gradients)
         for stage in self.stages:  # after every rewrite: the segments cut the graph as it runs
-            if runs_by_block(plan.stages[stage.spec.index]):
+            stage_plan = plan.stages[stage.spec.index]
+            check_recompute_blocks(stage_plan, graph)
+            if runs_by_block(stage_plan):
                 stage.__dict__["segmented"] = segment_stage(stage, graph)
         self.root_indices = sorted({j for s in self.stages for j in s.graph_input_indices})
         self._schedule: Any = None  # uniform plans: the torch schedule
@@ -133,12 +135,10 @@ class StepProgram:
                 tp_index=top.tp_index,
             )
             return
-        recompute = [plan.stages[s.spec.index].recompute for s in self.stages]
         pipeline_stages = make_pipeline_stages(
             self.stages,
-            recompute,
+            plan,
             metadata,
-            plan.schedule,
             top.device,
             top.pp_group,
             self.runners,

@@ -332,7 +332,7 @@ class UnevenExecutor:
         self.microbatch_samples = plan.global_batch_size // plan.num_microbatches
         self.first, self.num_samples = replica_slice(all_shares(plan)[k], replica)
         # the stage's FSDP2 module when it is sharded (sharding.py), else a plain runner
-        self.runner = runner or StageRunner(stage, plan.stages[k].recompute, compute=compute)
+        self.runner = runner or StageRunner.of(stage, plan, compute)
         self.sharded = runner is not None
         self.full_shard = self.sharded and plan.stages[k].sharding is Sharding.FULL_SHARD
         self.sharded_accumulation = self.sharded and plan.stages[k].accumulation is Accumulation.SHARDED

@@ -91,6 +91,9 @@ class StagePlan:
     # whole repeated blocks the stage holds (partita.types.segments): each its own FSDP2 unit when
     # sharded, and its own recomputation segment; a record (None: older plan files)
     blocks: int | None = None
+    # recompute only the first this many whole blocks of the stage, at ``recompute``'s level, and keep
+    # every tensor of the rest (Megatron-LM's "recompute N layers"); None: every segment recomputes
+    recompute_blocks: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", Recompute.parse(self.recompute))  # frozen: normalised once

@@ -34,7 +34,7 @@ def check_plan_consistency(plan: Plan, source: str = "plan") -> None:
             )
     _check_rank_groups(plan, source)
     _check_tensor_parallel(plan, source)
-    _check_sharding(plan, source)
+    _check_stage_choices(plan, source)
     recomputed = [k for k, s in enumerate(stages) if s.recompute]
     if plan.schedule is Schedule.ZBV and recomputed and plan.method != "manual":
         # The planner never recomputes under ZBV (partita.planning.options.recompute_allowed): such a
@@ -131,14 +131,20 @@ def _node_of(cluster: Cluster, rank: int) -> int:
     return cluster.rank_to_node(rank) if rank < cluster.num_devices else rank // cluster.devices_per_node
 
 
-def _check_sharding(plan: Plan, source: str) -> None:
-    """A sharding level other than replicate needs a replica group to shard over: with one replica it
-    would do nothing, and partita never changes a value it was given, so such a plan is refused."""
+def _check_stage_choices(plan: Plan, source: str) -> None:
+    """Choices of a stage that would do nothing, refused (partita never changes a value it was
+    given): a sharding level other than replicate with one replica to shard over, blocks to
+    recompute at no recomputation level, sharded accumulation of an unsharded stage."""
     for k, s in enumerate(plan.stages):
         if s.sharding is not Sharding.REPLICATE and s.num_replicas == 1:
             raise PlanFileError(
                 f"{source}: stages[{k}].sharding is {s.sharding.value!r}, but the stage has one replica, so there "
                 "is nothing to shard over: set it to 'replicate', or give the stage several replicas"
+            )
+        if s.recompute_blocks is not None and s.recompute is Recompute.NONE:
+            raise PlanFileError(
+                f"{source}: stages[{k}].recompute_blocks is {s.recompute_blocks}, but its recompute is 'none': "
+                "give the level those blocks recompute at, or drop recompute_blocks"
             )
         if s.accumulation is not Accumulation.WHOLE and s.sharding is Sharding.REPLICATE:
             raise PlanFileError(

@@ -10,8 +10,9 @@ Executed fields and records. The runtime runs what these fields say, and nothing
 - ``stages[k]``: ``start``, ``stop`` (the nodes of the stage), ``ranks``, ``rank_group``,
   ``recompute``, ``sharding``, ``tensor_parallel``, ``sequence_parallel``, ``replica_samples``
   (written only when the replicas take unequal shares of each micro-batch: stages over several
-  device groups) and ``accumulation`` (written only for a sharded stage that reduce-scatters its
-  gradients every micro-batch; absent: ``whole``);
+  device groups), ``accumulation`` (written only for a sharded stage that reduce-scatters its
+  gradients every micro-batch; absent: ``whole``) and ``recompute_blocks`` (written only for a stage
+  that recomputes some of its blocks alone);
 - ``schedule``, ``global_batch_size``, ``num_microbatches``, ``microbatch_size`` and ``precision``;
 - ``cluster``: its device count and ``devices_per_node`` (where tensor-parallel groups may lie); of a
   mixed cluster (several device groups), each group's count and ``devices_per_node``.
@@ -74,6 +75,7 @@ _OPTIONAL_STAGE_FIELDS = (
     "memory_bytes_by_group",
     "accumulation",
     "blocks",
+    "recompute_blocks",
 )
 _BREAKDOWN_FIELDS: dict[str, type] = {f.name: int for f in dataclasses.fields(MemoryBreakdown)}
 _PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -136,6 +138,8 @@ def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
         data["memory_bytes_by_group"] = list(stage.memory_bytes_by_group)
     if stage.blocks is not None:
         data["blocks"] = stage.blocks
+    if stage.recompute_blocks is not None:
+        data["recompute_blocks"] = stage.recompute_blocks
     if stage.accumulation is not Accumulation.WHOLE:
         data["accumulation"] = stage.accumulation.value
     return data
@@ -158,6 +162,7 @@ def executed_part(plan: Plan) -> dict[str, Any]:
             "sequence_parallel": stage["sequence_parallel"],
             **({"replica_samples": stage["replica_samples"]} if "replica_samples" in stage else {}),
             **({"accumulation": stage["accumulation"]} if "accumulation" in stage else {}),
+            **({"recompute_blocks": stage["recompute_blocks"]} if "recompute_blocks" in stage else {}),
         }
         for stage in whole["stages"]
     ]
@@ -296,6 +301,13 @@ def _stage_from_dict(data: Any, k: int, source: str) -> StagePlan:
     if blocks is not None and (type(blocks) is not int or blocks < 0):
         raise PlanFileError(f"{source}: {where}.blocks is {blocks!r}, expected an integer >= 0 (or no such field)")
     values["blocks"] = blocks
+    partial = data.get("recompute_blocks")
+    if partial is not None and (type(partial) is not int or partial < 1):
+        raise PlanFileError(
+            f"{source}: {where}.recompute_blocks is {partial!r}, expected an integer >= 1 (or no such field: "
+            "every segment recomputes)"
+        )
+    values["recompute_blocks"] = partial
     values["accumulation"] = _choice(
         Accumulation, data.get("accumulation", Accumulation.WHOLE.value), f"{where}.accumulation", source
     )

@@ -36,6 +36,22 @@ CONFIGS = [
         recompute="selective",
         models=["gpt2"],
     ),
+    # recomputing some blocks (Megatron's "recompute N layers"): GPT-2's first layer recomputed, the
+    # second and the nodes around them keeping every tensor
+    *(
+        dict(
+            label=f"dp-2x2-{level}-1-of-2-blocks",
+            schedule="gpipe",
+            num_stages=1,
+            num_rank_groups=1,
+            replicas=2,
+            num_microbatches=2,
+            recompute=level,
+            recompute_blocks=1,
+            models=["gpt2"],
+        )
+        for level in ("full", "selective")
+    ),
 ]
 HANG_TIMEOUT_S = 3  # the collective timeout of the hung-rank job
 # the launches (fixture name -> job): shared with the other jobs of their world size (tests/dist/conftest.py)

@@ -723,6 +723,7 @@ def job_exact_losses(params: dict) -> dict:
                 num_rank_groups=config["num_rank_groups"],
                 cuts=_lm_cuts(case, config),
                 recompute=config.get("recompute", "none"),
+                recompute_blocks=config.get("recompute_blocks"),
             )
             trainer = partita.Trainer(case.model, plan, optimizer=sgd, graph=case.graph)
             with warnings.catch_warnings(record=True) as caught:
@@ -792,6 +793,7 @@ def manual_plan_for(
     cuts: list[int] | None = None,
     num_rank_groups: int | None = None,
     recompute: str = "none",
+    recompute_blocks: int | None = None,
 ):
     """A plan of ``num_stages`` stages cut at ``cuts`` (default: legal cuts near equal node counts)."""
     from partita.planning.manual import manual_plan
@@ -807,6 +809,7 @@ def manual_plan_for(
         num_microbatches=num_microbatches,
         global_batch_size=BATCH,
         recompute=recompute,
+        recompute_blocks=recompute_blocks,
     )
 
 
