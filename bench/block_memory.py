@@ -10,7 +10,9 @@ with 4 micro-batches (every micro-batch in flight at the peak), AdamW, fp32, on 
   recomputed: each layer's input kept, one layer rebuilt at a time;
 - ``full_shard 1f1b, grads whole / sharded``: one 1F1B stage, fully sharded on 2 replicas, its
   gradients accumulated whole until the last backward, or reduce-scattered in every backward
-  (``Accumulation``): by block only.
+  (``Accumulation``): by block only;
+- ``recompute full, 2 of 4 blocks``: as ``recompute full``, but each stage recomputes only its
+  first 2 layers and keeps every tensor of the rest (``StagePlan.recompute_blocks``): by block only.
 
 Each runs twice: ``by block`` (partita's runtime as it is) and ``stage unit`` (the stage run whole,
 as before issue 56: one FSDP2 unit per stage, the whole stage checkpointed; the ranks switch the
@@ -59,12 +61,16 @@ RUNS = [
     dict(run="recompute full", num_stages=2, replicas=1, sharding="replicate", recompute="full"),
     dict(run="recompute selective", num_stages=2, replicas=1, sharding="replicate", recompute="selective"),
 ]
-# Gradients accumulated whole or in shards (``Accumulation``), by block: one 1F1B stage on 2 replicas,
+# By block only. Gradients accumulated whole or in shards (``Accumulation``): one 1F1B stage on 2 replicas,
 # so that a backward runs before the activation peak and every gradient of the step is alive at it.
-ACCUMULATION_RUNS = [
+BY_BLOCK_RUNS = [
     dict(run=f"full_shard 1f1b, grads {acc}", num_stages=1, replicas=2, sharding="full_shard", recompute="none",
          schedule="1f1b", accumulation=acc)
     for acc in ("whole", "sharded")
+] + [
+    # Some blocks recomputed (Megatron's "recompute N layers"): the first 2 of each stage's 4 layers
+    dict(run="recompute full, 2 of 4 blocks", num_stages=2, replicas=1, sharding="replicate", recompute="full",
+         recompute_blocks=2),
 ]  # fmt: skip
 
 
@@ -77,7 +83,7 @@ def cases() -> list[dict]:
     ] + [
         dict(label=f"{family} {run['run']}, by block", model=name, by_block=True, **run)
         for family, name in MODELS.items()
-        for run in ACCUMULATION_RUNS
+        for run in BY_BLOCK_RUNS
     ]
 
 
@@ -96,6 +102,7 @@ def make_plan(graph, case: dict):
         recompute=case["recompute"],
         sharding=case["sharding"],
         accumulation=case.get("accumulation", "whole"),
+        recompute_blocks=case.get("recompute_blocks"),
     )
 
 
@@ -123,6 +130,7 @@ def predicted_bytes(graph, plan, by_block: bool) -> list[tuple[int, object]]:
             num_replicas=s.num_replicas,
             num_microbatches=plan.num_microbatches,
             accumulation=s.accumulation,
+            recompute_blocks=s.recompute_blocks,
         )
         for r in s.ranks:
             by_rank[r] = int(memory.total_bytes), memory.breakdown()

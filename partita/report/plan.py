@@ -24,8 +24,9 @@ def plan_text(
     each rank group's devices by kind, then the step figures, with each plan's layout. The
     header names the tensor-parallel degree (and sequence parallelism); a stage's params, memory
     and cut bytes are then one device's of its group, and its times include the group's
-    collectives. The recompute column is each stage's level (none, selective, full), its backward
-    time including what that level recomputes; the memory table names each rank group's. A stage
+    collectives. The recompute column is each stage's level (none, selective, full; with the blocks
+    it recomputes where it recomputes only its first ones), its backward time including what that
+    level recomputes; the memory table names each rank group's. A stage
     runs by block: each of its whole blocks is one FSDP2 unit when it is sharded (the rest of the
     stage one more) and one recomputation segment (``partita.types.segments``).
 
@@ -52,7 +53,7 @@ def plan_text(
             f"{fmt_bytes(s.memory_bytes)} / {fmt_bytes(limit)}",
             fmt_seconds(s.forward_s),
             fmt_seconds(s.backward_s),
-            s.recompute.value,
+            _recompute_cell(s),
             fmt_bytes(s.cut_bytes),
         )
         for s in plan.stages
@@ -102,6 +103,13 @@ def plan_text(
         if plan.cluster.is_mixed:
             lines.append(f"idle devices: {_idle_by_type(plan)}")
     return "\n".join(lines)
+
+
+def _recompute_cell(stage: StagePlan) -> str:
+    """A stage's recomputation level, with '(n of N blocks)' where it recomputes only its first n."""
+    if stage.recompute_blocks is None:
+        return stage.recompute.value
+    return f"{stage.recompute.value} ({stage.recompute_blocks} of {stage.blocks} blocks)"
 
 
 def _sharding_cell(stage: StagePlan) -> str:

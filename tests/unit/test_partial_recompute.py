@@ -95,6 +95,7 @@ def test_the_planner_recomputes_the_fewest_blocks_that_fit(gpt2_small):
     stage = some.stages[0]
     assert stage.recompute is not Recompute.NONE and 1 <= stage.recompute_blocks < 8, some.summary()
     assert stage.memory_bytes <= 300 * MiB
+    assert f"({stage.recompute_blocks} of 8 blocks)" in some.summary()
     assert every.stages[0].recompute is Recompute.FULL and every.stages[0].recompute_blocks is None
     # fewer blocks recomputed: less backward than recomputing all, more than none
     assert roomy.predicted_step_s < some.predicted_step_s < every.predicted_step_s
