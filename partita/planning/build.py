@@ -342,7 +342,7 @@ def build_plan(
     ranges_by_group, recompute_by_group = group_ranges(config, node_boundaries, recompute)
     memory = rank_group_memory(tables, config, options, ranges_by_group, recompute_by_group, cluster, memo)
     partial = {
-        g: _fewest_recomputed_blocks(
+        g: fewest_recomputed_blocks(
             tables[g], ranges[0], recompute_by_group[g], memory[g], per_group[g][:2], config, options, memo
         )
         for g, ranges in ranges_by_group.items()
@@ -404,7 +404,7 @@ def build_plan(
     )
 
 
-def _fewest_recomputed_blocks(
+def fewest_recomputed_blocks(
     table: CostTable,
     node_range,
     level: Recompute,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from partita.planning.build import group_ranges, rank_group_memory, stage_tables
+from partita.planning.build import fewest_recomputed_blocks, group_ranges, rank_group_memory, stage_tables
 from partita.planning.context import PlanningContext
 from partita.planning.plan_builder import draft_plan, routable, with_result
 from partita.planning.simulate import stages_pipeline_inputs
@@ -112,6 +112,23 @@ class SplitSteps:
             else:
                 return None
         t = ctx.options.tensor_parallel
+        per_group = ctx.build_memo.layout(self.config, ctx.options, ctx.cluster)[1]
+        alone = len(self.groups) == len(set(self.groups))  # one stage per rank group: some blocks may recompute
+        partial = {
+            g: fewest_recomputed_blocks(
+                self.tables[g],
+                (int(nodes[s]), int(nodes[s + 1])),
+                by_group[g],
+                memory[g],
+                per_group[g][:2],
+                self.config,
+                ctx.options,
+                ctx.build_memo,
+            )
+            if alone
+            else None
+            for s, g in enumerate(self.groups)
+        }
         stages = [
             _Stage(
                 int(nodes[s]),
@@ -122,6 +139,7 @@ class SplitSteps:
                 len(self.ranks[g]) // t,
                 t,
                 memory[g].accumulation,
+                None if partial[g] is None else partial[g][0],
             )
             for s, g in enumerate(self.groups)
         ]
