@@ -28,6 +28,17 @@ TWO_RANKS = [
         recompute="selective",
         accumulation="sharded",  # each micro-batch's gradients reduce-scattered as its backward ends
     ),
+    # GPT-2's first layer recomputed alone, the second keeping its tensors, in a sharded stage
+    dict(
+        label="gpt2-zero3-full-1-of-2-blocks",
+        model="gpt2",
+        levels=["full_shard"],
+        num_stages=1,
+        replicas=2,
+        num_microbatches=2,
+        recompute="full",
+        recompute_blocks=1,
+    ),
     dict(label="lm-zero3-2mb", model="tiny_lm", levels=["full_shard"], num_stages=1, replicas=2, num_microbatches=2),
 ]
 FOUR_RANKS = [
@@ -40,6 +51,28 @@ FOUR_RANKS = [
         replicas=2,
     ),
     dict(label="gpt2-pp2-tied", model="gpt2", levels=["full_shard", "full_shard"], num_stages=2, replicas=2),
+    # gradients reduce-scattered every micro-batch under the schedules with several stages per rank
+    # group: ZB-V's split backward (ZeRO-2) and interleaved 1F1B (ZeRO-3)
+    dict(
+        label="lm-zbv-zero2-grads-sharded",
+        model="tiny_lm",
+        levels=["shard_grads_and_optimizer"] * 4,
+        num_stages=4,
+        rank_groups=2,
+        replicas=2,
+        schedule="zbv",
+        accumulation="sharded",
+    ),
+    dict(
+        label="lm-interleaved-zero3-grads-sharded",
+        model="tiny_lm",
+        levels=["full_shard"] * 4,
+        num_stages=4,
+        rank_groups=2,
+        replicas=2,
+        schedule="interleaved1f1b",
+        accumulation="sharded",
+    ),
     # GPT-2's tied embedding and LM head on replicated stages 0 and 2 (rank 0, rank 3), the stage
     # between them fully sharded over ranks 1 and 2: what the planner offers under a pinned level
     dict(
@@ -110,7 +143,9 @@ def test_sharded_data_parallelism_trains_like_the_unsplit_model(two, label):
         assert all(r[label]["segments"] == {0: 4} for r in two), two[0][label]["segments"]
 
 
-@pytest.mark.parametrize("label", ["lm-pp2-zero3", "lm-pp2-mixed"])
+@pytest.mark.parametrize(
+    "label", ["lm-pp2-zero3", "lm-pp2-mixed", "lm-zbv-zero2-grads-sharded", "lm-interleaved-zero3-grads-sharded"]
+)
 def test_pipeline_of_sharded_stages_trains_like_the_unsplit_model(four, label):
     _check_exact(four, label, replicas=2)
 

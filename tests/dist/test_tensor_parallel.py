@@ -21,6 +21,19 @@ FOUR_RANKS = [
     # the tied embedding and LM head on different stages, both split
     dict(label="gpt2-pp2", model="gpt2", num_stages=2, num_microbatches=2, schedule="1f1b"),
     dict(label="llama-dp2-zero3", model="llama", replicas=2, sharding="full_shard"),
+    # with sequence parallelism, the gradients reduce-scattered every micro-batch, and the first of the
+    # two layers recomputed alone: the choices the planner makes by memory, together
+    dict(
+        label="llama-sp-dp2-zero3-grads-sharded-recompute-1-of-2",
+        model="llama",
+        replicas=2,
+        sharding="full_shard",
+        num_microbatches=2,
+        sequence_parallel=True,
+        accumulation="sharded",
+        recompute="full",
+        recompute_blocks=1,
+    ),
 ]
 # matmuls that must stay whole: BERT's masked-LM transform feeds a layer norm over its features
 LEFT_WHOLE = {"bert": {"linear_12"}}

@@ -46,6 +46,7 @@ def _sharded_plan(
     recompute: list[str] | None = None,
     tensor_parallel: int = 1,
     accumulation: str = "whole",
+    recompute_blocks: int | None = None,
 ):
     from partita.planning.manual import manual_plan
     from partita.types import Accumulation, Sharding
@@ -61,7 +62,7 @@ def _sharded_plan(
         replicas=replicas,
         num_microbatches=num_microbatches,
         global_batch_size=BATCH,
-        **({} if recompute is None else dict(recompute=recompute)),
+        **({} if recompute is None else dict(recompute=recompute, recompute_blocks=recompute_blocks)),
         **({} if tensor_parallel == 1 else dict(tensor_parallel=tensor_parallel, sequence_parallel=True)),
     )
     stages = tuple(
@@ -115,7 +116,9 @@ def job_levels(params: dict) -> dict:
             replicas=config["replicas"],
             num_microbatches=config["num_microbatches"],
             schedule=config["schedule"],
+            rank_groups=config.get("rank_groups"),
             recompute=config.get("recompute"),
+            recompute_blocks=config.get("recompute_blocks"),
             accumulation=config.get("accumulation", "whole"),
         )
         try:
@@ -160,6 +163,7 @@ def job_levels(params: dict) -> dict:
             replicas=config["replicas"],
             num_microbatches=config["num_microbatches"],
             schedule=config["schedule"],
+            rank_groups=config.get("rank_groups"),
         )
         fresh = copy.deepcopy(initial)
         fresh_graph = partita.capture(fresh, (), batches[0])

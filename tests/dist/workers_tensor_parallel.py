@@ -33,6 +33,8 @@ def _plan(case: Case, config: dict):
         sharding=config.get("sharding", "replicate"),
         recompute=config.get("recompute", "none"),
         sequence_parallel=config.get("sequence_parallel", False) and config["tensor_parallel"] > 1,
+        accumulation=config.get("accumulation", "whole"),
+        recompute_blocks=config.get("recompute_blocks"),
     )
 
 
