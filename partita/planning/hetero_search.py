@@ -13,7 +13,7 @@ config      (schedule, micro-batches m, one kind per stage, recompute mode): ``M
             ``partita.runtime.uneven``).
 candidate   a config plus a split of the block chain into its stages (``MixedCandidate``).
 
-A kind's stage time (``KindCosts``): each device group's ``StageCosts`` (``partita.planning.search``:
+A kind's stage time (``KindCosts``): each device group's ``StageCosts`` (``partita.planning.stage_costs``:
 compute at its samples, sharding penalties, memory fit at its own memory limit) at the kind's
 total replica count, and the slowest of them: ``T[kind][j, i] = max_g T_g(samples[g])[j, i]``,
 ``inf`` where any group's replica does not fit. Recomputation is one level per stage (the
@@ -67,7 +67,8 @@ from partita.cost.memory import microbatches_in_flight
 from partita.planning.configs import Config, divisors, microbatch_counts, schedule_accepts
 from partita.planning.device_groups import MixedRun
 from partita.planning.partition import candidate_partitions
-from partita.planning.search import EXHAUSTIVE_BLOCKS, StageCosts, pipeline_tail_s
+from partita.planning.search import EXHAUSTIVE_BLOCKS, pipeline_tail_s
+from partita.planning.stage_costs import StageCosts
 from partita.types import RECOMPUTE_LEVELS, Recompute, Schedule
 from partita.types.schedule_orders import UNEVEN_SCHEDULES
 

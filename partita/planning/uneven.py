@@ -40,7 +40,8 @@ from partita.cost.memory import microbatches_in_flight
 from partita.planning.chain import BlockCosts
 from partita.planning.configs import Candidate, Config, SearchOptions, divisors, microbatch_counts, schedule_accepts
 from partita.planning.partition import candidate_partitions
-from partita.planning.search import EXHAUSTIVE_BLOCKS, StageCosts, estimate_step, step_tail_s
+from partita.planning.search import EXHAUSTIVE_BLOCKS, estimate_step, step_tail_s
+from partita.planning.stage_costs import StageCosts
 from partita.types import RECOMPUTE_LEVELS, Recompute, Schedule
 from partita.types.schedule_orders import UNEVEN_SCHEDULES
 
