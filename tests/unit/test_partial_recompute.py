@@ -17,7 +17,7 @@ from partita.cost.memory import device_memory
 from partita.errors import InputError, PlanFileError
 from partita.planning.options import PlanOptions
 from partita.runtime.pipeline import _SELECTIVE_CONTEXTS
-from partita.runtime.segments import segment_stage
+from partita.runtime.segments import check_recompute_blocks, segment_stage
 from partita.runtime.stages import flatten_inputs, split_graph
 from partita.types import OptimizerKind, Recompute
 from partita.types.cluster import Cluster
@@ -123,3 +123,16 @@ def test_manual_plans_take_recompute_blocks_up_to_the_blocks_a_stage_holds(gpt2_
     for wrong in (0, 9, 2.5):
         with pytest.raises(InputError, match="holds 8 whole block"):
             partita.manual_plan(graph, [0, n], recompute_blocks=wrong, **kw)
+
+
+def test_a_plan_recomputing_more_blocks_than_a_stage_holds_is_refused_before_training(gpt2_small):
+    import dataclasses
+
+    _, graph = gpt2_small
+    n = graph.num_nodes
+    kw = dict(schedule="gpipe", num_rank_groups=1, num_microbatches=1, global_batch_size=8, recompute="full")
+    stage = partita.manual_plan(graph, [0, n], recompute_blocks=8, **kw).stages[0]
+    check_recompute_blocks(stage, graph)  # all 8: fine
+    edited = dataclasses.replace(stage, recompute_blocks=9)  # as an edited plan file may say
+    with pytest.raises(InputError, match="stage 0 has recompute_blocks=9, but it holds 8 whole block"):
+        check_recompute_blocks(edited, graph)
