@@ -417,10 +417,11 @@ def fewest_recomputed_blocks(
     """For a rank group of one recomputing stage: the fewest of its whole blocks that need recompute
     (its first ones, ``StagePlan.recompute_blocks``; every other tensor kept) for it to fit, with its
     memory then and the seconds that recomputation adds to its backward; None where recomputing
-    every segment is what fits (or the stage holds no whole block, or recomputes nothing)."""
+    every segment is what fits (or the stage holds no whole block, or recomputes nothing), and where
+    the level is pinned (``PlanOptions.recompute``: every block recomputes, as asked)."""
     start, stop = node_range
     held = len(stage_blocks(table, start, stop))
-    if level is Recompute.NONE or held < 2:
+    if level is Recompute.NONE or held < 2 or config.recompute_mode is not None or options.recompute is not None:
         return None
     key = ("partial", start, stop, level, group.level, group.accumulation, in_flight_and_replicas)
     key += (config.num_microbatches, id(options))

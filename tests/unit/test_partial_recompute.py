@@ -136,3 +136,15 @@ def test_a_plan_recomputing_more_blocks_than_a_stage_holds_is_refused_before_tra
     edited = dataclasses.replace(stage, recompute_blocks=9)  # as an edited plan file may say
     with pytest.raises(InputError, match="stage 0 has recompute_blocks=9, but it holds 8 whole block"):
         check_recompute_blocks(edited, graph)
+
+
+def test_a_pinned_recomputation_level_recomputes_every_block(gpt2_small):
+    """Megatron's layouts pin full recomputation of every layer: the pin is honoured."""
+    _, graph = gpt2_small
+    options = PlanOptions(
+        costs="analytic", schedules="1f1b", num_stages=1, replicas=1, num_microbatches=1, precision="fp32",
+        recompute="full",
+    )  # fmt: skip
+    cluster = Cluster(device="h100", num_devices=1, memory_bytes=300 * MiB, reserved_memory_fraction=0.0)
+    plan = partita.plan(graph, cluster=cluster, global_batch_size=8, options=options)
+    assert plan.stages[0].recompute is Recompute.FULL and plan.stages[0].recompute_blocks is None
