@@ -31,28 +31,21 @@ import numpy as np
 
 from partita.cost.segment_memory import SegmentTotals, segment_totals, unit_bytes
 from partita.types import CostTable, Recompute
+from partita.types.segments import segment_ranges
 
-__all__ = ["partial_segment_totals", "recomputed_ranges", "stage_blocks"]
-
-
-def stage_blocks(costs: CostTable, start: int, stop: int) -> list[int]:
-    """Indices of the blocks (rows of ``costs.block_ranges``) whole inside ``[start, stop)``."""
-    ranges = np.asarray(costs.block_ranges, dtype=np.int64).reshape(-1, 2)
-    return [int(k) for k, (a, b) in enumerate(ranges) if start <= a and b <= stop]
+__all__ = ["partial_segment_totals", "recomputed_ranges", "recomputed_seconds", "whole_block_count"]
 
 
 def _segments(costs: CostTable, start: int, stop: int) -> list[tuple[int, int, int | None]]:
-    """(start, stop, block index or None) of the stage's segments, as ``stage_segments`` cuts them."""
-    ranges = np.asarray(costs.block_ranges, dtype=np.int64).reshape(-1, 2)
-    whole = stage_blocks(costs, start, stop)
-    if not whole:
-        return [(start, stop, None)]
-    out = [(start, int(ranges[whole[0], 0]), None)] if start < ranges[whole[0], 0] else []
-    for k, after in zip(whole, [*whole[1:], None]):
-        out.append((int(ranges[k, 0]), int(ranges[after, 0]) if after is not None else int(ranges[k, 1]), k))
-    if ranges[whole[-1], 1] < stop:
-        out.append((int(ranges[whole[-1], 1]), stop, None))
-    return out
+    """``segment_ranges`` of the stage on the table's blocks."""
+    return segment_ranges(
+        [tuple(r) for r in np.asarray(costs.block_ranges, dtype=np.int64).reshape(-1, 2)], start, stop
+    )
+
+
+def whole_block_count(costs: CostTable, start: int, stop: int) -> int:
+    """How many of the table's blocks lie whole inside ``[start, stop)``."""
+    return sum(k is not None for _, _, k in _segments(costs, start, stop))
 
 
 def recomputed_ranges(costs: CostTable, start: int, stop: int, recompute_blocks: int | None) -> list[tuple[int, int]]:
@@ -60,6 +53,14 @@ def recomputed_ranges(costs: CostTable, start: int, stop: int, recompute_blocks:
     if recompute_blocks is None:
         return [(start, stop)]
     return [(a, b) for a, b, k in _segments(costs, start, stop) if k is not None][:recompute_blocks]
+
+
+def recomputed_seconds(costs: CostTable, start: int, stop: int, recompute_blocks: int | None) -> tuple[float, float]:
+    """(forward, selectively recomputed) seconds per micro-batch of the segments that recompute:
+    what ``extra_backward_s`` takes."""
+    ranges = recomputed_ranges(costs, start, stop, recompute_blocks)
+    forward = sum(float(costs.forward_s[a:b].sum()) for a, b in ranges)
+    return forward, sum(float(costs.selective_recompute_s[a:b].sum()) for a, b in ranges)
 
 
 def partial_segment_totals(

@@ -9,7 +9,7 @@ import numpy as np
 
 from partita.cost.comm import spans_nodes
 from partita.cost.memory import DeviceMemory, device_memory, microbatches_in_flight
-from partita.cost.partial_recompute import recomputed_ranges, stage_blocks
+from partita.cost.partial_recompute import recomputed_seconds, whole_block_count
 from partita.cost.recompute import extra_backward_s
 from partita.cost.segment_memory import segment_totals
 from partita.errors import InputError
@@ -420,7 +420,7 @@ def fewest_recomputed_blocks(
     every segment is what fits (or the stage holds no whole block, or recomputes nothing), and where
     the level is pinned (``PlanOptions.recompute``: every block recomputes, as asked)."""
     start, stop = node_range
-    held = len(stage_blocks(table, start, stop))
+    held = whole_block_count(table, start, stop)
     if level is Recompute.NONE or held < 2 or config.recompute_mode is not None or options.recompute is not None:
         return None
     key = ("partial", start, stop, level, group.level, group.accumulation, in_flight_and_replicas)
@@ -446,11 +446,8 @@ def _fewest_blocks(table, node_range, level, group: GroupMemory, in_flight, repl
             recompute_blocks=n,
         )
         if memory.total_bytes <= options.memory_limit_bytes:
-            ranges = recomputed_ranges(table, start, stop, n)
-            forward = sum(float(table.forward_s[a:b].sum()) for a, b in ranges)
-            selective = sum(float(table.selective_recompute_s[a:b].sum()) for a, b in ranges)
             found = GroupMemory(memory, group.level, int(memory.total_bytes), memory.breakdown(), group.accumulation)
-            return n, found, float(extra_backward_s(level, forward, selective))
+            return n, found, float(extra_backward_s(level, *recomputed_seconds(table, start, stop, n)))
     return None
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from partita.cost import comm
 from partita.cost.analytic import optimizer_step_s
 from partita.cost.memory import kept_per_microbatch
-from partita.cost.partial_recompute import partial_segment_totals, recomputed_ranges
+from partita.cost.partial_recompute import partial_segment_totals, recomputed_seconds
 from partita.cost.recompute import extra_backward_s
 from partita.cost.segment_memory import segment_totals
 from partita.errors import InputError
@@ -208,10 +208,9 @@ def _stage_inputs(
         sums = memo.get(table, ("sums", a, b), _range_sums, table, a, b)
         forward, backward, weight, split, kept, trainable, selective, saved = sums
     if stage.recompute_blocks is not None:  # only the first blocks recompute (partial_recompute)
-        recomputed = recomputed_ranges(table, a, b, stage.recompute_blocks)
-        forward_r = sum(float(table.forward_s[s:e].sum()) for s, e in recomputed)
-        selective = sum(float(table.selective_recompute_s[s:e].sum()) for s, e in recomputed)
-        backward = backward + float(extra_backward_s(stage.recompute, forward_r, selective))
+        backward = backward + float(
+            extra_backward_s(stage.recompute, *recomputed_seconds(table, a, b, stage.recompute_blocks))
+        )
     else:
         backward = backward + float(extra_backward_s(stage.recompute, forward, selective))
     reduce_s, tail_s, gather_s = collectives = _collectives(stage, trainable, precision, cluster)

@@ -12,11 +12,12 @@ recomputation keeps each segment's input and rebuilds one segment at a time
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from partita.types.graph import Block, OpGraph
 
-__all__ = ["Segment", "stage_segments", "whole_blocks"]
+__all__ = ["Segment", "segment_ranges", "stage_segments", "whole_blocks"]
 
 
 @dataclass(frozen=True)
@@ -29,17 +30,25 @@ class Segment:
     block: Block | None = None
 
 
+def segment_ranges(blocks: Sequence[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int, int | None]]:
+    """(start, stop, block index or None) of the segments of the stage ``[start, stop)``, given the
+    blocks' node ranges in order (``OpGraph.blocks``, or a cost table's ``block_ranges``)."""
+    whole = [k for k, (a, b) in enumerate(blocks) if start <= a and b <= stop]
+    if not whole:
+        return [(start, stop, None)]
+    first, last = blocks[whole[0]], blocks[whole[-1]]
+    segments = [(start, int(first[0]), None)] if start < first[0] else []
+    for k, after in zip(whole, [*whole[1:], None]):
+        segments.append((int(blocks[k][0]), int(blocks[after][0] if after is not None else blocks[k][1]), k))
+    if last[1] < stop:
+        segments.append((int(last[1]), stop, None))
+    return segments
+
+
 def stage_segments(graph: OpGraph, start: int, stop: int) -> tuple[Segment, ...]:
     """The segments of the stage ``[start, stop)`` of ``graph`` (see the module docstring)."""
-    whole = [b for b in graph.blocks if start <= b.start and b.stop <= stop]
-    if not whole:
-        return (Segment(start, stop),)
-    segments = [Segment(start, whole[0].start)] if start < whole[0].start else []
-    for block, after in zip(whole, [*whole[1:], None]):
-        segments.append(Segment(block.start, after.start if after is not None else block.stop, block))
-    if whole[-1].stop < stop:
-        segments.append(Segment(whole[-1].stop, stop))
-    return tuple(segments)
+    ranges = segment_ranges([(b.start, b.stop) for b in graph.blocks], start, stop)
+    return tuple(Segment(a, b, None if k is None else graph.blocks[k]) for a, b, k in ranges)
 
 
 def whole_blocks(graph: OpGraph, start: int, stop: int) -> int:
