@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from partita.capturing.recompute import keeps_dispatched
 from partita.runtime.precision import FP32, Compute
+from partita.runtime.stage_modes import full_shard_stages, sharded_accumulation_stages, whole_backward_stages
 from partita.runtime.stages import StageModule
 from partita.types import OpGraph, Plan, Recompute, Schedule
 
@@ -258,17 +259,14 @@ def make_pipeline_stages(
     pp_group: Any,
     runners: Mapping[int, nn.Module] | None = None,
     compute: Compute = FP32,
-    whole_backward: Collection[int] = (),
-    full_shard: Collection[int] = (),
-    sharded_accumulation: Collection[int] = (),
 ) -> list[PipelineStage]:
     """One PipelineStage per local stage (``stages``) of ``plan``, with static metadata; ``runners``
     by stage index are used as they are (sharded ones, sharding.py), the other stages get their
-    ``StageRunner.of``.
-    The stages of ``whole_backward`` (indices) run their whole backward in the input-gradient pass
-    of a split-backward schedule (sharding.whole_backward_stages says why); those of ``full_shard``
-    are fully sharded, and those of ``sharded_accumulation`` reduce-scatter every backward
-    (``backward_switches``)."""
+    ``StageRunner.of``. Some stages run their whole backward in the input-gradient pass of a
+    split-backward schedule (``stage_modes.whole_backward_stages`` says which and why); the fully
+    sharded ones, and those that reduce-scatter every backward, take their ``backward_switches``."""
+    whole_backward, full_shard = whole_backward_stages(plan), full_shard_stages(plan)
+    sharded_accumulation = sharded_accumulation_stages(plan)
     result = []
     for stage in stages:
         meta = metadata[stage.spec.index]

@@ -44,56 +44,19 @@ from partita.runtime.pipeline import StageRunner
 from partita.runtime.precision import Compute
 from partita.runtime.process_groups import Topology, new_group
 from partita.runtime.segments import block_containers
+from partita.runtime.stage_modes import sharded_stages
 from partita.runtime.stages import StageModule
-from partita.types import Accumulation, OpGraph, Plan, Recompute, Schedule, Sharding
+from partita.types import OpGraph, Plan, Sharding
 
 __all__ = [
     "check_sharding",
-    "full_shard_stages",
     "gathered",
     "replica_mesh",
     "shard_runner",
-    "sharded_accumulation_stages",
     "sharded_names",
     "sharded_runners",
-    "sharded_stages",
     "standing_in",
-    "whole_backward_stages",
 ]
-
-
-def sharded_stages(plan: Plan) -> set[int]:
-    """Indices of the stages that FSDP2 shards (a sharding level other than replicate)."""
-    return {s.index for s in plan.stages if s.sharding is not Sharding.REPLICATE}
-
-
-def full_shard_stages(plan: Plan) -> set[int]:
-    """Indices of the stages FSDP2 shards fully (ZeRO-3: weights gathered for each forward and backward)."""
-    return {s.index for s in plan.stages if s.sharding is Sharding.FULL_SHARD and s.num_replicas > 1}
-
-
-def sharded_accumulation_stages(plan: Plan) -> set[int]:
-    """Sharded stages that reduce-scatter their gradients in every backward (``Accumulation.SHARDED``)."""
-    return {s.index for s in plan.stages if s.accumulation is Accumulation.SHARDED and s.index in sharded_stages(plan)}
-
-
-def whole_backward_stages(plan: Plan) -> set[int]:
-    """Stages that run their whole backward at once under a split-backward schedule (ZBV), giving up
-    ZBV's split: the fully sharded ones, and those recomputed selectively.
-
-    FSDP2 with ``reshard_after_forward`` frees a stage's gathered parameters after every forward,
-    and ZBV runs a micro-batch's weight-gradient pass after later forwards of the stage: those
-    gradients came out wrong (tests/dist/test_batch_shapes.py's sweep). torch's selective
-    checkpoint allows one backward through its region, and the weight pass would be a second
-    ("Trying to backward an extra time"). Computed in the input-gradient pass with the rest, both
-    are exact. (The planner recomputes nothing under ZBV; a manual plan may.)"""
-    if plan.schedule is not Schedule.ZBV:
-        return set()
-    return {
-        s.index
-        for s in plan.stages
-        if (s.sharding is Sharding.FULL_SHARD and s.num_replicas > 1) or s.recompute is Recompute.SELECTIVE
-    }
 
 
 def check_sharding(plan: Plan, stages: Sequence[StageModule]) -> None:

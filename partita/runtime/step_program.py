@@ -29,14 +29,8 @@ from partita.runtime.pipeline import (
 from partita.runtime.precision import FP32, Compute, align_norm_weights, drop_dtype_assertions
 from partita.runtime.process_groups import Topology
 from partita.runtime.segments import check_recompute_blocks, runs_by_block, segment_stage
-from partita.runtime.sharding import (
-    full_shard_stages,
-    gathered,
-    sharded_accumulation_stages,
-    sharded_stages,
-    standing_in,
-    whole_backward_stages,
-)
+from partita.runtime.sharding import gathered, standing_in
+from partita.runtime.stage_modes import sharded_stages
 from partita.runtime.stages import StageModule, narrow_batch
 from partita.runtime.tensor_parallel import TensorParallel, program_layouts
 from partita.runtime.tensor_parallel_rewrite import partial_gradients, rewrite_stage, run_whole
@@ -143,9 +137,6 @@ class StepProgram:
             top.pp_group,
             self.runners,
             self.compute,
-            whole_backward=whole_backward_stages(plan),
-            full_shard=full_shard_stages(plan),
-            sharded_accumulation=sharded_accumulation_stages(plan),
         )
         chunks = root_chunk_spec(self.graph, self.root_indices)
         self._schedule = build_schedule(plan.schedule, pipeline_stages, plan.num_microbatches, chunks)
