@@ -48,6 +48,7 @@ _EXPORTS = {
         for name in (
             "CaptureError",
             "CollectiveTimeoutError",
+            "CompileError",
             "InfeasiblePlanError",
             "InputError",
             "NumericsError",

@@ -31,6 +31,11 @@ class PlanFileError(PartitaError):
     """A plan file is unreadable, invalid, or made for another model or cluster."""
 
 
+class CompileError(PartitaError):
+    """A block of a plan that compiles its blocks (``Plan.compile``) cannot be compiled whole by
+    ``torch.compile``; the message names it and how to run without compiling."""
+
+
 class NumericsError(PartitaError):
     """A training step produced a NaN or infinite loss or gradient; the optimizer did not step.
 

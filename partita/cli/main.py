@@ -82,6 +82,7 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
         sharding=args.sharding,
         tensor_parallel=args.tensor_parallel,
         sequence_parallel={"yes": True, "no": False}.get(args.sequence_parallel),
+        compile=args.compile,
         costs=CostSource.AUTO if args.costs is None else args.costs,
         cache_dir=args.cache_dir,
     )

@@ -107,8 +107,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_precision_sharding(parser: argparse.ArgumentParser) -> None:
-    """--precision, --sharding, --tensor-parallel and --sequence-parallel: how each device computes and
-    what it holds."""
+    """--precision, --sharding, --tensor-parallel, --sequence-parallel and --compile: how each device
+    computes and what it holds."""
     parser.add_argument(
         "--precision",
         default=None,
@@ -137,6 +137,13 @@ def _add_precision_sharding(parser: argparse.ArgumentParser) -> None:
         choices=["yes", "no"],
         help="pin sequence parallelism: the tensor-parallel groups also split, by token, the regions they leave "
         "whole (norms, dropout, residual additions) (default: on wherever the model allows it)",
+    )
+    parser.add_argument(
+        "--compile",
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="run every block through torch.compile, compiled once per distinct block, and cost it so "
+        "(--no-compile: eagerly; default: compiled on GPU device types, eager on the CPU)",
     )
 
 

@@ -60,6 +60,7 @@ def _flags_and_plan(args: argparse.Namespace, plan: Plan, memory_bytes: int | No
         ("uniform-replicas", True if args.uniform_replicas else None, plan.uniform_replicas),
         ("sharding", args.sharding, _sharding_of(plan, args.sharding, levels)),
         ("sequence-parallel", args.sequence_parallel, "yes" if plan.sequence_parallel else "no"),
+        ("compile", args.compile, plan.compile),
         (
             "recompute",
             args.recompute,

@@ -54,6 +54,7 @@ from __future__ import annotations
 import numpy as np
 
 from partita.checks import positive_int
+from partita.cost.fusion import fused_times
 from partita.cost.recompute import selective_arrays
 from partita.cost.table import (
     FLOAT_DTYPES,
@@ -88,14 +89,16 @@ def analytic_costs(
     *,
     dtype: str | None = None,
     precision: Precision | str = Precision.FP32,
+    compiled: bool = False,
 ) -> CostTable:
     """Roofline CostTable of ``graph`` at ``microbatch_size`` on ``device`` (spec or catalog name).
 
     ``precision`` is what the plan computes in: "bf16" costs every node at the bfloat16 peak and
     counts float32 values at 2 bytes (memory traffic, activations, cut bytes). ``dtype`` selects
     another ``device.peak_flops`` entry for every node (e.g. "tfloat32" for float32 matmuls run
-    as TF32); by default each node uses its own output dtype in ``precision``. Runs in well under
-    a second for a graph of thousands of nodes.
+    as TF32); by default each node uses its own output dtype in ``precision``. ``compiled``: the
+    blocks run through torch.compile, the operations between two matmuls as fused kernels
+    (``partita.cost.fusion``). Runs in well under a second for a graph of thousands of nodes.
     """
     device = resolve_device(device)
     microbatch_size = positive_int(microbatch_size, "microbatch_size")
@@ -118,6 +121,10 @@ def analytic_costs(
     )
     backward_s = np.where(has_backward, backward_s, 0.0)
     backward_weight_s = np.where(has_backward, backward_s * k_weight / np.maximum(k, 1), 0.0)
+    if compiled:
+        forward_s, backward_s, backward_weight_s = fused_times(
+            graph, microbatch_size, precision, device, work, forward_s, backward_s, backward_weight_s
+        )
 
     params = param_arrays(graph)
     selective = selective_arrays(graph, microbatch_size, forward_s, precision)

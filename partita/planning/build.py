@@ -399,6 +399,7 @@ def build_plan(
         method=method,
         cost_source=costs.source,
         precision=options.precision,
+        compile=options.compile,
         partita_version=versions[0],
         torch_version=versions[1],
     )

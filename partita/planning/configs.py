@@ -39,6 +39,7 @@ class SearchOptions:
     optimizer: OptimizerKind
     precision: Precision
     sharding: Sharding | None  # None: each stage's level is searched
+    compile: bool = False  # blocks compiled, and costed so (``partita.planning.options.resolve_compile``)
     # stages per rank group of interleaved 1F1B (torch's ScheduleInterleaved1F1B runs any count):
     # 3 against 2 shrinks the fill and drain ((G - 1) / v of a group's load) and the first group's
     # activations in flight (about 4G/3 micro-batches of its share, not 3G/2:
@@ -75,11 +76,13 @@ class SearchOptions:
         global_batch_size: int,
         memory_limit_bytes: int,
         precision: Precision,
+        compile: bool = False,
         **knobs: Any,
     ) -> SearchOptions:
         """The search's options for ``options`` (validated by PlanOptions) on ``num_devices`` units
         of ``memory_limit_bytes`` each, at ``global_batch_size``; ``precision``: the one the plan
-        computes in (``partita.planning.options.resolve_precision``); ``knobs``: the search's own
+        computes in (``partita.planning.options.resolve_precision``); ``compile``: whether its blocks are
+        compiled (``resolve_compile``); ``knobs``: the search's own
         fields. Unpinned ``uniform_replicas`` becomes True when the replicas are pinned (one count
         for every stage), else False (uneven counts searched where the search can)."""
         uniform = options.uniform_replicas
@@ -96,6 +99,7 @@ class SearchOptions:
             optimizer=options.optimizer,
             precision=Precision.parse(precision),
             sharding=options.sharding,
+            compile=compile,
             **knobs,
         )
 

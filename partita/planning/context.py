@@ -30,7 +30,7 @@ from partita.planning.build import BuildMemo
 from partita.planning.chain import coarsen, default_max_blocks, legal_cuts, per_sample_cuts
 from partita.planning.configs import SearchOptions
 from partita.planning.memory_bound import ONE_STAGE
-from partita.planning.options import CostSource, PlanOptions, resolve_precision
+from partita.planning.options import CostSource, PlanOptions, resolve_compile, resolve_precision
 from partita.planning.tensor_parallel import check_degree, group_cluster, split_crossings
 from partita.types import CostTable, OpGraph, Precision, Sharding
 from partita.types.cluster import Cluster
@@ -159,12 +159,14 @@ def graph_context(
         options = whole_batch_options(options, graph)
         _check_sharding_pin(options, cluster)  # one replica per stage now: nothing to shard over
     precision = resolve_precision(options.precision, cluster.device)
+    compiled = resolve_compile(options.compile, cluster.device)
     search_options = SearchOptions.from_plan_options(
         options,
         num_devices=cluster.num_devices,
         global_batch_size=global_batch_size,
         memory_limit_bytes=cluster.usable_memory_bytes,
         precision=precision,
+        compile=compiled,
     )
     source = _cost_source(options.costs, _on_meta(graph), cluster, precision)
     if source is CostSource.MEASURED and (args or kwargs or target is not None):
@@ -172,7 +174,7 @@ def graph_context(
     inputs = (args, dict(kwargs or {}), target)
     if not args and not kwargs and target is None and graph.example_inputs is not None:
         inputs = graph.example_inputs  # a graph alone: profile it on the inputs it was captured from
-    costs_at = _costs_provider(graph, cluster, source, inputs, options.cache_dir, precision)
+    costs_at = _costs_provider(graph, cluster, source, inputs, options.cache_dir, precision, compiled)
     reference = costs_at(_reference_microbatch(graph, global_batch_size, cluster.num_devices))
     max_blocks = options.max_blocks or default_max_blocks(graph)
     chain = coarsen(graph, reference, max_blocks=max_blocks)
@@ -185,6 +187,7 @@ def graph_context(
         "uniform_replicas": search_options.uniform_replicas,
         "optimizer": options.optimizer.value,
         "precision": precision.value,
+        "compile": compiled,
         "sharding": None if options.sharding is None else options.sharding.value,
         "tensor_parallel": options.tensor_parallel,
         "sequence_parallel": options.sequence_parallel,
@@ -365,14 +368,19 @@ def _cost_source(costs: CostSource, on_meta: bool, cluster: Cluster, precision: 
 
 
 def _costs_provider(
-    graph: OpGraph, cluster: Cluster, source: CostSource, inputs, cache_dir, precision: Precision
+    graph: OpGraph, cluster: Cluster, source: CostSource, inputs, cache_dir, precision: Precision, compiled: bool
 ) -> Callable[[int], CostTable]:
     """Cost tables per micro-batch size in the plan's ``precision`` (measured ones: fp32 only),
     compute times slowed by ``cluster.compute_slowdown`` (ranks that share one host's memory
-    system run slower together than a solo profile says)."""
+    system run slower together than a solo profile says). Analytic ones of ``compiled`` blocks
+    cost the operations between two matmuls as fused kernels (``partita.cost.fusion``); measured
+    ones are the eager operations' (the profiler times each operation alone)."""
     if source is CostSource.ANALYTIC:
         return functools.lru_cache(maxsize=None)(
-            lambda b: contended(analytic_costs(graph, cluster.device, b, precision=precision), cluster.compute_slowdown)
+            lambda b: contended(
+                analytic_costs(graph, cluster.device, b, precision=precision, compiled=compiled),
+                cluster.compute_slowdown,
+            )
         )
     return functools.lru_cache(maxsize=None)(
         lambda b: contended(profile(graph, inputs, microbatch_size=b, cache_dir=cache_dir), cluster.compute_slowdown)

@@ -57,6 +57,7 @@ def mixed_draft(
         total_compute_s=mixed_total_compute_s(run, config),
         cost_source=run.costs_at(0, 1).source,
         precision=run.contexts[0].options.precision,
+        compile=run.contexts[0].options.compile,
         partita_version=partita.__version__,
         torch_version=torch.__version__,
     )

@@ -65,6 +65,7 @@ def manual_plan(
     replica_samples: Sequence[Sequence[int] | None] | None = None,
     accumulation: Accumulation | str = Accumulation.WHOLE,
     recompute_blocks: int | None = None,
+    compile: bool = False,
 ) -> Plan:
     """A Plan with stages ``[boundaries[k], boundaries[k + 1])`` of ``graph.nodes``.
 
@@ -99,6 +100,8 @@ def manual_plan(
             sharded stage when "sharded".
         recompute_blocks: the recomputing stages recompute only their first that many whole blocks
             and keep every tensor of the rest (``StagePlan.recompute_blocks``); None: every segment.
+        compile: every block runs through ``torch.compile``, compiled once per distinct block
+            (``Plan.compile``).
 
     Raises InputError when the split, the schedule or the batch do not fit together.
     """
@@ -134,8 +137,9 @@ def manual_plan(
     precision = Precision.parse(precision)
     check_coupled_batch_size(graph, global_batch_size)  # a batch taken from the wrong dim?
     check_whole_batch(graph, num_microbatches, counts)  # a loss that couples samples needs the whole batch
-    if not isinstance(sequence_parallel, bool):
-        raise InputError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    for name, flag in (("sequence_parallel", sequence_parallel), ("compile", compile)):
+        if not isinstance(flag, bool):
+            raise InputError(f"{name} must be True or False, got {flag!r}")
     if sequence_parallel and t == 1:
         raise InputError(
             "sequence_parallel=True splits the regions a tensor-parallel group leaves whole, but tensor_parallel "
@@ -188,10 +192,12 @@ def manual_plan(
             "sequence_parallel": sequence_parallel,
             **({"replica_samples": [None if s is None else list(s) for s in shares]} if any(shares) else {}),
             **({"accumulation": accumulation.value} if accumulation is not Accumulation.WHOLE else {}),
+            **({"compile": True} if compile else {}),
         },
         method="manual",
         cost_source="none",
         precision=precision,
+        compile=compile,
         partita_version=_version(),
         torch_version=_torch_version(),
     )

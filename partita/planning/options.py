@@ -55,7 +55,10 @@ class PlanOptions:
     (``partita.planning.tensor_parallel``). ``sequence_parallel``: whether the tensor-parallel
     groups also split, by token, the regions they leave whole (norms, dropout, residual additions:
     their activations divide by the degree; ``partita.capturing.sequence_parallel``); None: on
-    wherever a degree's layout splits a region by token (``partita.planning.tensor_parallel``). ``costs``: where costs come from. ``max_blocks``: how finely the graph is coarsened into a chain of blocks;
+    wherever a degree's layout splits a region by token (``partita.planning.tensor_parallel``). ``costs``: where costs come from.
+    ``compile``: whether every block runs through ``torch.compile``, compiled once per distinct
+    block, and is costed as compiled (``Plan.compile``); None: on for GPU device types, off on
+    the CPU (``resolve_compile``). ``max_blocks``: how finely the graph is coarsened into a chain of blocks;
     None: 128, or as many as keep a boundary at every layer start of a deeper model
     (``partita.planning.chain.default_max_blocks``).
     ``cache_dir``: where profiles and calibrations are cached (default: the user cache folder).
@@ -73,6 +76,7 @@ class PlanOptions:
     tensor_parallel: int | None = None
     sequence_parallel: bool | None = None
     costs: CostSource = CostSource.AUTO
+    compile: bool | None = None
     max_blocks: int | None = None
     cache_dir: str | None = None
 
@@ -82,7 +86,7 @@ class PlanOptions:
         for name in ("num_stages", "replicas", "num_microbatches", "tensor_parallel"):
             set_(self, name, optional_positive_int(getattr(self, name), name))
         set_(self, "max_blocks", optional_positive_int(self.max_blocks, "max_blocks"))
-        for name in ("uniform_replicas", "sequence_parallel"):
+        for name in ("uniform_replicas", "sequence_parallel", "compile"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be True, False or None (searched), got {getattr(self, name)!r}")
         if self.uniform_replicas is False and self.replicas is not None:
@@ -138,6 +142,17 @@ def resolve_precision(precision: Precision | None, device: DeviceSpec) -> Precis
     peaks = device.peak_flops
     faster = peaks.get("bfloat16", 0.0) > peaks.get("float32", float("inf"))
     return Precision.BF16 if faster else Precision.FP32
+
+
+def resolve_compile(compile: bool | None, device: DeviceSpec) -> bool:
+    """Whether a plan compiles its blocks: the pinned choice; else on for GPU device types, where
+    an eager step pays a kernel launch per operation (35 us measured on one H100, against
+    microseconds of work for most elementwise operations: bench/results/gpu/README.md) that
+    compiled blocks fuse away, and off on the CPU, where inductor's C++ compilation costs seconds
+    per distinct block at start-up for a smaller gain (bench/results/compiled_blocks.md)."""
+    if compile is not None:
+        return compile
+    return device.name != "cpu"
 
 
 def _parse_schedules(value: Any) -> tuple[Schedule, ...]:

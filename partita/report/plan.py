@@ -60,8 +60,8 @@ def plan_text(
     ]
     lines = [
         f"plan: {counted(plan.num_stages, 'stage')} on {fmt_layout(plan)}, schedule {plan.schedule.value}, "
-        f"{fmt_microbatches(plan)}, global batch {plan.global_batch_size}, precision {plan.precision.value}, "
-        f"costs {plan.cost_source}",
+        f"{fmt_microbatches(plan)}, global batch {plan.global_batch_size}, precision {plan.precision.value}"
+        f"{', compiled blocks' if plan.compile else ''}, costs {plan.cost_source}",
         table(
             [
                 "stage",

@@ -23,6 +23,10 @@ A stage without a whole block is one segment, and runs as before: whole, checkpo
 ``StagePlan.recompute_blocks`` checkpoints only the segments of the stage's first that many whole
 blocks, and keeps every tensor of the others (Megatron-LM's "recompute N layers").
 
+A plan that compiles its blocks (``Plan.compile``) runs every segment through ``torch.compile``,
+compiled once per distinct structure and checkpointed inside the compiled region
+(``partita.runtime.compiled_segments``).
+
 Exactness: the segments chained run the stage's graph node for node (split_module keeps the
 order), and checkpointing restores the RNG and autocast state of each segment's forward.
 """
@@ -41,6 +45,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
 from partita.errors import InputError
+from partita.runtime.compiled_segments import CompiledSegments
 from partita.runtime.stages import ORIGIN
 from partita.types import OpGraph, Recompute, Sharding, StagePlan
 from partita.types.segments import Segment, stage_segments, whole_blocks
@@ -95,7 +100,7 @@ def block_containers(stage: nn.Module, graph: OpGraph) -> dict[str, nn.Module]:
 class SegmentedStage:
     """One stage's graph cut into its segments (see the module docstring); ``run`` runs them."""
 
-    def __init__(self, stage: nn.Module, graph: OpGraph):
+    def __init__(self, stage: nn.Module, graph: OpGraph, *, compiled: bool = False):
         spec = stage.spec
         self.segments: tuple[Segment, ...] = stage_segments(graph, spec.node_start, spec.node_stop)
         self.split = split_module(
@@ -107,6 +112,9 @@ class SegmentedStage:
         placeholders = [n for n in self.split.graph.nodes if n.op == "placeholder"]
         self.param_nodes = dict(zip(placeholders, spec.param_names))  # the stage's weights, first
         self.value_nodes = placeholders[len(spec.param_names) :]
+        self.compiled: CompiledSegments | None = None
+        if compiled:
+            self.compiled = CompiledSegments([getattr(self.split, f"submod_{k}") for k in range(self.num_segments)])
 
     @property
     def num_segments(self) -> int:
@@ -121,18 +129,20 @@ class SegmentedStage:
         recompute_blocks: int | None = None,
         units: nn.Module | None = None,
         context_fn: Callable[[], Any] | None = None,
+        compiled: bool = True,
     ) -> Any:
         """The stage's outputs for ``inputs`` (received values, then graph inputs). ``slots()`` gives
         the weights the stage reads at the moment it is called (inside a unit: the gathered ones).
         ``units``: the stage module whose block units the block segments run through (None: called
         directly, as outside the runner's forward). ``recompute``: every segment checkpointed, with
         ``context_fn`` for selective recomputation; ``recompute_blocks``: only the segments of the
-        first that many whole blocks (None: every segment)."""
+        first that many whole blocks (None: every segment). ``compiled=False`` runs a stage of
+        compiled blocks eagerly (a pass that only finds shapes, which would compile for nothing)."""
         checkpointed = self.recomputed(recompute, recompute_blocks)
         env: dict[torch.fx.Node, Any] = dict(zip(self.value_nodes, inputs, strict=True))
         for node in self.split.graph.nodes:
             if node.op == "call_module":
-                env[node] = self._call(node, env, slots, checkpointed, recompute, units, context_fn)
+                env[node] = self._call(node, env, slots, checkpointed, recompute, units, context_fn, compiled)
             elif node.op == "call_function" and node.target is operator.getitem:
                 env[node] = env[node.args[0]][node.args[1]]
             elif node.op == "output":
@@ -159,7 +169,7 @@ class SegmentedStage:
             )
         return frozenset(blocks[:recompute_blocks])
 
-    def _call(self, node, env, slots, checkpointed, recompute, units, context_fn) -> Any:
+    def _call(self, node, env, slots, checkpointed, recompute, units, context_fn, compiled) -> Any:
         k = int(str(node.target).rsplit("_", 1)[1])
         submodule = getattr(self.split, str(node.target))
         names = [self.param_nodes.get(a) for a in node.args]  # None: a value, not a weight
@@ -171,7 +181,16 @@ class SegmentedStage:
             return submodule(*(weights[n] if n is not None else next(it) for n in names))
 
         run = body
-        if k in checkpointed:
+        if self.compiled is not None and compiled:  # the checkpoint, if any, inside the compiled region
+            level = recompute if k in checkpointed else Recompute.NONE
+
+            def run(*given: Any) -> Any:
+                weights = slots()
+                it = iter(given)
+                args = [weights[n] if n is not None else next(it) for n in names]
+                return self.compiled.call(k, submodule, args, level, context_fn)
+
+        elif k in checkpointed:
             kwargs = {} if recompute is Recompute.FULL or context_fn is None else {"context_fn": context_fn}
 
             def run(*given: Any) -> Any:
@@ -229,11 +248,12 @@ def _attribute(module: nn.Module, target: str) -> Any:
     return value
 
 
-def runs_by_block(stage_plan: StagePlan) -> bool:
-    """Whether a stage of the plan runs by block (when it holds whole blocks): it recomputes, or
-    FSDP2 shards it over its replicas. Otherwise running it whole is the same, with fewer calls."""
+def runs_by_block(stage_plan: StagePlan, *, compiled: bool = False) -> bool:
+    """Whether a stage of the plan runs by block (when it holds whole blocks): its blocks are
+    compiled (``compiled``: ``Plan.compile``), it recomputes, or FSDP2 shards it over its replicas.
+    Otherwise running it whole is the same, with fewer calls."""
     sharded = stage_plan.sharding is not Sharding.REPLICATE and stage_plan.num_replicas > 1
-    return sharded or Recompute.parse(stage_plan.recompute) is not Recompute.NONE
+    return compiled or sharded or Recompute.parse(stage_plan.recompute) is not Recompute.NONE
 
 
 def check_recompute_blocks(stage_plan: StagePlan, graph: OpGraph) -> None:
@@ -251,9 +271,10 @@ def check_recompute_blocks(stage_plan: StagePlan, graph: OpGraph) -> None:
         )
 
 
-def segment_stage(stage: nn.Module, graph: OpGraph) -> SegmentedStage | None:
-    """The stage's SegmentedStage, or None when it holds no whole block (it runs whole)."""
+def segment_stage(stage: nn.Module, graph: OpGraph, *, compiled: bool = False) -> SegmentedStage | None:
+    """The stage's SegmentedStage, or None when it holds no whole block and is not ``compiled``
+    (it runs whole). A compiled stage without a whole block is one segment, compiled whole."""
     spec = stage.spec
-    if len(stage_segments(graph, spec.node_start, spec.node_stop)) == 1:
+    if len(stage_segments(graph, spec.node_start, spec.node_stop)) == 1 and not compiled:
         return None
-    return SegmentedStage(stage, graph)
+    return SegmentedStage(stage, graph, compiled=compiled)

@@ -89,8 +89,9 @@ def contiguous_grad(x: torch.Tensor) -> torch.Tensor:
 
 
 def boundary_tensor(x: torch.Tensor) -> torch.Tensor:
-    """A stage output that can be sent: ``x`` itself if it owns contiguous memory, else a contiguous clone."""
-    if x._is_view() or not x.is_contiguous():
+    """A stage output that can be sent: ``x`` itself if it owns contiguous memory, else a contiguous
+    clone; in a compiled block (which cannot ask whether a value is a view) always a clone."""
+    if torch.compiler.is_compiling() or x._is_view() or not x.is_contiguous():
         return x.clone(memory_format=torch.contiguous_format)
     return x
 
@@ -146,8 +147,8 @@ class StageModule(nn.Module):
                 f"previous stage, then graph inputs {list(self.spec.graph_input_names)}), got {len(inputs)}"
             )
         segmented = self.__dict__.get("segmented")
-        if segmented is not None:
-            return segmented.run(self.state_tensors, inputs)
+        if segmented is not None:  # outside a runner (shapes, metadata): eagerly, never compiled
+            return segmented.run(self.state_tensors, inputs, compiled=False)
         tensors = [slots[key] for slots, key in self._slots]
         return self.graph_module(*tensors, *inputs)
 

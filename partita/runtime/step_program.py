@@ -89,8 +89,8 @@ class StepProgram:
         for stage in self.stages:  # after every rewrite: the segments cut the graph as it runs
             stage_plan = plan.stages[stage.spec.index]
             check_recompute_blocks(stage_plan, graph)
-            if runs_by_block(stage_plan):
-                stage.__dict__["segmented"] = segment_stage(stage, graph)
+            if runs_by_block(stage_plan, compiled=plan.compile):
+                stage.__dict__["segmented"] = segment_stage(stage, graph, compiled=plan.compile)
         self.root_indices = sorted({j for s in self.stages for j in s.graph_input_indices})
         self._schedule: Any = None  # uniform plans: the torch schedule
         self._executor: UnevenExecutor | None = None  # uneven plans

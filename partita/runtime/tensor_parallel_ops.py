@@ -6,6 +6,10 @@ group may be a ``ProcessGroup`` or its ``group_name`` (a ``str``): FX prints a n
 as Python source when it builds a ``GraphModule``, and a ``ProcessGroup`` has no source form, so a
 graph holds either the name or a ``get_attr`` node that reads the group from the module.
 
+Compiled blocks (``partita.runtime.compiled_segments``) run each of these eagerly
+(``torch.compiler.disable``): dynamo cannot trace their process groups and asynchronous
+collectives, so a block of a tensor-parallel stage compiles in pieces around them.
+
 On the ``meta`` device nothing communicates: the functions return results of the right shape and
 dtype (shape propagation runs them there). ``scatter_to_group`` and ``gather_from_group`` still ask
 the group its size and this rank's index; the others do not touch the group on ``meta``.
@@ -59,17 +63,20 @@ REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2  # aten's integer codes 
 # ----------------------------------------------------------------------------- public functions
 
 
+@torch.compiler.disable
 def copy_to_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Megatron's f: forward the identity; backward all-reduce (SUM) the gradient over ``group``."""
     return _CopyToGroup.apply(x, group)
 
 
+@torch.compiler.disable
 def reduce_from_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Megatron's g: forward all-reduce (SUM) a copy of ``x`` over ``group`` (``x`` is left as it is);
     backward the identity."""
     return _ReduceFromGroup.apply(x, group)
 
 
+@torch.compiler.disable
 def scatter_to_group(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
     """This rank's part of the full ``x`` along ``dim`` in the block layout (contiguous); backward
     all-gathers the gradient parts into the full gradient. ``x.shape[dim]`` must divide by
@@ -77,12 +84,14 @@ def scatter_to_group(x: torch.Tensor, dim: int, blocks: int, group: Group) -> to
     return _ScatterToGroup.apply(x, dim, blocks, group)
 
 
+@torch.compiler.disable
 def gather_from_group(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
     """The full tensor from every rank's part ``x`` along ``dim`` in the block layout (all-gather);
     backward keeps this rank's part of the gradient. The inverse of ``scatter_to_group``."""
     return _GatherFromGroup.apply(x, dim, blocks, group)
 
 
+@torch.compiler.disable
 def reduce_scatter_to_group(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
     """Sequence parallelism's reduce-scatter: this rank's part (block layout along ``dim``) of the sum
     of every rank's ``x``; backward all-gathers the gradient parts. Where tensor parallelism
@@ -90,6 +99,7 @@ def reduce_scatter_to_group(x: torch.Tensor, dim: int, blocks: int, group: Group
     return _ReduceScatterToGroup.apply(x, dim, blocks, group)
 
 
+@torch.compiler.disable
 def matmul_reduce_scatter(
     x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group: Group
 ) -> torch.Tensor:
@@ -118,6 +128,7 @@ def matmul_reduce_scatter(
     return torch.ops.partita.matmul_reduce_scatter(x, weight, transposed, _normalized_dim(dim, x), blocks, name)
 
 
+@torch.compiler.disable
 def gather_for_column(x: torch.Tensor, dim: int, blocks: int, group: Group) -> torch.Tensor:
     """Sequence parallelism's all-gather before a column-parallel matmul: the full tensor from every
     rank's part ``x`` (block layout along ``dim``); backward reduce-scatters the gradient, since each
@@ -126,6 +137,7 @@ def gather_for_column(x: torch.Tensor, dim: int, blocks: int, group: Group) -> t
     return _GatherForColumn.apply(x, dim, blocks, group)
 
 
+@torch.compiler.disable
 def all_gather_matmul(
     x: torch.Tensor, weight: torch.Tensor, transposed: bool, dim: int, blocks: int, group: Group
 ) -> torch.Tensor:
@@ -177,6 +189,7 @@ def vocab_parallel_embedding_partial(
     return out.masked_fill(elsewhere.unsqueeze(-1), 0)  # (*ids.shape, C)
 
 
+@torch.compiler.disable
 def vocab_parallel_cross_entropy(
     logits_local: torch.Tensor, target: torch.Tensor, vocab_start: int, reduction: int, ignore_index: int, group: Group
 ) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from partita.runtime.compiled_segments import compile_seconds, compiled_count
 from partita.training.metrics import MetricsWriter
 
 __all__ = ["TRACED_STEPS", "RunLog", "gather_stage_times"]
@@ -28,6 +29,8 @@ class RunLog:
         self.timers = _stage_forward_timers(trainer, summary)
         self.bar = _progress_bar(trainer, config)
         self.tracer = _StepTracer(config.trace_dir)
+        self.note = note
+        self.compiling = trainer.plan.compile  # the first step compiles the blocks: its time is reported
         self.metrics = None
         if config.log_dir and dist.get_rank() == 0:
             # the steps before this run's stay in the log (a resume's, or an earlier run's of this trainer)
@@ -40,6 +43,13 @@ class RunLog:
     def after_step(self, loss: float, lr: float, elapsed: float) -> None:
         step, summary = self.trainer.num_steps, self.summary
         self.timers.end_step()
+        if self.compiling and dist.get_rank() == 0:
+            self.compiling = False
+            self.note(
+                f"compiled blocks: {compiled_count()} functions compiled (one per distinct block and shape) in "
+                f"{compile_seconds():.1f} s of forward compilation; the first step, backward's included, took "
+                f"{elapsed:.1f} s"
+            )
         if not self.tracer.active:  # the profiler slows the steps it records
             summary.step_s.append(elapsed)
         self.tracer.after_step(step)

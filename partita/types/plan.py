@@ -144,6 +144,9 @@ class Plan:
     # compute dtype: bf16 = bf16 parameters as computed with, activations and boundary tensors, fp32
     # master weights, optimizer state and gradient reduction (partita.types.choices.Precision)
     precision: Precision = Precision.FP32
+    # every block of every stage runs through torch.compile, compiled once per distinct block
+    # (partita.runtime.compiled_segments), and the costs are those of compiled blocks
+    compile: bool = False
     partita_version: str = ""
     torch_version: str = ""
     schema_version: int = PLAN_SCHEMA_VERSION

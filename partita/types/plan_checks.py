@@ -180,6 +180,7 @@ def _recorded_and_executed(plan: Plan) -> list[tuple[str, Any, Any]]:
     degrees = plan.tensor_parallel if plan.uniform_tensor_parallel else [s.tensor_parallel for s in stages]
     add("tensor_parallel", options.get("tensor_parallel"), degrees)
     add("precision", options.get("precision"), plan.precision.value)
+    add("compile", options.get("compile"), plan.compile)
     add("num_microbatches", options.get("num_microbatches"), plan.num_microbatches)
     add("num_stages", options.get("num_stages"), plan.num_rank_groups)
     add("num_rank_groups", options.get("num_rank_groups"), plan.num_rank_groups)

@@ -13,7 +13,8 @@ Executed fields and records. The runtime runs what these fields say, and nothing
   device groups), ``accumulation`` (written only for a sharded stage that reduce-scatters its
   gradients every micro-batch; absent: ``whole``) and ``recompute_blocks`` (written only for a stage
   that recomputes some of its blocks alone);
-- ``schedule``, ``global_batch_size``, ``num_microbatches``, ``microbatch_size`` and ``precision``;
+- ``schedule``, ``global_batch_size``, ``num_microbatches``, ``microbatch_size``, ``precision`` and
+  ``compile`` (written only when true: every block runs through torch.compile);
 - ``cluster``: its device count and ``devices_per_node`` (where tensor-parallel groups may lie); of a
   mixed cluster (several device groups), each group's count and ``devices_per_node``.
 
@@ -95,7 +96,8 @@ _PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
     "predicted_bubble_fraction": (int, float),
     "cost_source": str,
 }
-_OPTIONAL_PLAN_FIELDS = ("total_compute_s", "precision")  # absent in files of earlier versions (fp32)
+# absent in files of earlier versions (fp32); "compile" is written only when true
+_OPTIONAL_PLAN_FIELDS = ("total_compute_s", "precision", "compile")
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -115,6 +117,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "predicted_bubble_fraction": plan.predicted_bubble_fraction,
         "total_compute_s": plan.total_compute_s,
         "precision": plan.precision.value,
+        **({"compile": True} if plan.compile else {}),
         "options": dict(plan.options),
         "cluster": plan.cluster.to_dict(),
         "stages": [_stage_to_dict(s) for s in plan.stages],
@@ -175,6 +178,7 @@ def executed_part(plan: Plan) -> dict[str, Any]:
     return {
         **{k: whole[k] for k in _EXECUTED_PLAN_FIELDS},
         "precision": whole["precision"],
+        **({"compile": True} if plan.compile else {}),
         "cluster": cluster,
         "stages": stages,
     }
@@ -252,11 +256,19 @@ def plan_from_dict(data: Any, *, source: str = "plan") -> Plan:
         total_compute_s=_optional_seconds(data, "total_compute_s", source),
         cost_source=data["cost_source"],
         precision=precision,
+        compile=_optional_bool(data, "compile", source),
         partita_version=data["partita_version"],
         torch_version=data["torch_version"],
     )
     check_plan_consistency(plan, source)
     return plan
+
+
+def _optional_bool(data: dict, field: str, source: str) -> bool:
+    value = data.get(field, False)
+    if not isinstance(value, bool):
+        raise PlanFileError(f"{source}: field {field!r} is {value!r}, expected true or false")
+    return value
 
 
 def _choice(cls: Any, value: Any, field: str, source: str) -> Any:

@@ -138,9 +138,15 @@ def test_selective_recomputation_pinned_on_a_mixed_cluster(gpt2_graph):
     kept = partita.plan(
         gpt2_graph, cluster=cluster, global_batch_size=16, options=dataclasses.replace(options, recompute="none")
     )
+    compared = 0
     for a, b in zip(pinned.stages, kept.stages):
         if (a.start, a.stop, a.ranks, a.replica_samples) == (b.start, b.stop, b.ranks, b.replica_samples):
-            assert a.backward_s > b.backward_s and a.memory_bytes < b.memory_bytes
+            assert a.backward_s > b.backward_s
+            # a stage of the head alone (no whole block) keeps its input besides the tensors it
+            # rebuilds: selective recomputation saves memory on stages that hold blocks
+            assert a.memory_bytes < b.memory_bytes or not a.blocks
+            compared += bool(a.blocks)
+    assert compared, (pinned.summary(), kept.summary())
 
 
 def test_unequal_shares_follow_the_speeds():

@@ -190,7 +190,9 @@ def test_a_pinned_sharding_level_is_honoured_by_a_slower_plan_when_the_fastest_c
     the ZB-V plan."""
     ex = examples.build("gpt2", batch_size=8)
     graph = partita.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
-    options = PlanOptions(costs="analytic", tensor_parallel=2, sharding="full_shard", num_stages=2)
+    # eager costs: with compiled blocks' the balanced ZB-V cut falls before the token embedding,
+    # so the tied weight lies on both rank groups and no plan among those searched can shard
+    options = PlanOptions(costs="analytic", tensor_parallel=2, sharding="full_shard", num_stages=2, compile=False)
     plan = partita.plan(graph, cluster=Cluster(device="h100", num_devices=12, devices_per_node=2),
                         global_batch_size=32, options=options)  # fmt: skip
     assert any(s.sharding is Sharding.FULL_SHARD for s in plan.stages), plan.summary()

@@ -171,7 +171,7 @@ def test_the_search_recomputes_selectively_where_that_fits(captured):
     plan = partita.plan(graph, cluster=cluster, global_batch_size=1024, options=PlanOptions(**OPTIONS))
     assert cluster.usable_memory_bytes < needs[Recompute.NONE]
     assert [s.recompute for s in plan.stages] == [Recompute.SELECTIVE]
-    table = analytic_costs(graph, "h100", 256, precision=plan.precision)
+    table = analytic_costs(graph, "h100", 256, precision=plan.precision, compiled=plan.compile)
     # the recomputed forward of the segments that recompute: the first blocks that need to for the
     # stage to fit (StagePlan.recompute_blocks), or every segment
     stage = plan.stages[0]
