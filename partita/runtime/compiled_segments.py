@@ -17,6 +17,9 @@ signature   what one compiled function is specialised to: the structure, the rec
             recompilation limit, past which it would run eagerly without a word: a batch padded
             to another length (``partita.runtime.variants``) is another signature, compiled once,
             and the number of compilations is bounded by the shapes the plan admits.
+buffers     the compiled backward never reuses the forward's saved tensors as its scratch
+            (``donated_buffer=False``): the zero-bubble schedule runs each backward in two passes
+            over one graph.
 pieces      a segment is compiled whole (``fullgraph=True``); one holding an operation dynamo
             cannot trace (tensor parallelism's asynchronous collectives) is compiled in pieces
             around it, with a RuntimeWarning naming the cause (once per cause). A segment inductor
@@ -54,6 +57,13 @@ _OPTIONS = {"fallback_random": True}  # dropout draws eager's numbers (module do
 _COMPILED: dict[tuple, Callable[..., Any]] = {}
 _SECONDS: list[float] = []  # the first call of each compiled function: tracing and compiling
 _PIECES_REASONS: set[str] = set()  # why a segment was compiled in pieces (warned once each)
+
+
+def _NO_DONATED_BUFFERS():  # noqa: N802 -- used as a context manager's name
+    """Compile without donating the forward's saved buffers to the backward: the zero-bubble
+    schedule's input-gradient pass keeps the graph for its weight pass (``retain_graph=True``),
+    which a backward with donated buffers refuses."""
+    return torch._functorch.config.patch(donated_buffer=False)
 
 
 def compiled_count() -> int:
@@ -111,7 +121,8 @@ class CompiledSegments:
         start = time.perf_counter()
         try:
             fn = _COMPILED[signature] = _compile(submodule, level, context_fn, whole=True)
-            out = fn(*args)
+            with _NO_DONATED_BUFFERS():
+                out = fn(*args)
         except torch._dynamo.exc.Unsupported as e:  # e.g. a collective dynamo cannot trace
             reason = str(e).splitlines()[0]
             if reason not in _PIECES_REASONS:
@@ -123,7 +134,8 @@ class CompiledSegments:
                     stacklevel=2,
                 )
             fn = _COMPILED[signature] = _compile(submodule, level, context_fn, whole=False)
-            out = fn(*args)
+            with _NO_DONATED_BUFFERS():
+                out = fn(*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             del _COMPILED[signature]
             raise CompileError(

@@ -45,7 +45,9 @@ def _planned(case) -> dict:
     cluster = partita.Cluster(device="h100", num_devices=2)
     plans: dict = {}
     for schedule, m in PINS:
-        options = dict(optimizer="sgd", num_stages=2, costs="analytic", precision="fp32", num_microbatches=m)
+        options = dict(
+            optimizer="sgd", num_stages=2, costs="analytic", precision="fp32", num_microbatches=m, compile=False
+        )
         options.update({"schedules": schedule} if schedule else {})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

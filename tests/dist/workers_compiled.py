@@ -6,12 +6,14 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import time
 from typing import Any
 
 import torch
 from workers import JOBS, Case, legal_cut, main, max_diff, sgd, shared_case
 
-STEPS = 3
+STEPS, BATCH = 3, 8
+STARTED = time.monotonic()
 
 
 def _plan(case: Case, config: dict):
@@ -36,14 +38,44 @@ def _plan(case: Case, config: dict):
     )
 
 
-def _batches(case: Case) -> list[tuple]:
-    """STEPS batches, the second cut to a shorter sequence: a graph captured again, compiled at its
-    own shapes."""
+def _batches(case: Case, shorter: bool) -> list[tuple]:
+    """STEPS batches; with ``shorter`` the second cut to a shorter sequence: a graph captured again,
+    compiled at its own shapes."""
     batches = list(case.batches[:STEPS])
+    if not shorter:
+        return batches
     args, kwargs, target = batches[1]
     shorter = {k: v[:, : v.shape[1] * 3 // 4].contiguous() if v.dim() > 1 else v for k, v in kwargs.items()}
     batches[1] = (args, shorter, target)
     return batches
+
+
+class _OwnData:
+    """The shipped example of a user's own model and data (examples/own_data.py, as
+    test_batch_shapes.py's sweep runs it) in a Case's shape: its batches have lengths of their own.
+    Its stages split their backward under ZB-V (input, then weight gradients of one graph)."""
+
+    def __init__(self):
+        from workers_batches import sweep_case
+
+        ex, self.graph, batches = sweep_case()
+        self.model, self.loss_fn, self.batch_size = ex.model, ex.loss_fn, BATCH
+        self.reference_model = copy.deepcopy(ex.model)
+        self.batches = [((), {"tokens": b["tokens"], "mask": b["mask"]}, b["target"]) for b in batches]
+
+    def loss(self, model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        args, kwargs, target = batch
+        return self.loss_fn(model(*args, **kwargs), target)
+
+
+def _case(name: str, shorter: bool) -> tuple[Any, list[tuple]]:
+    """The case and its STEPS batches (``shorter``: the second at a shorter length; each
+    compilation costs seconds on this CPU, so the other configs train at one length)."""
+    if name == "own_data":
+        case = _OwnData()
+        return case, case.batches[:STEPS] if shorter else [case.batches[1]] * STEPS  # lengths 30, 32, 28
+    case = shared_case(name)
+    return case, _batches(case, shorter)
 
 
 def _step(trainer, batch: tuple) -> float:
@@ -74,9 +106,8 @@ def job_compiled(params: dict) -> dict:
     results: dict[str, Any] = {}
     for config in params["configs"]:
         label = config["label"]
-        print(label, flush=True)
-        case = shared_case(config["model"])
-        batches = _batches(case)
+        print(label, f"{time.monotonic() - STARTED:.0f} s", flush=True)
+        case, batches = _case(config["model"], config.get("shorter", False))
         before = compiled_count()
         trainer = partita.Trainer(case.model, _plan(case, config), optimizer=sgd, graph=case.graph)
         losses = [_step(trainer, batch) for batch in batches]
@@ -85,6 +116,7 @@ def job_compiled(params: dict) -> dict:
             "compiled": compiled_count() - before,
             "segments": sum(s.__dict__["segmented"].num_segments for s in trainer._programs.planned.stages),
             "train_programs": sum(1 for training, _ in trainer._programs if training),  # one per length
+            "lengths": len({tuple(v.shape) for _, kwargs, _ in batches for v in kwargs.values()}),
         }
         state = trainer.gather_state_dict()
         if rank == 0:
