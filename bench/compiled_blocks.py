@@ -7,6 +7,7 @@ predicted ratio beside each, and compile time by depth.
   round); the first steps (compilation) dropped; medians of the rest. ``predicted``: the analytic
   cost model's ratio of compiled to eager forward + backward, for this machine as
   ``partita.Cluster.local`` measured it.
+- Memory: what the stage holds between its forward and its backward, eager and compiled.
 - Compile time: Llama-shaped models of 1, 2 and 32 layers (hidden 256, 4 x 128 tokens), each in a fresh process with
   an empty inductor cache: the first step's time less a later step's. One compiled function runs
   every layer of a structure, so depth should add next to nothing.
@@ -111,6 +112,41 @@ def speed(rounds: int) -> list[dict]:
     return rows
 
 
+def held_memory() -> list[dict]:
+    """Bytes the stage holds between its forward and its backward (glibc's bytes in use after the
+    forward, less before it), eager and compiled, beside the memory model's count of activations."""
+    import ctypes
+    import gc
+
+    from _e2e_common import malloc_in_use
+
+    from partita.cost.analytic import analytic_costs
+    from partita.runtime.segments import SegmentedStage
+    from partita.runtime.stages import flatten_inputs, split_graph
+
+    rows = []
+    for name, batch, tokens in SPEED_MODELS:
+        ex = _example(name, batch, tokens)
+        graph = partita.capture(ex.model, ex.args, ex.kwargs)
+        flat = flatten_inputs(graph, ex.args, ex.kwargs)
+        (stage,) = split_graph(graph, [0, graph.num_nodes])
+        row = dict(model=name, model_bytes=int(analytic_costs(graph, "cpu", batch).activation_bytes.sum()))
+        for kind in ("eager", "compiled"):
+            split = SegmentedStage(stage, graph, compiled=kind == "compiled")
+            for _ in range(3):  # the last of three: compiled, warm allocator
+                gc.collect()
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+                before = malloc_in_use()
+                loss = split.run(stage.state_tensors, stage.graph_inputs(flat))
+                row[kind] = malloc_in_use() - before
+                loss.backward()
+                del loss
+                ex.model.zero_grad(set_to_none=True)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def _compile_time_worker(name: str) -> None:
     ex = _example(name, 4, 128)
     trainer = _trainer(ex, True)
@@ -151,6 +187,7 @@ def main() -> None:
         return
     started = time.time()
     rows = speed(args.rounds)
+    held = held_memory()
     depths = compile_times()
     lines = [
         "# Compiled blocks against eager execution on this CPU",
@@ -159,7 +196,7 @@ def main() -> None:
         f"- date: {now_utc()}; torch {torch.__version__}; 1 thread; wall time {time.time() - started:.0f} s",
         "- one rank, one stage, fp32, SGD; the two trainers stepped in turn on the same batch, "
         f"{args.rounds} rounds after two steps each (the first compiles, from inductor's on-disk cache as this "
-        "machine had it: the compile times of an empty cache are in the second table); medians.",
+        "machine had it: the compile times of an empty cache are in the last table); medians.",
         "",
         "## Step time",
         "",
@@ -171,6 +208,22 @@ def main() -> None:
         lines.append(
             f"| {r['model']} | {r['batch']} x {r['tokens']} | {r['nodes']} | {r['eager_s'] * 1e3:.0f} ms | "
             f"{r['compiled_s'] * 1e3:.0f} ms | **{r['ratio']:.2f}** | {r['predicted']:.2f} | {r['first_compiled_s']:.1f} s |"
+        )
+    lines += [
+        "",
+        "## Memory held between forward and backward",
+        "",
+        "glibc's bytes in use after the stage's forward, less before it (the autograd graph's saved tensors"
+        " and the loss), beside the memory model's activation count, which compiled blocks keep as an upper "
+        "bound (`partita/cost/fusion.py`).",
+        "",
+        "| model | eager | compiled | compiled / eager | model (eager count) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in held:
+        lines.append(
+            f"| {r['model']} | {r['eager'] / 2**20:.1f} MiB | {r['compiled'] / 2**20:.1f} MiB | "
+            f"**{r['compiled'] / r['eager']:.2f}** | {r['model_bytes'] / 2**20:.1f} MiB |"
         )
     lines += [
         "",

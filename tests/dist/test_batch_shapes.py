@@ -110,7 +110,7 @@ SWEEP = [
 def sweep(tmp_path_factory):
     """Plan the shipped example for 4 h100s (analytic costs: the same plans on every run) with each
     pin of SWEEP; run every distinct plan, on as many ranks as it uses. The planner compiles the
-    blocks of GPU plans: the plans of the unpinned sharding and schedule run so, the others eagerly
+    blocks of GPU plans: the plan of no pin runs so, the others eagerly
     (compiling is the same for every layout, and each compilation costs seconds on this CPU;
     tests/dist/test_compiled_exact.py runs compiled blocks under every kind of stage)."""
     import partita
@@ -130,7 +130,7 @@ def sweep(tmp_path_factory):
         except PartitaError as e:  # a typed refusal is an answer; an untyped one fails the test
             outcome[label] = ("refused", f"{type(e).__name__}: {e}")
             continue
-        if sharding is not None or schedule is not None:
+        if sharding is not None or schedule is not None or degree is not None:
             plan = dataclasses.replace(plan, compile=False, options={**plan.options, "compile": False})
         text = plan_to_json(plan)
         key = hashlib.sha1(text.split('"options"')[0].encode() + text.split('"cluster"')[1].encode()).hexdigest()[:12]
