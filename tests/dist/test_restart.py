@@ -106,8 +106,9 @@ def _children(pid: int) -> list[int]:
 
 
 def _rank_pid(launcher: int, rank: int) -> int | None:
-    """The first attempt's process of ``rank`` among the launcher's children, if it runs now."""
-    wanted = {f"RANK={rank}".encode(), b"TORCHELASTIC_RESTART_COUNT=0"}
+    """The process of ``rank`` among the launcher's children, if one runs now (of the first attempt,
+    or of a restart when an attempt ended by itself: a port another process took in between)."""
+    wanted = {f"RANK={rank}".encode()}
     for pid in _children(launcher):
         try:
             environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
@@ -120,13 +121,18 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
 
 def _kill_rank_after_checkpoint(proc: subprocess.Popen, log: Path, ckpt_dir: Path) -> None:
     marker = ckpt_dir / f"step-{KILL_AFTER:06d}"
-    deadline, pid = time.monotonic() + TIMEOUT_S, None
-    while not (pid and marker.exists()):
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
         assert proc.poll() is None, f"the job ended before the kill:\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, f"no {marker.name} after {TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
-        pid = pid or _rank_pid(proc.pid, rank=1)
+        pid = _rank_pid(proc.pid, rank=1) if marker.exists() else None
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                return
+            except ProcessLookupError:  # that attempt ended meanwhile: its restart's rank is next
+                pass
         time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -191,7 +197,7 @@ def test_killed_rank_restarts_and_resumes_to_the_uninterrupted_parameters(runs):
     from workers import max_diff
 
     out, logs, losses = runs
-    resumed = re.search(r"restart 1: resuming from \S+ \(step (\d+)\)", logs["killed"])
+    resumed = re.search(r"restart \d+: resuming from \S+ \(step (\d+)\)", logs["killed"])
     assert resumed, f"no restart or no resume:\n{logs['killed'][-3000:]}"
     step = int(resumed.group(1))
     assert KILL_AFTER <= step < STEPS, step
