@@ -7,8 +7,8 @@ Three jobs (launcher + torchrun agent + 2 gloo ranks each) start at once, so tha
 
 - ``reference``: 12 uninterrupted steps; ``repeat``: the same again (determinism);
 - ``killed``: the same with ``--max-restarts 2``; once ``step-000006`` exists the test SIGKILLs
-  rank 1 of the first attempt, found among the launcher's child processes by its environment
-  (RANK=1, TORCHELASTIC_RESTART_COUNT=0; Linux /proc, no hook in partita).
+  rank 1 of the attempt running then (the first, unless one ended by itself), found among the
+  launcher's child processes by its environment (RANK=1; Linux /proc, no hook in partita).
 
 GPT-2 tiny at sequence length 256 makes a step ~0.2 s, so ~1 s of training is left after the
 checkpoint the kill waits for, against the ~10 ms the test needs to react.
