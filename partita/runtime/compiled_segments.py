@@ -59,7 +59,7 @@ _SECONDS: list[float] = []  # the first call of each compiled function: tracing 
 _PIECES_REASONS: set[str] = set()  # why a segment was compiled in pieces (warned once each)
 
 
-def _NO_DONATED_BUFFERS():  # noqa: N802 -- used as a context manager's name
+def _without_donated_buffers():
     """Compile without donating the forward's saved buffers to the backward: the zero-bubble
     schedule's input-gradient pass keeps the graph for its weight pass (``retain_graph=True``),
     which a backward with donated buffers refuses."""
@@ -121,7 +121,7 @@ class CompiledSegments:
         start = time.perf_counter()
         try:
             fn = _COMPILED[signature] = _compile(submodule, level, context_fn, whole=True)
-            with _NO_DONATED_BUFFERS():
+            with _without_donated_buffers():
                 out = fn(*args)
         except torch._dynamo.exc.Unsupported as e:  # e.g. a collective dynamo cannot trace
             reason = str(e).splitlines()[0]
@@ -134,7 +134,7 @@ class CompiledSegments:
                     stacklevel=2,
                 )
             fn = _COMPILED[signature] = _compile(submodule, level, context_fn, whole=False)
-            with _NO_DONATED_BUFFERS():
+            with _without_donated_buffers():
                 out = fn(*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             del _COMPILED[signature]

@@ -96,3 +96,29 @@ def test_a_searched_plan_takes_the_resolved_choice(gpt2_small):
     assert plan.compile and plan.options["compile"] is True
     pinned = PlanOptions(costs="analytic", compile=False)
     assert not partita.plan(gpt2_small, cluster=cluster, global_batch_size=4, options=pinned).compile
+
+
+def test_a_segment_inductor_cannot_compile_is_a_compile_error_naming_it(gpt2_small, monkeypatch):
+    import torch
+
+    from partita.errors import CompileError
+    from partita.runtime import compiled_segments
+    from partita.types import Recompute
+
+    def failing(*args, **kwargs):
+        def run(*values):
+            raise torch._dynamo.exc.BackendCompilerFailed(None, RuntimeError("no compiler"), None)
+
+        return run
+
+    monkeypatch.setattr(compiled_segments, "_compile", failing)
+    graph = gpt2_small
+    (stage,) = split_graph(graph, [0, graph.num_nodes])
+    split = SegmentedStage(stage, graph, compiled=True)
+    submodule = split.split.submod_0
+    args = [torch.zeros(1, 3, 3, dtype=torch.float64)]  # a signature no other test compiles
+    with pytest.raises(CompileError, match="segment 0 .* failed to compile.*compile=False"):
+        split.compiled.call(0, submodule, args, Recompute.NONE, None)
+    assert compiled_segments.compiled_count() == 0 or all(
+        sig[2][2] != compiled_segments._inputs_signature(args)[2] for sig in compiled_segments._COMPILED
+    ), "the failed function is not kept"
